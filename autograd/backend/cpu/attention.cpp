@@ -1,0 +1,177 @@
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/vec_math.h"
+#include "autograd/random.h"
+
+namespace kvlab::cpu {
+
+// Fused causal attention with grouped K/V heads. One (T, S_b) score tile per query head lives
+// in a per-thread scratch buffer; nothing of size (B, NH, T, S) is kept: backward recomputes
+// the probabilities from q, k and the saved log-sum-exp.
+namespace {
+
+template <class T>
+T* scratch(size_t n, int slot) {
+  thread_local std::vector<T> buf[3];
+  if (buf[slot].size() < n) buf[slot].resize(n);
+  return buf[slot].data();
+}
+
+struct Dropout {
+  uint64_t threshold;
+  double keep_scale;
+  bool on;
+  explicit Dropout(double p)
+      : threshold(p >= 1.0 ? ~0ull : static_cast<uint64_t>(p * 18446744073709551616.0)),
+        keep_scale(p < 1.0 ? 1.0 / (1.0 - p) : 0.0),
+        on(p > 0) {}
+  // Multiplier of probability (b, h, t, j): 0 or 1/(1-p).
+  double factor(uint64_t seed, int64_t idx) const {
+    return hash64(seed, static_cast<uint64_t>(idx)) < threshold ? 0.0 : keep_scale;
+  }
+};
+
+inline int64_t kv_len(const AttentionShape& s, int64_t b) {
+  return s.kv_lengths ? s.kv_lengths[b] : s.S;
+}
+
+// Probabilities of query head (b, h): p (T, Sb) = softmax(scale q k^T) under the causal mask,
+// zero past each query's last visible key. With `lse_in` the log-sum-exp is given (backward);
+// otherwise it is computed into `lse_out`.
+template <class T>
+void probabilities(T* p, const T* qh, int64_t qst, const T* kg, int64_t kst, int64_t Tq,
+                   int64_t Sb, int64_t HS, T scale, const T* lse_in, T* lse_out) {
+  gemm<T>(false, true, Tq, Sb, HS, scale, qh, qst, kg, kst, T(0), p, Sb);
+  for (int64_t t = 0; t < Tq; ++t) {
+    T* row = p + t * Sb;
+    const int64_t n = Sb - Tq + t + 1;  // visible keys
+    T l;
+    if (lse_in) {
+      l = lse_in[t];
+    } else {
+      T mx = row[0];
+      for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+      T s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < n; ++j) s += exp_t(row[j] - mx);
+      l = mx + std::log(s);
+      lse_out[t] = l;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] = exp_t(row[j] - l);
+    std::fill(row + n, row + Sb, T(0));
+  }
+}
+
+template <class T>
+void apply_dropout(T* p, const Dropout& d, uint64_t seed, int64_t base, int64_t Tq, int64_t Sb,
+                   int64_t S) {
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t j = 0; j < Sb; ++j)
+      p[t * Sb + j] *= static_cast<T>(d.factor(seed, (base + t) * S + j));
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward(T* out, HeadView ov, T* lse, const T* q, HeadView qv, const T* k,
+                       HeadView kv, const T* v, HeadView vv, const AttentionShape& s) {
+  const int64_t group = s.NH / s.NKV, tasks = s.B * s.NH;
+  const Dropout drop(s.dropout);
+  const T scale = static_cast<T>(s.scale);
+  // Enough independent heads: one per thread, single-threaded BLAS inside. Otherwise the
+  // heads run in turn and the BLAS uses the threads.
+#pragma omp parallel for schedule(dynamic, 1) if (tasks >= omp_get_max_threads() && s.T > 0)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / s.NH, h = task % s.NH, g = h / group;
+    const int64_t Sb = kv_len(s, b);
+    T* p = scratch<T>(static_cast<size_t>(s.T * Sb), 0);
+    const T* qh = q + b * qv.sb + h * qv.sh;
+    const T* kg = k + b * kv.sb + g * kv.sh;
+    const T* vg = v + b * vv.sb + g * vv.sh;
+    probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale, static_cast<const T*>(nullptr),
+                  lse + task * s.T);
+    if (drop.on) apply_dropout(p, drop, s.seed, task * s.T, s.T, Sb, s.S);
+    gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, vv.st, T(0),
+            out + b * ov.sb + h * ov.sh, ov.st);
+  }
+}
+
+template <class T>
+void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadView dvv,
+                        const T* dout, HeadView dov, const T* lse, const T* q, HeadView qv,
+                        const T* k, HeadView kv, const T* v, HeadView vv,
+                        const AttentionShape& s) {
+  const int64_t group = s.NH / s.NKV, tasks = s.B * s.NKV;
+  const Dropout drop(s.dropout);
+  const T scale = static_cast<T>(s.scale);
+  // One task per KV head: it owns dk and dv of that head and sums its query heads in order,
+  // so there are no races and the result does not depend on the thread count.
+#pragma omp parallel for schedule(dynamic, 1) if (tasks >= omp_get_max_threads())
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / s.NKV, g = task % s.NKV;
+    const int64_t Sb = kv_len(s, b);
+    const T* kg = k + b * kv.sb + g * kv.sh;
+    const T* vg = v + b * vv.sb + g * vv.sh;
+    T* dkg = dk + b * dkv.sb + g * dkv.sh;
+    T* dvg = dv + b * dvv.sb + g * dvv.sh;
+    for (int64_t r = 0; r < s.S; ++r) {
+      std::fill_n(dkg + r * dkv.st, s.HS, T(0));
+      std::fill_n(dvg + r * dvv.st, s.HS, T(0));
+    }
+    T* p = scratch<T>(static_cast<size_t>(s.T * Sb), 0);
+    T* dp = scratch<T>(static_cast<size_t>(s.T * Sb), 1);
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const int64_t head = b * s.NH + h;
+      const T* qh = q + b * qv.sb + h * qv.sh;
+      const T* doh = dout + b * dov.sb + h * dov.sh;
+      probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale, lse + head * s.T,
+                    static_cast<T*>(nullptr));
+      // dp = dO v^T (gradient of the dropped-out probabilities)
+      gemm<T>(false, true, s.T, Sb, s.HS, T(1), doh, dov.st, vg, vv.st, T(0), dp, Sb);
+      if (drop.on) {
+        // With dropout, dv takes the dropped probabilities and dp the same mask.
+        T* pd = scratch<T>(static_cast<size_t>(s.T * Sb), 2);
+        for (int64_t t = 0; t < s.T; ++t)
+          for (int64_t j = 0; j < Sb; ++j) {
+            const T f = static_cast<T>(drop.factor(s.seed, (head * s.T + t) * s.S + j));
+            pd[t * Sb + j] = p[t * Sb + j] * f;
+            dp[t * Sb + j] *= f;
+          }
+        gemm<T>(true, false, Sb, s.HS, s.T, T(1), pd, Sb, doh, dov.st, T(1), dvg, dvv.st);
+      } else {
+        gemm<T>(true, false, Sb, s.HS, s.T, T(1), p, Sb, doh, dov.st, T(1), dvg, dvv.st);
+      }
+      // ds = p * (dp - rowsum(p * dp)), written over dp
+      for (int64_t t = 0; t < s.T; ++t) {
+        T* pr = p + t * Sb;
+        T* dr = dp + t * Sb;
+        T dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < Sb; ++j) dot += pr[j] * dr[j];
+#pragma omp simd
+        for (int64_t j = 0; j < Sb; ++j) dr[j] = pr[j] * (dr[j] - dot);
+      }
+      gemm<T>(false, false, s.T, s.HS, Sb, scale, dp, Sb, kg, kv.st, T(0),
+              dq + b * dqv.sb + h * dqv.sh, dqv.st);
+      gemm<T>(true, false, Sb, s.HS, s.T, scale, dp, Sb, qh, qv.st, T(1), dkg, dkv.st);
+    }
+  }
+}
+
+#define KVLAB_INSTANTIATE(T)                                                                   \
+  template void attention_forward<T>(T*, HeadView, T*, const T*, HeadView, const T*, HeadView, \
+                                     const T*, HeadView, const AttentionShape&);               \
+  template void attention_backward<T>(T*, HeadView, T*, HeadView, T*, HeadView, const T*,      \
+                                      HeadView, const T*, const T*, HeadView, const T*,        \
+                                      HeadView, const T*, HeadView, const AttentionShape&);
+KVLAB_INSTANTIATE(float)
+KVLAB_INSTANTIATE(double)
+#undef KVLAB_INSTANTIATE
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,87 @@
+#include <cstring>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/error.h"
+
+namespace kvlab::cpu {
+
+namespace {
+
+float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t f32_to_bf16(float f) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) return 0x7fc0;  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+double load(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::F32: return static_cast<const float*>(p)[i];
+    case DType::F64: return static_cast<const double*>(p)[i];
+    case DType::I32: return static_cast<const int32_t*>(p)[i];
+    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0;
+}
+
+void store(void* p, DType t, int64_t i, double v) {
+  switch (t) {
+    case DType::F32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::F64: static_cast<double*>(p)[i] = v; break;
+    case DType::I32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(static_cast<float>(v)); break;
+  }
+}
+
+}  // namespace
+
+void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const void* src,
+                  DType src_type, const Strides& src_strides, const std::vector<int64_t>& sizes) {
+  const int nd = static_cast<int>(sizes.size());
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  if (n == 0) return;
+  // Fast path: both contiguous and same dtype.
+  bool dense = dst_type == src_type;
+  int64_t expect = 1;
+  for (int d = nd - 1; d >= 0 && dense; --d) {
+    if (sizes[d] != 1 && (dst_strides[d] != expect || src_strides[d] != expect)) dense = false;
+    expect *= sizes[d];
+  }
+  if (dense) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(dst_type));
+    return;
+  }
+  // Walk the index space row by row over the last dim.
+  const int64_t inner = nd ? sizes[nd - 1] : 1;
+  const int64_t ds = nd ? dst_strides[nd - 1] : 0, ss = nd ? src_strides[nd - 1] : 0;
+  const int64_t rows = n / inner;
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t rem = r, doff = 0, soff = 0;
+    for (int d = nd - 2; d >= 0; --d) {
+      const int64_t i = rem % sizes[d];
+      rem /= sizes[d];
+      doff += i * dst_strides[d];
+      soff += i * src_strides[d];
+    }
+    if (dst_type == DType::F32 && src_type == DType::F32) {
+      float* o = static_cast<float*>(dst) + doff;
+      const float* s = static_cast<const float*>(src) + soff;
+      for (int64_t j = 0; j < inner; ++j) o[j * ds] = s[j * ss];
+    } else {
+      for (int64_t j = 0; j < inner; ++j)
+        store(dst, dst_type, doff + j * ds, load(src, src_type, soff + j * ss));
+    }
+  }
+}
+
+}  // namespace kvlab::cpu

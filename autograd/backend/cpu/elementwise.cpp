@@ -1,0 +1,213 @@
+#include <cmath>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/vec_math.h"
+#include "autograd/random.h"
+
+namespace kvlab::cpu {
+
+namespace {
+constexpr int64_t kParallelMin = 1 << 15;  // below this, a parallel region costs more than it saves
+
+template <class T>
+inline T apply(BinaryOp op, T a, T b) {
+  switch (op) {
+    case BinaryOp::Add: return a + b;
+    case BinaryOp::Sub: return a - b;
+    case BinaryOp::Mul: return a * b;
+  }
+  return 0;
+}
+
+template <class T, BinaryOp Op>
+void dense_rows(T* out, int64_t rows, int64_t inner, const T* a, int64_t a_rs, int64_t a_is,
+                const T* b, int64_t b_rs, int64_t b_is) {
+#pragma omp parallel for schedule(static) if (rows * inner > kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = out + r * inner;
+    const T* pa = a + r * a_rs;
+    const T* pb = b + r * b_rs;
+    if (a_is == 1 && b_is == 1) {
+#pragma omp simd
+      for (int64_t j = 0; j < inner; ++j) o[j] = apply(Op, pa[j], pb[j]);
+    } else {
+      for (int64_t j = 0; j < inner; ++j) o[j] = apply(Op, pa[j * a_is], pb[j * b_is]);
+    }
+  }
+}
+}  // namespace
+
+template <class T>
+void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, const T* a,
+                    const Strides& as, const T* b, const Strides& bs) {
+  const int nd = static_cast<int>(sizes.size());
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  if (n == 0) return;
+  const int64_t inner = nd ? sizes[nd - 1] : 1;
+  const int64_t rows = n / inner;
+  const int64_t a_is = nd ? as[nd - 1] : 0, b_is = nd ? bs[nd - 1] : 0;
+  // Row offsets: rows are walked in order, so precompute only when the leading dims need it.
+  if (nd <= 2) {
+    const int64_t a_rs = nd == 2 ? as[0] : 0, b_rs = nd == 2 ? bs[0] : 0;
+    switch (op) {
+      case BinaryOp::Add: dense_rows<T, BinaryOp::Add>(out, rows, inner, a, a_rs, a_is, b, b_rs, b_is); break;
+      case BinaryOp::Sub: dense_rows<T, BinaryOp::Sub>(out, rows, inner, a, a_rs, a_is, b, b_rs, b_is); break;
+      case BinaryOp::Mul: dense_rows<T, BinaryOp::Mul>(out, rows, inner, a, a_rs, a_is, b, b_rs, b_is); break;
+    }
+    return;
+  }
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t rem = r, ao = 0, bo = 0;
+    for (int d = nd - 2; d >= 0; --d) {
+      const int64_t i = rem % sizes[d];
+      rem /= sizes[d];
+      ao += i * as[d];
+      bo += i * bs[d];
+    }
+    T* o = out + r * inner;
+    for (int64_t j = 0; j < inner; ++j) o[j] = apply(op, a[ao + j * a_is], b[bo + j * b_is]);
+  }
+}
+
+template <class T>
+void scale_forward(T* out, const T* x, T s, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * s;
+}
+
+template <class T>
+void add_inplace(T* dst, const T* src, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+template <class T>
+void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
+            const std::vector<int64_t>& x_sizes) {
+  const int nd = static_cast<int>(x_sizes.size());
+  const int off = nd - static_cast<int>(out_sizes.size());
+  // Out strides aligned to x's dims, 0 on every reduced dim.
+  std::vector<int64_t> os(nd, 0);
+  int64_t acc = 1, out_n = 1;
+  for (int d = nd - 1; d >= 0; --d) {
+    const int od = d - off;
+    const int64_t osz = od >= 0 ? out_sizes[od] : 1;
+    os[d] = (osz == 1 && x_sizes[d] != 1) ? 0 : acc;
+    acc *= osz;
+  }
+  for (int64_t s : out_sizes) out_n *= s;
+  int64_t n = 1;
+  for (int64_t s : x_sizes) n *= s;
+  for (int64_t i = 0; i < out_n; ++i) out[i] = 0;
+  // Common case (bias gradients): x viewed as (rows, inner) and out is the inner vector.
+  const int64_t inner = nd ? x_sizes[nd - 1] : 1;
+  bool rows_only = out_n == inner;
+  for (int d = 0; d < nd - 1 && rows_only; ++d) rows_only = os[d] == 0;
+  if (rows_only && nd && os[nd - 1] == 1) {
+    const int64_t rows = n / inner;
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+    for (int64_t j0 = 0; j0 < inner; j0 += 16) {
+      const int64_t j1 = std::min(inner, j0 + 16);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = j0; j < j1; ++j) out[j] += x[r * inner + j];
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t rem = i, o = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+      o += (rem % x_sizes[d]) * os[d];
+      rem /= x_sizes[d];
+    }
+    out[o] += x[i];
+  }
+}
+
+template <class T>
+T sum_all(const T* x, int64_t n) {
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double s = 0;
+    const int64_t end = std::min(n, (c + 1) * kChunk);
+    for (int64_t i = c * kChunk; i < end; ++i) s += x[i];
+    partial[c] = s;
+  }
+  double s = 0;
+  for (double p : partial) s += p;
+  return static_cast<T>(s);
+}
+
+// GELU (tanh form): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+namespace {
+constexpr double kGeluC = 0.7978845608028654;  // sqrt(2/pi)
+constexpr double kGeluA = 0.044715;
+}  // namespace
+
+template <class T>
+void gelu_forward(T* out, const T* x, int64_t n) {
+  const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const T xi = x[i];
+    const T u = c * (xi + a * xi * xi * xi);
+    out[i] = T(0.5) * xi * (T(1) + tanh_t(u));
+  }
+}
+
+template <class T>
+void gelu_backward(T* dx, const T* dout, const T* x, int64_t n) {
+  const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const T xi = x[i];
+    const T u = c * (xi + a * xi * xi * xi);
+    const T th = tanh_t(u);
+    const T du = c * (T(1) + T(3) * a * xi * xi);
+    dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * xi * (T(1) - th * th) * du);
+  }
+}
+
+namespace {
+inline bool dropped(uint64_t seed, int64_t i, uint64_t threshold) {
+  return hash64(seed, static_cast<uint64_t>(i)) < threshold;
+}
+inline uint64_t drop_threshold(double p) {
+  return p >= 1.0 ? ~0ull : static_cast<uint64_t>(p * 18446744073709551616.0);
+}
+}  // namespace
+
+template <class T>
+void dropout_forward(T* out, const T* x, int64_t n, double p, uint64_t seed) {
+  const uint64_t th = drop_threshold(p);
+  const T keep = static_cast<T>(1.0 / (1.0 - p));
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) out[i] = dropped(seed, i, th) ? T(0) : x[i] * keep;
+}
+
+template <class T>
+void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed) {
+  dropout_forward(dx, dout, n, p, seed);  // the same mask and scale
+}
+
+#define KVLAB_INSTANTIATE(T)                                                                   \
+  template void binary_forward<T>(BinaryOp, T*, const std::vector<int64_t>&, const T*,         \
+                                  const Strides&, const T*, const Strides&);                   \
+  template void scale_forward<T>(T*, const T*, T, int64_t);                                    \
+  template void add_inplace<T>(T*, const T*, int64_t);                                         \
+  template void sum_to<T>(T*, const std::vector<int64_t>&, const T*,                           \
+                          const std::vector<int64_t>&);                                        \
+  template T sum_all<T>(const T*, int64_t);                                                    \
+  template void gelu_forward<T>(T*, const T*, int64_t);                                        \
+  template void gelu_backward<T>(T*, const T*, const T*, int64_t);                             \
+  template void dropout_forward<T>(T*, const T*, int64_t, double, uint64_t);                   \
+  template void dropout_backward<T>(T*, const T*, int64_t, double, uint64_t);
+KVLAB_INSTANTIATE(float)
+KVLAB_INSTANTIATE(double)
+#undef KVLAB_INSTANTIATE
+
+}  // namespace kvlab::cpu

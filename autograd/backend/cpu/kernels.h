@@ -1,0 +1,118 @@
+#pragma once
+// CPU kernels. They see raw memory and sizes, never the graph. Float kernels are templates on
+// T = float (the working type) or double (gradient checks), instantiated in the .cpp files.
+// Outputs come first in argument lists; every buffer carries its shape in a comment.
+#include <cstdint>
+#include <vector>
+
+#include "autograd/backend/device.h"
+
+namespace kvlab::cpu {
+
+using Strides = std::vector<int64_t>;
+
+// Copies a strided view into another of the same sizes, converting dtype (f32/f64/i32/bf16).
+void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const void* src,
+                  DType src_type, const Strides& src_strides, const std::vector<int64_t>& sizes);
+
+// C = alpha * op(A) @ op(B) + beta * C, row-major, op = transpose when trans_*. One function
+// behind which the BLAS sits; a single-row (or single-column) product takes the GEMV path.
+template <class T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+          int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+
+// ---- elementwise ----
+enum class BinaryOp { Add, Sub, Mul };
+// out (sizes, contiguous) = a op b, where a and b are read through broadcast strides (0 on a
+// broadcast dim).
+template <class T>
+void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, const T* a,
+                    const Strides& a_strides, const T* b, const Strides& b_strides);
+template <class T>
+void scale_forward(T* out, const T* x, T s, int64_t n);
+// out (out_sizes) = sum of x (x_sizes, contiguous) over the dims broadcast from out_sizes
+// (out_sizes right-aligned against x_sizes, each 1 or equal).
+template <class T>
+void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
+            const std::vector<int64_t>& x_sizes);
+template <class T>
+T sum_all(const T* x, int64_t n);  // fixed-chunk order: deterministic for any thread count
+// dst += src
+template <class T>
+void add_inplace(T* dst, const T* src, int64_t n);
+
+// GELU, tanh form as in GPT-2.
+template <class T>
+void gelu_forward(T* out, const T* x, int64_t n);
+template <class T>
+void gelu_backward(T* dx, const T* dout, const T* x, int64_t n);
+
+// Dropout with a stateless mask: element i is dropped when hash(seed, i) < p.
+template <class T>
+void dropout_forward(T* out, const T* x, int64_t n, double p, uint64_t seed);
+template <class T>
+void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed);
+
+// ---- normalisation ----
+template <class T>
+void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T* b, int64_t N,
+                       int64_t C, double eps);  // x, out (N, C); mean, rstd (N)
+template <class T>
+void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T* w,
+                        const T* mean, const T* rstd, int64_t N, int64_t C);  // dw, db (C)
+template <class T>
+void softmax_forward(T* out, const T* x, int64_t N, int64_t C);
+template <class T>
+void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C);
+
+// ---- embedding and loss ----
+template <class T>
+void embedding_forward(T* out, const int32_t* ids, const T* weight, int64_t N, int64_t C);
+template <class T>  // dweight (V, C) += scatter of dout (N, C) by ids; repeated ids accumulate
+void embedding_backward(T* dweight, const T* dout, const int32_t* ids, int64_t N, int64_t V,
+                        int64_t C);
+// Fused log-softmax + negative log-likelihood. logits (N, V), targets (N), lse (N). Returns the
+// summed loss over rows whose target is not ignore_index and writes their count.
+template <class T>
+T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* targets,
+                        int64_t N, int64_t V, int32_t ignore_index);
+template <class T>  // dlogits (N, V) = (softmax - onehot) * scale on counted rows, 0 elsewhere
+void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets,
+                            int64_t N, int64_t V, int32_t ignore_index, T scale);
+
+// ---- attention ----
+// A (B, H, L, HS) operand addressed by strides of its first three dims; HS is contiguous.
+struct HeadView {
+  int64_t sb, sh, st;
+};
+struct AttentionShape {
+  int64_t B, NH, NKV, T, S, HS;
+  const int64_t* kv_lengths;  // (B) valid keys per row, or null for S everywhere
+  double scale;               // usually 1/sqrt(HS)
+  double dropout;             // on the attention probabilities
+  uint64_t seed;
+};
+// out (B, NH, T, HS), lse (B, NH, T): log-sum-exp of each query's scaled scores, all backward
+// keeps. Query t of row b sits at position S_b - T + t and sees keys 0 .. S_b - T + t.
+template <class T>
+void attention_forward(T* out, HeadView out_v, T* lse, const T* q, HeadView q_v, const T* k,
+                       HeadView k_v, const T* v, HeadView v_v, const AttentionShape& s);
+// dq like q; dk, dv (B, NKV, S, HS) summed over each KV head's group of query heads.
+template <class T>
+void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,
+                        const T* dout, HeadView dout_v, const T* lse, const T* q, HeadView q_v,
+                        const T* k, HeadView k_v, const T* v, HeadView v_v,
+                        const AttentionShape& s);
+
+// ---- optimiser ----
+struct AdamWStep {
+  float lr, beta1, beta2, eps, weight_decay;
+  float bias_correction1, bias_correction2;  // 1 - beta^t
+  float grad_scale;                          // clipping factor applied to the gradient
+};
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWStep& step);
+// Sum of squares in double, for the global gradient norm.
+double sum_squares(const float* x, int64_t n);
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,86 @@
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/vec_math.h"
+
+namespace kvlab::cpu {
+
+template <class T>
+void embedding_forward(T* out, const int32_t* ids, const T* weight, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C > (1 << 15))
+  for (int64_t i = 0; i < N; ++i) std::copy_n(weight + static_cast<int64_t>(ids[i]) * C, C, out + i * C);
+}
+
+// Each thread owns a slice of the C columns and walks all rows in order, so repeated ids
+// accumulate without races and in a fixed order.
+template <class T>
+void embedding_backward(T* dweight, const T* dout, const int32_t* ids, int64_t N, int64_t /*V*/,
+                        int64_t C) {
+#pragma omp parallel if (N * C > (1 << 15))
+  {
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
+    for (int64_t i = 0; i < N; ++i) {
+      T* drow = dweight + static_cast<int64_t>(ids[i]) * C;
+      const T* g = dout + i * C;
+      for (int64_t j = c0; j < c1; ++j) drow[j] += g[j];
+    }
+  }
+}
+
+template <class T>
+T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* targets,
+                        int64_t N, int64_t V, int32_t ignore_index) {
+  double total = 0;
+  int64_t n_valid = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total, n_valid) if (N * V > (1 << 14))
+  for (int64_t i = 0; i < N; ++i) {
+    const T* li = logits + i * V;
+    T mx = li[0];
+    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, li[j]);
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < V; ++j) s += exp_t(li[j] - mx);
+    lse[i] = mx + std::log(s);
+    if (targets[i] != ignore_index) {
+      total += static_cast<double>(lse[i] - li[targets[i]]);
+      ++n_valid;
+    }
+  }
+  *count = n_valid;
+  return static_cast<T>(total);
+}
+
+template <class T>
+void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets,
+                            int64_t N, int64_t V, int32_t ignore_index, T scale) {
+#pragma omp parallel for schedule(static) if (N * V > (1 << 14))
+  for (int64_t i = 0; i < N; ++i) {
+    T* di = dlogits + i * V;
+    if (targets[i] == ignore_index) {
+      std::fill_n(di, V, T(0));
+      continue;
+    }
+    const T* li = logits + i * V;
+    const T l = lse[i];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) di[j] = exp_t(li[j] - l) * scale;
+    di[targets[i]] -= scale;
+  }
+}
+
+#define KVLAB_INSTANTIATE(T)                                                                   \
+  template void embedding_forward<T>(T*, const int32_t*, const T*, int64_t, int64_t);          \
+  template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t); \
+  template T cross_entropy_forward<T>(T*, int64_t*, const T*, const int32_t*, int64_t, int64_t, \
+                                      int32_t);                                                \
+  template void cross_entropy_backward<T>(T*, const T*, const T*, const int32_t*, int64_t,     \
+                                          int64_t, int32_t, T);
+KVLAB_INSTANTIATE(float)
+KVLAB_INSTANTIATE(double)
+#undef KVLAB_INSTANTIATE
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,127 @@
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/vec_math.h"
+
+namespace kvlab::cpu {
+
+template <class T>
+void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T* b, int64_t N,
+                       int64_t C, double eps) {
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+  for (int64_t i = 0; i < N; ++i) {
+    const T* xi = x + i * C;
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < C; ++j) s += xi[j];
+    const T m = s / static_cast<T>(C);
+    T v = 0;
+#pragma omp simd reduction(+ : v)
+    for (int64_t j = 0; j < C; ++j) v += (xi[j] - m) * (xi[j] - m);
+    const T r = T(1) / std::sqrt(v / static_cast<T>(C) + static_cast<T>(eps));
+    T* oi = out + i * C;
+#pragma omp simd
+    for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
+    mean[i] = m;
+    rstd[i] = r;
+  }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w. dw and db are reduced over
+// rows into one partial buffer per thread, summed in thread order: deterministic for a fixed
+// thread count.
+template <class T>
+void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T* w,
+                        const T* mean, const T* rstd, int64_t N, int64_t C) {
+  const int nt = N * C > (1 << 14) ? omp_get_max_threads() : 1;
+  std::vector<T> partial(static_cast<size_t>(nt) * 2 * C, T(0));
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    T* pdw = partial.data() + static_cast<size_t>(tid) * 2 * C;
+    T* pdb = pdw + C;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const T* xi = x + i * C;
+      const T* gi = dout + i * C;
+      const T m = mean[i], r = rstd[i];
+      T sum_g = 0, sum_gx = 0;
+#pragma omp simd reduction(+ : sum_g, sum_gx)
+      for (int64_t j = 0; j < C; ++j) {
+        const T xhat = (xi[j] - m) * r;
+        const T g = gi[j] * w[j];
+        sum_g += g;
+        sum_gx += g * xhat;
+        pdw[j] += gi[j] * xhat;
+        pdb[j] += gi[j];
+      }
+      const T mg = sum_g / static_cast<T>(C), mgx = sum_gx / static_cast<T>(C);
+      T* di = dx + i * C;
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) {
+        const T xhat = (xi[j] - m) * r;
+        di[j] = r * (gi[j] * w[j] - mg - xhat * mgx);
+      }
+    }
+  }
+  for (int64_t j = 0; j < C; ++j) {
+    T sw = 0, sb = 0;
+    for (int t = 0; t < nt; ++t) {
+      sw += partial[static_cast<size_t>(t) * 2 * C + j];
+      sb += partial[static_cast<size_t>(t) * 2 * C + C + j];
+    }
+    dw[j] = sw;
+    db[j] = sb;
+  }
+}
+
+template <class T>
+void softmax_forward(T* out, const T* x, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+  for (int64_t i = 0; i < N; ++i) {
+    const T* xi = x + i * C;
+    T* oi = out + i * C;
+    T mx = xi[0];
+    for (int64_t j = 1; j < C; ++j) mx = xi[j] > mx ? xi[j] : mx;
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < C; ++j) {
+      oi[j] = exp_t(xi[j] - mx);
+      s += oi[j];
+    }
+    const T inv = T(1) / s;
+#pragma omp simd
+    for (int64_t j = 0; j < C; ++j) oi[j] *= inv;
+  }
+}
+
+template <class T>
+void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+  for (int64_t i = 0; i < N; ++i) {
+    const T* yi = out + i * C;
+    const T* gi = dout + i * C;
+    T dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < C; ++j) dot += yi[j] * gi[j];
+    T* di = dx + i * C;
+#pragma omp simd
+    for (int64_t j = 0; j < C; ++j) di[j] = yi[j] * (gi[j] - dot);
+  }
+}
+
+#define KVLAB_INSTANTIATE(T)                                                                   \
+  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t,        \
+                                     int64_t, double);                                         \
+  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,      \
+                                      const T*, int64_t, int64_t);                             \
+  template void softmax_forward<T>(T*, const T*, int64_t, int64_t);                            \
+  template void softmax_backward<T>(T*, const T*, const T*, int64_t, int64_t);
+KVLAB_INSTANTIATE(float)
+KVLAB_INSTANTIATE(double)
+#undef KVLAB_INSTANTIATE
+
+}  // namespace kvlab::cpu

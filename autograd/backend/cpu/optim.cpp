@@ -1,0 +1,30 @@
+#include <cmath>
+
+#include "autograd/backend/cpu/kernels.h"
+
+namespace kvlab::cpu {
+
+// PyTorch's AdamW order of operations, so parity holds to rounding:
+// p *= 1 - lr*wd; m, v updated; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep& s) {
+  const float decay = 1.0f - s.lr * s.weight_decay;
+  const float step_size = s.lr / s.bias_correction1;
+  const float bc2_sqrt = std::sqrt(s.bias_correction2);
+#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * s.grad_scale;
+    m[i] = s.beta1 * m[i] + (1.0f - s.beta1) * gi;
+    v[i] = s.beta2 * v[i] + (1.0f - s.beta2) * gi * gi;
+    const float denom = std::sqrt(v[i]) / bc2_sqrt + s.eps;
+    p[i] = p[i] * decay - step_size * m[i] / denom;
+  }
+}
+
+double sum_squares(const float* x, int64_t n) {
+  double s = 0;
+#pragma omp parallel for simd schedule(static) reduction(+ : s) if (n > (1 << 15))
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+
+}  // namespace kvlab::cpu

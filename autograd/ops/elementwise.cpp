@@ -1,0 +1,186 @@
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/ops/common.h"
+#include "autograd/ops/ops.h"
+
+namespace kvlab {
+
+using namespace ops_detail;
+
+namespace {
+
+// Broadcast shape of a and b (NumPy rules) and each operand's strides over it (0 where it is
+// broadcast).
+Shape broadcast_shape(const char* op, const Tensor& a, const Tensor& b) {
+  const Shape &sa = a.sizes(), &sb = b.sizes();
+  const size_t nd = std::max(sa.size(), sb.size());
+  Shape out(nd);
+  for (size_t i = 0; i < nd; ++i) {
+    const int64_t da = i < nd - sa.size() ? 1 : sa[i - (nd - sa.size())];
+    const int64_t db = i < nd - sb.size() ? 1 : sb[i - (nd - sb.size())];
+    KVLAB_CHECK(da == db || da == 1 || db == 1, op, ": shapes ", a.shape_str(), " and ",
+                b.shape_str(), " cannot be broadcast");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+cpu::Strides broadcast_strides(const Tensor& t, const Shape& out) {
+  const size_t nd = out.size(), off = nd - t.sizes().size();
+  cpu::Strides s(nd, 0);
+  for (size_t i = off; i < nd; ++i)
+    s[i] = t.sizes()[i - off] == 1 && out[i] != 1 ? 0 : t.strides()[i - off];
+  return s;
+}
+
+Tensor binary_raw(cpu::BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  check_cpu(name, a);
+  check_cpu(name, b);
+  check_same_dtype(name, a, b);
+  const Shape out_shape = broadcast_shape(name, a, b);
+  Tensor out = Tensor::empty(out_shape, a.dtype());
+  dispatch_float(a.dtype(), name, [&](auto tag) {
+    using T = decltype(tag);
+    cpu::binary_forward<T>(op, out.data<T>(), out_shape, a.data<T>(), broadcast_strides(a, out_shape),
+                           b.data<T>(), broadcast_strides(b, out_shape));
+  });
+  return out;
+}
+
+struct BinaryNode : Node {
+  cpu::BinaryOp op;
+  Shape a_shape, b_shape;
+  Tensor a, b;  // saved for Mul only
+  const char* name() const override {
+    return op == cpu::BinaryOp::Add ? "add" : op == cpu::BinaryOp::Sub ? "sub" : "mul";
+  }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    Tensor ga, gb;
+    if (inputs[0].defined()) {
+      ga = op == cpu::BinaryOp::Mul ? binary_raw(cpu::BinaryOp::Mul, "mul", g, b) : g;
+      ga = sum_to(ga, a_shape);
+    }
+    if (inputs[1].defined()) {
+      gb = op == cpu::BinaryOp::Mul ? binary_raw(cpu::BinaryOp::Mul, "mul", g, a) : g;
+      if (op == cpu::BinaryOp::Sub) gb = scale(gb, -1.0);
+      gb = sum_to(gb, b_shape);
+    }
+    return {ga, gb};
+  }
+  void release() override {
+    a = Tensor();
+    b = Tensor();
+  }
+};
+
+Tensor binary(cpu::BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw(op, name, a, b);
+  if (needs_grad({&a, &b})) {
+    auto node = std::make_shared<BinaryNode>();
+    node->op = op;
+    node->a_shape = a.sizes();
+    node->b_shape = b.sizes();
+    if (op == cpu::BinaryOp::Mul) {
+      node->a = a.detach();
+      node->b = b.detach();
+    }
+    record(out, node, {&a, &b});
+  }
+  return out;
+}
+
+struct ScaleNode : Node {
+  double s;
+  const char* name() const override { return "scale"; }
+  std::vector<Tensor> backward(const Tensor& g) override { return {scale(g, s)}; }
+  void release() override {}
+};
+
+struct GeluNode : Node {
+  Tensor x;
+  const char* name() const override { return "gelu"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    Tensor gc = g.contiguous();
+    Tensor dx = Tensor::empty(x.sizes(), x.dtype());
+    dispatch_float(x.dtype(), "gelu", [&](auto tag) {
+      using T = decltype(tag);
+      cpu::gelu_backward<T>(dx.data<T>(), gc.data<T>(), x.data<T>(), x.numel());
+    });
+    return {dx};
+  }
+  void release() override { x = Tensor(); }
+};
+
+struct DropoutNode : Node {
+  double p;
+  uint64_t seed;
+  const char* name() const override { return "dropout"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    Tensor gc = g.contiguous();
+    Tensor dx = Tensor::empty(gc.sizes(), gc.dtype());
+    dispatch_float(gc.dtype(), "dropout", [&](auto tag) {
+      using T = decltype(tag);
+      cpu::dropout_backward<T>(dx.data<T>(), gc.data<T>(), gc.numel(), p, seed);
+    });
+    return {dx};
+  }
+  void release() override {}
+};
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary(cpu::BinaryOp::Add, "add", a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary(cpu::BinaryOp::Sub, "sub", a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary(cpu::BinaryOp::Mul, "mul", a, b); }
+
+Tensor scale(const Tensor& x, double s) {
+  check_cpu("scale", x);
+  Tensor xc = x.contiguous();
+  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  dispatch_float(x.dtype(), "scale", [&](auto tag) {
+    using T = decltype(tag);
+    cpu::scale_forward<T>(out.data<T>(), xc.data<T>(), static_cast<T>(s), x.numel());
+  });
+  if (needs_grad({&x})) {
+    auto node = std::make_shared<ScaleNode>();
+    node->s = s;
+    record(out, node, {&x});
+  }
+  return out;
+}
+
+Tensor gelu(const Tensor& x) {
+  check_cpu("gelu", x);
+  Tensor xc = x.contiguous();
+  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  dispatch_float(x.dtype(), "gelu", [&](auto tag) {
+    using T = decltype(tag);
+    cpu::gelu_forward<T>(out.data<T>(), xc.data<T>(), x.numel());
+  });
+  if (needs_grad({&x})) {
+    auto node = std::make_shared<GeluNode>();
+    node->x = xc.detach();
+    record(out, node, {&x});
+  }
+  return out;
+}
+
+Tensor dropout(const Tensor& x, double p, uint64_t seed) {
+  KVLAB_CHECK(p >= 0.0 && p < 1.0, "dropout: p = ", p, " is outside [0, 1)");
+  if (p == 0.0) return x;
+  check_cpu("dropout", x);
+  Tensor xc = x.contiguous();
+  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  dispatch_float(x.dtype(), "dropout", [&](auto tag) {
+    using T = decltype(tag);
+    cpu::dropout_forward<T>(out.data<T>(), xc.data<T>(), x.numel(), p, seed);
+  });
+  if (needs_grad({&x})) {
+    auto node = std::make_shared<DropoutNode>();
+    node->p = p;
+    node->seed = seed;
+    record(out, node, {&x});
+  }
+  return out;
+}
+
+}  // namespace kvlab

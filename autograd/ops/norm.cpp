@@ -1,0 +1,101 @@
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/ops/common.h"
+#include "autograd/ops/ops.h"
+
+namespace kvlab {
+
+using namespace ops_detail;
+
+namespace {
+
+struct LayerNormNode : Node {
+  Tensor x, w, mean, rstd;  // x (N, C); mean, rstd (N)
+  Shape x_shape;
+  const char* name() const override { return "layer_norm"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    const Tensor gc = g.contiguous();
+    const int64_t C = w.size(0), N = x.numel() / C;
+    Tensor dx = Tensor::empty(x_shape, x.dtype());
+    Tensor dw = Tensor::empty({C}, x.dtype()), db = Tensor::empty({C}, x.dtype());
+    dispatch_float(x.dtype(), "layer_norm", [&](auto tag) {
+      using T = decltype(tag);
+      cpu::layernorm_backward<T>(dx.data<T>(), dw.data<T>(), db.data<T>(), gc.data<T>(),
+                                 x.data<T>(), w.data<T>(), mean.data<T>(), rstd.data<T>(), N, C);
+    });
+    return {dx, dw, db};
+  }
+  void release() override {
+    x = w = mean = rstd = Tensor();
+  }
+};
+
+struct SoftmaxNode : Node {
+  Tensor y;
+  const char* name() const override { return "softmax"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    const Tensor gc = g.contiguous();
+    const int64_t C = y.size(-1), N = C ? y.numel() / C : 0;
+    Tensor dx = Tensor::empty(y.sizes(), y.dtype());
+    dispatch_float(y.dtype(), "softmax", [&](auto tag) {
+      using T = decltype(tag);
+      cpu::softmax_backward<T>(dx.data<T>(), gc.data<T>(), y.data<T>(), N, C);
+    });
+    return {dx};
+  }
+  void release() override { y = Tensor(); }
+};
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  check_cpu("layer_norm", x);
+  check_cpu("layer_norm", weight);
+  check_cpu("layer_norm", bias);
+  check_same_dtype("layer_norm", x, weight);
+  check_same_dtype("layer_norm", x, bias);
+  KVLAB_CHECK(x.dim() >= 1 && weight.dim() == 1 && bias.dim() == 1 &&
+                  weight.size(0) == x.size(-1) && bias.size(0) == x.size(-1),
+              "layer_norm: input ", x.shape_str(), " with weight ", weight.shape_str(),
+              " and bias ", bias.shape_str(), ": the last dim must match both");
+  KVLAB_CHECK(eps > 0, "layer_norm: eps must be positive, got ", eps);
+  const Tensor xc = x.contiguous(), wc = weight.contiguous(), bc = bias.contiguous();
+  const int64_t C = x.size(-1), N = C ? x.numel() / C : 0;
+  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  Tensor mean = Tensor::empty({N}, x.dtype()), rstd = Tensor::empty({N}, x.dtype());
+  dispatch_float(x.dtype(), "layer_norm", [&](auto tag) {
+    using T = decltype(tag);
+    cpu::layernorm_forward<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(), xc.data<T>(),
+                              wc.data<T>(), bc.data<T>(), N, C, eps);
+  });
+  if (needs_grad({&x, &weight, &bias})) {
+    auto node = std::make_shared<LayerNormNode>();
+    node->x = xc.detach();
+    node->w = wc.detach();
+    node->mean = mean;
+    node->rstd = rstd;
+    node->x_shape = x.sizes();
+    record(out, node, {&x, &weight, &bias});
+  }
+  return out;
+}
+
+Tensor softmax(const Tensor& x) {
+  check_cpu("softmax", x);
+  KVLAB_CHECK(x.dim() >= 1 && x.size(-1) > 0, "softmax: input ", x.shape_str(),
+              " needs a non-empty last dim");
+  const Tensor xc = x.contiguous();
+  const int64_t C = x.size(-1), N = x.numel() / C;
+  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  dispatch_float(x.dtype(), "softmax", [&](auto tag) {
+    using T = decltype(tag);
+    cpu::softmax_forward<T>(out.data<T>(), xc.data<T>(), N, C);
+  });
+  if (needs_grad({&x})) {
+    auto node = std::make_shared<SoftmaxNode>();
+    node->y = out.detach();
+    record(out, node, {&x});
+  }
+  return out;
+}
+
+}  // namespace kvlab

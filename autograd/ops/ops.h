@@ -1,0 +1,75 @@
+#pragma once
+// Differentiable ops. Each records a node (graph.h) when an input requires grad and grad mode
+// is on; forward and backward of an op family sit side by side in one file of this folder.
+#include <cstdint>
+#include <vector>
+
+#include "autograd/tensor.h"
+
+namespace kvlab {
+
+// ---- elementwise.cpp: broadcasting follows NumPy rules (right-aligned, size 1 stretches) ----
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor scale(const Tensor& x, double s);
+Tensor gelu(const Tensor& x);  // tanh form, as GPT-2
+// Zeroes each element with probability p and scales the rest by 1/(1-p). The mask is a pure
+// function of (seed, element index): the same seed gives the same mask. Identity when p == 0.
+Tensor dropout(const Tensor& x, double p, uint64_t seed);
+
+// ---- reduce.cpp ----
+Tensor sum(const Tensor& x);   // all elements -> scalar
+Tensor mean(const Tensor& x);  // all elements -> scalar
+// Sums a broadcast result back to `shape` (not differentiable; backward passes use it).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+// ---- matmul.cpp ----
+// op(a) @ op(b) over the last two dims; leading dims must match exactly (batched), or b may be
+// 2-D and shared by every batch entry. op = transpose when trans_*.
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// x (..., in) @ w^T + bias: w is (out, in) as torch.nn.Linear stores it; bias (out) optional.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor());
+
+// ---- shape.cpp: views share storage where the layout allows ----
+Tensor reshape(const Tensor& x, const Shape& shape);  // one size may be -1
+Tensor transpose(const Tensor& x, int dim0 = -2, int dim1 = -1);
+Tensor narrow(const Tensor& x, int dim, int64_t start, int64_t length);
+Tensor concat(const std::vector<Tensor>& xs, int dim);
+std::vector<Tensor> split(const Tensor& x, int64_t chunk, int dim);
+
+// ---- norm.cpp ----
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+Tensor softmax(const Tensor& x);  // over the last dim
+
+// ---- embedding.cpp ----
+// ids (...) i32 in [0, V), weight (V, C) -> (..., C)
+Tensor embedding(const Tensor& ids, const Tensor& weight);
+
+// ---- loss.cpp ----
+// Mean cross-entropy of logits (..., V) against i32 targets (...); targets equal to
+// ignore_index take no part (the mean is over the others).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int32_t ignore_index = -1);
+
+// ---- attention.cpp ----
+struct AttentionOptions {
+  double dropout = 0.0;  // on the attention probabilities
+  uint64_t seed = 0;     // dropout mask seed
+  // Valid key count per batch row (each <= S, >= T); empty means S for every row. Rows of a
+  // batched decode step have different cache lengths.
+  std::vector<int64_t> kv_lengths;
+};
+// Causal attention with grouped K/V heads: q (B, NH, T, HS), k and v (B, NKV, S, HS),
+// NH % NKV == 0; query head h reads KV head h / (NH / NKV), never a repeated copy. The mask is
+// bottom-right aligned: the T queries sit at positions S-T .. S-1. Any strides are accepted as
+// long as HS is contiguous, so q can be a transposed view of a (B, T, NH, HS) buffer.
+// Returns (B, NH, T, HS) as a view of a (B, T, NH, HS) buffer.
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const AttentionOptions& options = {});
+
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator*(const Tensor& a, double s) { return scale(a, s); }
+
+}  // namespace kvlab
