@@ -22,7 +22,7 @@ Tensor empty_heads_last(int64_t B, int64_t H, int64_t L, int64_t HS, DType dtype
 Tensor hs_contiguous(const Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
 struct AttentionNode : Node {
-  Tensor q, k, v, lse;  // q (B, NH, T, HS); k, v (B, NKV, S, HS); lse (B, NH, T)
+  Tensor q, k, v;  // q (B, NH, T, HS); k, v (B, NKV, S, HS)
   AttentionOptions opts;
   const char* name() const override { return "causal_attention"; }
   std::vector<Tensor> backward(const Tensor& g_in) override {
@@ -39,12 +39,12 @@ struct AttentionNode : Node {
       using T_ = decltype(tag);
       cpu::attention_backward<T_>(dq.data<T_>(), head_view(dq), dk.data<T_>(), head_view(dk),
                                   dv.data<T_>(), head_view(dv), g.data<T_>(), head_view(g),
-                                  lse.data<T_>(), q.data<T_>(), head_view(q), k.data<T_>(),
+                                  q.data<T_>(), head_view(q), k.data<T_>(),
                                   head_view(k), v.data<T_>(), head_view(v), s);
     });
     return {dq, dk, dv};
   }
-  void release() override { q = k = v = lse = Tensor(); }
+  void release() override { q = k = v = Tensor(); }
 };
 
 }  // namespace
@@ -80,13 +80,12 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
               " outside [0, 1)");
   const Tensor q = hs_contiguous(q_in), k = hs_contiguous(k_in), v = hs_contiguous(v_in);
   Tensor out = empty_heads_last(B, NH, T, HS, q.dtype());
-  Tensor lse = Tensor::empty({B, NH, T}, q.dtype());
   const cpu::AttentionShape s{B, NH, NKV, T, S, HS,
                               opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
                               1.0 / std::sqrt(static_cast<double>(HS)), opts.dropout, opts.seed};
   dispatch_float(q.dtype(), op, [&](auto tag) {
     using T_ = decltype(tag);
-    cpu::attention_forward<T_>(out.data<T_>(), head_view(out), lse.data<T_>(), q.data<T_>(),
+    cpu::attention_forward<T_>(out.data<T_>(), head_view(out), q.data<T_>(),
                                head_view(q), k.data<T_>(), head_view(k), v.data<T_>(),
                                head_view(v), s);
   });
@@ -95,7 +94,6 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     node->q = q.detach();
     node->k = k.detach();
     node->v = v.detach();
-    node->lse = lse;
     node->opts = opts;
     record(out, node, {&q_in, &k_in, &v_in});
   }

@@ -12,7 +12,9 @@ namespace kvlab::cpu {
 
 // Fused causal attention with grouped K/V heads. One (T, S_b) score tile per query head lives
 // in a per-thread scratch buffer; nothing of size (B, NH, T, S) is kept: backward recomputes
-// the probabilities from q, k and the saved log-sum-exp.
+// the probabilities from q and k exactly as forward did. (Rebuilding them from a saved
+// log-sum-exp instead puts the lse's rounding, ~1e-6 relative in f32, on every probability,
+// and the softmax backward amplifies it where dP - rowsum(P dP) cancels.)
 namespace {
 
 template <class T>
@@ -41,29 +43,25 @@ inline int64_t kv_len(const AttentionShape& s, int64_t b) {
 }
 
 // Probabilities of query head (b, h): p (T, Sb) = softmax(scale q k^T) under the causal mask,
-// zero past each query's last visible key. With `lse_in` the log-sum-exp is given (backward);
-// otherwise it is computed into `lse_out`.
+// zero past each query's last visible key.
 template <class T>
 void probabilities(T* p, const T* qh, int64_t qst, const T* kg, int64_t kst, int64_t Tq,
-                   int64_t Sb, int64_t HS, T scale, const T* lse_in, T* lse_out) {
+                   int64_t Sb, int64_t HS, T scale) {
   gemm<T>(false, true, Tq, Sb, HS, scale, qh, qst, kg, kst, T(0), p, Sb);
   for (int64_t t = 0; t < Tq; ++t) {
     T* row = p + t * Sb;
     const int64_t n = Sb - Tq + t + 1;  // visible keys
-    T l;
-    if (lse_in) {
-      l = lse_in[t];
-    } else {
-      T mx = row[0];
-      for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
-      T s = 0;
+    T mx = row[0];
+    for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+    double s = 0;
 #pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < n; ++j) s += exp_t(row[j] - mx);
-      l = mx + std::log(s);
-      lse_out[t] = l;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = exp_t(row[j] - mx);
+      s += row[j];
     }
+    const T inv = static_cast<T>(1.0 / s);
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] = exp_t(row[j] - l);
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
     std::fill(row + n, row + Sb, T(0));
   }
 }
@@ -79,7 +77,7 @@ void apply_dropout(T* p, const Dropout& d, uint64_t seed, int64_t base, int64_t 
 }  // namespace
 
 template <class T>
-void attention_forward(T* out, HeadView ov, T* lse, const T* q, HeadView qv, const T* k,
+void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const T* k,
                        HeadView kv, const T* v, HeadView vv, const AttentionShape& s) {
   const int64_t group = s.NH / s.NKV, tasks = s.B * s.NH;
   const Dropout drop(s.dropout);
@@ -94,8 +92,7 @@ void attention_forward(T* out, HeadView ov, T* lse, const T* q, HeadView qv, con
     const T* qh = q + b * qv.sb + h * qv.sh;
     const T* kg = k + b * kv.sb + g * kv.sh;
     const T* vg = v + b * vv.sb + g * vv.sh;
-    probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale, static_cast<const T*>(nullptr),
-                  lse + task * s.T);
+    probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale);
     if (drop.on) apply_dropout(p, drop, s.seed, task * s.T, s.T, Sb, s.S);
     gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, vv.st, T(0),
             out + b * ov.sb + h * ov.sh, ov.st);
@@ -104,7 +101,7 @@ void attention_forward(T* out, HeadView ov, T* lse, const T* q, HeadView qv, con
 
 template <class T>
 void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadView dvv,
-                        const T* dout, HeadView dov, const T* lse, const T* q, HeadView qv,
+                        const T* dout, HeadView dov, const T* q, HeadView qv,
                         const T* k, HeadView kv, const T* v, HeadView vv,
                         const AttentionShape& s) {
   const int64_t group = s.NH / s.NKV, tasks = s.B * s.NKV;
@@ -130,8 +127,7 @@ void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadVie
       const int64_t head = b * s.NH + h;
       const T* qh = q + b * qv.sb + h * qv.sh;
       const T* doh = dout + b * dov.sb + h * dov.sh;
-      probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale, lse + head * s.T,
-                    static_cast<T*>(nullptr));
+      probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale);
       // dp = dO v^T (gradient of the dropped-out probabilities)
       gemm<T>(false, true, s.T, Sb, s.HS, T(1), doh, dov.st, vg, vv.st, T(0), dp, Sb);
       if (drop.on) {
@@ -151,11 +147,12 @@ void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadVie
       for (int64_t t = 0; t < s.T; ++t) {
         T* pr = p + t * Sb;
         T* dr = dp + t * Sb;
-        T dot = 0;
+        double dot = 0;
 #pragma omp simd reduction(+ : dot)
         for (int64_t j = 0; j < Sb; ++j) dot += pr[j] * dr[j];
+        const T d = static_cast<T>(dot);
 #pragma omp simd
-        for (int64_t j = 0; j < Sb; ++j) dr[j] = pr[j] * (dr[j] - dot);
+        for (int64_t j = 0; j < Sb; ++j) dr[j] = pr[j] * (dr[j] - d);
       }
       gemm<T>(false, false, s.T, s.HS, Sb, scale, dp, Sb, kg, kv.st, T(0),
               dq + b * dqv.sb + h * dqv.sh, dqv.st);
@@ -165,11 +162,11 @@ void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadVie
 }
 
 #define KVLAB_INSTANTIATE(T)                                                                   \
-  template void attention_forward<T>(T*, HeadView, T*, const T*, HeadView, const T*, HeadView, \
+  template void attention_forward<T>(T*, HeadView, const T*, HeadView, const T*, HeadView,     \
                                      const T*, HeadView, const AttentionShape&);               \
   template void attention_backward<T>(T*, HeadView, T*, HeadView, T*, HeadView, const T*,      \
-                                      HeadView, const T*, const T*, HeadView, const T*,        \
-                                      HeadView, const T*, HeadView, const AttentionShape&);
+                                      HeadView, const T*, HeadView, const T*, HeadView,        \
+                                      const T*, HeadView, const AttentionShape&);
 KVLAB_INSTANTIATE(float)
 KVLAB_INSTANTIATE(double)
 #undef KVLAB_INSTANTIATE

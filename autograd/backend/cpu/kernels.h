@@ -92,15 +92,15 @@ struct AttentionShape {
   double dropout;             // on the attention probabilities
   uint64_t seed;
 };
-// out (B, NH, T, HS), lse (B, NH, T): log-sum-exp of each query's scaled scores, all backward
-// keeps. Query t of row b sits at position S_b - T + t and sees keys 0 .. S_b - T + t.
+// out (B, NH, T, HS). Query t of row b sits at position S_b - T + t and sees keys
+// 0 .. S_b - T + t. Backward recomputes the probabilities; nothing else is kept.
 template <class T>
-void attention_forward(T* out, HeadView out_v, T* lse, const T* q, HeadView q_v, const T* k,
+void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const T* k,
                        HeadView k_v, const T* v, HeadView v_v, const AttentionShape& s);
 // dq like q; dk, dv (B, NKV, S, HS) summed over each KV head's group of query heads.
 template <class T>
 void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,
-                        const T* dout, HeadView dout_v, const T* lse, const T* q, HeadView q_v,
+                        const T* dout, HeadView dout_v, const T* q, HeadView q_v,
                         const T* k, HeadView k_v, const T* v, HeadView v_v,
                         const AttentionShape& s);
 

@@ -41,10 +41,10 @@ T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* 
     const T* li = logits + i * V;
     T mx = li[0];
     for (int64_t j = 1; j < V; ++j) mx = std::max(mx, li[j]);
-    T s = 0;
+    double s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < V; ++j) s += exp_t(li[j] - mx);
-    lse[i] = mx + std::log(s);
+    lse[i] = mx + static_cast<T>(std::log(s));
     if (targets[i] != ignore_index) {
       total += static_cast<double>(lse[i] - li[targets[i]]);
       ++n_valid;

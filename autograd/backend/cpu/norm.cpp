@@ -14,14 +14,15 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T
 #pragma omp parallel for schedule(static) if (N * C > (1 << 14))
   for (int64_t i = 0; i < N; ++i) {
     const T* xi = x + i * C;
-    T s = 0;
+    // Sums in double: f32 rounding over a long row would otherwise show at the 1e-6 level.
+    double s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < C; ++j) s += xi[j];
-    const T m = s / static_cast<T>(C);
-    T v = 0;
+    const T m = static_cast<T>(s / static_cast<double>(C));
+    double v = 0;
 #pragma omp simd reduction(+ : v)
-    for (int64_t j = 0; j < C; ++j) v += (xi[j] - m) * (xi[j] - m);
-    const T r = T(1) / std::sqrt(v / static_cast<T>(C) + static_cast<T>(eps));
+    for (int64_t j = 0; j < C; ++j) v += static_cast<double>((xi[j] - m) * (xi[j] - m));
+    const T r = static_cast<T>(1.0 / std::sqrt(v / static_cast<double>(C) + eps));
     T* oi = out + i * C;
 #pragma omp simd
     for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
@@ -48,7 +49,7 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
       const T* xi = x + i * C;
       const T* gi = dout + i * C;
       const T m = mean[i], r = rstd[i];
-      T sum_g = 0, sum_gx = 0;
+      double sum_g = 0, sum_gx = 0;
 #pragma omp simd reduction(+ : sum_g, sum_gx)
       for (int64_t j = 0; j < C; ++j) {
         const T xhat = (xi[j] - m) * r;
@@ -58,7 +59,8 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
         pdw[j] += gi[j] * xhat;
         pdb[j] += gi[j];
       }
-      const T mg = sum_g / static_cast<T>(C), mgx = sum_gx / static_cast<T>(C);
+      const T mg = static_cast<T>(sum_g / static_cast<double>(C));
+      const T mgx = static_cast<T>(sum_gx / static_cast<double>(C));
       T* di = dx + i * C;
 #pragma omp simd
       for (int64_t j = 0; j < C; ++j) {
@@ -86,13 +88,13 @@ void softmax_forward(T* out, const T* x, int64_t N, int64_t C) {
     T* oi = out + i * C;
     T mx = xi[0];
     for (int64_t j = 1; j < C; ++j) mx = xi[j] > mx ? xi[j] : mx;
-    T s = 0;
+    double s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < C; ++j) {
       oi[j] = exp_t(xi[j] - mx);
       s += oi[j];
     }
-    const T inv = T(1) / s;
+    const T inv = static_cast<T>(1.0 / s);
 #pragma omp simd
     for (int64_t j = 0; j < C; ++j) oi[j] *= inv;
   }
@@ -104,12 +106,12 @@ void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C) 
   for (int64_t i = 0; i < N; ++i) {
     const T* yi = out + i * C;
     const T* gi = dout + i * C;
-    T dot = 0;
+    double dot = 0;
 #pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < C; ++j) dot += yi[j] * gi[j];
     T* di = dx + i * C;
 #pragma omp simd
-    for (int64_t j = 0; j < C; ++j) di[j] = yi[j] * (gi[j] - dot);
+    for (int64_t j = 0; j < C; ++j) di[j] = yi[j] * (gi[j] - static_cast<T>(dot));
   }
 }
 
