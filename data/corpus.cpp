@@ -1,0 +1,204 @@
+#include "data/corpus.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+
+#include "autograd/error.h"
+
+namespace kvlab {
+namespace fs = std::filesystem;
+namespace {
+
+// Layout (host byte order; the cache is a local artifact): magic, u32 version, u32 kind,
+// u64 content hash, u64 V, u32 vocab[V], u64 N, i32 ids[N], u64 fnv1a64 of all preceding bytes.
+constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'B', 'T', 'O', 'K'};
+constexpr uint32_t kVersion = 1;
+
+std::string hex16(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// Whole file, or nullopt with errno set.
+std::optional<std::string> read_bytes(const fs::path& file) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(file.c_str(), "rb"), &std::fclose);
+  if (!f) return std::nullopt;
+  std::string bytes;
+  char buf[1 << 16];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, f.get())) > 0) bytes.append(buf, got);
+  if (std::ferror(f.get())) return std::nullopt;
+  return bytes;
+}
+
+template <class T>
+void put(std::string& buf, const T& v) {
+  buf.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+template <class T>
+void put_array(std::string& buf, std::span<const T> values) {
+  buf.append(reinterpret_cast<const char*>(values.data()), values.size_bytes());
+}
+
+// Bounds-checked reads from a byte buffer; every failure returns false.
+class Reader {
+ public:
+  explicit Reader(std::string_view bytes) : bytes_(bytes) {}
+  template <class T>
+  bool get(T& v) {
+    if (bytes_.size() - pos_ < sizeof v) return false;
+    std::memcpy(&v, bytes_.data() + pos_, sizeof v);
+    pos_ += sizeof v;
+    return true;
+  }
+  template <class T>
+  bool get_array(std::vector<T>& values, uint64_t n) {
+    if (n > (bytes_.size() - pos_) / sizeof(T)) return false;
+    values.resize(n);
+    std::memcpy(values.data(), bytes_.data() + pos_, n * sizeof(T));
+    pos_ += n * sizeof(T);
+    return true;
+  }
+  size_t pos() const { return pos_; }
+  bool at_end() const { return pos_ == bytes_.size(); }
+
+ private:
+  std::string_view bytes_;
+  size_t pos_ = 0;
+};
+
+TokenCache tokenize(std::string_view text, TokenizerKind kind, const std::string& what) {
+  Tokenizer tokenizer =
+      kind == TokenizerKind::Char ? Tokenizer::build_char(text, what) : Tokenizer::byte_level();
+  std::vector<int32_t> ids = tokenizer.encode(text, what);
+  return TokenCache{std::move(tokenizer), std::move(ids)};
+}
+
+}  // namespace
+
+uint64_t fnv1a64(std::string_view bytes) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (const char c : bytes) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001B3ull;
+  }
+  return h;
+}
+
+fs::path token_cache_path(const fs::path& file, uint64_t content_hash, TokenizerKind kind) {
+  fs::path cache = file;
+  cache += detail::cat(".", hex16(content_hash), ".", kind_name(kind), ".kvlab-cache");
+  return cache;
+}
+
+bool write_token_cache(const fs::path& cache, uint64_t content_hash, const Tokenizer& tokenizer,
+                       std::span<const int32_t> ids) {
+  std::string buf(kMagic, sizeof kMagic);
+  put(buf, kVersion);
+  put(buf, static_cast<uint32_t>(tokenizer.kind()));
+  put(buf, content_hash);
+  put(buf, static_cast<uint64_t>(tokenizer.vocab().size()));
+  put_array(buf, std::span<const uint32_t>(tokenizer.vocab()));
+  put(buf, static_cast<uint64_t>(ids.size()));
+  put_array(buf, ids);
+  put(buf, fnv1a64(buf));
+
+  // A unique temporary name: several processes (data-parallel ranks) may load the same corpus.
+  std::random_device rd;
+  fs::path tmp = cache;
+  tmp += detail::cat(".tmp-", hex16((static_cast<uint64_t>(rd()) << 32) | rd()));
+  std::error_code ec;
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return false;
+    out.write(buf.data(), static_cast<std::streamsize>(buf.size()));
+    out.close();
+    if (!out) {
+      fs::remove(tmp, ec);
+      return false;
+    }
+  }
+  fs::rename(tmp, cache, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    return false;
+  }
+  return true;
+}
+
+std::optional<TokenCache> read_token_cache(const fs::path& cache, uint64_t content_hash,
+                                           TokenizerKind kind) {
+  const std::optional<std::string> bytes = read_bytes(cache);
+  if (!bytes || bytes->size() < sizeof kMagic + sizeof(uint64_t) ||
+      bytes->compare(0, sizeof kMagic, kMagic, sizeof kMagic) != 0) {
+    return std::nullopt;
+  }
+  const size_t body_size = bytes->size() - sizeof(uint64_t);
+  uint64_t checksum;
+  std::memcpy(&checksum, bytes->data() + body_size, sizeof checksum);
+  if (checksum != fnv1a64(std::string_view(*bytes).substr(0, body_size))) return std::nullopt;
+
+  Reader r(std::string_view(*bytes).substr(sizeof kMagic, body_size - sizeof kMagic));
+  uint32_t version, stored_kind;
+  uint64_t stored_hash, n_vocab, n_ids;
+  std::vector<uint32_t> vocab;
+  std::vector<int32_t> ids;
+  if (!r.get(version) || version != kVersion || !r.get(stored_kind) ||
+      stored_kind != static_cast<uint32_t>(kind) || !r.get(stored_hash) ||
+      stored_hash != content_hash || !r.get(n_vocab) || !r.get_array(vocab, n_vocab) ||
+      !r.get(n_ids) || !r.get_array(ids, n_ids) || !r.at_end()) {
+    return std::nullopt;
+  }
+  try {
+    Tokenizer tokenizer = Tokenizer::from_vocab(kind, std::move(vocab));
+    for (const int32_t id : ids) {
+      if (id < 0 || id >= tokenizer.vocab_size()) return std::nullopt;
+    }
+    return TokenCache{std::move(tokenizer), std::move(ids)};
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction, bool use_cache) {
+  KVLAB_CHECK(val_fraction >= 0.0 && val_fraction < 1.0,
+              "corpus: val_fraction must be in [0, 1), got ", val_fraction);
+  const std::string name = file.string();
+  std::error_code ec;
+  KVLAB_CHECK(!fs::is_directory(file, ec), "corpus: '", name, "' is a directory, not a file");
+  const std::optional<std::string> bytes = read_bytes(file);
+  KVLAB_CHECK(bytes, "corpus: cannot read '", name, "': ", std::strerror(errno));
+  KVLAB_CHECK(!bytes->empty(), "corpus: '", name, "' is empty");
+
+  const uint64_t hash = fnv1a64(*bytes);
+  const fs::path cache = token_cache_path(file, hash, kind);
+  std::optional<TokenCache> tokens;
+  if (use_cache) tokens = read_token_cache(cache, hash, kind);
+  if (!tokens) {
+    tokens = tokenize(*bytes, kind, "corpus '" + name + "'");
+    if (use_cache) write_token_cache(cache, hash, tokens->tokenizer, tokens->ids);
+  }
+
+  const std::vector<int32_t>& ids = tokens->ids;
+  const auto n_train = static_cast<size_t>((1.0 - val_fraction) * static_cast<double>(ids.size()));
+  return Corpus{std::move(tokens->tokenizer),
+                std::vector<int32_t>(ids.begin(), ids.begin() + n_train),
+                std::vector<int32_t>(ids.begin() + n_train, ids.end()), name, hash};
+}
+
+void check_corpus_fits(const Corpus& corpus, int block_size) {
+  KVLAB_CHECK(block_size >= 1, "corpus: block_size must be positive, got ", block_size);
+  const size_t need = static_cast<size_t>(block_size) + 1;
+  KVLAB_CHECK(corpus.train.size() >= need && corpus.val.size() >= need, "corpus '", corpus.path,
+              "' is too short for block_size ", block_size, ": train has ", corpus.train.size(),
+              " tokens and val has ", corpus.val.size(), ", each split needs at least ", need,
+              " (block_size + 1)");
+}
+
+}  // namespace kvlab
