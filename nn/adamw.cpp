@@ -1,0 +1,57 @@
+#include "nn/adamw.h"
+
+#include <cmath>
+
+#include "autograd/backend/cpu/kernels.h"
+
+namespace kvlab {
+
+AdamW::AdamW(NamedTensors params, const AdamWConfig& cfg) : params_(std::move(params)), cfg_(cfg) {
+  for (auto& [name, p] : params_) {
+    KVLAB_CHECK(p.dtype() == DType::F32 && p.is_contiguous(), "adamw: parameter ", name,
+                " must be a contiguous f32 tensor");
+    m_.emplace_back(name, Tensor::zeros(p.sizes()));
+    v_.emplace_back(name, Tensor::zeros(p.sizes()));
+  }
+}
+
+void AdamW::step(double lr, double grad_scale) {
+  ++step_;
+  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step_));
+  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(step_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i].second;
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    const Tensor gc = g.contiguous();
+    const cpu::AdamWStep s{static_cast<float>(lr),
+                           static_cast<float>(cfg_.beta1),
+                           static_cast<float>(cfg_.beta2),
+                           static_cast<float>(cfg_.eps),
+                           static_cast<float>(p.dim() >= 2 ? cfg_.weight_decay : 0.0),
+                           static_cast<float>(bc1),
+                           static_cast<float>(bc2),
+                           static_cast<float>(grad_scale)};
+    cpu::adamw_update(p.data<float>(), gc.data<float>(), m_[i].second.data<float>(),
+                      v_[i].second.data<float>(), p.numel(), s);
+  }
+}
+
+double global_grad_norm(const NamedTensors& params) {
+  double s = 0;
+  for (auto& [name, p] : params) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    const Tensor gc = g.contiguous();
+    s += cpu::sum_squares(gc.data<float>(), gc.numel());
+  }
+  return std::sqrt(s);
+}
+
+double clip_factor(double norm, double max_norm) {
+  if (max_norm <= 0) return 1.0;
+  const double f = max_norm / (norm + 1e-6);
+  return f < 1.0 ? f : 1.0;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,171 @@
+#include "nn/gpt.h"
+
+#include <cmath>
+
+#include "autograd/graph.h"
+#include "autograd/ops/ops.h"
+
+namespace kvlab {
+
+void GPTConfig::validate() const {
+  KVLAB_CHECK(vocab_size > 0, "config: vocab_size must be positive, got ", vocab_size);
+  KVLAB_CHECK(block_size >= 1, "config: block_size must be >= 1, got ", block_size);
+  KVLAB_CHECK(n_layer >= 1, "config: n_layer must be >= 1, got ", n_layer);
+  KVLAB_CHECK(n_head >= 1, "config: n_head must be >= 1, got ", n_head);
+  KVLAB_CHECK(n_embd >= 1, "config: n_embd must be >= 1, got ", n_embd);
+  KVLAB_CHECK(n_embd % n_head == 0, "config: n_embd = ", n_embd,
+              " is not divisible by n_head = ", n_head);
+  KVLAB_CHECK(n_kv_head >= 1 && n_kv_head <= n_head, "config: n_kv_head = ", n_kv_head,
+              " must be in [1, n_head = ", n_head, "]");
+  KVLAB_CHECK(n_head % n_kv_head == 0, "config: n_head = ", n_head,
+              " is not divisible by n_kv_head = ", n_kv_head);
+  KVLAB_CHECK(mlp_hidden >= 0, "config: mlp_hidden must be >= 0, got ", mlp_hidden);
+  KVLAB_CHECK(dropout >= 0 && dropout < 1, "config: dropout ", dropout, " outside [0, 1)");
+}
+
+namespace {
+// Dropout sites get independent masks: seed of site k in layer l = hash(forward seed, site).
+uint64_t site_seed(const ForwardContext& ctx, int layer, int site) {
+  return hash64(ctx.dropout_seed, static_cast<uint64_t>(layer) * 8 + static_cast<uint64_t>(site));
+}
+Tensor maybe_dropout(const Tensor& x, double p, const ForwardContext& ctx, int layer, int site) {
+  return ctx.dropout_on && p > 0 ? dropout(x, p, site_seed(ctx, layer, site)) : x;
+}
+}  // namespace
+
+CausalSelfAttention::CausalSelfAttention(int64_t n_embd, int64_t nh, int64_t nkv, double p)
+    : q_proj(n_embd, n_embd),
+      k_proj(n_embd, nkv * (n_embd / nh)),
+      v_proj(n_embd, nkv * (n_embd / nh)),
+      c_proj(n_embd, n_embd),
+      n_head(nh),
+      n_kv_head(nkv),
+      head_size(n_embd / nh),
+      dropout(p) {
+  register_module("q_proj", q_proj);
+  register_module("k_proj", k_proj);
+  register_module("v_proj", v_proj);
+  register_module("c_proj", c_proj);
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, int layer) const {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  // Projections stay in (B, T, H, HS) memory; the attention op reads them through
+  // transposed (B, H, T, HS) views, so no transposing copy is made.
+  Tensor q = transpose(reshape(q_proj.forward(x), {B, T, n_head, head_size}), 1, 2);
+  Tensor k = transpose(reshape(k_proj.forward(x), {B, T, n_kv_head, head_size}), 1, 2);
+  Tensor v = transpose(reshape(v_proj.forward(x), {B, T, n_kv_head, head_size}), 1, 2);
+  AttentionOptions opts;
+  if (ctx.cache != nullptr) {
+    auto [kc, vc] = ctx.cache->append(layer, k, v);  // (B, NKV, S, HS)
+    opts.kv_lengths = ctx.cache->lengths();
+    for (auto& len : opts.kv_lengths) len += T;
+    k = kc;
+    v = vc;
+  }
+  if (ctx.dropout_on && dropout > 0) {
+    opts.dropout = dropout;
+    opts.seed = site_seed(ctx, layer, 0);
+  }
+  Tensor y = causal_attention(q, k, v, opts);        // (B, NH, T, HS)
+  y = reshape(transpose(y, 1, 2), {B, T, C});         // a view: y is (B, T, NH, HS) in memory
+  return maybe_dropout(c_proj.forward(y), dropout, ctx, layer, 1);
+}
+
+Block::Block(const GPTConfig& cfg)
+    : ln_1(cfg.n_embd),
+      attn(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.dropout),
+      ln_2(cfg.n_embd),
+      mlp(cfg.n_embd, cfg.hidden()),
+      dropout(cfg.dropout) {
+  register_module("ln_1", ln_1);
+  register_module("attn", attn);
+  register_module("ln_2", ln_2);
+  register_module("mlp", mlp);
+}
+
+Tensor Block::forward(const Tensor& x_in, const ForwardContext& ctx, int layer) const {
+  Tensor x = add(x_in, attn.forward(ln_1.forward(x_in), ctx, layer));
+  return add(x, maybe_dropout(mlp.forward(ln_2.forward(x)), dropout, ctx, layer, 2));
+}
+
+GPT::GPT(const GPTConfig& cfg, uint64_t seed)
+    : wte((cfg.validate(), cfg.vocab_size), cfg.n_embd),
+      wpe(cfg.block_size, cfg.n_embd),
+      ln_f(cfg.n_embd),
+      cfg_(cfg),
+      dropout_gen_(hash64(seed, 0x64726f70)) {
+  register_module("wte", wte);
+  register_module("wpe", wpe);
+  for (int64_t l = 0; l < cfg.n_layer; ++l) {
+    blocks.push_back(std::make_unique<Block>(cfg));
+    register_module("blocks." + std::to_string(l), *blocks.back());
+  }
+  register_module("ln_f", ln_f);
+  if (!cfg.tied) {
+    lm_head = std::make_unique<Linear>(cfg.n_embd, cfg.vocab_size, false);
+    register_module("lm_head", *lm_head);
+  }
+  Generator gen(seed);
+  const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
+  for (auto& [name, t] : named_parameters()) {
+    if (t.dim() < 2) continue;  // biases stay 0, LayerNorm weights 1
+    const bool resid = name.ends_with("c_proj.weight");
+    Tensor p = t;
+    normal_(p, gen, resid ? resid_std : 0.02);
+  }
+}
+
+const Tensor& GPT::lm_head_weight() const { return lm_head ? lm_head->weight : wte.weight; }
+
+Tensor GPT::forward(const Tensor& tokens, KVCache* cache, bool last_only) {
+  KVLAB_CHECK(tokens.dtype() == DType::I32 && tokens.dim() == 2, "gpt: tokens must be (B, T) i32, got ",
+              tokens.shape_str(), " ", dtype_name(tokens.dtype()));
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  KVLAB_CHECK(T >= 1, "gpt: empty sequence");
+  ForwardContext ctx;
+  ctx.cache = cache;
+  ctx.dropout_on = training() && cfg_.dropout > 0 && grad_enabled();
+  if (ctx.dropout_on) ctx.dropout_seed = dropout_gen_.next_u64();
+  Tensor pos;  // (T) shared by all rows, or (B, T) when rows continue from different lengths
+  if (cache == nullptr) {
+    KVLAB_CHECK(T <= cfg_.block_size, "gpt: sequence of ", T, " tokens exceeds block_size ",
+                cfg_.block_size);
+    pos = Tensor::empty({T}, DType::I32);
+    for (int64_t t = 0; t < T; ++t) pos.data<int32_t>()[t] = static_cast<int32_t>(t);
+  } else {
+    KVLAB_CHECK(cache->batch() == B, "gpt: cache holds ", cache->batch(), " rows, tokens have ", B);
+    pos = Tensor::empty({B, T}, DType::I32);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = cache->lengths()[b];
+      KVLAB_CHECK(len + T <= cfg_.block_size && len + T <= cache->capacity(), "gpt: row ", b,
+                  " would reach position ", len + T, " past the context limit (block_size ",
+                  cfg_.block_size, ", cache capacity ", cache->capacity(), ")");
+      for (int64_t t = 0; t < T; ++t)
+        pos.data<int32_t>()[b * T + t] = static_cast<int32_t>(len + t);
+    }
+  }
+  Tensor x = add(wte.forward(tokens), wpe.forward(pos));  // (B, T, C)
+  x = maybe_dropout(x, cfg_.dropout, ctx, static_cast<int>(cfg_.n_layer), 3);
+  for (size_t l = 0; l < blocks.size(); ++l) x = blocks[l]->forward(x, ctx, static_cast<int>(l));
+  if (cache != nullptr) cache->advance(T);
+  if (last_only && T > 1) x = narrow(x, 1, T - 1, 1);
+  x = ln_f.forward(x);
+  return linear(x, lm_head_weight());
+}
+
+Tensor GPT::loss(const Tensor& tokens, const Tensor& targets) {
+  return cross_entropy(forward(tokens), targets);
+}
+
+int64_t count_parameters(const GPTConfig& c) {
+  const int64_t C = c.n_embd, kv = c.n_kv_head * c.head_size(), H = c.hidden();
+  const int64_t attn = (C * C + C) * 2 + (C * kv + kv) * 2;
+  const int64_t mlp = (C * H + H) + (H * C + C);
+  const int64_t block = attn + mlp + 4 * C;
+  int64_t n = c.vocab_size * C + c.block_size * C + c.n_layer * block + 2 * C;
+  if (!c.tied) n += c.vocab_size * C;
+  return n;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,89 @@
+#pragma once
+// The GPT: token + learned position embeddings, pre-norm blocks of grouped-query attention
+// and an MLP, a final LayerNorm and an LM head tied to the token embedding by default.
+// Training calls forward without a cache; inference calls it in a no-grad scope with one.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "autograd/random.h"
+#include "nn/kv_cache.h"
+#include "nn/layers.h"
+
+namespace kvlab {
+
+struct GPTConfig {
+  int64_t vocab_size = 0;
+  int64_t block_size = 64;
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_kv_head = 4;
+  int64_t n_embd = 128;
+  int64_t mlp_hidden = 0;  // 0: 4 * n_embd
+  double dropout = 0.0;
+  bool tied = true;
+
+  int64_t head_size() const { return n_embd / n_head; }
+  int64_t hidden() const { return mlp_hidden > 0 ? mlp_hidden : 4 * n_embd; }
+  // Throws kvlab::Error naming the offending setting.
+  void validate() const;
+};
+
+// Per-forward settings shared by every layer.
+struct ForwardContext {
+  KVCache* cache = nullptr;
+  uint64_t dropout_seed = 0;  // each dropout site derives its own mask seed from it
+  bool dropout_on = false;
+};
+
+class CausalSelfAttention : public Module {
+ public:
+  CausalSelfAttention(int64_t n_embd, int64_t n_head, int64_t n_kv_head, double dropout);
+  Tensor forward(const Tensor& x, const ForwardContext& ctx, int layer) const;  // (B, T, C)
+  Linear q_proj, k_proj, v_proj, c_proj;  // k, v: (NKV * HS, C)
+  int64_t n_head, n_kv_head, head_size;
+  double dropout;
+};
+
+class Block : public Module {
+ public:
+  explicit Block(const GPTConfig& cfg);
+  Tensor forward(const Tensor& x, const ForwardContext& ctx, int layer) const;
+  LayerNorm ln_1;
+  CausalSelfAttention attn;
+  LayerNorm ln_2;
+  MLP mlp;
+  double dropout;
+};
+
+class GPT : public Module {
+ public:
+  // Parameters drawn with GPT-2's initialisation from `seed`: N(0, 0.02), residual output
+  // projections N(0, 0.02 / sqrt(2 L)), zero biases, unit LayerNorm weights.
+  GPT(const GPTConfig& cfg, uint64_t seed);
+
+  // tokens (B, T) i32 -> logits (B, T, V), or (B, 1, V) for the last position only. With a
+  // cache, positions continue from each row's cached length and the cache is extended.
+  Tensor forward(const Tensor& tokens, KVCache* cache = nullptr, bool last_only = false);
+  // Mean cross-entropy of forward(tokens) against targets (B, T).
+  Tensor loss(const Tensor& tokens, const Tensor& targets);
+
+  const GPTConfig& config() const { return cfg_; }
+  const Tensor& lm_head_weight() const;
+  // Source of dropout seeds; its state goes into checkpoints so resumed runs repeat exactly.
+  Generator& dropout_generator() { return dropout_gen_; }
+
+  Embedding wte, wpe;
+  std::vector<std::unique_ptr<Block>> blocks;
+  LayerNorm ln_f;
+  std::unique_ptr<Linear> lm_head;  // only when untied
+
+ private:
+  GPTConfig cfg_;
+  Generator dropout_gen_;
+};
+
+// Parameter count of a config without building it (for --param-matched search).
+int64_t count_parameters(const GPTConfig& cfg);
+
+}  // namespace kvlab

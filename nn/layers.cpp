@@ -1,0 +1,34 @@
+#include "nn/layers.h"
+
+#include "autograd/ops/ops.h"
+
+namespace kvlab {
+
+Linear::Linear(int64_t in, int64_t out, bool with_bias) {
+  weight = register_parameter("weight", Tensor::zeros({out, in}));
+  if (with_bias) bias = register_parameter("bias", Tensor::zeros({out}));
+}
+
+Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
+
+Embedding::Embedding(int64_t num, int64_t dim) {
+  weight = register_parameter("weight", Tensor::zeros({num, dim}));
+}
+
+Tensor Embedding::forward(const Tensor& ids) const { return embedding(ids, weight); }
+
+LayerNorm::LayerNorm(int64_t dim, double eps_) : eps(eps_) {
+  weight = register_parameter("weight", Tensor::full({dim}, 1.0));
+  bias = register_parameter("bias", Tensor::zeros({dim}));
+}
+
+Tensor LayerNorm::forward(const Tensor& x) const { return layer_norm(x, weight, bias, eps); }
+
+MLP::MLP(int64_t n_embd, int64_t hidden) : c_fc(n_embd, hidden), c_proj(hidden, n_embd) {
+  register_module("c_fc", c_fc);
+  register_module("c_proj", c_proj);
+}
+
+Tensor MLP::forward(const Tensor& x) const { return c_proj.forward(gelu(c_fc.forward(x))); }
+
+}  // namespace kvlab

@@ -1,0 +1,121 @@
+#include "nn/gpt.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "autograd/graph.h"
+#include "autograd/ops/ops.h"
+
+namespace kvlab {
+namespace {
+
+GPTConfig tiny(int64_t nkv = 2) {
+  GPTConfig c;
+  c.vocab_size = 13;
+  c.block_size = 8;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_kv_head = nkv;
+  c.n_embd = 16;
+  return c;
+}
+
+template <class F>
+void expect_config_error(F mutate, const std::string& needle) {
+  GPTConfig c = tiny();
+  mutate(c);
+  try {
+    c.validate();
+    FAIL() << "no error for " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(GptConfig, ValidationNamesTheSetting) {
+  expect_config_error([](GPTConfig& c) { c.n_embd = 18; }, "not divisible by n_head");
+  expect_config_error([](GPTConfig& c) { c.n_kv_head = 3; }, "not divisible by n_kv_head");
+  expect_config_error([](GPTConfig& c) { c.n_kv_head = 8; }, "n_kv_head = 8");
+  expect_config_error([](GPTConfig& c) { c.n_kv_head = 0; }, "n_kv_head = 0");
+  expect_config_error([](GPTConfig& c) { c.block_size = 0; }, "block_size");
+  expect_config_error([](GPTConfig& c) { c.vocab_size = 0; }, "vocab_size");
+  expect_config_error([](GPTConfig& c) { c.n_layer = -1; }, "n_layer");
+  expect_config_error([](GPTConfig& c) { c.dropout = 1.0; }, "dropout");
+  EXPECT_THROW(GPT(GPTConfig{}, 0), Error);  // vocab_size 0
+}
+
+TEST(Gpt, ParameterNamesFollowTheModuleTree) {
+  GPT m(tiny(2), 1);
+  const auto params = m.named_parameters();
+  std::vector<std::string> names;
+  for (auto& [n, t] : params) names.push_back(n);
+  ASSERT_EQ(names.size(), 4u + 2 * 16u);
+  EXPECT_EQ(names[0], "wte.weight");
+  EXPECT_EQ(names[1], "wpe.weight");
+  EXPECT_EQ(names[2], "blocks.0.ln_1.weight");
+  EXPECT_EQ(names[4], "blocks.0.attn.q_proj.weight");
+  EXPECT_EQ(names[6], "blocks.0.attn.k_proj.weight");
+  EXPECT_EQ(names.back(), "ln_f.bias");
+  EXPECT_EQ(params[6].second.sizes(), (Shape{2 * 4, 16}));  // NKV * HS rows
+  EXPECT_EQ(m.num_parameters(), count_parameters(tiny(2)));
+  GPTConfig untied = tiny(1);
+  untied.tied = false;
+  GPT mu(untied, 1);
+  EXPECT_EQ(mu.named_parameters().back().first, "lm_head.weight");
+  EXPECT_EQ(mu.num_parameters(), count_parameters(untied));
+  EXPECT_EQ(mu.num_parameters() - count_parameters(tiny(1)), 13 * 16);
+}
+
+TEST(Gpt, Gpt2Initialisation) {
+  GPTConfig c = tiny(4);
+  c.n_embd = 64;
+  c.vocab_size = 512;
+  GPT m(c, 7);
+  auto stdev = [](const Tensor& t) {
+    double s = 0, s2 = 0;
+    for (double v : t.to_vector<double>()) {
+      s += v;
+      s2 += v * v;
+    }
+    const double n = static_cast<double>(t.numel());
+    return std::sqrt(s2 / n - (s / n) * (s / n));
+  };
+  EXPECT_NEAR(stdev(m.wte.weight), 0.02, 0.001);
+  EXPECT_NEAR(stdev(m.blocks[0]->mlp.c_fc.weight), 0.02, 0.001);
+  EXPECT_NEAR(stdev(m.blocks[0]->attn.c_proj.weight), 0.02 / 2.0, 0.001);  // 1/sqrt(2*2)
+  EXPECT_EQ(m.blocks[0]->ln_1.weight.to_vector<float>()[0], 1.0f);
+  EXPECT_EQ(m.blocks[0]->attn.q_proj.bias.to_vector<float>()[3], 0.0f);
+  GPT same(c, 7), other(c, 8);
+  EXPECT_EQ(same.wte.weight.to_vector<float>(), m.wte.weight.to_vector<float>());
+  EXPECT_NE(other.wte.weight.to_vector<float>(), m.wte.weight.to_vector<float>());
+}
+
+TEST(Gpt, ForwardShapesAndErrors) {
+  GPT m(tiny(1), 3);
+  Tensor tok = Tensor::from_vector<int32_t>({1, 2, 3, 4, 5, 6}, {2, 3});
+  EXPECT_EQ(m.forward(tok).sizes(), (Shape{2, 3, 13}));
+  EXPECT_EQ(m.forward(tok, nullptr, true).sizes(), (Shape{2, 1, 13}));
+  Tensor too_long = Tensor::zeros({1, 9}, DType::I32);
+  EXPECT_THROW(m.forward(too_long), Error);
+  Tensor bad_id = Tensor::from_vector<int32_t>({1, 13}, {1, 2});
+  EXPECT_THROW(m.forward(bad_id), Error);
+  EXPECT_THROW(m.forward(Tensor::zeros({2, 3})), Error);  // f32 tokens
+}
+
+TEST(Gpt, DropoutOnlyInTrainingAndReproducible) {
+  GPTConfig c = tiny(2);
+  c.dropout = 0.2;
+  Tensor tok = Tensor::from_vector<int32_t>({1, 2, 3, 4, 5, 6}, {1, 6});
+  GPT a(c, 5), b(c, 5);
+  const auto la = a.forward(tok).to_vector<float>();
+  const auto lb = b.forward(tok).to_vector<float>();
+  EXPECT_EQ(la, lb);  // same seed, same masks
+  EXPECT_NE(la, a.forward(tok).to_vector<float>());  // next forward, new masks
+  a.set_training(false);
+  const auto e1 = a.forward(tok).to_vector<float>();
+  EXPECT_EQ(e1, a.forward(tok).to_vector<float>());  // eval: deterministic, no dropout
+}
+
+}  // namespace
+}  // namespace kvlab
