@@ -1,0 +1,728 @@
+#include "apps/report/report.h"
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "apps/report/svg_plot.h"
+#include "autograd/error.h"
+
+extern char** environ;
+
+namespace kvlab {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+std::optional<double> number(const json& obj, const char* key) {
+  const auto it = obj.find(key);
+  if (it == obj.end() || !it->is_number()) return std::nullopt;
+  return it->get<double>();
+}
+
+// One variant of the results, with what verdicts and tables need checked up front.
+struct Variant {
+  int n_kv = 0;
+  std::string kind;  // MHA, GQA or MQA
+  int seeds = 0;     // entries in "runs"; fewer than 2 means no spread was measured
+  double mean = 0, std = 0;
+  const json* j = nullptr;
+
+  std::string label() const { return "n_kv_head=" + std::to_string(n_kv) + " (" + kind + ")"; }
+  std::optional<double> get(const char* key) const { return number(*j, key); }
+};
+
+struct Parsed {
+  std::vector<Variant> variants;  // n_kv_head descending
+  int n_head = 0;                 // config.n_head, else the largest n_kv_head
+};
+
+Parsed parse(const json& results) {
+  KVLAB_CHECK(results.is_object(), "report: results must be a JSON object, got ",
+              results.type_name());
+  const auto it = results.find("variants");
+  KVLAB_CHECK(it != results.end() && it->is_array() && !it->empty(),
+              "report: results have no non-empty 'variants' array");
+  Parsed p;
+  for (std::size_t i = 0; i < it->size(); ++i) {
+    const json& v = (*it)[i];
+    KVLAB_CHECK(v.is_object(), "report: variants[", i, "] is not an object");
+    const auto n_kv = number(v, "n_kv_head");
+    KVLAB_CHECK(n_kv && *n_kv >= 1 && *n_kv <= 1 << 20 && *n_kv == std::floor(*n_kv),
+                "report: variants[", i, "] has no positive integer 'n_kv_head'");
+    const auto mean = number(v, "val_loss_mean");
+    KVLAB_CHECK(mean.has_value(), "report: variant n_kv_head=", *n_kv,
+                " has no number 'val_loss_mean'");
+    const auto runs = v.find("runs");
+    Variant var;
+    var.n_kv = static_cast<int>(*n_kv);
+    var.seeds = runs != v.end() && runs->is_array() ? static_cast<int>(runs->size()) : 0;
+    var.mean = *mean;
+    var.std = number(v, "val_loss_std").value_or(0.0);
+    var.j = &v;
+    for (const Variant& other : p.variants)
+      KVLAB_CHECK(other.n_kv != var.n_kv, "report: two variants with n_kv_head=", var.n_kv);
+    p.variants.push_back(var);
+  }
+  std::sort(p.variants.begin(), p.variants.end(),
+            [](const Variant& x, const Variant& y) { return x.n_kv > y.n_kv; });
+  const json& config = results.value("config", json::object());
+  const auto n_head = config.is_object() ? number(config, "n_head") : std::nullopt;
+  p.n_head = n_head ? static_cast<int>(*n_head) : p.variants.front().n_kv;
+  for (Variant& v : p.variants) v.kind = v.n_kv == p.n_head ? "MHA" : v.n_kv == 1 ? "MQA" : "GQA";
+  return p;
+}
+
+std::string loss_pm(const Variant& v) { return fmt("%.4f", v.mean) + " ± " + fmt("%.4f", v.std); }
+
+Verdict compare(const Variant& a, const Variant& b) {
+  Verdict out{a.n_kv, b.n_kv, a.label() + " vs " + b.label() + ": ", false};
+  const double diff = std::abs(a.mean - b.mean);
+  if (std::min(a.seeds, b.seeds) < 2) {
+    out.text += "no spread measured (1 seed): difference " + fmt("%.4f", diff) +
+                " is not a ranking; " + fmt("%.4f", a.mean) + " vs " + fmt("%.4f", b.mean);
+    return out;
+  }
+  const std::string figures = "; " + loss_pm(a) + " vs " + loss_pm(b);
+  if (diff <= a.std + b.std) {
+    out.text += "not distinguishable at this budget" + figures;
+    return out;
+  }
+  out.distinguishable = true;
+  const Variant& lower = a.mean < b.mean ? a : b;
+  // Pooled over the two variants: with equal stds this is simply "how many stds apart".
+  const double pooled = std::sqrt((a.std * a.std + b.std * b.std) / 2);
+  out.text += lower.label() + " has the lower val loss, by " + fmt("%.4f", diff);
+  if (pooled > 0) out.text += ", " + fmt("%.1f", diff / pooled) + " pooled std apart";
+  out.text += figures;
+  return out;
+}
+
+std::vector<Verdict> verdicts(const Parsed& p) {
+  const auto& vs = p.variants;
+  std::vector<Verdict> out;
+  for (std::size_t i = 0; i + 1 < vs.size(); ++i) out.push_back(compare(vs[i], vs[i + 1]));
+  const auto mha =
+      std::find_if(vs.begin(), vs.end(), [](const Variant& v) { return v.kind == "MHA"; });
+  if (mha == vs.end()) return out;
+  const std::size_t m = mha - vs.begin();
+  for (std::size_t j = 0; j < vs.size(); ++j)
+    if (j + 1 < m || j > m + 1)  // adjacent pairs are already compared
+      out.push_back(compare(vs[std::min(j, m)], vs[std::max(j, m)]));
+  return out;
+}
+
+// --- tables ------------------------------------------------------------------------------
+
+enum class Bytes { human, exact };
+
+std::string bytes(std::optional<double> b, Bytes style) {
+  if (!b) return "-";
+  if (style == Bytes::exact) return fmt("%.0f", *b);
+  const double v = *b;
+  if (v < 1024) return fmt("%.0f B", v);
+  if (v < 1024.0 * 1024) return fmt("%.1f KiB", v / 1024);
+  if (v < 1024.0 * 1024 * 1024) return fmt("%.1f MiB", v / (1024.0 * 1024));
+  return fmt("%.2f GiB", v / (1024.0 * 1024 * 1024));
+}
+
+std::string figure(std::optional<double> v, const char* format) {
+  return v ? fmt(format, *v) : "-";
+}
+
+std::string rate(std::optional<double> v) {
+  return !v ? "-" : *v < 100 ? fmt("%.1f", *v) : fmt("%.0f", *v);
+}
+
+std::optional<double> speedup(const Variant& v) {
+  const auto with = v.get("decode_tokens_per_s_cache");
+  const auto without = v.get("decode_tokens_per_s_nocache");
+  if (!with || !without || *without <= 0) return std::nullopt;
+  return *with / *without;
+}
+
+struct Table {
+  std::vector<std::string> header;
+  std::vector<std::vector<std::string>> rows;
+};
+
+Table record_table(const Parsed& p, Bytes style) {
+  Table t{{"n_kv_head", "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"}, {}};
+  for (const Variant& v : p.variants)
+    t.rows.push_back({std::to_string(v.n_kv), bytes(v.get("cache_bytes_context_measured"), style),
+                      bytes(v.get("cache_bytes_context_formula"), style),
+                      figure(v.get("vs_mha"), "%.3fx"), rate(v.get("decode_tokens_per_s_cache")),
+                      v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)"});
+  return t;
+}
+
+Table detail_table(const Parsed& p, Bytes style) {
+  Table t{{"n_kv_head", "params", "bpc", "cache bytes/token", "sequences in budget",
+           "tokens/s (no cache)", "cache speed-up", "TTFT ms", "TPOT ms"},
+          {}};
+  for (const Variant& v : p.variants)
+    t.rows.push_back({std::to_string(v.n_kv), figure(v.get("params"), "%.0f"),
+                      figure(v.get("bpc"), "%.4f"), bytes(v.get("cache_bytes_per_token"), style),
+                      figure(v.get("sequences_in_budget"), "%.0f"),
+                      rate(v.get("decode_tokens_per_s_nocache")), figure(speedup(v), "%.2fx"),
+                      figure(v.get("ttft_ms"), "%.3f"), figure(v.get("tpot_ms"), "%.3f")});
+  return t;
+}
+
+// Terminal columns count code points, not bytes ("±" is two bytes).
+std::size_t display_width(const std::string& s) {
+  return std::count_if(s.begin(), s.end(),
+                       [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+}
+
+std::string render_text(const Table& t) {
+  std::vector<std::size_t> w(t.header.size());
+  for (std::size_t c = 0; c < w.size(); ++c) {
+    w[c] = display_width(t.header[c]);
+    for (const auto& row : t.rows) w[c] = std::max(w[c], display_width(row[c]));
+  }
+  std::string out;
+  auto line = [&](const std::vector<std::string>& cells) {
+    for (std::size_t c = 0; c < cells.size(); ++c) {
+      if (c) out += " | ";
+      out += std::string(w[c] - display_width(cells[c]), ' ') + cells[c];
+    }
+    out += '\n';
+  };
+  line(t.header);
+  for (std::size_t c = 0; c < w.size(); ++c) out += (c ? "-+-" : "") + std::string(w[c], '-');
+  out += '\n';
+  for (const auto& row : t.rows) line(row);
+  return out;
+}
+
+// Markdown-safe cell text: HTML-escaped, markdown punctuation backslashed, newlines as <br>.
+std::string md_escape(const std::string& s) {
+  std::string out;
+  for (char c : svg::escape_xml(s)) {
+    if (c == '\n') {
+      out += "<br>";
+      continue;
+    }
+    if (c == '\r') continue;
+    // '_' stays: GFM ignores intraword underscores, and n_kv_head reads better unescaped.
+    if (std::string_view("\\`*[]|~#").find(c) != std::string_view::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+std::string render_markdown(const Table& t) {
+  std::string out = "|";
+  for (const auto& h : t.header) out += " " + md_escape(h) + " |";
+  out += "\n|";
+  for (std::size_t c = 0; c < t.header.size(); ++c) out += "---:|";
+  out += '\n';
+  for (const auto& row : t.rows) {
+    out += "|";
+    for (const auto& cell : row) {
+      out += ' ';
+      out += md_escape(cell);
+      out += " |";
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+std::string render_html(const Table& t) {
+  std::string out = "<table>\n<thead><tr>";
+  for (const auto& h : t.header) out += "<th>" + svg::escape_xml(h) + "</th>";
+  out += "</tr></thead>\n<tbody>\n";
+  for (const auto& row : t.rows) {
+    out += "<tr>";
+    for (const auto& cell : row) out += "<td>" + svg::escape_xml(cell) + "</td>";
+    out += "</tr>\n";
+  }
+  return out + "</tbody>\n</table>\n";
+}
+
+// --- CSV ---------------------------------------------------------------------------------
+
+std::string csv_field(const json& v) {
+  if (v.is_null()) return "";
+  // Whole doubles print as integers ("262144", not "262144.0"); others round-trip exactly.
+  if (v.is_number_float() && std::abs(v.get<double>()) < 1e15 &&
+      v.get<double>() == std::floor(v.get<double>()))
+    return fmt("%.0f", v.get<double>());
+  if (!v.is_string()) return v.dump();
+  const std::string s = v.get<std::string>();
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::string make_csv(const Parsed& p) {
+  // Known figures first in a fixed order, derived ones next, then any other scalar keys.
+  const std::vector<std::string> known = {"n_kv_head",
+                                          "params",
+                                          "val_loss_mean",
+                                          "val_loss_std",
+                                          "bpc",
+                                          "cache_bytes_per_token",
+                                          "cache_bytes_context_measured",
+                                          "cache_bytes_context_formula",
+                                          "vs_mha",
+                                          "sequences_in_budget",
+                                          "decode_tokens_per_s_cache",
+                                          "decode_tokens_per_s_nocache",
+                                          "ttft_ms",
+                                          "tpot_ms"};
+  const std::vector<std::string> derived = {"attention", "seeds", "cache_speedup",
+                                            "train_tokens_per_s_mean"};
+  std::set<std::string> extra;
+  for (const Variant& v : p.variants)
+    for (const auto& [key, value] : v.j->items())
+      if (value.is_primitive() && !value.is_null() &&
+          std::find(known.begin(), known.end(), key) == known.end())
+        extra.insert(key);
+  std::vector<std::string> columns = known;
+  columns.insert(columns.end(), derived.begin(), derived.end());
+  columns.insert(columns.end(), extra.begin(), extra.end());
+
+  std::string out;
+  for (std::size_t c = 0; c < columns.size(); ++c) out += (c ? "," : "") + columns[c];
+  out += '\n';
+  for (const Variant& v : p.variants) {
+    double train_sum = 0;
+    int train_n = 0;
+    for (const json& run : v.j->value("runs", json::array()))
+      if (const auto t = run.is_object() ? number(run, "train_tokens_per_s") : std::nullopt)
+        train_sum += *t, ++train_n;
+    const auto sp = speedup(v);
+    const std::map<std::string, json> derived_values = {
+        {"attention", v.kind},
+        {"seeds", v.seeds},
+        {"cache_speedup", sp ? json(*sp) : json()},
+        {"train_tokens_per_s_mean", train_n ? json(train_sum / train_n) : json()}};
+    for (std::size_t c = 0; c < columns.size(); ++c) {
+      const auto d = derived_values.find(columns[c]);
+      const json& value = d != derived_values.end() ? d->second : v.j->value(columns[c], json());
+      if (c) out += ',';
+      if (value.is_primitive()) out += csv_field(value);
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+// --- plots -------------------------------------------------------------------------------
+
+const std::string kPlotNames[] = {"val_loss_curves", "val_loss_vs_kv", "cache_bytes_vs_kv",
+                                  "tokens_per_s_vs_kv"};
+
+std::vector<double> kv_axis(const Parsed& p) {
+  std::vector<double> x;
+  for (const Variant& v : p.variants) x.push_back(v.n_kv);
+  return x;
+}
+
+svg::Plot curves_plot(const Parsed& p) {
+  svg::Plot plot;
+  plot.title = "Validation loss during training";
+  plot.note = "thin: each seed; bold: mean across seeds";
+  plot.x_label = "step";
+  plot.y_label = "val loss (nats/token)";
+  std::vector<svg::Series> means;
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    const Variant& v = p.variants[i];
+    std::map<double, std::pair<double, int>> by_step;  // step -> (sum, seeds reporting it)
+    int curves = 0;
+    for (const json& run : v.j->value("runs", json::array())) {
+      const json curve = run.is_object() ? run.value("curve", json::array()) : json::array();
+      if (!curve.is_array() || curve.empty()) continue;
+      svg::Series s;
+      s.color = svg::palette(i);
+      s.line_width = 1.0;
+      s.opacity = 0.45;
+      s.css_class = "seed";
+      for (const json& pt : curve) {
+        const auto step = pt.is_object() ? number(pt, "step") : std::nullopt;
+        const auto loss = pt.is_object() ? number(pt, "val_loss") : std::nullopt;
+        if (!step || !loss) continue;
+        s.x.push_back(*step);
+        s.y.push_back(*loss);
+        by_step[*step].first += *loss;
+        by_step[*step].second += 1;
+      }
+      plot.series.push_back(std::move(s));
+      ++curves;
+    }
+    svg::Series mean;
+    mean.label = v.label();
+    mean.color = svg::palette(i);
+    mean.line_width = 2.5;
+    mean.css_class = "mean";
+    // Only steps every seed reported, so the mean never mixes different sets of seeds.
+    for (const auto& [step, acc] : by_step)
+      if (acc.second == curves) mean.x.push_back(step), mean.y.push_back(acc.first / curves);
+    means.push_back(std::move(mean));
+  }
+  for (auto& m : means) plot.series.push_back(std::move(m));  // drawn last, on top
+  return plot;
+}
+
+svg::Plot loss_vs_kv_plot(const Parsed& p) {
+  svg::Plot plot;
+  plot.title = "Validation loss vs n_kv_head";
+  const int min_seeds =
+      std::min_element(p.variants.begin(), p.variants.end(),
+                       [](const Variant& a, const Variant& b) { return a.seeds < b.seeds; })
+          ->seeds;
+  plot.note = min_seeds >= 2 ? "mean ± std over seeds" : "1 seed: no spread measured";
+  plot.x_label = "n_kv_head (log2 axis)";
+  plot.y_label = "val loss (nats/token)";
+  plot.x_ticks = kv_axis(p);
+  plot.x_log2 = true;
+  svg::Series s;
+  s.x = kv_axis(p);
+  s.line_width = 1.5;
+  s.markers = true;
+  for (const Variant& v : p.variants) {
+    s.y.push_back(v.mean);
+    s.y_err.push_back(v.seeds >= 2 ? v.std : 0.0);
+  }
+  plot.series.push_back(std::move(s));
+  return plot;
+}
+
+svg::Plot cache_plot(const Parsed& p, const json& results) {
+  double top = 0;
+  for (const Variant& v : p.variants)
+    top = std::max({top, v.get("cache_bytes_context_measured").value_or(0),
+                    v.get("cache_bytes_context_formula").value_or(0)});
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (u < 3 && top >= 1024 * std::pow(1024.0, u)) ++u;
+  const double scale = std::pow(1024.0, u);
+  svg::Plot plot;
+  plot.title = "KV-cache bytes per sequence at full context";
+  const json& config = results.value("config", json::object());
+  if (config.is_object() && number(config, "block_size"))
+    plot.note = "context = block_size = " + fmt("%.0f", *number(config, "block_size")) + " tokens";
+  plot.x_label = "n_kv_head (log2 axis)";
+  plot.y_label = std::string("KV cache (") + units[u] + ")";
+  plot.x_ticks = kv_axis(p);
+  plot.x_log2 = true;
+  plot.y_from_zero = true;
+  // The formula is drawn dashed on top: where it matches the measurement, both stay visible.
+  const char* keys[] = {"cache_bytes_context_measured", "cache_bytes_context_formula"};
+  for (int k = 0; k < 2; ++k) {
+    svg::Series s;
+    s.label = k ? "formula" : "measured";
+    s.color = svg::palette(k ? 3 : 0);
+    s.dashed = k == 1;
+    s.markers = k == 0;
+    s.line_width = k ? 2.0 : 3.0;
+    s.x = kv_axis(p);
+    for (const Variant& v : p.variants)
+      s.y.push_back(v.get(keys[k]).value_or(std::nan("")) / scale);
+    plot.series.push_back(std::move(s));
+  }
+  return plot;
+}
+
+svg::Plot speed_plot(const Parsed& p) {
+  svg::Plot plot;
+  plot.title = "Decode speed vs n_kv_head";
+  plot.x_label = "n_kv_head (log2 axis)";
+  plot.y_label = "decode tokens/s";
+  plot.x_ticks = kv_axis(p);
+  plot.x_log2 = true;
+  plot.y_from_zero = true;
+  const char* keys[] = {"decode_tokens_per_s_cache", "decode_tokens_per_s_nocache"};
+  for (int k = 0; k < 2; ++k) {
+    svg::Series s;
+    s.label = k ? "without KV cache" : "with KV cache";
+    s.color = svg::palette(k ? 1 : 0);
+    s.markers = true;
+    s.x = kv_axis(p);
+    for (const Variant& v : p.variants) s.y.push_back(v.get(keys[k]).value_or(std::nan("")));
+    plot.series.push_back(std::move(s));
+  }
+  return plot;
+}
+
+std::string text_of(const json& v) {
+  return v.is_string() ? v.get<std::string>()
+                       : v.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string text_field(const json& obj, const char* key) {
+  const auto it = obj.find(key);
+  return it == obj.end() || it->is_null() ? std::string() : text_of(*it);
+}
+
+// --- samples -----------------------------------------------------------------------------
+
+struct SampleCell {
+  std::string greedy, sampled;
+  std::optional<double> seed;
+};
+
+// Prompts in order of first appearance; for each, every variant's sample (empty if none).
+std::vector<std::pair<std::string, std::vector<SampleCell>>> samples_by_prompt(const Parsed& p) {
+  std::vector<std::pair<std::string, std::vector<SampleCell>>> out;
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    for (const json& s : p.variants[i].j->value("samples", json::array())) {
+      if (!s.is_object()) continue;
+      const std::string prompt = text_field(s, "prompt");
+      auto it =
+          std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == prompt; });
+      if (it == out.end()) {
+        out.emplace_back(prompt, std::vector<SampleCell>(p.variants.size()));
+        it = out.end() - 1;
+      }
+      it->second[i] = {text_field(s, "greedy"), text_field(s, "sampled"), number(s, "seed")};
+    }
+  }
+  return out;
+}
+
+std::string sampled_label(const SampleCell& c) {
+  return c.seed ? "sampled (seed " + fmt("%.0f", *c.seed) + ")" : std::string("sampled");
+}
+
+// --- documents ---------------------------------------------------------------------------
+
+std::string duration(double s) {
+  std::string out = fmt("%.1f s", s);
+  if (s >= 60)
+    out += " (" + fmt("%.0f", std::floor(s / 60)) + " min " + fmt("%.0f", std::fmod(s, 60)) + " s)";
+  return out;
+}
+
+// "key: value" lines describing the run, shared by the Markdown and HTML pages.
+std::vector<std::pair<std::string, std::string>> run_facts(const json& r) {
+  std::vector<std::pair<std::string, std::string>> facts;
+  if (r.contains("started")) facts.emplace_back("started", text_of(r["started"]));
+  if (const auto w = number(r, "wall_s")) facts.emplace_back("wall time", duration(*w));
+  for (const char* group : {"machine", "versions"}) {
+    const json& g = r.value(group, json::object());
+    if (!g.is_object() || g.empty()) continue;
+    std::string line;
+    for (const auto& [k, v] : g.items()) line += (line.empty() ? "" : ", ") + k + " " + text_of(v);
+    facts.emplace_back(group, line);
+  }
+  if (const auto b = number(r, "kv_budget_bytes"))
+    facts.emplace_back("KV budget", fmt("%.0f", *b) + " bytes (" + bytes(b, Bytes::human) + ")");
+  if (const auto d = number(r, "dtype_bytes"))
+    facts.emplace_back("cache element size", fmt("%.0f", *d) + " bytes");
+  if (r.contains("param_matched"))
+    facts.emplace_back(
+        "parameter-matched",
+        r["param_matched"] == true
+            ? "yes"
+            : "no: K/V projections shrink with n_kv_head, and the parameter count with them");
+  return facts;
+}
+
+bool has_config(const json& r) { return r.value("config", json()).is_object(); }
+
+std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verdict>& vs,
+                          bool with_png) {
+  std::ostringstream md;
+  md << "# kvlab ablate: MHA vs GQA vs MQA\n\n";
+  if (r.contains("command")) md << "Command: " << md_escape(text_of(r["command"])) << "\n\n";
+  for (const auto& [k, v] : run_facts(r)) md << "- " << k << ": " << md_escape(v) << '\n';
+  if (has_config(r)) {
+    md << "\n## Configuration\n\n| key | value |\n|---|---|\n";
+    for (const auto& [k, v] : r["config"].items())
+      md << "| " << md_escape(k) << " | " << md_escape(text_of(v)) << " |\n";
+  }
+  md << "\n## Results\n\n"
+     << render_markdown(record_table(p, Bytes::exact)) << '\n'
+     << render_markdown(detail_table(p, Bytes::exact)) << "\nCache bytes are exact bytes.\n";
+  md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
+  for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
+  md << "\n## Plots\n\n";
+  for (const std::string& name : kPlotNames) {
+    md << "![" << name << "](" << name << ".svg)\n\n[" << name << ".svg](" << name << ".svg)";
+    if (with_png) md << " · [" << name << ".png](" << name << ".png)";
+    md << "\n\n";
+  }
+  md << "## Samples\n";
+  for (const auto& [prompt, cells] : samples_by_prompt(p)) {
+    md << "\n### Prompt: " << md_escape(prompt) << "\n\n|  |";
+    for (const Variant& v : p.variants) md << ' ' << md_escape(v.label()) << " |";
+    md << "\n|---|";
+    for (std::size_t i = 0; i < p.variants.size(); ++i) md << "---|";
+    md << "\n| greedy |";
+    for (const SampleCell& c : cells) md << ' ' << md_escape(c.greedy) << " |";
+    md << "\n| sampled |";
+    for (const SampleCell& c : cells)
+      md << ' ' << (c.seed ? "*seed " + fmt("%.0f", *c.seed) + ":* " : "") << md_escape(c.sampled)
+         << " |";
+    md << '\n';
+  }
+  md << "\nAlso: results.json (everything), results.csv (one row per variant), report.html.\n";
+  return md.str();
+}
+
+const char* kCss =
+    R"(body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1200px;
+margin:2em auto;padding:0 1em;color:#222;line-height:1.4}
+h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
+code,pre{font-family:"DejaVu Sans Mono",Menlo,Consolas,monospace;font-size:.9em}
+pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.6em;margin:.2em 0 .8em}
+table{border-collapse:collapse;margin:.8em 0}
+th,td{border:1px solid #ccc;padding:.3em .7em;text-align:right}
+th{background:#f0f0f0}td.key,th.key{text-align:left}
+.plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}
+.samples{display:grid;gap:1em}.samples h4{margin:.2em 0}.kind{color:#666;font-size:.85em}
+dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}dd{margin:0}
+)";
+
+std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>& vs,
+                      const std::vector<std::string>& svgs) {
+  auto e = [](const std::string& s) { return svg::escape_xml(s); };
+  std::ostringstream h;
+  h << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+    << "<title>kvlab ablate report</title>\n<style>\n"
+    << kCss << "</style>\n</head>\n<body>\n"
+    << "<h1>kvlab ablate: MHA vs GQA vs MQA</h1>\n";
+  if (r.contains("command")) h << "<p><code>" << e(text_of(r["command"])) << "</code></p>\n";
+  h << "<dl>\n";
+  for (const auto& [k, v] : run_facts(r)) h << "<dt>" << e(k) << "</dt><dd>" << e(v) << "</dd>\n";
+  h << "</dl>\n<h2>Results</h2>\n"
+    << render_html(record_table(p, Bytes::exact)) << render_html(detail_table(p, Bytes::exact))
+    << "<p>Cache bytes are exact bytes.</p>\n"
+    << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
+  for (const Verdict& v : vs) h << "<li>" << e(v.text) << "</li>\n";
+  h << "</ul>\n<h2>Plots</h2>\n<div class=\"plots\">\n";
+  for (const std::string& s : svgs) h << "<figure>\n" << s << "</figure>\n";
+  h << "</div>\n<h2>Samples</h2>\n";
+  for (const auto& [prompt, cells] : samples_by_prompt(p)) {
+    h << "<h3>Prompt: <code>" << e(prompt) << "</code></h3>\n<div class=\"samples\" "
+      << "style=\"grid-template-columns:repeat(" << cells.size() << ",minmax(0,1fr))\">\n";
+    for (std::size_t i = 0; i < cells.size(); ++i)
+      h << "<div><h4>" << e(p.variants[i].label()) << "</h4>\n<div class=\"kind\">greedy</div>"
+        << "<pre>" << e(cells[i].greedy) << "</pre>\n<div class=\"kind\">"
+        << e(sampled_label(cells[i])) << "</div><pre>" << e(cells[i].sampled) << "</pre></div>\n";
+    h << "</div>\n";
+  }
+  if (has_config(r)) {
+    h << "<h2>Configuration</h2>\n<table>\n";
+    for (const auto& [k, v] : r["config"].items())
+      h << "<tr><td class=\"key\">" << e(k) << "</td><td class=\"key\">" << e(text_of(v))
+        << "</td></tr>\n";
+    h << "</table>\n";
+  }
+  h << "</body>\n</html>\n";
+  return h.str();
+}
+
+// --- files -------------------------------------------------------------------------------
+
+// Temporary name, then rename: a reader never sees a half-written file.
+void write_file(const fs::path& path, const std::string& content) {
+  fs::path tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream os(tmp, std::ios::binary | std::ios::trunc);
+    KVLAB_CHECK(os.is_open(), "report: cannot write ", path.string());
+    os << content;
+    os.flush();
+    KVLAB_CHECK(os.good(), "report: failed writing ", path.string());
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  KVLAB_CHECK(!ec, "report: cannot rename ", tmp.string(), " to ", path.string(), ": ",
+              ec.message());
+}
+
+std::optional<fs::path> find_on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    if (dir.empty()) continue;
+    const fs::path candidate = fs::path(dir) / program;
+    std::error_code ec;
+    if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0)
+      return candidate;
+  }
+  return std::nullopt;
+}
+
+// Runs rsvg-convert directly (no shell, so paths need no quoting).
+void svg_to_png(const fs::path& rsvg, const fs::path& svg_file, const fs::path& png_file) {
+  std::vector<std::string> args = {rsvg.string(),    "-f", "png", "-o", png_file.string(),
+                                   svg_file.string()};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = ::posix_spawn(&pid, rsvg.c_str(), nullptr, nullptr, argv.data(), environ);
+  KVLAB_CHECK(rc == 0, "report: cannot run ", rsvg.string(), " for ", svg_file.string());
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  KVLAB_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "report: ", rsvg.string(),
+              " failed converting ", svg_file.string(), " (status ", status,
+              "); every other report file is written");
+}
+
+}  // namespace
+
+std::vector<Verdict> compare_variants(const nlohmann::json& results) {
+  return verdicts(parse(results));
+}
+
+std::string format_table(const nlohmann::json& results) {
+  const Parsed p = parse(results);
+  std::string out = render_text(record_table(p, Bytes::human)) + '\n' +
+                    render_text(detail_table(p, Bytes::human)) +
+                    "\nverdicts (val loss, mean ± std over seeds):\n";
+  for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
+  return out;
+}
+
+void write_report(const nlohmann::json& results, const std::filesystem::path& out_dir) {
+  const Parsed p = parse(results);  // a bad document writes nothing
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  KVLAB_CHECK(!ec && fs::is_directory(out_dir), "report: cannot create output folder ",
+              out_dir.string(), ec ? ": " + ec.message() : std::string(": not a directory"));
+  const std::vector<Verdict> vs = verdicts(p);
+  const std::optional<fs::path> rsvg = find_on_path("rsvg-convert");
+
+  // Generated text may hold invalid UTF-8 (byte-level sampling): replace it, don't throw.
+  write_file(out_dir / "results.json",
+             results.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+  write_file(out_dir / "results.csv", make_csv(p));
+  const std::vector<std::string> svgs = {
+      svg::render(curves_plot(p)), svg::render(loss_vs_kv_plot(p)),
+      svg::render(cache_plot(p, results)), svg::render(speed_plot(p))};
+  for (std::size_t i = 0; i < svgs.size(); ++i)
+    write_file(out_dir / (kPlotNames[i] + ".svg"), svgs[i]);
+  write_file(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));
+  write_file(out_dir / "report.html", make_html(results, p, vs, svgs));
+  if (rsvg)
+    for (const std::string& name : kPlotNames)
+      svg_to_png(*rsvg, out_dir / (name + ".svg"), out_dir / (name + ".png"));
+}
+
+}  // namespace kvlab

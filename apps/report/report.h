@@ -1,0 +1,38 @@
+#pragma once
+// The ablation report: turns the results document of `kvlab ablate` (one entry per n_kv_head,
+// each trained with one or more seeds) into verdicts, the terminal table and report files.
+// The schema of the document is in apps/report/README.md.
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace kvlab {
+
+// Validation-loss comparison of two variants, named by n_kv_head (a > b).
+struct Verdict {
+  int a = 0;
+  int b = 0;
+  std::string text;              // one line, names both variants and the figures it rests on
+  bool distinguishable = false;  // >= 2 seeds each and mean ± std intervals do not overlap
+};
+
+// Adjacent pairs in descending n_kv_head order, then each remaining variant against MHA
+// (n_kv_head == config.n_head, when that variant was run). Throws kvlab::Error on a document
+// without variants or with a variant lacking n_kv_head or val_loss_mean.
+std::vector<Verdict> compare_variants(const nlohmann::json& results);
+
+// Terminal text: the record table (n_kv_head | cache bytes (measured) | formula | vs MHA |
+// tokens/s | val loss), a second table with the other figures, then the verdict lines.
+// Byte counts are shown in B/KiB/MiB/GiB; the report files carry exact bytes.
+std::string format_table(const nlohmann::json& results);
+
+// Writes into out_dir (created if needed): results.json, results.csv, report.md, report.html
+// (self-contained, readable offline), val_loss_curves.svg, val_loss_vs_kv.svg,
+// cache_bytes_vs_kv.svg, tokens_per_s_vs_kv.svg, and a PNG of each plot when rsvg-convert is on
+// PATH. Each file is written to a temporary name and renamed into place. Throws kvlab::Error
+// naming the path when out_dir cannot be created or written, and when rsvg-convert fails
+// (after every other file is in place).
+void write_report(const nlohmann::json& results, const std::filesystem::path& out_dir);
+
+}  // namespace kvlab

@@ -1,0 +1,459 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "apps/report/report.h"
+#include "autograd/error.h"
+#include "tests/apps/report/xml_check.h"
+
+namespace kvlab {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// --- synthetic results -------------------------------------------------------------------
+
+// Sample texts carry markup characters so the HTML escaping is visible in the tests.
+std::string greedy_text(int n_kv) {
+  return "ROMEO:\nWhat <say> you & \"I\"? kv" + std::to_string(n_kv);
+}
+std::string greedy_escaped(int n_kv) {
+  return "ROMEO:\nWhat &lt;say&gt; you &amp; &quot;I&quot;? kv" + std::to_string(n_kv);
+}
+std::string sampled_text(int n_kv) { return "O <b>Juliet</b> kv" + std::to_string(n_kv); }
+std::string sampled_escaped(int n_kv) {
+  return "O &lt;b&gt;Juliet&lt;/b&gt; kv" + std::to_string(n_kv);
+}
+
+// A variant of a 4-layer, head-size-32 model with float32 cache at context 64.
+json make_variant(int n_kv, double mean, double std, int seeds) {
+  const double per_token = 2.0 * 4 * n_kv * 32 * 4;  // K and V, L layers, NKV heads, HS, bytes
+  json runs = json::array();
+  for (int s = 0; s < seeds; ++s) {
+    json curve = json::array();
+    for (int step = 0; step <= 2000; step += 250) {
+      const double loss = mean + 2.3 * std::exp(-step / 300.0) + 0.01 * (s - (seeds - 1) / 2.0);
+      curve.push_back({{"step", step}, {"val_loss", loss}, {"train_loss", loss - 0.02}});
+    }
+    runs.push_back({{"seed", s},
+                    {"val_loss", mean},
+                    {"train_tokens_per_s", 20000.0 + 100 * s},
+                    {"wall_s", 40.0},
+                    {"curve", curve}});
+  }
+  return {{"n_kv_head", n_kv},
+          {"params", 800000 - (4 - n_kv) * 16384},
+          {"val_loss_mean", mean},
+          {"val_loss_std", std},
+          {"bpc", mean / std::log(2.0)},
+          {"cache_bytes_per_token", per_token},
+          {"cache_bytes_context_measured", per_token * 64},
+          {"cache_bytes_context_formula", per_token * 64},
+          {"vs_mha", n_kv / 4.0},
+          {"sequences_in_budget", std::floor(1073741824.0 / (per_token * 64))},
+          {"decode_tokens_per_s_cache", 5000.0 + 400 * (4 - n_kv)},
+          {"decode_tokens_per_s_nocache", 800.0},
+          {"ttft_ms", 1.2},
+          {"tpot_ms", 0.2},
+          {"runs", runs},
+          {"samples",
+           {{{"prompt", "ROMEO:"},
+             {"greedy", greedy_text(n_kv)},
+             {"sampled", sampled_text(n_kv)},
+             {"seed", 1}}}}};
+}
+
+struct Spec {
+  int n_kv;
+  double mean, std;
+};
+
+json make_results(const std::vector<Spec>& specs, int seeds, int n_head = 4) {
+  json variants = json::array();
+  for (const Spec& s : specs) variants.push_back(make_variant(s.n_kv, s.mean, s.std, seeds));
+  return {{"command", "kvlab ablate --n-kv-heads 4,2,1 --seeds 3"},
+          {"started", "2024-05-01T12:00:00Z"},
+          {"wall_s", 123.4},
+          {"config",
+           {{"corpus", "data/corpora/tiny_shakespeare.txt"},
+            {"n_layer", 4},
+            {"n_head", n_head},
+            {"n_embd", 128},
+            {"block_size", 64},
+            {"batch_size", 12},
+            {"iters", 2000}}},
+          {"machine", {{"cpu", "AMD EPYC (Zen 3)"}, {"threads", 2}}},
+          {"versions", {{"kvlab", "0.1.0"}}},
+          {"kv_budget_bytes", 1073741824},
+          {"dtype_bytes", 4},
+          {"param_matched", false},
+          {"variants", variants}};
+}
+
+// Listed out of order: the report sorts by n_kv_head, descending.
+json fixture(int seeds = 3) {
+  return make_results({{2, 1.89, 0.01}, {4, 1.88, 0.01}, {1, 1.95, 0.01}}, seeds);
+}
+
+// --- helpers -----------------------------------------------------------------------------
+
+std::string read(const fs::path& p) {
+  std::ifstream is(p, std::ios::binary);
+  std::ostringstream os;
+  os << is.rdbuf();
+  return os.str();
+}
+
+std::size_t count(const std::string& s, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t i = s.find(what); i != std::string::npos; i = s.find(what, i + 1)) ++n;
+  return n;
+}
+
+std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream is(s);
+  for (std::string line; std::getline(is, line);) out.push_back(line);
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(' ');
+  return b == std::string::npos ? "" : s.substr(b, s.find_last_not_of(' ') - b + 1);
+}
+
+std::vector<std::string> cells(const std::string& line) {
+  std::vector<std::string> out;
+  std::istringstream is(line);
+  for (std::string cell; std::getline(is, cell, '|');) out.push_back(trim(cell));
+  return out;
+}
+
+// CSV fields of one line, honouring double quotes.
+std::vector<std::string> csv_fields(const std::string& line) {
+  std::vector<std::string> out(1);
+  bool quoted = false;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted && c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+      out.back() += '"';
+      ++i;
+    } else if (c == '"') {
+      quoted = !quoted;
+    } else if (c == ',' && !quoted) {
+      out.emplace_back();
+    } else {
+      out.back() += c;
+    }
+  }
+  return out;
+}
+
+bool on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "");
+  for (std::string dir; std::getline(dirs, dir, ':');)
+    if (!dir.empty() && ::access((fs::path(dir) / program).c_str(), X_OK) == 0) return true;
+  return false;
+}
+
+class ReportFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "kvlab_report_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+const char* kSvgs[] = {"val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
+                       "tokens_per_s_vs_kv.svg"};
+
+// --- verdicts ----------------------------------------------------------------------------
+
+TEST(CompareVariants, OverlapIsNotDistinguishableSeparationIsRanked) {
+  const auto v = compare_variants(fixture());
+  ASSERT_EQ(v.size(), 3u);  // 4-2, 2-1 adjacent, then 4-1 against MHA
+  EXPECT_EQ(v[0].a, 4);
+  EXPECT_EQ(v[0].b, 2);
+  EXPECT_EQ(v[1].a, 2);
+  EXPECT_EQ(v[1].b, 1);
+  EXPECT_EQ(v[2].a, 4);
+  EXPECT_EQ(v[2].b, 1);
+
+  EXPECT_FALSE(v[0].distinguishable);  // 1.88 ± 0.01 vs 1.89 ± 0.01 touch
+  EXPECT_NE(v[0].text.find("not distinguishable at this budget"), std::string::npos) << v[0].text;
+
+  EXPECT_TRUE(v[1].distinguishable);
+  EXPECT_NE(v[1].text.find("n_kv_head=2 (GQA) has the lower val loss, by 0.0600"),
+            std::string::npos)
+      << v[1].text;
+  EXPECT_NE(v[1].text.find("6.0 pooled std apart"), std::string::npos) << v[1].text;
+
+  EXPECT_TRUE(v[2].distinguishable);
+  EXPECT_NE(v[2].text.find("n_kv_head=4 (MHA) has the lower val loss, by 0.0700"),
+            std::string::npos)
+      << v[2].text;
+}
+
+TEST(CompareVariants, NamesTheLowerVariantWhicheverItIs) {
+  const auto v = compare_variants(make_results({{4, 1.95, 0.02}, {1, 1.80, 0.01}}, 2));
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_TRUE(v[0].distinguishable);
+  EXPECT_NE(v[0].text.find("n_kv_head=1 (MQA) has the lower val loss, by 0.1500"),
+            std::string::npos)
+      << v[0].text;
+}
+
+TEST(CompareVariants, TouchingIntervalsCountAsOverlap) {
+  // Binary-exact values: |1.5 - 2.0| == 0.25 + 0.25.
+  const auto v = compare_variants(make_results({{4, 1.5, 0.25}, {2, 2.0, 0.25}}, 2));
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_FALSE(v[0].distinguishable);
+  const auto w = compare_variants(make_results({{4, 1.5, 0.25}, {2, 2.0, 0.2}}, 2));
+  EXPECT_TRUE(w[0].distinguishable);
+}
+
+TEST(CompareVariants, OneSeedIsNeverARanking) {
+  // Far apart, but with one seed there is no spread to compare against.
+  const auto v = compare_variants(make_results({{4, 1.88, 0.0}, {2, 2.50, 0.0}}, 1));
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_FALSE(v[0].distinguishable);
+  EXPECT_NE(v[0].text.find("no spread measured (1 seed): difference 0.6200 is not a ranking"),
+            std::string::npos)
+      << v[0].text;
+}
+
+TEST(CompareVariants, OneSeedOnEitherSideIsEnough) {
+  json r = fixture(3);
+  json& runs = r["variants"][2]["runs"];  // n_kv_head=1 keeps one run
+  runs = json::array({runs[0]});
+  const auto v = compare_variants(r);
+  EXPECT_NE(v[0].text.find("not distinguishable"), std::string::npos);
+  EXPECT_NE(v[1].text.find("no spread measured (1 seed)"), std::string::npos) << v[1].text;
+  EXPECT_NE(v[2].text.find("no spread measured (1 seed)"), std::string::npos) << v[2].text;
+}
+
+TEST(CompareVariants, AdjacentPairsThenEachAgainstMha) {
+  const auto v = compare_variants(
+      make_results({{1, 2.0, 0.01}, {8, 1.9, 0.01}, {2, 1.95, 0.01}, {4, 1.92, 0.01}}, 2, 8));
+  std::vector<std::pair<int, int>> pairs;
+  for (const Verdict& x : v) pairs.emplace_back(x.a, x.b);
+  const std::vector<std::pair<int, int>> expected = {{8, 4}, {4, 2}, {2, 1}, {8, 2}, {8, 1}};
+  EXPECT_EQ(pairs, expected);
+}
+
+TEST(CompareVariants, BadDocumentsThrowKvlabError) {
+  EXPECT_THROW(compare_variants(json::object()), Error);
+  EXPECT_THROW(compare_variants(json::array()), Error);
+  EXPECT_THROW(compare_variants(json{{"variants", json::array()}}), Error);
+  json r = fixture();
+  r["variants"][1].erase("val_loss_mean");
+  try {
+    compare_variants(r);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("n_kv_head=4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("val_loss_mean"), std::string::npos) << e.what();
+  }
+  json dup = fixture();
+  dup["variants"][0]["n_kv_head"] = 4;
+  EXPECT_THROW(compare_variants(dup), Error);
+}
+
+// --- terminal table ----------------------------------------------------------------------
+
+TEST(FormatTable, OneRowPerVariantInOrderWithTheExactHeader) {
+  const auto out = lines(format_table(fixture()));
+  ASSERT_GE(out.size(), 12u);
+  const std::vector<std::string> header = {
+      "n_kv_head", "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"};
+  EXPECT_EQ(cells(out[0]), header);
+  EXPECT_EQ(out[1].find_first_not_of("-+"), std::string::npos) << out[1];
+  const std::vector<std::vector<std::string>> rows = {
+      {"4", "256.0 KiB", "256.0 KiB", "1.000x", "5000", "1.8800 ± 0.0100"},
+      {"2", "128.0 KiB", "128.0 KiB", "0.500x", "5800", "1.8900 ± 0.0100"},
+      {"1", "64.0 KiB", "64.0 KiB", "0.250x", "6200", "1.9500 ± 0.0100"}};
+  for (std::size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(cells(out[2 + i]), rows[i]);
+  EXPECT_EQ(out[5], "");  // exactly three rows
+
+  const std::vector<std::string> detail = {"n_kv_head",
+                                           "params",
+                                           "bpc",
+                                           "cache bytes/token",
+                                           "sequences in budget",
+                                           "tokens/s (no cache)",
+                                           "cache speed-up",
+                                           "TTFT ms",
+                                           "TPOT ms"};
+  EXPECT_EQ(cells(out[6]), detail);
+  EXPECT_EQ(cells(out[8]), (std::vector<std::string>{"4", "800000", "2.7123", "4.0 KiB", "4096",
+                                                     "800", "6.25x", "1.200", "0.200"}));
+  EXPECT_EQ(cells(out[10])[0], "1");
+  EXPECT_EQ(out[11], "");
+  EXPECT_EQ(out[12].rfind("verdicts", 0), 0u);
+  EXPECT_EQ(out.size(), 16u);  // three verdict lines
+}
+
+TEST(FormatTable, ColumnsLineUp) {
+  const auto out = lines(format_table(fixture()));
+  // "±" is one column wide: every line of the first table has the same number of code points.
+  auto width = [](const std::string& s) {
+    std::size_t n = 0;
+    for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+    return n;
+  };
+  for (std::size_t i = 1; i < 5; ++i) EXPECT_EQ(width(out[i]), width(out[0])) << out[i];
+}
+
+TEST(FormatTable, OneSeedIsLabelled) {
+  const auto out = lines(format_table(fixture(1)));
+  EXPECT_EQ(cells(out[2]).back(), "1.8800 (1 seed)");
+}
+
+// --- files -------------------------------------------------------------------------------
+
+TEST_F(ReportFiles, WritesEveryFile) {
+  write_report(fixture(), dir_ / "out");
+  for (const char* name : {"results.json", "results.csv", "report.md", "report.html"})
+    EXPECT_GT(fs::file_size(dir_ / "out" / name), 0u) << name;
+  for (const char* name : kSvgs) EXPECT_GT(fs::file_size(dir_ / "out" / name), 0u) << name;
+  for (const auto& entry : fs::directory_iterator(dir_ / "out"))
+    EXPECT_NE(entry.path().extension(), ".tmp") << entry.path();
+}
+
+TEST_F(ReportFiles, ResultsJsonRoundTrips) {
+  const json r = fixture();
+  write_report(r, dir_);
+  EXPECT_EQ(json::parse(read(dir_ / "results.json")), r);
+}
+
+TEST_F(ReportFiles, SvgsAreWellFormedAndCurvesHaveALinePerSeed) {
+  write_report(fixture(3), dir_);
+  for (const char* name : kSvgs) {
+    const std::string svg = read(dir_ / name);
+    EXPECT_EQ(svg.rfind("<svg", 0), 0u) << name;
+    EXPECT_EQ(test::xml_problem(svg), "") << name;
+  }
+  const std::string curves = read(dir_ / "val_loss_curves.svg");
+  EXPECT_EQ(count(curves, "<polyline class=\"seed\""), 3u * 3u);
+  EXPECT_EQ(count(curves, "<polyline class=\"mean\""), 3u);
+  for (const char* label : {"n_kv_head=4 (MHA)", "n_kv_head=2 (GQA)", "n_kv_head=1 (MQA)"})
+    EXPECT_NE(curves.find(label), std::string::npos) << label;
+  // Error bars on the loss plot, one per variant.
+  EXPECT_EQ(count(read(dir_ / "val_loss_vs_kv.svg"), "class=\"err\""), 3u);
+  const std::string speed = read(dir_ / "tokens_per_s_vs_kv.svg");
+  EXPECT_NE(speed.find("with KV cache"), std::string::npos);
+  EXPECT_NE(speed.find("without KV cache"), std::string::npos);
+}
+
+TEST_F(ReportFiles, HtmlIsSelfContainedAndEscapesSamples) {
+  write_report(fixture(), dir_);
+  const std::string html = read(dir_ / "report.html");
+  EXPECT_EQ(count(html, "http://"), count(html, "xmlns=\"http://www.w3.org/2000/svg\""));
+  EXPECT_EQ(count(html, "https://"), 0u);
+  EXPECT_EQ(count(html, "<svg"), 4u);
+  for (const char* external : {"<script", "<link", "src=", "@import", "url("})
+    EXPECT_EQ(html.find(external), std::string::npos) << external;
+  for (int n_kv : {4, 2, 1}) {
+    EXPECT_NE(html.find(greedy_escaped(n_kv)), std::string::npos) << n_kv;
+    EXPECT_NE(html.find(sampled_escaped(n_kv)), std::string::npos) << n_kv;
+    EXPECT_EQ(html.find(sampled_text(n_kv)), std::string::npos) << n_kv;
+  }
+  EXPECT_EQ(html.find("<say>"), std::string::npos);
+  EXPECT_NE(html.find("not distinguishable at this budget"), std::string::npos);
+}
+
+TEST_F(ReportFiles, CsvHasAHeaderAndOneRowPerVariant) {
+  json r = fixture();
+  r["variants"][0]["note"] = "plain, \"quoted\"";  // an extra scalar on one variant only
+  write_report(r, dir_);
+  const auto csv = lines(read(dir_ / "results.csv"));
+  ASSERT_EQ(csv.size(), 4u);
+  const auto header = csv_fields(csv[0]);
+  EXPECT_EQ(header[0], "n_kv_head");
+  const auto col = [&](const std::string& name) {
+    return std::find(header.begin(), header.end(), name) - header.begin();
+  };
+  ASSERT_LT(col("note"), static_cast<long>(header.size()));
+  ASSERT_LT(col("cache_bytes_context_measured"), static_cast<long>(header.size()));
+  const std::vector<std::string> order = {"4", "2", "1"};
+  for (std::size_t i = 1; i < csv.size(); ++i) {
+    const auto row = csv_fields(csv[i]);
+    ASSERT_EQ(row.size(), header.size()) << csv[i];
+    EXPECT_EQ(row[0], order[i - 1]);
+  }
+  EXPECT_EQ(csv_fields(csv[1])[col("cache_bytes_context_measured")], "262144");
+  EXPECT_EQ(csv_fields(csv[2])[col("note")], "plain, \"quoted\"");  // n_kv_head=2
+  EXPECT_EQ(csv_fields(csv[1])[col("note")], "");
+  EXPECT_EQ(csv_fields(csv[1])[col("seeds")], "3");
+}
+
+TEST_F(ReportFiles, MarkdownCarriesTablesVerdictsPlotsAndSamples) {
+  write_report(fixture(), dir_);
+  const std::string md = read(dir_ / "report.md");
+  EXPECT_NE(
+      md.find("| n_kv_head | cache bytes (measured) | formula | vs MHA | tokens/s | val loss |"),
+      std::string::npos);
+  EXPECT_NE(md.find("| 4 | 262144 | 262144 |"), std::string::npos);  // exact bytes
+  for (const char* name : kSvgs)
+    EXPECT_NE(md.find(std::string("(") + name + ")"), std::string::npos);
+  EXPECT_NE(md.find("not distinguishable at this budget"), std::string::npos);
+  EXPECT_NE(md.find("What &lt;say&gt; you &amp; &quot;I&quot;? kv4"), std::string::npos);
+  EXPECT_NE(md.find("AMD EPYC (Zen 3)"), std::string::npos);
+  EXPECT_NE(md.find("123.4 s (2 min 3 s)"), std::string::npos);
+}
+
+TEST_F(ReportFiles, UnwritableFolderNamesThePath) {
+  std::ofstream(dir_ / "a_file") << "x";
+  const fs::path out = dir_ / "a_file" / "report";
+  try {
+    write_report(fixture(), out);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(out.string()), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(ReportFiles, BadDocumentWritesNothing) {
+  EXPECT_THROW(write_report(json{{"variants", json::array()}}, dir_ / "out"), Error);
+  EXPECT_FALSE(fs::exists(dir_ / "out"));
+}
+
+TEST_F(ReportFiles, InvalidUtf8InSamplesDoesNotThrow) {
+  json r = fixture();
+  r["variants"][0]["samples"][0]["sampled"] = std::string("bytes \xff\xfe end");
+  ASSERT_NO_THROW(write_report(r, dir_));
+  EXPECT_NE(read(dir_ / "report.html").find("bytes \xEF\xBF\xBD\xEF\xBF\xBD end"),
+            std::string::npos);
+}
+
+TEST_F(ReportFiles, PngsWhenRsvgConvertIsOnPath) {
+  if (!on_path("rsvg-convert")) GTEST_SKIP() << "rsvg-convert not on PATH";
+  write_report(fixture(), dir_);
+  for (const char* name : kSvgs) {
+    const fs::path png = (dir_ / name).replace_extension(".png");
+    EXPECT_EQ(read(png).substr(0, 4), "\x89PNG") << png;
+  }
+}
+
+TEST_F(ReportFiles, NoRsvgConvertSkipsPngsSilently) {
+  const std::string saved = std::getenv("PATH") ? std::getenv("PATH") : "";
+  fs::create_directory(dir_ / "empty_bin");
+  ::setenv("PATH", (dir_ / "empty_bin").c_str(), 1);
+  EXPECT_NO_THROW(write_report(fixture(), dir_ / "out"));
+  ::setenv("PATH", saved.c_str(), 1);
+  for (const auto& entry : fs::directory_iterator(dir_ / "out"))
+    EXPECT_NE(entry.path().extension(), ".png") << entry.path();
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "report.html"));
+}
+
+}  // namespace
+}  // namespace kvlab
