@@ -73,11 +73,13 @@ void run_backward(const Tensor& root, const Tensor& grad_in, bool keep_graph) {
   }
   KVLAB_CHECK(grad.sizes() == root.sizes(), "backward: gradient ", grad.shape_str(),
               " does not match output ", root.shape_str());
+  KVLAB_CHECK(grad.dtype() == root.dtype(), "backward: gradient ", dtype_name(grad.dtype()),
+              " for ", dtype_name(root.dtype()), " output ", root.shape_str());
   NoGradGuard no_grad;
   if (!root.grad_fn()) {  // a leaf: its gradient is the given one
     Tensor r = root;
     Tensor slot = r.grad();
-    accumulate(slot, grad.contiguous());
+    accumulate(slot, slot.defined() ? grad : grad.clone());  // never alias the caller's tensor
     r.set_grad(slot);
     return;
   }

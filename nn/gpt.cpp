@@ -106,10 +106,14 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
     lm_head = std::make_unique<Linear>(cfg.n_embd, cfg.vocab_size, false);
     register_module("lm_head", *lm_head);
   }
-  Generator gen(seed);
+  // Each parameter draws from its own stream, seeded by (seed, name): variants that differ
+  // only in n_kv_head start from identical values for every parameter they share.
   const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
   for (auto& [name, t] : named_parameters()) {
     if (t.dim() < 2) continue;  // biases stay 0, LayerNorm weights 1
+    uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
+    for (unsigned char ch : name) name_hash = (name_hash ^ ch) * 1099511628211ull;
+    Generator gen(hash64(seed, name_hash));
     const bool resid = name.ends_with("c_proj.weight");
     Tensor p = t;
     normal_(p, gen, resid ? resid_std : 0.02);

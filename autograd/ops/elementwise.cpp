@@ -32,16 +32,39 @@ cpu::Strides broadcast_strides(const Tensor& t, const Shape& out) {
   return s;
 }
 
+// Merges adjacent dims that both operands walk contiguously (the output always does), so
+// (B, T, C) + (T, C) runs as a (B, T*C) + (T*C) row loop.
+void coalesce(Shape& sizes, cpu::Strides& as, cpu::Strides& bs) {
+  Shape s2;
+  cpu::Strides a2, b2;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (!s2.empty() && a2.back() == as[d] * sizes[d] && b2.back() == bs[d] * sizes[d]) {
+      s2.back() *= sizes[d];
+      a2.back() = as[d];
+      b2.back() = bs[d];
+    } else {
+      s2.push_back(sizes[d]);
+      a2.push_back(as[d]);
+      b2.push_back(bs[d]);
+    }
+  }
+  sizes = std::move(s2);
+  as = std::move(a2);
+  bs = std::move(b2);
+}
+
 Tensor binary_raw(cpu::BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
   check_cpu(name, a);
   check_cpu(name, b);
   check_same_dtype(name, a, b);
   const Shape out_shape = broadcast_shape(name, a, b);
   Tensor out = Tensor::empty(out_shape, a.dtype());
+  Shape sizes = out_shape;
+  cpu::Strides as = broadcast_strides(a, out_shape), bs = broadcast_strides(b, out_shape);
+  coalesce(sizes, as, bs);
   dispatch_float(a.dtype(), name, [&](auto tag) {
     using T = decltype(tag);
-    cpu::binary_forward<T>(op, out.data<T>(), out_shape, a.data<T>(), broadcast_strides(a, out_shape),
-                           b.data<T>(), broadcast_strides(b, out_shape));
+    cpu::binary_forward<T>(op, out.data<T>(), sizes, a.data<T>(), as, b.data<T>(), bs);
   });
   return out;
 }

@@ -89,6 +89,14 @@ TEST(Gpt, Gpt2Initialisation) {
   GPT same(c, 7), other(c, 8);
   EXPECT_EQ(same.wte.weight.to_vector<float>(), m.wte.weight.to_vector<float>());
   EXPECT_NE(other.wte.weight.to_vector<float>(), m.wte.weight.to_vector<float>());
+  // Variants that differ only in n_kv_head share the initial values of shared parameters.
+  GPTConfig mqa = c;
+  mqa.n_kv_head = 1;
+  GPT m1(mqa, 7);
+  EXPECT_EQ(m1.blocks[1]->attn.q_proj.weight.to_vector<float>(),
+            m.blocks[1]->attn.q_proj.weight.to_vector<float>());
+  EXPECT_EQ(m1.blocks[1]->mlp.c_fc.weight.to_vector<float>(),
+            m.blocks[1]->mlp.c_fc.weight.to_vector<float>());
 }
 
 TEST(Gpt, ForwardShapesAndErrors) {

@@ -101,16 +101,19 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
   int64_t n = 1;
   for (int64_t s : x_sizes) n *= s;
   for (int64_t i = 0; i < out_n; ++i) out[i] = 0;
-  // Common case (bias gradients): x viewed as (rows, inner) and out is the inner vector.
-  const int64_t inner = nd ? x_sizes[nd - 1] : 1;
-  bool rows_only = out_n == inner;
-  for (int d = 0; d < nd - 1 && rows_only; ++d) rows_only = os[d] == 0;
-  if (rows_only && nd && os[nd - 1] == 1) {
-    const int64_t rows = n / inner;
+  // Common case (bias and position-embedding gradients): only leading dims are reduced, so
+  // x is (rows, inner) and out is one row.
+  int k = 0;
+  while (k < nd && os[k] == 0) ++k;
+  int64_t inner = 1;
+  for (int d = k; d < nd; ++d) inner *= x_sizes[d];
+  if (inner == out_n) {
+    const int64_t rows = inner ? n / inner : 0;
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
-    for (int64_t j0 = 0; j0 < inner; j0 += 16) {
-      const int64_t j1 = std::min(inner, j0 + 16);
+    for (int64_t j0 = 0; j0 < inner; j0 += 64) {
+      const int64_t j1 = std::min(inner, j0 + 64);
       for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
         for (int64_t j = j0; j < j1; ++j) out[j] += x[r * inner + j];
     }
     return;

@@ -11,6 +11,11 @@ template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  if (K == 0) {  // the BLAS rejects zero-length GEMV operands: C = beta * C by hand
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    return;
+  }
   if (M == 1) {  // c (1, N) = a (1, K) @ op(B): y = op(B)^T a
     // op(B) is (K, N); as a row-major matrix B is (K, N) when !tb, (N, K) when tb.
     cblas_sgemv(CblasRowMajor, tb ? CblasNoTrans : CblasTrans, tb ? N : K, tb ? K : N, alpha, B,

@@ -1,0 +1,68 @@
+// kvlab inspect: what a checkpoint holds, without loading a model.
+#include <cstdio>
+#include <variant>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/cli.h"
+#include "autograd/tensor.h"
+#include "checkpoints/checkpoint.h"
+
+namespace kvlab {
+
+namespace {
+
+struct InspectArgs {
+  std::string ckpt;
+  bool json = false;
+};
+
+void run_inspect(const InspectArgs& a) {
+  const Checkpoint c = load_checkpoint(a.ckpt, true);
+  int64_t n_params = 0;
+  for (const auto& [name, arr] : c.model) n_params += static_cast<int64_t>(arr.data.size());
+  if (a.json) {
+    nlohmann::json j;
+    for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
+    j["parameters"] = n_params;
+    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", c.tokenizer_vocab.size()}};
+    for (const auto& [name, arr] : c.model) j["tensors"].push_back({{"name", name}, {"shape", arr.shape}});
+    if (c.has_train_state)
+      j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
+    if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf("checkpoint %s\n\nconfig:\n", a.ckpt.c_str());
+  for (const auto& [k, v] : c.config) {
+    std::printf("  %-14s ", k.c_str());
+    std::visit([](const auto& x) {
+      using X = std::decay_t<decltype(x)>;
+      if constexpr (std::is_same_v<X, std::string>) std::printf("%s\n", x.c_str());
+      else if constexpr (std::is_same_v<X, double>) std::printf("%g\n", x);
+      else std::printf("%lld\n", static_cast<long long>(x));
+    }, v);
+  }
+  std::printf("\ntokenizer: %s, %zu symbols\nparameters: %lld in %zu tensors\n",
+              c.tokenizer_kind.c_str(), c.tokenizer_vocab.size(), static_cast<long long>(n_params),
+              c.model.size());
+  for (const auto& [name, arr] : c.model)
+    std::printf("  %-36s %-14s %zu\n", name.c_str(), shape_str(arr.shape).c_str(), arr.data.size());
+  if (c.has_train_state)
+    std::printf("\ntraining state: iteration %lld, best val loss %.4f\n",
+                static_cast<long long>(c.iteration), c.best_val_loss);
+  if (c.has_optimizer)
+    std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
+}
+
+}  // namespace
+
+void add_inspect_command(CLI::App& root) {
+  auto args = std::make_shared<InspectArgs>();
+  CLI::App* cmd = root.add_subcommand("inspect", "Print a checkpoint's config, parameters and tensors");
+  cmd->add_option("ckpt", args->ckpt, "Checkpoint file (.h5)")->required();
+  cmd->add_flag("--json", args->json, "Print JSON instead of text");
+  cmd->callback([args] { run_inspect(*args); });
+}
+
+}  // namespace kvlab

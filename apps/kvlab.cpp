@@ -1,0 +1,34 @@
+// kvlab: train GPTs with MHA/GQA/MQA attention, generate through a KV cache, and compare
+// n_kv_head settings side by side.
+#include <cstdio>
+#include <exception>
+
+#include "apps/cli.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvlab: train small GPTs with MHA, GQA or MQA attention and measure what sharing "
+               "key/value heads costs and buys"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kvlab " KVLAB_VERSION);
+  kvlab::add_train_command(app);
+  kvlab::add_generate_command(app);
+  kvlab::add_bench_command(app);
+  kvlab::add_ablate_command(app);
+  kvlab::add_inspect_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints help/version (rc 0) or the parse error
+    return rc == 0 ? 0 : 2;
+  } catch (const kvlab::UsageError& e) {
+    std::fprintf(stderr, "kvlab: error: %s\n", e.what());
+    return 2;
+  } catch (const kvlab::Error& e) {
+    std::fprintf(stderr, "kvlab: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvlab: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

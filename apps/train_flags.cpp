@@ -1,0 +1,76 @@
+#include "apps/train_flags.h"
+
+#include <filesystem>
+
+#include "apps/cli.h"
+
+namespace kvlab {
+
+std::string default_corpus() { return KVLAB_DEFAULT_CORPUS; }
+
+void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
+  TrainConfig& c = f.cfg;
+  c.corpus = default_corpus();
+  cmd->set_config("--config", "", "Read flags from a TOML/INI file with the same keys");
+  cmd->add_option("--corpus", c.corpus, "UTF-8 text file to train on (90/10 train/val split)")
+      ->capture_default_str();
+  cmd->add_option("--tokenizer", c.tokenizer, "char (code points of the corpus) or byte")
+      ->check(CLI::IsMember({"char", "byte"}))
+      ->capture_default_str();
+  cmd->add_option("--n-layer", c.model.n_layer, "Transformer blocks")->capture_default_str();
+  cmd->add_option("--n-head", c.model.n_head, "Query heads")->capture_default_str();
+  if (with_n_kv_head)
+    cmd->add_option("--n-kv-head", f.n_kv_head,
+                    "Key/value heads: n-head (MHA), a divisor (GQA) or 1 (MQA); default n-head");
+  cmd->add_option("--n-embd", c.model.n_embd, "Channels (n_embd)")->capture_default_str();
+  cmd->add_option("--mlp-hidden", c.model.mlp_hidden, "MLP width; 0 means 4 * n-embd")
+      ->capture_default_str();
+  cmd->add_option("--block-size", c.model.block_size, "Context length in tokens")
+      ->capture_default_str();
+  cmd->add_option("--dropout", c.model.dropout, "Dropout on attention and residual paths")
+      ->capture_default_str();
+  cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");
+  cmd->add_option("--batch-size", c.batch_size, "Sequences per micro-batch")->capture_default_str();
+  cmd->add_option("--grad-accum", c.grad_accum, "Micro-batches per optimizer step")
+      ->capture_default_str();
+  cmd->add_option("--iters", c.iters, "Optimizer steps")->capture_default_str();
+  cmd->add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
+  cmd->add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
+      ->capture_default_str();
+  cmd->add_option("--warmup", c.warmup, "Linear warmup steps")->capture_default_str();
+  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
+  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
+  cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay (2-D weights only)")
+      ->capture_default_str();
+  cmd->add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip; 0 disables")
+      ->capture_default_str();
+  cmd->add_option("--eval-interval", c.eval_interval, "Steps between validation evaluations")
+      ->capture_default_str();
+  cmd->add_option("--eval-iters", c.eval_iters,
+                  "Validation batches per evaluation (fixed windows, the same for every run)")
+      ->capture_default_str();
+  cmd->add_option("--ckpt-interval", c.ckpt_interval,
+                  "Steps between checkpoints; 0 means at every evaluation")
+      ->capture_default_str();
+  cmd->add_option("--seed", c.seed, "Seed of the initial weights, batches and dropout")
+      ->capture_default_str();
+}
+
+TrainConfig finish_train_flags(const TrainFlags& f) {
+  TrainConfig c = f.cfg;
+  c.model.n_kv_head = f.n_kv_head > 0 ? f.n_kv_head : c.model.n_head;
+  c.model.tied = !f.untied;
+  KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,
+                    ": no such file (pass --corpus FILE, or run scripts/setup.sh for the "
+                    "default corpus)");
+  try {
+    TrainConfig probe = c;
+    probe.model.vocab_size = 1;
+    probe.validate();
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  return c;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,25 @@
+#pragma once
+// The training flags shared by `kvlab train` and `kvlab ablate`.
+#include <CLI/CLI.hpp>
+
+#include "train/trainer.h"
+
+namespace kvlab {
+
+struct TrainFlags {
+  TrainConfig cfg;
+  int64_t n_kv_head = 0;  // 0: n_head (MHA)
+  bool untied = false;
+};
+
+// Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
+// plus --config FILE (TOML/INI with the same keys).
+void add_train_flags(CLI::App* cmd, TrainFlags& flags, bool with_n_kv_head);
+// Turns parsed flags into a TrainConfig; bad values are UsageErrors naming the flag.
+TrainConfig finish_train_flags(const TrainFlags& flags);
+
+// The corpus used when --corpus is not given: the King James Bible that scripts/setup.sh
+// writes under data/corpora/.
+std::string default_corpus();
+
+}  // namespace kvlab

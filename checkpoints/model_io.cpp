@@ -1,0 +1,116 @@
+#include "checkpoints/model_io.h"
+
+#include <cstring>
+
+namespace kvlab {
+
+namespace {
+template <class T>
+const T& attr(const Attrs& attrs, const std::string& key, const std::filesystem::path& file) {
+  auto it = attrs.find(key);
+  KVLAB_CHECK(it != attrs.end(), "checkpoint ", file.string(), ": /config has no attribute '",
+              key, "'");
+  const T* v = std::get_if<T>(&it->second);
+  KVLAB_CHECK(v != nullptr, "checkpoint ", file.string(), ": /config attribute '", key,
+              "' has the wrong type");
+  return *v;
+}
+}  // namespace
+
+void put_gpt_config(Attrs& a, const GPTConfig& c) {
+  a["vocab_size"] = c.vocab_size;
+  a["block_size"] = c.block_size;
+  a["n_layer"] = c.n_layer;
+  a["n_head"] = c.n_head;
+  a["n_kv_head"] = c.n_kv_head;
+  a["n_embd"] = c.n_embd;
+  a["mlp_hidden"] = c.hidden();
+  a["dropout"] = c.dropout;
+  a["tied"] = static_cast<int64_t>(c.tied ? 1 : 0);
+}
+
+GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
+  GPTConfig c;
+  c.vocab_size = attr<int64_t>(a, "vocab_size", file);
+  c.block_size = attr<int64_t>(a, "block_size", file);
+  c.n_layer = attr<int64_t>(a, "n_layer", file);
+  c.n_head = attr<int64_t>(a, "n_head", file);
+  c.n_kv_head = attr<int64_t>(a, "n_kv_head", file);
+  c.n_embd = attr<int64_t>(a, "n_embd", file);
+  c.mlp_hidden = attr<int64_t>(a, "mlp_hidden", file);
+  c.dropout = attr<double>(a, "dropout", file);
+  c.tied = attr<int64_t>(a, "tied", file) != 0;
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    KVLAB_CHECK(false, "checkpoint ", file.string(), ": invalid /config: ", e.what());
+  }
+  return c;
+}
+
+NamedArrays to_arrays(const NamedTensors& tensors) {
+  NamedArrays out;
+  out.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) out.emplace_back(name, ArrayF32{t.sizes(), t.to_vector<float>()});
+  return out;
+}
+
+void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
+               const std::filesystem::path& file) {
+  KVLAB_CHECK(dst.size() == src.size(), "checkpoint ", file.string(), ": /", group, " holds ",
+              src.size(), " tensors, the model has ", dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const auto& [name, t] = dst[i];
+    const auto& [sname, arr] = src[i];
+    KVLAB_CHECK(name == sname, "checkpoint ", file.string(), ": /", group, "/", sname,
+                " found where the model expects ", name);
+    KVLAB_CHECK(arr.shape == t.sizes(), "checkpoint ", file.string(), ": /", group, "/", name,
+                " has shape ", shape_str(arr.shape), ", the model expects ", t.shape_str());
+    KVLAB_CHECK(t.is_contiguous() && t.dtype() == DType::F32, "copy_into: ", name);
+    std::memcpy(t.data<float>(), arr.data.data(), arr.data.size() * sizeof(float));
+  }
+}
+
+void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok) {
+  ckpt.tokenizer_kind = tok.kind_name();
+  ckpt.tokenizer_vocab = tok.vocab();
+}
+
+Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file) {
+  try {
+    return Tokenizer::from_vocab(Tokenizer::parse_kind(ckpt.tokenizer_kind), ckpt.tokenizer_vocab);
+  } catch (const Error& e) {
+    KVLAB_CHECK(false, "checkpoint ", file.string(), ": /tokenizer: ", e.what());
+  }
+  return Tokenizer::byte_level();  // unreachable
+}
+
+void put_optimizer(Checkpoint& ckpt, const AdamW& opt) {
+  ckpt.has_optimizer = true;
+  ckpt.optimizer_step = opt.step_count();
+  ckpt.optimizer_m = to_arrays(opt.exp_avg());
+  ckpt.optimizer_v = to_arrays(opt.exp_avg_sq());
+}
+
+void get_optimizer(AdamW& opt, const Checkpoint& ckpt, const std::filesystem::path& file) {
+  KVLAB_CHECK(ckpt.has_optimizer, "checkpoint ", file.string(),
+              ": no /optimizer group, cannot resume training from it");
+  copy_into(opt.exp_avg(), ckpt.optimizer_m, "optimizer/m", file);
+  copy_into(opt.exp_avg_sq(), ckpt.optimizer_v, "optimizer/v", file);
+  opt.set_step_count(ckpt.optimizer_step);
+}
+
+LoadedModel load_model(const std::filesystem::path& file, bool with_training_state) {
+  Checkpoint ckpt = load_checkpoint(file, with_training_state);
+  const GPTConfig cfg = get_gpt_config(ckpt.config, file);
+  Tokenizer tok = get_tokenizer(ckpt, file);
+  KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, "checkpoint ", file.string(), ": tokenizer has ",
+              tok.vocab_size(), " symbols, /config vocab_size is ", cfg.vocab_size);
+  auto model = std::make_unique<GPT>(cfg, 0);
+  copy_into(model->named_parameters(), ckpt.model, "model", file);
+  model->set_training(false);
+  ckpt.model.clear();
+  return {std::move(model), std::move(tok), std::move(ckpt)};
+}
+
+}  // namespace kvlab

@@ -1,0 +1,38 @@
+#pragma once
+// Between the engine's objects (GPT, Tokenizer, AdamW) and a Checkpoint of plain arrays.
+#include <filesystem>
+#include <memory>
+
+#include "checkpoints/checkpoint.h"
+#include "data/tokenizer.h"
+#include "nn/adamw.h"
+#include "nn/gpt.h"
+
+namespace kvlab {
+
+// Model keys of /config (the rest of /config is the caller's training settings).
+void put_gpt_config(Attrs& attrs, const GPTConfig& cfg);
+// Reads the model keys back; a missing or mistyped key is an error naming the file and key.
+GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
+
+NamedArrays to_arrays(const NamedTensors& tensors);
+// Copies arrays into the tensors of the same names after checking that names and shapes match
+// exactly (an error names the file and the dataset otherwise).
+void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
+               const std::filesystem::path& file);
+
+void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok);
+Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file);
+
+void put_optimizer(Checkpoint& ckpt, const AdamW& opt);
+void get_optimizer(AdamW& opt, const Checkpoint& ckpt, const std::filesystem::path& file);
+
+struct LoadedModel {
+  std::unique_ptr<GPT> model;
+  Tokenizer tokenizer;
+  Checkpoint checkpoint;  // config and (when asked) training state; model arrays released
+};
+// Loads config, tokenizer and weights into a new GPT (in eval mode).
+LoadedModel load_model(const std::filesystem::path& file, bool with_training_state = false);
+
+}  // namespace kvlab

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what kvlab needs from Debian's packages (idempotent: only missing packages are
+# installed) and writes the default corpus, the King James Bible, to data/corpora/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libopenblas-openmp-dev libhdf5-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
+  python3 python3-numpy python3-h5py python3-torch
+  librsvg2-bin bible-kjv
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The default corpus: bible-kjv ships the text as a verse database read by the `bible`
+# program; dump Genesis 1:1 to Revelation 22:21 as plain text, chapter headings kept and
+# verse numbers dropped.
+corpus=data/corpora/bible-kjv.txt
+if [ ! -s "$corpus" ]; then
+  mkdir -p data/corpora
+  tmp="$corpus.tmp.$$"
+  bible -l100000 "gen1:1-rev22:21" | sed -E 's/^ +[0-9]+ //' > "$tmp"
+  mv "$tmp" "$corpus"
+fi
+echo "setup: ok ($(wc -c < "$corpus") bytes of default corpus in $corpus)"

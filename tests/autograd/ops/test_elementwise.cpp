@@ -1,0 +1,264 @@
+// ops/elementwise.cpp: add, sub, mul (broadcasting), scale, gelu, dropout.
+#include <cmath>
+
+#include "tests/autograd/gradcheck.h"
+
+namespace {
+
+using namespace kvlab;
+using kvtest::all_close;
+using kvtest::gradcheck;
+using kvtest::param;
+using kvtest::throws_with;
+using kvtest::vals;
+
+double gelu_ref(double x) {
+  return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+}
+
+// Naive NumPy broadcasting in double: right-aligned, size 1 stretches.
+std::vector<double> naive_binary(char op, const Tensor& a, const Tensor& b, Shape* out_shape) {
+  const Shape &sa = a.sizes(), &sb = b.sizes();
+  const size_t nd = std::max(sa.size(), sb.size());
+  Shape pa(nd, 1), pb(nd, 1), so(nd);
+  for (size_t i = 0; i < sa.size(); ++i) pa[nd - sa.size() + i] = sa[i];
+  for (size_t i = 0; i < sb.size(); ++i) pb[nd - sb.size() + i] = sb[i];
+  for (size_t i = 0; i < nd; ++i) so[i] = std::max(pa[i], pb[i]);
+  const auto av = vals(a), bv = vals(b);
+  std::vector<double> out(static_cast<size_t>(shape_numel(so)));
+  for (int64_t flat = 0; flat < shape_numel(so); ++flat) {
+    int64_t rem = flat, ia = 0, ib = 0, ma = 1, mb = 1;
+    for (size_t d = nd; d-- > 0;) {
+      const int64_t i = rem % so[d];
+      rem /= so[d];
+      ia += (pa[d] == 1 ? 0 : i) * ma;
+      ib += (pb[d] == 1 ? 0 : i) * mb;
+      ma *= pa[d];
+      mb *= pb[d];
+    }
+    const double x = av[static_cast<size_t>(ia)], y = bv[static_cast<size_t>(ib)];
+    out[static_cast<size_t>(flat)] = op == '+' ? x + y : op == '-' ? x - y : x * y;
+  }
+  *out_shape = so;
+  return out;
+}
+
+struct BroadcastCase {
+  Shape a, b;
+};
+const std::vector<BroadcastCase> kBroadcastCases = {
+    {{3, 17}, {3, 17}}, {{3, 17}, {17}},   {{17}, {3, 17}},     {{2, 3, 1}, {1, 17}},
+    {{1}, {3, 17}},     {{3, 17}, {1}},    {{}, {2, 3}},        {{1}, {1}},
+    {{3}, {3}},         {{17, 1}, {1, 3}}, {{2, 1, 3}, {4, 1}}, {{2, 3, 4, 5}, {3, 1, 5}},
+};
+
+TEST(OpsElementwise, BinaryForwardMatchesNaiveBroadcast) {
+  Generator gen(1);
+  for (const auto& c : kBroadcastCases)
+    for (DType dt : {DType::F64, DType::F32})
+      for (char op : {'+', '-', '*'}) {
+        SCOPED_TRACE(testing::Message() << shape_str(c.a) << " " << op << " " << shape_str(c.b)
+                                        << " " << dtype_name(dt));
+        Tensor a = kvtest::randn(c.a, gen, dt), b = kvtest::randn(c.b, gen, dt);
+        Tensor y = op == '+' ? add(a, b) : op == '-' ? sub(a, b) : mul(a, b);
+        Shape want_shape;
+        const auto want = naive_binary(op, a, b, &want_shape);
+        EXPECT_EQ(y.sizes(), want_shape);
+        EXPECT_EQ(y.dtype(), dt);
+        EXPECT_TRUE(all_close(y, want, dt == DType::F64 ? 1e-15 : 1e-6));
+      }
+}
+
+TEST(OpsElementwise, BinaryOnStridedViews) {
+  Generator gen(2);
+  Tensor a = kvtest::randn({5, 3}, gen), b = kvtest::randn({3, 5}, gen);
+  Tensor at = transpose(a, 0, 1);  // (3, 5) with strides (1, 3)
+  Tensor bn = narrow(b, 1, 1, 3);  // (3, 3) inside rows of 5
+  Shape s;
+  EXPECT_TRUE(all_close(add(at, b), naive_binary('+', at.contiguous(), b, &s), 1e-15));
+  EXPECT_TRUE(all_close(mul(bn, transpose(bn, 0, 1)),
+                        naive_binary('*', bn.contiguous(), transpose(bn, 0, 1).contiguous(), &s),
+                        1e-15));
+  // 3-D with a transposed operand goes through the general (not row) path.
+  Tensor c = kvtest::randn({2, 4, 3}, gen), d = kvtest::randn({2, 3, 4}, gen);
+  EXPECT_TRUE(all_close(sub(c, transpose(d, 1, 2)),
+                        naive_binary('-', c, transpose(d, 1, 2).contiguous(), &s), 1e-15));
+}
+
+TEST(OpsElementwise, BinaryGradcheckWithBroadcasts) {
+  Generator gen(3);
+  for (const auto& c : kBroadcastCases) {
+    SCOPED_TRACE(testing::Message() << shape_str(c.a) << " with " << shape_str(c.b));
+    Tensor a = param(c.a, gen), b = param(c.b, gen);
+    EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return add(in[0], in[1]); }, {a, b}));
+    EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return sub(in[0], in[1]); }, {a, b}));
+    EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return mul(in[0], in[1]); }, {a, b}));
+  }
+}
+
+TEST(OpsElementwise, ThreadedBinaryAndBiasGradient) {
+  // Sizes above the kernels' threading threshold, in both the row path (2-D) and the general
+  // path (3-D); the bias-style gradient (sum over rows) takes the threaded sum_to path.
+  Generator gen(11);
+  Tensor a = param({300, 211}, gen), b = param({211}, gen);
+  Shape s;
+  Tensor y = mul(a, b);
+  EXPECT_TRUE(all_close(y, naive_binary('*', a, b, &s), 1e-15));
+  Tensor g = kvtest::randn({300, 211}, gen);
+  add(a, b).backward(g);
+  const auto gv = vals(g);
+  std::vector<double> col(211, 0.0);
+  for (int r = 0; r < 300; ++r)
+    for (int j = 0; j < 211; ++j) col[j] += gv[r * 211 + j];
+  EXPECT_TRUE(all_close(b.grad(), col, 1e-13));
+  EXPECT_TRUE(all_close(a.grad(), gv, 0));
+  Tensor c = kvtest::randn({40, 30, 33}, gen, DType::F32),
+         d = kvtest::randn({30, 1}, gen, DType::F32);
+  EXPECT_TRUE(all_close(sub(c, d), naive_binary('-', c, d, &s), 1e-6));
+  Tensor big = kvtest::randn({70000}, gen, DType::F32);
+  std::vector<double> want = vals(big);
+  for (double& v : want) v *= 0.5;
+  EXPECT_TRUE(all_close(scale(big, 0.5), want, 1e-7));
+}
+
+TEST(OpsElementwise, BinaryGradcheckOneSideConstant) {
+  Generator gen(4);
+  Tensor a = param({3, 17}, gen);
+  Tensor b = kvtest::randn({17}, gen);
+  EXPECT_TRUE(gradcheck([&](const std::vector<Tensor>& in) { return sub(b, in[0]); }, {a}));
+  EXPECT_TRUE(gradcheck([&](const std::vector<Tensor>& in) { return mul(b, in[0]); }, {a}));
+  EXPECT_FALSE(b.grad().defined());
+}
+
+TEST(OpsElementwise, ScaleAndOperators) {
+  Generator gen(5);
+  Tensor x = kvtest::randn({3, 17}, gen), y = kvtest::randn({3, 17}, gen);
+  std::vector<double> want = vals(x);
+  for (double& v : want) v *= -1.75;
+  EXPECT_TRUE(all_close(scale(x, -1.75), want, 1e-15));
+  EXPECT_TRUE(all_close(x * -1.75, want, 1e-15));
+  EXPECT_TRUE(all_close(x + y, add(x, y), 0));
+  EXPECT_TRUE(all_close(x - y, sub(x, y), 0));
+  EXPECT_TRUE(all_close(x * y, mul(x, y), 0));
+  // scale of a strided view reads in logical order
+  Tensor xt = transpose(x, 0, 1);
+  std::vector<double> wt = vals(xt);
+  for (double& v : wt) v *= 2;
+  EXPECT_TRUE(all_close(scale(xt, 2.0), wt, 1e-15));
+  EXPECT_EQ(scale(xt, 2.0).sizes(), (Shape{17, 3}));
+  for (Shape s : {Shape{1}, Shape{3}, Shape{17}, Shape{2, 3, 5}}) {
+    Tensor p = param(s, gen);
+    EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return scale(in[0], 0.37); }, {p}));
+  }
+}
+
+TEST(OpsElementwise, GeluForwardMatchesTanhFormula) {
+  Generator gen(6);
+  Tensor x = kvtest::randn({7, 17}, gen, DType::F64, 3.0);
+  std::vector<double> want = vals(x);
+  for (double& v : want) v = gelu_ref(v);
+  EXPECT_TRUE(all_close(gelu(x), want, 1e-14));
+  EXPECT_TRUE(all_close(gelu(x.to(DType::F32)), want, 1e-5));
+  // A few hand-computable points: gelu(0) = 0, odd part x/2.
+  Tensor pts = Tensor::from_vector(std::vector<double>{0.0, 1.0, -1.0}, {3});
+  const auto g = vals(gelu(pts));
+  EXPECT_EQ(g[0], 0.0);
+  EXPECT_NEAR(g[1] - g[2], 1.0, 1e-15);  // gelu(x) - gelu(-x) = x
+  EXPECT_NEAR(g[1], 0.8411919906082768, 1e-12);
+}
+
+TEST(OpsElementwise, GeluGradcheck) {
+  Generator gen(7);
+  for (Shape s : {Shape{1}, Shape{3}, Shape{17}, Shape{3, 17}, Shape{2, 1, 3}}) {
+    Tensor x = param(s, gen, DType::F64, 2.0);
+    EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return gelu(in[0]); }, {x}))
+        << shape_str(s);
+  }
+  // Through a strided view.
+  Tensor x = param({3, 5}, gen);
+  EXPECT_TRUE(
+      gradcheck([](const std::vector<Tensor>& in) { return gelu(transpose(in[0], 0, 1)); }, {x}));
+}
+
+TEST(OpsElementwise, GeluF32BackwardMatchesF64) {
+  Generator gen(8);
+  Tensor x64 = param({4, 17}, gen, DType::F64, 2.0);
+  Tensor x32 = x64.detach().to(DType::F32).set_requires_grad();
+  Tensor g = kvtest::randn({4, 17}, gen);
+  gelu(x64).backward(g);
+  gelu(x32).backward(g.to(DType::F32));
+  EXPECT_EQ(x32.grad().dtype(), DType::F32);
+  EXPECT_TRUE(all_close(x32.grad(), x64.grad(), 1e-5));
+}
+
+TEST(OpsElementwise, DropoutGradcheckFixedSeed) {
+  Generator gen(9);
+  for (Shape s : {Shape{17}, Shape{3, 17}, Shape{2, 3, 5}}) {
+    Tensor x = param(s, gen);
+    EXPECT_TRUE(
+        gradcheck([](const std::vector<Tensor>& in) { return dropout(in[0], 0.3, 1234); }, {x}))
+        << shape_str(s);
+  }
+}
+
+TEST(OpsElementwise, DropoutMaskStatistics) {
+  const double p = 0.3;
+  const int64_t n = 200000;
+  Tensor x = Tensor::full({n}, 1.0, DType::F64);
+  const auto y = vals(dropout(x, p, 42));
+  int64_t zeros = 0;
+  for (double v : y) {
+    if (v == 0) {
+      ++zeros;
+    } else {
+      ASSERT_NEAR(v, 1.0 / (1.0 - p), 1e-15);  // survivors scaled by 1/(1-p)
+    }
+  }
+  // Binomial: std of the fraction is sqrt(p(1-p)/n) ~ 0.001; allow 5 sigma.
+  EXPECT_NEAR(static_cast<double>(zeros) / static_cast<double>(n), p, 0.005);
+
+  // Same seed: the same mask (also across dtypes and for a different input); other seed: not.
+  const auto y2 = vals(dropout(x, p, 42));
+  EXPECT_EQ(y, y2);
+  Tensor x32 = Tensor::full({n}, 2.0, DType::F32);
+  const auto y32 = vals(dropout(x32, p, 42));
+  int64_t same_mask = 0, differ = 0;
+  const auto y3 = vals(dropout(x, p, 43));
+  for (int64_t i = 0; i < n; ++i) {
+    same_mask += (y[i] == 0) == (y32[i] == 0);
+    differ += (y[i] == 0) != (y3[i] == 0);
+  }
+  EXPECT_EQ(same_mask, n);
+  // Independent masks disagree on 2p(1-p) = 42% of elements.
+  EXPECT_NEAR(static_cast<double>(differ) / static_cast<double>(n), 2 * p * (1 - p), 0.01);
+}
+
+TEST(OpsElementwise, DropoutZeroIsIdentityAndBackwardUsesSameMask) {
+  Generator gen(10);
+  Tensor x = param({5, 7}, gen);
+  EXPECT_TRUE(all_close(dropout(x, 0.0, 1), x, 0));
+  Tensor y = dropout(x, 0.5, 99);
+  sum(y).backward();
+  const auto yv = vals(y), gv = vals(x.grad());
+  for (size_t i = 0; i < yv.size(); ++i) EXPECT_EQ(gv[i], yv[i] == 0 ? 0.0 : 2.0) << i;
+}
+
+TEST(OpsElementwise, BadInputsThrow) {
+  Tensor a = Tensor::zeros({3, 4}), b = Tensor::zeros({5});
+  EXPECT_TRUE(throws_with([&] { add(a, b); }, {"add", "(3, 4)", "(5)"}));
+  EXPECT_TRUE(throws_with([&] { sub(a, b); }, {"sub", "(3, 4)", "(5)"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        mul(Tensor::zeros({2, 3}), Tensor::zeros({3, 2}));
+      },
+      {"mul", "(2, 3)", "(3, 2)"}));
+  EXPECT_TRUE(throws_with([&] { add(Tensor::zeros({2}), Tensor::zeros({2}, DType::F64)); },
+                          {"add", "f32", "f64"}));
+  EXPECT_TRUE(throws_with([&] { gelu(Tensor::zeros({2, 3}, DType::I32)); }, {"gelu", "i32"}));
+  EXPECT_TRUE(throws_with([&] { scale(Tensor::zeros({2}, DType::I32), 2.0); }, {"scale", "i32"}));
+  EXPECT_TRUE(throws_with([&] { dropout(a, 1.0, 0); }, {"dropout", "1"}));
+  EXPECT_TRUE(throws_with([&] { dropout(a, -0.1, 0); }, {"dropout"}));
+  EXPECT_TRUE(throws_with([&] { add(a, Tensor()); }, {"add"}));
+}
+
+}  // namespace

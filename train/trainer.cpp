@@ -1,0 +1,275 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <numbers>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "autograd/graph.h"
+#include "autograd/ops/ops.h"
+#include "checkpoints/model_io.h"
+
+namespace kvlab {
+
+namespace fs = std::filesystem;
+
+void TrainConfig::validate() const {
+  model.validate();
+  KVLAB_CHECK(!corpus.empty(), "train: no corpus given (--corpus FILE)");
+  KVLAB_CHECK(batch_size >= 1, "train: batch_size must be >= 1, got ", batch_size);
+  KVLAB_CHECK(grad_accum >= 1, "train: grad_accum must be >= 1, got ", grad_accum);
+  KVLAB_CHECK(iters >= 1, "train: iters must be >= 1, got ", iters);
+  KVLAB_CHECK(lr > 0 && min_lr >= 0 && min_lr <= lr, "train: need 0 <= min_lr <= lr and lr > 0, got lr ",
+              lr, ", min_lr ", min_lr);
+  KVLAB_CHECK(warmup >= 0, "train: warmup must be >= 0, got ", warmup);
+  KVLAB_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "train: betas must be in [0, 1)");
+  KVLAB_CHECK(weight_decay >= 0, "train: weight_decay must be >= 0, got ", weight_decay);
+  KVLAB_CHECK(grad_clip >= 0, "train: grad_clip must be >= 0 (0 disables), got ", grad_clip);
+  KVLAB_CHECK(eval_interval >= 1 && eval_iters >= 1, "train: eval_interval and eval_iters must be >= 1");
+  KVLAB_CHECK(ckpt_interval >= 0, "train: ckpt_interval must be >= 0");
+  KVLAB_CHECK(val_fraction > 0 && val_fraction < 1, "train: val_fraction must be in (0, 1), got ",
+              val_fraction);
+}
+
+Attrs TrainConfig::to_attrs() const {
+  Attrs a;
+  put_gpt_config(a, model);
+  a["corpus"] = corpus;
+  a["tokenizer"] = tokenizer;
+  a["val_fraction"] = val_fraction;
+  a["batch_size"] = batch_size;
+  a["grad_accum"] = grad_accum;
+  a["iters"] = iters;
+  a["lr"] = lr;
+  a["min_lr"] = min_lr;
+  a["warmup"] = warmup;
+  a["beta1"] = beta1;
+  a["beta2"] = beta2;
+  a["weight_decay"] = weight_decay;
+  a["grad_clip"] = grad_clip;
+  a["eval_interval"] = eval_interval;
+  a["eval_iters"] = eval_iters;
+  a["seed"] = static_cast<int64_t>(seed);
+  return a;
+}
+
+double learning_rate(const TrainConfig& c, int64_t step) {
+  if (step < c.warmup) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup + 1);
+  if (step >= c.iters) return c.min_lr;
+  const double span = static_cast<double>(std::max<int64_t>(1, c.iters - c.warmup));
+  const double ratio = static_cast<double>(step - c.warmup) / span;
+  return c.min_lr + 0.5 * (1.0 + std::cos(std::numbers::pi * ratio)) * (c.lr - c.min_lr);
+}
+
+namespace {
+std::string attr_str(const AttrValue& v) {
+  std::ostringstream os;
+  std::visit([&](const auto& x) { os << x; }, v);
+  return os.str();
+}
+// Settings that describe where things are, not what is computed.
+bool informational(const std::string& key) { return key == "corpus"; }
+}  // namespace
+
+std::vector<std::string> config_differences(const Attrs& a, const Attrs& b) {
+  std::vector<std::string> diffs;
+  for (const auto& [k, v] : a) {
+    if (informational(k)) continue;
+    auto it = b.find(k);
+    if (it == b.end()) diffs.push_back(k + ": " + attr_str(v) + " vs (missing)");
+    else if (attr_str(v) != attr_str(it->second))
+      diffs.push_back(k + ": " + attr_str(v) + " vs " + attr_str(it->second));
+  }
+  for (const auto& [k, v] : b)
+    if (!informational(k) && a.find(k) == a.end()) diffs.push_back(k + ": (missing) vs " + attr_str(v));
+  return diffs;
+}
+
+namespace {
+// Every setting is checked before the corpus is read (the vocabulary comes from the corpus).
+Corpus validated_corpus(const TrainConfig& cfg) {
+  TrainConfig check = cfg;
+  if (check.model.vocab_size == 0) check.model.vocab_size = 1;
+  check.validate();
+  return load_corpus(cfg.corpus, Tokenizer::parse_kind(cfg.tokenizer), cfg.val_fraction);
+}
+}  // namespace
+
+Trainer::Trainer(const TrainConfig& cfg) : cfg_(cfg), corpus_(validated_corpus(cfg)) {
+  check_corpus_fits(corpus_, static_cast<int>(cfg_.model.block_size));
+  cfg_.model.vocab_size = corpus_.tokenizer.vocab_size();
+  cfg_.corpus = corpus_.path;
+  if (!cfg_.out_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(cfg_.out_dir, ec);
+    const fs::path probe_file = fs::path(cfg_.out_dir) / ".kvlab-write-test";
+    std::ofstream f(probe_file);
+    KVLAB_CHECK(!ec && f.good(), "train: output folder ", cfg_.out_dir, " is not writable");
+    f.close();
+    fs::remove(probe_file, ec);
+  }
+  model_ = std::make_unique<GPT>(cfg_.model, cfg_.seed);
+  opt_ = std::make_unique<AdamW>(model_->named_parameters(),
+                                 AdamWConfig{cfg_.beta1, cfg_.beta2, 1e-8, cfg_.weight_decay});
+  sampler_ = std::make_unique<BatchSampler>(corpus_.train, static_cast<int>(cfg_.batch_size),
+                                            static_cast<int>(cfg_.model.block_size),
+                                            hash64(cfg_.seed, 0x73616d70));
+  val_starts_ = fixed_windows(static_cast<int64_t>(corpus_.val.size()),
+                              static_cast<int>(cfg_.model.block_size),
+                              static_cast<int>(cfg_.eval_iters * cfg_.batch_size));
+}
+
+fs::path Trainer::checkpoint_path(const std::string& which) const {
+  return fs::path(cfg_.out_dir) / (which + ".h5");
+}
+
+void Trainer::resume(const fs::path& file) {
+  Checkpoint ckpt = load_checkpoint(file, true);
+  const auto diffs = config_differences(ckpt.config, cfg_.to_attrs());
+  if (!diffs.empty()) {
+    std::string msg;
+    for (const auto& d : diffs) msg += (msg.empty() ? "" : "; ") + d;
+    KVLAB_CHECK(false, "resume: ", file.string(), " was trained with a different config (checkpoint vs now): ",
+                msg);
+  }
+  KVLAB_CHECK(ckpt.has_train_state && ckpt.rng_state.size() == 8, "resume: ", file.string(),
+              " has no complete /train state");
+  KVLAB_CHECK(get_tokenizer(ckpt, file) == corpus_.tokenizer, "resume: ", file.string(),
+              " was trained with a different tokenizer vocabulary than ", cfg_.corpus, " gives");
+  copy_into(model_->named_parameters(), ckpt.model, "model", file);
+  get_optimizer(*opt_, ckpt, file);
+  step_ = ckpt.iteration;
+  best_val_ = ckpt.best_val_loss;
+  Generator::State s{}, d{};
+  std::copy_n(ckpt.rng_state.begin(), 4, s.begin());
+  std::copy_n(ckpt.rng_state.begin() + 4, 4, d.begin());
+  sampler_->set_state(s);
+  model_->dropout_generator().set_state(d);
+  if (auto it = ckpt.train_extra.find("elapsed_s"); it != ckpt.train_extra.end())
+    if (const double* e = std::get_if<double>(&it->second)) elapsed_ = *e;
+  // Drop log lines written after this checkpoint (a crash between checkpoints).
+  const fs::path log = fs::path(cfg_.out_dir) / "log.jsonl";
+  if (!cfg_.out_dir.empty() && fs::exists(log)) {
+    std::ifstream in(log);
+    std::string line, kept;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.value("step", int64_t{0}) <= step_) kept += line + "\n";
+    }
+    in.close();
+    std::ofstream(log, std::ios::trunc) << kept;
+  }
+}
+
+void Trainer::save(const fs::path& file) {
+  if (cfg_.out_dir.empty()) return;
+  Checkpoint c;
+  c.config = cfg_.to_attrs();
+  put_tokenizer(c, corpus_.tokenizer);
+  c.model = to_arrays(model_->named_parameters());
+  put_optimizer(c, *opt_);
+  c.has_train_state = true;
+  c.iteration = step_;
+  c.best_val_loss = best_val_;
+  const auto s = sampler_->state();
+  const auto d = model_->dropout_generator().state();
+  c.rng_state.assign(s.begin(), s.end());
+  c.rng_state.insert(c.rng_state.end(), d.begin(), d.end());
+  c.train_extra["elapsed_s"] = elapsed_;
+  save_checkpoint(file, c);
+}
+
+void Trainer::append_log(const StepRecord& r) {
+  if (cfg_.out_dir.empty()) return;
+  nlohmann::json j = {{"step", r.step},         {"lr", r.lr},
+                      {"train_loss", r.train_loss}, {"grad_norm", r.grad_norm},
+                      {"tokens_per_s", r.tokens_per_s}, {"elapsed_s", r.elapsed_s}};
+  if (r.val_loss) j["val_loss"] = *r.val_loss;
+  std::ofstream(fs::path(cfg_.out_dir) / "log.jsonl", std::ios::app) << j.dump() << "\n";
+}
+
+double Trainer::evaluate() {
+  NoGradGuard no_grad;
+  const bool was_training = model_->training();
+  model_->set_training(false);
+  const int64_t B = cfg_.batch_size, T = cfg_.model.block_size;
+  std::vector<int32_t> x, y;
+  Tensor xt = Tensor::empty({B, T}, DType::I32), yt = Tensor::empty({B, T}, DType::I32);
+  double total = 0;
+  for (int64_t i = 0; i < cfg_.eval_iters; ++i) {
+    fill_windows(corpus_.val, std::span<const int64_t>(val_starts_).subspan(i * B, B),
+                 static_cast<int>(T), x, y);
+    std::copy(x.begin(), x.end(), xt.data<int32_t>());
+    std::copy(y.begin(), y.end(), yt.data<int32_t>());
+    total += model_->loss(xt, yt).item();
+  }
+  model_->set_training(was_training);
+  return total / static_cast<double>(cfg_.eval_iters);
+}
+
+bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
+                  const std::atomic<bool>* stop) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t B = cfg_.batch_size, T = cfg_.model.block_size;
+  const int64_t ckpt_every = cfg_.ckpt_interval > 0 ? cfg_.ckpt_interval : cfg_.eval_interval;
+  model_->set_training(true);
+  if (step_ == 0) {  // the curve starts at the initial weights
+    StepRecord r;
+    r.val_loss = evaluate();
+    append_log(r);
+    if (!on_step(r)) return false;
+  }
+  std::vector<int32_t> x, y;
+  Tensor xt = Tensor::empty({B, T}, DType::I32), yt = Tensor::empty({B, T}, DType::I32);
+  const NamedTensors params = model_->named_parameters();
+  while (step_ < cfg_.iters) {
+    if (stop != nullptr && stop->load()) {
+      save(checkpoint_path("last"));
+      return false;
+    }
+    const auto t0 = Clock::now();
+    model_->zero_grad();
+    double loss_sum = 0;
+    for (int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
+      sampler_->next(x, y);
+      std::copy(x.begin(), x.end(), xt.data<int32_t>());
+      std::copy(y.begin(), y.end(), yt.data<int32_t>());
+      Tensor loss = model_->loss(xt, yt);
+      if (cfg_.grad_accum > 1) loss = scale(loss, 1.0 / static_cast<double>(cfg_.grad_accum));
+      loss_sum += loss.item();
+      loss.backward();
+    }
+    StepRecord r;
+    r.grad_norm = global_grad_norm(params);
+    r.lr = learning_rate(cfg_, step_);
+    opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    ++step_;
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    elapsed_ += dt;
+    r.step = step_;
+    r.train_loss = loss_sum;
+    r.tokens_per_s = static_cast<double>(B * T * cfg_.grad_accum) / dt;
+    r.elapsed_s = elapsed_;
+    const bool last = step_ == cfg_.iters;
+    if (step_ % cfg_.eval_interval == 0 || last) {
+      r.val_loss = evaluate();
+      if (*r.val_loss < best_val_) {
+        best_val_ = *r.val_loss;
+        save(checkpoint_path("best"));
+      }
+    }
+    if (step_ % ckpt_every == 0 || last) save(checkpoint_path("last"));
+    append_log(r);
+    if (!on_step(r) && !last) {
+      save(checkpoint_path("last"));
+      return false;
+    }
+  }
+  if (!cfg_.out_dir.empty()) save(checkpoint_path("final"));
+  return true;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,95 @@
+#pragma once
+// The training loop: data, model, AdamW with warmup + cosine LR, gradient accumulation and
+// clipping, evaluation on fixed validation windows, JSONL logging and checkpoints from which
+// a run resumes bit-exactly (same thread count).
+#include <atomic>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "checkpoints/checkpoint.h"
+#include "data/corpus.h"
+#include "data/sampler.h"
+#include "nn/adamw.h"
+#include "nn/gpt.h"
+
+namespace kvlab {
+
+struct TrainConfig {
+  std::string corpus;
+  std::string tokenizer = "char";
+  double val_fraction = 0.1;
+  GPTConfig model;  // vocab_size comes from the corpus
+  int64_t batch_size = 12;
+  int64_t grad_accum = 1;
+  int64_t iters = 2000;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup = 100;
+  double beta1 = 0.9;
+  double beta2 = 0.99;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;
+  int64_t eval_interval = 250;
+  int64_t eval_iters = 200;  // fixed validation batches of batch_size windows
+  int64_t ckpt_interval = 0;  // 0: at every evaluation
+  uint64_t seed = 1337;
+  std::string out_dir;
+
+  // Throws UsageError-style kvlab::Error naming the setting.
+  void validate() const;
+  // Every setting that defines the run, as /config attributes (model keys included).
+  Attrs to_attrs() const;
+};
+
+// Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at `iters`.
+double learning_rate(const TrainConfig& cfg, int64_t step);
+
+struct StepRecord {
+  int64_t step = 0;  // 1-based: the number of updates done
+  double lr = 0, train_loss = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
+  std::optional<double> val_loss;
+};
+
+// Keys whose values differ between two /config attribute sets ("n_kv_head: 4 vs 2").
+std::vector<std::string> config_differences(const Attrs& a, const Attrs& b);
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainConfig& cfg);
+
+  // Continues from `ckpt` (written by a Trainer with the same config; a differing key is an
+  // error that names it).
+  void resume(const std::filesystem::path& ckpt);
+  // Trains until cfg.iters, or until `on_step` returns false or `stop` becomes true; a
+  // checkpoint (last.h5) is written whenever it stops. Returns true when all iters are done.
+  bool run(const std::function<bool(const StepRecord&)>& on_step,
+           const std::atomic<bool>* stop = nullptr);
+  // Mean loss over the fixed validation windows (the same for every run of a corpus).
+  double evaluate();
+
+  int64_t step() const { return step_; }
+  double best_val_loss() const { return best_val_; }
+  GPT& model() { return *model_; }
+  const Corpus& corpus() const { return corpus_; }
+  const TrainConfig& config() const { return cfg_; }
+  std::filesystem::path checkpoint_path(const std::string& which) const;  // "last", "best", "final"
+
+ private:
+  void save(const std::filesystem::path& file);
+  void append_log(const StepRecord& r);
+
+  TrainConfig cfg_;
+  Corpus corpus_;
+  std::unique_ptr<GPT> model_;
+  std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<BatchSampler> sampler_;
+  std::vector<int64_t> val_starts_;
+  int64_t step_ = 0;
+  double best_val_ = std::numeric_limits<double>::infinity();
+  double elapsed_ = 0;  // training seconds so far, evaluation excluded
+};
+
+}  // namespace kvlab
