@@ -20,6 +20,10 @@ class UsageError : public Error {
     if (!(cond)) throw ::kvlab::UsageError(::kvlab::detail::cat(__VA_ARGS__)); \
   } while (0)
 
+// The command line as typed (recorded in results files).
+const std::string& command_line();
+void set_command_line(int argc, char** argv);
+
 void add_train_command(CLI::App& root);
 void add_generate_command(CLI::App& root);
 void add_bench_command(CLI::App& root);

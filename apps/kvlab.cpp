@@ -5,7 +5,19 @@
 
 #include "apps/cli.h"
 
+namespace kvlab {
+namespace {
+std::string g_command_line;
+}
+const std::string& command_line() { return g_command_line; }
+void set_command_line(int argc, char** argv) {
+  g_command_line.clear();
+  for (int i = 0; i < argc; ++i) g_command_line += (i ? " " : "") + std::string(i ? argv[i] : "kvlab");
+}
+}  // namespace kvlab
+
 int main(int argc, char** argv) {
+  kvlab::set_command_line(argc, argv);
   CLI::App app{"kvlab: train small GPTs with MHA, GQA or MQA attention and measure what sharing "
                "key/value heads costs and buys"};
   app.require_subcommand(1);

@@ -1,0 +1,307 @@
+#include "apps/ablate/ablate.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+
+#include "apps/progress.h"
+#include "apps/report/report.h"
+#include "apps/train_progress.h"
+#include "autograd/graph.h"
+#include "checkpoints/model_io.h"
+#include "data/sampler.h"
+#include "infer/bench.h"
+#include "infer/engine.h"
+#include "infer/kv_cache.h"
+
+namespace kvlab {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+fs::path run_dir(const AblateConfig& cfg, int64_t kv, int seed_index) {
+  return fs::path(cfg.out_dir) / "runs" / ("kv" + std::to_string(kv) + "_seed" + std::to_string(seed_index));
+}
+
+// MLP width that brings `c` closest to `target` parameters (the count is linear in it).
+int64_t matched_hidden(GPTConfig c, int64_t target) {
+  c.mlp_hidden = 1;
+  const int64_t at1 = count_parameters(c);
+  c.mlp_hidden = 2;
+  const int64_t per_unit = count_parameters(c) - at1;
+  const double h = 1.0 + static_cast<double>(target - at1) / static_cast<double>(per_unit);
+  return std::max<int64_t>(1, std::llround(h));
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+std::string now_iso() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+// The validation curve of a finished run, read back from its log.
+json read_curve(const fs::path& dir) {
+  json curve = json::array();
+  std::ifstream log(dir / "log.jsonl");
+  for (std::string line; std::getline(log, line);) {
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("val_loss")) continue;
+    curve.push_back({{"step", j["step"]}, {"val_loss", j["val_loss"]}, {"train_loss", j.value("train_loss", 0.0)}});
+  }
+  return curve;
+}
+
+double mean_train_tokens_per_s(const fs::path& dir) {
+  std::ifstream log(dir / "log.jsonl");
+  double sum = 0;
+  int n = 0;
+  for (std::string line; std::getline(log, line);) {
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || j.value("step", 0) < 2) continue;  // the first steps warm caches
+    sum += j.value("tokens_per_s", 0.0);
+    ++n;
+  }
+  return n ? sum / n : 0.0;
+}
+
+}  // namespace
+
+std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
+  TrainConfig& base = cfg.base;
+  const int64_t nh = base.model.n_head;
+  KVLAB_CHECK(nh >= 1, "ablate: n_head must be >= 1, got ", nh);
+  if (cfg.kv_heads.empty())
+    for (int64_t k = nh; k >= 1; --k)
+      if (nh % k == 0) cfg.kv_heads.push_back(k);
+  KVLAB_CHECK(!cfg.kv_heads.empty(), "ablate: the list of n_kv_head values is empty");
+  for (int64_t k : cfg.kv_heads)
+    KVLAB_CHECK(k >= 1 && k <= nh && nh % k == 0, "ablate: n_head = ", nh,
+                " is not divisible by n_kv_head = ", k, " (use divisors of n_head, e.g. ",
+                nh, ",", nh / 2 > 0 ? nh / 2 : 1, ",1)");
+  std::sort(cfg.kv_heads.begin(), cfg.kv_heads.end(), std::greater<>());
+  cfg.kv_heads.erase(std::unique(cfg.kv_heads.begin(), cfg.kv_heads.end()), cfg.kv_heads.end());
+  KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
+  KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
+  KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
+  {
+    std::error_code ec;
+    fs::create_directories(cfg.out_dir, ec);
+    const fs::path probe = fs::path(cfg.out_dir) / ".kvlab-write-test";
+    std::ofstream f(probe);
+    KVLAB_CHECK(!ec && f.good(), "ablate: output folder ", cfg.out_dir, " is not writable");
+    f.close();
+    fs::remove(probe, ec);
+  }
+  // The corpus is read (and its token cache written) once here; every run reuses the cache.
+  const Corpus corpus = load_corpus(base.corpus, Tokenizer::parse_kind(base.tokenizer), base.val_fraction);
+  check_corpus_fits(corpus, static_cast<int>(base.model.block_size));
+  base.model.vocab_size = corpus.tokenizer.vocab_size();
+  GPTConfig mha = base.model;
+  mha.n_kv_head = nh;
+  const int64_t target = count_parameters(mha);
+  std::vector<TrainConfig> runs;
+  for (int64_t kv : cfg.kv_heads) {
+    for (int s = 0; s < cfg.seeds; ++s) {
+      TrainConfig c = base;
+      c.model.n_kv_head = kv;
+      c.seed = base.seed + static_cast<uint64_t>(s);
+      if (cfg.param_matched) {
+        c.model.mlp_hidden = matched_hidden(c.model, target);
+        const double off = std::abs(static_cast<double>(count_parameters(c.model) - target)) / target;
+        KVLAB_CHECK(off <= 0.01, "ablate: cannot match MHA's parameter count within 1% at n_kv_head ",
+                    kv, " (off by ", off * 100, "%)");
+      }
+      c.out_dir = run_dir(cfg, kv, s).string();
+      c.validate();
+      runs.push_back(c);
+    }
+  }
+  return runs;
+}
+
+json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  const std::string started = now_iso();
+  const std::vector<TrainConfig> runs = plan_ablation(cfg);
+  AblateStats stats;
+  stats.runs_total = static_cast<int>(runs.size());
+
+  // ---- train (or reuse, or resume) every run ----
+  double train_s = 0;
+  int trained_runs = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const TrainConfig& c = runs[i];
+    const fs::path dir = c.out_dir, final_ckpt = dir / "final.h5", last = dir / "last.h5";
+    char label[96];
+    std::snprintf(label, sizeof label, "run %zu/%zu kv=%lld seed=%llu", i + 1, runs.size(),
+                  static_cast<long long>(c.model.n_kv_head), static_cast<unsigned long long>(c.seed));
+    if (fs::exists(final_ckpt)) {
+      const Checkpoint done = load_checkpoint(final_ckpt, false);
+      const auto diffs = config_differences(done.config, c.to_attrs());
+      if (!diffs.empty()) {
+        std::string msg;
+        for (const auto& d : diffs) msg += (msg.empty() ? "" : "; ") + d;
+        KVLAB_CHECK(false, "ablate: ", final_ckpt.string(),
+                    " was trained with a different config (checkpoint vs now): ", msg,
+                    ". Use another --out, or delete that folder to retrain");
+      }
+      ++stats.runs_reused;
+      std::fprintf(stderr, "%s: finished earlier, reusing %s\n", label, final_ckpt.string().c_str());
+      continue;
+    }
+    const int runs_left = static_cast<int>(runs.size() - i);
+    if (trained_runs > 0)
+      std::fprintf(stderr, "sweep: %d of %zu runs left, ETA %s\n", runs_left, runs.size(),
+                   ProgressBar::clock(train_s / trained_runs * runs_left).c_str());
+    const auto t0 = Clock::now();
+    Trainer trainer(c);
+    const int64_t from = fs::exists(last) ? (trainer.resume(last), trainer.step()) : 0;
+    if (from > 0) ++stats.runs_resumed;
+    const bool done = train_with_progress(trainer, label);
+    stats.steps_trained += trainer.step() - from;
+    KVLAB_CHECK(done, "ablate: interrupted during ", label,
+                "; rerun the same command to continue where it stopped");
+    train_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    ++trained_runs;
+  }
+
+  // ---- measure every variant ----
+  json variants = json::array();
+  const int64_t prompt_len = std::max<int64_t>(1, std::min<int64_t>(16, cfg.base.model.block_size / 4));
+  for (int64_t kv : cfg.kv_heads) {
+    json v;
+    v["n_kv_head"] = kv;
+    json val_losses = json::array();
+    double sum = 0, sum2 = 0, train_tps = 0;
+    for (int s = 0; s < cfg.seeds; ++s) {
+      const fs::path dir = run_dir(cfg, kv, s);
+      json run;
+      run["seed"] = cfg.base.seed + static_cast<uint64_t>(s);
+      run["curve"] = read_curve(dir);
+      KVLAB_CHECK(!run["curve"].empty(), "ablate: ", (dir / "log.jsonl").string(),
+                  " holds no validation loss");
+      const double val = run["curve"].back()["val_loss"].get<double>();
+      run["val_loss"] = val;
+      run["train_tokens_per_s"] = mean_train_tokens_per_s(dir);
+      train_tps += run["train_tokens_per_s"].get<double>();
+      sum += val;
+      sum2 += val * val;
+      v["runs"].push_back(run);
+    }
+    const double n = cfg.seeds;
+    const double mean = sum / n;
+    v["val_loss_mean"] = mean;
+    v["val_loss_std"] = cfg.seeds > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
+    v["bpc"] = mean / std::log(2.0);
+    v["train_tokens_per_s"] = train_tps / n;
+
+    std::fprintf(stderr, "measuring n_kv_head=%lld: cache, decode speed, samples\n",
+                 static_cast<long long>(kv));
+    LoadedModel lm = load_model(run_dir(cfg, kv, 0) / "final.h5");
+    const GPTConfig& mc = lm.model->config();
+    v["params"] = lm.model->num_parameters();
+    v["mlp_hidden"] = mc.hidden();
+    {
+      // Measured by the inference engine's cache for one full-context sequence.
+      ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size());
+      const int64_t measured = cache.bytes();
+      const int64_t formula = kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head,
+                                                     mc.head_size(), 4);
+      v["cache_bytes_context_measured"] = measured;
+      v["cache_bytes_context_formula"] = formula;
+      v["cache_bytes_per_token"] = measured / mc.block_size;
+      v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
+    }
+    {
+      BenchGenerateOptions bo;
+      bo.prompt_tokens = prompt_len;
+      bo.new_tokens = {mc.block_size - prompt_len};
+      bo.runs = cfg.bench_runs;
+      bo.position_points = 0;
+      const json b = bench_generate(*lm.model, lm.tokenizer, bo);
+      const json& r = b["results"][0];
+      v["decode_tokens_per_s_cache"] = r["cache"]["tokens_per_s"];
+      v["decode_tokens_per_s_nocache"] = r["no_cache"]["tokens_per_s"];
+      v["ttft_ms"] = r["cache"]["ttft_ms"];
+      v["tpot_ms"] = r["cache"]["tpot_mean_ms"];
+      v["tpot_p99_ms"] = r["cache"]["tpot_p99_ms"];
+      v["bench_new_tokens"] = r["new_tokens"];
+    }
+    {
+      Engine engine(*lm.model, lm.tokenizer);
+      std::vector<std::string> prompts = cfg.prompts;
+      if (prompts.empty()) {
+        const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
+                                          cfg.base.val_fraction);
+        for (int64_t start : fixed_windows(static_cast<int64_t>(corpus.val.size()),
+                                           static_cast<int>(prompt_len), 2, 99)) {
+          const std::span<const int32_t> ids(corpus.val.data() + start, static_cast<size_t>(prompt_len));
+          prompts.push_back(corpus.tokenizer.decode(ids));
+        }
+      }
+      GenerateOptions greedy;
+      greedy.max_new_tokens = std::min<int64_t>(cfg.sample_tokens, mc.block_size - prompt_len);
+      greedy.sampling.temperature = 0;
+      GenerateOptions sampled = greedy;
+      sampled.sampling.temperature = 0.8;
+      sampled.sampling.seed = 1;
+      const auto g = engine.generate(prompts, greedy);
+      const auto s = engine.generate(prompts, sampled);
+      for (size_t p = 0; p < prompts.size(); ++p)
+        v["samples"].push_back({{"prompt", prompts[p]}, {"greedy", g.rows[p].text},
+                                {"sampled", s.rows[p].text}, {"seed", 1}, {"temperature", 0.8}});
+    }
+    variants.push_back(v);
+  }
+  // Cache ratio to the MHA variant (n_kv_head = n_head) when it is part of the sweep, else
+  // to the largest n_kv_head measured.
+  json mha_bytes = variants[0]["cache_bytes_context_measured"];
+  for (const json& v : variants)
+    if (v["n_kv_head"] == cfg.base.model.n_head) mha_bytes = v["cache_bytes_context_measured"];
+  for (json& v : variants)
+    v["vs_mha"] = v["cache_bytes_context_measured"].get<double>() / mha_bytes.get<double>();
+
+  json results;
+  results["command"] = cfg.command;
+  results["started"] = started;
+  json config;
+  for (const auto& [k, val] : cfg.base.to_attrs()) std::visit([&](const auto& x) { config[k] = x; }, val);
+  config.erase("n_kv_head");
+  config.erase("mlp_hidden");
+  config["kv_heads"] = cfg.kv_heads;
+  config["seeds"] = cfg.seeds;
+  config["param_matched"] = cfg.param_matched;
+  results["config"] = config;
+  results["machine"] = {{"cpu", cpu_model()}, {"threads", omp_get_max_threads()}};
+  results["versions"] = {{"kvlab", KVLAB_VERSION}, {"compiler", __VERSION__},
+                         {"openblas", openblas_get_config()}};
+  results["kv_budget_bytes"] = cfg.kv_budget_bytes;
+  results["dtype_bytes"] = 4;
+  results["param_matched"] = cfg.param_matched;
+  results["variants"] = variants;
+  results["sweep"] = {{"runs", stats.runs_total}, {"reused", stats.runs_reused},
+                      {"resumed", stats.runs_resumed}, {"steps_trained", stats.steps_trained}};
+  results["wall_s"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+  write_report(results, cfg.out_dir);
+  if (stats_out) *stats_out = stats;
+  return results;
+}
+
+}  // namespace kvlab

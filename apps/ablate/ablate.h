@@ -1,0 +1,45 @@
+#pragma once
+// The n_kv_head ablation behind `kvlab ablate`: the same model trained at several n_kv_head
+// settings and seeds, then measured (val loss, KV-cache bytes, decode speed, samples) and
+// written as results.json, CSV, Markdown, SVG plots and one HTML page.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "train/trainer.h"
+
+namespace kvlab {
+
+struct AblateConfig {
+  TrainConfig base;               // its n_kv_head and seed are set per run
+  std::vector<int64_t> kv_heads;  // empty: every divisor of n_head, largest first
+  int seeds = 2;                  // seed index i trains with base.seed + i
+  bool param_matched = false;     // widen the MLP so every variant has MHA's parameter count
+  int64_t kv_budget_bytes = int64_t{1} << 30;
+  std::vector<std::string> prompts;  // empty: the first characters of fixed validation windows
+  int64_t sample_tokens = 160;
+  int bench_runs = 3;
+  std::string out_dir;
+  std::string command;  // recorded in results.json
+};
+
+struct AblateStats {
+  int runs_total = 0;
+  int runs_reused = 0;   // finished earlier with a matching config
+  int runs_resumed = 0;  // continued from their last checkpoint
+  int64_t steps_trained = 0;
+};
+
+// Every variant's config, checked before anything trains: kv heads that do not divide n_head,
+// an empty list, an unwritable output folder or a corpus too short for the block size are
+// errors. With param_matched, mlp_hidden is chosen per variant (parameters within 1% of MHA).
+std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
+
+// Trains (or reuses / resumes) every run, measures, writes the report into cfg.out_dir and
+// returns results.json's document. Progress goes to stderr.
+nlohmann::json run_ablation(AblateConfig cfg, AblateStats* stats = nullptr);
+
+}  // namespace kvlab

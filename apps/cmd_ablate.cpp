@@ -1,0 +1,123 @@
+// kvlab ablate: the n_kv_head sweep (the main job).
+#include <cstdio>
+
+#include "apps/ablate/ablate.h"
+#include "apps/cli.h"
+#include "apps/report/report.h"
+#include "apps/train_flags.h"
+
+namespace kvlab {
+
+namespace {
+
+struct AblateArgs {
+  TrainFlags flags;
+  std::vector<int64_t> kv_heads;
+  int seeds = 2;
+  bool param_matched = false;
+  int64_t kv_budget = int64_t{1} << 30;
+  std::vector<std::string> prompts;
+  int64_t sample_tokens = 160;
+  int bench_runs = 3;
+  std::string out = "out/ablate";
+  bool quick = false;
+  std::string command;
+};
+
+// Defaults of the sweep: 4 layers, 8 heads, n_embd 128, block 64 -> n_kv_head 8, 4, 2, 1 with
+// 2 seeds, sized to finish in under 10 minutes on 2 cores.
+void set_sweep_defaults(TrainConfig& c) {
+  c.model.n_layer = 4;
+  c.model.n_head = 8;
+  c.model.n_embd = 128;
+  c.model.block_size = 64;
+  c.batch_size = 12;
+  c.iters = 600;
+  c.warmup = 50;
+  c.eval_interval = 100;
+  c.eval_iters = 50;
+}
+
+// --quick: a smoke test in well under a minute. Only flags the user did not give change.
+void apply_quick(CLI::App* cmd, AblateArgs& a) {
+  TrainConfig& c = a.flags.cfg;
+  auto unset = [&](const char* flag) { return cmd->count(flag) == 0; };
+  if (unset("--n-layer")) c.model.n_layer = 2;
+  if (unset("--n-head")) c.model.n_head = 4;
+  if (unset("--n-embd")) c.model.n_embd = 64;
+  if (unset("--block-size")) c.model.block_size = 32;
+  if (unset("--batch-size")) c.batch_size = 8;
+  if (unset("--iters")) c.iters = 300;
+  if (unset("--warmup")) c.warmup = 10;
+  if (unset("--eval-interval")) c.eval_interval = 100;
+  if (unset("--eval-iters")) c.eval_iters = 10;
+  if (unset("--sample-tokens")) a.sample_tokens = 48;
+  if (unset("--bench-runs")) a.bench_runs = 1;
+}
+
+void run_ablate(CLI::App* cmd, AblateArgs& a) {
+  if (a.quick) apply_quick(cmd, a);
+  AblateConfig cfg;
+  cfg.base = finish_train_flags(a.flags);
+  cfg.kv_heads = a.kv_heads;
+  KVLAB_USAGE_CHECK(cmd->count("--kv-heads") == 0 || !a.kv_heads.empty(),
+                    "--kv-heads: the list is empty");
+  for (int64_t k : a.kv_heads)
+    KVLAB_USAGE_CHECK(k >= 1 && k <= cfg.base.model.n_head && cfg.base.model.n_head % k == 0,
+                      "--kv-heads: n_head = ", cfg.base.model.n_head,
+                      " is not divisible by n_kv_head = ", k);
+  KVLAB_USAGE_CHECK(a.seeds >= 1, "--seeds must be >= 1, got ", a.seeds);
+  KVLAB_USAGE_CHECK(a.kv_budget > 0, "--kv-budget must be positive");
+  KVLAB_USAGE_CHECK(a.sample_tokens >= 1, "--sample-tokens must be >= 1");
+  KVLAB_USAGE_CHECK(a.bench_runs >= 1, "--bench-runs must be >= 1");
+  cfg.seeds = a.seeds;
+  cfg.param_matched = a.param_matched;
+  cfg.kv_budget_bytes = a.kv_budget;
+  cfg.prompts = a.prompts;
+  cfg.sample_tokens = a.sample_tokens;
+  cfg.bench_runs = a.bench_runs;
+  cfg.out_dir = a.out;
+  cfg.command = a.command;
+  const auto results = run_ablation(cfg);
+  std::printf("\n%s\n", format_table(results).c_str());
+  std::printf("sweep wall time %.0f s; report: %s/report.html (also report.md, results.json, "
+              "results.csv, *.svg)\n",
+              results["wall_s"].get<double>(), a.out.c_str());
+}
+
+}  // namespace
+
+void add_ablate_command(CLI::App& root) {
+  auto args = std::make_shared<AblateArgs>();
+  CLI::App* cmd = root.add_subcommand(
+      "ablate", "Train the same GPT at several n_kv_head settings and compare loss, cache and speed");
+  set_sweep_defaults(args->flags.cfg);
+  add_train_flags(cmd, args->flags, false);
+  cmd->add_option("--kv-heads", args->kv_heads,
+                  "n_kv_head values, comma separated (default: every divisor of n-head)")
+      ->delimiter(',');
+  cmd->add_option("--seeds", args->seeds, "Seeds per variant (mean +- std over them)")
+      ->capture_default_str();
+  cmd->add_flag("--param-matched", args->param_matched,
+                "Widen each variant's MLP to MHA's parameter count (within 1%)");
+  cmd->add_option("--kv-budget", args->kv_budget,
+                  "Memory for the sequences-that-fit figure, e.g. 1GiB")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
+                                              "the start of two fixed validation windows)");
+  cmd->add_option("--sample-tokens", args->sample_tokens, "New tokens per sample")
+      ->capture_default_str();
+  cmd->add_option("--bench-runs", args->bench_runs, "Timed decode runs per variant (median)")
+      ->capture_default_str();
+  cmd->add_option("--out", args->out, "Output folder (runs/, results.json, report.html, ...)")
+      ->capture_default_str();
+  cmd->add_flag("--quick", args->quick,
+                "Smoke-test size (2 layers, n_embd 64, 300 steps): under a minute");
+  cmd->callback([cmd, args] {
+    args->command = command_line();
+    run_ablate(cmd, *args);
+  });
+}
+
+}  // namespace kvlab

@@ -1,0 +1,154 @@
+#include "apps/ablate/ablate.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace kvlab {
+namespace {
+
+namespace fs = std::filesystem;
+
+class AblateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("kvlab_ablate_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream f(dir_ / "corpus.txt");
+    for (int i = 0; i < 300; ++i) f << "and the king said unto them, go " << (i % 5) << " ways.\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  AblateConfig config(const std::string& out = "out") const {
+    AblateConfig c;
+    c.base.corpus = (dir_ / "corpus.txt").string();
+    c.base.model.n_layer = 1;
+    c.base.model.n_head = 4;
+    c.base.model.n_embd = 16;
+    c.base.model.block_size = 16;
+    c.base.batch_size = 4;
+    c.base.iters = 12;
+    c.base.warmup = 2;
+    c.base.eval_interval = 6;
+    c.base.eval_iters = 2;
+    c.kv_heads = {4, 2, 1};
+    c.seeds = 2;
+    c.sample_tokens = 8;
+    c.bench_runs = 1;
+    c.out_dir = (dir_ / out).string();
+    return c;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
+  AblateStats stats;
+  const auto r = run_ablation(config(), &stats);
+  EXPECT_EQ(stats.runs_total, 6);
+  EXPECT_EQ(stats.steps_trained, 6 * 12);
+  ASSERT_EQ(r["variants"].size(), 3u);
+  const auto& mha = r["variants"][0];
+  EXPECT_EQ(mha["n_kv_head"], 4);
+  for (const auto& v : r["variants"]) {
+    const int64_t nkv = v["n_kv_head"];
+    EXPECT_EQ(v["cache_bytes_context_measured"], v["cache_bytes_context_formula"]);
+    // 2 * L * B * S * NKV * HS * 4 with L = 1, B = 1, S = 16, HS = 4
+    EXPECT_EQ(v["cache_bytes_context_formula"].get<int64_t>(), 2 * 1 * 1 * 16 * nkv * 4 * 4);
+    EXPECT_DOUBLE_EQ(v["vs_mha"].get<double>(), static_cast<double>(nkv) / 4.0);
+    EXPECT_TRUE(std::isfinite(v["val_loss_mean"].get<double>()));
+    EXPECT_GE(v["val_loss_std"].get<double>(), 0.0);
+    ASSERT_EQ(v["runs"].size(), 2u);
+    for (const auto& run : v["runs"]) EXPECT_GE(run["curve"].size(), 3u);  // steps 0, 6, 12
+    ASSERT_FALSE(v["samples"].empty());
+    for (const auto& s : v["samples"]) {
+      EXPECT_FALSE(s["greedy"].get<std::string>().empty());
+      EXPECT_FALSE(s["sampled"].get<std::string>().empty());
+    }
+    EXPECT_GT(v["decode_tokens_per_s_cache"].get<double>(), 0.0);
+  }
+  for (const char* f : {"results.json", "results.csv", "report.md", "report.html",
+                        "val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
+                        "tokens_per_s_vs_kv.svg"})
+    EXPECT_TRUE(fs::exists(dir_ / "out" / f)) << f;
+}
+
+TEST_F(AblateTest, ResumeRetrainsNothingThatFinished) {
+  AblateConfig c = config();
+  c.kv_heads = {2, 1};
+  c.seeds = 1;
+  run_ablation(c);
+  // One run is lost, another is half-finished (stopped at step 5).
+  fs::remove_all(dir_ / "out" / "runs" / "kv1_seed0");
+  std::vector<TrainConfig> plan = plan_ablation(c);
+  {
+    Trainer t(plan[1]);
+    t.run([](const StepRecord& r) { return r.step < 5; });
+  }
+  AblateStats stats;
+  run_ablation(c, &stats);
+  EXPECT_EQ(stats.runs_reused, 1);
+  EXPECT_EQ(stats.runs_resumed, 1);
+  EXPECT_EQ(stats.steps_trained, 12 - 5);
+  // And again: everything is reused.
+  run_ablation(c, &stats);
+  EXPECT_EQ(stats.runs_reused, 2);
+  EXPECT_EQ(stats.steps_trained, 0);
+}
+
+TEST_F(AblateTest, AChangedConfigIsAnErrorNamingTheKeys) {
+  AblateConfig c = config();
+  c.kv_heads = {2};
+  c.seeds = 1;
+  run_ablation(c);
+  c.base.lr = 5e-4;
+  try {
+    run_ablation(c);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lr:"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(AblateTest, BadInputFailsBeforeTraining) {
+  auto expect_error = [&](AblateConfig c, const std::string& needle) {
+    try {
+      plan_ablation(c);
+      FAIL() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(fs::path(c.out_dir) / "runs"));
+  };
+  AblateConfig c = config();
+  c.kv_heads = {4, 3};
+  expect_error(c, "not divisible by n_kv_head = 3");
+  c = config();
+  c.kv_heads = {};
+  c.base.model.n_head = 0;
+  expect_error(c, "n_head");
+  c = config();
+  c.out_dir = "/proc/kvlab-cannot-write-here";
+  expect_error(c, "not writable");
+  c = config();
+  c.base.model.block_size = 1 << 20;
+  expect_error(c, "block");
+}
+
+TEST_F(AblateTest, ParamMatchedVariantsWithinOnePercentOfMha) {
+  AblateConfig c = config();
+  c.param_matched = true;
+  const auto plan = plan_ablation(c);
+  const int64_t mha = count_parameters(plan[0].model);
+  for (const auto& r : plan) {
+    const double off = std::abs(static_cast<double>(count_parameters(r.model) - mha)) / mha;
+    EXPECT_LE(off, 0.01) << "n_kv_head " << r.model.n_kv_head;
+  }
+  EXPECT_GT(plan.back().model.mlp_hidden, plan.front().model.hidden());  // MQA gets a wider MLP
+}
+
+}  // namespace
+}  // namespace kvlab
