@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# End-to-end checks of the kvlab command line: a tiny train -> inspect -> generate -> resume
+# round trip, and bad input that must give a one-line error and the documented exit code
+# (2 for usage errors, 1 for runtime errors), never a crash.
+set -u
+KVLAB=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+pass=0
+
+check() {  # check NAME EXPECTED_RC NEEDLE -- command...
+  local name=$1 want=$2 needle=$3
+  shift 4
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  if [ "$rc" -ne "$want" ] || ! grep -qF -- "$needle" <<<"$out"; then
+    echo "FAIL $name: rc=$rc (want $want), output:"
+    echo "$out" | tail -5
+    fails=$((fails + 1))
+  else
+    pass=$((pass + 1))
+  fi
+}
+
+for i in $(seq 300); do echo "the lord is my shepherd; i shall not want $((i % 7))."; done > "$work/corpus.txt"
+printf '\xff\xfe bad bytes' > "$work/binary.txt"
+: > "$work/empty.txt"
+echo "not an hdf5 file" > "$work/fake.h5"
+
+tiny=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4
+      --iters 20 --eval-interval 10 --eval-iters 2)
+check "train" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 2 --out "$work/run"
+check "train refuses to overwrite" 2 "--resume" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 2 --out "$work/run"
+check "resume of a finished run" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 2 --out "$work/run" --resume
+check "resume with another config" 1 "n_kv_head: 2 vs 1" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 1 --out "$work/run" --resume
+check "inspect" 0 "blocks.0.attn.k_proj.weight" -- "$KVLAB" inspect "$work/run/final.h5"
+check "generate" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord" --max-new 8
+check "generate --json" 0 "\"ttft_ms\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
+
+check "n_kv_head not dividing n_head" 2 "not divisible by n_kv_head" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 3 --out "$work/x"
+check "missing corpus" 2 "no such file" -- "$KVLAB" train --corpus "$work/nope.txt" --out "$work/x"
+check "empty corpus" 1 "empty" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/empty.txt" --out "$work/x2"
+check "invalid utf-8" 1 "invalid UTF-8 at byte 0" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/binary.txt" --out "$work/x3"
+check "negative iters" 2 "iters" -- "$KVLAB" train "${tiny[@]}" --iters -1 --out "$work/x4"
+check "unknown flag" 2 "--bogus" -- "$KVLAB" train --bogus
+check "missing checkpoint" 1 "no such file" -- "$KVLAB" generate --ckpt "$work/none.h5" --prompt a --max-new 2
+check "not a checkpoint" 1 "fake.h5" -- "$KVLAB" inspect "$work/fake.h5"
+check "prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "Zebra" --max-new 2
+check "max-new 0" 2 "max-new" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 0
+check "negative temperature" 2 "temperature" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --temperature -1
+check "top-p out of range" 2 "top-p" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --top-p 1.5
+check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
+check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
+check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
+check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
+
+echo "cli: $pass passed, $fails failed"
+[ "$fails" -eq 0 ]
