@@ -54,9 +54,17 @@ Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb) {
       return;
     }
     const int64_t sa = M * Ka, sb = Ka * N, sc = M * N;
-#pragma omp parallel for schedule(static) if (batch >= omp_get_max_threads())
-    for (int64_t i = 0; i < batch; ++i)
+    auto one = [&](int64_t i) {
       cpu::gemm<T>(ta, tb, M, N, Ka, T(1), pa + i * sa, lda, pb + i * sb, ldb, T(0), pc + i * sc, N);
+    };
+    // Small products in parallel with a single-threaded BLAS each; otherwise one by one with
+    // the BLAS's threads (no parallel region around it: see for_each_task in attention.cpp).
+    if (batch >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < batch; ++i) one(i);
+    } else {
+      for (int64_t i = 0; i < batch; ++i) one(i);
+    }
   });
   return out;
 }

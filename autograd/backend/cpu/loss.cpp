@@ -39,12 +39,8 @@ T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* 
 #pragma omp parallel for schedule(static) reduction(+ : total, n_valid) if (N * V > (1 << 14))
   for (int64_t i = 0; i < N; ++i) {
     const T* li = logits + i * V;
-    T mx = li[0];
-    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, li[j]);
-    double s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < V; ++j) s += exp_t(li[j] - mx);
-    lse[i] = mx + static_cast<T>(std::log(s));
+    const T mx = row_max(li, V);
+    lse[i] = mx + static_cast<T>(std::log(sum_exp_shift(li, V, mx)));
     if (targets[i] != ignore_index) {
       total += static_cast<double>(lse[i] - li[targets[i]]);
       ++n_valid;

@@ -1,5 +1,6 @@
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -86,14 +87,8 @@ void softmax_forward(T* out, const T* x, int64_t N, int64_t C) {
   for (int64_t i = 0; i < N; ++i) {
     const T* xi = x + i * C;
     T* oi = out + i * C;
-    T mx = xi[0];
-    for (int64_t j = 1; j < C; ++j) mx = xi[j] > mx ? xi[j] : mx;
-    double s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < C; ++j) {
-      oi[j] = exp_t(xi[j] - mx);
-      s += oi[j];
-    }
+    std::copy_n(xi, C, oi);
+    const double s = exp_shift_inplace(oi, C, row_max(xi, C));
     const T inv = static_cast<T>(1.0 / s);
 #pragma omp simd
     for (int64_t j = 0; j < C; ++j) oi[j] *= inv;

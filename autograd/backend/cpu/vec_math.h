@@ -43,4 +43,48 @@ inline T tanh_t(T x) {
   if constexpr (sizeof(T) == 4) return fast_tanh(x); else return std::tanh(x);
 }
 
+// Largest of x[0 .. n), n >= 1 (the ternary form vectorises; std::max does not).
+template <class T>
+inline T row_max(const T* x, int64_t n) {
+  T mx = x[0];
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 1; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
+
+// Blocks of exp terms are summed in T (a vectorised loop), the blocks in double: the row sum
+// keeps double-like accuracy without giving up the vector loop.
+constexpr int64_t kExpBlock = 64;
+
+// sum over j of exp(x[j] - shift).
+template <class T>
+inline double sum_exp_shift(const T* x, int64_t n, T shift) {
+  double total = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += kExpBlock) {
+    const int64_t j1 = j0 + kExpBlock < n ? j0 + kExpBlock : n;
+    T part = 0;
+#pragma omp simd reduction(+ : part)
+    for (int64_t j = j0; j < j1; ++j) part += exp_t(x[j] - shift);
+    total += part;
+  }
+  return total;
+}
+
+// x[j] = exp(x[j] - shift) in place; returns their sum.
+template <class T>
+inline double exp_shift_inplace(T* x, int64_t n, T shift) {
+  double total = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += kExpBlock) {
+    const int64_t j1 = j0 + kExpBlock < n ? j0 + kExpBlock : n;
+    T part = 0;
+#pragma omp simd reduction(+ : part)
+    for (int64_t j = j0; j < j1; ++j) {
+      x[j] = exp_t(x[j] - shift);
+      part += x[j];
+    }
+    total += part;
+  }
+  return total;
+}
+
 }  // namespace kvlab::cpu
