@@ -1,0 +1,221 @@
+#!/usr/bin/python3
+"""PyTorch eager CPU decode-with-KV-cache baseline for the kvlab GPT (float32, batch 1).
+
+For each n_kv_head in --n-kv-heads: random weights, a --prompt-len token prompt is
+prefilled, then --new-tokens tokens are generated greedily one at a time.  Each layer owns
+a preallocated cache of shape (B, n_kv_head, block_size, head_size) for K and for V (the
+KV heads are NOT repeated in the cache; the grouped query heads are matched to their KV
+head at compute time by folding them into the matmul rows).  One warm-up run is discarded and the
+median of --runs runs is reported; decode time excludes the prefill.
+
+    /usr/bin/python3 bench/torch_decode.py --threads 2 --json decode.json
+"""
+import os
+
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # must precede the torch import
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+class KVCache:
+    def __init__(self, n_layer, batch, nkv, s_max, hs):
+        self.k = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
+        self.v = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
+        self.len = 0  # number of valid positions
+
+
+class Attention(nn.Module):
+    def __init__(self, c, nh, nkv):
+        super().__init__()
+        assert c % nh == 0 and nh % nkv == 0
+        self.nh, self.nkv, self.hs = nh, nkv, c // nh
+        self.q_proj = nn.Linear(c, c)
+        self.k_proj = nn.Linear(c, nkv * self.hs)
+        self.v_proj = nn.Linear(c, nkv * self.hs)
+        self.c_proj = nn.Linear(c, c)
+
+    def forward(self, x, kc, vc, start):
+        """x: (B, T, C) new positions start..start+T-1; kc/vc: (B, NKV, S_max, HS)."""
+        B, T, C = x.shape
+        g = self.nh // self.nkv
+        q = self.q_proj(x).view(B, T, self.nkv, g, self.hs).permute(0, 2, 3, 1, 4)
+        kc[:, :, start:start + T] = self.k_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
+        vc[:, :, start:start + T] = self.v_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
+        S = start + T
+        # Fold the g query heads that share a KV head into the row dimension, so one
+        # (g*T, HS) x (HS, S) matmul per KV head reads the un-repeated cache directly.
+        q = q.reshape(B, self.nkv, g * T, self.hs)
+        att = (q @ kc[:, :, :S].transpose(-2, -1)) * (1.0 / math.sqrt(self.hs))
+        if T > 1:  # query t (absolute start+t) sees keys 0..start+t
+            mask = torch.ones(T, S, dtype=torch.bool).triu(start + 1)
+            att = att.view(B, self.nkv, g, T, S).masked_fill(mask, float("-inf"))
+            att = att.view(B, self.nkv, g * T, S)
+        y = torch.softmax(att, dim=-1) @ vc[:, :, :S]  # (B, NKV, g*T, HS)
+        y = y.view(B, self.nkv, g, T, self.hs)  # query head h = kv * g + j
+        return self.c_proj(y.permute(0, 3, 1, 2, 4).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, c, nh, nkv, hidden):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c, eps=1e-5)
+        self.attn = Attention(c, nh, nkv)
+        self.ln_2 = nn.LayerNorm(c, eps=1e-5)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(c, hidden)
+        self.mlp.c_proj = nn.Linear(hidden, c)
+
+    def forward(self, x, kc, vc, start):
+        x = x + self.attn(self.ln_1(x), kc, vc, start)
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden):
+        super().__init__()
+        self.cfg = (n_layer, nkv, block_size, c // nh)
+        self.wte = nn.Embedding(vocab, c)
+        self.wpe = nn.Embedding(block_size, c)
+        self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(c, eps=1e-5)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif ".ln_" in name or name.startswith("ln_f"):
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def new_cache(self, batch):
+        n_layer, nkv, s_max, hs = self.cfg
+        return KVCache(n_layer, batch, nkv, s_max, hs)
+
+    def forward(self, idx, cache, last_only=True):
+        B, T = idx.shape
+        start = cache.len
+        x = self.wte(idx) + self.wpe.weight[start:start + T]
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cache.k[i], cache.v[i], start)
+        cache.len = start + T
+        if last_only:
+            x = x[:, -1:]
+        return self.ln_f(x) @ self.wte.weight.t()  # tied head
+
+
+@torch.no_grad()
+def generate(model, prompt, n_new):
+    """Returns (tokens, prefill_s, decode_s, last_logits)."""
+    cache = model.new_cache(prompt.shape[0])
+    t0 = time.perf_counter()
+    logits = model(prompt, cache)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    t1 = time.perf_counter()
+    out = [nxt]
+    for _ in range(n_new - 1):  # the first new token came from the prefill
+        logits = model(nxt, cache)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+    t2 = time.perf_counter()
+    return torch.cat([prompt] + out, dim=1), t1 - t0, t2 - t1, logits[:, -1]
+
+
+@torch.no_grad()
+def reference_logits(model, tokens):
+    """Plain cache-free causal forward (GQA via repeat_interleave): last-position logits."""
+    B, T = tokens.shape
+    x = model.wte(tokens) + model.wpe.weight[:T]
+    for blk in model.blocks:
+        a = blk.attn
+        h = blk.ln_1(x)
+        q = a.q_proj(h).view(B, T, a.nh, a.hs).transpose(1, 2)
+        k = a.k_proj(h).view(B, T, a.nkv, a.hs).transpose(1, 2)
+        v = a.v_proj(h).view(B, T, a.nkv, a.hs).transpose(1, 2)
+        k = k.repeat_interleave(a.nh // a.nkv, dim=1)  # query head h -> KV head h // g
+        v = v.repeat_interleave(a.nh // a.nkv, dim=1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(a.hs)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        y = (torch.softmax(att, -1) @ v).transpose(1, 2).reshape(B, T, -1)
+        x = x + a.c_proj(y)
+        x = x + blk.mlp.c_proj(F.gelu(blk.mlp.c_fc(blk.ln_2(x)), approximate="tanh"))
+    return (model.ln_f(x) @ model.wte.weight.t())[:, -1]
+
+
+def check_against_full(model, tokens, last_logits):
+    """The cached decode must equal a plain full-sequence causal forward."""
+    ref = reference_logits(model, tokens[:, :-1])
+    err = (ref - last_logits).abs().max().item() / ref.abs().max().item()
+    assert err < 1e-4, f"KV-cache decode disagrees with full forward: rel err {err:.2e}"
+    return err
+
+
+def main():
+    ap = argparse.ArgumentParser(description="PyTorch eager CPU KV-cache decode baseline")
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--n-kv-heads", default="8,4,2,1", help="comma-separated list")
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--mlp-hidden", type=int, default=0, help="0 = 4*n_embd")
+    ap.add_argument("--block-size", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=65)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--no-check", action="store_true", help="skip the full-forward check")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    assert args.prompt_len + args.new_tokens <= args.block_size, "exceeds block_size"
+    hidden = args.mlp_hidden or 4 * args.n_embd
+    results = []
+    for nkv in [int(s) for s in args.n_kv_heads.split(",") if s]:
+        torch.manual_seed(args.seed)
+        model = GPT(args.vocab, args.block_size, args.n_layer, args.n_head, nkv, args.n_embd,
+                    hidden).eval()
+        prompt = torch.randint(0, args.vocab, (1, args.prompt_len))
+        tokens, _, _, last = generate(model, prompt, args.new_tokens)  # warm-up, discarded
+        err = None if args.no_check else check_against_full(model, tokens, last)
+        pre, dec = [], []
+        for _ in range(args.runs):
+            toks, p, d, _ = generate(model, prompt, args.new_tokens)
+            assert torch.equal(toks, tokens)
+            pre.append(p)
+            dec.append(d)
+        d_med = statistics.median(dec)
+        n_dec = args.new_tokens - 1  # timed single-token steps
+        r = {"n_kv_head": nkv, "tokens_per_s": n_dec / d_med, "tpot_ms": 1e3 * d_med / n_dec,
+             "prefill_ms": 1e3 * statistics.median(pre),
+             "kv_cache_bytes": 2 * args.n_layer * nkv * args.block_size *
+             (args.n_embd // args.n_head) * 4,
+             "decode_s_runs": dec}
+        if err is not None:
+            r["check_rel_err"] = err
+        results.append(r)
+        print(f"n_kv_head={nkv}: {r['tokens_per_s']:.1f} tokens/s, tpot {r['tpot_ms']:.3f} ms, "
+              f"prefill({args.prompt_len}) {r['prefill_ms']:.2f} ms"
+              + (f", check rel err {err:.1e}" if err is not None else ""))
+
+    out = {"results": results, "threads": args.threads, "torch_version": torch.__version__,
+           "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                          mlp_hidden=hidden, block_size=args.block_size, vocab=args.vocab,
+                          batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                          runs=args.runs, seed=args.seed)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
