@@ -4,6 +4,7 @@
 #include <exception>
 
 #include "apps/cli.h"
+#include "autograd/backend/cpu/threads.h"
 
 namespace kvlab {
 namespace {
@@ -17,6 +18,7 @@ void set_command_line(int argc, char** argv) {
 }  // namespace kvlab
 
 int main(int argc, char** argv) {
+  kvlab::apply_thread_wait_policy(argv);
   kvlab::set_command_line(argc, argv);
   CLI::App app{"kvlab: train small GPTs with MHA, GQA or MQA attention and measure what sharing "
                "key/value heads costs and buys"};

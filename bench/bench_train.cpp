@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <iostream>
 
+#include "autograd/backend/cpu/threads.h"
 #include "bench/bench_util.h"
 #include "train/trainer.h"
 
@@ -62,6 +63,7 @@ double sgemm_rate(const GPTConfig& c, int64_t rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  apply_thread_wait_policy(argv);  // the same threading setup as the kvlab CLI
   CLI::App app{"kvlab training throughput at the baby config"};
   TrainConfig cfg;
   cfg.corpus = std::string(KVLAB_SOURCE_DIR) + "/../shared/data/tinyshakespeare.txt";
@@ -110,6 +112,7 @@ int main(int argc, char** argv) {
                      {"peak_rss_mib", ru.ru_maxrss / 1024.0},
                      {"final_train_loss", last_loss},
                      {"threads", omp_get_max_threads()},
+                     {"gomp_spincount", std::getenv("GOMP_SPINCOUNT") ? std::getenv("GOMP_SPINCOUNT") : "default"},
                      {"parameters", trainer.model().num_parameters()},
                      {"machine", bench::machine_info()}};
   bench::Table t("kvlab training step (baby config)", {"metric", "value"});
