@@ -1,4 +1,6 @@
-// kvlab train: one GPT on a corpus, with a progress bar, a JSONL log and checkpoints.
+// kvlab train: one GPT on a corpus, with a progress bar, a JSONL log and checkpoints. Under
+// `mpirun -np N` it trains data-parallel over N ranks (train/comm.h): rank 0 prints, logs
+// and writes the checkpoints.
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -7,6 +9,7 @@
 #include "apps/progress.h"
 #include "apps/train_flags.h"
 #include "apps/train_progress.h"
+#include "train/comm.h"
 
 namespace kvlab {
 
@@ -16,11 +19,15 @@ struct TrainArgs {
   TrainFlags flags;
   std::string out = "out/train";
   bool resume = false;
+  double comm_timeout = 120;
+  int64_t zero = 0;
 };
 
 void run_train(const TrainArgs& a) {
   TrainConfig cfg = finish_train_flags(a.flags);
   cfg.out_dir = a.out;
+  cfg.zero = a.zero;
+  KVLAB_USAGE_CHECK(a.comm_timeout > 0, "--comm-timeout must be > 0 seconds, got ", a.comm_timeout);
   namespace fs = std::filesystem;
   const fs::path last = fs::path(a.out) / "last.h5";
   KVLAB_USAGE_CHECK(a.resume || !fs::exists(last), "output folder ", a.out,
@@ -28,30 +35,63 @@ void run_train(const TrainArgs& a) {
                     "); pass --resume to continue it or choose another --out");
   KVLAB_USAGE_CHECK(!a.resume || fs::exists(last), "--resume: no checkpoint ", last.string(),
                     " to resume from");
-  Trainer trainer(cfg);
-  if (a.resume) trainer.resume(last);
-  std::fprintf(stderr, "kvlab train: %lld parameters, n_head %lld, n_kv_head %lld, vocab %d, "
-               "%zu train / %zu val tokens, %s\n",
-               static_cast<long long>(trainer.model().num_parameters()),
-               static_cast<long long>(cfg.model.n_head), static_cast<long long>(cfg.model.n_kv_head),
-               trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
-               trainer.corpus().val.size(), a.resume ? "resumed" : "from scratch");
-  const bool done = train_with_progress(trainer, "train");
-  std::printf("%s at step %lld: best val loss %.4f; checkpoints in %s\n",
-              done ? "finished" : "interrupted", static_cast<long long>(trainer.step()),
-              trainer.best_val_loss(), a.out.c_str());
-  if (!done) std::printf("resume with the same command plus --resume\n");
+  // Without mpirun this is the local communicator and MPI is never initialised.
+  const std::shared_ptr<Communicator> comm = world_communicator(a.comm_timeout);
+  const int world = comm->world_size();
+  const bool rank0 = comm->rank() == 0;
+  try {
+    Trainer trainer(cfg, comm);
+    if (a.resume) trainer.resume(last);
+    if (rank0) {
+      std::fprintf(stderr,
+                   "kvlab train: %lld parameters, n_head %lld, n_kv_head %lld, vocab %d, "
+                   "%zu train / %zu val tokens, %s\n",
+                   static_cast<long long>(trainer.model().num_parameters()),
+                   static_cast<long long>(cfg.model.n_head),
+                   static_cast<long long>(cfg.model.n_kv_head),
+                   trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
+                   trainer.corpus().val.size(), a.resume ? "resumed" : "from scratch");
+      if (world > 1)
+        std::fprintf(stderr,
+                     "kvlab train: data parallel over %d %s ranks, batch %lld per rank "
+                     "(%lld sequences per step)%s\n",
+                     world, comm->backend().c_str(), static_cast<long long>(cfg.batch_size),
+                     static_cast<long long>(cfg.batch_size * cfg.grad_accum * world),
+                     cfg.zero == 1 ? ", ZeRO-1 (AdamW moments sharded)" : "");
+    }
+    const bool done = train_with_progress(trainer, "train");
+    if (rank0) {
+      std::printf("%s at step %lld: best val loss %.4f; checkpoints in %s\n",
+                  done ? "finished" : "interrupted", static_cast<long long>(trainer.step()),
+                  trainer.best_val_loss(), a.out.c_str());
+      if (!done) std::printf("resume with the same command plus --resume\n");
+    }
+  } catch (...) {
+    // Another rank may be waiting for this one in a collective: end the whole job at exit.
+    if (world > 1) comm->fail();
+    throw;
+  }
 }
 
 }  // namespace
 
 void add_train_command(CLI::App& root) {
   auto args = std::make_shared<TrainArgs>();
-  CLI::App* cmd = root.add_subcommand("train", "Train one GPT on a text corpus");
+  CLI::App* cmd = root.add_subcommand(
+      "train", "Train one GPT on a text corpus (data-parallel under mpirun -np N)");
   add_train_flags(cmd, args->flags, true);
   cmd->add_option("--out", args->out, "Output folder: log.jsonl, last.h5, best.h5, final.h5")
       ->capture_default_str();
   cmd->add_flag("--resume", args->resume, "Continue the run in --out from its last.h5");
+  cmd->add_option("--comm-timeout", args->comm_timeout,
+                  "Under mpirun: seconds a rank waits in a collective before the job fails with "
+                  "an error naming the ranks that did not arrive")
+      ->capture_default_str();
+  cmd->add_option("--zero", args->zero,
+                  "Under mpirun: 1 shards the AdamW moments over the ranks (ZeRO stage 1); "
+                  "same weights as 0")
+      ->check(CLI::IsMember({0, 1}))
+      ->capture_default_str();
   cmd->callback([args] { run_train(*args); });
 }
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "apps/progress.h"
+#include "train/comm.h"
 
 namespace kvlab {
 
@@ -14,25 +15,43 @@ extern "C" void on_sigint(int) { g_stop.store(true); }
 }  // namespace
 
 bool train_with_progress(Trainer& trainer, const std::string& label) {
+  // A Trainer without the MPI communicator under mpirun -np N (kvlab ablate, for one) would
+  // run N identical copies writing the same files.
+  KVLAB_CHECK(trainer.world_size() > 1 || launcher_world_size() <= 1, label,
+              ": this command does not train data-parallel, but mpirun started ",
+              launcher_world_size(),
+              " ranks that would each run it and write the same files; "
+              "run it without mpirun (or with -np 1)");
   g_stop.store(false);
+  const bool parallel = trainer.world_size() > 1;
+  const bool rank0 = trainer.rank() == 0;
   auto previous = std::signal(SIGINT, on_sigint);
+  // Under mpirun, Ctrl-C makes mpirun kill the job (the last checkpoint stays intact); SIGUSR1,
+  // which mpirun forwards to every rank, stops cleanly with a checkpoint, as Ctrl-C does alone.
+  auto previous_usr1 = parallel ? std::signal(SIGUSR1, on_sigint) : SIG_DFL;
   const TrainConfig& cfg = trainer.config();
   ProgressBar bar(label, cfg.iters, "step");
   double last_val = trainer.best_val_loss();
   const bool done = trainer.run(
       [&](const StepRecord& r) {
+        if (!rank0) return true;  // rank 0 alone prints
         if (r.val_loss) last_val = *r.val_loss;
-        char status[160];
-        std::snprintf(status, sizeof status, "loss %.4f | val %.4f | %.1fk tok/s", r.train_loss,
-                      last_val, r.tokens_per_s / 1000.0);
+        char status[200];
+        int n = std::snprintf(status, sizeof status, "loss %.4f | val %.4f | %.1fk tok/s",
+                              r.train_loss, last_val, r.tokens_per_s / 1000.0);
+        if (parallel && r.step > 0 && n > 0 && n < static_cast<int>(sizeof status))
+          std::snprintf(status + n, sizeof status - static_cast<size_t>(n), " | comm %.0f%%",
+                        r.step_s > 0 ? 100.0 * r.comm_s / r.step_s : 0.0);
         bar.update(r.step, status, r.val_loss.has_value());
         return true;
       },
       &g_stop);
-  bar.finish();
+  if (rank0) bar.finish();
   std::signal(SIGINT, previous);
-  if (!done) std::fprintf(stderr, "%s: stopped at step %lld, checkpoint saved\n", label.c_str(),
-                          static_cast<long long>(trainer.step()));
+  if (parallel) std::signal(SIGUSR1, previous_usr1);
+  if (!done && rank0)
+    std::fprintf(stderr, "%s: stopped at step %lld, checkpoint saved\n", label.c_str(),
+                 static_cast<long long>(trainer.step()));
   return done;
 }
 

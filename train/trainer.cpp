@@ -32,6 +32,7 @@ void TrainConfig::validate() const {
   KVLAB_CHECK(ckpt_interval >= 0, "train: ckpt_interval must be >= 0");
   KVLAB_CHECK(val_fraction > 0 && val_fraction < 1, "train: val_fraction must be in (0, 1), got ",
               val_fraction);
+  KVLAB_CHECK(zero == 0 || zero == 1, "train: zero must be 0 or 1 (ZeRO stage 1), got ", zero);
 }
 
 Attrs TrainConfig::to_attrs() const {
@@ -62,6 +63,20 @@ double learning_rate(const TrainConfig& c, int64_t step) {
   const double span = static_cast<double>(std::max<int64_t>(1, c.iters - c.warmup));
   const double ratio = static_cast<double>(step - c.warmup) / span;
   return c.min_lr + 0.5 * (1.0 + std::cos(std::numbers::pi * ratio)) * (c.lr - c.min_lr);
+}
+
+namespace {
+// Rank 0 keeps the single-process stream; rank r > 0 gets one derived from it.
+uint64_t rank_stream(uint64_t base, int rank) {
+  return rank == 0 ? base : hash64(base, 0x72616e6b00000000ull + static_cast<uint64_t>(rank));
+}
+}  // namespace
+
+uint64_t sampler_seed(uint64_t seed, int rank) {
+  return rank_stream(hash64(seed, 0x73616d70), rank);
+}
+uint64_t dropout_seed(uint64_t seed, int rank) {
+  return rank_stream(hash64(seed, 0x64726f70), rank);
 }
 
 namespace {
@@ -98,11 +113,28 @@ Corpus validated_corpus(const TrainConfig& cfg) {
 }
 }  // namespace
 
-Trainer::Trainer(const TrainConfig& cfg) : cfg_(cfg), corpus_(validated_corpus(cfg)) {
+Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
+    : cfg_(cfg),
+      comm_(comm ? std::move(comm) : local_communicator()),
+      corpus_(validated_corpus(cfg)) {
   check_corpus_fits(corpus_, static_cast<int>(cfg_.model.block_size));
   cfg_.model.vocab_size = corpus_.tokenizer.vocab_size();
   cfg_.corpus = corpus_.path;
-  if (!cfg_.out_dir.empty()) {
+  const int world = comm_->world_size(), rank = comm_->rank();
+  if (world > 1) {
+    // Every rank must run the same configuration on the same data.
+    std::string desc;
+    for (const auto& [k, v] : cfg_.to_attrs()) desc += k + "=" + attr_str(v) + ";";
+    desc +=
+        detail::cat("out_dir=", cfg_.out_dir, ";zero=", cfg_.zero, ";train=", corpus_.train.size(),
+                    ";val=", corpus_.val.size(), ";hash=", corpus_.content_hash);
+    KVLAB_CHECK(
+        same_on_all_ranks(*comm_, hash_bytes(desc.data(), desc.size()), "check of the settings"),
+        "train: the ", world,
+        " data-parallel ranks were started with different settings "
+        "or corpora; start every rank with the same flags");
+  }
+  if (!cfg_.out_dir.empty() && rank == 0) {
     std::error_code ec;
     fs::create_directories(cfg_.out_dir, ec);
     const fs::path probe_file = fs::path(cfg_.out_dir) / ".kvlab-write-test";
@@ -112,11 +144,15 @@ Trainer::Trainer(const TrainConfig& cfg) : cfg_(cfg), corpus_(validated_corpus(c
     fs::remove(probe_file, ec);
   }
   model_ = std::make_unique<GPT>(cfg_.model, cfg_.seed);
-  opt_ = std::make_unique<AdamW>(model_->named_parameters(),
-                                 AdamWConfig{cfg_.beta1, cfg_.beta2, 1e-8, cfg_.weight_decay});
+  if (rank != 0) model_->dropout_generator().reseed(dropout_seed(cfg_.seed, rank));
+  const AdamWConfig adamw{cfg_.beta1, cfg_.beta2, 1e-8, cfg_.weight_decay};
+  if (cfg_.zero == 1 && world > 1)
+    zero_ = std::make_unique<ShardedAdamW>(model_->named_parameters(), adamw, comm_);
+  else
+    opt_ = std::make_unique<AdamW>(model_->named_parameters(), adamw);
   sampler_ = std::make_unique<BatchSampler>(corpus_.train, static_cast<int>(cfg_.batch_size),
                                             static_cast<int>(cfg_.model.block_size),
-                                            hash64(cfg_.seed, 0x73616d70));
+                                            sampler_seed(cfg_.seed, rank));
   val_starts_ = fixed_windows(static_cast<int64_t>(corpus_.val.size()),
                               static_cast<int>(cfg_.model.block_size),
                               static_cast<int>(cfg_.eval_iters * cfg_.batch_size));
@@ -135,24 +171,47 @@ void Trainer::resume(const fs::path& file) {
     KVLAB_CHECK(false, "resume: ", file.string(), " was trained with a different config (checkpoint vs now): ",
                 msg);
   }
-  KVLAB_CHECK(ckpt.has_train_state && ckpt.rng_state.size() == 8, "resume: ", file.string(),
-              " has no complete /train state");
+  KVLAB_CHECK(ckpt.has_train_state, "resume: ", file.string(), " has no complete /train state");
+  const int world = comm_->world_size();
+  int64_t ckpt_world = 1;  // checkpoints without the key come from single-process runs
+  if (auto it = ckpt.train_extra.find("world_size"); it != ckpt.train_extra.end()) {
+    const int64_t* w = std::get_if<int64_t>(&it->second);
+    KVLAB_CHECK(w != nullptr && *w >= 1, "resume: ", file.string(),
+                ": /train attribute world_size is not a positive integer");
+    ckpt_world = *w;
+  }
+  KVLAB_CHECK(ckpt_world == world, "resume: ", file.string(), " was written by a run with ",
+              ckpt_world, " rank(s) and this run has ", world,
+              " rank(s); every rank's batch stream is saved, so resume with the same number of "
+              "ranks (mpirun -np ",
+              ckpt_world, ckpt_world == 1 ? ", or without mpirun)" : ")");
+  KVLAB_CHECK(ckpt.rng_state.size() == 8 * static_cast<size_t>(world), "resume: ", file.string(),
+              " has no complete /train state (/train/rng_state holds ", ckpt.rng_state.size(),
+              " words, ", 8 * world, " expected for ", world, " rank(s))");
   KVLAB_CHECK(get_tokenizer(ckpt, file) == corpus_.tokenizer, "resume: ", file.string(),
               " was trained with a different tokenizer vocabulary than ", cfg_.corpus, " gives");
   copy_into(model_->named_parameters(), ckpt.model, "model", file);
-  get_optimizer(*opt_, ckpt, file);
+  if (zero_) {
+    KVLAB_CHECK(ckpt.has_optimizer, "checkpoint ", file.string(),
+                ": no /optimizer group, cannot resume training from it");
+    zero_->load_moments(ckpt.optimizer_m, ckpt.optimizer_v, ckpt.optimizer_step, file);
+  } else {
+    get_optimizer(*opt_, ckpt, file);
+  }
   step_ = ckpt.iteration;
   best_val_ = ckpt.best_val_loss;
+  // Rank r's words: rng_state[8 r, 8 r + 4) sampler, [8 r + 4, 8 r + 8) dropout.
+  const auto words = ckpt.rng_state.begin() + 8 * comm_->rank();
   Generator::State s{}, d{};
-  std::copy_n(ckpt.rng_state.begin(), 4, s.begin());
-  std::copy_n(ckpt.rng_state.begin() + 4, 4, d.begin());
+  std::copy_n(words, 4, s.begin());
+  std::copy_n(words + 4, 4, d.begin());
   sampler_->set_state(s);
   model_->dropout_generator().set_state(d);
   if (auto it = ckpt.train_extra.find("elapsed_s"); it != ckpt.train_extra.end())
     if (const double* e = std::get_if<double>(&it->second)) elapsed_ = *e;
   // Drop log lines written after this checkpoint (a crash between checkpoints).
   const fs::path log = fs::path(cfg_.out_dir) / "log.jsonl";
-  if (!cfg_.out_dir.empty() && fs::exists(log)) {
+  if (!cfg_.out_dir.empty() && comm_->rank() == 0 && fs::exists(log)) {
     std::ifstream in(log);
     std::string line, kept;
     while (std::getline(in, line)) {
@@ -166,28 +225,62 @@ void Trainer::resume(const fs::path& file) {
 
 void Trainer::save(const fs::path& file) {
   if (cfg_.out_dir.empty()) return;
+  const int world = comm_->world_size();
+  const auto s = sampler_->state();
+  const auto d = model_->dropout_generator().state();
+  std::vector<uint64_t> words(s.begin(), s.end());
+  words.insert(words.end(), d.begin(), d.end());
   Checkpoint c;
+  if (world > 1) {  // collectives first: every rank takes part, rank 0 writes
+    check_replicas_agree();
+    words = comm_->gather(words, 0, "gather of the sampler states");
+    if (zero_) zero_->gather_moments(c.optimizer_m, c.optimizer_v);
+    if (comm_->rank() != 0) return;
+  }
   c.config = cfg_.to_attrs();
   put_tokenizer(c, corpus_.tokenizer);
   c.model = to_arrays(model_->named_parameters());
-  put_optimizer(c, *opt_);
+  if (zero_) {
+    c.has_optimizer = true;
+    c.optimizer_step = zero_->step_count();
+    c.train_extra["zero"] = cfg_.zero;
+  } else {
+    put_optimizer(c, *opt_);
+  }
   c.has_train_state = true;
   c.iteration = step_;
   c.best_val_loss = best_val_;
-  const auto s = sampler_->state();
-  const auto d = model_->dropout_generator().state();
-  c.rng_state.assign(s.begin(), s.end());
-  c.rng_state.insert(c.rng_state.end(), d.begin(), d.end());
+  c.rng_state = std::move(words);  // 8 words per rank, in rank order
   c.train_extra["elapsed_s"] = elapsed_;
+  c.train_extra["world_size"] = static_cast<int64_t>(world);
   save_checkpoint(file, c);
 }
 
+void Trainer::check_replicas_agree() {
+  uint64_t h = hash_bytes(nullptr, 0);
+  for (const auto& [name, p] : model_->named_parameters())
+    h = hash_bytes(p.data<float>(), static_cast<size_t>(p.numel()) * sizeof(float), h);
+  KVLAB_CHECK(same_on_all_ranks(*comm_, h, "check of the replicas"), "train: at step ", step_,
+              " the ", comm_->world_size(), " data-parallel ranks hold different weights");
+}
+
+bool Trainer::any_rank(bool mine) {
+  if (comm_->world_size() == 1) return mine;
+  double v = mine ? 1.0 : 0.0;
+  comm_->allreduce_sum(std::span<double>(&v, 1), "agreement on stopping");
+  return v > 0;
+}
+
 void Trainer::append_log(const StepRecord& r) {
-  if (cfg_.out_dir.empty()) return;
+  if (cfg_.out_dir.empty() || comm_->rank() != 0) return;
   nlohmann::json j = {{"step", r.step},         {"lr", r.lr},
                       {"train_loss", r.train_loss}, {"grad_norm", r.grad_norm},
                       {"tokens_per_s", r.tokens_per_s}, {"elapsed_s", r.elapsed_s}};
   if (r.val_loss) j["val_loss"] = *r.val_loss;
+  if (comm_->world_size() > 1 && r.step > 0) {
+    j["comm_s"] = r.comm_s;
+    j["comm_frac"] = r.step_s > 0 ? r.comm_s / r.step_s : 0.0;
+  }
   std::ofstream(fs::path(cfg_.out_dir) / "log.jsonl", std::ios::app) << j.dump() << "\n";
 }
 
@@ -199,12 +292,24 @@ double Trainer::evaluate() {
   std::vector<int32_t> x, y;
   Tensor xt = Tensor::empty({B, T}, DType::I32), yt = Tensor::empty({B, T}, DType::I32);
   double total = 0;
+  const int world = comm_->world_size(), rank = comm_->rank();
+  // With several ranks, batch i is evaluated on rank i % world and the per-batch losses are
+  // all-reduced (adding zeros is exact), then summed in order: the single-process value.
+  std::vector<double> losses(world > 1 ? static_cast<size_t>(cfg_.eval_iters) : 0, 0.0);
   for (int64_t i = 0; i < cfg_.eval_iters; ++i) {
+    if (world > 1 && i % world != rank) continue;
     fill_windows(corpus_.val, std::span<const int64_t>(val_starts_).subspan(i * B, B),
                  static_cast<int>(T), x, y);
     std::copy(x.begin(), x.end(), xt.data<int32_t>());
     std::copy(y.begin(), y.end(), yt.data<int32_t>());
-    total += model_->loss(xt, yt).item();
+    if (world > 1)
+      losses[static_cast<size_t>(i)] = model_->loss(xt, yt).item();
+    else
+      total += model_->loss(xt, yt).item();
+  }
+  if (world > 1) {
+    comm_->allreduce_sum(losses, "all-reduce of validation losses");
+    for (double l : losses) total += l;
   }
   model_->set_training(was_training);
   return total / static_cast<double>(cfg_.eval_iters);
@@ -215,18 +320,20 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
   using Clock = std::chrono::steady_clock;
   const int64_t B = cfg_.batch_size, T = cfg_.model.block_size;
   const int64_t ckpt_every = cfg_.ckpt_interval > 0 ? cfg_.ckpt_interval : cfg_.eval_interval;
+  const int world = comm_->world_size();
   model_->set_training(true);
   if (step_ == 0) {  // the curve starts at the initial weights
     StepRecord r;
     r.val_loss = evaluate();
     append_log(r);
-    if (!on_step(r)) return false;
+    if (any_rank(!on_step(r))) return false;
   }
   std::vector<int32_t> x, y;
   Tensor xt = Tensor::empty({B, T}, DType::I32), yt = Tensor::empty({B, T}, DType::I32);
   const NamedTensors params = model_->named_parameters();
   while (step_ < cfg_.iters) {
-    if (stop != nullptr && stop->load()) {
+    // With several ranks a stop request is agreed on after each step (below).
+    if (world == 1 && stop != nullptr && stop->load()) {
       save(checkpoint_path("last"));
       return false;
     }
@@ -243,16 +350,31 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
       loss.backward();
     }
     StepRecord r;
+    if (world > 1) {
+      const auto c0 = Clock::now();
+      reducer_.allreduce_mean(*comm_, params);
+      r.comm_s += std::chrono::duration<double>(Clock::now() - c0).count();
+    }
     r.grad_norm = global_grad_norm(params);
     r.lr = learning_rate(cfg_, step_);
-    opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    if (zero_)
+      r.comm_s += zero_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    else
+      opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
     ++step_;
+    if (world > 1) {
+      const auto c0 = Clock::now();
+      comm_->allreduce_sum(std::span<double>(&loss_sum, 1), "all-reduce of the training loss");
+      loss_sum /= static_cast<double>(world);
+      r.comm_s += std::chrono::duration<double>(Clock::now() - c0).count();
+    }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     elapsed_ += dt;
     r.step = step_;
     r.train_loss = loss_sum;
-    r.tokens_per_s = static_cast<double>(B * T * cfg_.grad_accum) / dt;
+    r.tokens_per_s = static_cast<double>(B * T * cfg_.grad_accum * world) / dt;
     r.elapsed_s = elapsed_;
+    r.step_s = dt;
     const bool last = step_ == cfg_.iters;
     if (step_ % cfg_.eval_interval == 0 || last) {
       r.val_loss = evaluate();
@@ -263,7 +385,9 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
     }
     if (step_ % ckpt_every == 0 || last) save(checkpoint_path("last"));
     append_log(r);
-    if (!on_step(r) && !last) {
+    const bool go_on = on_step(r);
+    const bool halt = world == 1 ? !go_on : any_rank(!go_on || (stop != nullptr && stop->load()));
+    if (halt && !last) {
       save(checkpoint_path("last"));
       return false;
     }

@@ -2,6 +2,16 @@
 // The training loop: data, model, AdamW with warmup + cosine LR, gradient accumulation and
 // clipping, evaluation on fixed validation windows, JSONL logging and checkpoints from which
 // a run resumes bit-exactly (same thread count).
+//
+// Data parallel (a Communicator with world_size > 1, e.g. under `mpirun -np N kvlab train`):
+// batch_size is per rank; rank r draws its batches from its own stream (sampler_seed(seed, r);
+// rank 0's is the single-process stream), gradients are averaged over the ranks after the
+// micro-steps and before clipping and AdamW, so every rank holds the same weights. Evaluation
+// is split over the ranks (batch i on rank i % W) and its per-batch losses all-reduced, so
+// val_loss equals the single-process value and is the same on every rank. Rank 0 alone writes
+// log.jsonl and checkpoints; a checkpoint records world_size and every rank's generator
+// states, and resuming needs the same world size. Every rank must call run(), evaluate() and
+// resume() together, and on_step must return the same value on every rank.
 #include <atomic>
 #include <filesystem>
 #include <functional>
@@ -14,6 +24,8 @@
 #include "data/sampler.h"
 #include "nn/adamw.h"
 #include "nn/gpt.h"
+#include "train/comm.h"
+#include "train/zero.h"
 
 namespace kvlab {
 
@@ -37,6 +49,10 @@ struct TrainConfig {
   int64_t ckpt_interval = 0;  // 0: at every evaluation
   uint64_t seed = 1337;
   std::string out_dir;
+  // 1: ZeRO stage 1, the AdamW moments sharded over the ranks (train/zero.h); same weights as
+  // plain data parallelism, and no effect with one rank. Not part of to_attrs(): a run may be
+  // resumed with or without it.
+  int64_t zero = 0;
 
   // Throws UsageError-style kvlab::Error naming the setting.
   void validate() const;
@@ -51,14 +67,24 @@ struct StepRecord {
   int64_t step = 0;  // 1-based: the number of updates done
   double lr = 0, train_loss = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
   std::optional<double> val_loss;
+  // Seconds of this step (evaluation excluded) and of it spent in collectives (gradient
+  // all-reduce, loss average, ZeRO all-gather; waiting for slower ranks included). train_loss
+  // is the mean over ranks and tokens_per_s counts every rank's tokens.
+  double step_s = 0, comm_s = 0;
 };
+
+// Seeds of rank `rank`'s batch sampler and dropout generator; rank 0 gets the single-process
+// seeds, so a 1-rank run is exactly a run without a Communicator.
+uint64_t sampler_seed(uint64_t seed, int rank);
+uint64_t dropout_seed(uint64_t seed, int rank);
 
 // Keys whose values differ between two /config attribute sets ("n_kv_head: 4 vs 2").
 std::vector<std::string> config_differences(const Attrs& a, const Attrs& b);
 
 class Trainer {
  public:
-  explicit Trainer(const TrainConfig& cfg);
+  // `comm` null means a single process (local_communicator()).
+  explicit Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm = nullptr);
 
   // Continues from `ckpt` (written by a Trainer with the same config; a differing key is an
   // error that names it).
@@ -75,13 +101,23 @@ class Trainer {
   GPT& model() { return *model_; }
   const Corpus& corpus() const { return corpus_; }
   const TrainConfig& config() const { return cfg_; }
+  int rank() const { return comm_->rank(); }
+  int world_size() const { return comm_->world_size(); }
+  Communicator& communicator() { return *comm_; }
   std::filesystem::path checkpoint_path(const std::string& which) const;  // "last", "best", "final"
 
  private:
   void save(const std::filesystem::path& file);
   void append_log(const StepRecord& r);
+  // True when `mine` is true on any rank (collective when world_size > 1).
+  bool any_rank(bool mine);
+  // Throws on every rank unless every rank holds the same weights.
+  void check_replicas_agree();
 
   TrainConfig cfg_;
+  std::shared_ptr<Communicator> comm_;
+  GradientReducer reducer_;
+  std::unique_ptr<ShardedAdamW> zero_;  // --zero 1 with more than one rank (then opt_ is null)
   Corpus corpus_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;

@@ -1,0 +1,160 @@
+#include "train/zero.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/error.h"
+
+namespace kvlab {
+
+namespace {
+int64_t overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+  return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+}
+}  // namespace
+
+ShardedAdamW::ShardedAdamW(NamedTensors params, const AdamWConfig& cfg,
+                           std::shared_ptr<Communicator> comm, size_t bucket_bytes)
+    : params_(std::move(params)),
+      cfg_(cfg),
+      comm_(std::move(comm)),
+      bucket_elems_(static_cast<int64_t>(std::max<size_t>(1, bucket_bytes / sizeof(float)))) {
+  offsets_.push_back(0);
+  for (auto& [name, p] : params_) {
+    KVLAB_CHECK(p.dtype() == DType::F32 && p.is_contiguous() && p.device() == Device::CPU,
+                "zero: parameter ", name, " must be a contiguous CPU f32 tensor");
+    offsets_.push_back(offsets_.back() + p.numel());
+  }
+  const int64_t n = offsets_.back(), w = comm_->world_size();
+  for (int64_t r = 0; r <= w; ++r) bounds_.push_back(n * r / w);
+  m_.assign(static_cast<size_t>(shard_end() - shard_begin()), 0.0f);
+  v_.assign(m_.size(), 0.0f);
+}
+
+template <class F>
+void ShardedAdamW::for_range(int64_t begin, int64_t end, F&& fn) const {
+  if (begin >= end) return;
+  size_t i = static_cast<size_t>(std::upper_bound(offsets_.begin(), offsets_.end(), begin) -
+                                 offsets_.begin()) -
+             1;
+  for (int64_t pos = begin; pos < end; ++i) {
+    const int64_t off = pos - offsets_[i];
+    const int64_t n = std::min(end, offsets_[i + 1]) - pos;
+    if (n > 0) fn(i, off, pos, n);
+    pos += n;
+  }
+}
+
+double ShardedAdamW::step(double lr, double grad_scale) {
+  ++step_;
+  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step_));
+  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(step_));
+  const int64_t s0 = shard_begin();
+  for_range(s0, shard_end(), [&](size_t i, int64_t off, int64_t pos, int64_t n) {
+    Tensor& p = params_[i].second;
+    const Tensor g = p.grad();
+    if (!g.defined()) return;
+    const Tensor gc = g.contiguous();
+    const cpu::AdamWStep s{static_cast<float>(lr),
+                           static_cast<float>(cfg_.beta1),
+                           static_cast<float>(cfg_.beta2),
+                           static_cast<float>(cfg_.eps),
+                           static_cast<float>(p.dim() >= 2 ? cfg_.weight_decay : 0.0),
+                           static_cast<float>(bc1),
+                           static_cast<float>(bc2),
+                           static_cast<float>(grad_scale)};
+    const size_t local = static_cast<size_t>(pos - s0);
+    cpu::adamw_update(p.data<float>() + off, gc.data<float>() + off, m_.data() + local,
+                      v_.data() + local, n, s);
+  });
+  // All-gather the parameters, bucket by bucket: in flat order, rank r's part of a bucket is
+  // its shard's overlap with it, so the concatenation in rank order is the bucket itself.
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t total = numel(), w = comm_->world_size();
+  std::vector<int64_t> counts(static_cast<size_t>(w));
+  const int64_t n_buckets = (total + bucket_elems_ - 1) / bucket_elems_;
+  for (int64_t b = 0, c0 = 0; c0 < total; ++b, c0 += bucket_elems_) {
+    const int64_t c1 = std::min(total, c0 + bucket_elems_);
+    for (int64_t r = 0; r < w; ++r)
+      counts[static_cast<size_t>(r)] =
+          overlap(bounds_[static_cast<size_t>(r)], bounds_[static_cast<size_t>(r) + 1], c0, c1);
+    const int64_t m0 = std::max(c0, shard_begin()), m1 = std::min(c1, shard_end());
+    send_.resize(static_cast<size_t>(std::max<int64_t>(0, m1 - m0)));
+    for_range(m0, m1, [&](size_t i, int64_t off, int64_t pos, int64_t n) {
+      std::memcpy(send_.data() + (pos - m0), params_[i].second.data<float>() + off,
+                  static_cast<size_t>(n) * sizeof(float));
+    });
+    recv_.resize(static_cast<size_t>(c1 - c0));
+    comm_->allgatherv(send_, recv_, counts,
+                      n_buckets == 1 ? std::string("all-gather of parameters (zero 1)")
+                                     : detail::cat("all-gather of parameters (zero 1, bucket ",
+                                                   b + 1, " of ", n_buckets, ")"));
+    for_range(c0, c1, [&](size_t i, int64_t off, int64_t pos, int64_t n) {
+      std::memcpy(params_[i].second.data<float>() + off, recv_.data() + (pos - c0),
+                  static_cast<size_t>(n) * sizeof(float));
+    });
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void ShardedAdamW::gather_moments(NamedArrays& m, NamedArrays& v) {
+  const bool root = comm_->rank() == 0;
+  const int64_t total = numel(), w = comm_->world_size();
+  std::vector<float> full_m(root ? static_cast<size_t>(total) : 0), full_v(full_m.size());
+  std::vector<int64_t> counts(static_cast<size_t>(w));
+  for (int64_t c0 = 0; c0 < total; c0 += bucket_elems_) {
+    const int64_t c1 = std::min(total, c0 + bucket_elems_);
+    for (int64_t r = 0; r < w; ++r)
+      counts[static_cast<size_t>(r)] =
+          overlap(bounds_[static_cast<size_t>(r)], bounds_[static_cast<size_t>(r) + 1], c0, c1);
+    const int64_t m0 = std::max(c0, shard_begin()), m1 = std::min(c1, shard_end());
+    const size_t local = static_cast<size_t>(std::max<int64_t>(0, m0 - shard_begin()));
+    const size_t n = static_cast<size_t>(std::max<int64_t>(0, m1 - m0));
+    const size_t out0 = root ? static_cast<size_t>(c0) : 0;
+    const size_t out_n = root ? static_cast<size_t>(c1 - c0) : 0;
+    comm_->gatherv(std::span<const float>(m_).subspan(local, n),
+                   std::span<float>(full_m).subspan(out0, out_n), counts, 0,
+                   "gather of AdamW first moments (zero 1)");
+    comm_->gatherv(std::span<const float>(v_).subspan(local, n),
+                   std::span<float>(full_v).subspan(out0, out_n), counts, 0,
+                   "gather of AdamW second moments (zero 1)");
+  }
+  if (!root) return;
+  m.clear();
+  v.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    const auto a = full_m.begin() + offsets_[i], b = full_m.begin() + offsets_[i + 1];
+    m.emplace_back(name, ArrayF32{p.sizes(), std::vector<float>(a, b)});
+    v.emplace_back(name, ArrayF32{p.sizes(), std::vector<float>(full_v.begin() + offsets_[i],
+                                                                full_v.begin() + offsets_[i + 1])});
+  }
+}
+
+void ShardedAdamW::load_moments(const NamedArrays& m, const NamedArrays& v, int64_t step,
+                                const std::filesystem::path& file) {
+  for (const NamedArrays* state : {&m, &v}) {
+    const char* group = state == &m ? "optimizer/m" : "optimizer/v";
+    KVLAB_CHECK(state->size() == params_.size(), "checkpoint ", file.string(), ": /", group,
+                " holds ", state->size(), " tensors, the model has ", params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& [name, arr] = (*state)[i];
+      KVLAB_CHECK(name == params_[i].first && arr.shape == params_[i].second.sizes() &&
+                      static_cast<int64_t>(arr.data.size()) == params_[i].second.numel(),
+                  "checkpoint ", file.string(), ": /", group, "/", name, " does not match ",
+                  params_[i].first, " ", params_[i].second.shape_str());
+    }
+  }
+  const int64_t s0 = shard_begin();
+  for_range(s0, shard_end(), [&](size_t i, int64_t off, int64_t pos, int64_t n) {
+    const size_t local = static_cast<size_t>(pos - s0);
+    std::copy_n(m[i].second.data.begin() + off, n, m_.begin() + static_cast<int64_t>(local));
+    std::copy_n(v[i].second.data.begin() + off, n, v_.begin() + static_cast<int64_t>(local));
+  });
+  step_ = step;
+}
+
+}  // namespace kvlab
