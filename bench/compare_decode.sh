@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Decode speed with a KV cache at batch 1 (6 layers, 8 heads, n_embd 256, block 512, random
+# weights) for n_kv_head 8, 4, 2, 1: kvlab against PyTorch CPU eager with an un-repeated
+# cache, in one sitting on the same machine and threads.
+# Usage: bench/compare_decode.sh [BUILD_DIR]   (writes BUILD_DIR/compare_decode.json)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+threads=${THREADS:-2}
+model=(--n-layer 6 --n-head 8 --n-embd 256 --block-size 512 --vocab 65)
+OMP_NUM_THREADS=$threads "$build/apps/kvlab" bench generate "${model[@]}" --kv-heads 8,4,2,1 \
+  --new-tokens 256 --prompt-tokens 16 --runs 3 --skip-no-cache --json "$build/kvlab_decode.json" >/dev/null
+/usr/bin/python3 bench/torch_decode.py "${model[@]}" --n-kv-heads 8,4,2,1 --new-tokens 256 \
+  --prompt-len 16 --runs 3 --threads "$threads" --json "$build/torch_decode.json" >/dev/null
+/usr/bin/python3 - "$build" "$threads" <<'PY'
+import json, sys
+build, threads = sys.argv[1], sys.argv[2]
+k = json.load(open(f"{build}/kvlab_decode.json"))
+t = json.load(open(f"{build}/torch_decode.json"))
+kv = {r["n_kv_head"]: r for r in k["decode_by_kv_heads"]}
+rows = []
+print(f"\ndecode with KV cache, batch 1, 6L/8H/256, 256 new tokens, {threads} threads "
+      f"(kvlab: OpenMP + OpenBLAS-openmp; PyTorch {t['torch_version']}: "
+      f"set_num_threads({threads}), OMP_WAIT_POLICY=PASSIVE)")
+print(f"{'n_kv_head':>9} {'kvlab tok/s':>12} {'PyTorch tok/s':>14} {'ratio':>7}")
+for r in t["results"]:
+    n = r["n_kv_head"]
+    ratio = kv[n]["tokens_per_s"] / r["tokens_per_s"]
+    rows.append({"n_kv_head": n, "kvlab": kv[n]["tokens_per_s"], "torch": r["tokens_per_s"], "ratio": ratio})
+    print(f"{n:>9} {kv[n]['tokens_per_s']:>12.0f} {r['tokens_per_s']:>14.0f} {ratio:>6.1f}x")
+json.dump({"rows": rows, "kvlab": k, "torch": t}, open(f"{build}/compare_decode.json", "w"), indent=2)
+PY
