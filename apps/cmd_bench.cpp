@@ -1,0 +1,226 @@
+// kvlab bench generate: decode speed with and without the KV cache, time per token against
+// position, and the cache's memory for several n_kv_head settings. Table plus JSON.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "apps/cli.h"
+#include "checkpoints/model_io.h"
+#include "infer/bench.h"
+#include "infer/kv_cache.h"
+
+namespace kvlab {
+
+namespace {
+
+using nlohmann::json;
+
+struct BenchArgs {
+  std::string ckpt;
+  GPTConfig cfg = [] {
+    GPTConfig c;
+    c.n_layer = 6;
+    c.n_head = 8;
+    c.n_kv_head = 8;
+    c.n_embd = 256;
+    c.block_size = 512;
+    c.vocab_size = 65;
+    return c;
+  }();
+  std::vector<int64_t> kv_heads;  // empty: NH, NH/2, NH/4, NH/8 where they divide NH
+  std::vector<int64_t> new_tokens{64, 256, 512};
+  int64_t prompt_tokens = 16;
+  int runs = 3;
+  bool skip_no_cache = false;
+  uint64_t seed = 0;
+  std::string json_path;
+};
+
+std::string mib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / (1024.0 * 1024.0));
+  return buf;
+}
+
+void print_generate_table(const json& g) {
+  const json& m = g["model"];
+  std::printf(
+      "\nkvlab bench generate: %lld layers, %lld heads, %lld kv heads, n_embd %lld, block %lld, "
+      "vocab %lld (%.2fM parameters, %s f32)\n%d threads, prompt %lld tokens, greedy, batch 1, "
+      "median of %d runs after one warm-up\n\n",
+      m["n_layer"].get<long long>(), m["n_head"].get<long long>(), m["n_kv_head"].get<long long>(),
+      m["n_embd"].get<long long>(), m["block_size"].get<long long>(),
+      m["vocab_size"].get<long long>(), m["parameters"].get<double>() / 1e6,
+      mib(m["weight_bytes"].get<double>()).c_str(), g["threads"].get<int>(),
+      g["prompt_tokens"].get<long long>(), g["runs"].get<int>());
+  const json& rs = g["results"];
+  auto row = [&](const char* label, auto cell) {
+    std::printf("%-28s", label);
+    for (const json& r : rs) std::printf("%18s", cell(r).c_str());
+    std::printf("\n");
+  };
+  auto num = [](const json& j, const char* side, const char* key, const char* fmt) {
+    if (!j.contains(side)) return std::string("-");
+    char buf[48];
+    std::snprintf(buf, sizeof buf, fmt, j[side][key].get<double>());
+    return std::string(buf);
+  };
+  row("new tokens", [](const json& r) { return std::to_string(r["new_tokens"].get<long long>()); });
+  row("cache on: tok/s", [&](const json& r) { return num(r, "cache", "tokens_per_s", "%.1f"); });
+  row("cache off: tok/s",
+      [&](const json& r) { return num(r, "no_cache", "tokens_per_s", "%.1f"); });
+  row("speed-up (on / off)", [](const json& r) {
+    if (!r.contains("speedup")) return std::string("-");
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2fx", r["speedup"].get<double>());
+    return std::string(buf);
+  });
+  row("TTFT on / off (ms)", [&](const json& r) {
+    return num(r, "cache", "ttft_ms", "%.2f") + " / " + num(r, "no_cache", "ttft_ms", "%.2f");
+  });
+  for (const char* side : {"cache", "no_cache"}) {
+    const bool on = std::string(side) == "cache";
+    if (!rs[0].contains(side)) continue;
+    row(on ? "cache on: TPOT mean (ms)" : "cache off: TPOT mean (ms)",
+        [&](const json& r) { return num(r, side, "tpot_mean_ms", "%.3f"); });
+    row(on ? "cache on: TPOT p50 (ms)" : "cache off: TPOT p50 (ms)",
+        [&](const json& r) { return num(r, side, "tpot_p50_ms", "%.3f"); });
+    row(on ? "cache on: TPOT p99 (ms)" : "cache off: TPOT p99 (ms)",
+        [&](const json& r) { return num(r, side, "tpot_p99_ms", "%.3f"); });
+  }
+  row("cache on: weights+KV GB/s",
+      [&](const json& r) { return num(r, "cache", "read_GB_per_s", "%.1f"); });
+  row("KV cache positions",
+      [](const json& r) { return std::to_string(r["cache"]["cache_positions"].get<long long>()); });
+  row("KV cache bytes measured",
+      [](const json& r) { return std::to_string(r["cache"]["cache_bytes"].get<long long>()); });
+  row("KV cache bytes formula", [](const json& r) {
+    return std::to_string(r["cache"]["cache_bytes_formula"].get<long long>());
+  });
+
+  const json& tp = g["time_vs_position"];
+  std::printf("\ntime per token against position (%lld new tokens; ms):\n%-12s%14s%14s\n",
+              tp["new_tokens"].get<long long>(), "position", "cache on", "cache off");
+  const json& on = tp["cache"];
+  const json& off = tp["no_cache"];
+  for (size_t i = 0; i < on.size(); ++i) {
+    std::printf("%-12lld%14.3f", on[i]["position"].get<long long>(), on[i]["ms"].get<double>());
+    if (i < off.size()) std::printf("%14.3f", off[i]["ms"].get<double>());
+    std::printf("\n");
+  }
+}
+
+void print_cache_report(const json& rep, const json& speed) {
+  std::printf(
+      "\nKV cache at batch 1, S = block_size (2 * L * B * S * NKV * HS * 4 bytes), and "
+      "decode speed with the cache:\n%-10s%16s%16s%8s%12s%10s%12s%12s\n",
+      "n_kv_head", "measured B", "formula B", "equal", "vs MHA", "expected", "tok/s", "TPOT ms");
+  for (size_t i = 0; i < rep.size(); ++i) {
+    const json& r = rep[i];
+    std::printf("%-10lld%16lld%16lld%8s%12.4f%10.4f", r["n_kv_head"].get<long long>(),
+                r["measured_bytes"].get<long long>(), r["formula_bytes"].get<long long>(),
+                r["measured_bytes"] == r["formula_bytes"] ? "yes" : "NO",
+                r["ratio_to_mha"].get<double>(), r["expected_ratio"].get<double>());
+    if (i < speed.size())
+      std::printf("%12.1f%12.3f", speed[i]["tokens_per_s"].get<double>(),
+                  speed[i]["tpot_mean_ms"].get<double>());
+    std::printf("\n");
+  }
+}
+
+void run_bench_generate(BenchArgs& a) {
+  KVLAB_USAGE_CHECK(a.runs >= 1, "--runs must be >= 1, got ", a.runs);
+  KVLAB_USAGE_CHECK(a.prompt_tokens >= 1, "--prompt-tokens must be >= 1, got ", a.prompt_tokens);
+  for (int64_t n : a.new_tokens)
+    KVLAB_USAGE_CHECK(n >= 1, "--new-tokens values must be >= 1, got ", n);
+  std::unique_ptr<GPT> model;
+  Tokenizer tok = Tokenizer::byte_level();
+  if (!a.ckpt.empty()) {
+    LoadedModel loaded = load_model(a.ckpt);
+    model = std::move(loaded.model);
+    tok = loaded.tokenizer;
+    a.cfg = model->config();
+  } else {
+    try {
+      a.cfg.validate();
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    model = std::make_unique<GPT>(a.cfg, a.seed + 1);
+    model->set_training(false);
+    tok = synthetic_tokenizer(a.cfg.vocab_size);
+  }
+  KVLAB_USAGE_CHECK(a.prompt_tokens < a.cfg.block_size, "--prompt-tokens ", a.prompt_tokens,
+                    " leaves no room in block_size ", a.cfg.block_size);
+  if (a.kv_heads.empty())
+    for (int64_t d : {1, 2, 4, 8})
+      if (a.cfg.n_head % d == 0) a.kv_heads.push_back(a.cfg.n_head / d);
+  for (int64_t nkv : a.kv_heads)
+    KVLAB_USAGE_CHECK(nkv >= 1 && nkv <= a.cfg.n_head && a.cfg.n_head % nkv == 0,
+                      "--kv-heads: ", nkv, " does not divide n_head = ", a.cfg.n_head);
+
+  BenchGenerateOptions o;
+  o.prompt_tokens = a.prompt_tokens;
+  o.new_tokens = a.new_tokens;
+  o.runs = a.runs;
+  o.no_cache = !a.skip_no_cache;
+  o.seed = a.seed;
+  o.progress = [](const std::string& line) {
+    std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
+  };
+  const json gen = bench_generate(*model, tok, o);
+  const json report = kv_cache_report(a.cfg, a.kv_heads);
+  const json speed = bench_decode_by_kv_heads(a.cfg, a.kv_heads, 256, o);
+  print_generate_table(gen);
+  print_cache_report(report, speed);
+  if (!a.json_path.empty()) {
+    const json out{{"generate", gen},
+                   {"cache_report", report},
+                   {"decode_by_kv_heads", speed},
+                   {"checkpoint", a.ckpt}};
+    std::ofstream f(a.json_path);
+    KVLAB_CHECK(f.good(), "cannot write ", a.json_path);
+    f << out.dump(2) << "\n";
+    KVLAB_CHECK(f.good(), "error writing ", a.json_path);
+    std::printf("\nwrote %s\n", a.json_path.c_str());
+  }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& root) {
+  CLI::App* bench = root.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* gen = bench->add_subcommand(
+      "generate",
+      "Decode speed with and without the KV cache, and cache memory against the formula");
+  gen->add_option("--ckpt", args->ckpt, "Checkpoint to measure (default: random weights)");
+  gen->add_option("--n-layer", args->cfg.n_layer, "Layers (random weights)")->capture_default_str();
+  gen->add_option("--n-head", args->cfg.n_head, "Query heads")->capture_default_str();
+  gen->add_option("--n-kv-head", args->cfg.n_kv_head, "Key/value heads")->capture_default_str();
+  gen->add_option("--n-embd", args->cfg.n_embd, "Channels")->capture_default_str();
+  gen->add_option("--block-size", args->cfg.block_size, "Context length")->capture_default_str();
+  gen->add_option("--vocab", args->cfg.vocab_size, "Vocabulary size")->capture_default_str();
+  gen->add_option("--kv-heads", args->kv_heads,
+                  "n_kv_head settings for the cache report and speed by NKV (default NH, NH/2, "
+                  "NH/4, NH/8)")
+      ->delimiter(',');
+  gen->add_option("--new-tokens", args->new_tokens,
+                  "New token counts (capped at block_size - prompt tokens)")
+      ->delimiter(',')
+      ->capture_default_str();
+  gen->add_option("--prompt-tokens", args->prompt_tokens, "Prompt length")->capture_default_str();
+  gen->add_option("--runs", args->runs, "Measured runs per setting (median)")
+      ->capture_default_str();
+  gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");
+  gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
+      ->capture_default_str();
+  gen->add_option("--json", args->json_path, "Write the results as JSON to this file");
+  gen->callback([args] { run_bench_generate(*args); });
+}
+
+}  // namespace kvlab

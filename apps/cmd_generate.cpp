@@ -1,0 +1,230 @@
+// kvlab generate: text from a checkpoint through the KV cache, streamed as it is made.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "apps/cli.h"
+#include "checkpoints/model_io.h"
+#include "infer/engine.h"
+
+namespace kvlab {
+
+namespace {
+
+struct GenerateArgs {
+  std::string ckpt;
+  std::string prompt;
+  std::string prompt_file;
+  bool has_prompt = false, has_prompt_file = false;
+  int64_t max_new = 100;
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  uint64_t seed = 0;
+  int64_t batch = 1;
+  bool no_cache = false;
+  bool slide = false;
+  std::vector<std::string> stop;
+  bool json = false;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  KVLAB_CHECK(in.good(), "cannot read prompt file ", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  KVLAB_CHECK(!in.bad(), "error reading prompt file ", path);
+  return ss.str();
+}
+
+std::vector<std::string> prompts_of(const GenerateArgs& a) {
+  if (!a.has_prompt_file) return std::vector<std::string>(static_cast<size_t>(a.batch), a.prompt);
+  std::string text = read_file(a.prompt_file);
+  if (a.batch == 1) {  // the whole file is the prompt (less one trailing newline)
+    if (text.ends_with("\r\n"))
+      text.resize(text.size() - 2);
+    else if (text.ends_with('\n'))
+      text.pop_back();
+    return {text};
+  }
+  std::vector<std::string> lines;  // --batch N: the first N non-empty lines
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line) && static_cast<int64_t>(lines.size()) < a.batch;) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (!line.empty()) lines.push_back(line);
+  }
+  KVLAB_USAGE_CHECK(static_cast<int64_t>(lines.size()) == a.batch, "--batch ", a.batch, " needs ",
+                    a.batch, " non-empty lines in ", a.prompt_file, ", found ", lines.size());
+  return lines;
+}
+
+void check_args(const GenerateArgs& a) {
+  KVLAB_USAGE_CHECK(a.has_prompt != a.has_prompt_file,
+                    "give exactly one of --prompt and --prompt-file");
+  KVLAB_USAGE_CHECK(a.max_new >= 1, "--max-new must be >= 1, got ", a.max_new);
+  KVLAB_USAGE_CHECK(std::isfinite(a.temperature) && a.temperature >= 0,
+                    "--temperature must be >= 0, got ", a.temperature);
+  KVLAB_USAGE_CHECK(a.top_k >= 0, "--top-k must be >= 0 (0 keeps every token), got ", a.top_k);
+  KVLAB_USAGE_CHECK(std::isfinite(a.top_p) && a.top_p > 0 && a.top_p <= 1,
+                    "--top-p must be in (0, 1], got ", a.top_p);
+  KVLAB_USAGE_CHECK(a.batch >= 1, "--batch must be >= 1, got ", a.batch);
+  for (const auto& s : a.stop) KVLAB_USAGE_CHECK(!s.empty(), "--stop must not be empty");
+}
+
+void run_generate(const GenerateArgs& a) {
+  check_args(a);
+  const std::vector<std::string> prompts = prompts_of(a);
+  LoadedModel loaded = load_model(a.ckpt);
+  GPT& model = *loaded.model;
+  Engine engine(model, loaded.tokenizer);
+
+  GenerateOptions o;
+  o.max_new_tokens = a.max_new;
+  o.sampling.temperature = a.temperature;
+  o.sampling.top_k = a.top_k;
+  o.sampling.top_p = a.top_p;
+  o.sampling.seed = a.seed;
+  o.use_cache = !a.no_cache;
+  o.slide = a.slide;
+  o.stop = a.stop;
+  const bool stream = !a.json && prompts.size() == 1;
+  if (stream) {
+    o.on_text = [](int64_t, std::string_view piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    };
+  } else if (!a.json) {
+    o.on_finish = [&](int64_t row, std::string_view text, StopReason why) {
+      std::printf("--- row %lld (%s) ---\n%s", static_cast<long long>(row + 1),
+                  stop_reason_name(why), prompts[static_cast<size_t>(row)].c_str());
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::printf("\n");
+      std::fflush(stdout);
+    };
+  }
+  std::vector<std::vector<int32_t>> ids;  // encoded first: a bad prompt fails before output
+  for (size_t b = 0; b < prompts.size(); ++b)
+    ids.push_back(engine.encode(prompts[b], a.has_prompt_file && prompts.size() > 1
+                                                ? detail::cat("prompt line ", b + 1)
+                                                : std::string("prompt")));
+  engine.validate(ids, o);
+  if (stream) {
+    std::fwrite(prompts[0].data(), 1, prompts[0].size(), stdout);
+    std::fflush(stdout);
+  }
+  const GenerationResult res = engine.generate_ids(ids, o);
+  const GenerationStats& st = res.stats;
+  const int64_t block = model.config().block_size;
+
+  if (a.json) {
+    using nlohmann::json;
+    json rows = json::array();
+    json texts = json::array();
+    for (size_t b = 0; b < res.rows.size(); ++b) {
+      const RowResult& r = res.rows[b];
+      texts.push_back(r.text);
+      rows.push_back(json{{"prompt", prompts[b]},
+                          {"text", r.text},
+                          {"prompt_tokens", r.prompt.size()},
+                          {"new_tokens", r.tokens.size()},
+                          {"stop_reason", stop_reason_name(r.stop_reason)},
+                          {"slides", r.slides},
+                          {"ttft_ms", r.ttft_s * 1e3}});
+    }
+    const json out{
+        {"texts", texts},
+        {"rows", rows},
+        {"timings",
+         {{"ttft_ms", st.ttft_s * 1e3},
+          {"prefill_ms", st.prefill_s * 1e3},
+          {"total_s", st.total_s},
+          {"new_tokens", st.new_tokens},
+          {"tokens_per_s", st.tokens_per_s()},
+          {"decode_tokens_per_s", st.decode_tokens_per_s()},
+          {"tpot_mean_ms", st.tpot_mean_s() * 1e3},
+          {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
+          {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
+        {"cache",
+         {{"enabled", !a.no_cache}, {"bytes", st.cache_bytes}, {"positions", st.cache_capacity}}},
+        {"sampling",
+         {{"temperature", a.temperature},
+          {"top_k", a.top_k},
+          {"top_p", a.top_p},
+          {"seed", a.seed}}},
+        {"model",
+         {{"n_layer", model.config().n_layer},
+          {"n_head", model.config().n_head},
+          {"n_kv_head", model.config().n_kv_head},
+          {"n_embd", model.config().n_embd},
+          {"block_size", block},
+          {"vocab_size", model.config().vocab_size}}}};
+    // A byte tokenizer can produce invalid UTF-8: replace it rather than fail.
+    std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
+    return;
+  }
+  if (stream) std::printf("\n");
+  for (size_t b = 0; b < res.rows.size(); ++b)
+    if (res.rows[b].stop_reason == StopReason::ContextLimit)
+      std::fprintf(stderr,
+                   "kvlab: note: %sstopped at the context limit (block_size %lld) after %zu "
+                   "tokens; --slide continues past it\n",
+                   res.rows.size() > 1 ? detail::cat("row ", b + 1, " ").c_str() : "",
+                   static_cast<long long>(block), res.rows[b].tokens.size());
+  std::fprintf(stderr,
+               "kvlab: %lld tokens, TTFT %.2f ms, %.1f tok/s decode (%.1f overall), TPOT mean "
+               "%.3f ms p50 %.3f p99 %.3f, cache %s\n",
+               static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, st.decode_tokens_per_s(),
+               st.tokens_per_s(), st.tpot_mean_s() * 1e3, st.tpot_quantile_s(0.5) * 1e3,
+               st.tpot_quantile_s(0.99) * 1e3,
+               a.no_cache ? "off" : detail::cat(st.cache_bytes, " bytes").c_str());
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& root) {
+  auto args = std::make_shared<GenerateArgs>();
+  CLI::App* cmd = root.add_subcommand(
+      "generate", "Generate text from a checkpoint through the KV cache, streamed as it is made");
+  cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
+      ->required();
+  CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
+  CLI::Option* prompt_file =
+      cmd->add_option("--prompt-file", args->prompt_file,
+                      "Read the prompt from a file (one trailing newline dropped); with --batch N, "
+                      "its first N non-empty lines are the prompts");
+  cmd->add_option("--max-new", args->max_new, "New tokens per prompt")->capture_default_str();
+  cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 is greedy")
+      ->capture_default_str();
+  cmd->add_option("--top-k", args->top_k, "Keep the k most probable tokens; 0 keeps all")
+      ->capture_default_str();
+  cmd->add_option("--top-p", args->top_p,
+                  "Nucleus sampling: keep the smallest set with probability >= p, in (0, 1]")
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Sampling seed: the same seed gives the same text")
+      ->capture_default_str();
+  cmd->add_option("--batch", args->batch,
+                  "Rows generated together: the prompt repeated N times, or N lines of "
+                  "--prompt-file")
+      ->capture_default_str();
+  cmd->add_flag("--no-cache", args->no_cache,
+                "Recompute the whole sequence at every step (no KV cache), for comparison");
+  cmd->add_flag("--slide", args->slide,
+                "At the context limit, re-prefill the last block_size-1 tokens and go on "
+                "(positions restart; each further token costs a prefill)");
+  cmd->add_option("--stop", args->stop,
+                  "Stop a row once its text contains this string "
+                  "(repeatable; not printed)");
+  cmd->add_flag("--json", args->json, "Print the text(s) and timings as JSON instead of streaming");
+  cmd->callback([args, prompt, prompt_file] {
+    args->has_prompt = prompt->count() > 0;
+    args->has_prompt_file = prompt_file->count() > 0;
+    run_generate(*args);
+  });
+}
+
+}  // namespace kvlab

@@ -1,0 +1,258 @@
+#include "infer/bench.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "autograd/random.h"
+#include "infer/engine.h"
+#include "infer/kv_cache.h"
+
+namespace kvlab {
+
+namespace {
+
+using nlohmann::json;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct RunFigures {
+  double tokens_per_s, e2e_tokens_per_s, ttft_ms, tpot_mean_ms, tpot_p50_ms, tpot_p99_ms;
+  std::vector<double> step_ms;
+};
+
+RunFigures figures(const GenerationStats& s) {
+  RunFigures f{s.decode_tokens_per_s(),
+               s.tokens_per_s(),
+               s.ttft_s * 1e3,
+               s.tpot_mean_s() * 1e3,
+               s.tpot_quantile_s(0.5) * 1e3,
+               s.tpot_quantile_s(0.99) * 1e3,
+               {}};
+  f.step_ms.reserve(s.step_s.size());
+  for (double t : s.step_s) f.step_ms.push_back(t * 1e3);
+  return f;
+}
+
+json summarise(const std::vector<RunFigures>& runs) {
+  auto med = [&](double RunFigures::*m) {
+    std::vector<double> v;
+    for (const auto& r : runs) v.push_back(r.*m);
+    return median(v);
+  };
+  return json{{"tokens_per_s", med(&RunFigures::tokens_per_s)},
+              {"e2e_tokens_per_s", med(&RunFigures::e2e_tokens_per_s)},
+              {"ttft_ms", med(&RunFigures::ttft_ms)},
+              {"tpot_mean_ms", med(&RunFigures::tpot_mean_ms)},
+              {"tpot_p50_ms", med(&RunFigures::tpot_p50_ms)},
+              {"tpot_p99_ms", med(&RunFigures::tpot_p99_ms)}};
+}
+
+// Median step time per step index over the runs.
+std::vector<double> median_steps(const std::vector<RunFigures>& runs) {
+  size_t n = SIZE_MAX;
+  for (const auto& r : runs) n = std::min(n, r.step_ms.size());
+  if (runs.empty()) n = 0;
+  std::vector<double> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<double> v;
+    for (const auto& r : runs) v.push_back(r.step_ms[i]);
+    out[i] = median(v);
+  }
+  return out;
+}
+
+// Time per token at `points` positions spread over the steps: the median of the five steps
+// around each point (step i feeds the token at position prompt + i), so one preempted step
+// does not make a point.
+json position_curve(const std::vector<double>& steps, int64_t prompt, int points) {
+  json out = json::array();
+  const int64_t n = static_cast<int64_t>(steps.size());
+  if (n == 0 || points <= 0) return out;
+  const int64_t half = 2;
+  for (int p = 0; p < points; ++p) {
+    const int64_t i = points == 1 ? 0 : (n - 1) * p / (points - 1);
+    const int64_t lo = std::max<int64_t>(0, i - half), hi = std::min(n - 1, i + half);
+    out.push_back(
+        json{{"position", prompt + i},
+             {"ms", median(std::vector<double>(steps.begin() + lo, steps.begin() + hi + 1))}});
+  }
+  return out;
+}
+
+std::vector<int32_t> random_prompt(int64_t n, int64_t vocab, uint64_t seed) {
+  Generator gen(seed);
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (auto& t : p) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
+  return p;
+}
+
+json model_json(const GPT& model) {
+  const GPTConfig& c = model.config();
+  const int64_t params = model.num_parameters();
+  return json{{"n_layer", c.n_layer}, {"n_head", c.n_head},         {"n_kv_head", c.n_kv_head},
+              {"n_embd", c.n_embd},   {"block_size", c.block_size}, {"vocab_size", c.vocab_size},
+              {"parameters", params}, {"weight_bytes", params * 4}};
+}
+
+}  // namespace
+
+Tokenizer synthetic_tokenizer(int64_t vocab_size) {
+  KVLAB_CHECK(vocab_size >= 1, "synthetic tokenizer: vocab_size must be >= 1, got ", vocab_size);
+  std::vector<uint32_t> cps;
+  cps.reserve(static_cast<size_t>(vocab_size));
+  for (uint32_t cp = 32; static_cast<int64_t>(cps.size()) < vocab_size; ++cp) {
+    if (cp >= 127 && cp < 161) continue;        // DEL and C1 controls
+    if (cp >= 0xD800 && cp < 0xE000) continue;  // surrogates
+    cps.push_back(cp);
+  }
+  return Tokenizer::from_vocab(TokenizerKind::Char, std::move(cps));
+}
+
+json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateOptions& o) {
+  const GPTConfig& c = model.config();
+  KVLAB_CHECK(o.runs >= 1, "bench: runs must be >= 1, got ", o.runs);
+  KVLAB_CHECK(o.prompt_tokens >= 1 && o.prompt_tokens < c.block_size, "bench: a prompt of ",
+              o.prompt_tokens, " tokens leaves no room in block_size ", c.block_size);
+  std::vector<int64_t> lengths;
+  const int64_t cap = c.block_size - o.prompt_tokens;
+  for (int64_t n : o.new_tokens) {
+    KVLAB_CHECK(n >= 1, "bench: new token counts must be >= 1, got ", n);
+    const int64_t m = std::min(n, cap);
+    if (std::find(lengths.begin(), lengths.end(), m) == lengths.end()) lengths.push_back(m);
+  }
+  Engine engine(model, tokenizer);
+  const std::vector<std::vector<int32_t>> prompt{
+      random_prompt(o.prompt_tokens, c.vocab_size, o.seed)};
+
+  json out{{"model", model_json(model)},
+           {"threads", omp_get_max_threads()},
+           {"prompt_tokens", o.prompt_tokens},
+           {"runs", o.runs},
+           {"sampling", "greedy"},
+           {"results", json::array()}};
+  std::vector<double> curve_cache, curve_nocache;
+  for (int64_t n : lengths) {
+    json entry{{"new_tokens", n}};
+    for (bool use_cache : {true, false}) {
+      if (!use_cache && !o.no_cache) continue;
+      GenerateOptions g;
+      g.max_new_tokens = n;
+      g.sampling.temperature = 0;
+      g.use_cache = use_cache;
+      GenerateOptions warm = g;  // warm-up, discarded (allocator, caches, thread pool)
+      warm.max_new_tokens = std::min<int64_t>(n, 32);
+      engine.generate_ids(prompt, warm);
+      std::vector<RunFigures> runs;
+      int64_t bytes = 0, positions = 0;
+      for (int r = 0; r < o.runs; ++r) {
+        const GenerationResult res = engine.generate_ids(prompt, g);
+        runs.push_back(figures(res.stats));
+        bytes = res.stats.cache_bytes;
+        positions = res.stats.cache_capacity;
+      }
+      json side = summarise(runs);
+      if (use_cache) {
+        side["cache_bytes"] = bytes;
+        side["cache_positions"] = positions;
+        side["cache_bytes_formula"] =
+            kv_cache_formula_bytes(c.n_layer, 1, positions, c.n_kv_head, c.head_size(), 4);
+        // Bytes a decode step reads: every weight but the position table (one row of it),
+        // plus the cached K and V of every layer at the mean position of the run.
+        const double weights =
+            static_cast<double>(model.num_parameters() - c.block_size * c.n_embd) * 4.0;
+        const double mean_pos = static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2;
+        const double kv =
+            2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size()) * 4.0 * mean_pos;
+        side["bytes_read_per_token"] = weights + kv;
+        side["read_GB_per_s"] = (weights + kv) * side["tokens_per_s"].get<double>() / 1e9;
+        curve_cache = median_steps(runs);
+      } else {
+        curve_nocache = median_steps(runs);
+      }
+      entry[use_cache ? "cache" : "no_cache"] = side;
+      if (o.progress)
+        o.progress(detail::cat("new tokens ", n, use_cache ? ", cache on: " : ", cache off: ",
+                               static_cast<int64_t>(side["tokens_per_s"].get<double>()), " tok/s"));
+    }
+    if (entry.contains("no_cache")) {
+      const double off = entry["no_cache"]["tokens_per_s"].get<double>();
+      entry["speedup"] = off > 0 ? entry["cache"]["tokens_per_s"].get<double>() / off : 0.0;
+    }
+    out["results"].push_back(entry);
+  }
+  out["time_vs_position"] =
+      json{{"new_tokens", lengths.back()},
+           {"cache", position_curve(curve_cache, o.prompt_tokens, o.position_points)},
+           {"no_cache", position_curve(curve_nocache, o.prompt_tokens, o.position_points)}};
+  return out;
+}
+
+json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_heads, int64_t batch) {
+  json out = json::array();
+  const int64_t L = config.n_layer, S = config.block_size, HS = config.head_size();
+  const int64_t mha = kv_cache_formula_bytes(L, batch, S, config.n_head, HS, 4);
+  for (int64_t nkv : kv_heads) {
+    GPTConfig c = config;
+    c.n_kv_head = nkv;
+    c.validate();
+    const ContiguousKVCache cache(L, batch, S, nkv, HS);
+    const int64_t measured = cache.bytes();
+    out.push_back(
+        json{{"n_kv_head", nkv},
+             {"batch", batch},
+             {"positions", S},
+             {"measured_bytes", measured},
+             {"formula_bytes", kv_cache_formula_bytes(L, batch, S, nkv, HS, 4)},
+             {"ratio_to_mha", static_cast<double>(measured) / static_cast<double>(mha)},
+             {"expected_ratio", static_cast<double>(nkv) / static_cast<double>(config.n_head)}});
+  }
+  return out;
+}
+
+json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t>& kv_heads,
+                              int64_t new_tokens, const BenchGenerateOptions& o) {
+  json out = json::array();
+  const Tokenizer tok = synthetic_tokenizer(config.vocab_size);
+  const int64_t n = std::min(new_tokens, config.block_size - o.prompt_tokens);
+  KVLAB_CHECK(n >= 1, "bench: a prompt of ", o.prompt_tokens,
+              " tokens leaves no room in block_size ", config.block_size);
+  const std::vector<std::vector<int32_t>> prompt{
+      random_prompt(o.prompt_tokens, config.vocab_size, o.seed)};
+  for (int64_t nkv : kv_heads) {
+    GPTConfig c = config;
+    c.n_kv_head = nkv;
+    GPT model(c, o.seed + 1);
+    model.set_training(false);
+    Engine engine(model, tok);
+    GenerateOptions g;
+    g.max_new_tokens = n;
+    g.sampling.temperature = 0;
+    engine.generate_ids(prompt, g);  // warm-up
+    std::vector<RunFigures> runs;
+    int64_t bytes = 0;
+    for (int r = 0; r < o.runs; ++r) {
+      const GenerationResult res = engine.generate_ids(prompt, g);
+      runs.push_back(figures(res.stats));
+      bytes = res.stats.cache_bytes;
+    }
+    json e = summarise(runs);
+    e["n_kv_head"] = nkv;
+    e["new_tokens"] = n;
+    e["cache_bytes"] = bytes;
+    e["weights"] = "random";
+    out.push_back(e);
+    if (o.progress)
+      o.progress(detail::cat("n_kv_head ", nkv, ": ",
+                             static_cast<int64_t>(e["tokens_per_s"].get<double>()), " tok/s"));
+  }
+  return out;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,57 @@
+#pragma once
+// Generation benchmarks behind `kvlab bench generate`: decode speed with and without the KV
+// cache, time per token against position, and the cache's memory against the formula.
+// Timing lives here and in bench/, never in unit tests.
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "nn/gpt.h"
+
+namespace kvlab {
+
+struct BenchGenerateOptions {
+  int64_t prompt_tokens = 16;
+  // Each capped at block_size - prompt_tokens (duplicates after capping are dropped).
+  std::vector<int64_t> new_tokens = {64, 256, 512};
+  int runs = 3;             // measured runs per setting (median reported); one warm-up before
+  bool no_cache = true;     // also measure recomputation without the cache
+  int position_points = 8;  // sample points of time per token against position
+  uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
+  std::function<void(const std::string&)> progress;  // one line per measured setting
+};
+
+// Greedy generation at batch 1 from a random prompt. JSON:
+//   model {n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size, parameters,
+//          weight_bytes}, threads, prompt_tokens, runs,
+//   results [{new_tokens, cache {...}, no_cache {...}, speedup}] where each side holds
+//     tokens_per_s (decode: tokens after the first per second of decode time),
+//     e2e_tokens_per_s, ttft_ms, tpot_mean_ms, tpot_p50_ms, tpot_p99_ms, and for the cache
+//     cache_bytes (measured), cache_bytes_formula, cache_positions, bytes_read_per_token
+//     (weights + cached K/V at the mean position) and read_GB_per_s (that times tokens/s);
+//   time_vs_position {cache [{position, ms}], no_cache [...]} from the longest setting.
+// Each figure is the median over the runs.
+nlohmann::json bench_generate(GPT& model, const Tokenizer& tokenizer,
+                              const BenchGenerateOptions& options);
+
+// Cache memory for each n_kv_head at batch `batch` and S = block_size: a ContiguousKVCache is
+// built for each and its allocations summed, next to 2 L B S NKV HS 4 and the ratio to MHA
+// (n_kv_head = n_head). JSON array of {n_kv_head, measured_bytes, formula_bytes,
+// ratio_to_mha, expected_ratio}.
+nlohmann::json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_heads,
+                               int64_t batch = 1);
+
+// Decode speed with the cache at batch 1 for each n_kv_head (random weights from `seed`, the
+// rest of `config` unchanged): JSON array of {n_kv_head, tokens_per_s, tpot_mean_ms,
+// tpot_p50_ms, tpot_p99_ms, ttft_ms, cache_bytes}.
+nlohmann::json bench_decode_by_kv_heads(const GPTConfig& config,
+                                        const std::vector<int64_t>& kv_heads, int64_t new_tokens,
+                                        const BenchGenerateOptions& options);
+
+// A char tokenizer of `vocab_size` printable symbols, for random-weight models.
+Tokenizer synthetic_tokenizer(int64_t vocab_size);
+
+}  // namespace kvlab

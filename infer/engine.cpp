@@ -1,0 +1,375 @@
+#include "infer/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "autograd/graph.h"
+#include "autograd/random.h"
+
+namespace kvlab {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+std::string prompt_name(int64_t b, int64_t B) {
+  return B == 1 ? std::string("prompt") : detail::cat("prompt ", b + 1);
+}
+}  // namespace
+
+const char* stop_reason_name(StopReason r) {
+  switch (r) {
+    case StopReason::MaxNewTokens:
+      return "max_new_tokens";
+    case StopReason::StopString:
+      return "stop_string";
+    case StopReason::ContextLimit:
+      return "context_limit";
+  }
+  return "?";
+}
+
+void GenerateOptions::validate() const {
+  KVLAB_CHECK(max_new_tokens >= 1, "max-new must be >= 1, got ", max_new_tokens);
+  sampling.validate();
+  for (const auto& s : stop) KVLAB_CHECK(!s.empty(), "stop strings must not be empty");
+}
+
+// ---- statistics --------------------------------------------------------------------------
+
+double GenerationStats::decode_s() const {
+  return std::accumulate(step_s.begin(), step_s.end(), 0.0);
+}
+
+double GenerationStats::decode_tokens_per_s() const {
+  const double t = decode_s();
+  const int64_t n = std::accumulate(step_rows.begin(), step_rows.end(), int64_t{0});
+  return t > 0 ? static_cast<double>(n) / t : 0.0;
+}
+
+double GenerationStats::tokens_per_s() const {
+  return total_s > 0 ? static_cast<double>(new_tokens) / total_s : 0.0;
+}
+
+double GenerationStats::tpot_mean_s() const {
+  return step_s.empty() ? 0.0 : decode_s() / static_cast<double>(step_s.size());
+}
+
+double GenerationStats::tpot_quantile_s(double q) const {
+  if (step_s.empty()) return 0.0;
+  std::vector<double> s(step_s);
+  std::sort(s.begin(), s.end());
+  // Nearest rank: the smallest value with at least q of the samples at or below it.
+  const double rank = std::ceil(q * static_cast<double>(s.size()));
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(s.size()))) - 1;
+  return s[i];
+}
+
+// ---- engine ------------------------------------------------------------------------------
+
+struct Engine::Row {
+  std::vector<int32_t> seq;  // prompt + generated tokens
+  int64_t prompt_len = 0;
+  int64_t window_start = 0;  // seq index at position 0 of the model's current window
+  int64_t generated = 0;
+  bool done = false;
+  StopReason reason = StopReason::MaxNewTokens;
+  int64_t slides = 0;
+  double ttft_s = 0;
+  std::string text;  // released text
+  std::string held;  // text that may begin a stop string
+  Sampler sampler;
+
+  Row(const SamplingOptions& s, uint64_t seed) : sampler(s, seed) {}
+  int64_t window_len() const { return static_cast<int64_t>(seq.size()) - window_start; }
+  std::span<const int32_t> window() const {
+    return {seq.data() + window_start, static_cast<size_t>(window_len())};
+  }
+};
+
+Engine::Engine(GPT& model, const Tokenizer& tokenizer) : model_(model), tokenizer_(tokenizer) {
+  KVLAB_CHECK(tokenizer.vocab_size() == model.config().vocab_size, "engine: tokenizer has ",
+              tokenizer.vocab_size(), " symbols, the model's vocab_size is ",
+              model.config().vocab_size);
+}
+
+Engine::~Engine() = default;
+
+std::vector<int32_t> Engine::encode(std::string_view text, std::string_view what) const {
+  KVLAB_CHECK(!text.empty(), what, " is empty: at least one token is needed to condition on");
+  return tokenizer_.encode(text, what);
+}
+
+GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
+  const GPTConfig& c = model_.config();  // fixed for the engine's life: only B and S vary
+  if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity) {
+    cache_.reset();  // free first: the allocator can hand the same blocks back
+    cache_ =
+        std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head, c.head_size());
+    cache_batch_ = batch;
+    cache_capacity_ = capacity;
+  }
+  cache_->reset();
+  return *cache_;
+}
+
+GenerationResult Engine::generate(const std::vector<std::string>& prompts,
+                                  const GenerateOptions& options) {
+  std::vector<std::vector<int32_t>> ids;
+  ids.reserve(prompts.size());
+  for (size_t b = 0; b < prompts.size(); ++b)
+    ids.push_back(encode(
+        prompts[b], prompt_name(static_cast<int64_t>(b), static_cast<int64_t>(prompts.size()))));
+  return generate_ids(ids, options);
+}
+
+void Engine::validate(const std::vector<std::vector<int32_t>>& prompts,
+                      const GenerateOptions& opts) const {
+  opts.validate();
+  KVLAB_CHECK(!prompts.empty(), "generate: no prompts");
+  const int64_t block = model_.config().block_size, V = model_.config().vocab_size;
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& p = prompts[static_cast<size_t>(b)];
+    const std::string name = prompt_name(b, B);
+    const int64_t P = static_cast<int64_t>(p.size());
+    KVLAB_CHECK(P >= 1, name, " is empty: at least one token is needed to condition on");
+    for (int32_t id : p)
+      KVLAB_CHECK(id >= 0 && id < V, name, ": token id ", id, " outside the vocabulary [0, ", V,
+                  ")");
+    KVLAB_CHECK(P <= block || opts.slide, name, " has ", P,
+                " tokens, more than the model's context of block_size = ", block,
+                " tokens (shorten it, or use --slide to keep its last ",
+                std::max<int64_t>(1, block - 1), ")");
+  }
+}
+
+GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& prompts,
+                                      const GenerateOptions& opts) {
+  validate(prompts, opts);
+  const GPTConfig& cfg = model_.config();
+  const int64_t block = cfg.block_size, V = cfg.vocab_size;
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  const int64_t keep = block - 1;  // known tokens a slide re-prefills (the pending one follows)
+  const int64_t prompt_keep = std::max<int64_t>(1, keep);  // of a prompt longer than block
+  const int64_t max_new = opts.max_new_tokens;
+
+  // ---- rows ----
+  std::vector<Row> rows;
+  rows.reserve(static_cast<size_t>(B));
+  int64_t max_window = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& p = prompts[static_cast<size_t>(b)];
+    const int64_t P = static_cast<int64_t>(p.size());
+    Row& row =
+        rows.emplace_back(opts.sampling, hash64(opts.sampling.seed, static_cast<uint64_t>(b)));
+    row.seq.reserve(static_cast<size_t>(P + max_new));
+    row.seq.assign(p.begin(), p.end());
+    row.prompt_len = P;
+    row.window_start = P > block ? P - prompt_keep : 0;
+    row.text.reserve(static_cast<size_t>(max_new) * 2);
+    max_window = std::max(max_window, row.window_len());
+  }
+
+  NoGradGuard no_grad;
+  GenerationResult result;
+  GenerationStats& st = result.stats;
+  st.step_s.reserve(static_cast<size_t>(max_new));
+  st.step_rows.reserve(static_cast<size_t>(max_new));
+  const auto t_start = Clock::now();
+
+  // ---- per-token bookkeeping ----
+  auto release = [&](int64_t r, std::string_view piece) {
+    if (piece.empty()) return;
+    rows[static_cast<size_t>(r)].text += piece;
+    if (opts.on_text) opts.on_text(r, piece);
+  };
+  auto finish = [&](int64_t r, StopReason why) {
+    Row& row = rows[static_cast<size_t>(r)];
+    if (row.done) return;
+    row.done = true;
+    row.reason = why;
+    if (!row.held.empty()) {
+      release(r, row.held);
+      row.held.clear();
+    }
+    if (opts.on_finish) opts.on_finish(r, row.text, why);
+  };
+  auto push_text = [&](int64_t r, std::string_view piece) {
+    Row& row = rows[static_cast<size_t>(r)];
+    if (opts.stop.empty()) {
+      release(r, piece);
+      return;
+    }
+    row.held += piece;
+    size_t cut = std::string::npos;
+    for (const auto& s : opts.stop) cut = std::min(cut, row.held.find(s));
+    if (cut != std::string::npos) {
+      release(r, std::string_view(row.held).substr(0, cut));
+      row.held.clear();
+      finish(r, StopReason::StopString);
+      return;
+    }
+    // Hold back the longest tail that could begin a stop string; release the rest.
+    size_t hold = 0;
+    const std::string_view h(row.held);
+    for (const auto& s : opts.stop)
+      for (size_t k = std::min(s.size() - 1, h.size()); k > hold; --k)
+        if (h.substr(h.size() - k) == std::string_view(s).substr(0, k)) {
+          hold = k;
+          break;
+        }
+    release(r, h.substr(0, h.size() - hold));
+    row.held.erase(0, row.held.size() - hold);
+  };
+  // Samples row r's next token from its logits (V), appends it, streams its text.
+  auto take = [&](int64_t r, const float* logits) {
+    Row& row = rows[static_cast<size_t>(r)];
+    const std::span<const float> l(logits, static_cast<size_t>(V));
+    if (opts.on_logits) opts.on_logits(r, row.window(), l);
+    const int32_t tok = row.sampler.sample(l);
+    row.seq.push_back(tok);
+    if (++row.generated == 1) row.ttft_s = seconds(t_start, Clock::now());
+    push_text(r, tokenizer_.decode_one(tok));
+    if (!row.done && row.generated >= max_new) finish(r, StopReason::MaxNewTokens);
+  };
+  auto window_tensor = [&](const Row& row, int64_t from) {  // (1, T) of seq[from:]
+    Tensor t = Tensor::empty({1, static_cast<int64_t>(row.seq.size()) - from}, DType::I32);
+    std::copy(row.seq.begin() + from, row.seq.end(), t.data<int32_t>());
+    return t;
+  };
+
+  if (opts.use_cache) {
+    // Capacity: what the longest row can feed (the last sampled token is never fed), or the
+    // whole context when sliding.
+    const int64_t capacity = opts.slide ? block : std::min(block, max_window + max_new - 1);
+    GenerationKVCache& cache = cache_for(B, std::max<int64_t>(capacity, max_window));
+    st.cache_bytes = cache.bytes();
+    st.cache_capacity = cache.capacity();
+
+    // ---- prefill: runs of equal-length rows in one forward each ----
+    for (int64_t r0 = 0; r0 < B;) {
+      const int64_t P = rows[static_cast<size_t>(r0)].window_len();
+      int64_t r1 = r0 + 1;
+      while (r1 < B && rows[static_cast<size_t>(r1)].window_len() == P) ++r1;
+      Tensor tokens = Tensor::empty({r1 - r0, P}, DType::I32);
+      for (int64_t r = r0; r < r1; ++r) {
+        const auto w = rows[static_cast<size_t>(r)].window();
+        std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * P);
+      }
+      const Tensor logits = model_.forward(tokens, &cache.rows(r0, r1 - r0), true);  // (n, 1, V)
+      for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V);
+      r0 = r1;
+    }
+    st.prefill_s = st.ttft_s = seconds(t_start, Clock::now());
+
+    // ---- decode: cache row s holds row slot_row[s]; finished rows leave the batch ----
+    std::vector<int64_t> slot_row(static_cast<size_t>(B));
+    std::iota(slot_row.begin(), slot_row.end(), int64_t{0});
+    auto compact = [&] {
+      int64_t n = static_cast<int64_t>(slot_row.size());
+      for (int64_t s = 0; s < n;) {
+        if (!rows[static_cast<size_t>(slot_row[static_cast<size_t>(s)])].done) {
+          ++s;
+          continue;
+        }
+        --n;
+        if (s != n) {
+          cache.move_row(n, s);
+          slot_row[static_cast<size_t>(s)] = slot_row[static_cast<size_t>(n)];
+        }
+        slot_row.pop_back();
+      }
+      cache.truncate_batch(n);
+    };
+    compact();
+    Tensor tokens;  // (n, 1), reused while the number of running rows stays the same
+    for (int64_t step = 0; !slot_row.empty(); ++step) {
+      const auto t0 = Clock::now();
+      // A full cache: stop, or slide (re-prefill the last block_size - 1 known tokens; the
+      // pending token is then fed by the batched step below like any other row's).
+      for (size_t s = 0; s < slot_row.size(); ++s) {
+        const int64_t r = slot_row[s];
+        Row& row = rows[static_cast<size_t>(r)];
+        if (cache.lengths()[s] < block) continue;
+        if (!opts.slide) {
+          finish(r, StopReason::ContextLimit);
+          continue;
+        }
+        const int64_t n_seq = static_cast<int64_t>(row.seq.size());
+        row.window_start = n_seq - 1 - keep;
+        ++row.slides;
+        cache.reset_row(static_cast<int64_t>(s));
+        if (keep == 0) continue;  // block_size 1: nothing to re-prefill
+        Tensor known = Tensor::empty({1, keep}, DType::I32);
+        std::copy(row.seq.end() - 1 - keep, row.seq.end() - 1, known.data<int32_t>());
+        model_.forward(known, &cache.rows(static_cast<int64_t>(s), 1), true);
+      }
+      compact();
+      if (slot_row.empty()) break;
+      const int64_t n = static_cast<int64_t>(slot_row.size());
+      if (!tokens.defined() || tokens.size(0) != n) tokens = Tensor::empty({n, 1}, DType::I32);
+      int32_t* tp = tokens.data<int32_t>();
+      for (int64_t s = 0; s < n; ++s)
+        tp[s] = rows[static_cast<size_t>(slot_row[static_cast<size_t>(s)])].seq.back();
+      const Tensor logits = model_.forward(tokens, &cache, true);  // (n, 1, V)
+      const float* lp = logits.data<float>();
+      for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V);
+      st.step_s.push_back(seconds(t0, Clock::now()));
+      st.step_rows.push_back(n);
+      if (opts.on_decode_step) opts.on_decode_step(step);
+      compact();
+    }
+  } else {
+    // ---- no cache: every step runs the model over each row's whole window ----
+    for (int64_t r = 0; r < B; ++r) {
+      const Row& row = rows[static_cast<size_t>(r)];
+      const Tensor logits = model_.forward(window_tensor(row, row.window_start), nullptr, true);
+      take(r, logits.data<float>());
+    }
+    st.prefill_s = st.ttft_s = seconds(t_start, Clock::now());
+    for (int64_t step = 0;; ++step) {
+      const auto t0 = Clock::now();
+      int64_t n = 0;
+      for (int64_t r = 0; r < B; ++r) {
+        Row& row = rows[static_cast<size_t>(r)];
+        if (row.done) continue;
+        if (row.window_len() > block) {  // the same windows as the cached path
+          if (!opts.slide) {
+            finish(r, StopReason::ContextLimit);
+            continue;
+          }
+          row.window_start = static_cast<int64_t>(row.seq.size()) - 1 - keep;
+          ++row.slides;
+        }
+        const Tensor logits = model_.forward(window_tensor(row, row.window_start), nullptr, true);
+        take(r, logits.data<float>());
+        ++n;
+      }
+      if (n == 0) break;
+      st.step_s.push_back(seconds(t0, Clock::now()));
+      st.step_rows.push_back(n);
+      if (opts.on_decode_step) opts.on_decode_step(step);
+    }
+  }
+  st.total_s = seconds(t_start, Clock::now());
+
+  result.rows.resize(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    Row& row = rows[static_cast<size_t>(b)];
+    RowResult& out = result.rows[static_cast<size_t>(b)];
+    out.prompt = prompts[static_cast<size_t>(b)];
+    out.tokens.assign(row.seq.begin() + row.prompt_len, row.seq.end());
+    out.text = std::move(row.text);
+    out.stop_reason = row.reason;
+    out.slides = row.slides;
+    out.ttft_s = row.ttft_s;
+    st.new_tokens += row.generated;
+  }
+  return result;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,149 @@
+#pragma once
+// The generation engine: prompts in, tokens out, through GPT::forward with a KV cache.
+//
+// Prefill: each prompt goes through the model in one forward pass (T = prompt length) that
+// fills its cache row and yields the first token. Rows whose prompts have the same length and
+// sit next to each other in the batch are prefilled together (one forward of (n, P) tokens);
+// a row of a different length gets its own forward into its own cache row. Batching prompts
+// of different lengths into one prefill would need left padding and a key mask the attention
+// op does not have (its queries are bottom-right aligned per row), and would spend FLOPs on
+// padding; per-row prefill costs the same FLOPs as the real tokens, only in smaller GEMMs.
+//
+// Decode: one batched forward per step with T = 1 over the rows still running; each row's
+// position and keys continue from its own cache length (AttentionOptions::kv_lengths). A row
+// stops on its own (max_new_tokens, a stop string, the context limit); finished rows leave
+// the batch (the last running row's cache moves into the freed slot), so later steps do not
+// spend time on them.
+//
+// Context limit: a model with learned positions attends over at most block_size positions. A
+// row whose cache holds block_size positions has produced the token predicted from the last
+// one and stops there (prompt + generated = block_size + 1 tokens), reason ContextLimit.
+// With `slide`, it instead resets its cache row, re-prefills its last block_size - 1 known
+// tokens there and goes on: the pending token is then fed at position block_size - 1 by the
+// next batched step, so every later token is predicted from the last block_size tokens (the
+// most the model can see, as nanoGPT's crop does). Trade-offs: positions restart at 0, so the
+// same text sits at other positions than before and everything before the window is
+// forgotten (quality may differ from a model with a longer context); and each token past the
+// limit costs a prefill of block_size - 1 tokens (O(block_size) projections and MLP work,
+// O(block_size^2) attention) instead of one decode step, so generation past the limit runs at
+// prefill speed. A prompt longer than block_size is an error unless `slide` is set, which
+// keeps its last block_size - 1 tokens.
+//
+// use_cache = false recomputes the whole window at every step (one forward of the full
+// sequence per row, no cache): the reference for the cache-on/off comparison and the tests.
+// Both modes see the same windows, so with greedy sampling they produce the same text.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "infer/kv_cache.h"
+#include "infer/sampler.h"
+#include "nn/gpt.h"
+
+namespace kvlab {
+
+enum class StopReason { MaxNewTokens, StopString, ContextLimit };
+const char* stop_reason_name(StopReason r);  // "max_new_tokens", "stop_string", "context_limit"
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 64;
+  SamplingOptions sampling;  // row b draws from a Generator seeded hash64(seed, b)
+  bool use_cache = true;
+  bool slide = false;
+  // A row stops once its text contains one of these; the stop string is not part of the text
+  // (neither returned nor streamed: text that may begin a stop string is held back).
+  std::vector<std::string> stop;
+
+  // Streams each row's new text as it is made (row index, UTF-8 piece; a byte tokenizer may
+  // split a character across pieces).
+  std::function<void(int64_t row, std::string_view piece)> on_text;
+  // Called before each sample with the tokens the model was conditioned on (the current
+  // window, positions 0 ..) and the next-token logits (V). For tests; slows decoding.
+  std::function<void(int64_t row, std::span<const int32_t> window, std::span<const float> logits)>
+      on_logits;
+  // Called once per row when it stops, with its whole generated text.
+  std::function<void(int64_t row, std::string_view text, StopReason why)> on_finish;
+  // Called after each decode step (step = 0, 1, ...) once its tokens are sampled.
+  std::function<void(int64_t step)> on_decode_step;
+
+  // Throws kvlab::Error naming the setting (max_new_tokens <= 0, sampling, empty stop string).
+  void validate() const;
+};
+
+struct RowResult {
+  std::vector<int32_t> prompt;  // the prompt's token ids, all of them
+  std::vector<int32_t> tokens;  // generated token ids (including any that form a stop string)
+  std::string text;             // decoded generated text, cut before a stop string
+  StopReason stop_reason = StopReason::MaxNewTokens;
+  int64_t slides = 0;  // re-prefills past the context limit
+  double ttft_s = 0;   // start of generate() until this row's first token
+};
+
+struct GenerationStats {
+  double prefill_s = 0;            // every prompt through the model (and first tokens sampled)
+  double ttft_s = 0;               // start until every row has its first token
+  std::vector<double> step_s;      // each decode step (T = 1, all running rows)
+  std::vector<int64_t> step_rows;  // rows each decode step advanced
+  double total_s = 0;
+  int64_t new_tokens = 0;      // over all rows
+  int64_t cache_bytes = 0;     // measured from the cache's allocations (0 without cache)
+  int64_t cache_capacity = 0;  // S_max of the cache
+
+  double decode_s() const;
+  // Tokens made by decode steps per second of decode time (excludes prefill).
+  double decode_tokens_per_s() const;
+  // All new tokens over the whole call, prefill included.
+  double tokens_per_s() const;
+  // Time per output token after the first: statistics of step_s (seconds; 0 when no steps).
+  double tpot_mean_s() const;
+  double tpot_quantile_s(double q) const;
+};
+
+struct GenerationResult {
+  std::vector<RowResult> rows;
+  GenerationStats stats;
+};
+
+class Engine {
+ public:
+  // The engine borrows both; the model should be in eval mode (load_model returns it so).
+  Engine(GPT& model, const Tokenizer& tokenizer);
+  ~Engine();
+
+  // Encodes a prompt; errors name it ("prompt") and list characters outside the vocabulary.
+  std::vector<int32_t> encode(std::string_view text, std::string_view what = "prompt") const;
+
+  // The checks generate_ids() starts with: options, and each prompt non-empty, inside the
+  // vocabulary and no longer than block_size unless sliding. Throws kvlab::Error.
+  void validate(const std::vector<std::vector<int32_t>>& prompts,
+                const GenerateOptions& options) const;
+
+  GenerationResult generate(const std::vector<std::string>& prompts,
+                            const GenerateOptions& options);
+  GenerationResult generate_ids(const std::vector<std::vector<int32_t>>& prompts,
+                                const GenerateOptions& options);
+
+  // The cache of the last cached generate (kept and reused while batch and capacity fit);
+  // null before one.
+  const GenerationKVCache* cache() const { return cache_.get(); }
+  GPT& model() { return model_; }
+  const Tokenizer& tokenizer() const { return tokenizer_; }
+
+ private:
+  struct Row;
+  // The one place that picks the cache implementation: the decode loop only uses the
+  // GenerationKVCache calls, so a paged cache would be constructed here instead.
+  GenerationKVCache& cache_for(int64_t batch, int64_t capacity);
+
+  GPT& model_;
+  const Tokenizer& tokenizer_;
+  std::unique_ptr<GenerationKVCache> cache_;
+  int64_t cache_batch_ = 0, cache_capacity_ = 0;
+};
+
+}  // namespace kvlab

@@ -1,0 +1,107 @@
+#include "infer/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "autograd/error.h"
+
+namespace kvlab {
+
+namespace {
+// Rounding slack on the top-p threshold: probabilities come from f32 logits, so a set whose
+// exact cumulative probability equals p may sum to p - 1e-8 here.
+constexpr double kTopPSlack = 1e-6;
+}  // namespace
+
+void SamplingOptions::validate() const {
+  KVLAB_CHECK(std::isfinite(temperature) && temperature >= 0, "temperature must be >= 0, got ",
+              temperature);
+  KVLAB_CHECK(top_k >= 0, "top-k must be >= 0 (0 keeps every token), got ", top_k);
+  KVLAB_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "top-p must be in (0, 1], got ",
+              top_p);
+}
+
+int32_t argmax(std::span<const float> logits) {
+  KVLAB_CHECK(!logits.empty(), "sampler: empty logits");
+  size_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i)
+    if (logits[i] > logits[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+Sampler::Sampler(const SamplingOptions& options, uint64_t stream_seed)
+    : options_(options), gen_(stream_seed) {
+  options_.validate();
+}
+
+double Sampler::filtered(std::span<const float> logits) {
+  const size_t V = logits.size();
+  KVLAB_CHECK(V > 0, "sampler: empty logits");
+  probs_.resize(V);
+  const double inv_t = 1.0 / options_.temperature;
+  double mx = -INFINITY;
+  for (float l : logits) mx = std::max(mx, static_cast<double>(l));
+  KVLAB_CHECK(std::isfinite(mx), "sampler: logits are not finite");
+  double total = 0;
+  for (size_t i = 0; i < V; ++i) {
+    probs_[i] = std::exp((static_cast<double>(logits[i]) - mx) * inv_t);
+    total += probs_[i];
+  }
+  const size_t k = options_.top_k > 0 ? std::min(V, static_cast<size_t>(options_.top_k)) : V;
+  if (k == V && options_.top_p >= 1.0) return total;
+  order_.resize(V);
+  for (size_t i = 0; i < V; ++i) order_[i] = static_cast<int32_t>(i);
+  auto by_prob = [&](int32_t a, int32_t b) {
+    return probs_[static_cast<size_t>(a)] > probs_[static_cast<size_t>(b)] ||
+           (probs_[static_cast<size_t>(a)] == probs_[static_cast<size_t>(b)] && a < b);
+  };
+  std::sort(order_.begin(), order_.end(), by_prob);
+  // Keep the top k, then of those the shortest prefix whose mass reaches top_p.
+  double kept_total = 0;
+  for (size_t i = 0; i < k; ++i) kept_total += probs_[static_cast<size_t>(order_[i])];
+  size_t keep = k;
+  if (options_.top_p < 1.0) {
+    const double target = options_.top_p * kept_total * (1.0 - kTopPSlack);
+    double cum = 0;
+    for (size_t i = 0; i < k; ++i) {
+      cum += probs_[static_cast<size_t>(order_[i])];
+      if (cum >= target) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) sum += probs_[static_cast<size_t>(order_[i])];
+  for (size_t i = keep; i < V; ++i) probs_[static_cast<size_t>(order_[i])] = 0;
+  return sum;
+}
+
+int32_t Sampler::sample(std::span<const float> logits) {
+  if (options_.greedy()) return argmax(logits);
+  const double total = filtered(logits);
+  const double u = gen_.uniform() * total;
+  double cum = 0;
+  int32_t last = 0;
+  for (size_t i = 0; i < probs_.size(); ++i) {
+    if (probs_[i] <= 0) continue;
+    last = static_cast<int32_t>(i);
+    cum += probs_[i];
+    if (u < cum) return last;
+  }
+  return last;  // u rounded up to the total: the last kept token
+}
+
+std::vector<double> Sampler::distribution(std::span<const float> logits) {
+  if (options_.greedy()) {
+    std::vector<double> out(logits.size(), 0.0);
+    out[static_cast<size_t>(argmax(logits))] = 1.0;
+    return out;
+  }
+  const double total = filtered(logits);
+  std::vector<double> out(probs_);
+  for (double& p : out) p /= total;
+  return out;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,49 @@
+#pragma once
+// Tiny random-weight models for the inference tests: L = 2, NH = 4, C = 32, block_size 16,
+// vocab 11. Weights are drawn much larger than GPT-2's 0.02 so that attention is far from
+// uniform and positions matter: a cache that misplaces a key changes the logits visibly.
+#include <memory>
+#include <string>
+
+#include "autograd/random.h"
+#include "data/tokenizer.h"
+#include "nn/gpt.h"
+
+namespace kvlab::test {
+
+inline GPTConfig tiny_config(int64_t n_kv_head = 4, int64_t block_size = 16) {
+  GPTConfig c;
+  c.vocab_size = 11;
+  c.block_size = block_size;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_kv_head = n_kv_head;
+  c.n_embd = 32;
+  return c;
+}
+
+inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
+                                       int64_t block_size = 16) {
+  auto m = std::make_unique<GPT>(tiny_config(n_kv_head, block_size), seed);
+  Generator gen(seed * 31 + 5);
+  for (auto& [name, t] : m->named_parameters()) {
+    Tensor p = t;
+    if (t.dim() >= 2) {
+      normal_(p, gen, 0.35);
+    } else {
+      normal_(p, gen, 0.1);
+      if (name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") ||
+          name.ends_with("ln_f.weight")) {
+        float* d = p.data<float>();
+        for (int64_t i = 0; i < p.numel(); ++i) d[i] += 1.0f;
+      }
+    }
+  }
+  m->set_training(false);
+  return m;
+}
+
+// 11 symbols: "a".."j" and space.
+inline Tokenizer tiny_tokenizer() { return Tokenizer::build_char("abcdefghij "); }
+
+}  // namespace kvlab::test

@@ -1,0 +1,433 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <tuple>
+
+#include "autograd/backend/allocator.h"
+#include "autograd/graph.h"
+#include "checkpoints/model_io.h"
+#include "infer/bench.h"
+#include "infer/engine.h"
+#include "infer_test_util.h"
+
+namespace kvlab {
+namespace {
+
+using test::tiny_model;
+using test::tiny_tokenizer;
+
+std::vector<int32_t> random_ids(int64_t n, uint64_t seed, int64_t V = 11) {
+  Generator g(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& t : ids) t = static_cast<int32_t>(g.below(static_cast<uint64_t>(V)));
+  return ids;
+}
+
+GenerateOptions greedy(int64_t max_new, bool use_cache = true) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new;
+  o.sampling.temperature = 0;
+  o.use_cache = use_cache;
+  return o;
+}
+
+// Logits of a full recompute (no cache) of `window`, last position only.
+std::vector<float> recompute(GPT& model, std::span<const int32_t> window) {
+  const Tensor t = Tensor::from_vector(std::vector<int32_t>(window.begin(), window.end()),
+                                       {1, static_cast<int64_t>(window.size())});
+  return model.forward(t, nullptr, true).to_vector<float>();
+}
+
+template <class F>
+void expect_error(F f, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "no error, expected one mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// ---- cache equals recompute --------------------------------------------------------------
+
+// (n_kv_head, prompt lengths of the batch's rows)
+using CacheCase = std::tuple<int64_t, std::vector<int64_t>>;
+class CacheEqualsRecompute : public ::testing::TestWithParam<CacheCase> {};
+
+TEST_P(CacheEqualsRecompute, AtEveryStepAndSameGreedyText) {
+  const auto& [nkv, lengths] = GetParam();
+  auto model = tiny_model(nkv);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t b = 0; b < lengths.size(); ++b) prompts.push_back(random_ids(lengths[b], 10 + b));
+
+  GenerateOptions o = greedy(16);  // prompts of 1 reach the context limit at 16 new tokens
+  int64_t checks = 0;
+  double worst = 0;
+  o.on_logits = [&](int64_t, std::span<const int32_t> window, std::span<const float> logits) {
+    const std::vector<float> ref = recompute(*model, window);
+    ASSERT_EQ(ref.size(), logits.size());
+    for (size_t i = 0; i < ref.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
+    ++checks;
+  };
+  const GenerationResult cached = engine.generate_ids(prompts, o);
+  EXPECT_LE(worst, 1e-5);
+  int64_t expected_checks = 0;
+  for (const auto& r : cached.rows) expected_checks += static_cast<int64_t>(r.tokens.size());
+  EXPECT_EQ(checks, expected_checks);
+
+  const GenerationResult plain = engine.generate_ids(prompts, greedy(16, false));
+  ASSERT_EQ(cached.rows.size(), plain.rows.size());
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    const auto& c = cached.rows[b];
+    EXPECT_EQ(c.tokens, plain.rows[b].tokens) << "row " << b;
+    EXPECT_EQ(c.text, plain.rows[b].text) << "row " << b;
+    EXPECT_EQ(c.text, tok.decode(c.tokens));
+    // 16 new tokens, or the context limit: prompt + generated = block_size + 1.
+    const int64_t P = lengths[b];
+    const int64_t expect = std::min<int64_t>(16, 16 - P + 1);
+    EXPECT_EQ(static_cast<int64_t>(c.tokens.size()), expect) << "row " << b;
+    EXPECT_EQ(c.stop_reason, P + 16 > 17 ? StopReason::ContextLimit : StopReason::MaxNewTokens);
+    EXPECT_EQ(c.stop_reason, plain.rows[b].stop_reason);
+  }
+  // Non-trivial text: the model does not emit one token forever.
+  std::set<int32_t> distinct(cached.rows[0].tokens.begin(), cached.rows[0].tokens.end());
+  if (cached.rows[0].tokens.size() > 8) {
+    EXPECT_GT(distinct.size(), 1u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    NkvBatchPrompt, CacheEqualsRecompute,
+    ::testing::Combine(::testing::Values(4, 2, 1),
+                       ::testing::Values(std::vector<int64_t>{1}, std::vector<int64_t>{7},
+                                         std::vector<int64_t>{15}, std::vector<int64_t>{1, 7, 15},
+                                         std::vector<int64_t>{15, 1, 7, 7})));
+
+TEST(Engine, SampledTextIsReproducibleAndMatchesWithoutCache) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  GenerateOptions o;
+  o.max_new_tokens = 12;
+  o.sampling.temperature = 0.9;
+  o.sampling.top_k = 6;
+  o.sampling.top_p = 0.9;
+  o.sampling.seed = 1234;
+  const std::vector<std::string> prompts{"abc", "jihg fe", "a"};
+  const auto a = engine.generate(prompts, o);
+  const auto b = engine.generate(prompts, o);
+  o.use_cache = false;
+  const auto c = engine.generate(prompts, o);
+  o.use_cache = true;
+  o.sampling.seed = 99;
+  const auto d = engine.generate(prompts, o);
+  bool any_differs = false;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    EXPECT_EQ(a.rows[r].tokens, b.rows[r].tokens);
+    EXPECT_EQ(a.rows[r].tokens, c.rows[r].tokens);
+    any_differs |= a.rows[r].tokens != d.rows[r].tokens;
+  }
+  EXPECT_TRUE(any_differs) << "another seed gave the same text for every row";
+  // Row 0 of a batch draws the same stream as a batch of one.
+  const auto single = engine.generate({prompts[0]}, [&] {
+    GenerateOptions s = o;
+    s.sampling.seed = 1234;
+    return s;
+  }());
+  EXPECT_EQ(single.rows[0].tokens, a.rows[0].tokens);
+}
+
+TEST(Engine, TopKOneEqualsGreedy) {
+  auto model = tiny_model(4);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  GenerateOptions k1;
+  k1.max_new_tokens = 10;
+  k1.sampling.temperature = 1.5;
+  k1.sampling.top_k = 1;
+  k1.sampling.seed = 5;
+  EXPECT_EQ(engine.generate({"abcabc", "j"}, k1).rows[1].tokens,
+            engine.generate({"abcabc", "j"}, greedy(10)).rows[1].tokens);
+}
+
+// ---- allocation -------------------------------------------------------------------------
+
+TEST(Engine, NoRawAllocationInTheDecodeLoopAfterTheFirstStep) {
+  for (const auto& lengths : {std::vector<int64_t>{5}, std::vector<int64_t>{3, 6, 4}}) {
+    auto model = tiny_model(2, 7, 64);
+    const Tokenizer tok = tiny_tokenizer();
+    Engine engine(*model, tok);
+    std::vector<std::vector<int32_t>> prompts;
+    for (int64_t n : lengths) prompts.push_back(random_ids(n, static_cast<uint64_t>(n)));
+    GenerateOptions o = greedy(40);
+    std::vector<uint64_t> raw, requests;
+    o.on_decode_step = [&](int64_t) {
+      const AllocatorStats s = allocator_for(Device::CPU).stats();
+      raw.push_back(s.raw_allocs);
+      requests.push_back(s.requests);
+    };
+    const auto res = engine.generate_ids(prompts, o);
+    ASSERT_EQ(raw.size(), 39u);  // 40 tokens: 1 from the prefill, 39 decode steps
+    for (size_t i = 1; i < raw.size(); ++i)
+      EXPECT_EQ(raw[i], raw[0]) << "decode step " << i << " reached the system allocator ("
+                                << lengths.size() << " rows)";
+    // The counter does see the loop's allocations: every step asks the caching allocator.
+    EXPECT_GT(requests.back(), requests[0]);
+    for (const auto& r : res.rows) EXPECT_EQ(r.tokens.size(), 40u);
+  }
+}
+
+// ---- context limit and slide ---------------------------------------------------------------
+
+TEST(Engine, StopsAtTheContextLimitAndSays) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  for (bool cache : {true, false}) {
+    const auto r = engine.generate({"abcdefg"}, greedy(40, cache));
+    // The cache fills at block_size = 16 positions; the token predicted from the last one is
+    // the last: 7 + 10 = block_size + 1.
+    EXPECT_EQ(r.rows[0].tokens.size(), 10u);
+    EXPECT_EQ(r.rows[0].stop_reason, StopReason::ContextLimit);
+    EXPECT_STREQ(stop_reason_name(r.rows[0].stop_reason), "context_limit");
+    EXPECT_EQ(r.rows[0].slides, 0);
+  }
+  // A prompt of exactly block_size tokens still yields one token.
+  const auto full = engine.generate({"abcdefghijabcdef"}, greedy(5));
+  EXPECT_EQ(full.rows[0].tokens.size(), 1u);
+  EXPECT_EQ(full.rows[0].stop_reason, StopReason::ContextLimit);
+}
+
+TEST(Engine, SlideContinuesPastTheContextLimit) {
+  auto model = tiny_model(1);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  GenerateOptions o = greedy(30);
+  o.slide = true;
+  double worst = 0;
+  size_t longest = 0;
+  o.on_logits = [&](int64_t, std::span<const int32_t> window, std::span<const float> logits) {
+    longest = std::max(longest, window.size());
+    const auto ref = recompute(*model, window);
+    for (size_t i = 0; i < ref.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
+  };
+  const auto cached = engine.generate({"abcdefg", "ab"}, o);
+  EXPECT_LE(worst, 1e-5);
+  EXPECT_EQ(longest, 16u);  // never more than block_size positions
+  for (const auto& r : cached.rows) {
+    EXPECT_EQ(r.tokens.size(), 30u);
+    EXPECT_EQ(r.stop_reason, StopReason::MaxNewTokens);
+  }
+  // Row 0 fills the cache after 10 tokens; each later token slides once.
+  EXPECT_EQ(cached.rows[0].slides, 30 - 10);
+  EXPECT_EQ(cached.rows[1].slides, 30 - 15);
+  o.on_logits = nullptr;
+  o.use_cache = false;
+  const auto plain = engine.generate({"abcdefg", "ab"}, o);
+  for (size_t b = 0; b < 2; ++b) {
+    EXPECT_EQ(cached.rows[b].tokens, plain.rows[b].tokens);
+    EXPECT_EQ(cached.rows[b].slides, plain.rows[b].slides);
+  }
+}
+
+TEST(Engine, PromptLongerThanTheContext) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  const std::string long_prompt = "abcdefghij abcdefghij";  // 21 tokens > 16
+  expect_error([&] { engine.generate({long_prompt}, greedy(3)); },
+               "prompt has 21 tokens, more than the model's context of block_size = 16");
+  GenerateOptions o = greedy(3);
+  o.slide = true;
+  const auto r = engine.generate({long_prompt}, o);
+  EXPECT_EQ(r.rows[0].tokens.size(), 3u);
+  EXPECT_EQ(r.rows[0].prompt.size(), 21u);
+  // The same as generating from its last block_size - 1 tokens.
+  const auto tail = engine.generate({long_prompt.substr(21 - 15)}, o);
+  EXPECT_EQ(r.rows[0].tokens, tail.rows[0].tokens);
+}
+
+// ---- stop strings and streaming --------------------------------------------------------------
+
+TEST(Engine, StopStringEndsARowAndIsNotStreamed) {
+  auto model = tiny_model(4);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  const std::vector<std::string> prompts{"abc", "hij", "e"};
+  const auto free_run = engine.generate(prompts, greedy(12));
+  const std::string text0 = free_run.rows[0].text;
+  ASSERT_GE(text0.size(), 6u);
+  const std::string stop = text0.substr(3, 2);
+  GenerateOptions o = greedy(12);
+  o.stop = {stop, "zz-never"};
+  std::vector<std::string> streamed(prompts.size());
+  o.on_text = [&](int64_t row, std::string_view piece) {
+    streamed[static_cast<size_t>(row)] += piece;
+  };
+  const auto res = engine.generate(prompts, o);
+  EXPECT_EQ(res.rows[0].stop_reason, StopReason::StopString);
+  EXPECT_EQ(res.rows[0].text, text0.substr(0, text0.find(stop)));
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    EXPECT_EQ(streamed[b], res.rows[b].text) << "row " << b;
+    const std::string& full = free_run.rows[b].text;
+    const size_t at = full.find(stop);
+    // Every row stops on its own: at its own first occurrence, or after 12 tokens.
+    EXPECT_EQ(res.rows[b].text, at == std::string::npos ? full : full.substr(0, at));
+    EXPECT_EQ(res.rows[b].stop_reason,
+              at == std::string::npos ? StopReason::MaxNewTokens : StopReason::StopString);
+  }
+}
+
+TEST(Engine, StreamsEveryTokenAsItIsMade) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  GenerateOptions o = greedy(9);
+  std::vector<std::vector<std::string>> pieces(2);
+  o.on_text = [&](int64_t row, std::string_view p) {
+    pieces[static_cast<size_t>(row)].emplace_back(p);
+  };
+  const auto res = engine.generate({"a", "bbbbbb"}, o);
+  for (size_t b = 0; b < 2; ++b) {
+    ASSERT_EQ(pieces[b].size(), 9u);
+    std::string joined;
+    for (const auto& p : pieces[b]) joined += p;
+    EXPECT_EQ(joined, res.rows[b].text);
+  }
+  const auto& st = res.stats;
+  EXPECT_EQ(st.step_s.size(), 8u);
+  EXPECT_EQ(st.new_tokens, 18);
+  EXPECT_GT(st.ttft_s, 0);
+  EXPECT_GE(st.total_s, st.ttft_s);
+  EXPECT_LE(st.tpot_quantile_s(0.5), st.tpot_quantile_s(0.99));
+  EXPECT_EQ(st.cache_bytes, kv_cache_formula_bytes(2, 2, st.cache_capacity, 2, 8, 4));
+  EXPECT_EQ(st.cache_capacity, 6 + 9 - 1);  // the longest prompt plus the tokens it feeds
+  EXPECT_EQ(engine.cache()->bytes(), st.cache_bytes);
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+TEST(Engine, BadInputGivesClearErrors) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  expect_error([&] { engine.generate({"abcXYz!"}, greedy(3)); }, "prompt");
+  try {
+    engine.generate({"abcXYz!"}, greedy(3));
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    for (const char* c : {"X", "Y", "z", "!"}) EXPECT_NE(m.find(c), std::string::npos) << m;
+  }
+  expect_error([&] { engine.generate({"abc", "aQ"}, greedy(3)); }, "prompt 2");
+  expect_error([&] { engine.generate({""}, greedy(3)); }, "prompt is empty");
+  expect_error([&] { engine.generate({"abc"}, greedy(0)); }, "max-new must be >= 1, got 0");
+  expect_error([&] { engine.generate({"abc"}, greedy(-4)); }, "max-new must be >= 1, got -4");
+  GenerateOptions o = greedy(3);
+  o.sampling.temperature = -1;
+  expect_error([&] { engine.generate({"abc"}, o); }, "temperature must be >= 0");
+  o.sampling.temperature = 1;
+  o.sampling.top_p = 0;
+  expect_error([&] { engine.generate({"abc"}, o); }, "top-p must be in (0, 1]");
+  o.sampling.top_p = 1.01;
+  expect_error([&] { engine.generate({"abc"}, o); }, "top-p must be in (0, 1]");
+  o.sampling.top_p = 1;
+  o.sampling.top_k = -2;
+  expect_error([&] { engine.generate({"abc"}, o); }, "top-k must be >= 0");
+  o.sampling.top_k = 0;
+  o.stop = {""};
+  expect_error([&] { engine.generate({"abc"}, o); }, "stop strings must not be empty");
+  expect_error([&] { engine.generate_ids({{1, 11}}, greedy(3)); }, "token id 11 outside");
+  expect_error([&] { engine.generate_ids({}, greedy(3)); }, "no prompts");
+  // The engine is still usable after errors.
+  EXPECT_EQ(engine.generate({"abc"}, greedy(3)).rows[0].tokens.size(), 3u);
+}
+
+class CheckpointFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ =
+        std::filesystem::temp_directory_path() / ("kvlab_infer_test_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(CheckpointFiles, LoadedModelGeneratesLikeTheOriginalAndBadFilesFailCleanly) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  Checkpoint ckpt;
+  put_gpt_config(ckpt.config, model->config());
+  put_tokenizer(ckpt, tok);
+  ckpt.model = to_arrays(model->named_parameters());
+  const auto good = dir_ / "tiny.h5";
+  save_checkpoint(good, ckpt);
+
+  LoadedModel loaded = load_model(good);
+  Engine original(*model, tok);
+  Engine restored(*loaded.model, loaded.tokenizer);
+  EXPECT_EQ(restored.generate({"abc"}, greedy(8)).rows[0].text,
+            original.generate({"abc"}, greedy(8)).rows[0].text);
+
+  const auto missing = dir_ / "nope.h5";
+  expect_error([&] { load_model(missing); }, missing.string());
+  // A truncated copy: an error naming the file, never a crash.
+  const auto size = std::filesystem::file_size(good);
+  for (const auto cut : {size / 2, size - 16, uintmax_t{100}}) {
+    const auto bad = dir_ / ("cut_" + std::to_string(cut) + ".h5");
+    std::filesystem::copy_file(good, bad);
+    std::filesystem::resize_file(bad, cut);
+    expect_error([&] { load_model(bad); }, bad.string());
+  }
+  // Not HDF5 at all.
+  const auto text = dir_ / "text.h5";
+  std::ofstream(text) << "not a checkpoint\n";
+  expect_error([&] { load_model(text); }, text.string());
+}
+
+}  // namespace
+}  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+TEST(Bench, ReportsBothModesAndTheCacheFormula) {
+  auto model = tiny_model(2, 7, 48);
+  const Tokenizer tok = tiny_tokenizer();
+  BenchGenerateOptions o;
+  o.prompt_tokens = 8;
+  o.new_tokens = {16, 64};  // 64 is capped at block_size - prompt = 40
+  o.runs = 1;
+  o.position_points = 3;
+  const nlohmann::json j = bench_generate(*model, tok, o);
+  ASSERT_EQ(j["results"].size(), 2u);
+  EXPECT_EQ(j["results"][1]["new_tokens"], 40);
+  for (const auto& r : j["results"]) {
+    EXPECT_GT(r["cache"]["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(r["no_cache"]["tokens_per_s"].get<double>(), 0);
+    EXPECT_EQ(r["cache"]["cache_bytes"], r["cache"]["cache_bytes_formula"]);
+    EXPECT_TRUE(r.contains("speedup"));
+  }
+  EXPECT_EQ(j["time_vs_position"]["cache"].size(), 3u);
+  EXPECT_EQ(j["time_vs_position"]["cache"][0]["position"], 8);
+
+  const nlohmann::json rep = kv_cache_report(test::tiny_config(4), {4, 2, 1});
+  ASSERT_EQ(rep.size(), 3u);
+  for (const auto& r : rep) {
+    EXPECT_EQ(r["measured_bytes"], r["formula_bytes"]);
+    EXPECT_DOUBLE_EQ(r["ratio_to_mha"].get<double>(), r["expected_ratio"].get<double>());
+  }
+  EXPECT_DOUBLE_EQ(rep[2]["ratio_to_mha"].get<double>(), 0.25);
+  EXPECT_THROW(kv_cache_report(test::tiny_config(4), {3}), Error);
+}
+
+}  // namespace
+}  // namespace kvlab

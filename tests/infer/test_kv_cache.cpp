@@ -1,0 +1,187 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "autograd/graph.h"
+#include "autograd/ops/ops.h"
+#include "infer/kv_cache.h"
+#include "infer_test_util.h"
+
+namespace kvlab {
+namespace {
+
+// (B, NKV, T, HS) values that encode their own index, stored transposed like the model's
+// projections: a (B, T, NKV, HS) buffer read through a (B, NKV, T, HS) view.
+Tensor coded(int64_t B, int64_t NKV, int64_t T, int64_t HS, float base) {
+  Tensor buf = Tensor::empty({B, T, NKV, HS});
+  float* p = buf.data<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < NKV; ++h)
+        for (int64_t i = 0; i < HS; ++i)
+          p[((b * T + t) * NKV + h) * HS + i] =
+              base + static_cast<float>(b * 1000 + h * 100 + t * 10 + i);
+  return transpose(buf, 1, 2);
+}
+
+TEST(KVCache, BytesEqualTheFormulaForEveryNkv) {
+  for (int64_t nkv : {8, 4, 2, 1})
+    for (int64_t B : {1, 3}) {
+      const ContiguousKVCache cache(6, B, 512, nkv, 32);
+      EXPECT_EQ(cache.bytes(), kv_cache_formula_bytes(6, B, 512, nkv, 32, 4)) << "NKV " << nkv;
+      EXPECT_EQ(cache.bytes(), 2 * 6 * B * 512 * nkv * 32 * 4);
+      // Only NKV heads are stored, never repeated to NH.
+      EXPECT_EQ(cache.k_buffer(0).sizes(), (Shape{B, nkv, 512, 32}));
+      EXPECT_EQ(cache.v_buffer(5).sizes(), (Shape{B, nkv, 512, 32}));
+    }
+  // MQA takes 1/8 of MHA's memory at NH = 8.
+  EXPECT_EQ(ContiguousKVCache(2, 1, 64, 8, 16).bytes(),
+            8 * ContiguousKVCache(2, 1, 64, 1, 16).bytes());
+  const ContiguousKVCache f64(2, 2, 10, 2, 4, DType::F64);
+  EXPECT_EQ(f64.bytes(), kv_cache_formula_bytes(2, 2, 10, 2, 4, 8));
+}
+
+TEST(KVCache, AppendWritesEachRowAtItsLengthAndReturnsViews) {
+  const int64_t NKV = 2, HS = 3, S = 8;
+  ContiguousKVCache cache(1, 2, S, NKV, HS);
+  // Row 1 alone first gets 3 positions (as a per-row prefill does).
+  {
+    KVCache& row1 = cache.rows(1, 1);
+    auto [k, v] = row1.append(0, coded(1, NKV, 3, HS, 0), coded(1, NKV, 3, HS, 0.5f));
+    EXPECT_EQ(k.sizes(), (Shape{1, NKV, 3, HS}));
+    row1.advance(3);
+    EXPECT_EQ(row1.lengths(), (std::vector<int64_t>{3}));
+  }
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{0, 3}));
+  // Then both rows append 2 positions.
+  auto [k, v] = cache.append(0, coded(2, NKV, 2, HS, 7000), coded(2, NKV, 2, HS, 9000));
+  EXPECT_EQ(k.sizes(), (Shape{2, NKV, 5, HS}));  // max(lengths) + T
+  EXPECT_EQ(k.stride(3), 1);
+  cache.advance(2);
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{2, 5}));
+  const Tensor kb = cache.k_buffer(0);
+  auto at = [&](const Tensor& t, int64_t b, int64_t h, int64_t s, int64_t i) {
+    return t.data<float>()[((b * NKV + h) * S + s) * HS + i];
+  };
+  for (int64_t h = 0; h < NKV; ++h)
+    for (int64_t i = 0; i < HS; ++i) {
+      for (int64_t t = 0; t < 3; ++t)  // row 1's first positions
+        EXPECT_EQ(at(kb, 1, h, t, i), static_cast<float>(h * 100 + t * 10 + i));
+      for (int64_t t = 0; t < 2; ++t) {
+        EXPECT_EQ(at(kb, 0, h, t, i), 7000.0f + static_cast<float>(h * 100 + t * 10 + i));
+        EXPECT_EQ(at(kb, 1, h, 3 + t, i),
+                  7000.0f + static_cast<float>(1000 + h * 100 + t * 10 + i));
+        EXPECT_EQ(at(cache.v_buffer(0), 1, h, 3 + t, i),
+                  9000.0f + static_cast<float>(1000 + h * 100 + t * 10 + i));
+      }
+    }
+  // The returned view reads the same memory: row 1, head 1, position 4.
+  const std::vector<float> kv = k.to_vector<float>();
+  EXPECT_EQ(kv[((1 * NKV + 1) * 5 + 4) * HS + 2], 7000.0f + 1000 + 100 + 10 + 2);
+}
+
+TEST(KVCache, AcceptsAnyStrides) {
+  // The same values once with HS contiguous and once with HS strided (the slow path).
+  const int64_t B = 2, NKV = 2, T = 3, HS = 4;
+  const Tensor dense = coded(B, NKV, T, HS, 1).contiguous();  // (B, NKV, T, HS)
+  Tensor hs_major = Tensor::empty({HS, B, NKV, T});           // HS outermost: stride(3) != 1 below
+  const std::vector<float> d = dense.to_vector<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NKV; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < HS; ++i)
+          hs_major.data<float>()[((i * B + b) * NKV + h) * T + t] =
+              d[static_cast<size_t>(((b * NKV + h) * T + t) * HS + i)];
+  const Tensor strided = hs_major.as_strided({B, NKV, T, HS}, {NKV * T, T, 1, B * NKV * T}, 0);
+  ASSERT_NE(strided.stride(3), 1);
+  ContiguousKVCache a(1, B, 5, NKV, HS), b(1, B, 5, NKV, HS);
+  a.rows(1, 1).advance(1);  // rows at different lengths
+  b.rows(1, 1).advance(1);
+  auto [ka, va] = a.append(0, dense, dense);
+  auto [kb, vb] = b.append(0, strided, strided);
+  EXPECT_EQ(ka.to_vector<float>(), kb.to_vector<float>());
+  EXPECT_EQ(a.v_buffer(0).to_vector<float>(), b.v_buffer(0).to_vector<float>());
+}
+
+TEST(KVCache, MoveRowTruncateResetAndCapacity) {
+  ContiguousKVCache cache(2, 3, 4, 1, 2);
+  for (int layer = 0; layer < 2; ++layer)
+    cache.append(layer, coded(3, 1, 2, 2, static_cast<float>(layer)),
+                 coded(3, 1, 2, 2, static_cast<float>(layer)));
+  cache.advance(2);
+  cache.move_row(2, 0);
+  cache.truncate_batch(2);
+  EXPECT_EQ(cache.batch(), 2);
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{2, 2}));
+  // Row 0 now holds what row 2 had, in every layer.
+  EXPECT_EQ(cache.k_buffer(1).data<float>()[1], 1.0f + 2000 + 1);
+  EXPECT_THROW(cache.move_row(2, 0), Error);  // row 2 is no longer active
+  // Capacity 4: two more positions fit, a third does not.
+  cache.append(0, coded(2, 1, 2, 2, 0), coded(2, 1, 2, 2, 0));
+  cache.advance(2);
+  try {
+    cache.append(0, coded(2, 1, 1, 2, 0), coded(2, 1, 1, 2, 0));
+    FAIL() << "append past the capacity did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity of 4"), std::string::npos) << e.what();
+  }
+  cache.reset_row(1);
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{4, 0}));
+  cache.reset();
+  EXPECT_EQ(cache.batch(), 3);
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_THROW(ContiguousKVCache(1, 1, 0, 1, 1), Error);
+  EXPECT_THROW(cache.append(0, coded(3, 2, 1, 2, 0), coded(3, 2, 1, 2, 0)), Error);  // NKV 2
+}
+
+// Prefill of a whole prompt in one forward equals feeding it one token at a time: the same
+// cache contents and the same logits at every position.
+class PrefillSplit : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
+  const int64_t nkv = GetParam();
+  auto model = test::tiny_model(nkv);
+  const GPTConfig& c = model->config();
+  NoGradGuard no_grad;
+  const int64_t B = 2, T = 9;
+  std::vector<int32_t> ids(static_cast<size_t>(B * T));
+  Generator gen(3);
+  for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)));
+  const Tensor tokens = Tensor::from_vector(ids, {B, T});
+
+  ContiguousKVCache one(c.n_layer, B, c.block_size, nkv, c.head_size());
+  const std::vector<float> full = model->forward(tokens, &one).to_vector<float>();  // (B, T, V)
+  ContiguousKVCache step(c.n_layer, B, c.block_size, nkv, c.head_size());
+  const int64_t V = c.vocab_size;
+  double worst = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const Tensor col = narrow(tokens, 1, t, 1).contiguous();
+    const std::vector<float> l = model->forward(col, &step).to_vector<float>();  // (B, 1, V)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < V; ++i)
+        worst = std::max(
+            worst, static_cast<double>(std::fabs(l[static_cast<size_t>(b * V + i)] -
+                                                 full[static_cast<size_t>((b * T + t) * V + i)])));
+  }
+  EXPECT_LE(worst, 1e-5);
+  EXPECT_EQ(one.lengths(), step.lengths());
+  for (int layer = 0; layer < c.n_layer; ++layer)
+    for (const bool is_k : {true, false}) {
+      const auto a = (is_k ? one.k_buffer(layer) : one.v_buffer(layer)).to_vector<float>();
+      const auto b = (is_k ? step.k_buffer(layer) : step.v_buffer(layer)).to_vector<float>();
+      ASSERT_EQ(a.size(), b.size());
+      double d = 0;
+      for (size_t i = 0; i < a.size(); ++i)
+        d = std::max(d, static_cast<double>(std::fabs(a[i] - b[i])));
+      EXPECT_LE(d, 1e-5) << "layer " << layer << (is_k ? " K" : " V");
+    }
+  // The cache is not trivially empty: its keys are the model's, not zeros.
+  double norm = 0;
+  for (float x : one.k_buffer(0).to_vector<float>()) norm += std::fabs(x);
+  EXPECT_GT(norm, 1.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Nkv, PrefillSplit, ::testing::Values(4, 2, 1));
+
+}  // namespace
+}  // namespace kvlab
