@@ -106,9 +106,13 @@ void run_backward(const Tensor& root, const Tensor& grad_in, bool keep_graph) {
         accumulate(pending[in.grad_fn().get()], grads[i]);
       } else if (in.requires_grad()) {
         Tensor slot = in.grad();
-        // A gradient may alias a buffer another node still reads (pass-through ops): copy it
-        // the first time it becomes a leaf's .grad.
-        accumulate(slot, slot.defined() ? grads[i] : grads[i].clone());
+        // A gradient may alias a buffer something else still holds (pass-through ops, the
+        // caller's tensor): copy it the first time it becomes a leaf's .grad, unless this is
+        // its only handle and nothing else shares its storage (the common case of a fresh
+        // weight gradient, which then moves in without a copy).
+        const bool sole_owner = grads[i].impl_ptr().use_count() == 1 &&
+                                grads[i].storage().use_count() == 1 && grads[i].is_contiguous();
+        accumulate(slot, slot.defined() || sole_owner ? grads[i] : grads[i].clone());
         in.set_grad(slot);
       }
     }

@@ -57,18 +57,20 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   check_cpu(op, v_in);
   check_same_dtype(op, q_in, k_in);
   check_same_dtype(op, q_in, v_in);
-  const std::string shapes = detail::cat("q ", q_in.shape_str(), ", k ", k_in.shape_str(),
-                                         ", v ", v_in.shape_str());
-  KVLAB_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, op, ": ", shapes,
+  // Built only when a check fails (decode calls this op ~100 times per token).
+  const auto shapes = [&] {
+    return detail::cat("q ", q_in.shape_str(), ", k ", k_in.shape_str(), ", v ", v_in.shape_str());
+  };
+  KVLAB_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, op, ": ", shapes(),
               ": expected q (B, NH, T, HS) and k, v (B, NKV, S, HS)");
   const int64_t B = q_in.size(0), NH = q_in.size(1), T = q_in.size(2), HS = q_in.size(3);
   const int64_t NKV = k_in.size(1), S = k_in.size(2);
-  KVLAB_CHECK(k_in.sizes() == v_in.sizes(), op, ": ", shapes, ": k and v differ");
-  KVLAB_CHECK(k_in.size(0) == B && k_in.size(3) == HS, op, ": ", shapes,
+  KVLAB_CHECK(k_in.sizes() == v_in.sizes(), op, ": ", shapes(), ": k and v differ");
+  KVLAB_CHECK(k_in.size(0) == B && k_in.size(3) == HS, op, ": ", shapes(),
               ": B and HS must match between q and k");
-  KVLAB_CHECK(NKV > 0 && NH % NKV == 0, op, ": ", shapes, ": NH = ", NH,
+  KVLAB_CHECK(NKV > 0 && NH % NKV == 0, op, ": ", shapes(), ": NH = ", NH,
               " is not divisible by NKV = ", NKV);
-  KVLAB_CHECK(T <= S, op, ": ", shapes, ": T = ", T, " queries but only S = ", S, " keys");
+  KVLAB_CHECK(T <= S, op, ": ", shapes(), ": T = ", T, " queries but only S = ", S, " keys");
   if (!opts.kv_lengths.empty()) {
     KVLAB_CHECK(static_cast<int64_t>(opts.kv_lengths.size()) == B, op, ": ",
                 opts.kv_lengths.size(), " kv_lengths for batch ", B);

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -170,8 +171,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
     if (bias.defined()) {  // start from the bias rows, then accumulate the product
       const Tensor bc = bias.contiguous();
       const T* pb = bc.data<T>();
-#pragma omp parallel for schedule(static) if (N * out_f > (1 << 15))
-      for (int64_t i = 0; i < N; ++i) std::copy_n(pb, out_f, po + i * out_f);
+      cpu::parallel_range(N, N * out_f, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) std::copy_n(pb, out_f, po + i * out_f);
+      });
       beta = 1;
     }
     cpu::gemm<T>(false, true, N, out_f, in, T(1), xf.data<T>(), in, wc.data<T>(), in, beta, po,

@@ -88,6 +88,26 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const T* k,
   const int64_t group = s.NH / s.NKV, tasks = s.B * s.NH;
   const Dropout drop(s.dropout);
   const T scale = static_cast<T>(s.scale);
+  if (s.T == 1 && group > 1 && !drop.on) {
+    // Decode: the query heads of one KV group form a (group, HS) block (their rows sit at a
+    // constant stride), so K and V of the group are read once for all of them, not once per
+    // query head. A single query sees every cached key: no mask.
+    for_each_task(s.B * s.NKV, [&](int64_t task) {
+      const int64_t b = task / s.NKV, g = task % s.NKV, Sb = kv_len(s, b);
+      T* p = scratch<T>(static_cast<size_t>(group * Sb), 0);
+      gemm<T>(false, true, group, Sb, s.HS, scale, q + b * qv.sb + g * group * qv.sh, qv.sh,
+              k + b * kv.sb + g * kv.sh, kv.st, T(0), p, Sb);
+      for (int64_t r = 0; r < group; ++r) {
+        T* row = p + r * Sb;
+        const T inv = static_cast<T>(1.0 / exp_shift_inplace(row, Sb, row_max(row, Sb)));
+#pragma omp simd
+        for (int64_t j = 0; j < Sb; ++j) row[j] *= inv;
+      }
+      gemm<T>(false, false, group, s.HS, Sb, T(1), p, Sb, v + b * vv.sb + g * vv.sh, vv.st, T(0),
+              out + b * ov.sb + g * group * ov.sh, ov.sh);
+    });
+    return;
+  }
   for_each_task(tasks, [&](int64_t task) {
     const int64_t b = task / s.NH, h = task % s.NH, g = h / group;
     const int64_t Sb = kv_len(s, b);

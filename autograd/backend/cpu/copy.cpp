@@ -1,6 +1,7 @@
 #include <cstring>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 #include "autograd/error.h"
 
 namespace kvlab::cpu {
@@ -64,24 +65,25 @@ void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const v
   const int64_t inner = nd ? sizes[nd - 1] : 1;
   const int64_t ds = nd ? dst_strides[nd - 1] : 0, ss = nd ? src_strides[nd - 1] : 0;
   const int64_t rows = n / inner;
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r, doff = 0, soff = 0;
-    for (int d = nd - 2; d >= 0; --d) {
-      const int64_t i = rem % sizes[d];
-      rem /= sizes[d];
-      doff += i * dst_strides[d];
-      soff += i * src_strides[d];
+  parallel_range(rows, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t rem = r, doff = 0, soff = 0;
+      for (int d = nd - 2; d >= 0; --d) {
+        const int64_t i = rem % sizes[d];
+        rem /= sizes[d];
+        doff += i * dst_strides[d];
+        soff += i * src_strides[d];
+      }
+      if (dst_type == DType::F32 && src_type == DType::F32) {
+        float* o = static_cast<float*>(dst) + doff;
+        const float* s = static_cast<const float*>(src) + soff;
+        for (int64_t j = 0; j < inner; ++j) o[j * ds] = s[j * ss];
+      } else {
+        for (int64_t j = 0; j < inner; ++j)
+          store(dst, dst_type, doff + j * ds, load(src, src_type, soff + j * ss));
+      }
     }
-    if (dst_type == DType::F32 && src_type == DType::F32) {
-      float* o = static_cast<float*>(dst) + doff;
-      const float* s = static_cast<const float*>(src) + soff;
-      for (int64_t j = 0; j < inner; ++j) o[j * ds] = s[j * ss];
-    } else {
-      for (int64_t j = 0; j < inner; ++j)
-        store(dst, dst_type, doff + j * ds, load(src, src_type, soff + j * ss));
-    }
-  }
+  });
 }
 
 }  // namespace kvlab::cpu

@@ -1,13 +1,13 @@
 #include <cmath>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/random.h"
 
 namespace kvlab::cpu {
 
 namespace {
-constexpr int64_t kParallelMin = 1 << 15;  // below this, a parallel region costs more than it saves
 
 template <class T>
 inline T apply(BinaryOp op, T a, T b) {
@@ -22,18 +22,19 @@ inline T apply(BinaryOp op, T a, T b) {
 template <class T, BinaryOp Op>
 void dense_rows(T* out, int64_t rows, int64_t inner, const T* a, int64_t a_rs, int64_t a_is,
                 const T* b, int64_t b_rs, int64_t b_is) {
-#pragma omp parallel for schedule(static) if (rows * inner > kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = out + r * inner;
-    const T* pa = a + r * a_rs;
-    const T* pb = b + r * b_rs;
-    if (a_is == 1 && b_is == 1) {
+  parallel_range(rows, rows * inner, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* o = out + r * inner;
+      const T* pa = a + r * a_rs;
+      const T* pb = b + r * b_rs;
+      if (a_is == 1 && b_is == 1) {
 #pragma omp simd
-      for (int64_t j = 0; j < inner; ++j) o[j] = apply(Op, pa[j], pb[j]);
-    } else {
-      for (int64_t j = 0; j < inner; ++j) o[j] = apply(Op, pa[j * a_is], pb[j * b_is]);
+        for (int64_t j = 0; j < inner; ++j) o[j] = apply(Op, pa[j], pb[j]);
+      } else {
+        for (int64_t j = 0; j < inner; ++j) o[j] = apply(Op, pa[j * a_is], pb[j * b_is]);
+      }
     }
-  }
+  });
 }
 }  // namespace
 
@@ -57,30 +58,35 @@ void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, cons
     }
     return;
   }
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r, ao = 0, bo = 0;
-    for (int d = nd - 2; d >= 0; --d) {
-      const int64_t i = rem % sizes[d];
-      rem /= sizes[d];
-      ao += i * as[d];
-      bo += i * bs[d];
+  parallel_range(rows, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t rem = r, ao = 0, bo = 0;
+      for (int d = nd - 2; d >= 0; --d) {
+        const int64_t i = rem % sizes[d];
+        rem /= sizes[d];
+        ao += i * as[d];
+        bo += i * bs[d];
+      }
+      T* o = out + r * inner;
+      for (int64_t j = 0; j < inner; ++j) o[j] = apply(op, a[ao + j * a_is], b[bo + j * b_is]);
     }
-    T* o = out + r * inner;
-    for (int64_t j = 0; j < inner; ++j) o[j] = apply(op, a[ao + j * a_is], b[bo + j * b_is]);
-  }
+  });
 }
 
 template <class T>
 void scale_forward(T* out, const T* x, T s, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * s;
+  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) out[i] = x[i] * s;
+  });
 }
 
 template <class T>
 void add_inplace(T* dst, const T* src, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) dst[i] += src[i];
+  });
 }
 
 template <class T>
@@ -109,13 +115,12 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
   for (int d = k; d < nd; ++d) inner *= x_sizes[d];
   if (inner == out_n) {
     const int64_t rows = inner ? n / inner : 0;
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-    for (int64_t j0 = 0; j0 < inner; j0 += 64) {
-      const int64_t j1 = std::min(inner, j0 + 64);
+    // Columns are split across threads; each walks every row in order (deterministic).
+    parallel_range(inner, n, [&](int64_t c0, int64_t c1) {
       for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
-        for (int64_t j = j0; j < j1; ++j) out[j] += x[r * inner + j];
-    }
+        for (int64_t j = c0; j < c1; ++j) out[j] += x[r * inner + j];
+    });
     return;
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -133,13 +138,14 @@ T sum_all(const T* x, int64_t n) {
   constexpr int64_t kChunk = 4096;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(static_cast<size_t>(chunks));
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
-    double s = 0;
-    const int64_t end = std::min(n, (c + 1) * kChunk);
-    for (int64_t i = c * kChunk; i < end; ++i) s += x[i];
-    partial[c] = s;
-  }
+  parallel_range(chunks, n, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      double s = 0;
+      const int64_t end = std::min(n, (c + 1) * kChunk);
+      for (int64_t i = c * kChunk; i < end; ++i) s += x[i];
+      partial[c] = s;
+    }
+  });
   double s = 0;
   for (double p : partial) s += p;
   return static_cast<T>(s);
@@ -154,25 +160,29 @@ constexpr double kGeluA = 0.044715;
 template <class T>
 void gelu_forward(T* out, const T* x, int64_t n) {
   const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) {
-    const T xi = x[i];
-    const T u = c * (xi + a * xi * xi * xi);
-    out[i] = T(0.5) * xi * (T(1) + tanh_t(u));
-  }
+  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      const T xi = x[i];
+      const T u = c * (xi + a * xi * xi * xi);
+      out[i] = T(0.5) * xi * (T(1) + tanh_t(u));
+    }
+  });
 }
 
 template <class T>
 void gelu_backward(T* dx, const T* dout, const T* x, int64_t n) {
   const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) {
-    const T xi = x[i];
-    const T u = c * (xi + a * xi * xi * xi);
-    const T th = tanh_t(u);
-    const T du = c * (T(1) + T(3) * a * xi * xi);
-    dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * xi * (T(1) - th * th) * du);
-  }
+  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      const T xi = x[i];
+      const T u = c * (xi + a * xi * xi * xi);
+      const T th = tanh_t(u);
+      const T du = c * (T(1) + T(3) * a * xi * xi);
+      dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * xi * (T(1) - th * th) * du);
+    }
+  });
 }
 
 namespace {
@@ -188,8 +198,9 @@ template <class T>
 void dropout_forward(T* out, const T* x, int64_t n, double p, uint64_t seed) {
   const uint64_t th = drop_threshold(p);
   const T keep = static_cast<T>(1.0 / (1.0 - p));
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) out[i] = dropped(seed, i, th) ? T(0) : x[i] * keep;
+  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] = dropped(seed, i, th) ? T(0) : x[i] * keep;
+  });
 }
 
 template <class T>

@@ -4,14 +4,17 @@
 #include <cmath>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
 
 namespace kvlab::cpu {
 
 template <class T>
 void embedding_forward(T* out, const int32_t* ids, const T* weight, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static) if (N * C > (1 << 15))
-  for (int64_t i = 0; i < N; ++i) std::copy_n(weight + static_cast<int64_t>(ids[i]) * C, C, out + i * C);
+  parallel_range(N, N * C, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      std::copy_n(weight + static_cast<int64_t>(ids[i]) * C, C, out + i * C);
+  });
 }
 
 // Each thread owns a slice of the C columns and walks all rows in order, so repeated ids
@@ -19,32 +22,31 @@ void embedding_forward(T* out, const int32_t* ids, const T* weight, int64_t N, i
 template <class T>
 void embedding_backward(T* dweight, const T* dout, const int32_t* ids, int64_t N, int64_t /*V*/,
                         int64_t C) {
-#pragma omp parallel if (N * C > (1 << 15))
-  {
-    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t c0 = C * tid / nt, c1 = C * (tid + 1) / nt;
+  parallel_range(C, N * C, [&](int64_t c0, int64_t c1) {
     for (int64_t i = 0; i < N; ++i) {
       T* drow = dweight + static_cast<int64_t>(ids[i]) * C;
       const T* g = dout + i * C;
       for (int64_t j = c0; j < c1; ++j) drow[j] += g[j];
     }
-  }
+  });
 }
 
 template <class T>
 T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* targets,
                         int64_t N, int64_t V, int32_t ignore_index) {
-  double total = 0;
-  int64_t n_valid = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total, n_valid) if (N * V > (1 << 14))
-  for (int64_t i = 0; i < N; ++i) {
-    const T* li = logits + i * V;
-    const T mx = row_max(li, V);
-    lse[i] = mx + static_cast<T>(std::log(sum_exp_shift(li, V, mx)));
-    if (targets[i] != ignore_index) {
-      total += static_cast<double>(lse[i] - li[targets[i]]);
-      ++n_valid;
+  parallel_range(N, N * V, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* li = logits + i * V;
+      const T mx = row_max(li, V);
+      lse[i] = mx + static_cast<T>(std::log(sum_exp_shift(li, V, mx)));
     }
+  });
+  double total = 0;  // summed in row order: deterministic for any thread count
+  int64_t n_valid = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (targets[i] == ignore_index) continue;
+    total += static_cast<double>(lse[i] - logits[i * V + targets[i]]);
+    ++n_valid;
   }
   *count = n_valid;
   return static_cast<T>(total);
@@ -53,19 +55,20 @@ T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* 
 template <class T>
 void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets,
                             int64_t N, int64_t V, int32_t ignore_index, T scale) {
-#pragma omp parallel for schedule(static) if (N * V > (1 << 14))
-  for (int64_t i = 0; i < N; ++i) {
-    T* di = dlogits + i * V;
-    if (targets[i] == ignore_index) {
-      std::fill_n(di, V, T(0));
-      continue;
-    }
-    const T* li = logits + i * V;
-    const T l = lse[i];
+  parallel_range(N, N * V, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      T* di = dlogits + i * V;
+      if (targets[i] == ignore_index) {
+        std::fill_n(di, V, T(0));
+        continue;
+      }
+      const T* li = logits + i * V;
+      const T l = lse[i];
 #pragma omp simd
-    for (int64_t j = 0; j < V; ++j) di[j] = exp_t(li[j] - l) * scale;
-    di[targets[i]] -= scale;
-  }
+      for (int64_t j = 0; j < V; ++j) di[j] = exp_t(li[j] - l) * scale;
+      di[targets[i]] -= scale;
+    }
+  });
 }
 
 #define KVLAB_INSTANTIATE(T)                                                                   \

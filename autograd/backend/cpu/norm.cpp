@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
 
 namespace kvlab::cpu {
@@ -12,24 +13,25 @@ namespace kvlab::cpu {
 template <class T>
 void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T* b, int64_t N,
                        int64_t C, double eps) {
-#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
-  for (int64_t i = 0; i < N; ++i) {
-    const T* xi = x + i * C;
-    // Sums in double: f32 rounding over a long row would otherwise show at the 1e-6 level.
-    double s = 0;
+  parallel_range(N, N * C, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* xi = x + i * C;
+      // Sums in double: f32 rounding over a long row would otherwise show at the 1e-6 level.
+      double s = 0;
 #pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < C; ++j) s += xi[j];
-    const T m = static_cast<T>(s / static_cast<double>(C));
-    double v = 0;
+      for (int64_t j = 0; j < C; ++j) s += xi[j];
+      const T m = static_cast<T>(s / static_cast<double>(C));
+      double v = 0;
 #pragma omp simd reduction(+ : v)
-    for (int64_t j = 0; j < C; ++j) v += static_cast<double>((xi[j] - m) * (xi[j] - m));
-    const T r = static_cast<T>(1.0 / std::sqrt(v / static_cast<double>(C) + eps));
-    T* oi = out + i * C;
+      for (int64_t j = 0; j < C; ++j) v += static_cast<double>((xi[j] - m) * (xi[j] - m));
+      const T r = static_cast<T>(1.0 / std::sqrt(v / static_cast<double>(C) + eps));
+      T* oi = out + i * C;
 #pragma omp simd
-    for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
-    mean[i] = m;
-    rstd[i] = r;
-  }
+      for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
+      mean[i] = m;
+      rstd[i] = r;
+    }
+  });
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w. dw and db are reduced over
@@ -38,15 +40,12 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T
 template <class T>
 void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T* w,
                         const T* mean, const T* rstd, int64_t N, int64_t C) {
-  const int nt = N * C > (1 << 14) ? omp_get_max_threads() : 1;
+  const int nt = N * C > kParallelMin ? omp_get_max_threads() : 1;
   std::vector<T> partial(static_cast<size_t>(nt) * 2 * C, T(0));
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num();
+  auto rows = [&](int tid, int64_t i0, int64_t i1) {
     T* pdw = partial.data() + static_cast<size_t>(tid) * 2 * C;
     T* pdb = pdw + C;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
+    for (int64_t i = i0; i < i1; ++i) {
       const T* xi = x + i * C;
       const T* gi = dout + i * C;
       const T m = mean[i], r = rstd[i];
@@ -69,6 +68,15 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
         di[j] = r * (gi[j] * w[j] - mg - xhat * mgx);
       }
     }
+  };
+  if (nt == 1) {
+    rows(0, 0, N);
+  } else {
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+      rows(tid, N * tid / n, N * (tid + 1) / n);
+    }
   }
   for (int64_t j = 0; j < C; ++j) {
     T sw = 0, sb = 0;
@@ -83,31 +91,33 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
 
 template <class T>
 void softmax_forward(T* out, const T* x, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
-  for (int64_t i = 0; i < N; ++i) {
-    const T* xi = x + i * C;
-    T* oi = out + i * C;
-    std::copy_n(xi, C, oi);
-    const double s = exp_shift_inplace(oi, C, row_max(xi, C));
-    const T inv = static_cast<T>(1.0 / s);
+  parallel_range(N, N * C, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* xi = x + i * C;
+      T* oi = out + i * C;
+      std::copy_n(xi, C, oi);
+      const double s = exp_shift_inplace(oi, C, row_max(xi, C));
+      const T inv = static_cast<T>(1.0 / s);
 #pragma omp simd
-    for (int64_t j = 0; j < C; ++j) oi[j] *= inv;
-  }
+      for (int64_t j = 0; j < C; ++j) oi[j] *= inv;
+    }
+  });
 }
 
 template <class T>
 void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
-  for (int64_t i = 0; i < N; ++i) {
-    const T* yi = out + i * C;
-    const T* gi = dout + i * C;
-    double dot = 0;
+  parallel_range(N, N * C, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* yi = out + i * C;
+      const T* gi = dout + i * C;
+      double dot = 0;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < C; ++j) dot += yi[j] * gi[j];
-    T* di = dx + i * C;
+      for (int64_t j = 0; j < C; ++j) dot += yi[j] * gi[j];
+      T* di = dx + i * C;
 #pragma omp simd
-    for (int64_t j = 0; j < C; ++j) di[j] = yi[j] * (gi[j] - static_cast<T>(dot));
-  }
+      for (int64_t j = 0; j < C; ++j) di[j] = yi[j] * (gi[j] - static_cast<T>(dot));
+    }
+  });
 }
 
 #define KVLAB_INSTANTIATE(T)                                                                   \

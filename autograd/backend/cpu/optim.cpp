@@ -1,6 +1,9 @@
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 
 namespace kvlab::cpu {
 
@@ -10,20 +13,34 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
   const float decay = 1.0f - s.lr * s.weight_decay;
   const float step_size = s.lr / s.bias_correction1;
   const float bc2_sqrt = std::sqrt(s.bias_correction2);
-#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * s.grad_scale;
-    m[i] = s.beta1 * m[i] + (1.0f - s.beta1) * gi;
-    v[i] = s.beta2 * v[i] + (1.0f - s.beta2) * gi * gi;
-    const float denom = std::sqrt(v[i]) / bc2_sqrt + s.eps;
-    p[i] = p[i] * decay - step_size * m[i] / denom;
-  }
+  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      const float gi = g[i] * s.grad_scale;
+      m[i] = s.beta1 * m[i] + (1.0f - s.beta1) * gi;
+      v[i] = s.beta2 * v[i] + (1.0f - s.beta2) * gi * gi;
+      const float denom = std::sqrt(v[i]) / bc2_sqrt + s.eps;
+      p[i] = p[i] * decay - step_size * m[i] / denom;
+    }
+  });
 }
 
+// Fixed 4096-element chunks summed in order: the same result for any thread count.
 double sum_squares(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks));
+  parallel_range(chunks, n, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      double s = 0;
+      const int64_t end = std::min(n, (c + 1) * kChunk);
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = c * kChunk; i < end; ++i) s += static_cast<double>(x[i]) * x[i];
+      partial[static_cast<size_t>(c)] = s;
+    }
+  });
   double s = 0;
-#pragma omp parallel for simd schedule(static) reduction(+ : s) if (n > (1 << 15))
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  for (double p : partial) s += p;
   return s;
 }
 
