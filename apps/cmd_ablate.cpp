@@ -13,7 +13,7 @@ namespace {
 struct AblateArgs {
   TrainFlags flags;
   std::vector<int64_t> kv_heads;
-  int seeds = 2;
+  int seeds = 3;
   bool param_matched = false;
   int64_t kv_budget = int64_t{1} << 30;
   std::vector<std::string> prompts;
@@ -25,7 +25,7 @@ struct AblateArgs {
 };
 
 // Defaults of the sweep: 4 layers, 8 heads, n_embd 128, block 64 -> n_kv_head 8, 4, 2, 1 with
-// 2 seeds, sized to finish in under 10 minutes on 2 cores.
+// 3 seeds, 600 steps each: about 5 minutes of training and measuring on 2 cores.
 void set_sweep_defaults(TrainConfig& c) {
   c.model.n_layer = 4;
   c.model.n_head = 8;

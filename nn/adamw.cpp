@@ -15,25 +15,29 @@ AdamW::AdamW(NamedTensors params, const AdamWConfig& cfg) : params_(std::move(pa
   }
 }
 
+cpu::AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale,
+                          int param_dim) {
+  const double t = static_cast<double>(step);
+  return {static_cast<float>(lr),
+          static_cast<float>(cfg.beta1),
+          static_cast<float>(cfg.beta2),
+          static_cast<float>(cfg.eps),
+          static_cast<float>(param_dim >= 2 ? cfg.weight_decay : 0.0),
+          static_cast<float>(1.0 - std::pow(cfg.beta1, t)),
+          static_cast<float>(1.0 - std::pow(cfg.beta2, t)),
+          static_cast<float>(grad_scale)};
+}
+
 void AdamW::step(double lr, double grad_scale) {
   ++step_;
-  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step_));
-  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(step_));
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i].second;
     const Tensor g = p.grad();
     if (!g.defined()) continue;
     const Tensor gc = g.contiguous();
-    const cpu::AdamWStep s{static_cast<float>(lr),
-                           static_cast<float>(cfg_.beta1),
-                           static_cast<float>(cfg_.beta2),
-                           static_cast<float>(cfg_.eps),
-                           static_cast<float>(p.dim() >= 2 ? cfg_.weight_decay : 0.0),
-                           static_cast<float>(bc1),
-                           static_cast<float>(bc2),
-                           static_cast<float>(grad_scale)};
     cpu::adamw_update(p.data<float>(), gc.data<float>(), m_[i].second.data<float>(),
-                      v_[i].second.data<float>(), p.numel(), s);
+                      v_[i].second.data<float>(), p.numel(),
+                      adamw_step(cfg_, step_, lr, grad_scale, p.dim()));
   }
 }
 

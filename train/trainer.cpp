@@ -89,6 +89,16 @@ std::string attr_str(const AttrValue& v) {
 bool informational(const std::string& key) { return key == "corpus"; }
 }  // namespace
 
+void ensure_writable_dir(const fs::path& dir, const std::string& who) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const fs::path probe = dir / ".kvlab-write-test";
+  std::ofstream f(probe);
+  KVLAB_CHECK(!ec && f.good(), who, ": output folder ", dir.string(), " is not writable");
+  f.close();
+  fs::remove(probe, ec);
+}
+
 std::vector<std::string> config_differences(const Attrs& a, const Attrs& b) {
   std::vector<std::string> diffs;
   for (const auto& [k, v] : a) {
@@ -134,15 +144,7 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
         " data-parallel ranks were started with different settings "
         "or corpora; start every rank with the same flags");
   }
-  if (!cfg_.out_dir.empty() && rank == 0) {
-    std::error_code ec;
-    fs::create_directories(cfg_.out_dir, ec);
-    const fs::path probe_file = fs::path(cfg_.out_dir) / ".kvlab-write-test";
-    std::ofstream f(probe_file);
-    KVLAB_CHECK(!ec && f.good(), "train: output folder ", cfg_.out_dir, " is not writable");
-    f.close();
-    fs::remove(probe_file, ec);
-  }
+  if (!cfg_.out_dir.empty() && rank == 0) ensure_writable_dir(cfg_.out_dir, "train");
   model_ = std::make_unique<GPT>(cfg_.model, cfg_.seed);
   if (rank != 0) model_->dropout_generator().reseed(dropout_seed(cfg_.seed, rank));
   const AdamWConfig adamw{cfg_.beta1, cfg_.beta2, 1e-8, cfg_.weight_decay};

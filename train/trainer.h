@@ -78,6 +78,9 @@ struct StepRecord {
 uint64_t sampler_seed(uint64_t seed, int rank);
 uint64_t dropout_seed(uint64_t seed, int rank);
 
+// Creates `dir` if needed and checks a file can be written in it; the error names `who`.
+void ensure_writable_dir(const std::filesystem::path& dir, const std::string& who);
+
 // Keys whose values differ between two /config attribute sets ("n_kv_head: 4 vs 2").
 std::vector<std::string> config_differences(const Attrs& a, const Attrs& b);
 

@@ -50,25 +50,15 @@ void ShardedAdamW::for_range(int64_t begin, int64_t end, F&& fn) const {
 
 double ShardedAdamW::step(double lr, double grad_scale) {
   ++step_;
-  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(step_));
-  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(step_));
   const int64_t s0 = shard_begin();
   for_range(s0, shard_end(), [&](size_t i, int64_t off, int64_t pos, int64_t n) {
     Tensor& p = params_[i].second;
     const Tensor g = p.grad();
     if (!g.defined()) return;
     const Tensor gc = g.contiguous();
-    const cpu::AdamWStep s{static_cast<float>(lr),
-                           static_cast<float>(cfg_.beta1),
-                           static_cast<float>(cfg_.beta2),
-                           static_cast<float>(cfg_.eps),
-                           static_cast<float>(p.dim() >= 2 ? cfg_.weight_decay : 0.0),
-                           static_cast<float>(bc1),
-                           static_cast<float>(bc2),
-                           static_cast<float>(grad_scale)};
     const size_t local = static_cast<size_t>(pos - s0);
     cpu::adamw_update(p.data<float>() + off, gc.data<float>() + off, m_.data() + local,
-                      v_.data() + local, n, s);
+                      v_.data() + local, n, adamw_step(cfg_, step_, lr, grad_scale, p.dim()));
   });
   // All-gather the parameters, bucket by bucket: in flat order, rank r's part of a bucket is
   // its shard's overlap with it, so the concatenation in rank order is the bucket itself.

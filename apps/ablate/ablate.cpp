@@ -99,15 +99,7 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
-  {
-    std::error_code ec;
-    fs::create_directories(cfg.out_dir, ec);
-    const fs::path probe = fs::path(cfg.out_dir) / ".kvlab-write-test";
-    std::ofstream f(probe);
-    KVLAB_CHECK(!ec && f.good(), "ablate: output folder ", cfg.out_dir, " is not writable");
-    f.close();
-    fs::remove(probe, ec);
-  }
+  ensure_writable_dir(cfg.out_dir, "ablate");
   // The corpus is read (and its token cache written) once here; every run reuses the cache.
   const Corpus corpus = load_corpus(base.corpus, Tokenizer::parse_kind(base.tokenizer), base.val_fraction);
   check_corpus_fits(corpus, static_cast<int>(base.model.block_size));

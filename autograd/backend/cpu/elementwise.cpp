@@ -135,20 +135,11 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
 
 template <class T>
 T sum_all(const T* x, int64_t n) {
-  constexpr int64_t kChunk = 4096;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks));
-  parallel_range(chunks, n, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      double s = 0;
-      const int64_t end = std::min(n, (c + 1) * kChunk);
-      for (int64_t i = c * kChunk; i < end; ++i) s += x[i];
-      partial[c] = s;
-    }
-  });
-  double s = 0;
-  for (double p : partial) s += p;
-  return static_cast<T>(s);
+  return static_cast<T>(ordered_chunk_sum(n, [&](int64_t i0, int64_t i1) {
+    double s = 0;
+    for (int64_t i = i0; i < i1; ++i) s += x[i];
+    return s;
+  }));
 }
 
 // GELU (tanh form): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).

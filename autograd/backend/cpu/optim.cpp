@@ -25,23 +25,13 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
   });
 }
 
-// Fixed 4096-element chunks summed in order: the same result for any thread count.
 double sum_squares(const float* x, int64_t n) {
-  constexpr int64_t kChunk = 4096;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks));
-  parallel_range(chunks, n, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      double s = 0;
-      const int64_t end = std::min(n, (c + 1) * kChunk);
+  return ordered_chunk_sum(n, [&](int64_t i0, int64_t i1) {
+    double s = 0;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = c * kChunk; i < end; ++i) s += static_cast<double>(x[i]) * x[i];
-      partial[static_cast<size_t>(c)] = s;
-    }
+    for (int64_t i = i0; i < i1; ++i) s += static_cast<double>(x[i]) * x[i];
+    return s;
   });
-  double s = 0;
-  for (double p : partial) s += p;
-  return s;
 }
 
 }  // namespace kvlab::cpu

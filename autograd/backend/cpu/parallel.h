@@ -5,7 +5,9 @@
 // small loops run inline, outside any region.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace kvlab::cpu {
 
@@ -26,6 +28,22 @@ inline void parallel_range(int64_t n, int64_t work, F&& body) {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     body(n * t / nt, n * (t + 1) / nt);
   }
+}
+
+// Sum over [0, n) of chunk_sum(begin, end) taken over fixed 4096-element chunks, the chunks
+// in parallel and their partial sums added in order: the same result for any thread count.
+template <class F>
+inline double ordered_chunk_sum(int64_t n, F&& chunk_sum) {
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks));
+  parallel_range(chunks, n, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      partial[static_cast<size_t>(c)] = chunk_sum(c * kChunk, std::min(n, (c + 1) * kChunk));
+  });
+  double s = 0;
+  for (double p : partial) s += p;
+  return s;
 }
 
 }  // namespace kvlab::cpu
