@@ -1,9 +1,13 @@
 // kvlab: train GPTs with MHA/GQA/MQA attention, generate through a KV cache, and compare
 // n_kv_head settings side by side.
 #include <cstdio>
+#include <algorithm>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "apps/cli.h"
+#include "apps/config_file.h"
 #include "autograd/backend/cpu/threads.h"
 
 namespace kvlab {
@@ -30,7 +34,11 @@ int main(int argc, char** argv) {
   kvlab::add_ablate_command(app);
   kvlab::add_inspect_command(app);
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> args(argv, argv + argc);
+    args = kvlab::expand_config_file(args);
+    args.erase(args.begin());
+    std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last-first
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the parse error
     return rc == 0 ? 0 : 2;

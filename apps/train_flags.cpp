@@ -11,7 +11,11 @@ std::string default_corpus() { return KVLAB_DEFAULT_CORPUS; }
 void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   TrainConfig& c = f.cfg;
   c.corpus = default_corpus();
-  cmd->set_config("--config", "", "Read flags from a TOML/INI file with the same keys");
+  // Expanded into flags before parsing (apps/config_file.h); declared here for --help.
+  static std::string config_file;
+  cmd->add_option("--config", config_file,
+                  "Read flags from a file of 'key = value' lines (the same keys; command-line "
+                  "flags win)");
   cmd->add_option("--corpus", c.corpus, "UTF-8 text file to train on (90/10 train/val split)")
       ->capture_default_str();
   cmd->add_option("--tokenizer", c.tokenizer, "char (code points of the corpus) or byte")

@@ -13,7 +13,7 @@ struct TrainFlags {
 };
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
-// plus --config FILE (TOML/INI with the same keys).
+// plus --config FILE (expanded before parsing: apps/config_file.h).
 void add_train_flags(CLI::App* cmd, TrainFlags& flags, bool with_n_kv_head);
 // Turns parsed flags into a TrainConfig; bad values are UsageErrors naming the flag.
 TrainConfig finish_train_flags(const TrainFlags& flags);

@@ -39,6 +39,12 @@ check "inspect" 0 "blocks.0.attn.k_proj.weight" -- "$KVLAB" inspect "$work/run/f
 check "generate" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord" --max-new 8
 check "generate --json" 0 "\"ttft_ms\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
 
+printf '# same keys as the flags\n[train]\ncorpus = "%s"\nn_layer = 1\nn-head = 4\nn-kv-head = 1\nn-embd = 8\nblock-size = 16\nbatch-size = 4\niters = 6\neval-interval = 3\neval-iters = 2\n' "$work/corpus.txt" > "$work/run.toml"
+check "train --config" 0 "finished at step 6" -- "$KVLAB" train --config "$work/run.toml" --out "$work/cfg"
+check "config values reach the model" 0 "n_embd         8" -- "$KVLAB" inspect "$work/cfg/final.h5"
+check "command line wins over --config" 0 "finished at step 4" -- "$KVLAB" train --config "$work/run.toml" --iters 4 --out "$work/cfg2"
+check "unreadable --config" 2 "cannot read" -- "$KVLAB" train --config "$work/none.toml"
+
 check "n_kv_head not dividing n_head" 2 "not divisible by n_kv_head" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 3 --out "$work/x"
 check "missing corpus" 2 "no such file" -- "$KVLAB" train --corpus "$work/nope.txt" --out "$work/x"
 check "empty corpus" 1 "empty" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/empty.txt" --out "$work/x2"

@@ -1,0 +1,96 @@
+#include "apps/config_file.h"
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+
+#include "apps/cli.h"
+
+namespace kvlab {
+
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r") - b + 1);
+}
+
+std::string unquote(std::string v) {
+  if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front())
+    return v.substr(1, v.size() - 2);
+  if (v.size() >= 2 && v.front() == '[' && v.back() == ']') {  // a list: "8, 4" -> "8,4"
+    std::string out;
+    for (char c : v.substr(1, v.size() - 2))
+      if (c != ' ' && c != '"' && c != '\'') out += c;
+    return out;
+  }
+  return v;
+}
+
+}  // namespace
+
+std::vector<std::string> expand_config_file(const std::vector<std::string>& args) {
+  // args[0] is the program, args[1] the subcommand (when it is not a flag).
+  size_t at = 0;
+  std::string file;
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--config") {
+      KVLAB_USAGE_CHECK(i + 1 < args.size(), "--config needs a file name");
+      file = args[i + 1];
+      at = i;
+      break;
+    }
+    if (args[i].rfind("--config=", 0) == 0) {
+      file = args[i].substr(9);
+      at = i;
+      break;
+    }
+  }
+  if (file.empty()) return args;
+  const bool two = args[at] == "--config";
+  const std::string sub = args.size() > 1 && args[1].rfind("-", 0) != 0 ? args[1] : "";
+  std::set<std::string> given;  // flags on the command line win over the file
+  for (const auto& a : args)
+    if (a.rfind("--", 0) == 0) given.insert(a.substr(0, a.find('=')));
+  std::ifstream in(file);
+  KVLAB_USAGE_CHECK(in.good(), "--config ", file, ": cannot read the file");
+  std::vector<std::string> from_file;
+  std::string line, section;
+  for (int n = 1; std::getline(in, line); ++n) {
+    line = trim(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    if (line.front() == '[') {
+      KVLAB_USAGE_CHECK(line.back() == ']', "--config ", file, ":", n, ": malformed section '", line, "'");
+      section = trim(line.substr(1, line.size() - 2));
+      continue;
+    }
+    if (!section.empty() && section != sub) continue;
+    const auto eq = line.find('=');
+    KVLAB_USAGE_CHECK(eq != std::string::npos, "--config ", file, ":", n,
+                      ": expected 'key = value', got '", line, "'");
+    std::string key = trim(line.substr(0, eq));
+    std::replace(key.begin(), key.end(), '_', '-');
+    const std::string value = unquote(trim(line.substr(eq + 1)));
+    const std::string flag = "--" + key;
+    if (given.count(flag)) continue;
+    if (value == "true") {
+      from_file.push_back(flag);
+    } else if (value != "false") {
+      from_file.push_back(flag);
+      from_file.push_back(value);
+    }
+  }
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (i == at) {
+      if (two) ++i;
+      continue;
+    }
+    out.push_back(args[i]);
+    if (i == (sub.empty() ? 0 : 1)) out.insert(out.end(), from_file.begin(), from_file.end());
+  }
+  return out;
+}
+
+}  // namespace kvlab
