@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   kvlab::set_command_line(argc, argv);
   CLI::App app{"kvlab: train small GPTs with MHA, GQA or MQA attention and measure what sharing "
                "key/value heads costs and buys"};
+  app.name("kvlab");
   app.require_subcommand(1);
   app.set_version_flag("--version", "kvlab " KVLAB_VERSION);
   kvlab::add_train_command(app);
