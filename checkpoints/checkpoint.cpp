@@ -14,6 +14,17 @@
 namespace kvlab {
 namespace {
 
+// HDF5 iteration callback (links or attributes) appending each name to a vector of strings.
+template <class Info>
+herr_t append_name(hid_t, const char* name, const Info*, void* out) noexcept {
+  try {
+    static_cast<std::vector<std::string>*>(out)->emplace_back(name);
+    return 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
 namespace fs = std::filesystem;
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -365,14 +376,7 @@ class Loader {
     std::vector<std::string> names;
     H5_CHECK(H5Literate(
                  group, index, H5_ITER_INC, nullptr,
-                 [](hid_t, const char* name, const H5L_info_t*, void* out) -> herr_t {
-                   try {
-                     static_cast<std::vector<std::string>*>(out)->emplace_back(name);
-                     return 0;
-                   } catch (...) {
-                     return -1;
-                   }
-                 },
+                 append_name<H5L_info_t>,
                  &names),
              pre_, "listing ", path);
     return names;
@@ -480,14 +484,7 @@ class Loader {
     std::vector<std::string> names;
     H5_CHECK(H5Aiterate2(
                  loc, H5_INDEX_NAME, H5_ITER_INC, nullptr,
-                 [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-                   try {
-                     static_cast<std::vector<std::string>*>(out)->emplace_back(name);
-                     return 0;
-                   } catch (...) {
-                     return -1;
-                   }
-                 },
+                 append_name<H5A_info_t>,
                  &names),
              pre_, "listing attributes of ", group);
     Attrs attrs;
