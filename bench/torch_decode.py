@@ -21,95 +21,9 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-
-class KVCache:
-    def __init__(self, n_layer, batch, nkv, s_max, hs):
-        self.k = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
-        self.v = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
-        self.len = 0  # number of valid positions
-
-
-class Attention(nn.Module):
-    def __init__(self, c, nh, nkv):
-        super().__init__()
-        assert c % nh == 0 and nh % nkv == 0
-        self.nh, self.nkv, self.hs = nh, nkv, c // nh
-        self.q_proj = nn.Linear(c, c)
-        self.k_proj = nn.Linear(c, nkv * self.hs)
-        self.v_proj = nn.Linear(c, nkv * self.hs)
-        self.c_proj = nn.Linear(c, c)
-
-    def forward(self, x, kc, vc, start):
-        """x: (B, T, C) new positions start..start+T-1; kc/vc: (B, NKV, S_max, HS)."""
-        B, T, C = x.shape
-        g = self.nh // self.nkv
-        q = self.q_proj(x).view(B, T, self.nkv, g, self.hs).permute(0, 2, 3, 1, 4)
-        kc[:, :, start:start + T] = self.k_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
-        vc[:, :, start:start + T] = self.v_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
-        S = start + T
-        # Fold the g query heads that share a KV head into the row dimension, so one
-        # (g*T, HS) x (HS, S) matmul per KV head reads the un-repeated cache directly.
-        q = q.reshape(B, self.nkv, g * T, self.hs)
-        att = (q @ kc[:, :, :S].transpose(-2, -1)) * (1.0 / math.sqrt(self.hs))
-        if T > 1:  # query t (absolute start+t) sees keys 0..start+t
-            mask = torch.ones(T, S, dtype=torch.bool).triu(start + 1)
-            att = att.view(B, self.nkv, g, T, S).masked_fill(mask, float("-inf"))
-            att = att.view(B, self.nkv, g * T, S)
-        y = torch.softmax(att, dim=-1) @ vc[:, :, :S]  # (B, NKV, g*T, HS)
-        y = y.view(B, self.nkv, g, T, self.hs)  # query head h = kv * g + j
-        return self.c_proj(y.permute(0, 3, 1, 2, 4).reshape(B, T, C))
-
-
-class Block(nn.Module):
-    def __init__(self, c, nh, nkv, hidden):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(c, eps=1e-5)
-        self.attn = Attention(c, nh, nkv)
-        self.ln_2 = nn.LayerNorm(c, eps=1e-5)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(c, hidden)
-        self.mlp.c_proj = nn.Linear(hidden, c)
-
-    def forward(self, x, kc, vc, start):
-        x = x + self.attn(self.ln_1(x), kc, vc, start)
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden):
-        super().__init__()
-        self.cfg = (n_layer, nkv, block_size, c // nh)
-        self.wte = nn.Embedding(vocab, c)
-        self.wpe = nn.Embedding(block_size, c)
-        self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(c, eps=1e-5)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("ln_f"):
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            else:
-                nn.init.zeros_(p)
-
-    def new_cache(self, batch):
-        n_layer, nkv, s_max, hs = self.cfg
-        return KVCache(n_layer, batch, nkv, s_max, hs)
-
-    def forward(self, idx, cache, last_only=True):
-        B, T = idx.shape
-        start = cache.len
-        x = self.wte(idx) + self.wpe.weight[start:start + T]
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cache.k[i], cache.v[i], start)
-        cache.len = start + T
-        if last_only:
-            x = x[:, -1:]
-        return self.ln_f(x) @ self.wte.weight.t()  # tied head
+from torch_gpt import GPT  # noqa: E402  (bench/torch_gpt.py)
 
 
 @torch.no_grad()
@@ -117,12 +31,12 @@ def generate(model, prompt, n_new):
     """Returns (tokens, prefill_s, decode_s, last_logits)."""
     cache = model.new_cache(prompt.shape[0])
     t0 = time.perf_counter()
-    logits = model(prompt, cache)
+    logits = model.logits(prompt, cache, last_only=True)
     nxt = logits[:, -1].argmax(-1, keepdim=True)
     t1 = time.perf_counter()
     out = [nxt]
     for _ in range(n_new - 1):  # the first new token came from the prefill
-        logits = model(nxt, cache)
+        logits = model.logits(nxt, cache, last_only=True)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         out.append(nxt)
     t2 = time.perf_counter()

@@ -16,77 +16,8 @@ import platform  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-
-class Attention(nn.Module):
-    def __init__(self, c, nh, nkv):
-        super().__init__()
-        assert c % nh == 0 and nh % nkv == 0
-        self.nh, self.nkv, self.hs = nh, nkv, c // nh
-        self.q_proj = nn.Linear(c, c)
-        self.k_proj = nn.Linear(c, nkv * self.hs)
-        self.v_proj = nn.Linear(c, nkv * self.hs)
-        self.c_proj = nn.Linear(c, c)
-
-    def forward(self, x, mask):
-        B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hs).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
-        rep = self.nh // self.nkv
-        if rep > 1:  # query head h uses KV head h // rep
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.hs))
-        att = torch.softmax(att.masked_fill(mask[:T, :T], float("-inf")), dim=-1)
-        return self.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
-
-
-class Block(nn.Module):
-    def __init__(self, c, nh, nkv, hidden):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(c, eps=1e-5)
-        self.attn = Attention(c, nh, nkv)
-        self.ln_2 = nn.LayerNorm(c, eps=1e-5)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(c, hidden)
-        self.mlp.c_proj = nn.Linear(hidden, c)
-
-    def forward(self, x, mask):
-        x = x + self.attn(self.ln_1(x), mask)
-        h = F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh")
-        return x + self.mlp.c_proj(h)
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, c)
-        self.wpe = nn.Embedding(block_size, c)
-        self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(c, eps=1e-5)
-        # masked positions (strictly above the diagonal) are True
-        self.register_buffer("mask", torch.ones(block_size, block_size, dtype=torch.bool)
-                             .triu(1), persistent=False)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("ln_f"):
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            else:
-                nn.init.zeros_(p)
-
-    def forward(self, idx, targets):
-        B, T = idx.shape
-        x = self.wte(idx) + self.wpe.weight[:T]
-        for blk in self.blocks:
-            x = blk(x, self.mask)
-        logits = self.ln_f(x) @ self.wte.weight.t()  # tied head
-        return F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
+from torch_gpt import GPT  # noqa: E402  (bench/torch_gpt.py)
 
 
 def main():

@@ -1,0 +1,112 @@
+"""The kvlab GPT in PyTorch (float32), shared by the baselines torch_train.py and
+torch_decode.py. Same parameter names, init and math as kvlab: tied head, biases, tanh GELU,
+query head h reads KV head h // (n_head // n_kv_head). (tests/reference/make_fixtures.py keeps
+its own independent copy on purpose: it is the oracle the C++ tests are judged against.)"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Preallocated per-layer K and V of shape (B, NKV, S_max, HS): KV heads not repeated."""
+
+    def __init__(self, n_layer, batch, nkv, s_max, hs):
+        self.k = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
+        self.v = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
+        self.len = 0  # number of valid positions
+
+
+class Attention(nn.Module):
+    def __init__(self, c, nh, nkv):
+        super().__init__()
+        assert c % nh == 0 and nh % nkv == 0
+        self.nh, self.nkv, self.hs = nh, nkv, c // nh
+        self.q_proj = nn.Linear(c, c)
+        self.k_proj = nn.Linear(c, nkv * self.hs)
+        self.v_proj = nn.Linear(c, nkv * self.hs)
+        self.c_proj = nn.Linear(c, c)
+
+    def forward(self, x, kc=None, vc=None, start=0):
+        """x: (B, T, C) at positions start..start+T-1. With kc/vc (B, NKV, S_max, HS) the new
+        K/V are written there and attention reads the cache; without, it reads them directly."""
+        B, T, C = x.shape
+        g = self.nh // self.nkv
+        q = self.q_proj(x).view(B, T, self.nkv, g, self.hs).permute(0, 2, 3, 1, 4)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
+        S = start + T
+        if kc is not None:
+            kc[:, :, start:S] = k
+            vc[:, :, start:S] = v
+            k, v = kc[:, :, :S], vc[:, :, :S]
+        # Fold the g query heads that share a KV head into the row dimension, so one
+        # (g*T, HS) x (HS, S) matmul per KV head reads the un-repeated K/V.
+        q = q.reshape(B, self.nkv, g * T, self.hs)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.hs))
+        if T > 1:  # query t (absolute start+t) sees keys 0..start+t
+            mask = torch.ones(T, S, dtype=torch.bool).triu(start + 1)
+            att = att.view(B, self.nkv, g, T, S).masked_fill(mask, float("-inf"))
+            att = att.view(B, self.nkv, g * T, S)
+        y = torch.softmax(att, dim=-1) @ v  # (B, NKV, g*T, HS)
+        y = y.view(B, self.nkv, g, T, self.hs)  # query head h = kv * g + j
+        return self.c_proj(y.permute(0, 3, 1, 2, 4).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, c, nh, nkv, hidden):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c, eps=1e-5)
+        self.attn = Attention(c, nh, nkv)
+        self.ln_2 = nn.LayerNorm(c, eps=1e-5)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(c, hidden)
+        self.mlp.c_proj = nn.Linear(hidden, c)
+
+    def forward(self, x, kc=None, vc=None, start=0):
+        x = x + self.attn(self.ln_1(x), kc, vc, start)
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden):
+        super().__init__()
+        self.cfg = (n_layer, nkv, block_size, c // nh)
+        self.wte = nn.Embedding(vocab, c)
+        self.wpe = nn.Embedding(block_size, c)
+        self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(c, eps=1e-5)
+        for name, p in self.named_parameters():  # GPT-2 initialisation, as kvlab
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif ".ln_" in name or name.startswith("ln_f"):
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def new_cache(self, batch):
+        n_layer, nkv, s_max, hs = self.cfg
+        return KVCache(n_layer, batch, nkv, s_max, hs)
+
+    def logits(self, idx, cache=None, last_only=False):
+        B, T = idx.shape
+        start = cache.len if cache is not None else 0
+        x = self.wte(idx) + self.wpe.weight[start:start + T]
+        for i, blk in enumerate(self.blocks):
+            if cache is None:
+                x = blk(x)
+            else:
+                x = blk(x, cache.k[i], cache.v[i], start)
+        if cache is not None:
+            cache.len = start + T
+        if last_only:
+            x = x[:, -1:]
+        return self.ln_f(x) @ self.wte.weight.t()  # tied head
+
+    def forward(self, idx, targets):
+        """Mean cross-entropy of the next-token logits (training)."""
+        B, T = idx.shape
+        return F.cross_entropy(self.logits(idx).view(B * T, -1), targets.view(B * T))
