@@ -58,8 +58,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
   AttentionOptions opts;
   if (ctx.cache != nullptr) {
     auto [kc, vc] = ctx.cache->append(layer, k, v);  // (B, NKV, S, HS)
-    opts.kv_lengths = ctx.cache->lengths();
-    for (auto& len : opts.kv_lengths) len += T;
+    opts.kv_lengths = ctx.kv_lengths;
     k = kc;
     v = vc;
   }
@@ -140,6 +139,7 @@ Tensor GPT::forward(const Tensor& tokens, KVCache* cache, bool last_only) {
   } else {
     KVLAB_CHECK(cache->batch() == B, "gpt: cache holds ", cache->batch(), " rows, tokens have ", B);
     pos = Tensor::empty({B, T}, DType::I32);
+    kv_lengths_.resize(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
       const int64_t len = cache->lengths()[b];
       KVLAB_CHECK(len + T <= cfg_.block_size && len + T <= cache->capacity(), "gpt: row ", b,
@@ -147,7 +147,9 @@ Tensor GPT::forward(const Tensor& tokens, KVCache* cache, bool last_only) {
                   cfg_.block_size, ", cache capacity ", cache->capacity(), ")");
       for (int64_t t = 0; t < T; ++t)
         pos.data<int32_t>()[b * T + t] = static_cast<int32_t>(len + t);
+      kv_lengths_[static_cast<size_t>(b)] = len + T;
     }
+    ctx.kv_lengths = kv_lengths_;
   }
   Tensor x = add(wte.forward(tokens), wpe.forward(pos));  // (B, T, C)
   x = maybe_dropout(x, cfg_.dropout, ctx, static_cast<int>(cfg_.n_layer), 3);

@@ -3,6 +3,7 @@
 // and an MLP, a final LayerNorm and an LM head tied to the token embedding by default.
 // Training calls forward without a cache; inference calls it in a no-grad scope with one.
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct GPTConfig {
 // Per-forward settings shared by every layer.
 struct ForwardContext {
   KVCache* cache = nullptr;
+  std::span<const int64_t> kv_lengths;  // (B) with a cache: each row's length after this step
   uint64_t dropout_seed = 0;  // each dropout site derives its own mask seed from it
   bool dropout_on = false;
 };
@@ -81,6 +83,7 @@ class GPT : public Module {
  private:
   GPTConfig cfg_;
   Generator dropout_gen_;
+  std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
 };
 
 // Parameter count of a config without building it (for --param-matched search).

@@ -23,7 +23,8 @@ Tensor hs_contiguous(const Tensor& t) { return t.stride(3) == 1 ? t : t.contiguo
 
 struct AttentionNode : Node {
   Tensor q, k, v;  // q (B, NH, T, HS); k, v (B, NKV, S, HS)
-  AttentionOptions opts;
+  AttentionOptions opts;             // kv_lengths points into the node's own copy:
+  std::vector<int64_t> kv_lengths;  // (B) or empty
   const char* name() const override { return "causal_attention"; }
   std::vector<Tensor> backward(const Tensor& g_in) override {
     const Tensor g = hs_contiguous(g_in);
@@ -96,7 +97,9 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     node->q = q.detach();
     node->k = k.detach();
     node->v = v.detach();
+    node->kv_lengths.assign(opts.kv_lengths.begin(), opts.kv_lengths.end());
     node->opts = opts;
+    node->opts.kv_lengths = node->kv_lengths;
     record(out, node, {&q_in, &k_in, &v_in});
   }
   return out;

@@ -2,6 +2,7 @@
 // Differentiable ops. Each records a node (graph.h) when an input requires grad and grad mode
 // is on; forward and backward of an op family sit side by side in one file of this folder.
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "autograd/tensor.h"
@@ -56,8 +57,9 @@ struct AttentionOptions {
   double dropout = 0.0;  // on the attention probabilities
   uint64_t seed = 0;     // dropout mask seed
   // Valid key count per batch row (each <= S, >= T); empty means S for every row. Rows of a
-  // batched decode step have different cache lengths.
-  std::vector<int64_t> kv_lengths;
+  // batched decode step have different cache lengths. Read during the call only (a recorded
+  // node keeps its own copy), so a decode step can pass a buffer it reuses.
+  std::span<const int64_t> kv_lengths;
 };
 // Causal attention with grouped K/V heads: q (B, NH, T, HS), k and v (B, NKV, S, HS),
 // NH % NKV == 0; query head h reads KV head h / (NH / NKV), never a repeated copy. The mask is

@@ -474,19 +474,20 @@ TEST(Attention, BadInputsThrow) {
       },
       {"causal_attention", "NKV"}));
   AttentionOptions o;
-  o.kv_lengths = {3};
+  const std::vector<int64_t> one_row = {3}, too_short = {3, 1}, too_long = {4, 3};
+  o.kv_lengths = one_row;
   EXPECT_TRUE(throws_with(
       [&] {
         causal_attention(z({2, 2, 2, 8}), z({2, 2, 3, 8}), z({2, 2, 3, 8}), o);
       },
       {"causal_attention", "kv_lengths"}));
-  o.kv_lengths = {3, 1};  // below T = 2
+  o.kv_lengths = too_short;  // below T = 2
   EXPECT_TRUE(throws_with(
       [&] {
         causal_attention(z({2, 2, 2, 8}), z({2, 2, 3, 8}), z({2, 2, 3, 8}), o);
       },
       {"causal_attention", "kv_lengths[1] = 1"}));
-  o.kv_lengths = {4, 3};  // above S = 3
+  o.kv_lengths = too_long;  // above S = 3
   EXPECT_TRUE(throws_with(
       [&] {
         causal_attention(z({2, 2, 2, 8}), z({2, 2, 3, 8}), z({2, 2, 3, 8}), o);
