@@ -1,5 +1,6 @@
 #include <cstring>
 
+#include "autograd/backend/cpu/index.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
 #include "autograd/error.h"
@@ -67,13 +68,8 @@ void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const v
   const int64_t rows = n / inner;
   parallel_range(rows, n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      int64_t rem = r, doff = 0, soff = 0;
-      for (int d = nd - 2; d >= 0; --d) {
-        const int64_t i = rem % sizes[d];
-        rem /= sizes[d];
-        doff += i * dst_strides[d];
-        soff += i * src_strides[d];
-      }
+      const int64_t doff = row_offset(r, sizes, dst_strides);
+      const int64_t soff = row_offset(r, sizes, src_strides);
       if (dst_type == DType::F32 && src_type == DType::F32) {
         float* o = static_cast<float*>(dst) + doff;
         const float* s = static_cast<const float*>(src) + soff;

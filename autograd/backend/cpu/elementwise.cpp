@@ -1,5 +1,6 @@
 #include <cmath>
 
+#include "autograd/backend/cpu/index.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
@@ -60,13 +61,7 @@ void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, cons
   }
   parallel_range(rows, n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      int64_t rem = r, ao = 0, bo = 0;
-      for (int d = nd - 2; d >= 0; --d) {
-        const int64_t i = rem % sizes[d];
-        rem /= sizes[d];
-        ao += i * as[d];
-        bo += i * bs[d];
-      }
+      const int64_t ao = row_offset(r, sizes, as), bo = row_offset(r, sizes, bs);
       T* o = out + r * inner;
       for (int64_t j = 0; j < inner; ++j) o[j] = apply(op, a[ao + j * a_is], b[bo + j * b_is]);
     }
