@@ -20,6 +20,7 @@
 #include "checkpoints/checkpoint.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
+#include "tests/train/train_test_util.h"
 #include "train/comm.h"
 #include "train/trainer.h"
 
@@ -32,33 +33,15 @@ std::shared_ptr<Communicator> g_comm;
 fs::path g_dir;  // shared by the ranks (same machine)
 
 TrainConfig tiny_config(const std::string& out, double dropout = 0.0) {
-  TrainConfig c;
-  c.corpus = (g_dir / "corpus.txt").string();
-  c.model.n_layer = 2;
-  c.model.n_head = 4;
-  c.model.n_kv_head = 2;
-  c.model.n_embd = 32;
-  c.model.block_size = 16;
-  c.model.dropout = dropout;
+  TrainConfig c = kvlab::testing::tiny_config(g_dir, out, dropout);
   c.batch_size = 3;  // per rank
   c.iters = 8;
   c.warmup = 2;
-  c.lr = 3e-3;
   c.grad_clip = 0.5;  // clipping is active in these runs
-  c.eval_interval = 4;
-  c.eval_iters = 3;
-  c.out_dir = out.empty() ? "" : (g_dir / out).string();
   return c;
 }
 
-std::vector<StepRecord> run_all(Trainer& t, int64_t stop_after = -1) {
-  std::vector<StepRecord> recs;
-  t.run([&](const StepRecord& r) {
-    recs.push_back(r);
-    return stop_after < 0 || r.step < stop_after;
-  });
-  return recs;
-}
+using kvlab::testing::run_all;
 
 std::vector<std::vector<float>> weights(GPT& model) {
   std::vector<std::vector<float>> w;
@@ -310,9 +293,7 @@ int main(int argc, char** argv) {
     std::snprintf(name, sizeof name, "%s", d.c_str());
     fs::remove_all(d);
     fs::create_directories(d);
-    std::ofstream f(d / "corpus.txt");
-    for (int i = 0; i < 400; ++i)
-      f << "the quick brown fox " << (i % 7) << " jumps over the lazy dog.\n";
+    kvlab::testing::write_tiny_corpus(d);
   }
   g_comm->broadcast(std::as_writable_bytes(std::span<char>(name, sizeof name)), 0, "test setup");
   g_dir = name;

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "checkpoints/checkpoint.h"
+#include "tests/train/train_test_util.h"
 
 namespace kvlab {
 namespace {
@@ -22,41 +23,18 @@ class TrainerTest : public ::testing::Test {
             "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    std::ofstream f(dir_ / "corpus.txt");
-    for (int i = 0; i < 400; ++i) f << "the quick brown fox " << (i % 7) << " jumps over the lazy dog.\n";
+    testing::write_tiny_corpus(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
 
   TrainConfig config(const std::string& out, double dropout = 0.0) const {
-    TrainConfig c;
-    c.corpus = (dir_ / "corpus.txt").string();
-    c.model.n_layer = 2;
-    c.model.n_head = 4;
-    c.model.n_kv_head = 2;
-    c.model.n_embd = 32;
-    c.model.block_size = 16;
-    c.model.dropout = dropout;
-    c.batch_size = 4;
-    c.iters = 12;
-    c.warmup = 3;
-    c.lr = 3e-3;
-    c.eval_interval = 4;
-    c.eval_iters = 3;
-    c.out_dir = out.empty() ? "" : (dir_ / out).string();
-    return c;
+    return testing::tiny_config(dir_, out, dropout);
   }
 
   fs::path dir_;
 };
 
-std::vector<StepRecord> run_all(Trainer& t, int64_t stop_after = -1) {
-  std::vector<StepRecord> recs;
-  t.run([&](const StepRecord& r) {
-    recs.push_back(r);
-    return stop_after < 0 || r.step < stop_after;
-  });
-  return recs;
-}
+using testing::run_all;
 
 TEST_F(TrainerTest, LossDecreasesAndLogIsWritten) {
   Trainer t(config("run"));
