@@ -69,7 +69,7 @@ void run_backward(const Tensor& root, const Tensor& grad_in, bool keep_graph) {
   if (!grad.defined()) {
     KVLAB_CHECK(root.numel() == 1, "backward: no gradient given for non-scalar output ",
                 root.shape_str(), "; pass one of the same shape");
-    grad = Tensor::full(root.sizes(), 1.0, root.dtype());
+    grad = Tensor::full(root.sizes(), 1.0, root.dtype(), root.device());
   }
   KVLAB_CHECK(grad.sizes() == root.sizes(), "backward: gradient ", grad.shape_str(),
               " does not match output ", root.shape_str());

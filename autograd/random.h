@@ -5,9 +5,16 @@
 #include <cmath>
 #include <cstdint>
 
+// The stateless hash is shared with CUDA kernels, so dropout masks agree across devices.
+#ifdef __CUDACC__
+#define KVLAB_HOST_DEVICE __host__ __device__
+#else
+#define KVLAB_HOST_DEVICE
+#endif
+
 namespace kvlab {
 
-inline uint64_t splitmix64(uint64_t& x) {
+KVLAB_HOST_DEVICE inline uint64_t splitmix64(uint64_t& x) {
   uint64_t z = (x += 0x9E3779B97F4A7C15ull);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -16,7 +23,7 @@ inline uint64_t splitmix64(uint64_t& x) {
 
 // Stateless hash of (seed, counter) to 64 bits: dropout masks are a function of their element
 // index, so backward recomputes them instead of storing them.
-inline uint64_t hash64(uint64_t seed, uint64_t counter) {
+KVLAB_HOST_DEVICE inline uint64_t hash64(uint64_t seed, uint64_t counter) {
   uint64_t x = seed ^ (counter * 0xD1B54A32D192ED03ull);
   return splitmix64(x);
 }

@@ -4,7 +4,7 @@
 #include <iomanip>
 #include <sstream>
 
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/dispatch.h"
 #include "autograd/graph.h"
 
 namespace kvlab {
@@ -60,12 +60,19 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
 
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
-  std::memset(t.raw_data(), 0, static_cast<size_t>(t.numel()) * dtype_size(dtype));
+  const size_t nbytes = static_cast<size_t>(t.numel()) * dtype_size(dtype);
+#ifdef KVLAB_WITH_CUDA
+  if (device == Device::CUDA) {
+    cuda::memset_zero(t.raw_data(), nbytes);
+    return t;
+  }
+#endif
+  std::memset(t.raw_data(), 0, nbytes);
   return t;
 }
 
-Tensor Tensor::full(const Shape& shape, double value, DType dtype) {
-  Tensor t = empty(shape, dtype);
+Tensor Tensor::full(const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
   t.fill(value);
   return t;
 }
@@ -104,16 +111,22 @@ bool Tensor::is_contiguous() const {
 
 void* Tensor::raw_data() const {
   const TensorImpl& t = checked();
-  return static_cast<char*>(t.storage->data()) + t.offset * static_cast<int64_t>(dtype_size(t.dtype));
+  return static_cast<char*>(t.storage->data()) +
+         t.offset * static_cast<int64_t>(dtype_size(t.dtype));
 }
 
 double Tensor::item() const {
   KVLAB_CHECK(numel() == 1, "item: tensor ", shape_str(), " has ", numel(), " elements, not 1");
+  if (device() != Device::CPU) return to(Device::CPU).item();
   switch (dtype()) {
-    case DType::F32: return *data<float>();
-    case DType::F64: return *data<double>();
-    case DType::I32: return *data<int32_t>();
-    case DType::BF16: break;
+    case DType::F32:
+      return *data<float>();
+    case DType::F64:
+      return *data<double>();
+    case DType::I32:
+      return *data<int32_t>();
+    case DType::BF16:
+      break;
   }
   KVLAB_CHECK(false, "item: bf16 tensors are not readable on the CPU");
   return 0;
@@ -124,12 +137,18 @@ Tensor Tensor::as_strided(const Shape& sizes, const Shape& strides, int64_t offs
   KVLAB_ASSERT(sizes.size() == strides.size());
   int64_t lo = offset, hi = offset;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == 0) { hi = lo - 1; break; }
-    if (strides[i] >= 0) hi += (sizes[i] - 1) * strides[i]; else lo += (sizes[i] - 1) * strides[i];
+    if (sizes[i] == 0) {
+      hi = lo - 1;
+      break;
+    }
+    if (strides[i] >= 0)
+      hi += (sizes[i] - 1) * strides[i];
+    else
+      lo += (sizes[i] - 1) * strides[i];
   }
   const int64_t cap = static_cast<int64_t>(t.storage->nbytes() / dtype_size(t.dtype));
-  KVLAB_CHECK(hi < lo || (lo >= 0 && hi < cap), "view: ", kvlab::shape_str(sizes),
-              " at offset ", offset, " exceeds the storage of ", cap, " elements");
+  KVLAB_CHECK(hi < lo || (lo >= 0 && hi < cap), "view: ", kvlab::shape_str(sizes), " at offset ",
+              offset, " exceeds the storage of ", cap, " elements");
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = t.storage;
   impl->sizes = sizes;
@@ -142,10 +161,25 @@ Tensor Tensor::as_strided(const Shape& sizes, const Shape& strides, int64_t offs
 void Tensor::copy_from(const Tensor& src) {
   KVLAB_CHECK(src.sizes() == sizes(), "copy: source ", src.shape_str(), " does not match ",
               shape_str());
-  KVLAB_CHECK(device() == Device::CPU && src.device() == Device::CPU,
-              "copy: only CPU tensors are supported in this build");
-  cpu::strided_copy(raw_data(), dtype(), strides(), src.raw_data(), src.dtype(), src.strides(),
-                    sizes());
+  if (src.device() != device()) {
+    // Across devices: a contiguous block of the source moves as bytes, then the copy (strides,
+    // dtype) completes on this tensor's device.
+    const Tensor packed = src.contiguous();
+    Tensor moved = empty(src.sizes(), src.dtype(), device());
+    const size_t nbytes = static_cast<size_t>(src.numel()) * dtype_size(src.dtype());
+#ifdef KVLAB_WITH_CUDA
+    if (device() == Device::CUDA)
+      cuda::memcpy_to_device(moved.raw_data(), packed.raw_data(), nbytes);
+    else
+      cuda::memcpy_to_host(moved.raw_data(), packed.raw_data(), nbytes);
+#else
+    KVLAB_ASSERT(nbytes == 0, "a non-CPU tensor exists in a CPU-only build");
+#endif
+    copy_from(moved);
+    return;
+  }
+  KVLAB_KERNEL(device(), strided_copy(raw_data(), dtype(), strides(), src.raw_data(), src.dtype(),
+                                      src.strides(), sizes()));
 }
 
 Tensor Tensor::contiguous() const {
@@ -168,17 +202,27 @@ Tensor Tensor::to(DType dt) const {
 
 Tensor Tensor::to(Device d) const {
   if (d == device()) return *this;
-  check_device_available(d);
-  KVLAB_CHECK(false, "to(", device_name(d), "): device copies need the CUDA backend");
-  return *this;
+  Tensor out = empty(sizes(), dtype(), d);
+  out.copy_from(*this);
+  return out;
+}
+
+void Tensor::move_to(Device d) {
+  if (d == device()) return;
+  const Tensor moved = to(d);
+  impl_->storage = moved.storage();
+  impl_->strides = moved.strides();
+  impl_->offset = 0;
+  if (impl_->grad.defined()) impl_->grad = impl_->grad.to(d);
 }
 
 void Tensor::fill(double value) {
-  KVLAB_CHECK(device() == Device::CPU, "fill: only CPU tensors are supported in this build");
   Tensor src = empty({}, DType::F64);
   *src.data<double>() = value;
-  Shape zero(sizes().size(), 0);
-  cpu::strided_copy(raw_data(), dtype(), strides(), src.raw_data(), DType::F64, zero, sizes());
+  const Tensor value_here = src.to(device());
+  const Shape zero(sizes().size(), 0);
+  KVLAB_KERNEL(device(), strided_copy(raw_data(), dtype(), strides(), value_here.raw_data(),
+                                      DType::F64, zero, sizes()));
 }
 
 bool Tensor::requires_grad() const { return checked().requires_grad; }
@@ -218,7 +262,7 @@ std::string Tensor::str(int max_elems) const {
   os << "Tensor(shape=" << shape_str() << ", dtype=" << dtype_name(dtype())
      << ", device=" << device_name(device());
   if (requires_grad()) os << ", requires_grad";
-  if (device() == Device::CPU && dtype() != DType::BF16) {
+  if (dtype() != DType::BF16) {
     std::vector<double> v = to_vector<double>();
     os << ", values=[" << std::setprecision(6);
     for (size_t i = 0; i < v.size() && static_cast<int>(i) < max_elems; ++i)

@@ -42,9 +42,18 @@ class Tensor;
 
 template <class T>
 constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::F32; }
-template <> constexpr DType dtype_of<double>() { return DType::F64; }
-template <> constexpr DType dtype_of<int32_t>() { return DType::I32; }
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::F64;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return DType::I32;
+}
 
 class Tensor {
  public:
@@ -54,7 +63,8 @@ class Tensor {
   // --- creation (contents of empty() are uninitialised) ---
   static Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::CPU);
   static Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::CPU);
-  static Tensor full(const Shape& shape, double value, DType dtype = DType::F32);
+  static Tensor full(const Shape& shape, double value, DType dtype = DType::F32,
+                     Device device = Device::CPU);
   template <class T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
   static Tensor scalar(double value, DType dtype = DType::F32) { return full({}, value, dtype); }
@@ -63,7 +73,7 @@ class Tensor {
   bool defined() const { return impl_ != nullptr; }
   const Shape& sizes() const;
   const Shape& strides() const;
-  int64_t size(int dim) const;    // negative dims count from the end
+  int64_t size(int dim) const;  // negative dims count from the end
   int64_t stride(int dim) const;
   int dim() const { return static_cast<int>(sizes().size()); }
   int64_t numel() const;
@@ -74,22 +84,25 @@ class Tensor {
   std::string shape_str() const { return kvlab::shape_str(sizes()); }
   const std::shared_ptr<Storage>& storage() const;
 
-  // --- data access (CPU tensors) ---
+  // --- data access ---
   template <class T>
-  T* data() const;  // pointer to element 0 of this view; checks dtype
+  T* data() const;  // pointer to element 0 of this view, in the memory of its device; checks dtype
   void* raw_data() const;
   template <class T>
-  std::vector<T> to_vector() const;  // contiguous copy in logical order
-  double item() const;               // value of a one-element tensor, as double
+  std::vector<T> to_vector() const;  // contiguous host copy in logical order
+  double item() const;               // value of a one-element tensor, as double (any device)
 
   // --- copies and views (no graph: differentiable versions live in ops/) ---
   Tensor contiguous() const;  // self if already contiguous
   Tensor clone() const;       // always a fresh contiguous copy
   Tensor to(DType dtype) const;
-  Tensor to(Device device) const;
+  Tensor to(Device device) const;  // self when already there
+  // Moves this tensor's data to `device` in place (a contiguous copy): every handle sharing
+  // this tensor sees the moved data. For parameters; views of the old storage keep it.
+  void move_to(Device device);
   // View with new metadata over the same storage (no check beyond bounds).
   Tensor as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const;
-  void copy_from(const Tensor& src);  // same shape; any strides; dtype converted
+  void copy_from(const Tensor& src);  // same shape; any strides and devices; dtype converted
   void fill(double value);
 
   // --- autograd ---
@@ -97,7 +110,7 @@ class Tensor {
   Tensor& set_requires_grad(bool on = true);
   Tensor grad() const;  // undefined until a backward reaches this leaf
   void set_grad(const Tensor& g);
-  void zero_grad();     // drops the gradient (the next backward writes a fresh one)
+  void zero_grad();       // drops the gradient (the next backward writes a fresh one)
   Tensor detach() const;  // same storage, no history
   const std::shared_ptr<Node>& grad_fn() const;
   void set_grad_fn(std::shared_ptr<Node> fn);
@@ -133,9 +146,12 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 template <class F>
 decltype(auto) dispatch_float(DType dtype, const char* op, F&& f) {
   switch (dtype) {
-    case DType::F32: return f(float{});
-    case DType::F64: return f(double{});
-    default: break;
+    case DType::F32:
+      return f(float{});
+    case DType::F64:
+      return f(double{});
+    default:
+      break;
   }
   KVLAB_CHECK(false, op, ": dtype ", dtype_name(dtype), " is not supported (f32 or f64 expected)");
   return f(float{});  // unreachable
@@ -152,8 +168,8 @@ T* Tensor::data() const {
 
 template <class T>
 Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
-  KVLAB_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape), "from_vector: ",
-              values.size(), " values for shape ", kvlab::shape_str(shape));
+  KVLAB_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape),
+              "from_vector: ", values.size(), " values for shape ", kvlab::shape_str(shape));
   Tensor t = empty(shape, dtype_of<T>());
   std::copy(values.begin(), values.end(), t.data<T>());
   return t;

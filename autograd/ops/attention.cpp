@@ -1,6 +1,5 @@
 #include <cmath>
 
-#include "autograd/backend/cpu/kernels.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -10,38 +9,47 @@ using namespace ops_detail;
 
 namespace {
 
-cpu::HeadView head_view(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+HeadView head_view(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // A (B, H, L, HS) tensor stored as a contiguous (B, L, H, HS) buffer: the layout the model's
 // projections produce and consume, so neither side needs a transposing copy.
-Tensor empty_heads_last(int64_t B, int64_t H, int64_t L, int64_t HS, DType dtype) {
-  Tensor buf = Tensor::empty({B, L, H, HS}, dtype);
+Tensor empty_heads_last(int64_t B, int64_t H, int64_t L, int64_t HS, DType dtype, Device dev) {
+  Tensor buf = Tensor::empty({B, L, H, HS}, dtype, dev);
   return buf.as_strided({B, H, L, HS}, {L * H * HS, HS, H * HS, 1}, 0);
 }
 
 Tensor hs_contiguous(const Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
 struct AttentionNode : Node {
-  Tensor q, k, v;  // q (B, NH, T, HS); k, v (B, NKV, S, HS)
-  AttentionOptions opts;             // kv_lengths points into the node's own copy:
+  Tensor q, k, v;                   // q (B, NH, T, HS); k, v (B, NKV, S, HS)
+  AttentionOptions opts;            // kv_lengths points into the node's own copy:
   std::vector<int64_t> kv_lengths;  // (B) or empty
   const char* name() const override { return "causal_attention"; }
   std::vector<Tensor> backward(const Tensor& g_in) override {
     const Tensor g = hs_contiguous(g_in);
     const int64_t B = q.size(0), NH = q.size(1), T = q.size(2), HS = q.size(3);
     const int64_t NKV = k.size(1), S = k.size(2);
-    Tensor dq = empty_heads_last(B, NH, T, HS, q.dtype());
-    Tensor dk = empty_heads_last(B, NKV, S, HS, q.dtype());
-    Tensor dv = empty_heads_last(B, NKV, S, HS, q.dtype());
-    const cpu::AttentionShape s{B, NH, NKV, T, S, HS,
-                                opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
-                                1.0 / std::sqrt(static_cast<double>(HS)), opts.dropout, opts.seed};
+    const Device dev = q.device();
+    Tensor dq = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
+    Tensor dk = empty_heads_last(B, NKV, S, HS, q.dtype(), dev);
+    Tensor dv = empty_heads_last(B, NKV, S, HS, q.dtype(), dev);
+    const AttentionShape s{B,
+                           NH,
+                           NKV,
+                           T,
+                           S,
+                           HS,
+                           opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
+                           1.0 / std::sqrt(static_cast<double>(HS)),
+                           opts.dropout,
+                           opts.seed};
     dispatch_float(q.dtype(), "causal_attention", [&](auto tag) {
       using T_ = decltype(tag);
-      cpu::attention_backward<T_>(dq.data<T_>(), head_view(dq), dk.data<T_>(), head_view(dk),
-                                  dv.data<T_>(), head_view(dv), g.data<T_>(), head_view(g),
-                                  q.data<T_>(), head_view(q), k.data<T_>(),
-                                  head_view(k), v.data<T_>(), head_view(v), s);
+      KVLAB_KERNEL(
+          dev, attention_backward<T_>(dq.data<T_>(), head_view(dq), dk.data<T_>(), head_view(dk),
+                                      dv.data<T_>(), head_view(dv), g.data<T_>(), head_view(g),
+                                      q.data<T_>(), head_view(q), k.data<T_>(), head_view(k),
+                                      v.data<T_>(), head_view(v), s));
     });
     return {dq, dk, dv};
   }
@@ -53,11 +61,13 @@ struct AttentionNode : Node {
 Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                         const AttentionOptions& opts) {
   const char* op = "causal_attention";
-  check_cpu(op, q_in);
-  check_cpu(op, k_in);
-  check_cpu(op, v_in);
+  check_defined(op, q_in);
+  check_defined(op, k_in);
+  check_defined(op, v_in);
   check_same_dtype(op, q_in, k_in);
   check_same_dtype(op, q_in, v_in);
+  check_same_device(op, q_in, k_in);
+  check_same_device(op, q_in, v_in);
   // Built only when a check fails (decode calls this op ~100 times per token).
   const auto shapes = [&] {
     return detail::cat("q ", q_in.shape_str(), ", k ", k_in.shape_str(), ", v ", v_in.shape_str());
@@ -73,8 +83,8 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
               " is not divisible by NKV = ", NKV);
   KVLAB_CHECK(T <= S, op, ": ", shapes(), ": T = ", T, " queries but only S = ", S, " keys");
   if (!opts.kv_lengths.empty()) {
-    KVLAB_CHECK(static_cast<int64_t>(opts.kv_lengths.size()) == B, op, ": ",
-                opts.kv_lengths.size(), " kv_lengths for batch ", B);
+    KVLAB_CHECK(static_cast<int64_t>(opts.kv_lengths.size()) == B, op, ": ", opts.kv_lengths.size(),
+                " kv_lengths for batch ", B);
     for (int64_t b = 0; b < B; ++b)
       KVLAB_CHECK(opts.kv_lengths[b] >= T && opts.kv_lengths[b] <= S, op, ": kv_lengths[", b,
                   "] = ", opts.kv_lengths[b], " outside [T, S] = [", T, ", ", S, "]");
@@ -82,15 +92,23 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   KVLAB_CHECK(opts.dropout >= 0 && opts.dropout < 1, op, ": dropout ", opts.dropout,
               " outside [0, 1)");
   const Tensor q = hs_contiguous(q_in), k = hs_contiguous(k_in), v = hs_contiguous(v_in);
-  Tensor out = empty_heads_last(B, NH, T, HS, q.dtype());
-  const cpu::AttentionShape s{B, NH, NKV, T, S, HS,
-                              opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
-                              1.0 / std::sqrt(static_cast<double>(HS)), opts.dropout, opts.seed};
+  const Device dev = q.device();
+  Tensor out = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
+  const AttentionShape s{B,
+                         NH,
+                         NKV,
+                         T,
+                         S,
+                         HS,
+                         opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
+                         1.0 / std::sqrt(static_cast<double>(HS)),
+                         opts.dropout,
+                         opts.seed};
   dispatch_float(q.dtype(), op, [&](auto tag) {
     using T_ = decltype(tag);
-    cpu::attention_forward<T_>(out.data<T_>(), head_view(out), q.data<T_>(),
-                               head_view(q), k.data<T_>(), head_view(k), v.data<T_>(),
-                               head_view(v), s);
+    KVLAB_KERNEL(dev,
+                 attention_forward<T_>(out.data<T_>(), head_view(out), q.data<T_>(), head_view(q),
+                                       k.data<T_>(), head_view(k), v.data<T_>(), head_view(v), s));
   });
   if (needs_grad({&q_in, &k_in, &v_in})) {
     auto node = std::make_shared<AttentionNode>();

@@ -1,15 +1,19 @@
 #pragma once
 // Checks shared by the ops (internal to autograd/ops).
+#include "autograd/backend/dispatch.h"
 #include "autograd/graph.h"
 #include "autograd/tensor.h"
 
 namespace kvlab::ops_detail {
 
-inline void check_cpu(const char* op, const Tensor& t) {
+inline void check_defined(const char* op, const Tensor& t) {
   KVLAB_CHECK(t.defined(), op, ": undefined tensor argument");
-  check_device_available(t.device());
-  KVLAB_CHECK(t.device() == Device::CPU, op, ": ", device_name(t.device()),
-              " tensors are not supported by this build's kernels");
+}
+
+inline void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
+  KVLAB_CHECK(a.device() == b.device(), op, ": tensors on different devices: ", a.shape_str(),
+              " on ", device_name(a.device()), ", ", b.shape_str(), " on ",
+              device_name(b.device()));
 }
 
 inline void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {

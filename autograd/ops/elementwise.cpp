@@ -1,4 +1,3 @@
-#include "autograd/backend/cpu/kernels.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -24,9 +23,9 @@ Shape broadcast_shape(const char* op, const Tensor& a, const Tensor& b) {
   return out;
 }
 
-cpu::Strides broadcast_strides(const Tensor& t, const Shape& out) {
+Strides broadcast_strides(const Tensor& t, const Shape& out) {
   const size_t nd = out.size(), off = nd - t.sizes().size();
-  cpu::Strides s(nd, 0);
+  Strides s(nd, 0);
   for (size_t i = off; i < nd; ++i)
     s[i] = t.sizes()[i - off] == 1 && out[i] != 1 ? 0 : t.strides()[i - off];
   return s;
@@ -34,9 +33,9 @@ cpu::Strides broadcast_strides(const Tensor& t, const Shape& out) {
 
 // Merges adjacent dims that both operands walk contiguously (the output always does), so
 // (B, T, C) + (T, C) runs as a (B, T*C) + (T*C) row loop.
-void coalesce(Shape& sizes, cpu::Strides& as, cpu::Strides& bs) {
+void coalesce(Shape& sizes, Strides& as, Strides& bs) {
   Shape s2;
-  cpu::Strides a2, b2;
+  Strides a2, b2;
   for (size_t d = 0; d < sizes.size(); ++d) {
     if (!s2.empty() && a2.back() == as[d] * sizes[d] && b2.back() == bs[d] * sizes[d]) {
       s2.back() *= sizes[d];
@@ -53,38 +52,40 @@ void coalesce(Shape& sizes, cpu::Strides& as, cpu::Strides& bs) {
   bs = std::move(b2);
 }
 
-Tensor binary_raw(cpu::BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
-  check_cpu(name, a);
-  check_cpu(name, b);
+Tensor binary_raw(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  check_defined(name, a);
+  check_defined(name, b);
   check_same_dtype(name, a, b);
+  check_same_device(name, a, b);
   const Shape out_shape = broadcast_shape(name, a, b);
-  Tensor out = Tensor::empty(out_shape, a.dtype());
+  Tensor out = Tensor::empty(out_shape, a.dtype(), a.device());
   Shape sizes = out_shape;
-  cpu::Strides as = broadcast_strides(a, out_shape), bs = broadcast_strides(b, out_shape);
+  Strides as = broadcast_strides(a, out_shape), bs = broadcast_strides(b, out_shape);
   coalesce(sizes, as, bs);
   dispatch_float(a.dtype(), name, [&](auto tag) {
     using T = decltype(tag);
-    cpu::binary_forward<T>(op, out.data<T>(), sizes, a.data<T>(), as, b.data<T>(), bs);
+    KVLAB_KERNEL(a.device(),
+                 binary_forward<T>(op, out.data<T>(), sizes, a.data<T>(), as, b.data<T>(), bs));
   });
   return out;
 }
 
 struct BinaryNode : Node {
-  cpu::BinaryOp op;
+  BinaryOp op;
   Shape a_shape, b_shape;
   Tensor a, b;  // saved for Mul only
   const char* name() const override {
-    return op == cpu::BinaryOp::Add ? "add" : op == cpu::BinaryOp::Sub ? "sub" : "mul";
+    return op == BinaryOp::Add ? "add" : op == BinaryOp::Sub ? "sub" : "mul";
   }
   std::vector<Tensor> backward(const Tensor& g) override {
     Tensor ga, gb;
     if (inputs[0].defined()) {
-      ga = op == cpu::BinaryOp::Mul ? binary_raw(cpu::BinaryOp::Mul, "mul", g, b) : g;
+      ga = op == BinaryOp::Mul ? binary_raw(BinaryOp::Mul, "mul", g, b) : g;
       ga = sum_to(ga, a_shape);
     }
     if (inputs[1].defined()) {
-      gb = op == cpu::BinaryOp::Mul ? binary_raw(cpu::BinaryOp::Mul, "mul", g, a) : g;
-      if (op == cpu::BinaryOp::Sub) gb = scale(gb, -1.0);
+      gb = op == BinaryOp::Mul ? binary_raw(BinaryOp::Mul, "mul", g, a) : g;
+      if (op == BinaryOp::Sub) gb = scale(gb, -1.0);
       gb = sum_to(gb, b_shape);
     }
     return {ga, gb};
@@ -95,14 +96,14 @@ struct BinaryNode : Node {
   }
 };
 
-Tensor binary(cpu::BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+Tensor binary(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
   Tensor out = binary_raw(op, name, a, b);
   if (needs_grad({&a, &b})) {
     auto node = std::make_shared<BinaryNode>();
     node->op = op;
     node->a_shape = a.sizes();
     node->b_shape = b.sizes();
-    if (op == cpu::BinaryOp::Mul) {
+    if (op == BinaryOp::Mul) {
       node->a = a.detach();
       node->b = b.detach();
     }
@@ -123,10 +124,11 @@ struct GeluNode : Node {
   const char* name() const override { return "gelu"; }
   std::vector<Tensor> backward(const Tensor& g) override {
     Tensor gc = g.contiguous();
-    Tensor dx = Tensor::empty(x.sizes(), x.dtype());
+    Tensor dx = Tensor::empty(x.sizes(), x.dtype(), x.device());
     dispatch_float(x.dtype(), "gelu", [&](auto tag) {
       using T = decltype(tag);
-      cpu::gelu_backward<T>(dx.data<T>(), gc.data<T>(), x.data<T>(), x.numel());
+      KVLAB_KERNEL(x.device(),
+                   gelu_backward<T>(dx.data<T>(), gc.data<T>(), x.data<T>(), x.numel()));
     });
     return {dx};
   }
@@ -139,10 +141,11 @@ struct DropoutNode : Node {
   const char* name() const override { return "dropout"; }
   std::vector<Tensor> backward(const Tensor& g) override {
     Tensor gc = g.contiguous();
-    Tensor dx = Tensor::empty(gc.sizes(), gc.dtype());
+    Tensor dx = Tensor::empty(gc.sizes(), gc.dtype(), gc.device());
     dispatch_float(gc.dtype(), "dropout", [&](auto tag) {
       using T = decltype(tag);
-      cpu::dropout_backward<T>(dx.data<T>(), gc.data<T>(), gc.numel(), p, seed);
+      KVLAB_KERNEL(gc.device(),
+                   dropout_backward<T>(dx.data<T>(), gc.data<T>(), gc.numel(), p, seed));
     });
     return {dx};
   }
@@ -151,17 +154,18 @@ struct DropoutNode : Node {
 
 }  // namespace
 
-Tensor add(const Tensor& a, const Tensor& b) { return binary(cpu::BinaryOp::Add, "add", a, b); }
-Tensor sub(const Tensor& a, const Tensor& b) { return binary(cpu::BinaryOp::Sub, "sub", a, b); }
-Tensor mul(const Tensor& a, const Tensor& b) { return binary(cpu::BinaryOp::Mul, "mul", a, b); }
+Tensor add(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Add, "add", a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Sub, "sub", a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Mul, "mul", a, b); }
 
 Tensor scale(const Tensor& x, double s) {
-  check_cpu("scale", x);
+  check_defined("scale", x);
   Tensor xc = x.contiguous();
-  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  Tensor out = Tensor::empty(x.sizes(), x.dtype(), x.device());
   dispatch_float(x.dtype(), "scale", [&](auto tag) {
     using T = decltype(tag);
-    cpu::scale_forward<T>(out.data<T>(), xc.data<T>(), static_cast<T>(s), x.numel());
+    KVLAB_KERNEL(x.device(),
+                 scale_forward<T>(out.data<T>(), xc.data<T>(), static_cast<T>(s), x.numel()));
   });
   if (needs_grad({&x})) {
     auto node = std::make_shared<ScaleNode>();
@@ -172,12 +176,12 @@ Tensor scale(const Tensor& x, double s) {
 }
 
 Tensor gelu(const Tensor& x) {
-  check_cpu("gelu", x);
+  check_defined("gelu", x);
   Tensor xc = x.contiguous();
-  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  Tensor out = Tensor::empty(x.sizes(), x.dtype(), x.device());
   dispatch_float(x.dtype(), "gelu", [&](auto tag) {
     using T = decltype(tag);
-    cpu::gelu_forward<T>(out.data<T>(), xc.data<T>(), x.numel());
+    KVLAB_KERNEL(x.device(), gelu_forward<T>(out.data<T>(), xc.data<T>(), x.numel()));
   });
   if (needs_grad({&x})) {
     auto node = std::make_shared<GeluNode>();
@@ -190,12 +194,12 @@ Tensor gelu(const Tensor& x) {
 Tensor dropout(const Tensor& x, double p, uint64_t seed) {
   KVLAB_CHECK(p >= 0.0 && p < 1.0, "dropout: p = ", p, " is outside [0, 1)");
   if (p == 0.0) return x;
-  check_cpu("dropout", x);
+  check_defined("dropout", x);
   Tensor xc = x.contiguous();
-  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  Tensor out = Tensor::empty(x.sizes(), x.dtype(), x.device());
   dispatch_float(x.dtype(), "dropout", [&](auto tag) {
     using T = decltype(tag);
-    cpu::dropout_forward<T>(out.data<T>(), xc.data<T>(), x.numel(), p, seed);
+    KVLAB_KERNEL(x.device(), dropout_forward<T>(out.data<T>(), xc.data<T>(), x.numel(), p, seed));
   });
   if (needs_grad({&x})) {
     auto node = std::make_shared<DropoutNode>();

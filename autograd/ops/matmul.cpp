@@ -1,8 +1,3 @@
-#include <algorithm>
-#include <omp.h>
-
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -19,9 +14,10 @@ std::string mm_desc(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 // op(a) @ op(b) without recording. a (..., M, K) or (..., K, M); b (..., K, N), (..., N, K), or
 // a 2-D matrix shared by every leading index of a (then a must not be transposed).
 Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb) {
-  check_cpu("matmul", a_in);
-  check_cpu("matmul", b_in);
+  check_defined("matmul", a_in);
+  check_defined("matmul", b_in);
   check_same_dtype("matmul", a_in, b_in);
+  check_same_device("matmul", a_in, b_in);
   KVLAB_CHECK(a_in.dim() >= 2 && b_in.dim() >= 2, "matmul: ", mm_desc(a_in, b_in, ta, tb),
               ": both operands need at least 2 dims");
   const bool shared_b = b_in.dim() == 2 && a_in.dim() > 2;
@@ -42,7 +38,8 @@ Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb) {
                   ": batch dims differ");
   out_shape.push_back(M);
   out_shape.push_back(N);
-  Tensor out = Tensor::empty(out_shape, a.dtype());
+  const Device dev = a.device();
+  Tensor out = Tensor::empty(out_shape, a.dtype(), dev);
   const int64_t batch = shape_numel(Shape(a.sizes().begin(), a.sizes().end() - 2));
   dispatch_float(a.dtype(), "matmul", [&](auto tag) {
     using T = decltype(tag);
@@ -51,21 +48,11 @@ Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb) {
     T* pc = out.data<T>();
     const int64_t lda = a.size(-1), ldb = b.size(-1);
     if (shared_b) {  // fold the batch into the rows of a
-      cpu::gemm<T>(false, tb, batch * M, N, Ka, T(1), pa, lda, pb, ldb, T(0), pc, N);
+      KVLAB_KERNEL(dev, gemm<T>(false, tb, batch * M, N, Ka, T(1), pa, lda, pb, ldb, T(0), pc, N));
       return;
     }
-    const int64_t sa = M * Ka, sb = Ka * N, sc = M * N;
-    auto one = [&](int64_t i) {
-      cpu::gemm<T>(ta, tb, M, N, Ka, T(1), pa + i * sa, lda, pb + i * sb, ldb, T(0), pc + i * sc, N);
-    };
-    // Small products in parallel with a single-threaded BLAS each; otherwise one by one with
-    // the BLAS's threads (no parallel region around it: see for_each_task in attention.cpp).
-    if (batch >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < batch; ++i) one(i);
-    } else {
-      for (int64_t i = 0; i < batch; ++i) one(i);
-    }
+    KVLAB_KERNEL(dev, gemm_batched<T>(ta, tb, M, N, Ka, T(1), pa, lda, M * Ka, pb, ldb, Ka * N,
+                                      T(0), pc, N, M * N, batch));
   });
   return out;
 }
@@ -85,8 +72,7 @@ struct MatmulNode : Node {
   std::vector<Tensor> backward(const Tensor& g) override {
     Tensor ga, gb;
     const bool shared_b = b.dim() == 2 && a.dim() > 2;
-    if (inputs[0].defined())
-      ga = ta ? matmul_raw(b, g, tb, true) : matmul_raw(g, b, false, !tb);
+    if (inputs[0].defined()) ga = ta ? matmul_raw(b, g, tb, true) : matmul_raw(g, b, false, !tb);
     if (inputs[1].defined()) {
       if (shared_b) {
         const Tensor af = flatten_rows(a), gf = flatten_rows(g);
@@ -110,18 +96,19 @@ struct LinearNode : Node {
   std::vector<Tensor> backward(const Tensor& g) override {
     const Tensor gf = flatten_rows(g);  // (N, out)
     const int64_t N = x.size(0), in = x.size(1), out = w.size(0);
+    const Device dev = x.device();
     Tensor dx, dw, db;
     dispatch_float(x.dtype(), "linear", [&](auto tag) {
       using T = decltype(tag);
       if (inputs[0].defined()) {
-        dx = Tensor::empty(x_shape, x.dtype());  // (N, in) = g (N, out) @ w (out, in)
-        cpu::gemm<T>(false, false, N, in, out, T(1), gf.data<T>(), out, w.data<T>(), in, T(0),
-                     dx.data<T>(), in);
+        dx = Tensor::empty(x_shape, x.dtype(), dev);  // (N, in) = g (N, out) @ w (out, in)
+        KVLAB_KERNEL(dev, gemm<T>(false, false, N, in, out, T(1), gf.data<T>(), out, w.data<T>(),
+                                  in, T(0), dx.data<T>(), in));
       }
       if (inputs[1].defined()) {
-        dw = Tensor::empty(w.sizes(), w.dtype());  // (out, in) = g^T (out, N) @ x (N, in)
-        cpu::gemm<T>(true, false, out, in, N, T(1), gf.data<T>(), out, x.data<T>(), in, T(0),
-                     dw.data<T>(), in);
+        dw = Tensor::empty(w.sizes(), w.dtype(), dev);  // (out, in) = g^T (out, N) @ x (N, in)
+        KVLAB_KERNEL(dev, gemm<T>(true, false, out, in, N, T(1), gf.data<T>(), out, x.data<T>(), in,
+                                  T(0), dw.data<T>(), in));
       }
     });
     if (inputs.size() > 2 && inputs[2].defined()) db = sum_to(gf, {w.size(0)});
@@ -149,13 +136,15 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
-  check_cpu("linear", x);
-  check_cpu("linear", w);
+  check_defined("linear", x);
+  check_defined("linear", w);
   check_same_dtype("linear", x, w);
+  check_same_device("linear", x, w);
   KVLAB_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), "linear: input ",
               x.shape_str(), " does not match weight ", w.shape_str(), " (out, in)");
   if (bias.defined()) {
     check_same_dtype("linear", x, bias);
+    check_same_device("linear", x, bias);
     KVLAB_CHECK(bias.dim() == 1 && bias.size(0) == w.size(0), "linear: bias ", bias.shape_str(),
                 " does not match weight ", w.shape_str());
   }
@@ -163,21 +152,15 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
   const int64_t N = xf.size(0), in = w.size(1), out_f = w.size(0);
   Shape out_shape = x.sizes();
   out_shape.back() = out_f;
-  Tensor out = Tensor::empty(out_shape, x.dtype());
+  const Device dev = x.device();
+  Tensor out = Tensor::empty(out_shape, x.dtype(), dev);
+  if (bias.defined())  // start from the bias in every row, then accumulate the product
+    out.as_strided({N, out_f}, {out_f, 1}, 0)
+        .copy_from(bias.as_strided({N, out_f}, {0, bias.stride(0)}, bias.offset()));
   dispatch_float(x.dtype(), "linear", [&](auto tag) {
     using T = decltype(tag);
-    T* po = out.data<T>();
-    T beta = 0;
-    if (bias.defined()) {  // start from the bias rows, then accumulate the product
-      const Tensor bc = bias.contiguous();
-      const T* pb = bc.data<T>();
-      cpu::parallel_range(N, N * out_f, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) std::copy_n(pb, out_f, po + i * out_f);
-      });
-      beta = 1;
-    }
-    cpu::gemm<T>(false, true, N, out_f, in, T(1), xf.data<T>(), in, wc.data<T>(), in, beta, po,
-                 out_f);
+    KVLAB_KERNEL(dev, gemm<T>(false, true, N, out_f, in, T(1), xf.data<T>(), in, wc.data<T>(), in,
+                              bias.defined() ? T(1) : T(0), out.data<T>(), out_f));
   });
   if (needs_grad({&x, &w, &bias})) {
     auto node = std::make_shared<LinearNode>();

@@ -1,4 +1,3 @@
-#include "autograd/backend/cpu/kernels.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -15,18 +14,18 @@ struct LayerNormNode : Node {
   std::vector<Tensor> backward(const Tensor& g) override {
     const Tensor gc = g.contiguous();
     const int64_t C = w.size(0), N = x.numel() / C;
-    Tensor dx = Tensor::empty(x_shape, x.dtype());
-    Tensor dw = Tensor::empty({C}, x.dtype()), db = Tensor::empty({C}, x.dtype());
+    const Device dev = x.device();
+    Tensor dx = Tensor::empty(x_shape, x.dtype(), dev);
+    Tensor dw = Tensor::empty({C}, x.dtype(), dev), db = Tensor::empty({C}, x.dtype(), dev);
     dispatch_float(x.dtype(), "layer_norm", [&](auto tag) {
       using T = decltype(tag);
-      cpu::layernorm_backward<T>(dx.data<T>(), dw.data<T>(), db.data<T>(), gc.data<T>(),
-                                 x.data<T>(), w.data<T>(), mean.data<T>(), rstd.data<T>(), N, C);
+      KVLAB_KERNEL(dev, layernorm_backward<T>(dx.data<T>(), dw.data<T>(), db.data<T>(),
+                                              gc.data<T>(), x.data<T>(), w.data<T>(),
+                                              mean.data<T>(), rstd.data<T>(), N, C));
     });
     return {dx, dw, db};
   }
-  void release() override {
-    x = w = mean = rstd = Tensor();
-  }
+  void release() override { x = w = mean = rstd = Tensor(); }
 };
 
 struct SoftmaxNode : Node {
@@ -35,10 +34,10 @@ struct SoftmaxNode : Node {
   std::vector<Tensor> backward(const Tensor& g) override {
     const Tensor gc = g.contiguous();
     const int64_t C = y.size(-1), N = C ? y.numel() / C : 0;
-    Tensor dx = Tensor::empty(y.sizes(), y.dtype());
+    Tensor dx = Tensor::empty(y.sizes(), y.dtype(), y.device());
     dispatch_float(y.dtype(), "softmax", [&](auto tag) {
       using T = decltype(tag);
-      cpu::softmax_backward<T>(dx.data<T>(), gc.data<T>(), y.data<T>(), N, C);
+      KVLAB_KERNEL(y.device(), softmax_backward<T>(dx.data<T>(), gc.data<T>(), y.data<T>(), N, C));
     });
     return {dx};
   }
@@ -48,11 +47,13 @@ struct SoftmaxNode : Node {
 }  // namespace
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  check_cpu("layer_norm", x);
-  check_cpu("layer_norm", weight);
-  check_cpu("layer_norm", bias);
+  check_defined("layer_norm", x);
+  check_defined("layer_norm", weight);
+  check_defined("layer_norm", bias);
   check_same_dtype("layer_norm", x, weight);
   check_same_dtype("layer_norm", x, bias);
+  check_same_device("layer_norm", x, weight);
+  check_same_device("layer_norm", x, bias);
   KVLAB_CHECK(x.dim() >= 1 && weight.dim() == 1 && bias.dim() == 1 &&
                   weight.size(0) == x.size(-1) && bias.size(0) == x.size(-1),
               "layer_norm: input ", x.shape_str(), " with weight ", weight.shape_str(),
@@ -60,12 +61,13 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   KVLAB_CHECK(eps > 0, "layer_norm: eps must be positive, got ", eps);
   const Tensor xc = x.contiguous(), wc = weight.contiguous(), bc = bias.contiguous();
   const int64_t C = x.size(-1), N = C ? x.numel() / C : 0;
-  Tensor out = Tensor::empty(x.sizes(), x.dtype());
-  Tensor mean = Tensor::empty({N}, x.dtype()), rstd = Tensor::empty({N}, x.dtype());
+  const Device dev = x.device();
+  Tensor out = Tensor::empty(x.sizes(), x.dtype(), dev);
+  Tensor mean = Tensor::empty({N}, x.dtype(), dev), rstd = Tensor::empty({N}, x.dtype(), dev);
   dispatch_float(x.dtype(), "layer_norm", [&](auto tag) {
     using T = decltype(tag);
-    cpu::layernorm_forward<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(), xc.data<T>(),
-                              wc.data<T>(), bc.data<T>(), N, C, eps);
+    KVLAB_KERNEL(dev, layernorm_forward<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(),
+                                           xc.data<T>(), wc.data<T>(), bc.data<T>(), N, C, eps));
   });
   if (needs_grad({&x, &weight, &bias})) {
     auto node = std::make_shared<LayerNormNode>();
@@ -80,15 +82,15 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 }
 
 Tensor softmax(const Tensor& x) {
-  check_cpu("softmax", x);
+  check_defined("softmax", x);
   KVLAB_CHECK(x.dim() >= 1 && x.size(-1) > 0, "softmax: input ", x.shape_str(),
               " needs a non-empty last dim");
   const Tensor xc = x.contiguous();
   const int64_t C = x.size(-1), N = x.numel() / C;
-  Tensor out = Tensor::empty(x.sizes(), x.dtype());
+  Tensor out = Tensor::empty(x.sizes(), x.dtype(), x.device());
   dispatch_float(x.dtype(), "softmax", [&](auto tag) {
     using T = decltype(tag);
-    cpu::softmax_forward<T>(out.data<T>(), xc.data<T>(), N, C);
+    KVLAB_KERNEL(x.device(), softmax_forward<T>(out.data<T>(), xc.data<T>(), N, C));
   });
   if (needs_grad({&x})) {
     auto node = std::make_shared<SoftmaxNode>();

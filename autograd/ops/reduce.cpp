@@ -1,4 +1,3 @@
-#include "autograd/backend/cpu/kernels.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -12,20 +11,20 @@ struct SumNode : Node {
   double factor;  // 1 for sum, 1/n for mean
   const char* name() const override { return factor == 1.0 ? "sum" : "mean"; }
   std::vector<Tensor> backward(const Tensor& g) override {
-    return {Tensor::full(shape, g.item() * factor, g.dtype())};
+    return {Tensor::full(shape, g.item() * factor, g.dtype(), g.device())};
   }
   void release() override {}
 };
 
 Tensor reduce_all(const char* name, const Tensor& x, bool is_mean) {
-  check_cpu(name, x);
+  check_defined(name, x);
   Tensor xc = x.contiguous();
   const int64_t n = x.numel();
-  Tensor out = Tensor::empty({}, x.dtype());
+  Tensor out = Tensor::empty({}, x.dtype(), x.device());
   dispatch_float(x.dtype(), name, [&](auto tag) {
     using T = decltype(tag);
-    T s = cpu::sum_all<T>(xc.data<T>(), n);
-    *out.data<T>() = is_mean ? s / static_cast<T>(n) : s;
+    const T divisor = is_mean ? static_cast<T>(n) : T(1);
+    KVLAB_KERNEL(x.device(), sum_all<T>(out.data<T>(), xc.data<T>(), n, divisor));
   });
   if (needs_grad({&x})) {
     auto node = std::make_shared<SumNode>();
@@ -46,14 +45,14 @@ Tensor mean(const Tensor& x) {
 
 Tensor sum_to(const Tensor& x, const Shape& shape) {
   if (x.sizes() == shape) return x;
-  check_cpu("sum_to", x);
+  check_defined("sum_to", x);
   KVLAB_CHECK(shape.size() <= x.sizes().size(), "sum_to: cannot reduce ", x.shape_str(), " to ",
               shape_str(shape));
   Tensor xc = x.contiguous();
-  Tensor out = Tensor::empty(shape, x.dtype());
+  Tensor out = Tensor::empty(shape, x.dtype(), x.device());
   dispatch_float(x.dtype(), "sum_to", [&](auto tag) {
     using T = decltype(tag);
-    cpu::sum_to<T>(out.data<T>(), shape, xc.data<T>(), x.sizes());
+    KVLAB_KERNEL(x.device(), sum_to<T>(out.data<T>(), shape, xc.data<T>(), x.sizes()));
   });
   return out;
 }

@@ -27,7 +27,7 @@ struct NarrowNode : Node {
   int64_t start;
   const char* name() const override { return "narrow"; }
   std::vector<Tensor> backward(const Tensor& g) override {
-    Tensor dx = Tensor::zeros(in_shape, g.dtype());
+    Tensor dx = Tensor::zeros(in_shape, g.dtype(), g.device());
     narrow(dx, dim, start, g.size(dim)).copy_from(g);
     return {dx};
   }
@@ -66,8 +66,8 @@ Tensor reshape(const Tensor& x, const Shape& shape_in) {
     }
   }
   if (infer >= 0) {
-    KVLAB_CHECK(known > 0 && x.numel() % known == 0, "reshape: cannot view ", x.shape_str(),
-                " as ", shape_str(shape_in));
+    KVLAB_CHECK(known > 0 && x.numel() % known == 0, "reshape: cannot view ", x.shape_str(), " as ",
+                shape_str(shape_in));
     shape[infer] = x.numel() / known;
   }
   KVLAB_CHECK(shape_numel(shape) == x.numel(), "reshape: ", x.shape_str(), " (", x.numel(),
@@ -121,6 +121,7 @@ Tensor concat(const std::vector<Tensor>& xs, int dim) {
   int64_t total = 0;
   for (const Tensor& t : xs) {
     check_same_dtype("concat", xs[0], t);
+    check_same_device("concat", xs[0], t);
     bool ok = t.dim() == xs[0].dim();
     for (int i = 0; ok && i < t.dim(); ++i) ok = i == d || t.size(i) == shape[i];
     KVLAB_CHECK(ok, "concat: ", t.shape_str(), " does not match ", xs[0].shape_str(),
@@ -128,7 +129,7 @@ Tensor concat(const std::vector<Tensor>& xs, int dim) {
     total += t.size(d);
   }
   shape[d] = total;
-  Tensor out = Tensor::empty(shape, xs[0].dtype());
+  Tensor out = Tensor::empty(shape, xs[0].dtype(), xs[0].device());
   int64_t at = 0;
   std::vector<int64_t> lengths;
   for (const Tensor& t : xs) {

@@ -4,6 +4,9 @@
 #include <sstream>
 
 #include "tests/autograd/gradcheck.h"
+#ifdef KVLAB_WITH_CUDA
+#include "autograd/backend/cuda/kernels.h"
+#endif
 
 namespace {
 
@@ -194,6 +197,18 @@ TEST(Tensor, PrintingNamesShapeAndDtype) {
   EXPECT_NE(Tensor().str().find("undefined"), std::string::npos);
   // Long tensors are elided.
   EXPECT_NE(Tensor::zeros({100}).str(4).find("..."), std::string::npos);
+}
+
+TEST(Tensor, CudaWithoutAVisibleGpuIsAClearError) {
+#ifdef KVLAB_WITH_CUDA
+  if (cuda::device_count() > 0) GTEST_SKIP() << "a GPU is visible";
+  EXPECT_TRUE(kvtest::throws_with([] { Tensor::empty({2, 3}, DType::F32, Device::CUDA); },
+                                  {"no CUDA GPU is visible"}));
+  Tensor x = Tensor::zeros({2});
+  EXPECT_TRUE(kvtest::throws_with([&] { x.to(Device::CUDA); }, {"no CUDA GPU is visible"}));
+#else
+  GTEST_SKIP() << "this build has no CUDA backend";
+#endif
 }
 
 TEST(Tensor, CudaDeviceThrowsWithoutCudaBuild) {

@@ -129,12 +129,13 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
 }
 
 template <class T>
-T sum_all(const T* x, int64_t n) {
-  return static_cast<T>(ordered_chunk_sum(n, [&](int64_t i0, int64_t i1) {
-    double s = 0;
-    for (int64_t i = i0; i < i1; ++i) s += x[i];
-    return s;
-  }));
+void sum_all(T* out, const T* x, int64_t n, T divisor) {
+  const double s = ordered_chunk_sum(n, [&](int64_t i0, int64_t i1) {
+    double acc = 0;
+    for (int64_t i = i0; i < i1; ++i) acc += x[i];
+    return acc;
+  });
+  *out = static_cast<T>(s) / divisor;
 }
 
 // GELU (tanh form): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
@@ -201,7 +202,7 @@ void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed) 
   template void add_inplace<T>(T*, const T*, int64_t);                                         \
   template void sum_to<T>(T*, const std::vector<int64_t>&, const T*,                           \
                           const std::vector<int64_t>&);                                        \
-  template T sum_all<T>(const T*, int64_t);                                                    \
+  template void sum_all<T>(T*, const T*, int64_t, T);                                         \
   template void gelu_forward<T>(T*, const T*, int64_t);                                        \
   template void gelu_backward<T>(T*, const T*, const T*, int64_t);                             \
   template void dropout_forward<T>(T*, const T*, int64_t, double, uint64_t);                   \

@@ -1,4 +1,5 @@
 #include <cblas.h>
+#include <omp.h>
 
 #include "autograd/backend/cpu/kernels.h"
 
@@ -39,5 +40,29 @@ void gemm<double>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alph
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M,
               N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
+
+// Small products in parallel with a single-threaded BLAS each; otherwise one by one with the
+// BLAS's threads (no parallel region around it: see for_each_task in attention.cpp).
+template <class T>
+void gemm_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                  int64_t lda, int64_t sa, const T* B, int64_t ldb, int64_t sb, T beta, T* C,
+                  int64_t ldc, int64_t sc, int64_t batch) {
+  auto one = [&](int64_t i) {
+    gemm<T>(ta, tb, M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc);
+  };
+  if (batch >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < batch; ++i) one(i);
+  } else {
+    for (int64_t i = 0; i < batch; ++i) one(i);
+  }
+}
+
+template void gemm_batched<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*,
+                                  int64_t, int64_t, const float*, int64_t, int64_t, float,
+                                  float*, int64_t, int64_t, int64_t);
+template void gemm_batched<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*,
+                                   int64_t, int64_t, const double*, int64_t, int64_t, double,
+                                   double*, int64_t, int64_t, int64_t);
 
 }  // namespace kvlab::cpu

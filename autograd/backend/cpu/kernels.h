@@ -6,10 +6,9 @@
 #include <vector>
 
 #include "autograd/backend/device.h"
+#include "autograd/backend/kernel_types.h"
 
 namespace kvlab::cpu {
-
-using Strides = std::vector<int64_t>;
 
 // Copies a strided view into another of the same sizes, converting dtype (f32/f64/i32/bf16).
 void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const void* src,
@@ -20,9 +19,13 @@ void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const v
 template <class T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
           int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+// `batch` independent products; operand i starts at A + i * stride_a (likewise B, C).
+template <class T>
+void gemm_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha,
+                  const T* A, int64_t lda, int64_t stride_a, const T* B, int64_t ldb,
+                  int64_t stride_b, T beta, T* C, int64_t ldc, int64_t stride_c, int64_t batch);
 
 // ---- elementwise ----
-enum class BinaryOp { Add, Sub, Mul };
 // out (sizes, contiguous) = a op b, where a and b are read through broadcast strides (0 on a
 // broadcast dim).
 template <class T>
@@ -35,8 +38,10 @@ void scale_forward(T* out, const T* x, T s, int64_t n);
 template <class T>
 void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
             const std::vector<int64_t>& x_sizes);
+// out (a scalar) = (sum of x (n)) / divisor; fixed-chunk order: deterministic for any thread
+// count.
 template <class T>
-T sum_all(const T* x, int64_t n);  // fixed-chunk order: deterministic for any thread count
+void sum_all(T* out, const T* x, int64_t n, T divisor);
 // dst += src
 template <class T>
 void add_inplace(T* dst, const T* src, int64_t n);
@@ -71,27 +76,19 @@ void embedding_forward(T* out, const int32_t* ids, const T* weight, int64_t N, i
 template <class T>  // dweight (V, C) += scatter of dout (N, C) by ids; repeated ids accumulate
 void embedding_backward(T* dweight, const T* dout, const int32_t* ids, int64_t N, int64_t V,
                         int64_t C);
-// Fused log-softmax + negative log-likelihood. logits (N, V), targets (N), lse (N). Returns the
-// summed loss over rows whose target is not ignore_index and writes their count.
+// Fused log-softmax + negative log-likelihood. logits (N, V), targets (N), lse (N). loss (a
+// scalar) = the mean over the `count` rows whose target is not ignore_index (0 when count is 0).
 template <class T>
-T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* targets,
-                        int64_t N, int64_t V, int32_t ignore_index);
-template <class T>  // dlogits (N, V) = (softmax - onehot) * scale on counted rows, 0 elsewhere
+void cross_entropy_forward(T* loss, T* lse, const T* logits, const int32_t* targets, int64_t N,
+                           int64_t V, int32_t ignore_index, int64_t count);
+// dlogits (N, V) = (softmax - onehot) * (*dloss) / count on counted rows, 0 elsewhere; dloss is
+// the incoming gradient of the scalar loss, read where it lives (no host round trip).
+template <class T>
 void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets,
-                            int64_t N, int64_t V, int32_t ignore_index, T scale);
+                            int64_t N, int64_t V, int32_t ignore_index, const T* dloss,
+                            int64_t count);
 
 // ---- attention ----
-// A (B, H, L, HS) operand addressed by strides of its first three dims; HS is contiguous.
-struct HeadView {
-  int64_t sb, sh, st;
-};
-struct AttentionShape {
-  int64_t B, NH, NKV, T, S, HS;
-  const int64_t* kv_lengths;  // (B) valid keys per row, or null for S everywhere
-  double scale;               // usually 1/sqrt(HS)
-  double dropout;             // on the attention probabilities
-  uint64_t seed;
-};
 // out (B, NH, T, HS). Query t of row b sits at position S_b - T + t and sees keys
 // 0 .. S_b - T + t. Backward recomputes the probabilities; nothing else is kept.
 template <class T>
@@ -105,11 +102,6 @@ void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadV
                         const AttentionShape& s);
 
 // ---- optimiser ----
-struct AdamWStep {
-  float lr, beta1, beta2, eps, weight_decay;
-  float bias_correction1, bias_correction2;  // 1 - beta^t
-  float grad_scale;                          // clipping factor applied to the gradient
-};
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWStep& step);
 // Sum of squares in double, for the global gradient norm.

@@ -32,8 +32,8 @@ void embedding_backward(T* dweight, const T* dout, const int32_t* ids, int64_t N
 }
 
 template <class T>
-T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* targets,
-                        int64_t N, int64_t V, int32_t ignore_index) {
+void cross_entropy_forward(T* loss, T* lse, const T* logits, const int32_t* targets, int64_t N,
+                           int64_t V, int32_t ignore_index, int64_t count) {
   parallel_range(N, N * V, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const T* li = logits + i * V;
@@ -42,19 +42,16 @@ T cross_entropy_forward(T* lse, int64_t* count, const T* logits, const int32_t* 
     }
   });
   double total = 0;  // summed in row order: deterministic for any thread count
-  int64_t n_valid = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    if (targets[i] == ignore_index) continue;
-    total += static_cast<double>(lse[i] - logits[i * V + targets[i]]);
-    ++n_valid;
-  }
-  *count = n_valid;
-  return static_cast<T>(total);
+  for (int64_t i = 0; i < N; ++i)
+    if (targets[i] != ignore_index) total += static_cast<double>(lse[i] - logits[i * V + targets[i]]);
+  *loss = count ? static_cast<T>(total / static_cast<double>(count)) : T(0);
 }
 
 template <class T>
 void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets,
-                            int64_t N, int64_t V, int32_t ignore_index, T scale) {
+                            int64_t N, int64_t V, int32_t ignore_index, const T* dloss,
+                            int64_t count) {
+  const T scale = count ? static_cast<T>(static_cast<double>(*dloss) / static_cast<double>(count)) : T(0);
   parallel_range(N, N * V, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       T* di = dlogits + i * V;
@@ -74,10 +71,10 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
 #define KVLAB_INSTANTIATE(T)                                                                   \
   template void embedding_forward<T>(T*, const int32_t*, const T*, int64_t, int64_t);          \
   template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t); \
-  template T cross_entropy_forward<T>(T*, int64_t*, const T*, const int32_t*, int64_t, int64_t, \
-                                      int32_t);                                                \
+  template void cross_entropy_forward<T>(T*, T*, const T*, const int32_t*, int64_t, int64_t,   \
+                                         int32_t, int64_t);                                    \
   template void cross_entropy_backward<T>(T*, const T*, const T*, const int32_t*, int64_t,     \
-                                          int64_t, int32_t, T);
+                                          int64_t, int32_t, const T*, int64_t);
 KVLAB_INSTANTIATE(float)
 KVLAB_INSTANTIATE(double)
 #undef KVLAB_INSTANTIATE

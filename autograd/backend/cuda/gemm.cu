@@ -1,0 +1,69 @@
+// GEMMs through cuBLAS. cuBLAS is column-major: a row-major (M, N) C is a column-major (N, M)
+// C^T = op(B)^T op(A)^T, so the operands swap places and keep their transpose flags.
+#include <climits>
+
+#include "autograd/backend/cuda/common.cuh"
+#include "autograd/backend/cuda/kernels.h"
+
+namespace kvlab::cuda {
+
+namespace {
+
+int as_int(int64_t v, const char* what) {
+  KVLAB_CHECK(v >= 0 && v <= INT_MAX, "gemm: ", what, " = ", v, " exceeds cuBLAS's int range");
+  return static_cast<int>(v);
+}
+
+cublasOperation_t op_of(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
+
+cublasStatus_t gemm_call(cublasOperation_t ob, cublasOperation_t oa, int n, int m, int k,
+                         const float* alpha, const float* B, int ldb, long long sb, const float* A,
+                         int lda, long long sa, const float* beta, float* C, int ldc, long long sc,
+                         int batch) {
+  if (batch == 1)
+    return cublasSgemm(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc);
+  return cublasSgemmStridedBatched(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, sb, A, lda, sa,
+                                   beta, C, ldc, sc, batch);
+}
+
+cublasStatus_t gemm_call(cublasOperation_t ob, cublasOperation_t oa, int n, int m, int k,
+                         const double* alpha, const double* B, int ldb, long long sb,
+                         const double* A, int lda, long long sa, const double* beta, double* C,
+                         int ldc, long long sc, int batch) {
+  if (batch == 1)
+    return cublasDgemm(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc);
+  return cublasDgemmStridedBatched(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, sb, A, lda, sa,
+                                   beta, C, ldc, sc, batch);
+}
+
+}  // namespace
+
+template <class T>
+void gemm_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                  int64_t lda, int64_t sa, const T* B, int64_t ldb, int64_t sb, T beta, T* C,
+                  int64_t ldc, int64_t sc, int64_t batch) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  // cuBLAS checks leading dimensions >= 1 even when K == 0 makes an operand empty.
+  const int64_t lda1 = lda < 1 ? 1 : lda, ldb1 = ldb < 1 ? 1 : ldb;
+  CUBLAS_CHECK(gemm_call(op_of(tb), op_of(ta), as_int(N, "N"), as_int(M, "M"), as_int(K, "K"),
+                         &alpha, B, as_int(ldb1, "ldb"), sb, A, as_int(lda1, "lda"), sa, &beta, C,
+                         as_int(ldc, "ldc"), sc, as_int(batch, "batch")));
+}
+
+template <class T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
+          const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  gemm_batched<T>(ta, tb, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+
+#define KVLAB_INSTANTIATE(T)                                                                   \
+  template void gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, \
+                        int64_t, T, T*, int64_t);                                              \
+  template void gemm_batched<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t,   \
+                                int64_t, const T*, int64_t, int64_t, T, T*, int64_t, int64_t,  \
+                                int64_t);
+KVLAB_INSTANTIATE(float)
+KVLAB_INSTANTIATE(double)
+#undef KVLAB_INSTANTIATE
+
+}  // namespace kvlab::cuda

@@ -1,0 +1,98 @@
+#pragma once
+// CUDA kernels: the same interface as cpu/kernels.h, on device memory, so an op calls either
+// backend with one argument list (backend/dispatch.h). Plain C++: no CUDA header leaks out of
+// autograd/backend/cuda/. Float kernels are instantiated for float and double; every call is
+// asynchronous on the backend's stream unless it returns a host value.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "autograd/backend/device.h"
+#include "autograd/backend/kernel_types.h"
+
+namespace kvlab::cuda {
+
+// ---- runtime (runtime.cu) ----
+int device_count();  // 0 when no driver or no GPU is present (never throws)
+void synchronize();  // waits for the stream; errors of earlier kernels surface here
+void memcpy_to_device(void* dst, const void* src, size_t nbytes);
+void memcpy_to_host(void* dst, const void* src, size_t nbytes);  // waits for the result
+void memcpy_on_device(void* dst, const void* src, size_t nbytes);
+void memset_zero(void* dst, size_t nbytes);
+
+// ---- copies (copy.cu) ----
+void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const void* src,
+                  DType src_type, const Strides& src_strides, const std::vector<int64_t>& sizes);
+
+// ---- GEMM through cuBLAS (gemm.cu) ----
+template <class T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+          int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+template <class T>
+void gemm_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                  int64_t lda, int64_t stride_a, const T* B, int64_t ldb, int64_t stride_b, T beta,
+                  T* C, int64_t ldc, int64_t stride_c, int64_t batch);
+
+// ---- elementwise and reductions (elementwise.cu) ----
+template <class T>
+void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, const T* a,
+                    const Strides& a_strides, const T* b, const Strides& b_strides);
+template <class T>
+void scale_forward(T* out, const T* x, T s, int64_t n);
+template <class T>
+void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
+            const std::vector<int64_t>& x_sizes);
+template <class T>
+void sum_all(T* out, const T* x, int64_t n, T divisor);
+template <class T>
+void add_inplace(T* dst, const T* src, int64_t n);
+template <class T>
+void gelu_forward(T* out, const T* x, int64_t n);
+template <class T>
+void gelu_backward(T* dx, const T* dout, const T* x, int64_t n);
+template <class T>
+void dropout_forward(T* out, const T* x, int64_t n, double p, uint64_t seed);
+template <class T>
+void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed);
+
+// ---- normalisation (norm.cu) ----
+template <class T>
+void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T* b, int64_t N,
+                       int64_t C, double eps);
+template <class T>
+void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T* w, const T* mean,
+                        const T* rstd, int64_t N, int64_t C);
+template <class T>
+void softmax_forward(T* out, const T* x, int64_t N, int64_t C);
+template <class T>
+void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C);
+
+// ---- embedding and loss (loss.cu) ----
+template <class T>
+void embedding_forward(T* out, const int32_t* ids, const T* weight, int64_t N, int64_t C);
+template <class T>
+void embedding_backward(T* dweight, const T* dout, const int32_t* ids, int64_t N, int64_t V,
+                        int64_t C);
+template <class T>
+void cross_entropy_forward(T* loss, T* lse, const T* logits, const int32_t* targets, int64_t N,
+                           int64_t V, int32_t ignore_index, int64_t count);
+template <class T>
+void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets,
+                            int64_t N, int64_t V, int32_t ignore_index, const T* dloss,
+                            int64_t count);
+
+// ---- attention (attention.cu): flash style, tiled, online softmax, no (T, S) buffer ----
+template <class T>
+void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const T* k, HeadView k_v,
+                       const T* v, HeadView v_v, const AttentionShape& s);
+template <class T>
+void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,
+                        const T* dout, HeadView dout_v, const T* q, HeadView q_v, const T* k,
+                        HeadView k_v, const T* v, HeadView v_v, const AttentionShape& s);
+
+// ---- optimiser (optim.cu) ----
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWStep& step);
+double sum_squares(const float* x, int64_t n);
+
+}  // namespace kvlab::cuda

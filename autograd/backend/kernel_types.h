@@ -1,0 +1,32 @@
+#pragma once
+// Plain argument types of the kernel interface, shared by every backend (cpu/, cuda/): the
+// ops fill them in once and hand them to whichever backend holds the tensors.
+#include <cstdint>
+#include <vector>
+
+namespace kvlab {
+
+using Strides = std::vector<int64_t>;
+
+enum class BinaryOp { Add, Sub, Mul };
+
+// A (B, H, L, HS) operand addressed by strides of its first three dims; HS is contiguous.
+struct HeadView {
+  int64_t sb, sh, st;
+};
+
+struct AttentionShape {
+  int64_t B, NH, NKV, T, S, HS;
+  const int64_t* kv_lengths;  // (B) valid keys per row, host memory, or null for S everywhere
+  double scale;               // usually 1/sqrt(HS)
+  double dropout;             // on the attention probabilities
+  uint64_t seed;
+};
+
+struct AdamWStep {
+  float lr, beta1, beta2, eps, weight_decay;
+  float bias_correction1, bias_correction2;  // 1 - beta^t
+  float grad_scale;                          // clipping factor applied to the gradient
+};
+
+}  // namespace kvlab
