@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/cli.h"
+#include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
 #include "infer/engine.h"
 
@@ -18,6 +19,7 @@ namespace {
 
 struct GenerateArgs {
   std::string ckpt;
+  std::string device = "cpu";
   std::string prompt;
   std::string prompt_file;
   bool has_prompt = false, has_prompt_file = false;
@@ -78,9 +80,11 @@ void check_args(const GenerateArgs& a) {
 
 void run_generate(const GenerateArgs& a) {
   check_args(a);
+  const Device device = parse_device(a.device);
   const std::vector<std::string> prompts = prompts_of(a);
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
+  model.to(device);
   Engine engine(model, loaded.tokenizer);
 
   GenerateOptions o;
@@ -192,6 +196,7 @@ void add_generate_command(CLI::App& root) {
       "generate", "Generate text from a checkpoint through the KV cache, streamed as it is made");
   cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
       ->required();
+  add_device_flag(cmd, args->device);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =
       cmd->add_option("--prompt-file", args->prompt_file,

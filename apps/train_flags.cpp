@@ -58,12 +58,27 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
       ->capture_default_str();
   cmd->add_option("--seed", c.seed, "Seed of the initial weights, batches and dropout")
       ->capture_default_str();
+  add_device_flag(cmd, f.device);
+}
+
+void add_device_flag(CLI::App* cmd, std::string& device) {
+  cmd->add_option("--device", device,
+                  "cpu, or cuda (the first visible GPU; needs a build with the CUDA backend)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+}
+
+Device parse_device(const std::string& device) {
+  const Device d = device == "cuda" ? Device::CUDA : Device::CPU;
+  check_device_available(d);
+  return d;
 }
 
 TrainConfig finish_train_flags(const TrainFlags& f) {
   TrainConfig c = f.cfg;
   c.model.n_kv_head = f.n_kv_head > 0 ? f.n_kv_head : c.model.n_head;
   c.model.tied = !f.untied;
+  c.device = parse_device(f.device);
   KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,
                     ": no such file (pass --corpus FILE, or run scripts/setup.sh for the "
                     "default corpus)");

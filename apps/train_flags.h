@@ -1,6 +1,7 @@
 #pragma once
 // The training flags shared by `kvlab train` and `kvlab ablate`.
 #include <CLI/CLI.hpp>
+#include <string>
 
 #include "train/trainer.h"
 
@@ -10,7 +11,13 @@ struct TrainFlags {
   TrainConfig cfg;
   int64_t n_kv_head = 0;  // 0: n_head (MHA)
   bool untied = false;
+  std::string device = "cpu";
 };
+
+// --device cpu|cuda, shared by the commands that run a model.
+void add_device_flag(CLI::App* cmd, std::string& device);
+// The parsed --device; cuda without a visible GPU (or without the backend) is an error.
+Device parse_device(const std::string& device);
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

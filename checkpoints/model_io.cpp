@@ -8,8 +8,8 @@ namespace {
 template <class T>
 const T& attr(const Attrs& attrs, const std::string& key, const std::filesystem::path& file) {
   auto it = attrs.find(key);
-  KVLAB_CHECK(it != attrs.end(), "checkpoint ", file.string(), ": /config has no attribute '",
-              key, "'");
+  KVLAB_CHECK(it != attrs.end(), "checkpoint ", file.string(), ": /config has no attribute '", key,
+              "'");
   const T* v = std::get_if<T>(&it->second);
   KVLAB_CHECK(v != nullptr, "checkpoint ", file.string(), ": /config attribute '", key,
               "' has the wrong type");
@@ -51,7 +51,8 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
 NamedArrays to_arrays(const NamedTensors& tensors) {
   NamedArrays out;
   out.reserve(tensors.size());
-  for (const auto& [name, t] : tensors) out.emplace_back(name, ArrayF32{t.sizes(), t.to_vector<float>()});
+  for (const auto& [name, t] : tensors)
+    out.emplace_back(name, ArrayF32{t.sizes(), t.to_vector<float>()});
   return out;
 }
 
@@ -67,7 +68,8 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
     KVLAB_CHECK(arr.shape == t.sizes(), "checkpoint ", file.string(), ": /", group, "/", name,
                 " has shape ", shape_str(arr.shape), ", the model expects ", t.shape_str());
     KVLAB_CHECK(t.is_contiguous() && t.dtype() == DType::F32, "copy_into: ", name);
-    std::memcpy(t.data<float>(), arr.data.data(), arr.data.size() * sizeof(float));
+    Tensor target = t;  // the handle is shared: the data lands in the model's tensor
+    target.copy_from(Tensor::from_vector(arr.data, arr.shape));  // to the tensor's device
   }
 }
 

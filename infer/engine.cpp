@@ -107,8 +107,8 @@ GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   const GPTConfig& c = model_.config();  // fixed for the engine's life: only B and S vary
   if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity) {
     cache_.reset();  // free first: the allocator can hand the same blocks back
-    cache_ =
-        std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head, c.head_size());
+    cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
+                                                 c.head_size(), DType::F32, model_.device());
     cache_batch_ = batch;
     cache_capacity_ = capacity;
   }
@@ -260,7 +260,8 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
         const auto w = rows[static_cast<size_t>(r)].window();
         std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * P);
       }
-      const Tensor logits = model_.forward(tokens, &cache.rows(r0, r1 - r0), true);  // (n, 1, V)
+      const Tensor logits =
+          model_.forward(tokens, &cache.rows(r0, r1 - r0), true).to(Device::CPU);  // (n, 1, V)
       for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V);
       r0 = r1;
     }
@@ -315,7 +316,7 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
       int32_t* tp = tokens.data<int32_t>();
       for (int64_t s = 0; s < n; ++s)
         tp[s] = rows[static_cast<size_t>(slot_row[static_cast<size_t>(s)])].seq.back();
-      const Tensor logits = model_.forward(tokens, &cache, true);  // (n, 1, V)
+      const Tensor logits = model_.forward(tokens, &cache, true).to(Device::CPU);  // (n, 1, V)
       const float* lp = logits.data<float>();
       for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V);
       st.step_s.push_back(seconds(t0, Clock::now()));
@@ -327,7 +328,8 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
     // ---- no cache: every step runs the model over each row's whole window ----
     for (int64_t r = 0; r < B; ++r) {
       const Row& row = rows[static_cast<size_t>(r)];
-      const Tensor logits = model_.forward(window_tensor(row, row.window_start), nullptr, true);
+      const Tensor logits =
+          model_.forward(window_tensor(row, row.window_start), nullptr, true).to(Device::CPU);
       take(r, logits.data<float>());
     }
     st.prefill_s = st.ttft_s = seconds(t_start, Clock::now());
@@ -345,7 +347,8 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
           row.window_start = static_cast<int64_t>(row.seq.size()) - 1 - keep;
           ++row.slides;
         }
-        const Tensor logits = model_.forward(window_tensor(row, row.window_start), nullptr, true);
+        const Tensor logits =
+            model_.forward(window_tensor(row, row.window_start), nullptr, true).to(Device::CPU);
         take(r, logits.data<float>());
         ++n;
       }

@@ -38,7 +38,8 @@ class ContiguousKVCache::RowRange final : public KVCache {
 };
 
 ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity,
-                                     int64_t n_kv_head, int64_t head_size, DType dtype)
+                                     int64_t n_kv_head, int64_t head_size, DType dtype,
+                                     Device device)
     : n_layer_(n_layer),
       max_batch_(max_batch),
       capacity_(capacity),
@@ -55,8 +56,8 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions past a row's length hold finite values (the attention op never
     // reads them, but a debugger or a test dumping the buffer should not see garbage).
-    k_.push_back(Tensor::zeros(shape, dtype));
-    v_.push_back(Tensor::zeros(shape, dtype));
+    k_.push_back(Tensor::zeros(shape, dtype, device));
+    v_.push_back(Tensor::zeros(shape, dtype, device));
   }
   lengths_.assign(static_cast<size_t>(max_batch), 0);
   range_ = std::make_unique<RowRange>(*this);
@@ -100,7 +101,8 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
   const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
   auto store = [&](const Tensor& buf, const Tensor& src) {
     char* dst = static_cast<char*>(buf.raw_data());
-    if (src.stride(3) == 1) {  // one memcpy per (b, h, t) row of HS elements
+    if (src.stride(3) == 1 && buf.device() == Device::CPU && src.device() == Device::CPU) {
+      // One memcpy per (b, h, t) row of HS elements.
       const char* s = static_cast<const char*>(src.raw_data());
       const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
       for (int64_t i = 0; i < n; ++i) {
@@ -112,7 +114,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
       }
       return;
     }
-    for (int64_t i = 0; i < n; ++i) {  // general strides: a strided copy per row
+    for (int64_t i = 0; i < n; ++i) {  // general strides or a device: a strided copy per row
       const int64_t b = first + i, len = lengths_[static_cast<size_t>(b)];
       buf.as_strided({1, n_kv_head_, T, head_size_}, {sb, sh, head_size_, 1},
                      b * sb + len * head_size_)
@@ -157,16 +159,9 @@ void ContiguousKVCache::move_row(int64_t src, int64_t dst) {
               " -> ", dst, " outside the ", batch_, " active rows");
   if (src == dst) return;
   const int64_t len = lengths_[static_cast<size_t>(src)];
-  const size_t esize = dtype_size(dtype_);
-  const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
   for (int64_t l = 0; l < n_layer_; ++l)
-    for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]}) {
-      char* p = static_cast<char*>(buf->raw_data());
-      for (int64_t h = 0; h < n_kv_head_; ++h)  // only the valid positions of each head
-        std::memcpy(p + static_cast<size_t>(dst * sb + h * sh) * esize,
-                    p + static_cast<size_t>(src * sb + h * sh) * esize,
-                    static_cast<size_t>(len * head_size_) * esize);
-    }
+    for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]})
+      view(*buf, dst, 1, len).copy_from(view(*buf, src, 1, len));  // the valid positions only
   lengths_[static_cast<size_t>(dst)] = len;
 }
 

@@ -56,7 +56,7 @@ class GenerationKVCache : public KVCache {
 class ContiguousKVCache final : public GenerationKVCache {
  public:
   ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity, int64_t n_kv_head,
-                    int64_t head_size, DType dtype = DType::F32);
+                    int64_t head_size, DType dtype = DType::F32, Device device = Device::CPU);
   ~ContiguousKVCache() override;
 
   // ---- KVCache ----

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/dispatch.h"
 
 namespace kvlab {
 
@@ -10,13 +10,13 @@ AdamW::AdamW(NamedTensors params, const AdamWConfig& cfg) : params_(std::move(pa
   for (auto& [name, p] : params_) {
     KVLAB_CHECK(p.dtype() == DType::F32 && p.is_contiguous(), "adamw: parameter ", name,
                 " must be a contiguous f32 tensor");
-    m_.emplace_back(name, Tensor::zeros(p.sizes()));
-    v_.emplace_back(name, Tensor::zeros(p.sizes()));
+    m_.emplace_back(name, Tensor::zeros(p.sizes(), DType::F32, p.device()));
+    v_.emplace_back(name, Tensor::zeros(p.sizes(), DType::F32, p.device()));
   }
 }
 
-cpu::AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale,
-                          int param_dim) {
+AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale,
+                     int param_dim) {
   const double t = static_cast<double>(step);
   return {static_cast<float>(lr),
           static_cast<float>(cfg.beta1),
@@ -35,9 +35,10 @@ void AdamW::step(double lr, double grad_scale) {
     const Tensor g = p.grad();
     if (!g.defined()) continue;
     const Tensor gc = g.contiguous();
-    cpu::adamw_update(p.data<float>(), gc.data<float>(), m_[i].second.data<float>(),
-                      v_[i].second.data<float>(), p.numel(),
-                      adamw_step(cfg_, step_, lr, grad_scale, p.dim()));
+    KVLAB_KERNEL(p.device(),
+                 adamw_update(p.data<float>(), gc.data<float>(), m_[i].second.data<float>(),
+                              v_[i].second.data<float>(), p.numel(),
+                              adamw_step(cfg_, step_, lr, grad_scale, p.dim())));
   }
 }
 
@@ -47,7 +48,7 @@ double global_grad_norm(const NamedTensors& params) {
     const Tensor g = p.grad();
     if (!g.defined()) continue;
     const Tensor gc = g.contiguous();
-    s += cpu::sum_squares(gc.data<float>(), gc.numel());
+    s += KVLAB_KERNEL(gc.device(), sum_squares(gc.data<float>(), gc.numel()));
   }
   return std::sqrt(s);
 }

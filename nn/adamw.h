@@ -1,7 +1,7 @@
 #pragma once
 // AdamW with decoupled weight decay on 2-D weights only, and the global gradient norm used
 // for clipping (applied inside the update, so gradients are never rescaled in a separate pass).
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/kernel_types.h"
 #include "nn/module.h"
 
 namespace kvlab {
@@ -15,7 +15,7 @@ struct AdamWConfig {
 
 // The kernel's settings for update number `step` (1-based) of one parameter tensor: weight
 // decay only for 2-D weights, bias corrections 1 - beta^step.
-cpu::AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale,
+AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale,
                           int param_dim);
 
 class AdamW {

@@ -66,8 +66,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
     opts.dropout = dropout;
     opts.seed = site_seed(ctx, layer, 0);
   }
-  Tensor y = causal_attention(q, k, v, opts);        // (B, NH, T, HS)
-  y = reshape(transpose(y, 1, 2), {B, T, C});         // a view: y is (B, T, NH, HS) in memory
+  Tensor y = causal_attention(q, k, v, opts);  // (B, NH, T, HS)
+  y = reshape(transpose(y, 1, 2), {B, T, C});  // a view: y is (B, T, NH, HS) in memory
   return maybe_dropout(c_proj.forward(y), dropout, ctx, layer, 1);
 }
 
@@ -109,7 +109,7 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
   // only in n_kv_head start from identical values for every parameter they share.
   const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
   for (auto& [name, t] : named_parameters()) {
-    if (t.dim() < 2) continue;  // biases stay 0, LayerNorm weights 1
+    if (t.dim() < 2) continue;                    // biases stay 0, LayerNorm weights 1
     uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
     for (unsigned char ch : name) name_hash = (name_hash ^ ch) * 1099511628211ull;
     Generator gen(hash64(seed, name_hash));
@@ -121,9 +121,12 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
 
 const Tensor& GPT::lm_head_weight() const { return lm_head ? lm_head->weight : wte.weight; }
 
-Tensor GPT::forward(const Tensor& tokens, KVCache* cache, bool last_only) {
-  KVLAB_CHECK(tokens.dtype() == DType::I32 && tokens.dim() == 2, "gpt: tokens must be (B, T) i32, got ",
-              tokens.shape_str(), " ", dtype_name(tokens.dtype()));
+Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
+  KVLAB_CHECK(tokens_in.dtype() == DType::I32 && tokens_in.dim() == 2,
+              "gpt: tokens must be (B, T) i32, got ", tokens_in.shape_str(), " ",
+              dtype_name(tokens_in.dtype()));
+  const Device dev = wte.weight.device();
+  const Tensor tokens = tokens_in.to(dev);  // callers may pass host tokens to a GPU model
   const int64_t B = tokens.size(0), T = tokens.size(1);
   KVLAB_CHECK(T >= 1, "gpt: empty sequence");
   ForwardContext ctx;
@@ -151,7 +154,7 @@ Tensor GPT::forward(const Tensor& tokens, KVCache* cache, bool last_only) {
     }
     ctx.kv_lengths = kv_lengths_;
   }
-  Tensor x = add(wte.forward(tokens), wpe.forward(pos));  // (B, T, C)
+  Tensor x = add(wte.forward(tokens), wpe.forward(pos.to(dev)));  // (B, T, C)
   x = maybe_dropout(x, cfg_.dropout, ctx, static_cast<int>(cfg_.n_layer), 3);
   for (size_t l = 0; l < blocks.size(); ++l) x = blocks[l]->forward(x, ctx, static_cast<int>(l));
   if (cache != nullptr) cache->advance(T);
@@ -161,7 +164,7 @@ Tensor GPT::forward(const Tensor& tokens, KVCache* cache, bool last_only) {
 }
 
 Tensor GPT::loss(const Tensor& tokens, const Tensor& targets) {
-  return cross_entropy(forward(tokens), targets);
+  return cross_entropy(forward(tokens), targets.to(wte.weight.device()));
 }
 
 int64_t count_parameters(const GPTConfig& c) {

@@ -49,6 +49,18 @@ void Module::zero_grad() {
   }
 }
 
+void Module::to(Device device) {
+  for (auto& [name, t] : named_parameters()) {
+    Tensor p = t;
+    p.move_to(device);
+  }
+}
+
+Device Module::device() const {
+  const NamedTensors params = named_parameters();
+  return params.empty() ? Device::CPU : params.front().second.device();
+}
+
 void Module::set_training(bool on) {
   training_ = on;
   for (auto& [name, child] : children_) child->set_training(on);

@@ -24,6 +24,9 @@ class Module {
   std::vector<Tensor> parameters() const;
   int64_t num_parameters() const;
   void zero_grad();
+  // Moves every parameter to `device` in place; device() is where they live (CPU when none).
+  void to(Device device);
+  Device device() const;
   // Training mode turns dropout on.
   void set_training(bool on);
   bool training() const { return training_; }

@@ -3,10 +3,9 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <numbers>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
@@ -22,17 +21,19 @@ void TrainConfig::validate() const {
   KVLAB_CHECK(batch_size >= 1, "train: batch_size must be >= 1, got ", batch_size);
   KVLAB_CHECK(grad_accum >= 1, "train: grad_accum must be >= 1, got ", grad_accum);
   KVLAB_CHECK(iters >= 1, "train: iters must be >= 1, got ", iters);
-  KVLAB_CHECK(lr > 0 && min_lr >= 0 && min_lr <= lr, "train: need 0 <= min_lr <= lr and lr > 0, got lr ",
-              lr, ", min_lr ", min_lr);
+  KVLAB_CHECK(lr > 0 && min_lr >= 0 && min_lr <= lr,
+              "train: need 0 <= min_lr <= lr and lr > 0, got lr ", lr, ", min_lr ", min_lr);
   KVLAB_CHECK(warmup >= 0, "train: warmup must be >= 0, got ", warmup);
   KVLAB_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "train: betas must be in [0, 1)");
   KVLAB_CHECK(weight_decay >= 0, "train: weight_decay must be >= 0, got ", weight_decay);
   KVLAB_CHECK(grad_clip >= 0, "train: grad_clip must be >= 0 (0 disables), got ", grad_clip);
-  KVLAB_CHECK(eval_interval >= 1 && eval_iters >= 1, "train: eval_interval and eval_iters must be >= 1");
+  KVLAB_CHECK(eval_interval >= 1 && eval_iters >= 1,
+              "train: eval_interval and eval_iters must be >= 1");
   KVLAB_CHECK(ckpt_interval >= 0, "train: ckpt_interval must be >= 0");
   KVLAB_CHECK(val_fraction > 0 && val_fraction < 1, "train: val_fraction must be in (0, 1), got ",
               val_fraction);
   KVLAB_CHECK(zero == 0 || zero == 1, "train: zero must be 0 or 1 (ZeRO stage 1), got ", zero);
+  check_device_available(device);
 }
 
 Attrs TrainConfig::to_attrs() const {
@@ -58,7 +59,8 @@ Attrs TrainConfig::to_attrs() const {
 }
 
 double learning_rate(const TrainConfig& c, int64_t step) {
-  if (step < c.warmup) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup + 1);
+  if (step < c.warmup)
+    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup + 1);
   if (step >= c.iters) return c.min_lr;
   const double span = static_cast<double>(std::max<int64_t>(1, c.iters - c.warmup));
   const double ratio = static_cast<double>(step - c.warmup) / span;
@@ -104,12 +106,14 @@ std::vector<std::string> config_differences(const Attrs& a, const Attrs& b) {
   for (const auto& [k, v] : a) {
     if (informational(k)) continue;
     auto it = b.find(k);
-    if (it == b.end()) diffs.push_back(k + ": " + attr_str(v) + " vs (missing)");
+    if (it == b.end())
+      diffs.push_back(k + ": " + attr_str(v) + " vs (missing)");
     else if (attr_str(v) != attr_str(it->second))
       diffs.push_back(k + ": " + attr_str(v) + " vs " + attr_str(it->second));
   }
   for (const auto& [k, v] : b)
-    if (!informational(k) && a.find(k) == a.end()) diffs.push_back(k + ": (missing) vs " + attr_str(v));
+    if (!informational(k) && a.find(k) == a.end())
+      diffs.push_back(k + ": (missing) vs " + attr_str(v));
   return diffs;
 }
 
@@ -144,8 +148,13 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
         " data-parallel ranks were started with different settings "
         "or corpora; start every rank with the same flags");
   }
+  KVLAB_CHECK(world == 1 || cfg_.device == Device::CPU,
+              "train: data-parallel training runs on "
+              "CPU ranks only in this build (the GPU all-reduce is not written yet); use one "
+              "process with the cuda device");
   if (!cfg_.out_dir.empty() && rank == 0) ensure_writable_dir(cfg_.out_dir, "train");
-  model_ = std::make_unique<GPT>(cfg_.model, cfg_.seed);
+  model_ = std::make_unique<GPT>(cfg_.model, cfg_.seed);  // initialised on the CPU, then moved
+  model_->to(cfg_.device);
   if (rank != 0) model_->dropout_generator().reseed(dropout_seed(cfg_.seed, rank));
   const AdamWConfig adamw{cfg_.beta1, cfg_.beta2, 1e-8, cfg_.weight_decay};
   if (cfg_.zero == 1 && world > 1)
@@ -170,8 +179,8 @@ void Trainer::resume(const fs::path& file) {
   if (!diffs.empty()) {
     std::string msg;
     for (const auto& d : diffs) msg += (msg.empty() ? "" : "; ") + d;
-    KVLAB_CHECK(false, "resume: ", file.string(), " was trained with a different config (checkpoint vs now): ",
-                msg);
+    KVLAB_CHECK(false, "resume: ", file.string(),
+                " was trained with a different config (checkpoint vs now): ", msg);
   }
   KVLAB_CHECK(ckpt.has_train_state, "resume: ", file.string(), " has no complete /train state");
   const int world = comm_->world_size();
@@ -275,9 +284,12 @@ bool Trainer::any_rank(bool mine) {
 
 void Trainer::append_log(const StepRecord& r) {
   if (cfg_.out_dir.empty() || comm_->rank() != 0) return;
-  nlohmann::json j = {{"step", r.step},         {"lr", r.lr},
-                      {"train_loss", r.train_loss}, {"grad_norm", r.grad_norm},
-                      {"tokens_per_s", r.tokens_per_s}, {"elapsed_s", r.elapsed_s}};
+  nlohmann::json j = {{"step", r.step},
+                      {"lr", r.lr},
+                      {"train_loss", r.train_loss},
+                      {"grad_norm", r.grad_norm},
+                      {"tokens_per_s", r.tokens_per_s},
+                      {"elapsed_s", r.elapsed_s}};
   if (r.val_loss) j["val_loss"] = *r.val_loss;
   if (comm_->world_size() > 1 && r.step > 0) {
     j["comm_s"] = r.comm_s;

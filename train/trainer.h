@@ -53,6 +53,9 @@ struct TrainConfig {
   // plain data parallelism, and no effect with one rank. Not part of to_attrs(): a run may be
   // resumed with or without it.
   int64_t zero = 0;
+  // Where the model, its gradients and the optimizer state live. Not part of to_attrs(): a
+  // checkpoint written on one device resumes or generates on the other.
+  Device device = Device::CPU;
 
   // Throws UsageError-style kvlab::Error naming the setting.
   void validate() const;
