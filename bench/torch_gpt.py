@@ -12,9 +12,11 @@ import torch.nn.functional as F
 class KVCache:
     """Preallocated per-layer K and V of shape (B, NKV, S_max, HS): KV heads not repeated."""
 
-    def __init__(self, n_layer, batch, nkv, s_max, hs):
-        self.k = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
-        self.v = [torch.zeros(batch, nkv, s_max, hs) for _ in range(n_layer)]
+    def __init__(self, n_layer, batch, nkv, s_max, hs, device="cpu", dtype=torch.float32):
+        self.k = [torch.zeros(batch, nkv, s_max, hs, device=device, dtype=dtype)
+                  for _ in range(n_layer)]
+        self.v = [torch.zeros(batch, nkv, s_max, hs, device=device, dtype=dtype)
+                  for _ in range(n_layer)]
         self.len = 0  # number of valid positions
 
 
@@ -46,7 +48,7 @@ class Attention(nn.Module):
         q = q.reshape(B, self.nkv, g * T, self.hs)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.hs))
         if T > 1:  # query t (absolute start+t) sees keys 0..start+t
-            mask = torch.ones(T, S, dtype=torch.bool).triu(start + 1)
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).triu(start + 1)
             att = att.view(B, self.nkv, g, T, S).masked_fill(mask, float("-inf"))
             att = att.view(B, self.nkv, g * T, S)
         y = torch.softmax(att, dim=-1) @ v  # (B, NKV, g*T, HS)
@@ -89,7 +91,8 @@ class GPT(nn.Module):
 
     def new_cache(self, batch):
         n_layer, nkv, s_max, hs = self.cfg
-        return KVCache(n_layer, batch, nkv, s_max, hs)
+        w = self.wte.weight
+        return KVCache(n_layer, batch, nkv, s_max, hs, w.device, w.dtype)
 
     def logits(self, idx, cache=None, last_only=False):
         B, T = idx.shape

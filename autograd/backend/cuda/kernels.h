@@ -20,6 +20,10 @@ void memcpy_to_host(void* dst, const void* src, size_t nbytes);  // waits for th
 void memcpy_on_device(void* dst, const void* src, size_t nbytes);
 void memset_zero(void* dst, size_t nbytes);
 
+// ---- measurements of the device (probe.cu), for benchmarks ----
+double gemm_tflops(DType dtype, int64_t n);  // n x n x n cuBLAS GEMM, f32 or bf16 inputs
+double copy_gbps(size_t nbytes);             // device-to-device copy, read + write bytes / s
+
 // ---- copies (copy.cu) ----
 void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const void* src,
                   DType src_type, const Strides& src_strides, const std::vector<int64_t>& sizes);

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU check: builds kvlab with the CUDA backend, runs the tests labelled `cuda`, then the
+# GPU benchmarks (kvlab's bench_cuda and PyTorch on the same GPU, bench/torch_gpu.py), and
+# prints one short table. Sized to finish in under 8 minutes on one H100/H200.
+#
+# With this project's Debian packages installed (scripts/setup.sh) it configures and builds
+# here. A GPU machine without them (CUDA, CMake and PyTorch only) runs the programs that
+# scripts/gpu-bundle.sh built on a Debian machine into build-gpu/ instead.
+# Results: $OUT (or out/gpu-check) holds the logs and JSON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out/gpu-check}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
+  { echo "gpu-check: no GPU visible (nvidia-smi failed)"; exit 1; }
+
+if [[ -x build-gpu/bench/bench_cuda && -f build-gpu/lib.tar.xz ]]; then
+  echo "== using the programs in build-gpu/ (scripts/gpu-bundle.sh)"
+  mkdir -p /tmp/kvlab-gpu && tar -C /tmp/kvlab-gpu -xJf build-gpu/lib.tar.xz
+  export LD_LIBRARY_PATH="/tmp/kvlab-gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+else
+  echo "== configuring and building with CUDA"
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVLAB_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90-real >"$out/configure.log" 2>&1 &&
+    cmake --build build-gpu -j "$(nproc)" --target test_cuda test_infer_cuda bench_cuda \
+      >"$out/build.log" 2>&1 || { tail -30 "$out/build.log" "$out/configure.log"; exit 1; }
+fi
+
+tests_rc=0
+for t in build-gpu/tests/autograd/test_cuda build-gpu/tests/infer/test_infer_cuda; do
+  echo "== $t"
+  timeout 300 "$t" --gtest_brief=1 2>&1 | tee -a "$out/tests.log" || tests_rc=1
+done
+grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/tests.log" | sort | uniq -c
+# With a GPU present nothing may skip: a skipped GPU test would be a check that did not run.
+grep -qE "^\[  SKIPPED \] [1-9]" "$out/tests.log" && tests_rc=1
+
+echo "== kvlab GPU benchmarks"
+timeout 240 build-gpu/bench/bench_cuda --json "$out/kvlab.json" 2>&1 | tee "$out/bench_cuda.log"
+echo "== PyTorch on the same GPU"
+(cd bench && timeout 240 python3 torch_gpu.py --json "$out/torch.json") 2>&1 |
+  tee "$out/torch.log"
+
+python3 - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name)
+    return json.load(open(p)) if os.path.exists(p) else {}
+k, t = load("kvlab.json"), load("torch.json")
+print("\n== summary (kvlab f32 on the GPU; PyTorch f32 / best bf16 on the same GPU)")
+if k:
+    print(f"device: bf16 GEMM {k['bf16_gemm_tflops']:.0f} TFLOP/s, f32 GEMM "
+          f"{k['f32_gemm_tflops']:.1f} TFLOP/s, copy {k['copy_gbps']:.0f} GB/s")
+torch_train = {}
+for r in t.get("train", []):
+    torch_train.setdefault(r["config"], {})[r["mode"]] = r["tokens_per_s"]
+print(f"{'train config':22} {'kvlab tok/s':>12} {'MFU bf16':>9} {'torch f32':>10} "
+      f"{'kv/torch':>9} {'torch bf16 best':>16}")
+for r in k.get("train", []):
+    tt = torch_train.get(r["config"], {})
+    f32 = tt.get("f32")
+    bf = max([v for m, v in tt.items() if m != "f32"], default=None)
+    ratio = f"{r['tokens_per_s'] / f32:.2f}" if f32 else "-"
+    print(f"{r['config']:22} {r['tokens_per_s']:12.0f} {r['mfu_bf16']:9.3f} "
+          f"{f32 or 0:10.0f} {ratio:>9} {bf or 0:16.0f}")
+torch_dec = {(r["n_kv_head"], r["batch"]): r["tokens_per_s"] for r in t.get("decode", [])}
+print(f"{'decode NKV/batch':22} {'kvlab tok/s':>12} {'step/ceiling':>13} {'torch tok/s':>12}")
+for r in k.get("decode", []):
+    td = torch_dec.get((r["n_kv_head"], r["batch"]), 0)
+    print(f"{str(r['n_kv_head']) + ' / ' + str(r['batch']):22} {r['tokens_per_s']:12.0f} "
+          f"{r['step_ms'] / r['ceiling_step_ms']:13.2f} {td:12.0f}")
+PY
+exit $tests_rc
