@@ -22,12 +22,13 @@ else
   echo "== configuring and building with CUDA"
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVLAB_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90-real >"$out/configure.log" 2>&1 &&
-    cmake --build build-gpu -j "$(nproc)" --target test_cuda test_infer_cuda bench_cuda \
+    cmake --build build-gpu -j "$(nproc)" --target test_cuda test_infer_cuda test_nccl bench_cuda \
       >"$out/build.log" 2>&1 || { tail -30 "$out/build.log" "$out/configure.log"; exit 1; }
 fi
 
 tests_rc=0
-for t in build-gpu/tests/autograd/test_cuda build-gpu/tests/infer/test_infer_cuda; do
+for t in build-gpu/tests/autograd/test_cuda build-gpu/tests/infer/test_infer_cuda \
+  build-gpu/tests/train/test_nccl; do
   echo "== $t"
   timeout 300 "$t" --gtest_brief=1 2>&1 | tee -a "$out/tests.log" || tests_rc=1
 done

@@ -23,6 +23,7 @@ class LocalCommunicator final : public Communicator {
   int local_rank() const override { return 0; }
   std::string backend() const override { return "local"; }
   double timeout_s() const override { return 0; }
+  using Communicator::allreduce_mean;
   void allreduce_mean(std::span<float>, std::string_view) override {}
   void allreduce_sum(std::span<double>, std::string_view) override {}
   void broadcast(std::span<std::byte>, int root, std::string_view what) override {
@@ -93,45 +94,58 @@ std::shared_ptr<Communicator> world_communicator(double timeout_s) {
 #endif
 }
 
+void Communicator::allreduce_mean(const Tensor& flat, std::string_view what) {
+  KVLAB_CHECK(flat.dtype() == DType::F32 && flat.is_contiguous(), what,
+              ": all-reduce needs a contiguous f32 buffer");
+  KVLAB_CHECK(flat.device() == Device::CPU, what, ": the ", backend(),
+              " communicator reduces host memory only; GPU ranks need a build with CUDA, NCCL "
+              "and MPI");
+  allreduce_mean(std::span<float>(flat.data<float>(), static_cast<size_t>(flat.numel())), what);
+}
+
 GradientReducer::GradientReducer(size_t bucket_bytes)
     : bucket_elems_(std::max<size_t>(1, bucket_bytes / sizeof(float))) {}
 
 void GradientReducer::allreduce_mean(Communicator& comm, const NamedTensors& params) {
   buckets_ = 0;
   if (comm.world_size() == 1) return;
-  struct Piece {
-    float* data;
-    int64_t n;
-  };
-  std::vector<Piece> pieces;
+  std::vector<Tensor> pieces;  // each gradient as a flat contiguous (n) view
   int64_t total = 0;
   for (const auto& [name, p] : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    KVLAB_CHECK(g.dtype() == DType::F32 && g.device() == Device::CPU, "all-reduce: gradient of ",
-                name, " is not a CPU f32 tensor");
+    KVLAB_CHECK(g.dtype() == DType::F32, "all-reduce: gradient of ", name, " is not f32");
+    KVLAB_CHECK(pieces.empty() || g.device() == pieces[0].device(), "all-reduce: gradient of ",
+                name, " is on ", device_name(g.device()), ", the others on ",
+                device_name(pieces[0].device()));
     if (!g.is_contiguous()) {
       g = g.contiguous();
       Tensor handle = p;
       handle.set_grad(g);
     }
-    pieces.push_back({g.data<float>(), g.numel()});
+    pieces.push_back(g.as_strided({g.numel()}, {1}, g.offset()));
     total += g.numel();
   }
   if (total == 0) return;
   const int64_t cap = static_cast<int64_t>(bucket_elems_);
-  buffer_.resize(static_cast<size_t>(std::min(cap, total)));
+  const int64_t size = std::min(cap, total);
+  if (!buffer_.defined() || buffer_.numel() < size || buffer_.device() != pieces[0].device())
+    buffer_ = Tensor::empty({size}, DType::F32, pieces[0].device());
+  // (offset, length) slices of a flat tensor
+  auto slice = [](const Tensor& t, int64_t at, int64_t n) {
+    return t.as_strided({n}, {1}, t.offset() + at);
+  };
   const int64_t n_buckets = (total + cap - 1) / cap;
   // Visits `count` flat elements starting at piece `pi`, offset `off`, as (piece ptr, buffer
   // position, length) runs; leaves (pi, off) just after them.
   auto walk = [&](size_t& pi, int64_t& off, int64_t count, auto&& fn) {
     int64_t pos = 0;
     while (pos < count) {
-      const int64_t take = std::min(count - pos, pieces[pi].n - off);
-      fn(pieces[pi].data + off, pos, take);
+      const int64_t take = std::min(count - pos, pieces[pi].numel() - off);
+      fn(slice(pieces[pi], off, take), pos, take);
       pos += take;
       off += take;
-      if (off == pieces[pi].n) {
+      if (off == pieces[pi].numel()) {
         ++pi;
         off = 0;
       }
@@ -143,15 +157,15 @@ void GradientReducer::allreduce_mean(Communicator& comm, const NamedTensors& par
     const int64_t count = std::min(cap, total - start);
     size_t pi_in = pi;
     int64_t off_in = off;
-    walk(pi_in, off_in, count, [&](float* src, int64_t pos, int64_t n) {
-      std::memcpy(buffer_.data() + pos, src, static_cast<size_t>(n) * sizeof(float));
-    });
+    walk(pi_in, off_in, count,
+         [&](const Tensor& src, int64_t pos, int64_t n) { slice(buffer_, pos, n).copy_from(src); });
     const std::string what = n_buckets == 1 ? std::string("all-reduce of gradients")
                                             : detail::cat("all-reduce of gradients (bucket ", b + 1,
                                                           " of ", n_buckets, ")");
-    comm.allreduce_mean(std::span<float>(buffer_.data(), static_cast<size_t>(count)), what);
-    walk(pi, off, count, [&](float* dst, int64_t pos, int64_t n) {
-      std::memcpy(dst, buffer_.data() + pos, static_cast<size_t>(n) * sizeof(float));
+    comm.allreduce_mean(slice(buffer_, 0, count), what);
+    walk(pi, off, count, [&](const Tensor& dst, int64_t pos, int64_t n) {
+      Tensor d = dst;
+      d.copy_from(slice(buffer_, pos, n));
     });
     ++buckets_;
   }

@@ -4,8 +4,8 @@
 // collective must be called by every rank in the same order. The MPI one never blocks forever:
 // a collective that does not complete within timeout_s throws kvlab::Error naming this rank,
 // the collective and the ranks that did not answer, and the job is then aborted at exit so no
-// rank hangs. A NCCL communicator for device gradients would be a third implementation of the
-// same interface (it needs the CUDA backend).
+// rank hangs. Device (GPU) buffers are reduced with NCCL inside the MPI communicator, which
+// shares NCCL's unique id over MPI (builds with CUDA and NCCL).
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -31,6 +31,9 @@ class Communicator {
   // In place: every rank ends with the element-wise mean over ranks (f32: sum, then times
   // 1 / world_size), bit-identical on every rank. `what` names the operation in errors.
   virtual void allreduce_mean(std::span<float> data, std::string_view what) = 0;
+  // The same for a contiguous f32 tensor on any device: host memory goes through the span
+  // version, GPU memory through NCCL (MPI communicators of a CUDA build with NCCL).
+  virtual void allreduce_mean(const Tensor& flat, std::string_view what);
   // In place: every rank ends with the element-wise sum over ranks (f64).
   virtual void allreduce_sum(std::span<double> data, std::string_view what) = 0;
   // Copies root's bytes into every other rank's `data` (same size on every rank).
@@ -73,6 +76,7 @@ inline constexpr size_t kDefaultBucketBytes = size_t{8} << 20;  // 8 MiB
 // Averages the gradients of `params` over the ranks: they are copied into flat buckets of at
 // most bucket_bytes, one all-reduce per bucket, and copied back. Parameters without a gradient
 // are skipped (every rank has the same graph, so the same ones). No-op with one rank.
+// The gradients may live on the CPU or a GPU (all on one device); the bucket lives there too.
 class GradientReducer {
  public:
   explicit GradientReducer(size_t bucket_bytes = kDefaultBucketBytes);
@@ -81,7 +85,7 @@ class GradientReducer {
 
  private:
   size_t bucket_elems_;
-  std::vector<float> buffer_;  // (bucket_elems,)
+  Tensor buffer_;  // (bucket_elems) on the gradients' device
   int64_t buckets_ = 0;
 };
 

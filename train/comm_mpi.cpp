@@ -16,6 +16,9 @@
 
 #include "autograd/error.h"
 #include "train/comm.h"
+#ifdef KVLAB_WITH_NCCL
+#include "autograd/backend/cuda/collectives.h"
+#endif
 
 namespace kvlab {
 
@@ -89,6 +92,28 @@ class MpiCommunicator final : public Communicator {
   double timeout_s() const override { return timeout_; }
   void fail() override { g_failed = true; }
 
+  using Communicator::allreduce_mean;
+#ifdef KVLAB_WITH_NCCL
+  // GPU buffers: NCCL, its group set up on first use with the unique id broadcast over MPI.
+  void allreduce_mean(const Tensor& flat, std::string_view what) override {
+    if (flat.device() == Device::CPU) return Communicator::allreduce_mean(flat, what);
+    KVLAB_CHECK(flat.dtype() == DType::F32 && flat.is_contiguous(), what,
+                ": all-reduce needs a contiguous f32 buffer");
+    if (!nccl_) {
+      cuda::NcclId id{};
+      if (rank_ == 0) id = cuda::nccl_unique_id();
+      broadcast(std::as_writable_bytes(std::span<char>(id)), 0, "broadcast of the NCCL id");
+      nccl_ = std::make_unique<cuda::NcclGroup>(size_, rank_, id, timeout_);
+    }
+    try {
+      nccl_->allreduce_mean(flat.data<float>(), flat.numel(), what);
+    } catch (const Error& e) {
+      g_failed = true;
+      KVLAB_CHECK(false, "rank ", rank_, ": ", e.what());
+    }
+  }
+#endif
+
   void allreduce_mean(std::span<float> data, std::string_view what) override {
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count(data.size(), what), MPI_FLOAT, MPI_SUM,
@@ -150,6 +175,9 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+#ifdef KVLAB_WITH_NCCL
+  std::unique_ptr<cuda::NcclGroup> nccl_;
+#endif
   void check(int rc, std::string_view what) {
     if (rc == MPI_SUCCESS) return;
     g_failed = true;

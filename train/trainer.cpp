@@ -1,5 +1,9 @@
 #include "train/trainer.h"
 
+#ifdef KVLAB_WITH_NCCL
+#include "autograd/backend/cuda/collectives.h"
+#endif
+
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -148,10 +152,15 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
         " data-parallel ranks were started with different settings "
         "or corpora; start every rank with the same flags");
   }
+#ifdef KVLAB_WITH_NCCL
+  if (world > 1 && cfg_.device == Device::CUDA) cuda::select_device(comm_->local_rank());
+#else
   KVLAB_CHECK(world == 1 || cfg_.device == Device::CPU,
-              "train: data-parallel training runs on "
-              "CPU ranks only in this build (the GPU all-reduce is not written yet); use one "
-              "process with the cuda device");
+              "train: data-parallel training on GPUs needs a build with NCCL; this one reduces "
+              "CPU gradients only");
+#endif
+  KVLAB_CHECK(cfg_.zero == 0 || world == 1 || cfg_.device == Device::CPU,
+              "train: --zero 1 shards CPU optimizer state only; drop it for GPU ranks");
   if (!cfg_.out_dir.empty() && rank == 0) ensure_writable_dir(cfg_.out_dir, "train");
   model_ = std::make_unique<GPT>(cfg_.model, cfg_.seed);  // initialised on the CPU, then moved
   model_->to(cfg_.device);
@@ -269,8 +278,10 @@ void Trainer::save(const fs::path& file) {
 
 void Trainer::check_replicas_agree() {
   uint64_t h = hash_bytes(nullptr, 0);
-  for (const auto& [name, p] : model_->named_parameters())
-    h = hash_bytes(p.data<float>(), static_cast<size_t>(p.numel()) * sizeof(float), h);
+  for (const auto& [name, p] : model_->named_parameters()) {
+    const Tensor host = p.to(Device::CPU);
+    h = hash_bytes(host.data<float>(), static_cast<size_t>(host.numel()) * sizeof(float), h);
+  }
   KVLAB_CHECK(same_on_all_ranks(*comm_, h, "check of the replicas"), "train: at step ", step_,
               " the ", comm_->world_size(), " data-parallel ranks hold different weights");
 }
