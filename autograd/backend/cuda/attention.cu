@@ -8,6 +8,9 @@
 //         registers: no atomics, so the result is deterministic.
 // Probabilities are rebuilt as exp(s - m) * (1/sum), the CPU's formula, not from a log-sum-exp
 // (whose rounding the softmax backward amplifies; see cpu/attention.cpp).
+// Decode (T == 1, no dropout) has its own split-K forward: a block per (b, KV head, key split)
+// serves all the group's query heads from one read of K and V, and a second kernel merges the
+// splits' partial softmax states.
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +38,10 @@ constexpr int kMaxHeadSize = 256;
 // kv_lengths travel in the kernel arguments up to this batch size, else in a device buffer.
 constexpr int kInlineLengths = 64;
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
+// decode: each key split covers at least kDecodeMinKeys keys; splits are added until the grid
+// has kDecodeBlocksPerSm blocks per SM.
+constexpr int64_t kDecodeMinKeys = 64;
+constexpr int kDecodeBlocksPerSm = 4;
 
 __host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -467,6 +474,184 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// How decode divides each row's keys: `count` splits of `keys` keys (a multiple of kKeyTile),
+// sized by S; a split past a row's kv_len is empty. `chunks` blocks share each (b, KV head,
+// split), each serving up to kQueryTile query heads of the group.
+struct DecodeSplits {
+  int64_t count, keys, chunks;
+};
+
+// Stages keys [0, rows) of k and v into (kKeyTile, kpad) ks and (kKeyTile, hs) vs, zeroing rows
+// [rows, kKeyTile) as load_rows does. Unlike load_rows, which waits for one row per warp at a
+// time, a lane has 16 loads in flight: decode reads each key once, so it waits on memory.
+template <class T, int DPL>
+__device__ inline void load_kv_tile(T* ks, int kpad, T* vs, const T* k, int64_t kst, const T* v,
+                                    int64_t vst, int rows, int hs) {
+  constexpr int kRows = DPL >= 8 ? 1 : 8 / DPL;  // rows a warp loads at once
+  static_assert(kKeyTile % (kWarps * kRows) == 0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int r0 = warp * kRows; r0 < kKeyTile; r0 += kWarps * kRows) {
+    T kx[kRows][DPL], vx[kRows][DPL];
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int r = r0 + rr, d = lane + 32 * i;
+        const bool ok = r < rows && d < hs;
+        kx[rr][i] = ok ? k[r * kst + d] : T(0);
+        vx[rr][i] = ok ? v[r * vst + d] : T(0);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int r = r0 + rr, d = lane + 32 * i;
+        if (d < hs) {
+          ks[r * kpad + d] = kx[rr][i];
+          vs[r * hs + d] = vx[rr][i];
+        }
+      }
+    }
+  }
+}
+
+// Decode, T == 1: block x covers key split x / (B NKV chunks) of KV head (b, g) for query
+// heads h0 .. h0 + heads of its group, R per warp, laid out as the forward kernel's query rows
+// (same shared memory). The single query sees all kv_len(b) keys. With one split it writes out;
+// else, per head, the split's max m, sum l and unnormalised output to part (B, NH, splits,
+// HS + 2) as (acc, m, l), an empty split (m = -inf, l = 0, acc = 0) included.
+template <class T, int DPL, int R>
+__global__ void __launch_bounds__(kBlockThreads)
+    attention_decode_kernel(View<T> out, T* part, View<const T> q, View<const T> k, View<const T> v,
+                            Params<T> p, DecodeSplits sp) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int hs = static_cast<int>(p.hs), kpad = p.kpad;
+  T* qs = reinterpret_cast<T*>(smem);  // (kWarps R, hs) of a (kQueryTile, hs) region
+  T* ks = qs + kQueryTile * hs;        // (kKeyTile, kpad)
+  T* vs = ks + kKeyTile * kpad;        // (kKeyTile, hs)
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t x = blockIdx.x, c = x % sp.chunks, g = x / sp.chunks % p.nkv;
+  const int64_t b = x / (sp.chunks * p.nkv) % p.batch, split = x / (sp.chunks * p.nkv * p.batch);
+  const int64_t h0 = g * p.group + c * kWarps * R;
+  const int heads = static_cast<int>(min64(kWarps * R, (g + 1) * p.group - h0));
+  const int wrows = static_cast<int>(max64(0, min64(R, heads - warp * R)));  // this warp's heads
+  const int64_t j_begin = split * sp.keys, j_end = min64(p.kv_len(b), j_begin + sp.keys);
+
+  load_rows(qs, hs, q.row(b, h0, 0), q.v.sh, heads, kWarps * R, hs);
+  T m[R], l[R], acc[R][DPL];  // l: this lane's keys only
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = T(0);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[r][i] = T(0);
+  }
+
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {  // block-uniform bounds
+    const int nk = static_cast<int>(min64(kKeyTile, j_end - j0));
+    __syncthreads();  // q is staged, the previous tile consumed
+    load_kv_tile<T, DPL>(ks, kpad, vs, k.row(b, g, j0), k.v.st, v.row(b, g, j0), v.v.st, nk, hs);
+    __syncthreads();
+    if (wrows == 0) continue;  // warp-uniform
+    T sc[R];
+    row_dots(sc, qs + warp * R * hs, hs, ks + lane * kpad, 0, hs);
+    const bool vis = lane < nk;
+    T w[R];  // this lane's unnormalised probability, per head
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      w[r] = T(0);
+      if (r < wrows) {  // warp-uniform; lane 0's key is valid, so m_new is finite
+        const T xs = vis ? sc[r] * p.scale : T(-INFINITY);
+        const T m_new = max(m[r], warp_max(xs));
+        const T corr = exp_t(m[r] - m_new);
+        w[r] = vis ? exp_t(xs - m_new) : T(0);
+        l[r] = l[r] * corr + w[r];
+        m[r] = m_new;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] *= corr;
+      }
+    }
+    for (int jj = 0; jj < nk; ++jj) {
+      T vj[DPL];
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        vj[i] = d < hs ? vs[jj * hs + d] : T(0);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const T wj = __shfl_sync(0xffffffffu, w[r], jj);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] += wj * vj[i];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= wrows) continue;  // warp-uniform
+    const int64_t h = h0 + warp * R + r;
+    const T sum = warp_sum(l[r]);
+    if (part == nullptr) {  // one split: it holds every key, so sum >= 1
+      const T inv = T(1) / sum;
+      T* o = out.row(b, h, 0);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        if (d < hs) o[d] = acc[r][i] * inv;
+      }
+    } else {
+      T* rec = part + ((b * p.nh + h) * sp.count + split) * (hs + 2);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        if (d < hs) rec[d] = acc[r][i];
+      }
+      if (lane == 0) {
+        rec[hs] = m[r];
+        rec[hs + 1] = sum;
+      }
+    }
+  }
+}
+
+// Merges the decode splits of part (B, NH, splits, HS + 2) into out, a warp per (b, h), in
+// split order: out = sum_i e_i acc_i / sum_i e_i l_i with e_i = exp(m_i - max m). Split 0
+// always holds key 0, so the max is finite and an empty split gets e_i = 0.
+template <class T, int DPL>
+__global__ void __launch_bounds__(kBlockThreads)
+    attention_decode_combine_kernel(View<T> out, const T* part, Params<T> p, int64_t splits) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // b NH + h
+  if (row >= p.batch * p.nh) return;  // warp-uniform, and no barrier follows
+  const int hs = static_cast<int>(p.hs);
+  const T* rec = part + row * splits * (hs + 2);
+  T mx = -INFINITY;
+  for (int64_t i = lane; i < splits; i += 32) mx = max(mx, rec[i * (hs + 2) + hs]);
+  mx = warp_max(mx);
+  T sum = T(0), o[DPL];
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) o[i] = T(0);
+  for (int64_t s = 0; s < splits; ++s) {
+    const T* r = rec + s * (hs + 2);
+    const T e = exp_t(r[hs] - mx);
+    sum += e * r[hs + 1];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const int d = lane + 32 * i;
+      if (d < hs) o[i] += e * r[d];
+    }
+  }
+  const T inv = T(1) / sum;
+  T* dst = out.row(row / p.nh, row % p.nh, 0);
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) {
+    const int d = lane + 32 * i;
+    if (d < hs) dst[d] = o[i] * inv;
+  }
+}
+
 // Stream-ordered device scratch, freed on the stream after the kernels queued before it.
 class Scratch {
  public:
@@ -569,6 +754,71 @@ void allow_shared(Kernel kernel, size_t bytes) {
                                   static_cast<int>(bytes)));
 }
 
+int sm_count() {
+  static const int sms = [] {
+    int device = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  return sms;
+}
+
+// Calls f(std::integral_constant<int, R>) with the query heads per warp (1, 2 or 4) that spread
+// min(group, kQueryTile) heads over the block's warps.
+template <class F>
+void with_decode_rows(int64_t group, F&& f) {
+  const int64_t per_warp = ceil_div(min64(group, kQueryTile), kWarps);
+  if (per_warp <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (per_warp <= 2) {
+    f(std::integral_constant<int, 2>{});
+  } else {
+    f(std::integral_constant<int, kRowsPerWarp>{});
+  }
+}
+
+// Splits by S, not by each row's kv_len, so boundaries depend only on the shape (and the
+// device's SM count): results are deterministic.
+DecodeSplits decode_splits(int64_t kv_heads, int64_t chunks, int64_t S) {
+  const int64_t want =
+      ceil_div(static_cast<int64_t>(kDecodeBlocksPerSm) * sm_count(), kv_heads * chunks);
+  const int64_t count = max64(1, min64(want, S / kDecodeMinKeys));
+  const int64_t keys = ceil_div(ceil_div(S, count), kKeyTile) * kKeyTile;
+  return {ceil_div(S, keys), keys, chunks};
+}
+
+// The flash kernel would give each (b, h) of a decode step a block with one busy warp walking
+// all keys; here blocks split the keys, and a KV head's K and V serve its whole group at once.
+template <class T>
+void decode_forward(View<T> out, View<const T> q, View<const T> k, View<const T> v,
+                    const Params<T>& p) {
+  const size_t smem = forward_shared_bytes<T>(p.hs, p.kpad);
+  with_decode_rows(p.group, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    const int64_t chunks = ceil_div(p.group, kWarps * R);
+    const DecodeSplits sp = decode_splits(p.batch * p.nkv, chunks, p.nk);
+    // part (B, NH, splits, HS + 2): each split's acc, m, l; none with one split
+    const int64_t part_elems = sp.count > 1 ? p.batch * p.nh * sp.count * (p.hs + 2) : 0;
+    Scratch part(static_cast<size_t>(part_elems) * sizeof(T));
+    with_head_size(p.hs, [&](auto dpl) {
+      constexpr int DPL = decltype(dpl)::value;
+      const auto kernel = attention_decode_kernel<T, DPL, R>;
+      allow_shared(kernel, smem);
+      kernel<<<grid_size(p.batch * p.nkv * chunks * sp.count), kBlockThreads, smem, stream()>>>(
+          out, part.as<T>(), q, k, v, p, sp);
+      KVLAB_LAUNCH_CHECK();
+      if (sp.count > 1) {
+        attention_decode_combine_kernel<T, DPL>
+            <<<grid_size(ceil_div(p.batch * p.nh, kWarps)), kBlockThreads, 0, stream()>>>(
+                out, part.as<T>(), p, sp.count);
+        KVLAB_LAUNCH_CHECK();
+      }
+    });
+    part.release();
+  });
+}
+
 }  // namespace
 
 template <class T>
@@ -578,15 +828,19 @@ void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const T
   check_shape(s);
   Scratch lengths(device_lengths_bytes(s));
   const Params<T> p = make_params<T>(s, lengths.as<int64_t>());
-  const unsigned blocks = grid_size(s.B * s.NH * ceil_div(s.T, kQueryTile));
-  const size_t smem = forward_shared_bytes<T>(s.HS, p.kpad);
-  with_head_size(s.HS, [&](auto dpl) {
-    const auto kernel = attention_forward_kernel<T, decltype(dpl)::value>;
-    allow_shared(kernel, smem);
-    kernel<<<blocks, kBlockThreads, smem, stream()>>>({out, out_v}, {q, q_v}, {k, k_v}, {v, v_v},
-                                                      p);
-    KVLAB_LAUNCH_CHECK();
-  });
+  if (s.T == 1 && !p.drop) {
+    decode_forward<T>({out, out_v}, {q, q_v}, {k, k_v}, {v, v_v}, p);
+  } else {
+    const unsigned blocks = grid_size(s.B * s.NH * ceil_div(s.T, kQueryTile));
+    const size_t smem = forward_shared_bytes<T>(s.HS, p.kpad);
+    with_head_size(s.HS, [&](auto dpl) {
+      const auto kernel = attention_forward_kernel<T, decltype(dpl)::value>;
+      allow_shared(kernel, smem);
+      kernel<<<blocks, kBlockThreads, smem, stream()>>>({out, out_v}, {q, q_v}, {k, k_v}, {v, v_v},
+                                                        p);
+      KVLAB_LAUNCH_CHECK();
+    });
+  }
   lengths.release();
 }
 
