@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "apps/cli.h"
+#include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"
@@ -35,6 +36,7 @@ struct BenchArgs {
   int64_t prompt_tokens = 16;
   int runs = 3;
   bool skip_no_cache = false;
+  std::string device = "cpu", dtype = "f32";
   uint64_t seed = 0;
   std::string json_path;
 };
@@ -132,6 +134,8 @@ void print_cache_report(const json& rep, const json& speed) {
 }
 
 void run_bench_generate(BenchArgs& a) {
+  const Device device = parse_device(a.device);
+  const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
   KVLAB_USAGE_CHECK(a.runs >= 1, "--runs must be >= 1, got ", a.runs);
   KVLAB_USAGE_CHECK(a.prompt_tokens >= 1, "--prompt-tokens must be >= 1, got ", a.prompt_tokens);
   for (int64_t n : a.new_tokens)
@@ -162,12 +166,14 @@ void run_bench_generate(BenchArgs& a) {
     KVLAB_USAGE_CHECK(nkv >= 1 && nkv <= a.cfg.n_head && a.cfg.n_head % nkv == 0,
                       "--kv-heads: ", nkv, " does not divide n_head = ", a.cfg.n_head);
 
+  model->to(device);
   BenchGenerateOptions o;
   o.prompt_tokens = a.prompt_tokens;
   o.new_tokens = a.new_tokens;
   o.runs = a.runs;
   o.no_cache = !a.skip_no_cache;
   o.seed = a.seed;
+  o.device = device;
   o.progress = [](const std::string& line) {
     std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
   };
@@ -217,6 +223,7 @@ void add_bench_command(CLI::App& root) {
   gen->add_option("--runs", args->runs, "Measured runs per setting (median)")
       ->capture_default_str();
   gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");
+  add_device_flags(gen, args->device, args->dtype);
   gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
       ->capture_default_str();
   gen->add_option("--json", args->json_path, "Write the results as JSON to this file");

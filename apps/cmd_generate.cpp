@@ -20,6 +20,7 @@ namespace {
 struct GenerateArgs {
   std::string ckpt;
   std::string device = "cpu";
+  std::string dtype = "f32";
   std::string prompt;
   std::string prompt_file;
   bool has_prompt = false, has_prompt_file = false;
@@ -81,6 +82,7 @@ void check_args(const GenerateArgs& a) {
 void run_generate(const GenerateArgs& a) {
   check_args(a);
   const Device device = parse_device(a.device);
+  const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
   const std::vector<std::string> prompts = prompts_of(a);
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
@@ -196,7 +198,7 @@ void add_generate_command(CLI::App& root) {
       "generate", "Generate text from a checkpoint through the KV cache, streamed as it is made");
   cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
       ->required();
-  add_device_flag(cmd, args->device);
+  add_device_flags(cmd, args->device, args->dtype);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =
       cmd->add_option("--prompt-file", args->prompt_file,

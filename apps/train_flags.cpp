@@ -58,13 +58,18 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
       ->capture_default_str();
   cmd->add_option("--seed", c.seed, "Seed of the initial weights, batches and dropout")
       ->capture_default_str();
-  add_device_flag(cmd, f.device);
+  add_device_flags(cmd, f.device, f.dtype);
 }
 
-void add_device_flag(CLI::App* cmd, std::string& device) {
+void add_device_flags(CLI::App* cmd, std::string& device, std::string& dtype) {
   cmd->add_option("--device", device,
                   "cpu, or cuda (the first visible GPU; needs a build with the CUDA backend)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--dtype", dtype,
+                  "f32, or bf16 on cuda: matrix products in bf16 with f32 accumulation; "
+                  "weights, optimizer state and checkpoints stay f32")
+      ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
 }
 
@@ -74,11 +79,19 @@ Device parse_device(const std::string& device) {
   return d;
 }
 
+MatmulPrecision parse_dtype(const std::string& dtype, Device device) {
+  if (dtype != "bf16") return MatmulPrecision::F32;
+  KVLAB_USAGE_CHECK(device == Device::CUDA, "--dtype bf16 needs --device cuda (the CPU computes "
+                    "in f32)");
+  return MatmulPrecision::BF16;
+}
+
 TrainConfig finish_train_flags(const TrainFlags& f) {
   TrainConfig c = f.cfg;
   c.model.n_kv_head = f.n_kv_head > 0 ? f.n_kv_head : c.model.n_head;
   c.model.tied = !f.untied;
   c.device = parse_device(f.device);
+  c.precision = parse_dtype(f.dtype, c.device);
   KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,
                     ": no such file (pass --corpus FILE, or run scripts/setup.sh for the "
                     "default corpus)");

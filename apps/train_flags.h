@@ -12,12 +12,15 @@ struct TrainFlags {
   int64_t n_kv_head = 0;  // 0: n_head (MHA)
   bool untied = false;
   std::string device = "cpu";
+  std::string dtype = "f32";
 };
 
-// --device cpu|cuda, shared by the commands that run a model.
-void add_device_flag(CLI::App* cmd, std::string& device);
+// --device cpu|cuda and --dtype f32|bf16, shared by the commands that run a model.
+void add_device_flags(CLI::App* cmd, std::string& device, std::string& dtype);
 // The parsed --device; cuda without a visible GPU (or without the backend) is an error.
 Device parse_device(const std::string& device);
+// The parsed --dtype for `device`: bf16 (GEMMs in bf16 with f32 accumulation) needs cuda.
+MatmulPrecision parse_dtype(const std::string& dtype, Device device);
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

@@ -9,6 +9,7 @@
 
 #include "autograd/backend/cuda/kernels.h"
 #include "autograd/graph.h"
+#include "autograd/ops/ops.h"
 #include "bench/bench_util.h"
 #include "infer/engine.h"
 #include "nn/adamw.h"
@@ -43,7 +44,8 @@ GPTConfig config(int64_t L, int64_t NH, int64_t NKV, int64_t C, int64_t T, int64
 
 // Median seconds of a training step (forward, backward, clipping, AdamW; the loss is read
 // back every step, which synchronises).
-double step_seconds(const TrainCase& tc, int warmup, int timed) {
+double step_seconds(const TrainCase& tc, MatmulPrecision precision, int warmup, int timed) {
+  const MatmulPrecisionGuard guard(precision);
   GPT model(tc.cfg, 1);
   model.to(Device::CUDA);
   const NamedTensors params = model.named_parameters();
@@ -92,35 +94,38 @@ int run(int argc, char** argv) {
   bench::Json out = {
       {"bf16_gemm_tflops", bf16_tflops}, {"f32_gemm_tflops", f32_tflops}, {"copy_gbps", gbps}};
 
-  // Training: the engine runs f32 on the GPU today; MFU is given against both peaks.
+  // Training in f32 and with bf16 products (f32 master weights); MFU against both peaks.
   const std::vector<TrainCase> cases = {
       {"gpt2-small NKV 12", config(12, 12, 12, 768, 1024, 50304), gpt2_batch},
       {"gpt2-small NKV 4", config(12, 12, 4, 768, 1024, 50304), gpt2_batch},
       {"gpt2-small NKV 1", config(12, 12, 1, 768, 1024, 50304), gpt2_batch},
       {"shakespeare 6/6/384", config(6, 6, 6, 384, 256, 65), 64},
   };
-  bench::Table train("training step, f32 on the GPU",
-                     {"config", "tokens/s", "step ms", "TFLOP/s", "MFU vs bf16", "vs f32 GEMM"});
+  bench::Table train("training step on the GPU", {"config", "dtype", "tokens/s", "step ms",
+                                                  "TFLOP/s", "MFU vs bf16", "vs f32 GEMM"});
   out["train"] = bench::Json::array();
-  for (const TrainCase& tc : cases) {
-    const double s = step_seconds(tc, warmup, timed);
-    const GPTConfig& c = tc.cfg;
-    const double tokens = static_cast<double>(tc.batch * c.block_size);
-    // 6 x matmul parameters (position table excluded, tied head counted once) + attention
-    // (QK^T and PV forward and backward, causal half: 6 L T C per token).
-    const double params = static_cast<double>(count_parameters(c) - c.block_size * c.n_embd);
-    const double flops = tokens * (6.0 * params + 6.0 * c.n_layer * c.block_size * c.n_embd);
-    const double tflops = flops / s / 1e12;
-    train.add_row({tc.name, bench::fmt(tokens / s, 0), bench::fmt(s * 1e3, 1),
-                   bench::fmt(tflops, 1), bench::fmt(tflops / bf16_tflops, 3),
-                   bench::fmt(tflops / f32_tflops, 2)});
-    out["train"].push_back({{"config", tc.name},
-                            {"tokens_per_s", tokens / s},
-                            {"step_ms", s * 1e3},
-                            {"tflops", tflops},
-                            {"mfu_bf16", tflops / bf16_tflops},
-                            {"fraction_of_f32_gemm", tflops / f32_tflops}});
-  }
+  for (const TrainCase& tc : cases)
+    for (const MatmulPrecision precision : {MatmulPrecision::F32, MatmulPrecision::BF16}) {
+      const char* dtype = precision == MatmulPrecision::BF16 ? "bf16" : "f32";
+      const double s = step_seconds(tc, precision, warmup, timed);
+      const GPTConfig& c = tc.cfg;
+      const double tokens = static_cast<double>(tc.batch * c.block_size);
+      // 6 x matmul parameters (position table excluded, tied head counted once) + attention
+      // (QK^T and PV forward and backward, causal half: 6 L T C per token).
+      const double params = static_cast<double>(count_parameters(c) - c.block_size * c.n_embd);
+      const double flops = tokens * (6.0 * params + 6.0 * c.n_layer * c.block_size * c.n_embd);
+      const double tflops = flops / s / 1e12;
+      train.add_row({tc.name, dtype, bench::fmt(tokens / s, 0), bench::fmt(s * 1e3, 1),
+                     bench::fmt(tflops, 1), bench::fmt(tflops / bf16_tflops, 3),
+                     bench::fmt(tflops / f32_tflops, 2)});
+      out["train"].push_back({{"config", tc.name},
+                              {"dtype", dtype},
+                              {"tokens_per_s", tokens / s},
+                              {"step_ms", s * 1e3},
+                              {"tflops", tflops},
+                              {"mfu_bf16", tflops / bf16_tflops},
+                              {"fraction_of_f32_gemm", tflops / f32_tflops}});
+    }
   train.print();
 
   // Decode: greedy, 16-token prompts, 128 new tokens, GPT-2-small shape with random weights.

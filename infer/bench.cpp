@@ -230,6 +230,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     c.n_kv_head = nkv;
     GPT model(c, o.seed + 1);
     model.set_training(false);
+    model.to(o.device);
     Engine engine(model, tok);
     GenerateOptions g;
     g.max_new_tokens = n;

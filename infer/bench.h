@@ -21,6 +21,7 @@ struct BenchGenerateOptions {
   bool no_cache = true;     // also measure recomputation without the cache
   int position_points = 8;  // sample points of time per token against position
   uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
+  Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
   std::function<void(const std::string&)> progress;  // one line per measured setting
 };
 

@@ -38,6 +38,8 @@ void TrainConfig::validate() const {
               val_fraction);
   KVLAB_CHECK(zero == 0 || zero == 1, "train: zero must be 0 or 1 (ZeRO stage 1), got ", zero);
   check_device_available(device);
+  KVLAB_CHECK(precision == MatmulPrecision::F32 || device == Device::CUDA,
+              "train: bf16 needs the cuda device (the CPU computes in f32)");
 }
 
 Attrs TrainConfig::to_attrs() const {
@@ -311,6 +313,7 @@ void Trainer::append_log(const StepRecord& r) {
 
 double Trainer::evaluate() {
   NoGradGuard no_grad;
+  MatmulPrecisionGuard precision(cfg_.precision);
   const bool was_training = model_->training();
   model_->set_training(false);
   const int64_t B = cfg_.batch_size, T = cfg_.model.block_size;
@@ -346,6 +349,7 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
   const int64_t B = cfg_.batch_size, T = cfg_.model.block_size;
   const int64_t ckpt_every = cfg_.ckpt_interval > 0 ? cfg_.ckpt_interval : cfg_.eval_interval;
   const int world = comm_->world_size();
+  MatmulPrecisionGuard precision(cfg_.precision);
   model_->set_training(true);
   if (step_ == 0) {  // the curve starts at the initial weights
     StepRecord r;

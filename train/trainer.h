@@ -23,6 +23,7 @@
 #include "data/corpus.h"
 #include "data/sampler.h"
 #include "nn/adamw.h"
+#include "autograd/ops/ops.h"
 #include "nn/gpt.h"
 #include "train/comm.h"
 #include "train/zero.h"
@@ -56,6 +57,9 @@ struct TrainConfig {
   // Where the model, its gradients and the optimizer state live. Not part of to_attrs(): a
   // checkpoint written on one device resumes or generates on the other.
   Device device = Device::CPU;
+  // GEMM precision on a GPU: bf16 multiplies bf16-rounded operands with f32 accumulation;
+  // weights, optimizer state and checkpoints stay f32 (autograd/ops/ops.h). Not in to_attrs().
+  MatmulPrecision precision = MatmulPrecision::F32;
 
   // Throws UsageError-style kvlab::Error naming the setting.
   void validate() const;

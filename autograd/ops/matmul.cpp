@@ -1,3 +1,5 @@
+#include <type_traits>
+
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -6,6 +8,45 @@ namespace kvlab {
 using namespace ops_detail;
 
 namespace {
+thread_local MatmulPrecision g_precision = MatmulPrecision::F32;
+}  // namespace
+
+MatmulPrecision matmul_precision() { return g_precision; }
+MatmulPrecisionGuard::MatmulPrecisionGuard(MatmulPrecision p) : prev_(g_precision) {
+  g_precision = p;
+}
+MatmulPrecisionGuard::~MatmulPrecisionGuard() { g_precision = prev_; }
+
+namespace {
+
+// c = op(a) op(b) + beta c over `batch` matrices of a, b, c (contiguous buffers; matrix i
+// starts sa, sb, sc elements after the previous), on the buffers' device. In bf16 precision on
+// a GPU the f32 operands are rounded to bf16 copies and multiplied on the tensor cores with f32
+// accumulation; everywhere else the product is the plain one of the dtype.
+template <class T>
+void product(MatmulPrecision precision, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+             const Tensor& a, int64_t lda, int64_t sa, const Tensor& b, int64_t ldb, int64_t sb,
+             T beta, const Tensor& c, int64_t ldc, int64_t sc, int64_t batch) {
+  const Device dev = c.device();
+#ifdef KVLAB_WITH_CUDA
+  if constexpr (std::is_same_v<T, float>) {
+    if (precision == MatmulPrecision::BF16 && dev == Device::CUDA) {
+      const Tensor a16 = a.to(DType::BF16), b16 = b.to(DType::BF16);  // same layout, rounded
+      cuda::gemm_bf16(ta, tb, M, N, K, 1.0f, static_cast<const uint16_t*>(a16.raw_data()), lda, sa,
+                      static_cast<const uint16_t*>(b16.raw_data()), ldb, sb, beta, c.data<float>(),
+                      ldc, sc, batch);
+      return;
+    }
+  }
+#endif
+  (void)precision;
+  if (batch == 1)
+    KVLAB_KERNEL(dev, gemm<T>(ta, tb, M, N, K, T(1), a.data<T>(), lda, b.data<T>(), ldb, beta,
+                              c.data<T>(), ldc));
+  else
+    KVLAB_KERNEL(dev, gemm_batched<T>(ta, tb, M, N, K, T(1), a.data<T>(), lda, sa, b.data<T>(), ldb,
+                                      sb, beta, c.data<T>(), ldc, sc, batch));
+}
 
 std::string mm_desc(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   return detail::cat(a.shape_str(), ta ? "^T" : "", " @ ", b.shape_str(), tb ? "^T" : "");
@@ -13,7 +54,8 @@ std::string mm_desc(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 
 // op(a) @ op(b) without recording. a (..., M, K) or (..., K, M); b (..., K, N), (..., N, K), or
 // a 2-D matrix shared by every leading index of a (then a must not be transposed).
-Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb) {
+Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb,
+                  MatmulPrecision precision) {
   check_defined("matmul", a_in);
   check_defined("matmul", b_in);
   check_same_dtype("matmul", a_in, b_in);
@@ -43,16 +85,12 @@ Tensor matmul_raw(const Tensor& a_in, const Tensor& b_in, bool ta, bool tb) {
   const int64_t batch = shape_numel(Shape(a.sizes().begin(), a.sizes().end() - 2));
   dispatch_float(a.dtype(), "matmul", [&](auto tag) {
     using T = decltype(tag);
-    const T* pa = a.data<T>();
-    const T* pb = b.data<T>();
-    T* pc = out.data<T>();
     const int64_t lda = a.size(-1), ldb = b.size(-1);
-    if (shared_b) {  // fold the batch into the rows of a
-      KVLAB_KERNEL(dev, gemm<T>(false, tb, batch * M, N, Ka, T(1), pa, lda, pb, ldb, T(0), pc, N));
-      return;
-    }
-    KVLAB_KERNEL(dev, gemm_batched<T>(ta, tb, M, N, Ka, T(1), pa, lda, M * Ka, pb, ldb, Ka * N,
-                                      T(0), pc, N, M * N, batch));
+    if (shared_b)  // fold the batch into the rows of a
+      product<T>(precision, false, tb, batch * M, N, Ka, a, lda, 0, b, ldb, 0, T(0), out, N, 0, 1);
+    else
+      product<T>(precision, ta, tb, M, N, Ka, a, lda, M * Ka, b, ldb, Ka * N, T(0), out, N, M * N,
+                 batch);
   });
   return out;
 }
@@ -68,17 +106,20 @@ Tensor flatten_rows(const Tensor& t) {
 struct MatmulNode : Node {
   Tensor a, b;
   bool ta, tb;
+  MatmulPrecision precision;  // of the forward, for the backward products
   const char* name() const override { return "matmul"; }
   std::vector<Tensor> backward(const Tensor& g) override {
     Tensor ga, gb;
     const bool shared_b = b.dim() == 2 && a.dim() > 2;
-    if (inputs[0].defined()) ga = ta ? matmul_raw(b, g, tb, true) : matmul_raw(g, b, false, !tb);
+    if (inputs[0].defined())
+      ga = ta ? matmul_raw(b, g, tb, true, precision) : matmul_raw(g, b, false, !tb, precision);
     if (inputs[1].defined()) {
       if (shared_b) {
         const Tensor af = flatten_rows(a), gf = flatten_rows(g);
-        gb = tb ? matmul_raw(gf, af, true, false) : matmul_raw(af, gf, true, false);
+        gb = tb ? matmul_raw(gf, af, true, false, precision)
+                : matmul_raw(af, gf, true, false, precision);
       } else {
-        gb = tb ? matmul_raw(g, a, true, ta) : matmul_raw(a, g, !ta, false);
+        gb = tb ? matmul_raw(g, a, true, ta, precision) : matmul_raw(a, g, !ta, false, precision);
       }
     }
     return {ga, gb};
@@ -92,6 +133,7 @@ struct MatmulNode : Node {
 struct LinearNode : Node {
   Tensor x, w;  // x as (N, in)
   Shape x_shape;
+  MatmulPrecision precision;  // of the forward, for the backward products
   const char* name() const override { return "linear"; }
   std::vector<Tensor> backward(const Tensor& g) override {
     const Tensor gf = flatten_rows(g);  // (N, out)
@@ -102,13 +144,11 @@ struct LinearNode : Node {
       using T = decltype(tag);
       if (inputs[0].defined()) {
         dx = Tensor::empty(x_shape, x.dtype(), dev);  // (N, in) = g (N, out) @ w (out, in)
-        KVLAB_KERNEL(dev, gemm<T>(false, false, N, in, out, T(1), gf.data<T>(), out, w.data<T>(),
-                                  in, T(0), dx.data<T>(), in));
+        product<T>(precision, false, false, N, in, out, gf, out, 0, w, in, 0, T(0), dx, in, 0, 1);
       }
       if (inputs[1].defined()) {
         dw = Tensor::empty(w.sizes(), w.dtype(), dev);  // (out, in) = g^T (out, N) @ x (N, in)
-        KVLAB_KERNEL(dev, gemm<T>(true, false, out, in, N, T(1), gf.data<T>(), out, x.data<T>(), in,
-                                  T(0), dw.data<T>(), in));
+        product<T>(precision, true, false, out, in, N, gf, out, 0, x, in, 0, T(0), dw, in, 0, 1);
       }
     });
     if (inputs.size() > 2 && inputs[2].defined()) db = sum_to(gf, {w.size(0)});
@@ -123,13 +163,14 @@ struct LinearNode : Node {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
-  Tensor out = matmul_raw(a, b, trans_a, trans_b);
+  Tensor out = matmul_raw(a, b, trans_a, trans_b, g_precision);
   if (needs_grad({&a, &b})) {
     auto node = std::make_shared<MatmulNode>();
     node->a = a.contiguous().detach();
     node->b = b.contiguous().detach();
     node->ta = trans_a;
     node->tb = trans_b;
+    node->precision = g_precision;
     record(out, node, {&a, &b});
   }
   return out;
@@ -159,14 +200,15 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
         .copy_from(bias.as_strided({N, out_f}, {0, bias.stride(0)}, bias.offset()));
   dispatch_float(x.dtype(), "linear", [&](auto tag) {
     using T = decltype(tag);
-    KVLAB_KERNEL(dev, gemm<T>(false, true, N, out_f, in, T(1), xf.data<T>(), in, wc.data<T>(), in,
-                              bias.defined() ? T(1) : T(0), out.data<T>(), out_f));
+    product<T>(g_precision, false, true, N, out_f, in, xf, in, 0, wc, in, 0,
+               bias.defined() ? T(1) : T(0), out, out_f, 0, 1);
   });
   if (needs_grad({&x, &w, &bias})) {
     auto node = std::make_shared<LinearNode>();
     node->x = xf.detach();
     node->w = wc.detach();
     node->x_shape = x.sizes();
+    node->precision = g_precision;
     record(out, node, {&x, &w, &bias});
   }
   return out;

@@ -32,6 +32,24 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans
 // x (..., in) @ w^T + bias: w is (out, in) as torch.nn.Linear stores it; bias (out) optional.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor());
 
+// Input precision of matmul and linear (forward and their backward products) on a GPU. F32:
+// plain FP32 products, the path compared against the CPU. BF16: f32 operands rounded to bf16
+// and multiplied on the tensor cores with f32 accumulation; outputs, weights and optimizer
+// state stay f32 (mixed precision). The CPU always computes in the tensors' dtype.
+// Thread-local; a recorded node keeps the precision of its forward.
+enum class MatmulPrecision { F32, BF16 };
+MatmulPrecision matmul_precision();
+class MatmulPrecisionGuard {
+ public:
+  explicit MatmulPrecisionGuard(MatmulPrecision p);
+  ~MatmulPrecisionGuard();
+  MatmulPrecisionGuard(const MatmulPrecisionGuard&) = delete;
+  MatmulPrecisionGuard& operator=(const MatmulPrecisionGuard&) = delete;
+
+ private:
+  MatmulPrecision prev_;
+};
+
 // ---- shape.cpp: views share storage where the layout allows ----
 Tensor reshape(const Tensor& x, const Shape& shape);  // one size may be -1
 Tensor transpose(const Tensor& x, int dim0 = -2, int dim1 = -1);

@@ -39,7 +39,9 @@ Tensor tokens_of(int64_t B, int64_t T, int64_t V, uint64_t seed) {
 }
 
 // Losses of `steps` AdamW steps on fixed random batches; the model starts from seed 1 weights.
-std::vector<double> train_losses(Device device, int64_t nkv, int steps) {
+std::vector<double> train_losses(Device device, int64_t nkv, int steps,
+                                 MatmulPrecision precision = MatmulPrecision::F32) {
+  const MatmulPrecisionGuard guard(precision);
   GPT model(small(nkv), 1);
   model.to(device);
   const NamedTensors params = model.named_parameters();
@@ -66,6 +68,14 @@ TEST(CudaGpt, TwentyTrainingStepsMatchTheCpu) {
       EXPECT_NEAR(gpu[i], cpu[i], 1e-4) << "NKV " << nkv << " step " << i;
     EXPECT_LT(cpu.back(), cpu.front());  // it did learn something
   }
+}
+
+TEST(CudaGpt, Bf16TrainingStaysWithinTwoPercentOfTheCpu) {
+  REQUIRE_GPU();
+  const std::vector<double> cpu = train_losses(Device::CPU, 2, 20);
+  const std::vector<double> gpu = train_losses(Device::CUDA, 2, 20, MatmulPrecision::BF16);
+  for (size_t i = 0; i < cpu.size(); ++i)
+    EXPECT_NEAR(gpu[i], cpu[i], 0.02 * cpu[i]) << "step " << i;
 }
 
 TEST(CudaGpt, AdamWMatchesTheCpu) {

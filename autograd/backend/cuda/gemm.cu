@@ -56,6 +56,18 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A
   gemm_batched<T>(ta, tb, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
 }
 
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+               int64_t lda, int64_t sa, const uint16_t* B, int64_t ldb, int64_t sb, float beta,
+               float* C, int64_t ldc, int64_t sc, int64_t batch) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  const int64_t lda1 = lda < 1 ? 1 : lda, ldb1 = ldb < 1 ? 1 : ldb;
+  CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      cublas_handle(), op_of(tb), op_of(ta), as_int(N, "N"), as_int(M, "M"), as_int(K, "K"),
+      &alpha, B, CUDA_R_16BF, as_int(ldb1, "ldb"), sb, A, CUDA_R_16BF, as_int(lda1, "lda"), sa,
+      &beta, C, CUDA_R_32F, as_int(ldc, "ldc"), sc, as_int(batch, "batch"), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT));
+}
+
 #define KVLAB_INSTANTIATE(T)                                                                   \
   template void gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, \
                         int64_t, T, T*, int64_t);                                              \

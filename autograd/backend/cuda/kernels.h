@@ -37,6 +37,13 @@ void gemm_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T
                   int64_t lda, int64_t stride_a, const T* B, int64_t ldb, int64_t stride_b, T beta,
                   T* C, int64_t ldc, int64_t stride_c, int64_t batch);
 
+// Mixed precision: A and B bf16 (raw 16-bit storage), C f32, products accumulated in f32 on
+// the tensor cores. Same layout conventions as gemm / gemm_batched.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const uint16_t* A, int64_t lda, int64_t stride_a, const uint16_t* B, int64_t ldb,
+               int64_t stride_b, float beta, float* C, int64_t ldc, int64_t stride_c,
+               int64_t batch);
+
 // ---- elementwise and reductions (elementwise.cu) ----
 template <class T>
 void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, const T* a,

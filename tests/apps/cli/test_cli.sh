@@ -51,6 +51,11 @@ check "empty corpus" 1 "empty" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/
 check "invalid utf-8" 1 "invalid UTF-8 at byte 0" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/binary.txt" --out "$work/x3"
 check "negative iters" 2 "iters" -- "$KVLAB" train "${tiny[@]}" --iters -1 --out "$work/x4"
 check "unknown flag" 2 "--bogus" -- "$KVLAB" train --bogus
+check "bf16 on the cpu" 2 "--dtype bf16 needs --device cuda" -- "$KVLAB" train "${tiny[@]}" --dtype bf16 --out "$work/x5"
+if ! nvidia-smi -L >/dev/null 2>&1; then  # no GPU here: asking for one is a runtime error
+  check "cuda without a gpu" 1 "CUDA" -- "$KVLAB" train "${tiny[@]}" --device cuda --out "$work/x6"
+  check "generate on cuda without a gpu" 1 "CUDA" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --device cuda
+fi
 check "missing checkpoint" 1 "no such file" -- "$KVLAB" generate --ckpt "$work/none.h5" --prompt a --max-new 2
 check "not a checkpoint" 1 "fake.h5" -- "$KVLAB" inspect "$work/fake.h5"
 check "prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "Zebra" --max-new 2

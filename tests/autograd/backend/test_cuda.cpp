@@ -221,6 +221,9 @@ TEST(Cuda, CausalAttentionForwardBackward) {
   Generator gen(6);
   std::vector<int64_t> many(70);
   for (size_t b = 0; b < many.size(); ++b) many[b] = 3 + static_cast<int64_t>(b % 3);
+  std::vector<int64_t> decode_lengths(70);
+  for (size_t b = 0; b < decode_lengths.size(); ++b)
+    decode_lengths[b] = 1 + static_cast<int64_t>(b * 149 / 69);
   const std::vector<AttnCase> cases = {
       {2, 4, 4, 17, 17, 32, {}, 0.0},       // MHA
       {2, 6, 2, 9, 21, 64, {21, 15}, 0.0},  // GQA, T < S, per-row lengths
@@ -229,6 +232,11 @@ TEST(Cuda, CausalAttentionForwardBackward) {
       {2, 4, 2, 40, 40, 128, {}, 0.2},      // dropout
       {70, 2, 1, 3, 5, 16, many, 0.0},      // lengths for more rows than travel inline
       {1, 2, 2, 130, 130, 256, {}, 0.0},    // largest head size, several tiles
+      // Decode (T = 1) through the split-key kernel: several splits, rows of different
+      // lengths (one of 5 keys), more than 16 heads per KV head, lengths in a device buffer.
+      {3, 8, 2, 1, 700, 64, {700, 5, 333}, 0.0},
+      {1, 32, 1, 1, 300, 256, {}, 0.0},
+      {70, 4, 4, 1, 150, 16, decode_lengths, 0.0},
   };
   for (const AttnCase& c : cases) {
     AttentionOptions o;
@@ -243,6 +251,20 @@ TEST(Cuda, CausalAttentionForwardBackward) {
         {rnd({c.B, c.NH, c.T, c.HS}, gen), rnd({c.B, c.NKV, c.S, c.HS}, gen),
          rnd({c.B, c.NKV, c.S, c.HS}, gen)});
   }
+}
+
+TEST(Cuda, Bf16ProductsStayWithinBf16RoundingOfF32) {
+  REQUIRE_GPU();
+  Generator gen(9);
+  const MatmulPrecisionGuard bf16(MatmulPrecision::BF16);  // the CPU side still computes f32
+  expect_cuda_matches_cpu(
+      "linear with bias, bf16 products",
+      [](auto& x) { return std::vector<Tensor>{linear(x[0], x[1], x[2])}; },
+      {rnd({3, 17, 96}, gen), rnd({40, 96}, gen), rnd({40}, gen)}, 1e-2);
+  expect_cuda_matches_cpu(
+      "batched matmul, bf16 products",
+      [](auto& x) { return std::vector<Tensor>{matmul(x[0], x[1], false, true)}; },
+      {rnd({2, 3, 17, 64}, gen), rnd({2, 3, 9, 64}, gen)}, 1e-2);
 }
 
 TEST(Cuda, MixedDevicesAreAClearError) {

@@ -331,4 +331,17 @@ TEST(OpsMatmul, BadInputsThrow) {
       {"linear", "(4)", "(5, 8)"}));
 }
 
+TEST(Matmul, Bf16PrecisionLeavesCpuProductsInF32) {
+  Generator gen(12);
+  const Tensor x = kvtest::randn({5, 33}, gen, DType::F32);
+  const Tensor w = kvtest::randn({7, 33}, gen, DType::F32);
+  const std::vector<float> f32 = linear(x, w).to_vector<float>();
+  {
+    const MatmulPrecisionGuard bf16(MatmulPrecision::BF16);
+    EXPECT_EQ(matmul_precision(), MatmulPrecision::BF16);
+    EXPECT_EQ(linear(x, w).to_vector<float>(), f32);
+  }
+  EXPECT_EQ(matmul_precision(), MatmulPrecision::F32);  // restored
+}
+
 }  // namespace
