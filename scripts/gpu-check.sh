@@ -17,7 +17,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 if [[ -x build-gpu/bench/bench_cuda && -f build-gpu/lib.tar.xz ]]; then
   echo "== using the programs in build-gpu/ (scripts/gpu-bundle.sh)"
   mkdir -p /tmp/kvlab-gpu && tar -C /tmp/kvlab-gpu -xJf build-gpu/lib.tar.xz
-  export LD_LIBRARY_PATH="/tmp/kvlab-gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  # CUDA's own libraries (cudart, cuBLAS, NCCL) come from the machine: the toolkit, then the
+  # NVIDIA Python wheels PyTorch brings (NCCL may exist only there).
+  wheels=$(python3 -c "import glob, os, site
+print(':'.join(sorted({os.path.dirname(p) for d in site.getsitepackages()
+      for p in glob.glob(os.path.join(d, 'nvidia', '**', 'lib*.so*'), recursive=True)})))" \
+    2>/dev/null || true)
+  export LD_LIBRARY_PATH="/tmp/kvlab-gpu/lib:/usr/local/cuda/lib64:${wheels}:${LD_LIBRARY_PATH:-}"
 else
   echo "== configuring and building with CUDA"
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVLAB_CUDA=ON \
