@@ -207,12 +207,15 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
     std::fprintf(stderr, "measuring n_kv_head=%lld: cache, decode speed, samples\n",
                  static_cast<long long>(kv));
     LoadedModel lm = load_model(run_dir(cfg, kv, 0) / "final.h5");
+    lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
+    const MatmulPrecisionGuard precision(cfg.base.precision);
     const GPTConfig& mc = lm.model->config();
     v["params"] = lm.model->num_parameters();
     v["mlp_hidden"] = mc.hidden();
     {
       // Measured by the inference engine's cache for one full-context sequence.
-      ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size());
+      ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
+                              DType::F32, cfg.base.device);
       const int64_t measured = cache.bytes();
       const int64_t formula = kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head,
                                                      mc.head_size(), 4);
