@@ -75,6 +75,8 @@ void run_backward(const Tensor& root, const Tensor& grad_in, bool keep_graph) {
               " does not match output ", root.shape_str());
   KVLAB_CHECK(grad.dtype() == root.dtype(), "backward: gradient ", dtype_name(grad.dtype()),
               " for ", dtype_name(root.dtype()), " output ", root.shape_str());
+  KVLAB_CHECK(grad.device() == root.device(), "backward: gradient on ",
+              device_name(grad.device()), " for an output on ", device_name(root.device()));
   NoGradGuard no_grad;
   if (!root.grad_fn()) {  // a leaf: its gradient is the given one
     Tensor r = root;

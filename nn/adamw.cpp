@@ -35,6 +35,10 @@ void AdamW::step(double lr, double grad_scale) {
     const Tensor g = p.grad();
     if (!g.defined()) continue;
     const Tensor gc = g.contiguous();
+    KVLAB_CHECK(gc.device() == p.device(), "adamw: gradient of ", params_[i].first, " is on ",
+                device_name(gc.device()), ", the parameter on ", device_name(p.device()));
+    m_[i].second.move_to(p.device());  // the model may have moved after the optimizer was made
+    v_[i].second.move_to(p.device());
     KVLAB_KERNEL(p.device(),
                  adamw_update(p.data<float>(), gc.data<float>(), m_[i].second.data<float>(),
                               v_[i].second.data<float>(), p.numel(),

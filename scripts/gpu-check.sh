@@ -9,13 +9,16 @@
 # Results: $OUT (or out/gpu-check) holds the logs and JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-out/gpu-check}
-mkdir -p "$out"
+out=$(mkdir -p "${OUT:-out/gpu-check}" && cd "${OUT:-out/gpu-check}" && pwd)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
   { echo "gpu-check: no GPU visible (nvidia-smi failed)"; exit 1; }
 
 if [[ -x build-gpu/bench/bench_cuda && -f build-gpu/lib.tar.xz ]]; then
   echo "== using the programs in build-gpu/ (scripts/gpu-bundle.sh)"
+  if [[ "$(cat build-gpu/source-hash 2>/dev/null)" != "$(./scripts/source-hash.sh)" ]]; then
+    echo "gpu-check: build-gpu/ was built from other sources; rerun scripts/gpu-bundle.sh"
+    exit 1
+  fi
   mkdir -p /tmp/kvlab-gpu && tar -C /tmp/kvlab-gpu -xJf build-gpu/lib.tar.xz
   # CUDA's own libraries (cudart, cuBLAS, NCCL) come from the machine: the toolkit, then the
   # NVIDIA Python wheels PyTorch brings (NCCL may exist only there).
@@ -36,16 +39,16 @@ tests_rc=0
 for t in build-gpu/tests/autograd/test_cuda build-gpu/tests/infer/test_infer_cuda \
   build-gpu/tests/train/test_nccl; do
   echo "== $t"
-  timeout 300 "$t" --gtest_brief=1 2>&1 | tee -a "$out/tests.log" || tests_rc=1
+  timeout 90 "$t" --gtest_brief=1 2>&1 | tee -a "$out/tests.log" || tests_rc=1
 done
 grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/tests.log" | sort | uniq -c
 # With a GPU present nothing may skip: a skipped GPU test would be a check that did not run.
 grep -qE "^\[  SKIPPED \] [1-9]" "$out/tests.log" && tests_rc=1
 
 echo "== kvlab GPU benchmarks"
-timeout 240 build-gpu/bench/bench_cuda --json "$out/kvlab.json" 2>&1 | tee "$out/bench_cuda.log"
+timeout 180 build-gpu/bench/bench_cuda --json "$out/kvlab.json" 2>&1 | tee "$out/bench_cuda.log"
 echo "== PyTorch on the same GPU"
-(cd bench && timeout 240 python3 torch_gpu.py --json "$out/torch.json") 2>&1 |
+(cd bench && timeout 150 python3 torch_gpu.py --json "$out/torch.json") 2>&1 |
   tee "$out/torch.log"
 
 python3 - "$out" <<'PY'

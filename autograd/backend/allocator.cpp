@@ -1,6 +1,7 @@
 #include "autograd/backend/allocator.h"
 
 #include <cstdlib>
+#include <cstring>
 
 #include "autograd/error.h"
 
@@ -82,22 +83,29 @@ void CachingAllocator::release_cached() {
   stats_.bytes_cached = 0;
 }
 
+void CachingAllocator::fill_cached(unsigned char byte) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [size, blocks] : free_)
+    for (void* p : blocks) raw_fill_(p, byte, size);
+}
+
 namespace {
 // 64-byte aligned host blocks (AVX-512 friendly).
 void* cpu_raw_alloc(size_t n) { return std::aligned_alloc(64, n); }
 void cpu_raw_free(void* p) { std::free(p); }
+void cpu_raw_fill(void* p, unsigned char byte, size_t n) { std::memset(p, byte, n); }
 }  // namespace
 
 #ifndef KVLAB_WITH_CUDA
 Allocator& allocator_for(Device d) {
   check_device_available(d);
-  static CachingAllocator cpu("cpu", cpu_raw_alloc, cpu_raw_free);
+  static CachingAllocator cpu("cpu", cpu_raw_alloc, cpu_raw_free, cpu_raw_fill);
   return cpu;
 }
 #else
 Allocator& cuda_allocator();  // autograd/backend/cuda/runtime.cu
 Allocator& allocator_for(Device d) {
-  static CachingAllocator cpu("cpu", cpu_raw_alloc, cpu_raw_free);
+  static CachingAllocator cpu("cpu", cpu_raw_alloc, cpu_raw_free, cpu_raw_fill);
   if (d == Device::CPU) return cpu;
   check_device_available(d);
   return cuda_allocator();

@@ -26,6 +26,9 @@ class Allocator {
   virtual AllocatorStats stats() const = 0;
   // Gives every cached block back to the system.
   virtual void release_cached() = 0;
+  // Fills every cached (free) block with `byte`. Tests use it so that an output a kernel
+  // forgets to write is visible: 0xFF bytes are NaN in f32 and f64.
+  virtual void fill_cached(unsigned char byte) = 0;
 };
 
 // Size class of a cached block: multiples of 64 bytes up to 4 KiB, then quarter powers of two,
@@ -46,18 +49,21 @@ class CachingAllocator final : public Allocator {
  public:
   using RawAlloc = void* (*)(size_t nbytes);  // null when out of memory
   using RawFree = void (*)(void* ptr);
-  CachingAllocator(const char* name, RawAlloc raw_alloc, RawFree raw_free)
-      : name_(name), raw_alloc_(raw_alloc), raw_free_(raw_free) {}
+  using RawFill = void (*)(void* ptr, unsigned char byte, size_t nbytes);
+  CachingAllocator(const char* name, RawAlloc raw_alloc, RawFree raw_free, RawFill raw_fill)
+      : name_(name), raw_alloc_(raw_alloc), raw_free_(raw_free), raw_fill_(raw_fill) {}
   ~CachingAllocator() override { release_cached(); }
   void* allocate(size_t nbytes) override;
   void deallocate(void* ptr, size_t nbytes) override;
   AllocatorStats stats() const override;
   void release_cached() override;
+  void fill_cached(unsigned char byte) override;
 
  private:
   const char* name_;
   RawAlloc raw_alloc_;
   RawFree raw_free_;
+  RawFill raw_fill_;
   mutable std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;
   AllocatorStats stats_;

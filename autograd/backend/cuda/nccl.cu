@@ -78,7 +78,20 @@ NcclGroup::NcclGroup(int world, int rank, const NcclId& id, double timeout_s)
 }
 
 NcclGroup::~NcclGroup() {
-  if (impl_ && impl_->comm) ncclCommDestroy(impl_->comm);
+  if (!impl_ || !impl_->comm) return;
+  // Non-blocking communicators finalize before they are destroyed. Errors are ignored (this may
+  // run at exit) and the wait is bounded, so a dead peer cannot hang the process.
+  ncclComm_t comm = impl_->comm;
+  ncclResult_t state = ncclCommFinalize(comm);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((state == ncclSuccess || state == ncclInProgress) &&
+         ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (state == ncclSuccess)
+    ncclCommDestroy(comm);
+  else
+    ncclCommAbort(comm);
 }
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include "autograd/backend/cuda/common.cuh"
 #include "autograd/backend/cuda/kernels.h"
+#include "autograd/random.h"
 
 namespace kvlab::cuda {
 
@@ -33,6 +34,20 @@ double median_seconds(F&& fn, int reps) {
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
+// Uniform values in [-1, 1): the tensor cores run measurably faster on zeros, so a peak
+// measured on zero matrices would flatter nothing but the denominator of an MFU.
+__global__ void random_fill_kernel(void* p, DType t, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v =
+        static_cast<float>(hash64(seed, static_cast<uint64_t>(i)) >> 40) * (2.0f / 16777216.0f) -
+        1.0f;
+    if (t == DType::BF16)
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p)[i] = v;
+  }
+}
 }  // namespace
 
 double gemm_tflops(DType dtype, int64_t n) {
@@ -43,8 +58,12 @@ double gemm_tflops(DType dtype, int64_t n) {
   CUDA_CHECK(cudaMalloc(&a, elems * esize));
   CUDA_CHECK(cudaMalloc(&b, elems * esize));
   CUDA_CHECK(cudaMalloc(&c, elems * sizeof(float)));
-  CUDA_CHECK(cudaMemsetAsync(a, 0, elems * esize, stream()));
-  CUDA_CHECK(cudaMemsetAsync(b, 0, elems * esize, stream()));
+  random_fill_kernel<<<blocks_for(static_cast<int64_t>(elems)), kThreads, 0, stream()>>>(
+      a, dtype, static_cast<int64_t>(elems), 1);
+  KVLAB_LAUNCH_CHECK();
+  random_fill_kernel<<<blocks_for(static_cast<int64_t>(elems)), kThreads, 0, stream()>>>(
+      b, dtype, static_cast<int64_t>(elems), 2);
+  KVLAB_LAUNCH_CHECK();
   const int m = static_cast<int>(n);
   const float one = 1.0f, zero = 0.0f;
   const cudaDataType in = dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F;

@@ -25,6 +25,15 @@ void* cuda_raw_alloc(size_t n) {
   const cudaError_t err = cudaMalloc(&p, n);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // reset the last-error slot: this failure is handled here
+    // The kernels' scratch pool keeps what it freed (stream() below): give that back, retry.
+    int device = 0;
+    cudaMemPool_t pool = nullptr;
+    if (cudaStreamSynchronize(cuda::stream()) == cudaSuccess &&
+        cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess &&
+        cudaMemPoolTrimTo(pool, 0) == cudaSuccess && cudaMalloc(&p, n) == cudaSuccess)
+      return p;
+    cudaGetLastError();
     return nullptr;
   }
   CUDA_CHECK(err);
@@ -32,10 +41,13 @@ void* cuda_raw_alloc(size_t n) {
 }
 // Errors are ignored: at process exit the context may already be gone.
 void cuda_raw_free(void* p) { cudaFree(p); }
+void cuda_raw_fill(void* p, unsigned char byte, size_t n) {
+  CUDA_CHECK(cudaMemsetAsync(p, byte, n, cuda::stream()));
+}
 }  // namespace
 
 Allocator& cuda_allocator() {
-  static CachingAllocator alloc("cuda", cuda_raw_alloc, cuda_raw_free);
+  static CachingAllocator alloc("cuda", cuda_raw_alloc, cuda_raw_free, cuda_raw_fill);
   return alloc;
 }
 

@@ -91,6 +91,13 @@ TEST(Allocator, ReleaseCachedReturnsBlocks) {
   EXPECT_EQ(a.stats().raw_allocs, raw + 1);  // and now reused
 }
 
+TEST(Allocator, FillCachedReachesTheNextUserOfABlock) {
+  { Tensor t = Tensor::zeros({1000}); }  // its block goes back to the cache
+  allocator_for(Device::CPU).fill_cached(0xFF);
+  const Tensor reused = Tensor::empty({1000});
+  for (float x : reused.to_vector<float>()) ASSERT_TRUE(std::isnan(x));
+}
+
 TEST(Allocator, CudaAllocatorUnavailableWithoutCuda) {
   if (cuda_built()) GTEST_SKIP() << "this build carries the CUDA backend";
   EXPECT_TRUE(

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <functional>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -69,9 +68,9 @@ Outputs run_on(Device device, const OpFn& fn, const std::vector<Tensor>& inputs,
   return r;
 }
 
-// Runs fn on the CPU and twice on the GPU; before the second GPU run every buffer of the
-// first run's output and gradient sizes is handed back to the cache filled with NaN, so a
-// kernel that leaves part of its output unwritten fails the comparison.
+// Runs fn on the CPU and twice on the GPU; before the second GPU run every block in the device
+// allocator's cache (which the first run filled with blocks of every size it needs) is set to
+// NaN, so a kernel that leaves part of its output unwritten fails the comparison.
 void expect_cuda_matches_cpu(const std::string& what, const OpFn& fn,
                              const std::vector<Tensor>& inputs, double tol = 1e-5) {
   SCOPED_TRACE(what);
@@ -83,13 +82,8 @@ void expect_cuda_matches_cpu(const std::string& what, const OpFn& fn,
     for (const Tensor& o : fn(probe)) weights.push_back(randn(o.sizes(), gen, DType::F32));
   }
   const Outputs want = run_on(Device::CPU, fn, inputs, weights);
-  {
-    const Outputs first = run_on(Device::CUDA, fn, inputs, weights);
-    std::vector<Tensor> poison;
-    for (const Tensor& v : first.values)
-      poison.push_back(Tensor::full(v.sizes(), std::numeric_limits<double>::quiet_NaN(), v.dtype(),
-                                    Device::CUDA));
-  }
+  run_on(Device::CUDA, fn, inputs, weights);
+  allocator_for(Device::CUDA).fill_cached(0xFF);
   const Outputs got = run_on(Device::CUDA, fn, inputs, weights);
   ASSERT_EQ(got.values.size(), want.values.size());
   for (size_t i = 0; i < got.values.size(); ++i)
