@@ -13,7 +13,32 @@ namespace kvlab::cuda {
 
 [[noreturn]] void throw_cuda(const char* file, int line, const char* expr, const char* what);
 
-cudaStream_t stream();           // the one stream of the device this process uses
+cudaStream_t stream();  // the one stream of the device this process uses
+
+// cuBLAS, opened with dlopen on first use: linking it would map and relocate libcublasLt
+// (~500 MB) into every process, CPU-only runs included (+210 MB resident at start).
+struct Cublas {
+  decltype(&cublasCreate_v2) create;
+  decltype(&cublasSetStream_v2) set_stream;
+  decltype(&cublasSetMathMode) set_math_mode;
+  decltype(&cublasGetStatusString) status_string;
+  decltype(&cublasSgemm_v2) sgemm;
+  decltype(&cublasDgemm_v2) dgemm;
+  decltype(&cublasSgemmStridedBatched) sgemm_strided_batched;
+  decltype(&cublasDgemmStridedBatched) dgemm_strided_batched;
+  // The header also has C++ overloads of these two (older computeType), so spelled out:
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                            const void*, const void*, cudaDataType, int, const void*,
+                            cudaDataType, int, const void*, void*, cudaDataType, int,
+                            cublasComputeType_t, cublasGemmAlgo_t);
+  cublasStatus_t (*gemm_strided_batched_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t,
+                                            int, int, int, const void*, const void*,
+                                            cudaDataType, int, long long, const void*,
+                                            cudaDataType, int, long long, const void*, void*,
+                                            cudaDataType, int, long long, int,
+                                            cublasComputeType_t, cublasGemmAlgo_t);
+};
+const Cublas& cublas();
 cublasHandle_t cublas_handle();  // bound to stream()
 
 constexpr int kThreads = 256;  // default block size of elementwise kernels
@@ -87,11 +112,12 @@ __device__ inline T block_max(T v, T* shared) {
       ::kvlab::cuda::throw_cuda(__FILE__, __LINE__, #expr, cudaGetErrorString(kvlab_err_)); \
   } while (0)
 
-#define CUBLAS_CHECK(expr)                                                                    \
-  do {                                                                                        \
-    const cublasStatus_t kvlab_st_ = (expr);                                                  \
-    if (kvlab_st_ != CUBLAS_STATUS_SUCCESS)                                                   \
-      ::kvlab::cuda::throw_cuda(__FILE__, __LINE__, #expr, cublasGetStatusString(kvlab_st_)); \
+#define CUBLAS_CHECK(expr)                                                         \
+  do {                                                                             \
+    const cublasStatus_t kvlab_st_ = (expr);                                       \
+    if (kvlab_st_ != CUBLAS_STATUS_SUCCESS)                                        \
+      ::kvlab::cuda::throw_cuda(__FILE__, __LINE__, #expr,                         \
+                                ::kvlab::cuda::cublas().status_string(kvlab_st_)); \
   } while (0)
 
 // After every launch: a bad configuration is reported here, a fault at the next sync.

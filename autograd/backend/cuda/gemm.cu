@@ -21,9 +21,9 @@ cublasStatus_t gemm_call(cublasOperation_t ob, cublasOperation_t oa, int n, int 
                          int lda, long long sa, const float* beta, float* C, int ldc, long long sc,
                          int batch) {
   if (batch == 1)
-    return cublasSgemm(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc);
-  return cublasSgemmStridedBatched(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, sb, A, lda, sa,
-                                   beta, C, ldc, sc, batch);
+    return cublas().sgemm(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc);
+  return cublas().sgemm_strided_batched(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, sb, A, lda,
+                                        sa, beta, C, ldc, sc, batch);
 }
 
 cublasStatus_t gemm_call(cublasOperation_t ob, cublasOperation_t oa, int n, int m, int k,
@@ -31,9 +31,9 @@ cublasStatus_t gemm_call(cublasOperation_t ob, cublasOperation_t oa, int n, int 
                          const double* A, int lda, long long sa, const double* beta, double* C,
                          int ldc, long long sc, int batch) {
   if (batch == 1)
-    return cublasDgemm(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc);
-  return cublasDgemmStridedBatched(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, sb, A, lda, sa,
-                                   beta, C, ldc, sc, batch);
+    return cublas().dgemm(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc);
+  return cublas().dgemm_strided_batched(cublas_handle(), ob, oa, n, m, k, alpha, B, ldb, sb, A, lda,
+                                        sa, beta, C, ldc, sc, batch);
 }
 
 }  // namespace
@@ -61,10 +61,10 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
                float* C, int64_t ldc, int64_t sc, int64_t batch) {
   if (M == 0 || N == 0 || batch == 0) return;
   const int64_t lda1 = lda < 1 ? 1 : lda, ldb1 = ldb < 1 ? 1 : ldb;
-  CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      cublas_handle(), op_of(tb), op_of(ta), as_int(N, "N"), as_int(M, "M"), as_int(K, "K"),
-      &alpha, B, CUDA_R_16BF, as_int(ldb1, "ldb"), sb, A, CUDA_R_16BF, as_int(lda1, "lda"), sa,
-      &beta, C, CUDA_R_32F, as_int(ldc, "ldc"), sc, as_int(batch, "batch"), CUBLAS_COMPUTE_32F,
+  CUBLAS_CHECK(cublas().gemm_strided_batched_ex(
+      cublas_handle(), op_of(tb), op_of(ta), as_int(N, "N"), as_int(M, "M"), as_int(K, "K"), &alpha,
+      B, CUDA_R_16BF, as_int(ldb1, "ldb"), sb, A, CUDA_R_16BF, as_int(lda1, "lda"), sa, &beta, C,
+      CUDA_R_32F, as_int(ldc, "ldc"), sc, as_int(batch, "batch"), CUBLAS_COMPUTE_32F,
       CUBLAS_GEMM_DEFAULT));
 }
 

@@ -72,9 +72,9 @@ double gemm_tflops(DType dtype, int64_t n) {
       dtype == DType::BF16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC;
   const double s = median_seconds(
       [&] {
-        CUBLAS_CHECK(cublasGemmEx(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &one, a, in,
-                                  m, b, in, m, &zero, c, CUDA_R_32F, m, compute,
-                                  CUBLAS_GEMM_DEFAULT));
+        CUBLAS_CHECK(cublas().gemm_ex(cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &one, a,
+                                      in, m, b, in, m, &zero, c, CUDA_R_32F, m, compute,
+                                      CUBLAS_GEMM_DEFAULT));
       },
       10);
   CUDA_CHECK(cudaFree(a));

@@ -1,5 +1,7 @@
 // The CUDA runtime side of the backend: device discovery, the stream, the cuBLAS handle, the
 // caching device allocator and plain memory transfers.
+#include <dlfcn.h>
+
 #include <cstdlib>
 
 #include "autograd/backend/allocator.h"
@@ -89,13 +91,44 @@ cudaStream_t stream() {
   return s;
 }
 
+const Cublas& cublas() {
+  static const Cublas api = [] {
+    void* lib = nullptr;
+    for (const char* name : {KVLAB_CUBLAS_SONAME, KVLAB_CUDA_LIBDIR "/" KVLAB_CUBLAS_SONAME})
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+    KVLAB_CHECK(lib != nullptr, "cuda: cannot load cuBLAS (", KVLAB_CUBLAS_SONAME,
+                "): ", dlerror());
+    auto sym = [&](const char* name) {
+      void* f = dlsym(lib, name);
+      KVLAB_CHECK(f != nullptr, "cuda: ", KVLAB_CUBLAS_SONAME, " has no ", name);
+      return f;
+    };
+    Cublas c;
+    c.create = reinterpret_cast<decltype(c.create)>(sym("cublasCreate_v2"));
+    c.set_stream = reinterpret_cast<decltype(c.set_stream)>(sym("cublasSetStream_v2"));
+    c.set_math_mode = reinterpret_cast<decltype(c.set_math_mode)>(sym("cublasSetMathMode"));
+    c.status_string = reinterpret_cast<decltype(c.status_string)>(sym("cublasGetStatusString"));
+    c.sgemm = reinterpret_cast<decltype(c.sgemm)>(sym("cublasSgemm_v2"));
+    c.dgemm = reinterpret_cast<decltype(c.dgemm)>(sym("cublasDgemm_v2"));
+    c.sgemm_strided_batched =
+        reinterpret_cast<decltype(c.sgemm_strided_batched)>(sym("cublasSgemmStridedBatched"));
+    c.dgemm_strided_batched =
+        reinterpret_cast<decltype(c.dgemm_strided_batched)>(sym("cublasDgemmStridedBatched"));
+    c.gemm_ex = reinterpret_cast<decltype(c.gemm_ex)>(sym("cublasGemmEx"));
+    c.gemm_strided_batched_ex =
+        reinterpret_cast<decltype(c.gemm_strided_batched_ex)>(sym("cublasGemmStridedBatchedEx"));
+    return c;
+  }();
+  return api;
+}
+
 cublasHandle_t cublas_handle() {
   static const cublasHandle_t h = [] {
     cublasHandle_t created = nullptr;
-    CUBLAS_CHECK(cublasCreate(&created));
-    CUBLAS_CHECK(cublasSetStream(created, stream()));
+    CUBLAS_CHECK(cublas().create(&created));
+    CUBLAS_CHECK(cublas().set_stream(created, stream()));
     // Plain FP32 arithmetic (no TF32): the f32 path is the one compared against the CPU.
-    CUBLAS_CHECK(cublasSetMathMode(created, CUBLAS_DEFAULT_MATH));
+    CUBLAS_CHECK(cublas().set_math_mode(created, CUBLAS_DEFAULT_MATH));
     return created;
   }();
   return h;
