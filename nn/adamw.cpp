@@ -28,33 +28,48 @@ AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double gra
           static_cast<float>(grad_scale)};
 }
 
+namespace {
+// Every parameter lives on one device; returns it (CPU when there are none).
+Device device_of(const NamedTensors& params) {
+  const Device d = params.empty() ? Device::CPU : params.front().second.device();
+  for (const auto& [name, p] : params)
+    KVLAB_CHECK(p.device() == d, "adamw: parameter ", name, " is on ", device_name(p.device()),
+                ", the others on ", device_name(d));
+  return d;
+}
+}  // namespace
+
 void AdamW::step(double lr, double grad_scale) {
   ++step_;
+  const Device dev = device_of(params_);
+  std::vector<Tensor> grads;  // keeps contiguous copies alive until the update ran
+  std::vector<AdamWTensor> tensors;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i].second;
     const Tensor g = p.grad();
     if (!g.defined()) continue;
-    const Tensor gc = g.contiguous();
-    KVLAB_CHECK(gc.device() == p.device(), "adamw: gradient of ", params_[i].first, " is on ",
-                device_name(gc.device()), ", the parameter on ", device_name(p.device()));
-    m_[i].second.move_to(p.device());  // the model may have moved after the optimizer was made
-    v_[i].second.move_to(p.device());
-    KVLAB_KERNEL(p.device(),
-                 adamw_update(p.data<float>(), gc.data<float>(), m_[i].second.data<float>(),
-                              v_[i].second.data<float>(), p.numel(),
-                              adamw_step(cfg_, step_, lr, grad_scale, p.dim())));
+    grads.push_back(g.contiguous());
+    KVLAB_CHECK(grads.back().device() == dev, "adamw: gradient of ", params_[i].first, " is on ",
+                device_name(grads.back().device()), ", the parameter on ", device_name(dev));
+    m_[i].second.move_to(dev);  // the model may have moved after the optimizer was made
+    v_[i].second.move_to(dev);
+    tensors.push_back({p.data<float>(), grads.back().data<float>(), m_[i].second.data<float>(),
+                       v_[i].second.data<float>(), p.numel(),
+                       adamw_step(cfg_, step_, lr, grad_scale, p.dim())});
   }
+  KVLAB_KERNEL(dev, adamw_update_many(tensors));
 }
 
 double global_grad_norm(const NamedTensors& params) {
-  double s = 0;
+  std::vector<Tensor> grads;
+  std::vector<FloatSpan> spans;
   for (auto& [name, p] : params) {
     const Tensor g = p.grad();
     if (!g.defined()) continue;
-    const Tensor gc = g.contiguous();
-    s += KVLAB_KERNEL(gc.device(), sum_squares(gc.data<float>(), gc.numel()));
+    grads.push_back(g.contiguous());
+    spans.push_back({grads.back().data<float>(), grads.back().numel()});
   }
-  return std::sqrt(s);
+  return std::sqrt(KVLAB_KERNEL(device_of(params), sum_squares_many(spans)));
 }
 
 double clip_factor(double norm, double max_norm) {

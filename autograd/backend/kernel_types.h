@@ -29,4 +29,21 @@ struct AdamWStep {
   float grad_scale;                          // clipping factor applied to the gradient
 };
 
+// One tensor of a multi-tensor AdamW step: its buffers (n elements each) and its own step
+// (weight decay differs between 2-D weights and the rest).
+struct AdamWTensor {
+  float* param;
+  const float* grad;
+  float* m;
+  float* v;
+  int64_t n;
+  AdamWStep step;
+};
+
+// One buffer of a multi-tensor reduction.
+struct FloatSpan {
+  const float* data;
+  int64_t n;
+};
+
 }  // namespace kvlab

@@ -3,6 +3,7 @@
 // T = float (the working type) or double (gradient checks), instantiated in the .cpp files.
 // Outputs come first in argument lists; every buffer carries its shape in a comment.
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "autograd/backend/device.h"
@@ -106,5 +107,9 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
                   const AdamWStep& step);
 // Sum of squares in double, for the global gradient norm.
 double sum_squares(const float* x, int64_t n);
+// The same over several tensors: each updated in turn; squares summed tensor by tensor, in
+// order (one launch and one host sync for all of them on a GPU).
+void adamw_update_many(std::span<const AdamWTensor> tensors);
+double sum_squares_many(std::span<const FloatSpan> xs);
 
 }  // namespace kvlab::cpu

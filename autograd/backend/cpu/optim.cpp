@@ -34,4 +34,14 @@ double sum_squares(const float* x, int64_t n) {
   });
 }
 
+void adamw_update_many(std::span<const AdamWTensor> tensors) {
+  for (const AdamWTensor& t : tensors) adamw_update(t.param, t.grad, t.m, t.v, t.n, t.step);
+}
+
+double sum_squares_many(std::span<const FloatSpan> xs) {
+  double s = 0;
+  for (const FloatSpan& x : xs) s += sum_squares(x.data, x.n);
+  return s;
+}
+
 }  // namespace kvlab::cpu

@@ -5,6 +5,7 @@
 // asynchronous on the backend's stream unless it returns a host value.
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "autograd/backend/device.h"
@@ -102,8 +103,8 @@ void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadV
                         HeadView k_v, const T* v, HeadView v_v, const AttentionShape& s);
 
 // ---- optimiser (optim.cu) ----
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
-                  const AdamWStep& step);
-double sum_squares(const float* x, int64_t n);
+// One launch over all the tensors; one launch pair and one host sync for the sum.
+void adamw_update_many(std::span<const AdamWTensor> tensors);
+double sum_squares_many(std::span<const FloatSpan> xs);
 
 }  // namespace kvlab::cuda
