@@ -2,13 +2,17 @@
 // step, cached decode equals recompute, and weights trained on the GPU generate the CPU's
 // greedy text. Label `cuda`: skipped when no GPU is visible.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <vector>
 
 #include "autograd/backend/cuda/kernels.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
+#include "checkpoints/checkpoint.h"
+#include "checkpoints/model_io.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "nn/adamw.h"
@@ -136,20 +140,26 @@ TEST(CudaGpt, GpuTrainedWeightsGenerateTheSameGreedyTextOnTheCpu) {
     opt.step(1e-3, clip_factor(global_grad_norm(params), 1.0));
   }
   model.set_training(false);
-  GPT on_cpu(small(2), 99);  // different init, then the GPU-trained weights copied in
-  on_cpu.set_training(false);
-  const NamedTensors dst = on_cpu.named_parameters();
-  for (size_t i = 0; i < dst.size(); ++i) {
-    Tensor t = dst[i].second;
-    t.copy_from(params[i].second);
-  }
-  std::vector<uint32_t> vocab;
-  for (uint32_t c = 'a'; c < 'a' + 37; ++c) vocab.push_back(c);
+  const std::vector<uint32_t> vocab = [] {
+    std::vector<uint32_t> v;
+    for (uint32_t c = 'a'; c < 'a' + 37; ++c) v.push_back(c);
+    return v;
+  }();
   const Tokenizer chars = Tokenizer::from_vocab(TokenizerKind::Char, vocab);
+  // Through a checkpoint file, as a user would move a GPU-trained model to a CPU.
+  Checkpoint ckpt;
+  put_gpt_config(ckpt.config, model.config());
+  put_tokenizer(ckpt, chars);
+  ckpt.model = to_arrays(params);
+  const std::filesystem::path file =
+      std::filesystem::temp_directory_path() / ("kvlab_cuda_" + std::to_string(::getpid()) + ".h5");
+  save_checkpoint(file, ckpt);
+  LoadedModel on_cpu = load_model(file);
+  std::filesystem::remove(file);
   GenerateOptions o;
   o.max_new_tokens = 24;
   o.sampling.temperature = 0;
-  Engine gpu_engine(model, chars), cpu_engine(on_cpu, chars);
+  Engine gpu_engine(model, chars), cpu_engine(*on_cpu.model, on_cpu.tokenizer);
   const GenerationResult g = gpu_engine.generate({"abc", "hello"}, o);
   const GenerationResult c = cpu_engine.generate({"abc", "hello"}, o);
   for (size_t r = 0; r < 2; ++r) EXPECT_EQ(g.rows[r].tokens, c.rows[r].tokens) << "row " << r;
