@@ -1,6 +1,7 @@
 #pragma once
 // Plain argument types of the kernel interface, shared by every backend (cpu/, cuda/): the
 // ops fill them in once and hand them to whichever backend holds the tensors.
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -9,6 +10,17 @@ namespace kvlab {
 using Strides = std::vector<int64_t>;
 
 enum class BinaryOp { Add, Sub, Mul };
+
+// True when a copy of `sizes` between these strides is one block of bytes: both operands
+// contiguous in the same order (size-1 dims ignored). Both backends' copies start with it.
+inline bool both_contiguous(const std::vector<int64_t>& sizes, const Strides& a, const Strides& b) {
+  int64_t expect = 1;
+  for (std::size_t d = sizes.size(); d-- > 0;) {
+    if (sizes[d] != 1 && (a[d] != expect || b[d] != expect)) return false;
+    expect *= sizes[d];
+  }
+  return true;
+}
 
 // A (B, H, L, HS) operand addressed by strides of its first three dims; HS is contiguous.
 struct HeadView {

@@ -18,6 +18,21 @@ Tensor empty_heads_last(int64_t B, int64_t H, int64_t L, int64_t HS, DType dtype
   return buf.as_strided({B, H, L, HS}, {L * H * HS, HS, H * HS, 1}, 0);
 }
 
+// The kernels' view of q (B, NH, T, HS), k (B, NKV, S, HS) and the options.
+AttentionShape attention_shape(const Tensor& q, const Tensor& k, const AttentionOptions& opts) {
+  const int64_t HS = q.size(3);
+  return {q.size(0),
+          q.size(1),
+          k.size(1),
+          q.size(2),
+          k.size(2),
+          HS,
+          opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
+          1.0 / std::sqrt(static_cast<double>(HS)),
+          opts.dropout,
+          opts.seed};
+}
+
 Tensor hs_contiguous(const Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
 struct AttentionNode : Node {
@@ -33,16 +48,7 @@ struct AttentionNode : Node {
     Tensor dq = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
     Tensor dk = empty_heads_last(B, NKV, S, HS, q.dtype(), dev);
     Tensor dv = empty_heads_last(B, NKV, S, HS, q.dtype(), dev);
-    const AttentionShape s{B,
-                           NH,
-                           NKV,
-                           T,
-                           S,
-                           HS,
-                           opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
-                           1.0 / std::sqrt(static_cast<double>(HS)),
-                           opts.dropout,
-                           opts.seed};
+    const AttentionShape s = attention_shape(q, k, opts);
     dispatch_float(q.dtype(), "causal_attention", [&](auto tag) {
       using T_ = decltype(tag);
       KVLAB_KERNEL(
@@ -94,16 +100,7 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const Tensor q = hs_contiguous(q_in), k = hs_contiguous(k_in), v = hs_contiguous(v_in);
   const Device dev = q.device();
   Tensor out = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
-  const AttentionShape s{B,
-                         NH,
-                         NKV,
-                         T,
-                         S,
-                         HS,
-                         opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
-                         1.0 / std::sqrt(static_cast<double>(HS)),
-                         opts.dropout,
-                         opts.seed};
+  const AttentionShape s = attention_shape(q, k, opts);
   dispatch_float(q.dtype(), op, [&](auto tag) {
     using T_ = decltype(tag);
     KVLAB_KERNEL(dev,

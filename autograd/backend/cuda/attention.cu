@@ -47,9 +47,6 @@ __host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? 
 __host__ __device__ inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-__device__ inline float exp_t(float x) { return expf(x); }
-__device__ inline double exp_t(double x) { return exp(x); }
-
 // A (B, H, L, HS) operand: row (b, h, t) starts at p + b sb + h sh + t st.
 template <class P>
 struct View {

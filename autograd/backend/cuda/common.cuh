@@ -28,15 +28,14 @@ struct Cublas {
   decltype(&cublasDgemmStridedBatched) dgemm_strided_batched;
   // The header also has C++ overloads of these two (older computeType), so spelled out:
   cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
-                            const void*, const void*, cudaDataType, int, const void*,
-                            cudaDataType, int, const void*, void*, cudaDataType, int,
-                            cublasComputeType_t, cublasGemmAlgo_t);
+                            const void*, const void*, cudaDataType, int, const void*, cudaDataType,
+                            int, const void*, void*, cudaDataType, int, cublasComputeType_t,
+                            cublasGemmAlgo_t);
   cublasStatus_t (*gemm_strided_batched_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t,
-                                            int, int, int, const void*, const void*,
-                                            cudaDataType, int, long long, const void*,
-                                            cudaDataType, int, long long, const void*, void*,
-                                            cudaDataType, int, long long, int,
-                                            cublasComputeType_t, cublasGemmAlgo_t);
+                                            int, int, int, const void*, const void*, cudaDataType,
+                                            int, long long, const void*, cudaDataType, int,
+                                            long long, const void*, void*, cudaDataType, int,
+                                            long long, int, cublasComputeType_t, cublasGemmAlgo_t);
 };
 const Cublas& cublas();
 cublasHandle_t cublas_handle();  // bound to stream()
@@ -47,6 +46,15 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
   const int64_t b = (n + threads - 1) / threads;
   return static_cast<unsigned>(b < 1 ? 1 : (b > 65535LL * 32 ? 65535LL * 32 : b));
 }
+
+// Threads of a block that strides over a row of C: a multiple of 32, no more than C needs.
+inline int row_threads(int64_t C, int max_threads) {
+  const int64_t t = (C + 31) / 32 * 32;
+  return static_cast<int>(t < 32 ? 32 : (t > max_threads ? max_threads : t));
+}
+
+__device__ inline float exp_t(float x) { return expf(x); }
+__device__ inline double exp_t(double x) { return exp(x); }
 
 // Up to kMaxDims dims of sizes and two operands' strides, passed to kernels by value.
 constexpr int kMaxDims = 8;

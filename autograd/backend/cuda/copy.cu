@@ -78,17 +78,10 @@ __global__ void convert_kernel(void* dst, DType dt, const void* src, DType st, I
 
 void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const void* src,
                   DType src_type, const Strides& src_strides, const std::vector<int64_t>& sizes) {
-  const int nd = static_cast<int>(sizes.size());
   int64_t n = 1;
   for (int64_t s : sizes) n *= s;
   if (n == 0) return;
-  bool dense = dst_type == src_type;
-  int64_t expect = 1;
-  for (int d = nd - 1; d >= 0 && dense; --d) {
-    if (sizes[d] != 1 && (dst_strides[d] != expect || src_strides[d] != expect)) dense = false;
-    expect *= sizes[d];
-  }
-  if (dense) {
+  if (dst_type == src_type && both_contiguous(sizes, dst_strides, src_strides)) {
     memcpy_on_device(dst, src, static_cast<size_t>(n) * dtype_size(dst_type));
     return;
   }

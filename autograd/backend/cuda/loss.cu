@@ -13,15 +13,6 @@ namespace {
 constexpr int kRowThreads = 512;  // block size of the kernels that stride over a row of V
 constexpr int kLossThreads = 1024;
 
-// Threads of a block that strides over a row of C: a multiple of 32, no more than C needs.
-int row_threads(int64_t C, int max_threads) {
-  const int64_t t = (C + 31) / 32 * 32;
-  return static_cast<int>(t < 32 ? 32 : (t > max_threads ? max_threads : t));
-}
-
-__device__ inline float exp_t(float x) { return expf(x); }
-__device__ inline double exp_t(double x) { return exp(x); }
-
 template <class T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* ids, const T* weight, int64_t N,
                                          int64_t C) {

@@ -12,15 +12,6 @@ constexpr int kRowThreads = 256;  // block size of the row kernels (at most)
 constexpr int64_t kMaxRowChunks = 256;
 constexpr int64_t kMinChunkRows = 32;
 
-// Threads of a block that strides over a row of C: a multiple of 32, no more than C needs.
-int row_threads(int64_t C, int max_threads) {
-  const int64_t t = (C + 31) / 32 * 32;
-  return static_cast<int>(t < 32 ? 32 : (t > max_threads ? max_threads : t));
-}
-
-__device__ inline float exp_t(float x) { return expf(x); }
-__device__ inline double exp_t(double x) { return exp(x); }
-
 template <class T>
 __global__ void layernorm_forward_kernel(T* out, T* mean, T* rstd, const T* x, const T* w,
                                          const T* b, int64_t N, int64_t C, double eps) {

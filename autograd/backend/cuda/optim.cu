@@ -143,11 +143,9 @@ double sum_squares_many(std::span<const FloatSpan> xs_in) {
   sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(partial + count, partial, count);
   KVLAB_LAUNCH_CHECK();
   double result = 0;
-  CUDA_CHECK(cudaMemcpyAsync(&result, partial + count, sizeof(double), cudaMemcpyDeviceToHost,
-                             stream()));
+  memcpy_to_host(&result, partial + count, sizeof(double));  // waits for the sum
   CUDA_CHECK(cudaFreeAsync(partial, stream()));
   CUDA_CHECK(cudaFreeAsync(dev, stream()));
-  CUDA_CHECK(cudaStreamSynchronize(stream()));
   return result;
 }
 
