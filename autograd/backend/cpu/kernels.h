@@ -105,11 +105,10 @@ void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadV
 // ---- optimiser ----
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWStep& step);
-// Sum of squares in double, for the global gradient norm.
-double sum_squares(const float* x, int64_t n);
-// The same over several tensors: each updated in turn; squares summed tensor by tensor, in
-// order (one launch and one host sync for all of them on a GPU).
+// The same over several tensors, each with its own step (one pass for all of them).
 void adamw_update_many(std::span<const AdamWTensor> tensors);
+// Sum of squares in double over several tensors, for the global gradient norm, summed tensor
+// by tensor in order (one launch and one host sync for all of them on a GPU).
 double sum_squares_many(std::span<const FloatSpan> xs);
 
 }  // namespace kvlab::cpu

@@ -7,41 +7,89 @@
 
 namespace kvlab::cpu {
 
+namespace {
+
 // PyTorch's AdamW order of operations, so parity holds to rounding:
 // p *= 1 - lr*wd; m, v updated; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
-void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep& s) {
+void adamw_range(const AdamWTensor& t, int64_t i0, int64_t i1) {
+  const AdamWStep& s = t.step;
   const float decay = 1.0f - s.lr * s.weight_decay;
   const float step_size = s.lr / s.bias_correction1;
   const float bc2_sqrt = std::sqrt(s.bias_correction2);
-  parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+  float* p = t.param;
+  float* m = t.m;
+  float* v = t.v;
+  const float* g = t.grad;
 #pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) {
-      const float gi = g[i] * s.grad_scale;
-      m[i] = s.beta1 * m[i] + (1.0f - s.beta1) * gi;
-      v[i] = s.beta2 * v[i] + (1.0f - s.beta2) * gi * gi;
-      const float denom = std::sqrt(v[i]) / bc2_sqrt + s.eps;
-      p[i] = p[i] * decay - step_size * m[i] / denom;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float gi = g[i] * s.grad_scale;
+    m[i] = s.beta1 * m[i] + (1.0f - s.beta1) * gi;
+    v[i] = s.beta2 * v[i] + (1.0f - s.beta2) * gi * gi;
+    const float denom = std::sqrt(v[i]) / bc2_sqrt + s.eps;
+    p[i] = p[i] * decay - step_size * m[i] / denom;
+  }
+}
+
+constexpr int64_t kChunk = 4096;  // elements per partial sum of squares
+
+}  // namespace
+
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep& s) {
+  const AdamWTensor t{p, g, m, v, n, s};
+  adamw_update_many({&t, 1});
+}
+
+// One parallel region for all tensors, each thread an equal share of their concatenated
+// elements: a model's ~50 parameters, most of them small, would otherwise cost a region (or a
+// single-threaded loop) each.
+void adamw_update_many(std::span<const AdamWTensor> tensors) {
+  int64_t total = 0;
+  for (const AdamWTensor& t : tensors) total += t.n;
+  parallel_range(total, total, [&](int64_t lo, int64_t hi) {
+    int64_t offset = 0;
+    for (const AdamWTensor& t : tensors) {
+      const int64_t b = std::max(lo, offset), e = std::min(hi, offset + t.n);
+      if (b < e) adamw_range(t, b - offset, e - offset);
+      offset += t.n;
     }
   });
 }
 
-double sum_squares(const float* x, int64_t n) {
-  return ordered_chunk_sum(n, [&](int64_t i0, int64_t i1) {
-    double s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = i0; i < i1; ++i) s += static_cast<double>(x[i]) * x[i];
-    return s;
-  });
-}
-
-void adamw_update_many(std::span<const AdamWTensor> tensors) {
-  for (const AdamWTensor& t : tensors) adamw_update(t.param, t.grad, t.m, t.v, t.n, t.step);
-}
-
+// Fixed 4096-element chunks of every tensor, summed in parallel, then added chunk by chunk and
+// tensor by tensor in order: the same result for any thread count.
 double sum_squares_many(std::span<const FloatSpan> xs) {
-  double s = 0;
-  for (const FloatSpan& x : xs) s += sum_squares(x.data, x.n);
-  return s;
+  struct Chunk {
+    const float* x;
+    int64_t n;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<size_t> first;  // per tensor, its first chunk
+  for (const FloatSpan& x : xs) {
+    first.push_back(chunks.size());
+    for (int64_t i = 0; i < x.n; i += kChunk)
+      chunks.push_back({x.data + i, std::min(kChunk, x.n - i)});
+  }
+  first.push_back(chunks.size());
+  std::vector<double> partial(chunks.size());
+  const int64_t count = static_cast<int64_t>(chunks.size());
+  int64_t total = 0;
+  for (const FloatSpan& x : xs) total += x.n;
+  parallel_range(count, total, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const Chunk& ch = chunks[static_cast<size_t>(c)];
+      double s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < ch.n; ++i) s += static_cast<double>(ch.x[i]) * ch.x[i];
+      partial[static_cast<size_t>(c)] = s;
+    }
+  });
+  double sum = 0;
+  for (size_t t = 0; t + 1 < first.size(); ++t) {
+    double s = 0;
+    for (size_t c = first[t]; c < first[t + 1]; ++c) s += partial[c];
+    sum += s;
+  }
+  return sum;
 }
 
 }  // namespace kvlab::cpu
