@@ -113,3 +113,34 @@ class GPT(nn.Module):
         """Mean cross-entropy of the next-token logits (training)."""
         B, T = idx.shape
         return F.cross_entropy(self.logits(idx).view(B * T, -1), targets.view(B * T))
+
+
+def char_corpus(path):
+    """nanoGPT's character-level data: (sorted vocabulary, train ids, val ids), the first 90%
+    of the text for training, as kvlab splits it."""
+    text = open(path, encoding="utf-8").read()
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    data = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)
+    n = int(0.9 * len(data))
+    return chars, data[:n], data[n:]
+
+
+def get_batch(src, batch, block, gen):
+    """`batch` random windows of `block` tokens and their next-token targets."""
+    ix = torch.randint(len(src) - block - 1, (batch,), generator=gen)
+    x = torch.stack([src[i:i + block] for i in ix.tolist()])
+    y = torch.stack([src[i + 1:i + 1 + block] for i in ix.tolist()])
+    return x, y
+
+
+def fixed_val_loss(model, val_data, batch, block, n_batches, seed=4242):
+    """Mean loss over n_batches validation batches drawn from a generator seeded with `seed`:
+    the same windows for every model evaluated with the same arguments."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(n_batches):
+            total += model(*get_batch(val_data, batch, block, gen)).item()
+    return total / n_batches

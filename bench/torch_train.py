@@ -17,7 +17,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from torch_gpt import GPT  # noqa: E402  (bench/torch_gpt.py)
+from torch_gpt import GPT, char_corpus, fixed_val_loss, get_batch  # noqa: E402  (bench/torch_gpt.py)
 
 
 def main():
@@ -55,24 +55,13 @@ def main():
 
     vocab = args.vocab
     if args.corpus:
-        text = open(args.corpus, encoding="utf-8").read()
-        chars = sorted(set(text))
+        chars, train_data, val_data = char_corpus(args.corpus)
         if len(chars) != vocab:
             print(f"note: corpus has {len(chars)} distinct chars; using vocab={len(chars)}")
         vocab = len(chars)
-        stoi = {ch: i for i, ch in enumerate(chars)}
-        data = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)
-        n = int(0.9 * len(data))
-        train_data, val_data = data[:n], data[n:]
     else:
         train_data = torch.randint(0, vocab, (200_000,))
         val_data = torch.randint(0, vocab, (20_000,))
-
-    def get_batch(src, gen):
-        ix = torch.randint(len(src) - T - 1, (B,), generator=gen)
-        x = torch.stack([src[i:i + T] for i in ix.tolist()])
-        y = torch.stack([src[i + 1:i + 1 + T] for i in ix.tolist()])
-        return x, y
 
     hidden = args.mlp_hidden or 4 * args.n_embd
     model = GPT(vocab, T, args.n_layer, args.n_head, args.n_kv_head, args.n_embd, hidden)
@@ -96,7 +85,7 @@ def main():
     model.train()
     t_all = time.perf_counter()
     for it in range(args.iters):
-        x, y = get_batch(train_data, gen)  # batch sampling is outside the timed region
+        x, y = get_batch(train_data, B, T, gen)  # batch sampling is outside the timed region
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(it)
@@ -129,13 +118,7 @@ def main():
               "host": platform.node(), "timed_iters": len(times)}
 
     if args.eval_full:
-        model.eval()
-        vgen = torch.Generator().manual_seed(4242)  # fixed val batches
-        tot = 0.0
-        with torch.no_grad():
-            for _ in range(args.eval_batches):
-                tot += model(*get_batch(val_data, vgen)).item()
-        result["val_loss"] = tot / args.eval_batches
+        result["val_loss"] = fixed_val_loss(model, val_data, B, T, args.eval_batches)
         result["eval_batches"] = args.eval_batches
         result["schedule"] = dict(kind="cosine", warmup=args.lr_warmup, max_lr=args.lr,
                                   min_lr=args.min_lr)
