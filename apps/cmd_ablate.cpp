@@ -16,6 +16,7 @@ struct AblateArgs {
   int seeds = 3;
   bool param_matched = false;
   int64_t kv_budget = int64_t{1} << 30;
+  std::string kv_dtype = "f32";
   std::vector<std::string> prompts;
   int64_t sample_tokens = 160;
   int bench_runs = 3;
@@ -73,6 +74,7 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.seeds = a.seeds;
   cfg.param_matched = a.param_matched;
   cfg.kv_budget_bytes = a.kv_budget;
+  cfg.kv_dtype = parse_kv_dtype(a.kv_dtype, cfg.base.device);
   cfg.prompts = a.prompts;
   cfg.sample_tokens = a.sample_tokens;
   cfg.bench_runs = a.bench_runs;
@@ -104,6 +106,7 @@ void add_ablate_command(CLI::App& root) {
                   "Memory for the sequences-that-fit figure, e.g. 1GiB")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  add_kv_dtype_flag(cmd, args->kv_dtype);
   cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
                                               "the start of two fixed validation windows)");
   cmd->add_option("--sample-tokens", args->sample_tokens, "New tokens per sample")

@@ -36,7 +36,7 @@ struct BenchArgs {
   int64_t prompt_tokens = 16;
   int runs = 3;
   bool skip_no_cache = false;
-  std::string device = "cpu", dtype = "f32";
+  std::string device = "cpu", dtype = "f32", kv_dtype = "f32";
   uint64_t seed = 0;
   std::string json_path;
 };
@@ -115,11 +115,12 @@ void print_generate_table(const json& g) {
   }
 }
 
-void print_cache_report(const json& rep, const json& speed) {
+void print_cache_report(const json& rep, const json& speed, DType dtype) {
   std::printf(
-      "\nKV cache at batch 1, S = block_size (2 * L * B * S * NKV * HS * 4 bytes), and "
+      "\nKV cache (%s) at batch 1, S = block_size (2 * L * B * S * NKV * HS * %zu bytes), and "
       "decode speed with the cache:\n%-10s%16s%16s%8s%12s%10s%12s%12s\n",
-      "n_kv_head", "measured B", "formula B", "equal", "vs MHA", "expected", "tok/s", "TPOT ms");
+      dtype_name(dtype), dtype_size(dtype), "n_kv_head", "measured B", "formula B", "equal",
+      "vs MHA", "expected", "tok/s", "TPOT ms");
   for (size_t i = 0; i < rep.size(); ++i) {
     const json& r = rep[i];
     std::printf("%-10lld%16lld%16lld%8s%12.4f%10.4f", r["n_kv_head"].get<long long>(),
@@ -136,6 +137,7 @@ void print_cache_report(const json& rep, const json& speed) {
 void run_bench_generate(BenchArgs& a) {
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype, device);
   KVLAB_USAGE_CHECK(a.runs >= 1, "--runs must be >= 1, got ", a.runs);
   KVLAB_USAGE_CHECK(a.prompt_tokens >= 1, "--prompt-tokens must be >= 1, got ", a.prompt_tokens);
   for (int64_t n : a.new_tokens)
@@ -174,14 +176,15 @@ void run_bench_generate(BenchArgs& a) {
   o.no_cache = !a.skip_no_cache;
   o.seed = a.seed;
   o.device = device;
+  o.cache_dtype = kv_dtype;
   o.progress = [](const std::string& line) {
     std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
   };
   const json gen = bench_generate(*model, tok, o);
-  const json report = kv_cache_report(a.cfg, a.kv_heads);
+  const json report = kv_cache_report(a.cfg, a.kv_heads, 1, kv_dtype);
   const json speed = bench_decode_by_kv_heads(a.cfg, a.kv_heads, 256, o);
   print_generate_table(gen);
-  print_cache_report(report, speed);
+  print_cache_report(report, speed, kv_dtype);
   if (!a.json_path.empty()) {
     const json out{{"generate", gen},
                    {"cache_report", report},
@@ -224,6 +227,7 @@ void add_bench_command(CLI::App& root) {
       ->capture_default_str();
   gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");
   add_device_flags(gen, args->device, args->dtype);
+  add_kv_dtype_flag(gen, args->kv_dtype);
   gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
       ->capture_default_str();
   gen->add_option("--json", args->json_path, "Write the results as JSON to this file");

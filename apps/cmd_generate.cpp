@@ -21,6 +21,7 @@ struct GenerateArgs {
   std::string ckpt;
   std::string device = "cpu";
   std::string dtype = "f32";
+  std::string kv_dtype = "f32";
   std::string prompt;
   std::string prompt_file;
   bool has_prompt = false, has_prompt_file = false;
@@ -83,11 +84,12 @@ void run_generate(const GenerateArgs& a) {
   check_args(a);
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype, device);
   const std::vector<std::string> prompts = prompts_of(a);
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
   model.to(device);
-  Engine engine(model, loaded.tokenizer);
+  Engine engine(model, loaded.tokenizer, kv_dtype);
 
   GenerateOptions o;
   o.max_new_tokens = a.max_new;
@@ -156,7 +158,10 @@ void run_generate(const GenerateArgs& a) {
           {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
           {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
         {"cache",
-         {{"enabled", !a.no_cache}, {"bytes", st.cache_bytes}, {"positions", st.cache_capacity}}},
+         {{"enabled", !a.no_cache},
+          {"dtype", a.kv_dtype},
+          {"bytes", st.cache_bytes},
+          {"positions", st.cache_capacity}}},
         {"sampling",
          {{"temperature", a.temperature},
           {"top_k", a.top_k},
@@ -187,7 +192,7 @@ void run_generate(const GenerateArgs& a) {
                static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, st.decode_tokens_per_s(),
                st.tokens_per_s(), st.tpot_mean_s() * 1e3, st.tpot_quantile_s(0.5) * 1e3,
                st.tpot_quantile_s(0.99) * 1e3,
-               a.no_cache ? "off" : detail::cat(st.cache_bytes, " bytes").c_str());
+               a.no_cache ? "off" : detail::cat(st.cache_bytes, " bytes, ", a.kv_dtype).c_str());
 }
 
 }  // namespace
@@ -199,6 +204,7 @@ void add_generate_command(CLI::App& root) {
   cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
       ->required();
   add_device_flags(cmd, args->device, args->dtype);
+  add_kv_dtype_flag(cmd, args->kv_dtype);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =
       cmd->add_option("--prompt-file", args->prompt_file,

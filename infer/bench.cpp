@@ -127,13 +127,15 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
     const int64_t m = std::min(n, cap);
     if (std::find(lengths.begin(), lengths.end(), m) == lengths.end()) lengths.push_back(m);
   }
-  Engine engine(model, tokenizer);
+  Engine engine(model, tokenizer, o.cache_dtype);
+  const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
   const std::vector<std::vector<int32_t>> prompt{
       random_prompt(o.prompt_tokens, c.vocab_size, o.seed)};
 
   json out{{"model", model_json(model)},
            {"threads", omp_get_max_threads()},
            {"prompt_tokens", o.prompt_tokens},
+           {"cache_dtype", dtype_name(o.cache_dtype)},
            {"runs", o.runs},
            {"sampling", "greedy"},
            {"results", json::array()}};
@@ -162,14 +164,14 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
         side["cache_bytes"] = bytes;
         side["cache_positions"] = positions;
         side["cache_bytes_formula"] =
-            kv_cache_formula_bytes(c.n_layer, 1, positions, c.n_kv_head, c.head_size(), 4);
+            kv_cache_formula_bytes(c.n_layer, 1, positions, c.n_kv_head, c.head_size(), kv_elem);
         // Bytes a decode step reads: every weight but the position table (one row of it),
         // plus the cached K and V of every layer at the mean position of the run.
         const double weights =
             static_cast<double>(model.num_parameters() - c.block_size * c.n_embd) * 4.0;
         const double mean_pos = static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2;
         const double kv =
-            2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size()) * 4.0 * mean_pos;
+            2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * mean_pos;
         side["bytes_read_per_token"] = weights + kv;
         side["read_GB_per_s"] = (weights + kv) * side["tokens_per_s"].get<double>() / 1e9;
         curve_cache = median_steps(runs);
@@ -194,22 +196,25 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
   return out;
 }
 
-json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_heads, int64_t batch) {
+json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_heads, int64_t batch,
+                     DType dtype) {
   json out = json::array();
   const int64_t L = config.n_layer, S = config.block_size, HS = config.head_size();
-  const int64_t mha = kv_cache_formula_bytes(L, batch, S, config.n_head, HS, 4);
+  const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t mha = kv_cache_formula_bytes(L, batch, S, config.n_head, HS, elem);
   for (int64_t nkv : kv_heads) {
     GPTConfig c = config;
     c.n_kv_head = nkv;
     c.validate();
-    const ContiguousKVCache cache(L, batch, S, nkv, HS);
+    const ContiguousKVCache cache(L, batch, S, nkv, HS, dtype);
     const int64_t measured = cache.bytes();
     out.push_back(
         json{{"n_kv_head", nkv},
+             {"dtype", dtype_name(dtype)},
              {"batch", batch},
              {"positions", S},
              {"measured_bytes", measured},
-             {"formula_bytes", kv_cache_formula_bytes(L, batch, S, nkv, HS, 4)},
+             {"formula_bytes", kv_cache_formula_bytes(L, batch, S, nkv, HS, elem)},
              {"ratio_to_mha", static_cast<double>(measured) / static_cast<double>(mha)},
              {"expected_ratio", static_cast<double>(nkv) / static_cast<double>(config.n_head)}});
   }
@@ -231,7 +236,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     GPT model(c, o.seed + 1);
     model.set_training(false);
     model.to(o.device);
-    Engine engine(model, tok);
+    Engine engine(model, tok, o.cache_dtype);
     GenerateOptions g;
     g.max_new_tokens = n;
     g.sampling.temperature = 0;

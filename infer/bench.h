@@ -22,6 +22,7 @@ struct BenchGenerateOptions {
   int position_points = 8;  // sample points of time per token against position
   uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
   Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
+  DType cache_dtype = DType::F32;                    // of the KV cache: f32 or bf16
   std::function<void(const std::string&)> progress;  // one line per measured setting
 };
 
@@ -38,12 +39,12 @@ struct BenchGenerateOptions {
 nlohmann::json bench_generate(GPT& model, const Tokenizer& tokenizer,
                               const BenchGenerateOptions& options);
 
-// Cache memory for each n_kv_head at batch `batch` and S = block_size: a ContiguousKVCache is
-// built for each and its allocations summed, next to 2 L B S NKV HS 4 and the ratio to MHA
-// (n_kv_head = n_head). JSON array of {n_kv_head, measured_bytes, formula_bytes,
-// ratio_to_mha, expected_ratio}.
+// Cache memory for each n_kv_head at batch `batch` and S = block_size: a ContiguousKVCache of
+// `dtype` is built for each and its allocations summed, next to 2 L B S NKV HS bytes and the
+// ratio to MHA (n_kv_head = n_head) at the same dtype. JSON array of {n_kv_head, dtype,
+// measured_bytes, formula_bytes, ratio_to_mha, expected_ratio}.
 nlohmann::json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_heads,
-                               int64_t batch = 1);
+                               int64_t batch = 1, DType dtype = DType::F32);
 
 // Decode speed with the cache at batch 1 for each n_kv_head (random weights from `seed`, the
 // rest of `config` unchanged): JSON array of {n_kv_head, tokens_per_s, tpot_mean_ms,

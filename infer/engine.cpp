@@ -90,10 +90,15 @@ struct Engine::Row {
   }
 };
 
-Engine::Engine(GPT& model, const Tokenizer& tokenizer) : model_(model), tokenizer_(tokenizer) {
+Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype)
+    : model_(model), tokenizer_(tokenizer), cache_dtype_(cache_dtype) {
   KVLAB_CHECK(tokenizer.vocab_size() == model.config().vocab_size, "engine: tokenizer has ",
               tokenizer.vocab_size(), " symbols, the model's vocab_size is ",
               model.config().vocab_size);
+  KVLAB_CHECK(cache_dtype == DType::F32 || cache_dtype == DType::BF16, "engine: KV cache dtype ",
+              dtype_name(cache_dtype), " is not supported (f32 or bf16)");
+  KVLAB_CHECK(cache_dtype == DType::F32 || model.device() == Device::CPU,
+              "engine: a bf16 KV cache is not supported on the GPU yet; use an f32 cache there");
 }
 
 Engine::~Engine() = default;
@@ -108,7 +113,7 @@ GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity) {
     cache_.reset();  // free first: the allocator can hand the same blocks back
     cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
-                                                 c.head_size(), DType::F32, model_.device());
+                                                 c.head_size(), cache_dtype_, model_.device());
     cache_batch_ = batch;
     cache_capacity_ = capacity;
   }

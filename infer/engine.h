@@ -112,7 +112,9 @@ struct GenerationResult {
 class Engine {
  public:
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
-  Engine(GPT& model, const Tokenizer& tokenizer);
+  // cache_dtype: f32, or bf16 (keys and values rounded to bf16 as they are stored: half the
+  // cache memory and the bytes each decode step reads; CPU only for now).
+  Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32);
   ~Engine();
 
   // Encodes a prompt; errors name it ("prompt") and list characters outside the vocabulary.
@@ -142,6 +144,7 @@ class Engine {
 
   GPT& model_;
   const Tokenizer& tokenizer_;
+  DType cache_dtype_;
   std::unique_ptr<GenerationKVCache> cache_;
   int64_t cache_batch_ = 0, cache_capacity_ = 0;
 };

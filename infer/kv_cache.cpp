@@ -50,8 +50,8 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
   KVLAB_CHECK(n_layer >= 1 && max_batch >= 1 && capacity >= 1 && n_kv_head >= 1 && head_size >= 1,
               "kv cache: every size must be positive, got L = ", n_layer, ", B = ", max_batch,
               ", S = ", capacity, ", NKV = ", n_kv_head, ", HS = ", head_size);
-  KVLAB_CHECK(dtype == DType::F32 || dtype == DType::F64, "kv cache: dtype ", dtype_name(dtype),
-              " is not supported (f32 or f64)");
+  KVLAB_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16,
+              "kv cache: dtype ", dtype_name(dtype), " is not supported (f32, f64 or bf16)");
   const Shape shape{max_batch, n_kv_head, capacity, head_size};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions past a row's length hold finite values (the attention op never
@@ -85,8 +85,10 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
       first >= 0 && first + n <= batch_ && k.size(1) == n_kv_head_ && k.size(3) == head_size_,
       "kv cache: k ", k.shape_str(), " does not fit rows [", first, ", ", first + n,
       ") of a cache of ", batch_, " active rows with NKV = ", n_kv_head_, ", HS = ", head_size_);
-  KVLAB_CHECK(k.dtype() == dtype_ && v.dtype() == dtype_, "kv cache: k/v dtype ",
-              dtype_name(k.dtype()), " differs from the cache's ", dtype_name(dtype_));
+  // A bf16 cache stores f32 keys and values rounded to bf16.
+  const DType input = dtype_ == DType::BF16 ? DType::F32 : dtype_;
+  KVLAB_CHECK(k.dtype() == input && v.dtype() == input, "kv cache: k/v dtype ",
+              dtype_name(k.dtype()), " does not fit the cache's ", dtype_name(dtype_));
   int64_t max_len = 0;
   for (int64_t b = first; b < first + n; ++b) {
     const int64_t len = lengths_[static_cast<size_t>(b)];
@@ -101,7 +103,8 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
   const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
   auto store = [&](const Tensor& buf, const Tensor& src) {
     char* dst = static_cast<char*>(buf.raw_data());
-    if (src.stride(3) == 1 && buf.device() == Device::CPU && src.device() == Device::CPU) {
+    if (src.stride(3) == 1 && src.dtype() == buf.dtype() && buf.device() == Device::CPU &&
+        src.device() == Device::CPU) {
       // One memcpy per (b, h, t) row of HS elements.
       const char* s = static_cast<const char*>(src.raw_data());
       const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
@@ -114,7 +117,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
       }
       return;
     }
-    for (int64_t i = 0; i < n; ++i) {  // general strides or a device: a strided copy per row
+    for (int64_t i = 0; i < n; ++i) {  // strides, a dtype or a device: a strided copy per row
       const int64_t b = first + i, len = lengths_[static_cast<size_t>(b)];
       buf.as_strided({1, n_kv_head_, T, head_size_}, {sb, sh, head_size_, 1},
                      b * sb + len * head_size_)

@@ -215,10 +215,11 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
     {
       // Measured by the inference engine's cache for one full-context sequence.
       ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
-                              DType::F32, cfg.base.device);
+                              cfg.kv_dtype, cfg.base.device);
       const int64_t measured = cache.bytes();
-      const int64_t formula = kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head,
-                                                     mc.head_size(), 4);
+      const int64_t formula =
+          kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
+                                 static_cast<int64_t>(dtype_size(cfg.kv_dtype)));
       v["cache_bytes_context_measured"] = measured;
       v["cache_bytes_context_formula"] = formula;
       v["cache_bytes_per_token"] = measured / mc.block_size;
@@ -230,6 +231,7 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
       bo.new_tokens = {mc.block_size - prompt_len};
       bo.runs = cfg.bench_runs;
       bo.position_points = 0;
+      bo.cache_dtype = cfg.kv_dtype;
       const json b = bench_generate(*lm.model, lm.tokenizer, bo);
       const json& r = b["results"][0];
       v["decode_tokens_per_s_cache"] = r["cache"]["tokens_per_s"];
@@ -240,7 +242,7 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
       v["bench_new_tokens"] = r["new_tokens"];
     }
     {
-      Engine engine(*lm.model, lm.tokenizer);
+      Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype);
       std::vector<std::string> prompts = cfg.prompts;
       if (prompts.empty()) {
         const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
@@ -288,7 +290,8 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   results["versions"] = {{"kvlab", KVLAB_VERSION}, {"compiler", __VERSION__},
                          {"openblas", openblas_get_config()}};
   results["kv_budget_bytes"] = cfg.kv_budget_bytes;
-  results["dtype_bytes"] = 4;
+  results["kv_dtype"] = dtype_name(cfg.kv_dtype);
+  results["dtype_bytes"] = dtype_size(cfg.kv_dtype);
   results["param_matched"] = cfg.param_matched;
   results["variants"] = variants;
   results["sweep"] = {{"runs", stats.runs_total}, {"reused", stats.runs_reused},

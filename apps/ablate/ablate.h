@@ -19,6 +19,7 @@ struct AblateConfig {
   int seeds = 2;                  // seed index i trains with base.seed + i
   bool param_matched = false;     // widen the MLP so every variant has MHA's parameter count
   int64_t kv_budget_bytes = int64_t{1} << 30;
+  DType kv_dtype = DType::F32;       // of the KV cache measured, benchmarked and sampled with
   std::vector<std::string> prompts;  // empty: the first characters of fixed validation windows
   int64_t sample_tokens = 160;
   int bench_runs = 3;

@@ -6,7 +6,7 @@
 namespace kvlab {
 
 // f32 is the working type, f64 serves gradient checks and references, i32 holds token ids,
-// bf16 is storage reserved for the GPU backend.
+// bf16 is storage: the GPU backend's rounded GEMM operands, and KV caches.
 enum class DType : uint8_t { F32, F64, I32, BF16 };
 enum class Device : uint8_t { CPU, CUDA };
 

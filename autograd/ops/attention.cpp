@@ -70,8 +70,10 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   check_defined(op, q_in);
   check_defined(op, k_in);
   check_defined(op, v_in);
-  check_same_dtype(op, q_in, k_in);
-  check_same_dtype(op, q_in, v_in);
+  check_same_dtype(op, k_in, v_in);
+  // K and V may be bf16 storage under f32 queries (a bf16 KV cache): inference only.
+  const bool bf16_kv = q_in.dtype() == DType::F32 && k_in.dtype() == DType::BF16;
+  if (!bf16_kv) check_same_dtype(op, q_in, k_in);
   check_same_device(op, q_in, k_in);
   check_same_device(op, q_in, v_in);
   // Built only when a check fails (decode calls this op ~100 times per token).
@@ -101,6 +103,18 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const Device dev = q.device();
   Tensor out = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
   const AttentionShape s = attention_shape(q, k, opts);
+  if (bf16_kv) {
+    KVLAB_CHECK(!needs_grad({&q_in, &k_in, &v_in}), op,
+                ": bf16 keys and values are cache storage; gradients need f32 k and v");
+    KVLAB_CHECK(dev == Device::CPU, op,
+                ": bf16 keys and values (a bf16 KV cache) are not supported on the GPU yet; use "
+                "an f32 cache there");
+    cpu::attention_forward<float, uint16_t>(
+        out.data<float>(), head_view(out), q.data<float>(), head_view(q),
+        static_cast<const uint16_t*>(k.raw_data()), head_view(k),
+        static_cast<const uint16_t*>(v.raw_data()), head_view(v), s);
+    return out;
+  }
   dispatch_float(q.dtype(), op, [&](auto tag) {
     using T_ = decltype(tag);
     KVLAB_KERNEL(dev,

@@ -41,6 +41,33 @@ TEST(KVCache, BytesEqualTheFormulaForEveryNkv) {
   EXPECT_EQ(f64.bytes(), kv_cache_formula_bytes(2, 2, 10, 2, 4, 8));
 }
 
+// A bf16 cache takes half the bytes and stores f32 keys and values rounded to bf16.
+TEST(KVCache, Bf16HalvesTheBytesAndRoundsOnStore) {
+  for (int64_t nkv : {4, 1}) {
+    const ContiguousKVCache c16(6, 2, 512, nkv, 32, DType::BF16);
+    EXPECT_EQ(c16.bytes(), kv_cache_formula_bytes(6, 2, 512, nkv, 32, 2));
+    EXPECT_EQ(2 * c16.bytes(), ContiguousKVCache(6, 2, 512, nkv, 32).bytes());
+  }
+  ContiguousKVCache cache(1, 2, 4, 2, 3, DType::BF16);
+  Tensor k = coded(2, 2, 3, 3, 0.001f), v = coded(2, 2, 3, 3, 0.0037f);
+  auto [kv, vv] = cache.append(0, k, v);
+  for (const auto& [stored, src] : {std::pair{kv, k}, std::pair{vv, v}}) {
+    EXPECT_EQ(stored.dtype(), DType::BF16);
+    const auto got = stored.to(DType::F32).to_vector<float>();
+    const auto want = src.to(DType::BF16).to(DType::F32).to_vector<float>();
+    const auto exact = src.contiguous().to_vector<float>();
+    EXPECT_EQ(got, want);
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      worst = std::max(worst, static_cast<double>(std::fabs(got[i] - exact[i])));
+      EXPECT_LE(std::fabs(got[i] - exact[i]), std::fabs(exact[i]) / 256) << i;  // 8-bit mantissa
+    }
+    EXPECT_GT(worst, 0.0);  // really rounded, not stored as f32
+  }
+  // f64 keys do not go into a bf16 cache.
+  EXPECT_THROW(cache.append(0, k.to(DType::F64), v.to(DType::F64)), Error);
+}
+
 TEST(KVCache, AppendWritesEachRowAtItsLengthAndReturnsViews) {
   const int64_t NKV = 2, HS = 3, S = 8;
   ContiguousKVCache cache(1, 2, S, NKV, HS);
@@ -136,10 +163,12 @@ TEST(KVCache, MoveRowTruncateResetAndCapacity) {
 
 // Prefill of a whole prompt in one forward equals feeding it one token at a time: the same
 // cache contents and the same logits at every position.
-class PrefillSplit : public ::testing::TestWithParam<int64_t> {};
+// (n_kv_head, cache dtype): a bf16 cache rounds keys and values as they are stored, and both
+// ways read them back from the cache, so they agree as closely as in f32.
+class PrefillSplit : public ::testing::TestWithParam<std::tuple<int64_t, DType>> {};
 
 TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
-  const int64_t nkv = GetParam();
+  const auto [nkv, dtype] = GetParam();
   auto model = test::tiny_model(nkv);
   const GPTConfig& c = model->config();
   NoGradGuard no_grad;
@@ -149,9 +178,9 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
   for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)));
   const Tensor tokens = Tensor::from_vector(ids, {B, T});
 
-  ContiguousKVCache one(c.n_layer, B, c.block_size, nkv, c.head_size());
+  ContiguousKVCache one(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
   const std::vector<float> full = model->forward(tokens, &one).to_vector<float>();  // (B, T, V)
-  ContiguousKVCache step(c.n_layer, B, c.block_size, nkv, c.head_size());
+  ContiguousKVCache step(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
   const int64_t V = c.vocab_size;
   double worst = 0;
   for (int64_t t = 0; t < T; ++t) {
@@ -167,8 +196,10 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
   EXPECT_EQ(one.lengths(), step.lengths());
   for (int layer = 0; layer < c.n_layer; ++layer)
     for (const bool is_k : {true, false}) {
-      const auto a = (is_k ? one.k_buffer(layer) : one.v_buffer(layer)).to_vector<float>();
-      const auto b = (is_k ? step.k_buffer(layer) : step.v_buffer(layer)).to_vector<float>();
+      const auto a =
+          (is_k ? one.k_buffer(layer) : one.v_buffer(layer)).to(DType::F32).to_vector<float>();
+      const auto b =
+          (is_k ? step.k_buffer(layer) : step.v_buffer(layer)).to(DType::F32).to_vector<float>();
       ASSERT_EQ(a.size(), b.size());
       double d = 0;
       for (size_t i = 0; i < a.size(); ++i)
@@ -177,11 +208,17 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
     }
   // The cache is not trivially empty: its keys are the model's, not zeros.
   double norm = 0;
-  for (float x : one.k_buffer(0).to_vector<float>()) norm += std::fabs(x);
+  for (float x : one.k_buffer(0).to(DType::F32).to_vector<float>()) norm += std::fabs(x);
   EXPECT_GT(norm, 1.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Nkv, PrefillSplit, ::testing::Values(4, 2, 1));
+INSTANTIATE_TEST_SUITE_P(NkvDtype, PrefillSplit,
+                         ::testing::Combine(::testing::Values(4, 2, 1),
+                                            ::testing::Values(DType::F32, DType::BF16)),
+                         [](const auto& info) {
+                           return "nkv" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  dtype_name(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace kvlab

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/random.h"
@@ -37,6 +39,24 @@ struct Dropout {
     return hash64(seed, static_cast<uint64_t>(idx)) < threshold ? 0.0 : keep_scale;
   }
 };
+
+// K or V rows [0, rows) of one KV head, read as T: the stored rows themselves (row stride
+// `st`), or for bf16 storage a widened copy in scratch slot `slot` (row stride HS).
+template <class T, class KV>
+const T* kv_rows(const KV* src, int64_t st, int64_t rows, int64_t HS, int slot, int64_t& out_st) {
+  if constexpr (std::is_same_v<KV, T>) {
+    out_st = st;
+    return src;
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<KV, uint16_t>);
+    float* dst = scratch<float>(static_cast<size_t>(rows * HS), slot);
+    for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+      for (int64_t d = 0; d < HS; ++d) dst[r * HS + d] = bf16_to_f32(src[r * st + d]);
+    out_st = HS;
+    return dst;
+  }
+}
 
 inline int64_t kv_len(const AttentionShape& s, int64_t b) {
   return s.kv_lengths ? s.kv_lengths[b] : s.S;
@@ -82,9 +102,9 @@ void for_each_task(int64_t tasks, F&& fn) {
 
 }  // namespace
 
-template <class T>
-void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const T* k,
-                       HeadView kv, const T* v, HeadView vv, const AttentionShape& s) {
+template <class T, class KV>
+void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
+                       const KV* v, HeadView vv, const AttentionShape& s) {
   const int64_t group = s.NH / s.NKV, tasks = s.B * s.NH;
   const Dropout drop(s.dropout);
   const T scale = static_cast<T>(s.scale);
@@ -95,15 +115,18 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const T* k,
     for_each_task(s.B * s.NKV, [&](int64_t task) {
       const int64_t b = task / s.NKV, g = task % s.NKV, Sb = kv_len(s, b);
       T* p = scratch<T>(static_cast<size_t>(group * Sb), 0);
-      gemm<T>(false, true, group, Sb, s.HS, scale, q + b * qv.sb + g * group * qv.sh, qv.sh,
-              k + b * kv.sb + g * kv.sh, kv.st, T(0), p, Sb);
+      int64_t kst, vst;
+      const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, 1, kst);
+      const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, 2, vst);
+      gemm<T>(false, true, group, Sb, s.HS, scale, q + b * qv.sb + g * group * qv.sh, qv.sh, kg,
+              kst, T(0), p, Sb);
       for (int64_t r = 0; r < group; ++r) {
         T* row = p + r * Sb;
         const T inv = static_cast<T>(1.0 / exp_shift_inplace(row, Sb, row_max(row, Sb)));
 #pragma omp simd
         for (int64_t j = 0; j < Sb; ++j) row[j] *= inv;
       }
-      gemm<T>(false, false, group, s.HS, Sb, T(1), p, Sb, v + b * vv.sb + g * vv.sh, vv.st, T(0),
+      gemm<T>(false, false, group, s.HS, Sb, T(1), p, Sb, vg, vst, T(0),
               out + b * ov.sb + g * group * ov.sh, ov.sh);
     });
     return;
@@ -113,12 +136,13 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const T* k,
     const int64_t Sb = kv_len(s, b);
     T* p = scratch<T>(static_cast<size_t>(s.T * Sb), 0);
     const T* qh = q + b * qv.sb + h * qv.sh;
-    const T* kg = k + b * kv.sb + g * kv.sh;
-    const T* vg = v + b * vv.sb + g * vv.sh;
-    probabilities(p, qh, qv.st, kg, kv.st, s.T, Sb, s.HS, scale);
+    int64_t kst, vst;
+    const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, 1, kst);
+    const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, 2, vst);
+    probabilities(p, qh, qv.st, kg, kst, s.T, Sb, s.HS, scale);
     if (drop.on) apply_dropout(p, drop, s.seed, task * s.T, s.T, Sb, s.S);
-    gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, vv.st, T(0),
-            out + b * ov.sb + h * ov.sh, ov.st);
+    gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, vst, T(0), out + b * ov.sb + h * ov.sh,
+            ov.st);
   });
 }
 
@@ -192,5 +216,8 @@ void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadVie
 KVLAB_INSTANTIATE(float)
 KVLAB_INSTANTIATE(double)
 #undef KVLAB_INSTANTIATE
+template void attention_forward<float, uint16_t>(float*, HeadView, const float*, HeadView,
+                                                 const uint16_t*, HeadView, const uint16_t*,
+                                                 HeadView, const AttentionShape&);
 
 }  // namespace kvlab::cpu

@@ -1,5 +1,6 @@
 #include <cstring>
 
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/index.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
@@ -8,21 +9,6 @@
 namespace kvlab::cpu {
 
 namespace {
-
-float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t f32_to_bf16(float f) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) return 0x7fc0;  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 double load(const void* p, DType t, int64_t i) {
   switch (t) {
@@ -67,6 +53,10 @@ void strided_copy(void* dst, DType dst_type, const Strides& dst_strides, const v
         float* o = static_cast<float*>(dst) + doff;
         const float* s = static_cast<const float*>(src) + soff;
         for (int64_t j = 0; j < inner; ++j) o[j * ds] = s[j * ss];
+      } else if (dst_type == DType::BF16 && src_type == DType::F32) {  // a bf16 KV cache's store
+        uint16_t* o = static_cast<uint16_t*>(dst) + doff;
+        const float* s = static_cast<const float*>(src) + soff;
+        for (int64_t j = 0; j < inner; ++j) o[j * ds] = f32_to_bf16(s[j * ss]);
       } else {
         for (int64_t j = 0; j < inner; ++j)
           store(dst, dst_type, doff + j * ds, load(src, src_type, soff + j * ss));

@@ -92,9 +92,10 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
 // ---- attention ----
 // out (B, NH, T, HS). Query t of row b sits at position S_b - T + t and sees keys
 // 0 .. S_b - T + t. Backward recomputes the probabilities; nothing else is kept.
-template <class T>
-void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const T* k,
-                       HeadView k_v, const T* v, HeadView v_v, const AttentionShape& s);
+// KV = T, or uint16_t for K/V stored as bf16 (a bf16 KV cache; T = float): widened on read.
+template <class T, class KV = T>
+void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
+                       const KV* v, HeadView v_v, const AttentionShape& s);
 // dq like q; dk, dv (B, NKV, S, HS) summed over each KV head's group of query heads.
 template <class T>
 void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,

@@ -38,6 +38,18 @@ check "resume with another config" 1 "n_kv_head: 2 vs 1" -- "$KVLAB" train "${ti
 check "inspect" 0 "blocks.0.attn.k_proj.weight" -- "$KVLAB" inspect "$work/run/final.h5"
 check "generate" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord" --max-new 8
 check "generate --json" 0 "\"ttft_ms\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
+check "generate --kv-dtype bf16" 0 "\"dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-dtype bf16
+check "unknown --kv-dtype" 2 "kv-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-dtype f16
+# The bf16 cache holds the same positions in half the bytes, and greedy text is unchanged here.
+cache_bytes() { "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --temperature 0 "$@" |
+  tr -d ' \n' | grep -o '"cache":{[^}]*}' | grep -o '"bytes":[0-9]*' | cut -d: -f2; }
+b32=$(cache_bytes --kv-dtype f32); b16=$(cache_bytes --kv-dtype bf16)
+if [ -n "$b32" ] && [ -n "$b16" ] && [ "$b32" -gt 0 ] && [ "$b32" -eq $((2 * b16)) ]; then
+  pass=$((pass + 1))
+else
+  echo "FAIL bf16 cache bytes: f32 '$b32', bf16 '$b16' (want half)"
+  fails=$((fails + 1))
+fi
 
 printf '# same keys as the flags\n[train]\ncorpus = "%s"\nn_layer = 1\nn-head = 4\nn-kv-head = 1\nn-embd = 8\nblock-size = 16\nbatch-size = 4\niters = 6\neval-interval = 3\neval-iters = 2\n' "$work/corpus.txt" > "$work/run.toml"
 check "train --config" 0 "finished at step 6" -- "$KVLAB" train --config "$work/run.toml" --out "$work/cfg"

@@ -369,6 +369,38 @@ TEST(Attention, KvLengthsRowsEqualEachRowAlone) {
     }
 }
 
+// A bf16 KV cache hands the op bf16 keys and values under f32 queries: the result must be the
+// f32 attention over those same values widened (exact in f32), in prefill and in decode.
+TEST(Attention, Bf16KeysAndValuesEqualF32OverTheRoundedValues) {
+  Generator gen(12);
+  for (Cfg c : {Cfg{2, 4, 2, 3, 5, 8}, Cfg{2, 4, 1, 1, 6, 8, {6, 2}}, Cfg{1, 2, 2, 1, 7, 4},
+                Cfg{3, 8, 2, 1, 9, 16, {9, 1, 5}}, Cfg{1, 4, 4, 6, 6, 8}}) {
+    SCOPED_TRACE(describe(c));
+    QKV x = make_qkv(c, gen, DType::F32, false);
+    const Tensor k16 = x.k.to(DType::BF16), v16 = x.v.to(DType::BF16);
+    const Tensor got = causal_attention(x.q, k16, v16, options(c));
+    const Tensor want = causal_attention(x.q, k16.to(DType::F32), v16.to(DType::F32), options(c));
+    EXPECT_TRUE(all_close(got, vals(want), 1e-6));
+    // The rounding is real: the f32 inputs give a different result.
+    const auto exact = vals(causal_attention(x.q, x.k, x.v, options(c)));
+    double diff = 0;
+    const auto g = vals(got);
+    for (size_t i = 0; i < g.size(); ++i) diff = std::max(diff, std::fabs(g[i] - exact[i]));
+    EXPECT_GT(diff, 1e-5);
+    EXPECT_LT(diff, 5e-2);
+  }
+  // Gradients need f32 keys and values.
+  Cfg c{1, 2, 1, 2, 3, 4};
+  QKV x = make_qkv(c, gen, DType::F32, true);
+  EXPECT_TRUE(throws_with(
+      [&] { causal_attention(x.q, x.k.detach().to(DType::BF16), x.v.detach().to(DType::BF16)); },
+      {"gradients need f32 k and v"}));
+  // f64 queries do not mix with bf16 storage.
+  EXPECT_THROW(causal_attention(x.q.detach().to(DType::F64), x.k.detach().to(DType::BF16),
+                                x.v.detach().to(DType::BF16)),
+               Error);
+}
+
 TEST(Attention, DropoutMasksProbabilities) {
   // With v = identity (HS = S), out row t is the dropped-out probability row itself.
   const int64_t B = 2, NH = 4, NKV = 2, S = 32, T = 32, HS = 32;

@@ -1,0 +1,24 @@
+#pragma once
+// bf16 <-> f32 on the CPU, for copies and for kernels reading a bf16 KV cache. bf16 is the top
+// half of an f32: widening is exact, narrowing rounds to nearest even.
+#include <cstdint>
+#include <cstring>
+
+namespace kvlab::cpu {
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) return 0x7fc0;  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace kvlab::cpu
