@@ -137,7 +137,7 @@ void print_cache_report(const json& rep, const json& speed, DType dtype) {
 void run_bench_generate(BenchArgs& a) {
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
-  const DType kv_dtype = parse_kv_dtype(a.kv_dtype, device);
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   KVLAB_USAGE_CHECK(a.runs >= 1, "--runs must be >= 1, got ", a.runs);
   KVLAB_USAGE_CHECK(a.prompt_tokens >= 1, "--prompt-tokens must be >= 1, got ", a.prompt_tokens);
   for (int64_t n : a.new_tokens)

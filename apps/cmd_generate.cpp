@@ -84,7 +84,7 @@ void run_generate(const GenerateArgs& a) {
   check_args(a);
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
-  const DType kv_dtype = parse_kv_dtype(a.kv_dtype, device);
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   const std::vector<std::string> prompts = prompts_of(a);
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;

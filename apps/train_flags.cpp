@@ -89,16 +89,13 @@ MatmulPrecision parse_dtype(const std::string& dtype, Device device) {
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {
   cmd->add_option("--kv-dtype", kv_dtype,
                   "KV cache element type: f32, or bf16 (keys and values rounded to bf16 as they "
-                  "are cached: half the cache memory and the bytes a decode step reads; cpu)")
+                  "are cached: half the cache memory and the bytes a decode step reads)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
 }
 
-DType parse_kv_dtype(const std::string& kv_dtype, Device device) {
-  if (kv_dtype != "bf16") return DType::F32;
-  KVLAB_USAGE_CHECK(device == Device::CPU,
-                    "--kv-dtype bf16 is not supported with --device cuda yet (use f32 there)");
-  return DType::BF16;
+DType parse_kv_dtype(const std::string& kv_dtype) {
+  return kv_dtype == "bf16" ? DType::BF16 : DType::F32;
 }
 
 TrainConfig finish_train_flags(const TrainFlags& f) {

@@ -23,7 +23,7 @@ Device parse_device(const std::string& device);
 MatmulPrecision parse_dtype(const std::string& dtype, Device device);
 // --kv-dtype f32|bf16 (generate, bench generate): the KV cache's element type.
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
-DType parse_kv_dtype(const std::string& kv_dtype, Device device);
+DType parse_kv_dtype(const std::string& kv_dtype);
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

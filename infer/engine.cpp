@@ -97,8 +97,6 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype)
               model.config().vocab_size);
   KVLAB_CHECK(cache_dtype == DType::F32 || cache_dtype == DType::BF16, "engine: KV cache dtype ",
               dtype_name(cache_dtype), " is not supported (f32 or bf16)");
-  KVLAB_CHECK(cache_dtype == DType::F32 || model.device() == Device::CPU,
-              "engine: a bf16 KV cache is not supported on the GPU yet; use an f32 cache there");
 }
 
 Engine::~Engine() = default;

@@ -113,7 +113,7 @@ class Engine {
  public:
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
   // cache_dtype: f32, or bf16 (keys and values rounded to bf16 as they are stored: half the
-  // cache memory and the bytes each decode step reads; CPU only for now).
+  // cache memory and the bytes each decode step reads), on either device.
   Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32);
   ~Engine();
 

@@ -106,13 +106,10 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   if (bf16_kv) {
     KVLAB_CHECK(!needs_grad({&q_in, &k_in, &v_in}), op,
                 ": bf16 keys and values are cache storage; gradients need f32 k and v");
-    KVLAB_CHECK(dev == Device::CPU, op,
-                ": bf16 keys and values (a bf16 KV cache) are not supported on the GPU yet; use "
-                "an f32 cache there");
-    cpu::attention_forward<float, uint16_t>(
-        out.data<float>(), head_view(out), q.data<float>(), head_view(q),
-        static_cast<const uint16_t*>(k.raw_data()), head_view(k),
-        static_cast<const uint16_t*>(v.raw_data()), head_view(v), s);
+    KVLAB_KERNEL(dev, attention_forward<float, uint16_t>(
+                          out.data<float>(), head_view(out), q.data<float>(), head_view(q),
+                          static_cast<const uint16_t*>(k.raw_data()), head_view(k),
+                          static_cast<const uint16_t*>(v.raw_data()), head_view(v), s));
     return out;
   }
   dispatch_float(q.dtype(), op, [&](auto tag) {

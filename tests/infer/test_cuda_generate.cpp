@@ -1,6 +1,6 @@
 // The model on the GPU: a short training run matches the CPU's losses, AdamW matches step for
-// step, cached decode equals recompute, and weights trained on the GPU generate the CPU's
-// greedy text. Label `cuda`: skipped when no GPU is visible.
+// step, cached decode equals recompute (and a bf16 cache stays within bf16 rounding of it),
+// and weights trained on the GPU generate the CPU's greedy text. Label `cuda`: skipped when no GPU is visible.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -124,6 +124,42 @@ TEST(CudaGpt, CachedDecodeEqualsRecomputeOnTheGpu) {
       for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << "NKV " << nkv;
     }
     EXPECT_EQ(cache.bytes(), kv_cache_formula_bytes(2, 3, 32, nkv, 16, 4));
+  }
+}
+
+// A bf16 cache on the GPU: the decode kernels widen its keys and values as they stage them.
+// Decode logits stay within bf16 distance of an f32 recompute, agree with the CPU's bf16 cache
+// (both round the same keys, up to the f32 rounding of the projections), and the cache holds
+// half the f32 bytes.
+TEST(CudaGpt, Bf16CacheDecodeOnTheGpu) {
+  REQUIRE_GPU();
+  NoGradGuard no_grad;
+  for (int64_t nkv : {4, 1}) {
+    GPT gpu(small(nkv), 3), cpu(small(nkv), 3);
+    gpu.set_training(false);
+    cpu.set_training(false);
+    gpu.to(Device::CUDA);
+    const Tensor seq = tokens_of(3, 20, 37, 7);
+    ContiguousKVCache gc(2, 3, 32, nkv, 16, DType::BF16, Device::CUDA);
+    ContiguousKVCache cc(2, 3, 32, nkv, 16, DType::BF16, Device::CPU);
+    gpu.forward(narrow(seq, 1, 0, 7), &gc);
+    cpu.forward(narrow(seq, 1, 0, 7), &cc);
+    for (int64_t t = 7; t < 20; ++t) {
+      const Tensor col = narrow(seq, 1, t, 1);
+      const std::vector<float> g = gpu.forward(col, &gc).to(Device::CPU).to_vector<float>();
+      const std::vector<float> c = cpu.forward(col, &cc).to_vector<float>();
+      const Tensor full = gpu.forward(narrow(seq, 1, 0, t + 1)).to(Device::CPU);
+      const std::vector<float> r = narrow(full, 1, t, 1).to_vector<float>();
+      double scale = 0, to_ref = 0, to_cpu = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        scale = std::max(scale, static_cast<double>(std::fabs(r[i])));
+        to_ref = std::max(to_ref, static_cast<double>(std::fabs(g[i] - r[i])));
+        to_cpu = std::max(to_cpu, static_cast<double>(std::fabs(g[i] - c[i])));
+      }
+      EXPECT_LE(to_ref, 2e-2 * scale) << "NKV " << nkv << " step " << t;
+      EXPECT_LE(to_cpu, 1e-3 * scale) << "NKV " << nkv << " step " << t;
+    }
+    EXPECT_EQ(gc.bytes(), kv_cache_formula_bytes(2, 3, 32, nkv, 16, 2));
   }
 }
 

@@ -80,18 +80,30 @@ struct Params {
   }
 };
 
+// An element of an operand as T: itself, or bf16 storage (a bf16 KV cache's keys and values,
+// uint16_t) widened to f32, which is exact.
+template <class T, class S>
+__device__ inline T load_as(S x) {
+  if constexpr (std::is_same_v<S, uint16_t>) {
+    static_assert(std::is_same_v<T, float>);
+    return __uint_as_float(static_cast<unsigned>(x) << 16);
+  } else {
+    return x;
+  }
+}
+
 // Copies rows [0, rows) of a strided (.., hs) source into a (capacity, hs) shared tile of row
 // stride `stride`, zero-filling rows [rows, capacity): keys past a row's length may hold
-// anything, and 0 * NaN would leak into the sums.
-template <class T>
-__device__ inline void load_rows(T* dst, int stride, const T* src, int64_t src_stride, int rows,
+// anything, and 0 * NaN would leak into the sums. S: the source's element type (T or bf16).
+template <class T, class S>
+__device__ inline void load_rows(T* dst, int stride, const S* src, int64_t src_stride, int rows,
                                  int capacity, int hs) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int r = warp; r < capacity; r += kWarps) {
     T* d = dst + r * stride;
     if (r < rows) {
-      const T* s = src + r * src_stride;
-      for (int c = lane; c < hs; c += 32) d[c] = s[c];
+      const S* s = src + r * src_stride;
+      for (int c = lane; c < hs; c += 32) d[c] = load_as<T>(s[c]);
     } else {
       for (int c = lane; c < hs; c += 32) d[c] = T(0);
     }
@@ -135,9 +147,10 @@ size_t forward_shared_bytes(int64_t hs, int64_t kpad) {
   return static_cast<size_t>(kQueryTile * hs + kKeyTile * kpad + kKeyTile * hs) * sizeof(T);
 }
 
-template <class T, int DPL>
+// KV: the element type of k and v, T or bf16 storage (uint16_t) widened as it is staged.
+template <class T, int DPL, class KV>
 __global__ void __launch_bounds__(kBlockThreads)
-    attention_forward_kernel(View<T> out, View<const T> q, View<const T> k, View<const T> v,
+    attention_forward_kernel(View<T> out, View<const T> q, View<const KV> k, View<const KV> v,
                              Params<T> p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int hs = static_cast<int>(p.hs), kpad = p.kpad;
@@ -481,8 +494,8 @@ struct DecodeSplits {
 // Stages keys [0, rows) of k and v into (kKeyTile, kpad) ks and (kKeyTile, hs) vs, zeroing rows
 // [rows, kKeyTile) as load_rows does. Unlike load_rows, which waits for one row per warp at a
 // time, a lane has 16 loads in flight: decode reads each key once, so it waits on memory.
-template <class T, int DPL>
-__device__ inline void load_kv_tile(T* ks, int kpad, T* vs, const T* k, int64_t kst, const T* v,
+template <class T, int DPL, class KV>
+__device__ inline void load_kv_tile(T* ks, int kpad, T* vs, const KV* k, int64_t kst, const KV* v,
                                     int64_t vst, int rows, int hs) {
   constexpr int kRows = DPL >= 8 ? 1 : 8 / DPL;  // rows a warp loads at once
   static_assert(kKeyTile % (kWarps * kRows) == 0);
@@ -495,8 +508,8 @@ __device__ inline void load_kv_tile(T* ks, int kpad, T* vs, const T* k, int64_t 
       for (int i = 0; i < DPL; ++i) {
         const int r = r0 + rr, d = lane + 32 * i;
         const bool ok = r < rows && d < hs;
-        kx[rr][i] = ok ? k[r * kst + d] : T(0);
-        vx[rr][i] = ok ? v[r * vst + d] : T(0);
+        kx[rr][i] = ok ? load_as<T>(k[r * kst + d]) : T(0);
+        vx[rr][i] = ok ? load_as<T>(v[r * vst + d]) : T(0);
       }
     }
 #pragma unroll
@@ -518,10 +531,10 @@ __device__ inline void load_kv_tile(T* ks, int kpad, T* vs, const T* k, int64_t 
 // (same shared memory). The single query sees all kv_len(b) keys. With one split it writes out;
 // else, per head, the split's max m, sum l and unnormalised output to part (B, NH, splits,
 // HS + 2) as (acc, m, l), an empty split (m = -inf, l = 0, acc = 0) included.
-template <class T, int DPL, int R>
+template <class T, int DPL, int R, class KV>
 __global__ void __launch_bounds__(kBlockThreads)
-    attention_decode_kernel(View<T> out, T* part, View<const T> q, View<const T> k, View<const T> v,
-                            Params<T> p, DecodeSplits sp) {
+    attention_decode_kernel(View<T> out, T* part, View<const T> q, View<const KV> k,
+                            View<const KV> v, Params<T> p, DecodeSplits sp) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int hs = static_cast<int>(p.hs), kpad = p.kpad;
   T* qs = reinterpret_cast<T*>(smem);  // (kWarps R, hs) of a (kQueryTile, hs) region
@@ -787,8 +800,8 @@ DecodeSplits decode_splits(int64_t kv_heads, int64_t chunks, int64_t S) {
 
 // The flash kernel would give each (b, h) of a decode step a block with one busy warp walking
 // all keys; here blocks split the keys, and a KV head's K and V serve its whole group at once.
-template <class T>
-void decode_forward(View<T> out, View<const T> q, View<const T> k, View<const T> v,
+template <class T, class KV>
+void decode_forward(View<T> out, View<const T> q, View<const KV> k, View<const KV> v,
                     const Params<T>& p) {
   const size_t smem = forward_shared_bytes<T>(p.hs, p.kpad);
   with_decode_rows(p.group, [&](auto rows) {
@@ -800,7 +813,7 @@ void decode_forward(View<T> out, View<const T> q, View<const T> k, View<const T>
     Scratch part(static_cast<size_t>(part_elems) * sizeof(T));
     with_head_size(p.hs, [&](auto dpl) {
       constexpr int DPL = decltype(dpl)::value;
-      const auto kernel = attention_decode_kernel<T, DPL, R>;
+      const auto kernel = attention_decode_kernel<T, DPL, R, KV>;
       allow_shared(kernel, smem);
       kernel<<<grid_size(p.batch * p.nkv * chunks * sp.count), kBlockThreads, smem, stream()>>>(
           out, part.as<T>(), q, k, v, p, sp);
@@ -818,20 +831,20 @@ void decode_forward(View<T> out, View<const T> q, View<const T> k, View<const T>
 
 }  // namespace
 
-template <class T>
-void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const T* k, HeadView k_v,
-                       const T* v, HeadView v_v, const AttentionShape& s) {
+template <class T, class KV>
+void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
+                       const KV* v, HeadView v_v, const AttentionShape& s) {
   if (s.B * s.NH * s.T == 0 || s.HS == 0) return;
   check_shape(s);
   Scratch lengths(device_lengths_bytes(s));
   const Params<T> p = make_params<T>(s, lengths.as<int64_t>());
   if (s.T == 1 && !p.drop) {
-    decode_forward<T>({out, out_v}, {q, q_v}, {k, k_v}, {v, v_v}, p);
+    decode_forward<T, KV>({out, out_v}, {q, q_v}, {k, k_v}, {v, v_v}, p);
   } else {
     const unsigned blocks = grid_size(s.B * s.NH * ceil_div(s.T, kQueryTile));
     const size_t smem = forward_shared_bytes<T>(s.HS, p.kpad);
     with_head_size(s.HS, [&](auto dpl) {
-      const auto kernel = attention_forward_kernel<T, decltype(dpl)::value>;
+      const auto kernel = attention_forward_kernel<T, decltype(dpl)::value, KV>;
       allow_shared(kernel, smem);
       kernel<<<blocks, kBlockThreads, smem, stream()>>>({out, out_v}, {q, q_v}, {k, k_v}, {v, v_v},
                                                         p);
@@ -885,5 +898,8 @@ void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadV
 KVLAB_INSTANTIATE(float)
 KVLAB_INSTANTIATE(double)
 #undef KVLAB_INSTANTIATE
+template void attention_forward<float, uint16_t>(float*, HeadView, const float*, HeadView,
+                                                 const uint16_t*, HeadView, const uint16_t*,
+                                                 HeadView, const AttentionShape&);
 
 }  // namespace kvlab::cuda

@@ -94,9 +94,10 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
                             int64_t count);
 
 // ---- attention (attention.cu): flash style, tiled, online softmax, no (T, S) buffer ----
-template <class T>
-void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const T* k, HeadView k_v,
-                       const T* v, HeadView v_v, const AttentionShape& s);
+// KV = T, or uint16_t for K/V stored as bf16 (a bf16 KV cache; T = float): widened on load.
+template <class T, class KV = T>
+void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
+                       const KV* v, HeadView v_v, const AttentionShape& s);
 template <class T>
 void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,
                         const T* dout, HeadView dout_v, const T* q, HeadView q_v, const T* k,

@@ -247,6 +247,34 @@ TEST(Cuda, CausalAttentionForwardBackward) {
   }
 }
 
+// K and V in bf16 (a bf16 KV cache) under f32 queries: the GPU kernels, which widen them as
+// they stage tiles, equal the CPU's, in prefill (flash kernel) and decode (split-key kernel,
+// several splits and per-row lengths at S = 300 and 1000).
+TEST(Cuda, AttentionOverBf16KeysAndValues) {
+  REQUIRE_GPU();
+  Generator gen(19);
+  NoGradGuard no_grad;
+  struct C {
+    int64_t B, NH, NKV, T, S, HS;
+    std::vector<int64_t> lens;
+  };
+  for (const C& c : {C{2, 4, 2, 5, 9, 32, {}}, C{2, 4, 4, 7, 40, 64, {40, 12}},
+                     C{3, 8, 2, 1, 300, 64, {300, 17, 129}}, C{1, 4, 1, 1, 1000, 128, {}}}) {
+    SCOPED_TRACE(::testing::Message() << "B " << c.B << " NH " << c.NH << " NKV " << c.NKV
+                                      << " T " << c.T << " S " << c.S);
+    const Tensor q = rnd({c.B, c.NH, c.T, c.HS}, gen);
+    const Tensor k = rnd({c.B, c.NKV, c.S, c.HS}, gen).to(DType::BF16);
+    const Tensor v = rnd({c.B, c.NKV, c.S, c.HS}, gen).to(DType::BF16);
+    AttentionOptions o;
+    o.kv_lengths = c.lens;
+    const Tensor want = causal_attention(q, k, v, o);
+    allocator_for(Device::CUDA).fill_cached(0xFF);
+    const Tensor got =
+        causal_attention(q.to(Device::CUDA), k.to(Device::CUDA), v.to(Device::CUDA), o);
+    EXPECT_TRUE(close_rel(got.to(Device::CPU), want, 1e-5));
+  }
+}
+
 TEST(Cuda, Bf16ProductsStayWithinBf16RoundingOfF32) {
   REQUIRE_GPU();
   Generator gen(9);
