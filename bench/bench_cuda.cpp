@@ -129,18 +129,22 @@ int run(int argc, char** argv) {
     }
   train.print();
 
-  // Decode: greedy, 16-token prompts, 128 new tokens, GPT-2-small shape with random weights.
-  bench::Table dec("cached decode, f32",
-                   {"NKV", "batch", "tokens/s", "ms/step", "ceiling ms/step", "step / ceiling"});
+  // Decode: greedy, 16-token prompts, 128 new tokens, GPT-2-small shape with random weights,
+  // f32 weights and an f32 cache; at batch 64, where the cache is a large part of each step's
+  // reads, also a bf16 cache.
+  bench::Table dec("cached decode, f32 weights", {"NKV", "batch", "cache", "tokens/s", "ms/step",
+                                                  "ceiling ms/step", "step / ceiling"});
   out["decode"] = bench::Json::array();
   const Tokenizer tok = synthetic_tokenizer(50304);
   for (int64_t nkv : {12, 4, 1}) {
     GPT model(config(12, 12, nkv, 768, 1024, 50304), 3);
     model.set_training(false);
     model.to(Device::CUDA);
-    Engine engine(model, tok);
     const double weight_bytes = 4.0 * static_cast<double>(model.num_parameters());
-    for (int64_t batch : {1, 64}) {
+    for (const auto& [batch, kv_dtype] : {std::pair{int64_t{1}, DType::F32},
+                                          std::pair{int64_t{64}, DType::F32},
+                                          std::pair{int64_t{64}, DType::BF16}}) {
+      Engine engine(model, tok, kv_dtype);
       Generator gen(11);
       std::vector<std::vector<int32_t>> prompts;
       for (int64_t b = 0; b < batch; ++b) {
@@ -157,13 +161,15 @@ int run(int argc, char** argv) {
       std::sort(steps.begin(), steps.end());
       const double step = steps[steps.size() / 2];
       // Every step reads the weights once and each row's cache up to its length (mean 80).
-      const double cache_bytes = static_cast<double>(batch) * 2.0 * 12 * 80 * nkv * 64 * 4;
+      const double cache_bytes = static_cast<double>(batch) * 2.0 * 12 * 80 * nkv * 64 *
+                                 static_cast<double>(dtype_size(kv_dtype));
       const double ceiling = (weight_bytes + cache_bytes) / (gbps * 1e9);
-      dec.add_row({std::to_string(nkv), std::to_string(batch),
+      dec.add_row({std::to_string(nkv), std::to_string(batch), dtype_name(kv_dtype),
                    bench::fmt(r.stats.decode_tokens_per_s(), 0), bench::fmt(step * 1e3, 3),
                    bench::fmt(ceiling * 1e3, 3), bench::fmt(step / ceiling, 2)});
       out["decode"].push_back({{"n_kv_head", nkv},
                                {"batch", batch},
+                               {"cache_dtype", dtype_name(kv_dtype)},
                                {"tokens_per_s", r.stats.decode_tokens_per_s()},
                                {"step_ms", step * 1e3},
                                {"ceiling_step_ms", ceiling * 1e3},

@@ -76,10 +76,12 @@ for r in k.get("train", []):
     print(f"{r['config']:22} {r['dtype']:5} {r['tokens_per_s']:12.0f} {r['mfu_bf16']:9.3f} "
           f"{ref or 0:12.0f} {ratio:>9}")
 torch_dec = {(r["n_kv_head"], r["batch"]): r["tokens_per_s"] for r in t.get("decode", [])}
-print(f"{'decode NKV/batch':22} {'kvlab tok/s':>12} {'step/ceiling':>13} {'torch tok/s':>12}")
+print(f"{'decode NKV/batch/cache':22} {'kvlab tok/s':>12} {'step/ceiling':>13} {'torch tok/s':>12}")
 for r in k.get("decode", []):
-    td = torch_dec.get((r["n_kv_head"], r["batch"]), 0)
-    print(f"{str(r['n_kv_head']) + ' / ' + str(r['batch']):22} {r['tokens_per_s']:12.0f} "
-          f"{r['step_ms'] / r['ceiling_step_ms']:13.2f} {td:12.0f}")
+    cache = r.get("cache_dtype", "f32")  # PyTorch's baseline keeps an f32 cache
+    td = torch_dec.get((r["n_kv_head"], r["batch"]), 0) if cache == "f32" else 0
+    label = f"{r['n_kv_head']} / {r['batch']} / {cache}"
+    print(f"{label:22} {r['tokens_per_s']:12.0f} {r['step_ms'] / r['ceiling_step_ms']:13.2f} "
+          f"{td:12.0f}")
 PY
 exit $tests_rc
