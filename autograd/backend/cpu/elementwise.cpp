@@ -71,8 +71,9 @@ void binary_forward(BinaryOp op, T* out, const std::vector<int64_t>& sizes, cons
 template <class T>
 void scale_forward(T* out, const T* x, T s, int64_t n) {
   parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+    const T f = s;  // a local (see gelu_forward)
 #pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) out[i] = x[i] * s;
+    for (int64_t i = i0; i < i1; ++i) out[i] = x[i] * f;
   });
 }
 
@@ -144,10 +145,12 @@ constexpr double kGeluC = 0.7978845608028654;  // sqrt(2/pi)
 constexpr double kGeluA = 0.044715;
 }  // namespace
 
+// The constants are locals of the loop's own function: captured by reference, GCC reloads
+// and broadcasts them in every vector iteration (a float store might alias them).
 template <class T>
 void gelu_forward(T* out, const T* x, int64_t n) {
-  const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
   parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+    const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
 #pragma omp simd
     for (int64_t i = i0; i < i1; ++i) {
       const T xi = x[i];
@@ -159,8 +162,8 @@ void gelu_forward(T* out, const T* x, int64_t n) {
 
 template <class T>
 void gelu_backward(T* dx, const T* dout, const T* x, int64_t n) {
-  const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
   parallel_range(n, n, [&](int64_t i0, int64_t i1) {
+    const T c = static_cast<T>(kGeluC), a = static_cast<T>(kGeluA);
 #pragma omp simd
     for (int64_t i = i0; i < i1; ++i) {
       const T xi = x[i];

@@ -53,6 +53,7 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
                             int64_t count) {
   const T scale = count ? static_cast<T>(static_cast<double>(*dloss) / static_cast<double>(count)) : T(0);
   parallel_range(N, N * V, [&](int64_t i0, int64_t i1) {
+    const T f = scale;  // a local: captured by reference it is reloaded per vector (see gelu)
     for (int64_t i = i0; i < i1; ++i) {
       T* di = dlogits + i * V;
       if (targets[i] == ignore_index) {
@@ -62,8 +63,8 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
       const T* li = logits + i * V;
       const T l = lse[i];
 #pragma omp simd
-      for (int64_t j = 0; j < V; ++j) di[j] = exp_t(li[j] - l) * scale;
-      di[targets[i]] -= scale;
+      for (int64_t j = 0; j < V; ++j) di[j] = exp_t(li[j] - l) * f;
+      di[targets[i]] -= f;
     }
   });
 }
