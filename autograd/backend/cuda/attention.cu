@@ -124,6 +124,64 @@ __device__ inline void row_dots(T (&out)[R], const T* x, int x_step, const T* y,
   }
 }
 
+// The online softmax of R query rows that one warp owns, a lane holding one key of each staged
+// tile and head dims lane + 32 i of the output: the running max m, this lane's share l of the
+// sum of exp, and the unnormalised output acc. The flash forward and the decode kernel share it.
+template <class T, int R, int DPL>
+struct OnlineSoftmax {
+  T m[R], l[R], acc[R][DPL];
+
+  __device__ OnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      m[r] = -INFINITY;
+      l[r] = T(0);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[r][i] = T(0);
+    }
+  }
+  // Row r meets this lane's scaled score x (visible or not; warp-uniform call): the row's
+  // state moves to the new max and this lane's unnormalised probability is returned. The
+  // caller guarantees a visible key in the warp, so the new max is finite and exp(m - m_new)
+  // never sees -inf - -inf.
+  __device__ T add(int r, T x, bool vis) {
+    const T m_new = max(m[r], warp_max(vis ? x : T(-INFINITY)));
+    const T corr = exp_t(m[r] - m_new);
+    const T e = vis ? exp_t(x - m_new) : T(0);
+    l[r] = l[r] * corr + e;
+    m[r] = m_new;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[r][i] *= corr;
+    return e;
+  }
+  // acc[r] += w[r] of lane jj times row jj of the (n, hs) tile vs, for jj < n, in order.
+  __device__ void accumulate(const T (&w)[R], const T* vs, int n, int hs, int lane) {
+    for (int jj = 0; jj < n; ++jj) {
+      T vj[DPL];
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        vj[i] = d < hs ? vs[jj * hs + d] : T(0);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const T wj = __shfl_sync(0xffffffffu, w[r], jj);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] += wj * vj[i];
+      }
+    }
+  }
+  // Row r's output, acc / sum, to o (hs wide).
+  __device__ void write(int r, T* o, T sum, int hs, int lane) const {
+    const T inv = T(1) / sum;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const int d = lane + 32 * i;
+      if (d < hs) o[d] = acc[r][i] * inv;
+    }
+  }
+};
+
 // Block x covers query tile `tile` of head (b, h); the longest tiles (last rows) come first.
 struct QueryBlock {
   int64_t b, h, t0;
@@ -168,14 +226,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t head_row = (blk.b * p.nh + blk.h) * p.nq + blk.t0 + warp * kRowsPerWarp;
 
   load_rows(qs, hs, q.row(blk.b, blk.h, blk.t0), q.v.st, blk.rows, kQueryTile, hs);
-  T m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][DPL];  // l: this lane's keys only
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    m[r] = -INFINITY;
-    l[r] = T(0);
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[r][i] = T(0);
-  }
+  OnlineSoftmax<T, kRowsPerWarp, DPL> sm;
 
   for (int64_t j0 = 0; j0 < kend; j0 += kKeyTile) {
     const int nk = static_cast<int>(min64(kKeyTile, kend - j0));
@@ -192,49 +243,22 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int r = 0; r < kRowsPerWarp; ++r) {
       w[r] = T(0);
       const int64_t last = first_last + r;
-      // Warp-uniform; the first processed tile of a row holds its key j0 <= last, so m_new is
-      // finite and exp(m - m_new) never sees -inf - -inf.
+      // Warp-uniform; the first processed tile of a row holds its key j0 <= last.
       if (r < wrows && j0 <= last) {
         const bool vis = j <= last;
-        const T x = vis ? sc[r] * p.scale : T(-INFINITY);
-        const T m_new = max(m[r], warp_max(x));
-        const T corr = exp_t(m[r] - m_new);
-        const T e = vis ? exp_t(x - m_new) : T(0);
-        l[r] = l[r] * corr + e;
-        m[r] = m_new;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] *= corr;
+        const T e = sm.add(r, sc[r] * p.scale, vis);
         w[r] = p.drop && vis ? e * p.factor(head_row + r, j) : e;
       }
     }
     // Keys past the warp's last visible one have w = 0 in every row.
-    const int n = static_cast<int>(min64(nk, first_last + wrows - j0));
-    for (int jj = 0; jj < n; ++jj) {
-      T vj[DPL];
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        vj[i] = d < hs ? vs[jj * hs + d] : T(0);
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const T wj = __shfl_sync(0xffffffffu, w[r], jj);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] += wj * vj[i];
-      }
-    }
+    sm.accumulate(w, vs, static_cast<int>(min64(nk, first_last + wrows - j0)), hs, lane);
   }
 
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     if (r >= wrows) continue;  // warp-uniform
-    const T inv = T(1) / warp_sum(l[r]);
-    T* o = out.row(blk.b, blk.h, blk.t0 + warp * kRowsPerWarp + r);
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) {
-      const int d = lane + 32 * i;
-      if (d < hs) o[d] = acc[r][i] * inv;
-    }
+    sm.write(r, out.row(blk.b, blk.h, blk.t0 + warp * kRowsPerWarp + r), warp_sum(sm.l[r]), hs,
+             lane);
   }
 }
 
@@ -549,14 +573,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t j_begin = split * sp.keys, j_end = min64(p.kv_len(b), j_begin + sp.keys);
 
   load_rows(qs, hs, q.row(b, h0, 0), q.v.sh, heads, kWarps * R, hs);
-  T m[R], l[R], acc[R][DPL];  // l: this lane's keys only
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = T(0);
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[r][i] = T(0);
-  }
+  OnlineSoftmax<T, R, DPL> sm;
 
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {  // block-uniform bounds
     const int nk = static_cast<int>(min64(kKeyTile, j_end - j0));
@@ -570,56 +587,28 @@ __global__ void __launch_bounds__(kBlockThreads)
     T w[R];  // this lane's unnormalised probability, per head
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      w[r] = T(0);
-      if (r < wrows) {  // warp-uniform; lane 0's key is valid, so m_new is finite
-        const T xs = vis ? sc[r] * p.scale : T(-INFINITY);
-        const T m_new = max(m[r], warp_max(xs));
-        const T corr = exp_t(m[r] - m_new);
-        w[r] = vis ? exp_t(xs - m_new) : T(0);
-        l[r] = l[r] * corr + w[r];
-        m[r] = m_new;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] *= corr;
-      }
+      // Warp-uniform; lane 0's key is valid.
+      w[r] = r < wrows ? sm.add(r, sc[r] * p.scale, vis) : T(0);
     }
-    for (int jj = 0; jj < nk; ++jj) {
-      T vj[DPL];
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        vj[i] = d < hs ? vs[jj * hs + d] : T(0);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const T wj = __shfl_sync(0xffffffffu, w[r], jj);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] += wj * vj[i];
-      }
-    }
+    sm.accumulate(w, vs, nk, hs, lane);
   }
 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (r >= wrows) continue;  // warp-uniform
     const int64_t h = h0 + warp * R + r;
-    const T sum = warp_sum(l[r]);
+    const T sum = warp_sum(sm.l[r]);
     if (part == nullptr) {  // one split: it holds every key, so sum >= 1
-      const T inv = T(1) / sum;
-      T* o = out.row(b, h, 0);
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        if (d < hs) o[d] = acc[r][i] * inv;
-      }
+      sm.write(r, out.row(b, h, 0), sum, hs, lane);
     } else {
       T* rec = part + ((b * p.nh + h) * sp.count + split) * (hs + 2);
 #pragma unroll
       for (int i = 0; i < DPL; ++i) {
         const int d = lane + 32 * i;
-        if (d < hs) rec[d] = acc[r][i];
+        if (d < hs) rec[d] = sm.acc[r][i];
       }
       if (lane == 0) {
-        rec[hs] = m[r];
+        rec[hs] = sm.m[r];
         rec[hs + 1] = sum;
       }
     }
