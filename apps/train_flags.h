@@ -21,7 +21,7 @@ void add_device_flags(CLI::App* cmd, std::string& device, std::string& dtype);
 Device parse_device(const std::string& device);
 // The parsed --dtype for `device`: bf16 (GEMMs in bf16 with f32 accumulation) needs cuda.
 MatmulPrecision parse_dtype(const std::string& dtype, Device device);
-// --kv-dtype f32|bf16 (generate, bench generate): the KV cache's element type.
+// --kv-dtype f32|bf16 (generate, bench generate, ablate): the KV cache's element type.
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 DType parse_kv_dtype(const std::string& kv_dtype);
 

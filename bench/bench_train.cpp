@@ -44,28 +44,20 @@ double sgemm_rate(const GPTConfig& c, int64_t rows) {
     std::vector<float> a(s.m * s.k, 0.5f), b(s.k * s.n, 0.25f), out(s.m * s.n);
     const int64_t lda = s.ta ? s.m : s.k, ldb = s.tb ? s.k : s.n;
     // Each shape's faster way of driving the BLAS: one threaded call, or kvlab's split of the
-    // rows into one single-threaded call per thread (cpu::gemm).
-    auto median_s = [&](auto&& run) {
-      for (int i = 0; i < 3; ++i) run();
-      std::vector<double> t;
-      for (int i = 0; i < 15; ++i) {
-        const double t0 = bench::now_s();
-        run();
-        t.push_back(bench::now_s() - t0);
-      }
-      std::sort(t.begin(), t.end());
-      return t[t.size() / 2];
-    };
-    const double direct = median_s([&] {
-      cblas_sgemm(CblasRowMajor, s.ta ? CblasTrans : CblasNoTrans, s.tb ? CblasTrans : CblasNoTrans,
-                  s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, out.data(), s.n);
-    });
-    const double split = median_s([&] {
-      cpu::gemm<float>(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
-                       out.data(), s.n);
-    });
+    // rows into one single-threaded call per thread (cpu::gemm); samples interleaved.
+    const std::vector<bench::Timing> t = bench::time_interleaved(
+        {[&] {
+           cblas_sgemm(CblasRowMajor, s.ta ? CblasTrans : CblasNoTrans,
+                       s.tb ? CblasTrans : CblasNoTrans, s.m, s.n, s.k, 1.0f, a.data(), lda,
+                       b.data(), ldb, 0.0f, out.data(), s.n);
+         },
+         [&] {
+           cpu::gemm<float>(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
+                            out.data(), s.n);
+         }},
+        {.reps = 15, .warmup = 3, .min_sample_s = 0});
     flops += 2.0 * s.m * s.n * s.k;
-    secs += std::min(direct, split);
+    secs += std::min(t[0].median_s, t[1].median_s);
   }
   return flops / secs / 1e9;
 }

@@ -64,7 +64,9 @@ double sum_squares_many(std::span<const FloatSpan> xs) {
   };
   std::vector<Chunk> chunks;
   std::vector<size_t> first;  // per tensor, its first chunk
+  int64_t total = 0;
   for (const FloatSpan& x : xs) {
+    total += x.n;
     first.push_back(chunks.size());
     for (int64_t i = 0; i < x.n; i += kChunk)
       chunks.push_back({x.data + i, std::min(kChunk, x.n - i)});
@@ -72,8 +74,6 @@ double sum_squares_many(std::span<const FloatSpan> xs) {
   first.push_back(chunks.size());
   std::vector<double> partial(chunks.size());
   const int64_t count = static_cast<int64_t>(chunks.size());
-  int64_t total = 0;
-  for (const FloatSpan& x : xs) total += x.n;
   parallel_range(count, total, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const float* x = chunks[static_cast<size_t>(c)].x;  // locals: GCC gathers through a reference
