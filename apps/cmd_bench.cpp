@@ -95,6 +95,15 @@ void print_generate_table(const json& g) {
   }
   row("cache on: weights+KV GB/s",
       [&](const json& r) { return num(r, "cache", "read_GB_per_s", "%.1f"); });
+  if (rs[0]["cache"].contains("read_bandwidth_GB_per_s")) {
+    // The peak rate at which the same threads read a buffer of the step's size, this run.
+    row("peak read GB/s (probe)",
+        [&](const json& r) { return num(r, "cache", "read_bandwidth_GB_per_s", "%.1f"); });
+    row("bandwidth ceiling: tok/s",
+        [&](const json& r) { return num(r, "cache", "ceiling_tokens_per_s", "%.1f"); });
+    row("cache on: of the ceiling",
+        [&](const json& r) { return num(r, "cache", "fraction_of_ceiling", "%.3f"); });
+  }
   row("KV cache positions",
       [](const json& r) { return std::to_string(r["cache"]["cache_positions"].get<long long>()); });
   row("KV cache bytes measured",
@@ -118,18 +127,23 @@ void print_generate_table(const json& g) {
 void print_cache_report(const json& rep, const json& speed, DType dtype) {
   std::printf(
       "\nKV cache (%s) at batch 1, S = block_size (2 * L * B * S * NKV * HS * %zu bytes), and "
-      "decode speed with the cache:\n%-10s%16s%16s%8s%12s%10s%12s%12s\n",
+      "decode speed with the cache (ceiling: this run's peak read rate over the bytes a step "
+      "reads):\n%-10s%16s%16s%8s%12s%10s%12s%12s%14s%12s\n",
       dtype_name(dtype), dtype_size(dtype), "n_kv_head", "measured B", "formula B", "equal",
-      "vs MHA", "expected", "tok/s", "TPOT ms");
+      "vs MHA", "expected", "tok/s", "TPOT ms", "ceiling tok/s", "of ceiling");
   for (size_t i = 0; i < rep.size(); ++i) {
     const json& r = rep[i];
     std::printf("%-10lld%16lld%16lld%8s%12.4f%10.4f", r["n_kv_head"].get<long long>(),
                 r["measured_bytes"].get<long long>(), r["formula_bytes"].get<long long>(),
                 r["measured_bytes"] == r["formula_bytes"] ? "yes" : "NO",
                 r["ratio_to_mha"].get<double>(), r["expected_ratio"].get<double>());
-    if (i < speed.size())
-      std::printf("%12.1f%12.3f", speed[i]["tokens_per_s"].get<double>(),
-                  speed[i]["tpot_mean_ms"].get<double>());
+    if (i < speed.size()) {
+      const json& d = speed[i];
+      std::printf("%12.1f%12.3f", d["tokens_per_s"].get<double>(), d["tpot_mean_ms"].get<double>());
+      if (d.contains("ceiling_tokens_per_s"))
+        std::printf("%14.1f%12.3f", d["ceiling_tokens_per_s"].get<double>(),
+                    d["fraction_of_ceiling"].get<double>());
+    }
     std::printf("\n");
   }
 }

@@ -93,6 +93,63 @@ std::vector<int32_t> random_prompt(int64_t n, int64_t vocab, uint64_t seed) {
   return p;
 }
 
+// The peak rate at which this process's threads read `bytes` of f32 (a decode step's working
+// set, so the probe hits the same level of the cache hierarchy as the step): the best of many
+// passes, each thread summing its own slice into 64 independent lanes (one accumulator would
+// make the adds, not the loads, the limit). A step cannot beat bytes over this rate.
+double cpu_read_bandwidth(double bytes) {
+  const int64_t lanes = 64, n = std::max<int64_t>(lanes * 1024,
+                                                  static_cast<int64_t>(bytes / 4) / lanes * lanes);
+  std::vector<float> buf(static_cast<size_t>(n));
+  float* data = buf.data();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<float>(i & 1023);
+  const int passes =
+      static_cast<int>(std::clamp(2e9 / (4.0 * static_cast<double>(n)), 20.0, 2000.0));
+  double best = 1e30;
+  volatile float sink = 0;  // keeps the sums, and so the reads, alive
+  for (int pass = 0; pass < passes; ++pass) {
+    const double t0 = omp_get_wtime();
+    float total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+      const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), rows = n / lanes;
+      const int64_t lo = rows * id / threads * lanes, hi = rows * (id + 1) / threads * lanes;
+      float acc[lanes] = {};
+      for (int64_t i = lo; i < hi; i += lanes)
+#pragma omp simd
+        for (int64_t j = 0; j < lanes; ++j) acc[j] += data[i + j];
+      for (float a : acc) total += a;
+    }
+    best = std::min(best, omp_get_wtime() - t0);
+    sink = sink + total;
+  }
+  return 4.0 * static_cast<double>(n) / best / 1e9;
+}
+
+// Bytes a decode step reads: every weight but the position table (one row of it), plus the
+// cached K and V of every layer at position `pos`.
+double step_read_bytes(const GPT& model, int64_t kv_elem, double pos) {
+  const GPTConfig& c = model.config();
+  return static_cast<double>(model.num_parameters() - c.block_size * c.n_embd) * 4.0 +
+         2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
+}
+
+// A decode side's memory traffic: bytes_read_per_token and read_GB_per_s, and on the CPU the
+// ceiling measured here over a buffer of the step's size (on a GPU, bench_cuda measures its
+// own): read_bandwidth_GB_per_s, ceiling_tokens_per_s and fraction_of_ceiling.
+void add_bandwidth(json& side, const GPT& model, int64_t kv_elem, double mean_pos) {
+  const double bytes = step_read_bytes(model, kv_elem, mean_pos);
+  const double tps = side["tokens_per_s"].get<double>();
+  side["bytes_read_per_token"] = bytes;
+  side["read_GB_per_s"] = bytes * tps / 1e9;
+  if (model.wte.weight.device() != Device::CPU) return;
+  const double gbps = cpu_read_bandwidth(bytes);
+  side["read_bandwidth_GB_per_s"] = gbps;
+  side["ceiling_tokens_per_s"] = gbps * 1e9 / bytes;
+  side["fraction_of_ceiling"] = tps * bytes / (gbps * 1e9);
+}
+
 json model_json(const GPT& model) {
   const GPTConfig& c = model.config();
   const int64_t params = model.num_parameters();
@@ -165,15 +222,8 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
         side["cache_positions"] = positions;
         side["cache_bytes_formula"] =
             kv_cache_formula_bytes(c.n_layer, 1, positions, c.n_kv_head, c.head_size(), kv_elem);
-        // Bytes a decode step reads: every weight but the position table (one row of it),
-        // plus the cached K and V of every layer at the mean position of the run.
-        const double weights =
-            static_cast<double>(model.num_parameters() - c.block_size * c.n_embd) * 4.0;
-        const double mean_pos = static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2;
-        const double kv =
-            2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * mean_pos;
-        side["bytes_read_per_token"] = weights + kv;
-        side["read_GB_per_s"] = (weights + kv) * side["tokens_per_s"].get<double>() / 1e9;
+        add_bandwidth(side, model, kv_elem,
+                      static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2);
         curve_cache = median_steps(runs);
       } else {
         curve_nocache = median_steps(runs);
@@ -253,6 +303,8 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["new_tokens"] = n;
     e["cache_bytes"] = bytes;
     e["weights"] = "random";
+    add_bandwidth(e, model, static_cast<int64_t>(dtype_size(o.cache_dtype)),
+                  static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2);
     out.push_back(e);
     if (o.progress)
       o.progress(detail::cat("n_kv_head ", nkv, ": ",

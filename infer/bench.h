@@ -34,6 +34,9 @@ struct BenchGenerateOptions {
 //     e2e_tokens_per_s, ttft_ms, tpot_mean_ms, tpot_p50_ms, tpot_p99_ms, and for the cache
 //     cache_bytes (measured), cache_bytes_formula, cache_positions, bytes_read_per_token
 //     (weights + cached K/V at the mean position) and read_GB_per_s (that times tokens/s);
+//     on the CPU also read_bandwidth_GB_per_s (the peak rate at which the threads read a
+//     buffer of bytes_read_per_token, measured in the same run), ceiling_tokens_per_s (that
+//     over bytes_read_per_token) and fraction_of_ceiling (tokens_per_s over the ceiling);
 //   time_vs_position {cache [{position, ms}], no_cache [...]} from the longest setting.
 // Each figure is the median over the runs.
 nlohmann::json bench_generate(GPT& model, const Tokenizer& tokenizer,
@@ -48,7 +51,8 @@ nlohmann::json kv_cache_report(const GPTConfig& config, const std::vector<int64_
 
 // Decode speed with the cache at batch 1 for each n_kv_head (random weights from `seed`, the
 // rest of `config` unchanged): JSON array of {n_kv_head, tokens_per_s, tpot_mean_ms,
-// tpot_p50_ms, tpot_p99_ms, ttft_ms, cache_bytes}.
+// tpot_p50_ms, tpot_p99_ms, ttft_ms, cache_bytes, bytes_read_per_token, read_GB_per_s} and on
+// the CPU the measured ceiling as in bench_generate.
 nlohmann::json bench_decode_by_kv_heads(const GPTConfig& config,
                                         const std::vector<int64_t>& kv_heads, int64_t new_tokens,
                                         const BenchGenerateOptions& options);

@@ -449,6 +449,21 @@ TEST(Bench, ReportsBothModesAndTheCacheFormula) {
     EXPECT_GT(r["no_cache"]["tokens_per_s"].get<double>(), 0);
     EXPECT_EQ(r["cache"]["cache_bytes"], r["cache"]["cache_bytes_formula"]);
     EXPECT_TRUE(r.contains("speedup"));
+    // A step reads every weight but the position table, plus K and V at the mean position;
+    // the ceiling is this run's read rate over those bytes.
+    const nlohmann::json& c = r["cache"];
+    const GPTConfig& cfg = model->config();
+    const double mean_pos = 8.0 + r["new_tokens"].get<double>() / 2;
+    const double bytes =
+        4.0 * static_cast<double>(model->num_parameters() - cfg.block_size * cfg.n_embd) +
+        2.0 * 4.0 * static_cast<double>(cfg.n_layer * cfg.n_kv_head * cfg.head_size()) * mean_pos;
+    EXPECT_DOUBLE_EQ(c["bytes_read_per_token"].get<double>(), bytes);
+    EXPECT_GT(c["read_bandwidth_GB_per_s"].get<double>(), 0);
+    EXPECT_NEAR(c["ceiling_tokens_per_s"].get<double>() * bytes,
+                c["read_bandwidth_GB_per_s"].get<double>() * 1e9,
+                1e-9 * c["read_bandwidth_GB_per_s"].get<double>() * 1e9);
+    EXPECT_NEAR(c["fraction_of_ceiling"].get<double>(),
+                c["tokens_per_s"].get<double>() / c["ceiling_tokens_per_s"].get<double>(), 1e-12);
   }
   EXPECT_EQ(j["time_vs_position"]["cache"].size(), 3u);
   EXPECT_EQ(j["time_vs_position"]["cache"][0]["position"], 8);
