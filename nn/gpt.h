@@ -79,8 +79,15 @@ class GPT : public Module {
   std::vector<std::unique_ptr<Block>> blocks;
   LayerNorm ln_f;
   std::unique_ptr<Linear> lm_head;  // only when untied
+  // Decode steps on the CPU (a cache, T = 1, no gradients, f32) run fused in one parallel
+  // region (gpt_decode.cpp); false runs them op by op, as the tests and benchmarks compare.
+  bool fused_cpu_decode = true;
 
  private:
+  // The fused decode step: tokens (B, 1) and positions (B, 1) on the host, the cache's rows
+  // already checked for room. Appends to every layer's cache; returns logits (B, 1, V).
+  Tensor decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& cache);
+
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step

@@ -22,9 +22,9 @@ inline GPTConfig tiny_config(int64_t n_kv_head = 4, int64_t block_size = 16) {
   return c;
 }
 
-inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
-                                       int64_t block_size = 16) {
-  auto m = std::make_unique<GPT>(tiny_config(n_kv_head, block_size), seed);
+// A model of config `c` with the large random weights described above.
+inline std::unique_ptr<GPT> random_model(const GPTConfig& c, uint64_t seed) {
+  auto m = std::make_unique<GPT>(c, seed);
   Generator gen(seed * 31 + 5);
   for (auto& [name, t] : m->named_parameters()) {
     Tensor p = t;
@@ -41,6 +41,11 @@ inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
   }
   m->set_training(false);
   return m;
+}
+
+inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
+                                       int64_t block_size = 16) {
+  return random_model(tiny_config(n_kv_head, block_size), seed);
 }
 
 // 11 symbols: "a".."j" and space.

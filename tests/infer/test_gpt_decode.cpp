@@ -1,0 +1,149 @@
+// The fused CPU decode step (nn/gpt_decode.cpp) against the op-by-op path it replaces: the
+// same logits and the same cache contents at every step, for every n_kv_head, both cache
+// dtypes and thread counts that split the products unevenly.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "autograd/backend/allocator.h"
+#include "autograd/graph.h"
+#include "infer/kv_cache.h"
+#include "infer_test_util.h"
+
+namespace kvlab {
+namespace {
+
+// C = 64, NH = 8, H = 256, V = 67: with 3 threads the q/k/v, MLP and LM-head rows split into
+// blocks of different sizes, and the vocabulary does not fill a block.
+GPTConfig decode_config(int64_t n_kv_head) {
+  GPTConfig c;
+  c.vocab_size = 67;
+  c.block_size = 24;
+  c.n_layer = 2;
+  c.n_head = 8;
+  c.n_kv_head = n_kv_head;
+  c.n_embd = 64;
+  return c;
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double d = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    d = std::max(d, static_cast<double>(std::fabs(a[i] - b[i])));
+  return d;
+}
+
+// Restores the OpenMP thread count when the test ends.
+struct ThreadCount {
+  int saved = omp_get_max_threads();
+  explicit ThreadCount(int n) { omp_set_num_threads(n); }
+  ~ThreadCount() { omp_set_num_threads(saved); }
+};
+
+// (n_kv_head, cache dtype, threads)
+class FusedDecode : public ::testing::TestWithParam<std::tuple<int64_t, DType, int>> {};
+
+TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
+  const auto [nkv, dtype, threads] = GetParam();
+  const ThreadCount tc(threads);
+  auto model = test::random_model(decode_config(nkv), 5);
+  const GPTConfig& c = model->config();
+  NoGradGuard no_grad;
+  // Rows of different lengths: each prefilled on its own, the same way in both caches.
+  const std::vector<int64_t> prompt_len{1, 6, 3};
+  const int64_t B = 3, V = c.vocab_size;
+  ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
+  ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
+  Generator gen(17);
+  auto random_tokens = [&](int64_t rows, int64_t T) {
+    std::vector<int32_t> ids(static_cast<size_t>(rows * T));
+    for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(V)));
+    return Tensor::from_vector(ids, {rows, T});
+  };
+  model->fused_cpu_decode = false;
+  for (int64_t b = 0; b < B; ++b) {
+    const Tensor p = random_tokens(1, prompt_len[static_cast<size_t>(b)]);
+    model->forward(p, &fused.rows(b, 1), true);
+    model->forward(p, &plain.rows(b, 1), true);
+  }
+
+  double worst = 0, scale = 0;
+  uint64_t fused_requests = 0, plain_requests = 0;
+  const int steps = 12;
+  for (int step = 0; step < steps; ++step) {
+    const Tensor tokens = random_tokens(B, 1);
+    Allocator& alloc = allocator_for(Device::CPU);
+    model->fused_cpu_decode = true;
+    uint64_t r0 = alloc.stats().requests;
+    const std::vector<float> a = model->forward(tokens, &fused, true).to_vector<float>();
+    fused_requests += alloc.stats().requests - r0;
+    model->fused_cpu_decode = false;
+    r0 = alloc.stats().requests;
+    const std::vector<float> b = model->forward(tokens, &plain, true).to_vector<float>();
+    plain_requests += alloc.stats().requests - r0;
+    ASSERT_EQ(a.size(), static_cast<size_t>(B * V));
+    worst = std::max(worst, max_diff(a, b));
+    scale = std::max(scale, max_abs(b));
+  }
+  // Only the order of a few sums differs (the bias added after each product, the products
+  // split differently): f32 rounding, relative to the logits' scale.
+  EXPECT_LE(worst, 1e-5 * std::max(1.0, scale)) << "logit scale " << scale;
+  EXPECT_GT(scale, 1.0);  // the logits are far from zero: the comparison means something
+  EXPECT_EQ(fused.lengths(), plain.lengths());
+  EXPECT_EQ(fused.lengths(), (std::vector<int64_t>{1 + steps, 6 + steps, 3 + steps}));
+  // Same keys and values in the caches (a bf16 cache may round a value the other way).
+  const double tol = dtype == DType::BF16 ? 1.0 / 128 : 1e-5;
+  for (int layer = 0; layer < c.n_layer; ++layer)
+    for (const bool is_k : {true, false}) {
+      const auto x =
+          (is_k ? fused.k_buffer(layer) : fused.v_buffer(layer)).to(DType::F32).to_vector<float>();
+      const auto y =
+          (is_k ? plain.k_buffer(layer) : plain.v_buffer(layer)).to(DType::F32).to_vector<float>();
+      EXPECT_LE(max_diff(x, y), tol * std::max(1.0, max_abs(y)))
+          << "layer " << layer << (is_k ? " K" : " V");
+    }
+  // The fused step really ran: it asks the allocator for its own few buffers, where the
+  // op-by-op step makes a tensor per op.
+  EXPECT_LE(fused_requests, 10u * steps);
+  EXPECT_GT(plain_requests, 30u * steps);
+}
+
+INSTANTIATE_TEST_SUITE_P(NkvDtypeThreads, FusedDecode,
+                         ::testing::Combine(::testing::Values(8, 2, 1),
+                                            ::testing::Values(DType::F32, DType::BF16),
+                                            ::testing::Values(1, 2, 3)),
+                         [](const auto& info) {
+                           return "nkv" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  dtype_name(std::get<1>(info.param)) + "_threads" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+// A bad token id is an error naming it, and the cache is left as it was.
+TEST(FusedDecode, BadTokenIsAClearErrorAndTheCacheIsUntouched) {
+  auto model = test::random_model(decode_config(2), 5);
+  const GPTConfig& c = model->config();
+  NoGradGuard no_grad;
+  ContiguousKVCache cache(c.n_layer, 1, c.block_size, 2, c.head_size());
+  model->forward(Tensor::from_vector(std::vector<int32_t>{1, 2, 3}, {1, 3}), &cache, true);
+  const std::vector<float> before = cache.k_buffer(0).to_vector<float>();
+  try {
+    model->forward(Tensor::from_vector(std::vector<int32_t>{67}, {1, 1}), &cache, true);
+    FAIL() << "token 67 of a 67-symbol vocabulary was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token id 67"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.lengths(), std::vector<int64_t>{3});
+  EXPECT_EQ(cache.k_buffer(0).to_vector<float>(), before);
+}
+
+}  // namespace
+}  // namespace kvlab
