@@ -36,6 +36,7 @@ struct BenchArgs {
   int64_t prompt_tokens = 16;
   int runs = 3;
   bool skip_no_cache = false;
+  bool op_by_op = false;
   std::string device = "cpu", dtype = "f32", kv_dtype = "f32";
   uint64_t seed = 0;
   std::string json_path;
@@ -183,6 +184,7 @@ void run_bench_generate(BenchArgs& a) {
                       "--kv-heads: ", nkv, " does not divide n_head = ", a.cfg.n_head);
 
   model->to(device);
+  model->fused_cpu_decode = !a.op_by_op;
   BenchGenerateOptions o;
   o.prompt_tokens = a.prompt_tokens;
   o.new_tokens = a.new_tokens;
@@ -191,6 +193,7 @@ void run_bench_generate(BenchArgs& a) {
   o.seed = a.seed;
   o.device = device;
   o.cache_dtype = kv_dtype;
+  o.fused_decode = !a.op_by_op;
   o.progress = [](const std::string& line) {
     std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
   };
@@ -240,6 +243,8 @@ void add_bench_command(CLI::App& root) {
   gen->add_option("--runs", args->runs, "Measured runs per setting (median)")
       ->capture_default_str();
   gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");
+  gen->add_flag("--op-by-op", args->op_by_op,
+                "Decode on the CPU op by op instead of the fused step (its baseline)");
   add_device_flags(gen, args->device, args->dtype);
   add_kv_dtype_flag(gen, args->kv_dtype);
   gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")

@@ -193,6 +193,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
            {"threads", omp_get_max_threads()},
            {"prompt_tokens", o.prompt_tokens},
            {"cache_dtype", dtype_name(o.cache_dtype)},
+           {"fused_decode", model.fused_cpu_decode},
            {"runs", o.runs},
            {"sampling", "greedy"},
            {"results", json::array()}};
@@ -285,6 +286,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     c.n_kv_head = nkv;
     GPT model(c, o.seed + 1);
     model.set_training(false);
+    model.fused_cpu_decode = o.fused_decode;
     model.to(o.device);
     Engine engine(model, tok, o.cache_dtype);
     GenerateOptions g;

@@ -23,6 +23,7 @@ struct BenchGenerateOptions {
   uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
   Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
   DType cache_dtype = DType::F32;                    // of the KV cache: f32 or bf16
+  bool fused_decode = true;  // GPT::fused_cpu_decode of bench_decode_by_kv_heads's models
   std::function<void(const std::string&)> progress;  // one line per measured setting
 };
 
