@@ -126,16 +126,18 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       if (failure) break;  // every thread sees the same flag after the barrier
       const HeadView kview{k_all.stride(0), k_all.stride(1), k_all.stride(2)};
       const HeadView vview{v_all.stride(0), v_all.stride(1), v_all.stride(2)};
-      for (int64_t task = t; task < B * NKV; task += nt) {
+      // With fewer KV groups than threads, each group's query heads are shared out too.
+      const int64_t parts = std::clamp<int64_t>(nt / (B * NKV), 1, NH / NKV);
+      for (int64_t task = t; task < B * NKV * parts; task += nt) {
         if (k_all.dtype() == DType::BF16)
           cpu::attention_decode_task<float, uint16_t>(
               y.data<float>(), qv, q.data<float>(), qv,
               static_cast<const uint16_t*>(k_all.raw_data()), kview,
-              static_cast<const uint16_t*>(v_all.raw_data()), vview, s, task);
+              static_cast<const uint16_t*>(v_all.raw_data()), vview, s, task, parts);
         else
           cpu::attention_decode_task<float>(y.data<float>(), qv, q.data<float>(), qv,
                                             k_all.data<float>(), kview, v_all.data<float>(), vview,
-                                            s, task);
+                                            s, task, parts);
       }
 #pragma omp barrier
       const auto [c0, c1] = thread_rows(C, t, nt);

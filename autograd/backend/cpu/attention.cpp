@@ -104,26 +104,31 @@ void for_each_task(int64_t tasks, F&& fn) {
 
 template <class T, class KV>
 void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
-                           const KV* v, HeadView vv, const AttentionShape& s, int64_t task) {
+                           const KV* v, HeadView vv, const AttentionShape& s, int64_t task,
+                           int64_t parts) {
   // The query heads of one KV group form a (group, HS) block (their rows sit at a constant
   // stride), so K and V of the group are read once for all of them, not once per query head.
   // A single query sees every cached key: no mask.
-  const int64_t group = s.NH / s.NKV, b = task / s.NKV, g = task % s.NKV, Sb = kv_len(s, b);
+  const int64_t group = s.NH / s.NKV, part = task % parts, b = task / parts / s.NKV;
+  const int64_t g = task / parts % s.NKV, Sb = kv_len(s, b);
+  const int64_t r0 = group * part / parts, rows = group * (part + 1) / parts - r0;
+  if (rows == 0) return;
+  const int64_t h0 = g * group + r0;  // first query head of this part
   const T scale = static_cast<T>(s.scale);
-  T* p = scratch<T>(static_cast<size_t>(group * Sb), 0);
+  T* p = scratch<T>(static_cast<size_t>(rows * Sb), 0);
   int64_t kst, vst;
   const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, 1, kst);
   const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, 2, vst);
-  gemm<T>(false, true, group, Sb, s.HS, scale, q + b * qv.sb + g * group * qv.sh, qv.sh, kg, kst,
-          T(0), p, Sb);
-  for (int64_t r = 0; r < group; ++r) {
+  gemm<T>(false, true, rows, Sb, s.HS, scale, q + b * qv.sb + h0 * qv.sh, qv.sh, kg, kst, T(0), p,
+          Sb);
+  for (int64_t r = 0; r < rows; ++r) {
     T* row = p + r * Sb;
     const T inv = static_cast<T>(1.0 / exp_shift_inplace(row, Sb, row_max(row, Sb)));
 #pragma omp simd
     for (int64_t j = 0; j < Sb; ++j) row[j] *= inv;
   }
-  gemm<T>(false, false, group, s.HS, Sb, T(1), p, Sb, vg, vst, T(0),
-          out + b * ov.sb + g * group * ov.sh, ov.sh);
+  gemm<T>(false, false, rows, s.HS, Sb, T(1), p, Sb, vg, vst, T(0), out + b * ov.sb + h0 * ov.sh,
+          ov.sh);
 }
 
 template <class T, class KV>
@@ -134,7 +139,7 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
   const T scale = static_cast<T>(s.scale);
   if (s.T == 1 && group > 1 && !drop.on) {
     for_each_task(s.B * s.NKV, [&](int64_t task) {
-      attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task);
+      attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task, 1);
     });
     return;
   }
@@ -228,9 +233,10 @@ template void attention_forward<float, uint16_t>(float*, HeadView, const float*,
                                                  HeadView, const AttentionShape&);
 template void attention_decode_task<float, float>(float*, HeadView, const float*, HeadView,
                                                   const float*, HeadView, const float*, HeadView,
-                                                  const AttentionShape&, int64_t);
+                                                  const AttentionShape&, int64_t, int64_t);
 template void attention_decode_task<float, uint16_t>(float*, HeadView, const float*, HeadView,
                                                      const uint16_t*, HeadView, const uint16_t*,
-                                                     HeadView, const AttentionShape&, int64_t);
+                                                     HeadView, const AttentionShape&, int64_t,
+                                                     int64_t);
 
 }  // namespace kvlab::cpu

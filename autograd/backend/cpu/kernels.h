@@ -96,13 +96,15 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
 template <class T, class KV = T>
 void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
                        const KV* v, HeadView v_v, const AttentionShape& s);
-// One task of attention_forward at T = 1 without dropout: KV group g of row b, task = b * NKV
-// + g, for every query head of the group. It opens no parallel region, so a caller that
-// already runs one (the fused decode step) can split the B * NKV tasks among its threads.
+// One task of attention_forward at T = 1 without dropout. Each KV group g of row b is cut
+// into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part, of
+// B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
+// decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
+// than threads).
 template <class T, class KV = T>
 void attention_decode_task(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k,
                            HeadView k_v, const KV* v, HeadView v_v, const AttentionShape& s,
-                           int64_t task);
+                           int64_t task, int64_t parts);
 // dq like q; dk, dv (B, NKV, S, HS) summed over each KV head's group of query heads.
 template <class T>
 void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,
