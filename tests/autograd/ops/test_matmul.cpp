@@ -56,10 +56,21 @@ struct MMCase {
 };
 
 const std::vector<MMCase> kForwardCases = {
-    {{}, 3, 17, 5, false}, {{}, 1, 17, 3, false},  // M = 1: the GEMV path for f32
-    {{}, 17, 3, 1, false}, {{}, 1, 1, 1, false},   // N = 1: GEMV the other way
-    {{}, 1, 5, 1, false},  {{2}, 3, 5, 4, false},   {{2}, 1, 5, 3, false}, {{2, 3}, 3, 4, 5, false},
-    {{2}, 3, 17, 4, true}, {{2, 3}, 1, 4, 5, true}, {{3}, 17, 3, 1, true},
+    {{}, 3, 17, 5, false},
+    {{}, 1, 17, 3, false},  // M = 1: the GEMV path for f32
+    {{}, 17, 3, 1, false},
+    {{}, 1, 1, 1, false},  // N = 1: GEMV the other way
+    {{}, 1, 5, 1, false},
+    {{2}, 3, 5, 4, false},
+    {{2}, 1, 5, 3, false},
+    {{2, 3}, 3, 4, 5, false},
+    {{2}, 3, 17, 4, true},
+    {{2, 3}, 1, 4, 5, true},
+    {{3}, 17, 3, 1, true},
+    // M = 1 with B^T large enough to be split across threads, in blocks of 8 rows plus a
+    // remainder, K not a multiple of the 16-lane vector (the row-dot-product kernel)
+    {{}, 1, 300, 131, false},
+    {{}, 1, 64, 517, false},
 };
 
 TEST(OpsMatmul, ForwardMatchesNaiveAllTransposes) {
