@@ -103,7 +103,8 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
 
 // OpenBLAS (OpenMP build) behind one function: it shares libgomp's pool with our kernels and
 // runs single-threaded when called from inside a parallel region. A product with one row or
-// one column goes to GEMV, which is ~10x faster than GEMM at M = 1 (decode).
+// one column goes to GEMV, which is ~10x faster than GEMM at M = 1 (decode): for a Linear's
+// a @ W^T to our row dot-product kernel where AVX-512 is available, otherwise to the BLAS.
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
