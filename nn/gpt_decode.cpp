@@ -1,7 +1,7 @@
 // GPT::forward's decode step on the CPU, fused. Op by op, a batch-1 step is ~45 parallel
 // regions of a few microseconds each (matrix-vector products of 0.25-1 MB), and opening and
 // closing them, plus the worker's wake-ups, cost as much as the products themselves: the same
-// products in one region with a barrier between them ran 1.4-1.9x faster (docs/benchmarks.md).
+// products in one region with a barrier between them ran 1.3-1.8x faster (docs/benchmarks.md).
 // So here one parallel region runs the whole step. Every thread computes its own share of
 // each product's output rows; the small row-wise work (LayerNorm) is done by every thread on
 // its own copy, so that the only waits are the barriers where one stage needs another's
