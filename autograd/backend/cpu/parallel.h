@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace kvlab::cpu {
@@ -19,7 +20,8 @@ constexpr int64_t kParallelMin = 1 << 15;
 // results are deterministic for a fixed thread count.
 template <class F>
 inline void parallel_range(int64_t n, int64_t work, F&& body) {
-  if (work <= kParallelMin || n <= 1 || omp_get_max_threads() == 1) {
+  // Inside a parallel region (the fused decode step) a nested one would only add its cost.
+  if (work <= kParallelMin || n <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
     body(int64_t{0}, n);
     return;
   }
@@ -28,6 +30,15 @@ inline void parallel_range(int64_t n, int64_t work, F&& body) {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     body(n * t / nt, n * (t + 1) / nt);
   }
+}
+
+// Part `part` of `parts` of [0, n): blocks of the same size, a multiple of `multiple` (a
+// kernel's tile), so the last parts may be shorter or empty. Depends only on its arguments.
+inline std::pair<int64_t, int64_t> split_range(int64_t n, int64_t part, int64_t parts,
+                                               int64_t multiple) {
+  const int64_t block = ((n + parts - 1) / parts + multiple - 1) / multiple * multiple;
+  const int64_t lo = std::min(n, part * block);
+  return {lo, std::min(n, lo + block)};
 }
 
 // Sum over [0, n) of chunk_sum(begin, end) taken over fixed 4096-element chunks, the chunks
