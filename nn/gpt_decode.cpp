@@ -5,43 +5,77 @@
 // So here one parallel region runs the whole step. Every thread computes its own share of
 // each product's output rows; the small row-wise work (LayerNorm) is done by every thread on
 // its own copy, so that the only waits are the barriers where one stage needs another's
-// complete output. The arithmetic is that of the op-by-op path, with the same CPU kernels in
-// the same order; only the rows of each product are split differently between the threads
-// (the tests bound the difference).
+// complete output. It calls the op path's CPU kernels in the op path's order (the bias
+// before the product, as `linear` does); the products' rows, and with few KV groups a
+// group's query heads, are split differently between the threads, which can change the
+// rounding (the tests bound the difference).
+//
+// This writes the block's forward a second time, for this one case; the op path (the modules'
+// forward) stays the reference, and the tests compare the two at every step.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <span>
 
 #include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/parallel.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
 
 namespace {
 
-// Rows [lo, hi) of n for thread t of nt, in blocks of a multiple of 16 rows (the BLAS
-// kernels' tile).
+// A Linear's f32 weight (out, in) and bias (out, or null), taken before the parallel region:
+// nothing inside it may throw.
+struct LinearRef {
+  const float* w;
+  const float* b;
+  int64_t in;
+  explicit LinearRef(const Linear& l)
+      : w(l.weight.data<float>()),
+        b(l.bias.defined() ? l.bias.data<float>() : nullptr),
+        in(l.weight.size(1)) {}
+};
+
+struct NormRef {
+  const float* w;
+  const float* b;
+  double eps;
+  explicit NormRef(const LayerNorm& n)
+      : w(n.weight.data<float>()), b(n.bias.data<float>()), eps(n.eps) {}
+};
+
+struct BlockRef {
+  NormRef ln_1, ln_2;
+  LinearRef q, k, v, proj, fc, fc_proj;
+  explicit BlockRef(const Block& b)
+      : ln_1(b.ln_1),
+        ln_2(b.ln_2),
+        q(b.attn.q_proj),
+        k(b.attn.k_proj),
+        v(b.attn.v_proj),
+        proj(b.attn.c_proj),
+        fc(b.mlp.c_fc),
+        fc_proj(b.mlp.c_proj) {}
+};
+
+// This thread's rows [lo, hi) of n, in blocks of a multiple of 16 (the BLAS kernels' tile).
 std::pair<int64_t, int64_t> thread_rows(int64_t n, int t, int nt) {
-  const int64_t block = (n + 16 * nt - 1) / (16 * nt) * 16;
-  const int64_t lo = std::min(n, t * block);
-  return {lo, std::min(n, lo + block)};
+  return cpu::split_range(n, t, nt, 16);
 }
 
-// y[:, lo:hi] (B rows at stride ldy) = bias[lo:hi] + x (B, K) @ w[lo:hi]^T, in the order the
+// y[:, lo:hi] (B rows at stride ldy) = bias[lo:hi] + x (B, in) @ w[lo:hi]^T, in the order the
 // linear op uses (bias first, then the product accumulated onto it). Called inside the
 // parallel region: the BLAS runs single-threaded on these rows.
-void linear_rows(float* y, int64_t ldy, const float* x, int64_t B, const Linear& lin, int64_t lo,
+void linear_rows(float* y, int64_t ldy, const float* x, int64_t B, const LinearRef& lin, int64_t lo,
                  int64_t hi) {
   if (lo >= hi) return;
-  const int64_t K = lin.weight.size(1);
-  if (lin.bias.defined()) {
-    const float* bias = lin.bias.data<float>();
-    for (int64_t b = 0; b < B; ++b) std::copy(bias + lo, bias + hi, y + b * ldy + lo);
-  }
-  cpu::gemm<float>(false, true, B, hi - lo, K, 1.0f, x, K, lin.weight.data<float>() + lo * K, K,
-                   lin.bias.defined() ? 1.0f : 0.0f, y + lo, ldy);
+  if (lin.b != nullptr)
+    for (int64_t b = 0; b < B; ++b) std::copy(lin.b + lo, lin.b + hi, y + b * ldy + lo);
+  cpu::gemm<float>(false, true, B, hi - lo, lin.in, 1.0f, x, lin.in, lin.w + lo * lin.in, lin.in,
+                   lin.b != nullptr ? 1.0f : 0.0f, y + lo, ldy);
 }
 
 // x[:, lo:hi] += d[:, lo:hi], both (B, C): the residual connection on this thread's columns.
@@ -54,10 +88,24 @@ void add_rows(float* x, const float* d, int64_t B, int64_t C, int64_t lo, int64_
   }
 }
 
-void layer_norm(float* out, float* stats, const float* x, const LayerNorm& ln, int64_t B,
-                int64_t C) {
-  cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.weight.data<float>(),
-                                ln.bias.data<float>(), B, C, ln.eps);
+void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int64_t B, int64_t C) {
+  cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.w, ln.b, B, C, ln.eps);
+}
+
+// The cache's views of one layer must be what the attention kernel reads: host memory, f32
+// or bf16, (B, NKV, S, HS) with contiguous heads and room for every row's length.
+void check_cache_views(const Tensor& k, const Tensor& v, int64_t B, int64_t NKV, int64_t HS,
+                       std::span<const int64_t> lengths) {
+  const bool ok =
+      k.device() == Device::CPU && v.device() == Device::CPU && k.dtype() == v.dtype() &&
+      (k.dtype() == DType::F32 || k.dtype() == DType::BF16) && k.dim() == 4 &&
+      k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == NKV && k.size(3) == HS &&
+      k.stride(3) == 1 && v.stride(3) == 1 &&
+      std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= k.size(2); });
+  KVLAB_CHECK(ok, "gpt: the KV cache returned k ", k.shape_str(), " ", dtype_name(k.dtype()),
+              " on ", device_name(k.device()), ", v ", v.shape_str(), " ", dtype_name(v.dtype()),
+              "; the CPU decode step reads host f32 or bf16 (B, NKV, S, HS) views with "
+              "contiguous heads");
 }
 
 }  // namespace
@@ -70,6 +118,13 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   for (int64_t b = 0; b < B; ++b)
     KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "gpt: token id ", ids[b], " in row ", b,
                 " is outside [0, ", V, ")");
+  std::vector<BlockRef> layers;
+  layers.reserve(blocks.size());
+  for (const auto& blk : blocks) layers.emplace_back(*blk);
+  const NormRef final_norm(ln_f);
+  const float* wte_w = wte.weight.data<float>();
+  const float* wpe_w = wpe.weight.data<float>();
+  const float* head = lm_head_weight().data<float>();
   const int threads = omp_get_max_threads();
   Tensor x = Tensor::empty({B, C});                      // (B, C) the residual stream
   Tensor q = Tensor::empty({B, C});                      // (B, 1, NH, HS)
@@ -80,35 +135,36 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   Tensor h = Tensor::empty({B, H});                      // (B, H) MLP hidden
   Tensor own = Tensor::empty({threads, B * C + 2 * B});  // per thread: LayerNorm out, stats
   Tensor logits = Tensor::empty({B, 1, V});              // (B, 1, V)
-  const Tensor& head = lm_head_weight();
-  // What the single appending thread hands the others: the cache's views of this layer.
+  float *xs = x.data<float>(), *qs = q.data<float>(), *ks = k_new.data<float>();
+  float *vs = v_new.data<float>(), *ys = y.data<float>(), *ds = d.data<float>();
+  float *hs = h.data<float>(), *own_s = own.data<float>(), *out = logits.data<float>();
+  // What the appending thread hands the others: the cache's views of this layer.
   Tensor k_all, v_all;  // (B, NKV, S, HS)
   std::exception_ptr failure;
   const Shape kv_shape{B, NKV, 1, HS}, kv_strides{KVD, HS, KVD, 1};
   AttentionShape s{B, NH, NKV, 1, 0, HS, kv_lengths_.data(), 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
 
+  // Nothing below throws but the cache append, whose error is carried out of the region.
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    float* xs = x.data<float>();
-    float* ln = own.data<float>() + t * (B * C + 2 * B);  // (B, C), then mean and rstd (B)
+    float* ln = own_s + t * (B * C + 2 * B);  // (B, C), then mean and rstd (B)
     float* stats = ln + B * C;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < B * C; ++i) {
-      const int64_t b = i / C, c = i % C;
-      xs[i] = wte.weight.data<float>()[ids[b] * C + c] + wpe.weight.data<float>()[at[b] * C + c];
-    }  // implicit barrier: x is complete
-    for (size_t l = 0; l < blocks.size(); ++l) {
-      const Block& blk = *blocks[l];
-      const CausalSelfAttention& attn = blk.attn;
+    const auto [c0, c1] = thread_rows(C, t, nt);  // this thread's columns of x
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = c0; c < c1; ++c)
+        xs[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[at[b] * C + c];
+#pragma omp barrier
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const BlockRef& blk = layers[l];
       layer_norm(ln, stats, xs, blk.ln_1, B, C);
       // q, k and v as one range of C + 2 KVD output rows, split between the threads.
       const auto [lo, hi] = thread_rows(C + 2 * KVD, t, nt);
-      linear_rows(q.data<float>(), C, ln, B, attn.q_proj, lo, std::min(hi, C));
-      linear_rows(k_new.data<float>(), KVD, ln, B, attn.k_proj, std::max<int64_t>(lo - C, 0),
+      linear_rows(qs, C, ln, B, blk.q, lo, std::min(hi, C));
+      linear_rows(ks, KVD, ln, B, blk.k, std::max<int64_t>(lo - C, 0),
                   std::clamp<int64_t>(hi - C, 0, KVD));
-      linear_rows(v_new.data<float>(), KVD, ln, B, attn.v_proj, std::max<int64_t>(lo - C - KVD, 0),
+      linear_rows(vs, KVD, ln, B, blk.v, std::max<int64_t>(lo - C - KVD, 0),
                   std::clamp<int64_t>(hi - C - KVD, 0, KVD));
 #pragma omp barrier
 #pragma omp single
@@ -116,6 +172,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
         try {
           auto kv = cache.append(static_cast<int>(l), k_new.as_strided(kv_shape, kv_strides, 0),
                                  v_new.as_strided(kv_shape, kv_strides, 0));
+          check_cache_views(kv.first, kv.second, B, NKV, HS, kv_lengths_);
           k_all = kv.first;
           v_all = kv.second;
           s.S = k_all.size(2);
@@ -126,42 +183,39 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       if (failure) break;  // every thread sees the same flag after the barrier
       const HeadView kview{k_all.stride(0), k_all.stride(1), k_all.stride(2)};
       const HeadView vview{v_all.stride(0), v_all.stride(1), v_all.stride(2)};
+      const bool bf16 = k_all.dtype() == DType::BF16;
       // With fewer KV groups than threads, each group's query heads are shared out too.
       const int64_t parts = std::clamp<int64_t>(nt / (B * NKV), 1, NH / NKV);
       for (int64_t task = t; task < B * NKV * parts; task += nt) {
-        if (k_all.dtype() == DType::BF16)
+        if (bf16)
           cpu::attention_decode_task<float, uint16_t>(
-              y.data<float>(), qv, q.data<float>(), qv,
-              static_cast<const uint16_t*>(k_all.raw_data()), kview,
+              ys, qv, qs, qv, static_cast<const uint16_t*>(k_all.raw_data()), kview,
               static_cast<const uint16_t*>(v_all.raw_data()), vview, s, task, parts);
         else
-          cpu::attention_decode_task<float>(y.data<float>(), qv, q.data<float>(), qv,
-                                            k_all.data<float>(), kview, v_all.data<float>(), vview,
-                                            s, task, parts);
+          cpu::attention_decode_task<float>(
+              ys, qv, qs, qv, static_cast<const float*>(k_all.raw_data()), kview,
+              static_cast<const float*>(v_all.raw_data()), vview, s, task, parts);
       }
 #pragma omp barrier
-      const auto [c0, c1] = thread_rows(C, t, nt);
-      linear_rows(d.data<float>(), C, y.data<float>(), B, attn.c_proj, c0, c1);
-      add_rows(xs, d.data<float>(), B, C, c0, c1);  // x += c_proj(y)
+      linear_rows(ds, C, ys, B, blk.proj, c0, c1);
+      add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
 #pragma omp barrier
       layer_norm(ln, stats, xs, blk.ln_2, B, C);
       const auto [h0, h1] = thread_rows(H, t, nt);
-      linear_rows(h.data<float>(), H, ln, B, blk.mlp.c_fc, h0, h1);
-      for (int64_t b = 0; b < B && h0 < h1; ++b) {
-        float* hb = h.data<float>() + b * H + h0;
-        cpu::gelu_forward<float>(hb, hb, h1 - h0);
-      }
+      linear_rows(hs, H, ln, B, blk.fc, h0, h1);
+      for (int64_t b = 0; b < B && h0 < h1; ++b)
+        cpu::gelu_forward<float>(hs + b * H + h0, hs + b * H + h0, h1 - h0);
 #pragma omp barrier
-      linear_rows(d.data<float>(), C, h.data<float>(), B, blk.mlp.c_proj, c0, c1);
-      add_rows(xs, d.data<float>(), B, C, c0, c1);  // x += mlp(ln_2(x))
+      linear_rows(ds, C, hs, B, blk.fc_proj, c0, c1);
+      add_rows(xs, ds, B, C, c0, c1);  // x += mlp(ln_2(x))
 #pragma omp barrier
     }
     if (!failure) {
-      layer_norm(ln, stats, xs, ln_f, B, C);
+      layer_norm(ln, stats, xs, final_norm, B, C);
       const auto [v0, v1] = thread_rows(V, t, nt);
       if (v0 < v1)
-        cpu::gemm<float>(false, true, B, v1 - v0, C, 1.0f, ln, C, head.data<float>() + v0 * C, C,
-                         0.0f, logits.data<float>() + v0, V);
+        cpu::gemm<float>(false, true, B, v1 - v0, C, 1.0f, ln, C, head + v0 * C, C, 0.0f, out + v0,
+                         V);
     }
   }
   if (failure) std::rethrow_exception(failure);

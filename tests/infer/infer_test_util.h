@@ -7,6 +7,7 @@
 
 #include "autograd/random.h"
 #include "data/tokenizer.h"
+#include "infer/kv_cache.h"
 #include "nn/gpt.h"
 
 namespace kvlab::test {
@@ -50,5 +51,11 @@ inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
 
 // 11 symbols: "a".."j" and space.
 inline Tokenizer tiny_tokenizer() { return Tokenizer::build_char("abcdefghij "); }
+
+// Every cached key (or value) of a layer as f32, (B_max, NKV, S_max, HS) flattened.
+inline std::vector<float> cached(const ContiguousKVCache& cache, int layer, bool keys) {
+  const Tensor& buf = keys ? cache.k_buffer(layer) : cache.v_buffer(layer);
+  return buf.to(DType::F32).to_vector<float>();
+}
 
 }  // namespace kvlab::test

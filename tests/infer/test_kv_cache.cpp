@@ -196,10 +196,8 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
   EXPECT_EQ(one.lengths(), step.lengths());
   for (int layer = 0; layer < c.n_layer; ++layer)
     for (const bool is_k : {true, false}) {
-      const auto a =
-          (is_k ? one.k_buffer(layer) : one.v_buffer(layer)).to(DType::F32).to_vector<float>();
-      const auto b =
-          (is_k ? step.k_buffer(layer) : step.v_buffer(layer)).to(DType::F32).to_vector<float>();
+      const auto a = test::cached(one, layer, is_k);
+      const auto b = test::cached(step, layer, is_k);
       ASSERT_EQ(a.size(), b.size());
       double d = 0;
       for (size_t i = 0; i < a.size(); ++i)
@@ -208,7 +206,7 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
     }
   // The cache is not trivially empty: its keys are the model's, not zeros.
   double norm = 0;
-  for (float x : one.k_buffer(0).to(DType::F32).to_vector<float>()) norm += std::fabs(x);
+  for (float x : test::cached(one, 0, true)) norm += std::fabs(x);
   EXPECT_GT(norm, 1.0);
 }
 

@@ -107,7 +107,8 @@ void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const K
                            const KV* v, HeadView vv, const AttentionShape& s, int64_t task,
                            int64_t parts) {
   // The query heads of one KV group form a (group, HS) block (their rows sit at a constant
-  // stride), so K and V of the group are read once for all of them, not once per query head.
+  // stride), so K and V of the group are read once for all of them, not once per query head
+  // (once per part: with parts > 1 the group's cache is read that many times, in parallel).
   // A single query sees every cached key: no mask.
   const int64_t group = s.NH / s.NKV, part = task % parts, b = task / parts / s.NKV;
   const int64_t g = task / parts % s.NKV, Sb = kv_len(s, b);

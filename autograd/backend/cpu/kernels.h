@@ -96,9 +96,10 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
 template <class T, class KV = T>
 void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
                        const KV* v, HeadView v_v, const AttentionShape& s);
-// One task of attention_forward at T = 1 without dropout. Each KV group g of row b is cut
-// into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part, of
-// B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
+// The decode attention (T = 1, no dropout) of part of a KV group: attention_forward uses it
+// at T = 1 when group > 1, the fused decode step for every group size. Each KV group g of
+// row b is cut into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part,
+// of B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
 // decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
 // than threads).
 template <class T, class KV = T>
