@@ -183,6 +183,8 @@ void run_bench_generate(BenchArgs& a) {
     KVLAB_USAGE_CHECK(nkv >= 1 && nkv <= a.cfg.n_head && a.cfg.n_head % nkv == 0,
                       "--kv-heads: ", nkv, " does not divide n_head = ", a.cfg.n_head);
 
+  KVLAB_USAGE_CHECK(!a.op_by_op || device == Device::CPU,
+                    "--op-by-op compares against the fused CPU decode step; it needs --device cpu");
   model->to(device);
   model->fused_cpu_decode = !a.op_by_op;
   BenchGenerateOptions o;

@@ -127,17 +127,21 @@ double cpu_read_bandwidth(double bytes) {
   return 4.0 * static_cast<double>(n) / best / 1e9;
 }
 
-// Bytes a decode step reads: every weight but the position table (one row of it), plus the
-// cached K and V of every layer at position `pos`.
+// Bytes a decode step reads: every weight but the position table (one row of it) and, when
+// the LM head is a matrix of its own, the token table (one row of it too), plus the cached K
+// and V of every layer at position `pos`.
 double step_read_bytes(const GPT& model, int64_t kv_elem, double pos) {
   const GPTConfig& c = model.config();
-  return static_cast<double>(model.num_parameters() - c.block_size * c.n_embd) * 4.0 +
+  const int64_t tables = c.block_size * c.n_embd + (c.tied ? 0 : c.vocab_size * c.n_embd);
+  return static_cast<double>(model.num_parameters() - tables) * 4.0 +
          2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
 }
 
 // A decode side's memory traffic: bytes_read_per_token and read_GB_per_s, and on the CPU the
-// ceiling measured here over a buffer of the step's size (on a GPU, bench_cuda measures its
-// own): read_bandwidth_GB_per_s, ceiling_tokens_per_s and fraction_of_ceiling.
+// ceiling measured here over a buffer of the step's size (at least 256 KB; each timed pass
+// includes entering the parallel region, <1% of a pass at a real model's size; on a GPU,
+// bench_cuda measures its own): read_bandwidth_GB_per_s, ceiling_tokens_per_s and
+// fraction_of_ceiling.
 void add_bandwidth(json& side, const GPT& model, int64_t kv_elem, double mean_pos) {
   const double bytes = step_read_bytes(model, kv_elem, mean_pos);
   const double tps = side["tokens_per_s"].get<double>();
@@ -193,7 +197,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
            {"threads", omp_get_max_threads()},
            {"prompt_tokens", o.prompt_tokens},
            {"cache_dtype", dtype_name(o.cache_dtype)},
-           {"fused_decode", model.fused_cpu_decode},
+           {"fused_decode", model.fused_cpu_decode && model.device() == Device::CPU},
            {"runs", o.runs},
            {"sampling", "greedy"},
            {"results", json::array()}};

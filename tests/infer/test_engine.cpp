@@ -434,39 +434,48 @@ namespace kvlab {
 namespace {
 
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
-  auto model = tiny_model(2, 7, 48);
-  const Tokenizer tok = tiny_tokenizer();
-  BenchGenerateOptions o;
-  o.prompt_tokens = 8;
-  o.new_tokens = {16, 64};  // 64 is capped at block_size - prompt = 40
-  o.runs = 1;
-  o.position_points = 3;
-  const nlohmann::json j = bench_generate(*model, tok, o);
-  ASSERT_EQ(j["results"].size(), 2u);
-  EXPECT_EQ(j["results"][1]["new_tokens"], 40);
-  for (const auto& r : j["results"]) {
-    EXPECT_GT(r["cache"]["tokens_per_s"].get<double>(), 0);
-    EXPECT_GT(r["no_cache"]["tokens_per_s"].get<double>(), 0);
-    EXPECT_EQ(r["cache"]["cache_bytes"], r["cache"]["cache_bytes_formula"]);
-    EXPECT_TRUE(r.contains("speedup"));
-    // A step reads every weight but the position table, plus K and V at the mean position;
-    // the ceiling is this run's read rate over those bytes.
-    const nlohmann::json& c = r["cache"];
-    const GPTConfig& cfg = model->config();
-    const double mean_pos = 8.0 + r["new_tokens"].get<double>() / 2;
-    const double bytes =
-        4.0 * static_cast<double>(model->num_parameters() - cfg.block_size * cfg.n_embd) +
-        2.0 * 4.0 * static_cast<double>(cfg.n_layer * cfg.n_kv_head * cfg.head_size()) * mean_pos;
-    EXPECT_DOUBLE_EQ(c["bytes_read_per_token"].get<double>(), bytes);
-    EXPECT_GT(c["read_bandwidth_GB_per_s"].get<double>(), 0);
-    EXPECT_NEAR(c["ceiling_tokens_per_s"].get<double>() * bytes,
-                c["read_bandwidth_GB_per_s"].get<double>() * 1e9,
-                1e-9 * c["read_bandwidth_GB_per_s"].get<double>() * 1e9);
-    EXPECT_NEAR(c["fraction_of_ceiling"].get<double>(),
-                c["tokens_per_s"].get<double>() / c["ceiling_tokens_per_s"].get<double>(), 1e-12);
+  for (const bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied LM head" : "untied LM head");
+    GPTConfig cfg = test::tiny_config(2, 48);
+    cfg.tied = tied;
+    auto model = test::random_model(cfg, 7);
+    const Tokenizer tok = tiny_tokenizer();
+    BenchGenerateOptions o;
+    o.prompt_tokens = 8;
+    o.new_tokens = {16, 64};  // 64 is capped at block_size - prompt = 40
+    o.runs = 1;
+    o.position_points = 3;
+    const nlohmann::json j = bench_generate(*model, tok, o);
+    ASSERT_EQ(j["results"].size(), 2u);
+    EXPECT_EQ(j["results"][1]["new_tokens"], 40);
+    // The weights a step reads: each block's LayerNorms and products, the final LayerNorm
+    // and the V x C LM head (tied: the token table itself; untied: only one row of it is read,
+    // for the embedding, and the position table likewise).
+    const int64_t C = cfg.n_embd, H = cfg.hidden(), KVD = cfg.n_kv_head * cfg.head_size();
+    const int64_t per_block =
+        4 * C + 2 * (C * C + C) + 2 * (C * KVD + KVD) + (C * H + H) + (H * C + C);
+    const double weights =
+        4.0 * static_cast<double>(cfg.n_layer * per_block + 2 * C + cfg.vocab_size * C);
+    for (const auto& r : j["results"]) {
+      EXPECT_GT(r["cache"]["tokens_per_s"].get<double>(), 0);
+      EXPECT_GT(r["no_cache"]["tokens_per_s"].get<double>(), 0);
+      EXPECT_EQ(r["cache"]["cache_bytes"], r["cache"]["cache_bytes_formula"]);
+      EXPECT_TRUE(r.contains("speedup"));
+      // Plus K and V at the mean position; the ceiling is this run's read rate over that.
+      const nlohmann::json& c = r["cache"];
+      const double mean_pos = 8.0 + r["new_tokens"].get<double>() / 2;
+      const double bytes = weights + 2.0 * 4.0 * static_cast<double>(cfg.n_layer * KVD) * mean_pos;
+      EXPECT_DOUBLE_EQ(c["bytes_read_per_token"].get<double>(), bytes);
+      EXPECT_GT(c["read_bandwidth_GB_per_s"].get<double>(), 0);
+      EXPECT_NEAR(c["ceiling_tokens_per_s"].get<double>() * bytes,
+                  c["read_bandwidth_GB_per_s"].get<double>() * 1e9,
+                  1e-9 * c["read_bandwidth_GB_per_s"].get<double>() * 1e9);
+      EXPECT_NEAR(c["fraction_of_ceiling"].get<double>(),
+                  c["tokens_per_s"].get<double>() / c["ceiling_tokens_per_s"].get<double>(), 1e-12);
+    }
+    EXPECT_EQ(j["time_vs_position"]["cache"].size(), 3u);
+    EXPECT_EQ(j["time_vs_position"]["cache"][0]["position"], 8);
   }
-  EXPECT_EQ(j["time_vs_position"]["cache"].size(), 3u);
-  EXPECT_EQ(j["time_vs_position"]["cache"][0]["position"], 8);
 
   const nlohmann::json rep = kv_cache_report(test::tiny_config(4), {4, 2, 1});
   ASSERT_EQ(rep.size(), 3u);
