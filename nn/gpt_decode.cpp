@@ -145,7 +145,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   AttentionShape s{B, NH, NKV, 1, 0, HS, kv_lengths_.data(), 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
 
-  // Nothing below throws but the cache append, whose error is carried out of the region.
+  // Inside the region only the cache append and the attention scratch can throw; their
+  // errors are carried out of it, every thread leaving the layer loop at the same barrier.
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -186,17 +187,23 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       const bool bf16 = k_all.dtype() == DType::BF16;
       // With fewer KV groups than threads, each group's query heads are shared out too.
       const int64_t parts = std::clamp<int64_t>(nt / (B * NKV), 1, NH / NKV);
-      for (int64_t task = t; task < B * NKV * parts; task += nt) {
-        if (bf16)
-          cpu::attention_decode_task<float, uint16_t>(
-              ys, qv, qs, qv, static_cast<const uint16_t*>(k_all.raw_data()), kview,
-              static_cast<const uint16_t*>(v_all.raw_data()), vview, s, task, parts);
-        else
-          cpu::attention_decode_task<float>(
-              ys, qv, qs, qv, static_cast<const float*>(k_all.raw_data()), kview,
-              static_cast<const float*>(v_all.raw_data()), vview, s, task, parts);
+      try {  // the kernel grows its per-thread scratch to the cache's length: it may not fit
+        for (int64_t task = t; task < B * NKV * parts; task += nt) {
+          if (bf16)
+            cpu::attention_decode_task<float, uint16_t>(
+                ys, qv, qs, qv, static_cast<const uint16_t*>(k_all.raw_data()), kview,
+                static_cast<const uint16_t*>(v_all.raw_data()), vview, s, task, parts);
+          else
+            cpu::attention_decode_task<float>(
+                ys, qv, qs, qv, static_cast<const float*>(k_all.raw_data()), kview,
+                static_cast<const float*>(v_all.raw_data()), vview, s, task, parts);
+        }
+      } catch (...) {
+#pragma omp critical(kvlab_decode_failure)
+        if (!failure) failure = std::current_exception();
       }
 #pragma omp barrier
+      if (failure) break;  // as above: every thread sees the same flag after the barrier
       linear_rows(ds, C, ys, B, blk.proj, c0, c1);
       add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
 #pragma omp barrier
