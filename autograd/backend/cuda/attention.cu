@@ -124,6 +124,28 @@ __device__ inline void row_dots(T (&out)[R], const T* x, int x_step, const T* y,
   }
 }
 
+// acc[r] += w[r] of lane jj times row jj of a staged (n, hs) tile with rows `ld` apart, for
+// jj < n, in order; a lane holds head dims lane + 32 i. Probabilities times V in the forward
+// and decode kernels, ds times K for dq in the backward.
+template <class T, int R, int DPL>
+__device__ void accumulate_rows(T (&acc)[R][DPL], const T (&w)[R], const T* tile, int ld, int n,
+                                int hs, int lane) {
+  for (int jj = 0; jj < n; ++jj) {
+    T row[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const int d = lane + 32 * i;
+      row[i] = d < hs ? tile[jj * ld + d] : T(0);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const T wj = __shfl_sync(0xffffffffu, w[r], jj);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[r][i] += wj * row[i];
+    }
+  }
+}
+
 // The online softmax of R query rows that one warp owns, a lane holding one key of each staged
 // tile and head dims lane + 32 i of the output: the running max m, this lane's share l of the
 // sum of exp, and the unnormalised output acc. The flash forward and the decode kernel share it.
@@ -156,20 +178,7 @@ struct OnlineSoftmax {
   }
   // acc[r] += w[r] of lane jj times row jj of the (n, hs) tile vs, for jj < n, in order.
   __device__ void accumulate(const T (&w)[R], const T* vs, int n, int hs, int lane) {
-    for (int jj = 0; jj < n; ++jj) {
-      T vj[DPL];
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        vj[i] = d < hs ? vs[jj * hs + d] : T(0);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const T wj = __shfl_sync(0xffffffffu, w[r], jj);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] += wj * vj[i];
-      }
-    }
+    accumulate_rows(acc, w, vs, hs, n, hs, lane);
   }
   // Row r's output, acc / sum, to o (hs wide).
   __device__ void write(int r, T* o, T sum, int hs, int lane) const {
@@ -372,20 +381,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
     }
     const int n = static_cast<int>(min64(nk, first_last + wrows - j0));
-    for (int jj = 0; jj < n; ++jj) {
-      T kj[DPL];
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        kj[i] = d < hs ? ks[jj * kpad + d] : T(0);
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const T w = __shfl_sync(0xffffffffu, ds[r], jj);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] += w * kj[i];
-      }
-    }
+    accumulate_rows(acc, ds, ks, kpad, n, hs, lane);
   }
 
 #pragma unroll
