@@ -30,8 +30,6 @@ void adamw_range(const AdamWTensor& t, int64_t i0, int64_t i1) {
   }
 }
 
-constexpr int64_t kChunk = 4096;  // elements per partial sum of squares
-
 }  // namespace
 
 void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep& s) {
@@ -55,42 +53,20 @@ void adamw_update_many(std::span<const AdamWTensor> tensors) {
   });
 }
 
-// Fixed 4096-element chunks of every tensor, summed in parallel, then added chunk by chunk and
-// tensor by tensor in order: the same result for any thread count.
+// Squares in double over fixed chunks of every tensor, summed in order (ordered_chunk_sum_many):
+// the same result for any thread count.
 double sum_squares_many(std::span<const FloatSpan> xs) {
-  struct Chunk {
-    const float* x;
-    int64_t n;
-  };
-  std::vector<Chunk> chunks;
-  std::vector<size_t> first;  // per tensor, its first chunk
-  int64_t total = 0;
-  for (const FloatSpan& x : xs) {
-    total += x.n;
-    first.push_back(chunks.size());
-    for (int64_t i = 0; i < x.n; i += kChunk)
-      chunks.push_back({x.data + i, std::min(kChunk, x.n - i)});
-  }
-  first.push_back(chunks.size());
-  std::vector<double> partial(chunks.size());
-  const int64_t count = static_cast<int64_t>(chunks.size());
-  parallel_range(count, total, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const float* x = chunks[static_cast<size_t>(c)].x;  // locals: GCC gathers through a reference
-      const int64_t n = chunks[static_cast<size_t>(c)].n;
-      double s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
-      partial[static_cast<size_t>(c)] = s;
-    }
-  });
-  double sum = 0;
-  for (size_t t = 0; t + 1 < first.size(); ++t) {
+  std::vector<int64_t> lengths;
+  lengths.reserve(xs.size());
+  for (const FloatSpan& x : xs) lengths.push_back(x.n);
+  return ordered_chunk_sum_many(lengths, [&](size_t t, int64_t i0, int64_t i1) {
+    const float* x = xs[t].data + i0;  // locals: GCC gathers through a reference
+    const int64_t n = i1 - i0;
     double s = 0;
-    for (size_t c = first[t]; c < first[t + 1]; ++c) s += partial[c];
-    sum += s;
-  }
-  return sum;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+    return s;
+  });
 }
 
 }  // namespace kvlab::cpu

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -41,20 +42,43 @@ inline std::pair<int64_t, int64_t> split_range(int64_t n, int64_t part, int64_t 
   return {lo, std::min(n, lo + block)};
 }
 
-// Sum over [0, n) of chunk_sum(begin, end) taken over fixed 4096-element chunks, the chunks
-// in parallel and their partial sums added in order: the same result for any thread count.
+// Sum over arrays t (lengths[t] elements each) of chunk_sum(t, begin, end), taken over fixed
+// 4096-element chunks of every array: all chunks in parallel (one region for all the arrays),
+// their partial sums added in order within each array and the arrays' sums in order, so the
+// result is the same for any thread count.
+template <class F>
+inline double ordered_chunk_sum_many(std::span<const int64_t> lengths, F&& chunk_sum) {
+  constexpr int64_t kChunk = 4096;
+  std::vector<int64_t> first{0};  // array t's chunks are [first[t], first[t + 1])
+  int64_t total = 0;
+  for (const int64_t n : lengths) {
+    first.push_back(first.back() + (n + kChunk - 1) / kChunk);
+    total += n;
+  }
+  std::vector<double> partial(static_cast<size_t>(first.back()));
+  parallel_range(first.back(), total, [&](int64_t c0, int64_t c1) {
+    size_t t =
+        static_cast<size_t>(std::upper_bound(first.begin(), first.end(), c0) - first.begin()) - 1;
+    for (int64_t c = c0; c < c1; ++c) {
+      while (c >= first[t + 1]) ++t;
+      const int64_t i0 = (c - first[t]) * kChunk;
+      partial[static_cast<size_t>(c)] = chunk_sum(t, i0, std::min(lengths[t], i0 + kChunk));
+    }
+  });
+  double sum = 0;
+  for (size_t t = 0; t < lengths.size(); ++t) {
+    double s = 0;
+    for (int64_t c = first[t]; c < first[t + 1]; ++c) s += partial[static_cast<size_t>(c)];
+    sum += s;
+  }
+  return sum;
+}
+
+// The same over one array [0, n): chunk_sum(begin, end).
 template <class F>
 inline double ordered_chunk_sum(int64_t n, F&& chunk_sum) {
-  constexpr int64_t kChunk = 4096;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(static_cast<size_t>(chunks));
-  parallel_range(chunks, n, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      partial[static_cast<size_t>(c)] = chunk_sum(c * kChunk, std::min(n, (c + 1) * kChunk));
-  });
-  double s = 0;
-  for (double p : partial) s += p;
-  return s;
+  return ordered_chunk_sum_many(std::span<const int64_t>(&n, 1),
+                                [&](size_t, int64_t i0, int64_t i1) { return chunk_sum(i0, i1); });
 }
 
 }  // namespace kvlab::cpu
