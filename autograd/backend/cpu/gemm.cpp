@@ -5,6 +5,7 @@
 
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
+#include "autograd/error.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -98,9 +99,69 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
     dot_rows(lo, hi, K, alpha, w, ldw, a, beta, y);
   }
 }
+
+constexpr int64_t kPackRows = 8, kPackCols = 16;  // one block row of gemv_pack: 8 x 16 floats
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 #endif
 
 }  // namespace
+
+#if defined(__AVX512F__)
+int64_t gemv_pack_size(int64_t N, int64_t K) {
+  return round_up(N, kPackRows) * round_up(K, kPackCols);
+}
+
+// packed (ceil(N / 8), ceil(K / 16), 8, 16): block nb, chunk c, row i, column j holds
+// w[8 nb + i, 16 c + j].
+void gemv_pack(float* packed, const float* w, int64_t N, int64_t K) {
+  const int64_t chunks = round_up(K, kPackCols) / kPackCols;
+  for (int64_t nb = 0; nb * kPackRows < N; ++nb)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t i = 0; i < kPackRows; ++i) {
+        float* out = packed + ((nb * chunks + c) * kPackRows + i) * kPackCols;
+        const int64_t n = nb * kPackRows + i, k = c * kPackCols;
+        const int64_t cols = n < N ? std::min(kPackCols, K - k) : 0;
+        std::copy_n(w + n * K + k, cols, out);
+        std::fill(out + cols, out + kPackCols, 0.0f);
+      }
+}
+
+// dot_rows's arithmetic over the packed form: the same fused multiply-adds in the same order
+// (the padding multiplies zeros, as dot_rows's masked tail does), the same lane tree.
+void gemv_packed(float* y, const float* packed, const float* a, int64_t K, int64_t n0, int64_t n1,
+                 float beta) {
+  const int64_t full = K / kPackCols, chunks = round_up(K, kPackCols) / kPackCols;
+  const __mmask16 tail_mask = static_cast<__mmask16>((1u << (K % kPackCols)) - 1);
+  for (int64_t nb = n0 / kPackRows; nb * kPackRows < n1; ++nb) {
+    const float* block = packed + nb * chunks * kPackRows * kPackCols;
+    __m512 acc[kPackRows];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 x = c < full ? _mm512_loadu_ps(a + c * kPackCols)
+                                : _mm512_maskz_loadu_ps(tail_mask, a + c * kPackCols);
+      const float* chunk = block + c * kPackRows * kPackCols;
+      for (int i = 0; i < kPackRows; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_load_ps(chunk + i * kPackCols), x, acc[i]);
+    }
+    alignas(64) float dot[16];
+    _mm512_store_ps(dot, sum_lanes8(acc));
+    const int64_t lo = std::max(n0, nb * kPackRows), hi = std::min(n1, (nb + 1) * kPackRows);
+    for (int64_t n = lo; n < hi; ++n) {
+      const float d = dot[n - nb * kPackRows];
+      y[n] = beta == 0.0f ? d : d + beta * y[n];
+    }
+  }
+}
+#else
+int64_t gemv_pack_size(int64_t, int64_t) { return 0; }
+void gemv_pack(float*, const float*, int64_t, int64_t) {
+  KVLAB_ASSERT(false, "gemv_pack: this build has no packed GEMV kernel (gemv_pack_size is 0)");
+}
+void gemv_packed(float*, const float*, const float*, int64_t, int64_t, int64_t, float) {
+  KVLAB_ASSERT(false, "gemv_packed: this build has no packed GEMV kernel (gemv_pack_size is 0)");
+}
+#endif
 
 // OpenBLAS (OpenMP build) behind one function: it shares libgomp's pool with our kernels and
 // runs single-threaded when called from inside a parallel region. A product with one row or

@@ -1,0 +1,70 @@
+// backend/cpu/gemm.cpp: the packed one-row product against gemm's one-row path, which it must
+// equal bit for bit (the fused decode step relies on it to match the op path).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "autograd/backend/cpu/kernels.h"
+#include "autograd/random.h"
+
+namespace kvlab {
+namespace {
+
+std::vector<float> random_floats(int64_t n, Generator& gen) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = static_cast<float>(gen.normal());
+  return v;
+}
+
+// Bits, so that -0 and 0 or two NaNs are told apart from each other.
+std::vector<uint32_t> bits(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  return b;
+}
+
+// (N, K): whole blocks, a short last block of rows, K with and without a 16-column tail,
+// one row, one column.
+class GemvPacked : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+
+TEST_P(GemvPacked, EqualsTheOneRowGemmOnEveryRowRange) {
+  const auto [N, K] = GetParam();
+  if (cpu::gemv_pack_size(N, K) == 0) GTEST_SKIP() << "no packed GEMV kernel in this build";
+  Generator gen(static_cast<uint64_t>(N * 1000 + K));
+  const std::vector<float> w = random_floats(N * K, gen), a = random_floats(K, gen);
+  const std::vector<float> y0 = random_floats(N, gen);
+  // Poisoned: padding read as anything but zero would show in the sums.
+  std::vector<float> packed(static_cast<size_t>(cpu::gemv_pack_size(N, K)), 1e30f);
+  EXPECT_GE(packed.size(), static_cast<size_t>(N * K));
+  cpu::gemv_pack(packed.data(), w.data(), N, K);
+  // Ranges that start and end inside 8-row blocks, as the threads' shares of q/k/v do.
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {
+      {0, N}, {0, N / 2}, {N / 2, N}, {N / 3, N - N / 3}, {N - 1, N}};
+  for (const auto& [n0, n1] : ranges)
+    for (const float beta : {0.0f, 1.0f}) {
+      std::vector<float> expect = y0, got = y0;
+      if (n1 > n0)
+        cpu::gemm<float>(false, true, 1, n1 - n0, K, 1.0f, a.data(), K, w.data() + n0 * K, K, beta,
+                         expect.data() + n0, N);
+      cpu::gemv_packed(got.data(), packed.data(), a.data(), K, n0, n1, beta);
+      EXPECT_EQ(bits(got), bits(expect)) << "rows [" << n0 << ", " << n1 << "), beta " << beta;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemvPacked,
+    ::testing::Values(std::pair<int64_t, int64_t>{64, 256}, std::pair<int64_t, int64_t>{67, 64},
+                      std::pair<int64_t, int64_t>{13, 40}, std::pair<int64_t, int64_t>{8, 17},
+                      std::pair<int64_t, int64_t>{1, 5}, std::pair<int64_t, int64_t>{9, 1},
+                      std::pair<int64_t, int64_t>{100, 1024}),
+    [](const auto& info) {
+      std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
+      name += std::to_string(info.param.first);
+      name += "_k";
+      name += std::to_string(info.param.second);
+      return name;
+    });
+
+}  // namespace
+}  // namespace kvlab
