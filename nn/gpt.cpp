@@ -153,8 +153,7 @@ Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
       kv_lengths_[static_cast<size_t>(b)] = len + T;
     }
     ctx.kv_lengths = kv_lengths_;
-    if (T == 1 && fused_cpu_decode && dev == Device::CPU && wte.weight.dtype() == DType::F32 &&
-        !grad_enabled()) {
+    if (T == 1 && fused_decode_applies() && !grad_enabled()) {
       Tensor logits = decode_step_cpu(tokens.contiguous(), pos, *cache);
       cache->advance(1);
       return logits;

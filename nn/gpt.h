@@ -5,6 +5,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "autograd/random.h"
@@ -58,6 +59,25 @@ class Block : public Module {
   double dropout;
 };
 
+class GPT;
+
+// While it lives, the model's CPU decode steps at batch 1 read copies of its matrices packed
+// for one-row products (cpu::gemv_pack), made when GPT::pack_for_decode returned it: the
+// weights must not change until it is destroyed. Empty (packing nothing) where the fused step
+// or the packed kernel does not apply.
+class DecodePackGuard {
+ public:
+  DecodePackGuard() = default;
+  DecodePackGuard(DecodePackGuard&& o) noexcept : model_(std::exchange(o.model_, nullptr)) {}
+  DecodePackGuard& operator=(DecodePackGuard&&) = delete;
+  ~DecodePackGuard();
+
+ private:
+  friend class GPT;
+  explicit DecodePackGuard(GPT* model) : model_(model) {}
+  GPT* model_ = nullptr;
+};
+
 class GPT : public Module {
  public:
   // Parameters drawn with GPT-2's initialisation from `seed`: N(0, 0.02), residual output
@@ -82,8 +102,14 @@ class GPT : public Module {
   // Decode steps on the CPU (a cache, T = 1, no gradients, f32) run fused in one parallel
   // region (gpt_decode.cpp); false runs them op by op, as the tests and benchmarks compare.
   bool fused_cpu_decode = true;
+  // Packs the matrices of the fused step for batch-1 decoding (1-2 ms for 20 MB of weights;
+  // the buffers are kept for the next call). Engine::generate holds one for each call.
+  [[nodiscard]] DecodePackGuard pack_for_decode(int64_t batch);
 
  private:
+  friend class DecodePackGuard;
+  // Whether a cached step of T = 1 on this model runs fused (decode_step_cpu).
+  bool fused_decode_applies() const;
   // The fused decode step: tokens (B, 1) and positions (B, 1) on the host, the cache's rows
   // already checked for room. Appends to every layer's cache; returns logits (B, 1, V).
   Tensor decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& cache);
@@ -91,6 +117,10 @@ class GPT : public Module {
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
+  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head: gemv_pack's form, read
+  // while decode_pack_live_ (a DecodePackGuard lives).
+  std::vector<Tensor> decode_pack_;
+  bool decode_pack_live_ = false;
 };
 
 // Parameter count of a config without building it (for --param-matched search).

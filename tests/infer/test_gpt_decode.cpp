@@ -5,9 +5,11 @@
 #include <omp.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 
 #include "autograd/backend/allocator.h"
+#include "autograd/backend/cpu/kernels.h"
 #include "autograd/graph.h"
 #include "infer/kv_cache.h"
 #include "infer_test_util.h"
@@ -152,6 +154,121 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
   }
   EXPECT_GT(scale, 1.0);
   EXPECT_LE(worst, 1e-5 * scale);
+}
+
+// ---- batch 1 with the weights packed (GPT::pack_for_decode) ----
+
+// C = 40 (HS 10: K has a 16-column tail), hidden 100, V = 67: with 3 threads the threads'
+// shares of k and v start inside 8-row blocks of the packed weights.
+GPTConfig odd_config(int64_t n_kv_head) {
+  GPTConfig c = test::tiny_config(n_kv_head, 24);
+  c.vocab_size = 67;
+  c.n_embd = 40;
+  c.mlp_hidden = 100;
+  return c;
+}
+
+// Logits of one decode step after an op-path prefill of `prompt` into a fresh cache.
+std::vector<float> step_logits(GPT& model, bool fused, const std::vector<int32_t>& prompt,
+                               int32_t token) {
+  const GPTConfig& c = model.config();
+  ContiguousKVCache cache(c.n_layer, 1, c.block_size, c.n_kv_head, c.head_size());
+  model.fused_cpu_decode = false;
+  model.forward(Tensor::from_vector(prompt, {1, static_cast<int64_t>(prompt.size())}), &cache,
+                true);
+  model.fused_cpu_decode = fused;
+  return model.forward(Tensor::from_vector(std::vector<int32_t>{token}, {1, 1}), &cache, true)
+      .to_vector<float>();
+}
+
+// (odd sizes, n_kv_head, threads)
+class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, int>> {};
+
+TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) {
+  const auto [odd, nkv, threads] = GetParam();
+  const ThreadCount tc(threads);
+  auto model = test::random_model(odd ? odd_config(nkv) : decode_config(nkv), 5);
+  const GPTConfig& c = model->config();
+  NoGradGuard no_grad;
+  ContiguousKVCache fused(c.n_layer, 1, c.block_size, nkv, c.head_size());
+  ContiguousKVCache plain(c.n_layer, 1, c.block_size, nkv, c.head_size());
+  Generator gen(23);
+  auto random_token = [&] {
+    return Tensor::from_vector(
+        std::vector<int32_t>{static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)))},
+        {1, 1});
+  };
+  model->fused_cpu_decode = false;
+  for (int i = 0; i < 4; ++i) {  // a prompt of 4, op by op into both caches
+    const Tensor t = random_token();
+    model->forward(t, &fused, true);
+    model->forward(t, &plain, true);
+  }
+  model->fused_cpu_decode = true;
+  const DecodePackGuard pack = model->pack_for_decode(1);
+  double worst = 0, scale = 0;
+  for (int step = 0; step < 12; ++step) {
+    const Tensor t = random_token();
+    model->fused_cpu_decode = true;
+    const std::vector<float> a = model->forward(t, &fused, true).to_vector<float>();
+    model->fused_cpu_decode = false;
+    const std::vector<float> b = model->forward(t, &plain, true).to_vector<float>();
+    worst = std::max(worst, max_diff(a, b));
+    scale = std::max(scale, max_abs(b));
+  }
+  EXPECT_GT(scale, 1.0);
+  EXPECT_LE(worst, 1e-5 * scale) << "logit scale " << scale;
+  for (int layer = 0; layer < c.n_layer; ++layer)
+    for (const bool is_k : {true, false}) {
+      const auto y = test::cached(plain, layer, is_k);
+      EXPECT_LE(max_diff(test::cached(fused, layer, is_k), y), 1e-5 * std::max(1.0, max_abs(y)))
+          << "layer " << layer << (is_k ? " K" : " V");
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(OddNkvThreads, PackedDecode,
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(4, 2, 1),
+                                            ::testing::Values(1, 2, 3)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "odd" : "even") + "_nkv" +
+                                  std::to_string(std::get<1>(info.param)) + "_threads" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+// The step reads the packed copies while the guard lives, and the weights again once it is
+// gone: a weight changed in between (against the guard's contract) shows only afterwards.
+// The second packing reuses the first one's buffers.
+TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
+  auto model = test::random_model(decode_config(2), 5);
+  NoGradGuard no_grad;
+  const std::vector<int32_t> prompt{4, 9, 1};
+  const std::vector<float> before = step_logits(*model, false, prompt, 7);
+  model->fused_cpu_decode = true;  // packing is for the fused step only
+  std::optional<DecodePackGuard> pack(model->pack_for_decode(1));
+  if (cpu::gemv_pack_size(1, 1) == 0) GTEST_SKIP() << "no packed GEMV kernel in this build";
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
+  Tensor w = model->blocks[1]->mlp.c_fc.weight;  // changed under the guard
+  for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
+  const std::vector<float> after = step_logits(*model, false, prompt, 7);
+  ASSERT_GT(max_diff(after, before), 0.1);  // the change matters
+  // The packed c_fc is the old one: the step matches neither the new op path nor the old one
+  // (its cache was filled with the new weights), and differs by much more than rounding.
+  EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), after), 0.1);
+  pack.reset();
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
+  Allocator& alloc = allocator_for(Device::CPU);
+  const uint64_t r0 = alloc.stats().requests;
+  model->fused_cpu_decode = true;
+  pack.emplace(model->pack_for_decode(1));
+  EXPECT_EQ(alloc.stats().requests - r0, 0u);
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
+  // Nothing is packed for a batch of several rows: a batch-1 step under that guard reads the
+  // weights (here restored), not the last pack.
+  pack.reset();
+  model->fused_cpu_decode = true;
+  pack.emplace(model->pack_for_decode(2));
+  for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
 }
 
 // Errors raised inside the fused step's parallel region (by the cache's append, or by a cache
