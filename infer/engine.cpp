@@ -251,7 +251,7 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
     const int64_t capacity = opts.slide ? block : std::min(block, max_window + max_new - 1);
     GenerationKVCache& cache = cache_for(B, std::max<int64_t>(capacity, max_window));
     // Inside the timed call: its first token waits for the packing.
-    const DecodePackGuard pack = model_.pack_for_decode(B);
+    const DecodePackGuard pack = model_.pack_for_decode();
     st.cache_bytes = cache.bytes();
     st.cache_capacity = cache.capacity();
 

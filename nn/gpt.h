@@ -61,8 +61,8 @@ class Block : public Module {
 
 class GPT;
 
-// While it lives, the model's CPU decode steps at batch 1 read copies of its matrices packed
-// for one-row products (cpu::gemv_pack), made when GPT::pack_for_decode returned it: the
+// While it lives, the model's fused CPU decode steps read copies of its matrices packed for
+// few-row products (cpu::pack_weight), made when GPT::pack_for_decode returned it: the
 // weights must not change until it is destroyed. Empty (packing nothing) where the fused step
 // or the packed kernel does not apply.
 class DecodePackGuard {
@@ -102,9 +102,9 @@ class GPT : public Module {
   // Decode steps on the CPU (a cache, T = 1, no gradients, f32) run fused in one parallel
   // region (gpt_decode.cpp); false runs them op by op, as the tests and benchmarks compare.
   bool fused_cpu_decode = true;
-  // Packs the matrices of the fused step for batch-1 decoding (1-2 ms for 20 MB of weights;
-  // the buffers are kept for the next call). Engine::generate holds one for each call.
-  [[nodiscard]] DecodePackGuard pack_for_decode(int64_t batch);
+  // Packs the matrices of the fused decode step (1-2 ms for 20 MB of weights; the buffers are
+  // kept for the next call). Engine::generate holds one for each call.
+  [[nodiscard]] DecodePackGuard pack_for_decode();
 
  private:
   friend class DecodePackGuard;
@@ -117,7 +117,7 @@ class GPT : public Module {
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
-  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head: gemv_pack's form, read
+  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head: cpu::pack_weight's form, read
   // while decode_pack_live_ (a DecodePackGuard lives).
   std::vector<Tensor> decode_pack_;
   bool decode_pack_live_ = false;

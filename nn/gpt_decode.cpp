@@ -10,11 +10,11 @@
 // group's query heads, are split differently between the threads, which can change the
 // rounding (the tests bound the difference).
 //
-// At batch 1, while a DecodePackGuard lives, the products read copies of the weights packed
-// as one sequential stream each (cpu::gemv_pack): 1.2-1.4x the step's speed on row-major
-// weights, and the same bits, since the packed product sums as gemm's one-row path does.
-// Engine::generate packs at the start of each call (1-2 ms), so weights changed between calls
-// are always seen.
+// While a DecodePackGuard lives, the products read copies of the weights packed as one
+// sequential stream each (cpu::pack_weight), once for all the batch's rows: faster than
+// row-major weights at batch 1 and much faster than the BLAS at a few rows
+// (docs/benchmarks.md). Engine::generate packs at the start of each call (1-2 ms for 20 MB),
+// so weights changed between calls are always seen.
 //
 // This writes the block's forward a second time, for this one case; the op path (the modules'
 // forward) stays the reference, and the tests compare the two at every step.
@@ -36,7 +36,7 @@ namespace {
 
 // A Linear's f32 weight (out, in) and bias (out, or null), taken before the parallel region:
 // nothing inside it may throw.
-// With `packed` (the weight in gemv_pack's form, batch 1 only) the products read that.
+// With `packed` (the weight in cpu::pack_weight's form) the products read that.
 struct LinearRef {
   const float* w;
   const float* b;
@@ -93,8 +93,8 @@ void linear_rows(float* y, int64_t ldy, const float* x, int64_t B, const LinearR
   if (lin.b != nullptr)
     for (int64_t b = 0; b < B; ++b) std::copy(lin.b + lo, lin.b + hi, y + b * ldy + lo);
   const float beta = lin.b != nullptr ? 1.0f : 0.0f;
-  if (lin.packed != nullptr)  // batch 1
-    cpu::gemv_packed(y, lin.packed, x, lin.in, lo, hi, beta);
+  if (lin.packed != nullptr)
+    cpu::gemm_packed(y, ldy, x, lin.in, lin.packed, B, lin.in, lo, hi, beta);
   else
     cpu::gemm<float>(false, true, B, hi - lo, lin.in, 1.0f, x, lin.in, lin.w + lo * lin.in, lin.in,
                      beta, y + lo, ldy);
@@ -136,15 +136,15 @@ bool GPT::fused_decode_applies() const {
   return fused_cpu_decode && wte.weight.device() == Device::CPU && wte.weight.dtype() == DType::F32;
 }
 
-DecodePackGuard GPT::pack_for_decode(int64_t batch) {
-  if (batch != 1 || !fused_decode_applies() || cpu::gemv_pack_size(1, 1) == 0) return {};
+DecodePackGuard GPT::pack_for_decode() {
+  if (!fused_decode_applies() || cpu::packed_weight_size(1, 1) == 0) return {};
   std::vector<const Linear*> linears;
   for (const auto& blk : blocks)
     for (const Linear* l : block_linears(*blk)) linears.push_back(l);
   const Tensor& head = lm_head_weight();
   decode_pack_.resize(linears.size() + 1);
   auto buffer = [&](size_t i, const Tensor& w) -> Tensor& {  // reused while the size fits
-    const int64_t n = cpu::gemv_pack_size(w.size(0), w.size(1));
+    const int64_t n = cpu::packed_weight_size(w.size(0), w.size(1));
     if (!decode_pack_[i].defined() || decode_pack_[i].numel() != n)
       decode_pack_[i] = Tensor::empty({n});
     return decode_pack_[i];
@@ -155,8 +155,8 @@ DecodePackGuard GPT::pack_for_decode(int64_t batch) {
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) {
     const Tensor& w = i < count - 1 ? linears[static_cast<size_t>(i)]->weight : head;
-    cpu::gemv_pack(decode_pack_[static_cast<size_t>(i)].data<float>(), w.data<float>(), w.size(0),
-                   w.size(1));
+    cpu::pack_weight(decode_pack_[static_cast<size_t>(i)].data<float>(), w.data<float>(), w.size(0),
+                     w.size(1));
   }
   decode_pack_live_ = true;
   return DecodePackGuard(this);
@@ -174,7 +174,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   for (int64_t b = 0; b < B; ++b)
     KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "gpt: token id ", ids[b], " in row ", b,
                 " is outside [0, ", V, ")");
-  const bool packed = decode_pack_live_ && B == 1;
+  const bool packed = decode_pack_live_;
   std::vector<BlockRef> layers;
   layers.reserve(blocks.size());
   for (size_t l = 0; l < blocks.size(); ++l)
@@ -280,7 +280,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       layer_norm(ln, stats, xs, final_norm, B, C);
       const auto [v0, v1] = thread_rows(V, t, nt);
       if (v0 < v1 && head_packed != nullptr)
-        cpu::gemv_packed(out, head_packed, ln, C, v0, v1, 0.0f);
+        cpu::gemm_packed(out, V, ln, C, head_packed, B, C, v0, v1, 0.0f);
       else if (v0 < v1)
         cpu::gemm<float>(false, true, B, v1 - v0, C, 1.0f, ln, C, head + v0 * C, C, 0.0f, out + v0,
                          V);

@@ -156,7 +156,7 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
   EXPECT_LE(worst, 1e-5 * scale);
 }
 
-// ---- batch 1 with the weights packed (GPT::pack_for_decode) ----
+// ---- with the weights packed (GPT::pack_for_decode) ----
 
 // C = 40 (HS 10: K has a 16-column tail), hidden 100, V = 67: with 3 threads the threads'
 // shares of k and v start inside 8-row blocks of the packed weights.
@@ -181,34 +181,35 @@ std::vector<float> step_logits(GPT& model, bool fused, const std::vector<int32_t
       .to_vector<float>();
 }
 
-// (odd sizes, n_kv_head, threads)
-class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, int>> {};
+// (odd sizes, n_kv_head, threads, rows)
+class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, int, int64_t>> {};
 
 TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) {
-  const auto [odd, nkv, threads] = GetParam();
+  const auto [odd, nkv, threads, B] = GetParam();
   const ThreadCount tc(threads);
   auto model = test::random_model(odd ? odd_config(nkv) : decode_config(nkv), 5);
   const GPTConfig& c = model->config();
   NoGradGuard no_grad;
-  ContiguousKVCache fused(c.n_layer, 1, c.block_size, nkv, c.head_size());
-  ContiguousKVCache plain(c.n_layer, 1, c.block_size, nkv, c.head_size());
+  ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size());
+  ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size());
   Generator gen(23);
-  auto random_token = [&] {
-    return Tensor::from_vector(
-        std::vector<int32_t>{static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)))},
-        {1, 1});
+  auto random_tokens = [&](int64_t rows) {
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)));
+    return Tensor::from_vector(ids, {rows, 1});
   };
   model->fused_cpu_decode = false;
-  for (int i = 0; i < 4; ++i) {  // a prompt of 4, op by op into both caches
-    const Tensor t = random_token();
-    model->forward(t, &fused, true);
-    model->forward(t, &plain, true);
-  }
+  for (int64_t b = 0; b < B; ++b)  // prompts of 3, 4, 5... tokens, op by op into both caches
+    for (int64_t i = 0; i < 3 + b; ++i) {
+      const Tensor t = random_tokens(1);
+      model->forward(t, &fused.rows(b, 1), true);
+      model->forward(t, &plain.rows(b, 1), true);
+    }
   model->fused_cpu_decode = true;
-  const DecodePackGuard pack = model->pack_for_decode(1);
+  const DecodePackGuard pack = model->pack_for_decode();
   double worst = 0, scale = 0;
   for (int step = 0; step < 12; ++step) {
-    const Tensor t = random_token();
+    const Tensor t = random_tokens(B);
     model->fused_cpu_decode = true;
     const std::vector<float> a = model->forward(t, &fused, true).to_vector<float>();
     model->fused_cpu_decode = false;
@@ -226,13 +227,15 @@ TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(OddNkvThreads, PackedDecode,
+INSTANTIATE_TEST_SUITE_P(OddNkvThreadsRows, PackedDecode,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(4, 2, 1),
-                                            ::testing::Values(1, 2, 3)),
+                                            ::testing::Values(1, 2, 3), ::testing::Values(1, 4)),
                          [](const auto& info) {
-                           return std::string(std::get<0>(info.param) ? "odd" : "even") + "_nkv" +
-                                  std::to_string(std::get<1>(info.param)) + "_threads" +
-                                  std::to_string(std::get<2>(info.param));
+                           std::string name = std::get<0>(info.param) ? "odd" : "even";
+                           name += "_nkv" + std::to_string(std::get<1>(info.param));
+                           name += "_threads" + std::to_string(std::get<2>(info.param));
+                           name += "_rows" + std::to_string(std::get<3>(info.param));
+                           return name;
                          });
 
 // The step reads the packed copies while the guard lives, and the weights again once it is
@@ -244,8 +247,8 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   const std::vector<int32_t> prompt{4, 9, 1};
   const std::vector<float> before = step_logits(*model, false, prompt, 7);
   model->fused_cpu_decode = true;  // packing is for the fused step only
-  std::optional<DecodePackGuard> pack(model->pack_for_decode(1));
-  if (cpu::gemv_pack_size(1, 1) == 0) GTEST_SKIP() << "no packed GEMV kernel in this build";
+  std::optional<DecodePackGuard> pack(model->pack_for_decode());
+  if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
   Tensor w = model->blocks[1]->mlp.c_fc.weight;  // changed under the guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
@@ -259,14 +262,14 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   Allocator& alloc = allocator_for(Device::CPU);
   const uint64_t r0 = alloc.stats().requests;
   model->fused_cpu_decode = true;
-  pack.emplace(model->pack_for_decode(1));
+  pack.emplace(model->pack_for_decode());
   EXPECT_EQ(alloc.stats().requests - r0, 0u);
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
-  // Nothing is packed for a batch of several rows: a batch-1 step under that guard reads the
-  // weights (here restored), not the last pack.
+  // Nothing is packed for the op path: a fused step under a guard made for the op path reads
+  // the weights (here restored), not the last pack.
   pack.reset();
-  model->fused_cpu_decode = true;
-  pack.emplace(model->pack_for_decode(2));
+  model->fused_cpu_decode = false;
+  pack.emplace(model->pack_for_decode());
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
 }

@@ -100,21 +100,58 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
   }
 }
 
-constexpr int64_t kPackRows = 8, kPackCols = 16;  // one block row of gemv_pack: 8 x 16 floats
+constexpr int64_t kPackRows = 8, kPackCols = 16;  // one block row of the packed form: 8 x 16
+// Rows of a that share one pass over a block: 8 accumulators each, plus their 16 columns of a
+// and one of w, within the 32 vector registers.
+constexpr int64_t kPackedTile = 3;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Rows [n0, n1) (inside block nb) of y (R, ldy) = a (R, K at stride lda) @ w^T + beta * y, w's
+// block in the packed form. Each dot product is dot_rows's: the same fused multiply-adds in
+// the same order (the padding multiplies zeros, as dot_rows's masked tail does), the same
+// lane tree, whatever R is.
+template <int R>
+void packed_block(float* y, int64_t ldy, const float* block, const float* a, int64_t lda, int64_t K,
+                  int64_t nb, int64_t n0, int64_t n1, float beta) {
+  const int64_t full = K / kPackCols, chunks = round_up(K, kPackCols) / kPackCols;
+  const __mmask16 tail_mask = static_cast<__mmask16>((1u << (K % kPackCols)) - 1);
+  __m512 acc[R][kPackRows];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 x[R];
+    for (int r = 0; r < R; ++r)
+      x[r] = c < full ? _mm512_loadu_ps(a + r * lda + c * kPackCols)
+                      : _mm512_maskz_loadu_ps(tail_mask, a + r * lda + c * kPackCols);
+    const float* chunk = block + c * kPackRows * kPackCols;
+    for (int i = 0; i < kPackRows; ++i) {
+      const __m512 w = _mm512_load_ps(chunk + i * kPackCols);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w, x[r], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float dot[16];
+    _mm512_store_ps(dot, sum_lanes8(acc[r]));
+    float* yr = y + r * ldy;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float d = dot[n - nb * kPackRows];
+      yr[n] = beta == 0.0f ? d : d + beta * yr[n];
+    }
+  }
+}
 #endif
 
 }  // namespace
 
 #if defined(__AVX512F__)
-int64_t gemv_pack_size(int64_t N, int64_t K) {
+int64_t packed_weight_size(int64_t N, int64_t K) {
   return round_up(N, kPackRows) * round_up(K, kPackCols);
 }
 
 // packed (ceil(N / 8), ceil(K / 16), 8, 16): block nb, chunk c, row i, column j holds
 // w[8 nb + i, 16 c + j].
-void gemv_pack(float* packed, const float* w, int64_t N, int64_t K) {
+void pack_weight(float* packed, const float* w, int64_t N, int64_t K) {
   const int64_t chunks = round_up(K, kPackCols) / kPackCols;
   for (int64_t nb = 0; nb * kPackRows < N; ++nb)
     for (int64_t c = 0; c < chunks; ++c)
@@ -127,39 +164,38 @@ void gemv_pack(float* packed, const float* w, int64_t N, int64_t K) {
       }
 }
 
-// dot_rows's arithmetic over the packed form: the same fused multiply-adds in the same order
-// (the padding multiplies zeros, as dot_rows's masked tail does), the same lane tree.
-void gemv_packed(float* y, const float* packed, const float* a, int64_t K, int64_t n0, int64_t n1,
-                 float beta) {
-  const int64_t full = K / kPackCols, chunks = round_up(K, kPackCols) / kPackCols;
-  const __mmask16 tail_mask = static_cast<__mmask16>((1u << (K % kPackCols)) - 1);
+// Block by block; a block is read once from memory and again from L1/L2 for each further tile
+// of kPackedTile rows of a.
+void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
+                 int64_t K, int64_t n0, int64_t n1, float beta) {
+  const int64_t block_floats = round_up(K, kPackCols) * kPackRows;
   for (int64_t nb = n0 / kPackRows; nb * kPackRows < n1; ++nb) {
-    const float* block = packed + nb * chunks * kPackRows * kPackCols;
-    __m512 acc[kPackRows];
-    for (auto& v : acc) v = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 x = c < full ? _mm512_loadu_ps(a + c * kPackCols)
-                                : _mm512_maskz_loadu_ps(tail_mask, a + c * kPackCols);
-      const float* chunk = block + c * kPackRows * kPackCols;
-      for (int i = 0; i < kPackRows; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_load_ps(chunk + i * kPackCols), x, acc[i]);
-    }
-    alignas(64) float dot[16];
-    _mm512_store_ps(dot, sum_lanes8(acc));
+    const float* block = packed + nb * block_floats;
     const int64_t lo = std::max(n0, nb * kPackRows), hi = std::min(n1, (nb + 1) * kPackRows);
-    for (int64_t n = lo; n < hi; ++n) {
-      const float d = dot[n - nb * kPackRows];
-      y[n] = beta == 0.0f ? d : d + beta * y[n];
+    for (int64_t m = 0; m < M; m += kPackedTile) {
+      float* ym = y + m * ldy;
+      const float* am = a + m * lda;
+      switch (std::min(kPackedTile, M - m)) {
+        case 1:
+          packed_block<1>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
+          break;
+        case 2:
+          packed_block<2>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
+          break;
+        default:
+          packed_block<3>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
+      }
     }
   }
 }
 #else
-int64_t gemv_pack_size(int64_t, int64_t) { return 0; }
-void gemv_pack(float*, const float*, int64_t, int64_t) {
-  KVLAB_ASSERT(false, "gemv_pack: this build has no packed GEMV kernel (gemv_pack_size is 0)");
+int64_t packed_weight_size(int64_t, int64_t) { return 0; }
+void pack_weight(float*, const float*, int64_t, int64_t) {
+  KVLAB_ASSERT(false, "pack_weight: this build has no packed kernel (packed_weight_size is 0)");
 }
-void gemv_packed(float*, const float*, const float*, int64_t, int64_t, int64_t, float) {
-  KVLAB_ASSERT(false, "gemv_packed: this build has no packed GEMV kernel (gemv_pack_size is 0)");
+void gemm_packed(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                 int64_t, float) {
+  KVLAB_ASSERT(false, "gemm_packed: this build has no packed kernel (packed_weight_size is 0)");
 }
 #endif
 

@@ -26,19 +26,21 @@ void gemm_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T
                   const T* A, int64_t lda, int64_t stride_a, const T* B, int64_t ldb,
                   int64_t stride_b, T beta, T* C, int64_t ldc, int64_t stride_c, int64_t batch);
 
-// One-row products y = w a against a weight packed for them (decode at batch 1). Row-major
-// w (N, K) is stored as blocks of 8 rows, each block as its column chunks of 8 x 16 floats
-// (zero past row N and column K), so that a product reads one sequential stream instead of
-// eight rows at once; each y[n] is summed in the order of gemm's one-row path, so the two give
-// the same bits. gemv_pack_size is 0 where there is no kernel for it (no AVX-512): callers then
+// Products of a few rows against a weight packed for them (decode). Row-major w (N, K) is
+// stored as blocks of 8 rows, each block as its column chunks of 8 x 16 floats (zero past row
+// N and column K), so that a product reads one sequential stream instead of eight rows at
+// once, and reads it once for all the rows. Each y[m, n] is summed in the order of gemm's
+// one-row path, so the two give the same bits, and a row's result does not depend on the
+// others. packed_weight_size is 0 where there is no kernel for it (no AVX-512): callers then
 // keep to gemm.
 // Floats of the packed form of a (N, K) weight.
-int64_t gemv_pack_size(int64_t N, int64_t K);
-// packed (gemv_pack_size(N, K)) = w (N, K), contiguous, in the packed form.
-void gemv_pack(float* packed, const float* w, int64_t N, int64_t K);
-// y[n] = dot(w[n, :], a) + beta * y[n] for n in [n0, n1); packed by gemv_pack, a (K).
-void gemv_packed(float* y, const float* packed, const float* a, int64_t K, int64_t n0, int64_t n1,
-                 float beta);
+int64_t packed_weight_size(int64_t N, int64_t K);
+// packed (packed_weight_size(N, K)) = w (N, K), contiguous, in the packed form.
+void pack_weight(float* packed, const float* w, int64_t N, int64_t K);
+// y[m, n] = dot(w[n, :], a[m, :]) + beta * y[m, n] for m < M and n in [n0, n1): y (M, ldy),
+// a (M, K at stride lda), w packed by pack_weight.
+void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
+                 int64_t K, int64_t n0, int64_t n1, float beta);
 
 // ---- elementwise ----
 // out (sizes, contiguous) = a op b, where a and b are read through broadcast strides (0 on a

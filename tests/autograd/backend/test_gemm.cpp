@@ -1,8 +1,10 @@
-// backend/cpu/gemm.cpp: the packed one-row product against gemm's one-row path, which it must
-// equal bit for bit (the fused decode step relies on it to match the op path).
+// backend/cpu/gemm.cpp: products against a packed weight, which must equal gemm's one-row
+// path bit for bit, row by row, whatever the number of rows (the fused decode step relies on
+// it to match the op path at batch 1, and on a row's result not depending on the others).
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "autograd/backend/cpu/kernels.h"
@@ -24,45 +26,53 @@ std::vector<uint32_t> bits(const std::vector<float>& v) {
   return b;
 }
 
-// (N, K): whole blocks, a short last block of rows, K with and without a 16-column tail,
-// one row, one column.
-class GemvPacked : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+// (N, K, M): whole blocks, a short last block of rows, K with and without a 16-column tail,
+// one row, one column; 1 to 7 rows of a (whole and partial tiles of rows).
+class GemmPacked
+    : public ::testing::TestWithParam<std::tuple<std::pair<int64_t, int64_t>, int64_t>> {};
 
-TEST_P(GemvPacked, EqualsTheOneRowGemmOnEveryRowRange) {
-  const auto [N, K] = GetParam();
-  if (cpu::gemv_pack_size(N, K) == 0) GTEST_SKIP() << "no packed GEMV kernel in this build";
-  Generator gen(static_cast<uint64_t>(N * 1000 + K));
-  const std::vector<float> w = random_floats(N * K, gen), a = random_floats(K, gen);
-  const std::vector<float> y0 = random_floats(N, gen);
+TEST_P(GemmPacked, EqualsTheOneRowGemmRowByRowOnEveryRange) {
+  const auto [NK, M] = GetParam();
+  const auto [N, K] = NK;
+  if (cpu::packed_weight_size(N, K) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  Generator gen(static_cast<uint64_t>((N * 1000 + K) * 10 + M));
+  // a and y at strides wider than their rows, as the decode step's (B, C) slices can be.
+  const int64_t lda = K + 3, ldy = N + 5;
+  const std::vector<float> w = random_floats(N * K, gen), a = random_floats(M * lda, gen);
+  const std::vector<float> y0 = random_floats(M * ldy, gen);
   // Poisoned: padding read as anything but zero would show in the sums.
-  std::vector<float> packed(static_cast<size_t>(cpu::gemv_pack_size(N, K)), 1e30f);
+  std::vector<float> packed(static_cast<size_t>(cpu::packed_weight_size(N, K)), 1e30f);
   EXPECT_GE(packed.size(), static_cast<size_t>(N * K));
-  cpu::gemv_pack(packed.data(), w.data(), N, K);
+  cpu::pack_weight(packed.data(), w.data(), N, K);
   // Ranges that start and end inside 8-row blocks, as the threads' shares of q/k/v do.
   const std::vector<std::pair<int64_t, int64_t>> ranges = {
       {0, N}, {0, N / 2}, {N / 2, N}, {N / 3, N - N / 3}, {N - 1, N}};
   for (const auto& [n0, n1] : ranges)
     for (const float beta : {0.0f, 1.0f}) {
       std::vector<float> expect = y0, got = y0;
-      if (n1 > n0)
-        cpu::gemm<float>(false, true, 1, n1 - n0, K, 1.0f, a.data(), K, w.data() + n0 * K, K, beta,
-                         expect.data() + n0, N);
-      cpu::gemv_packed(got.data(), packed.data(), a.data(), K, n0, n1, beta);
+      for (int64_t m = 0; m < M && n1 > n0; ++m)
+        cpu::gemm<float>(false, true, 1, n1 - n0, K, 1.0f, a.data() + m * lda, lda,
+                         w.data() + n0 * K, K, beta, expect.data() + m * ldy + n0, ldy);
+      cpu::gemm_packed(got.data(), ldy, a.data(), lda, packed.data(), M, K, n0, n1, beta);
       EXPECT_EQ(bits(got), bits(expect)) << "rows [" << n0 << ", " << n1 << "), beta " << beta;
     }
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, GemvPacked,
-    ::testing::Values(std::pair<int64_t, int64_t>{64, 256}, std::pair<int64_t, int64_t>{67, 64},
-                      std::pair<int64_t, int64_t>{13, 40}, std::pair<int64_t, int64_t>{8, 17},
-                      std::pair<int64_t, int64_t>{1, 5}, std::pair<int64_t, int64_t>{9, 1},
-                      std::pair<int64_t, int64_t>{100, 1024}),
+    Shapes, GemmPacked,
+    ::testing::Combine(
+        ::testing::Values(std::pair<int64_t, int64_t>{64, 256}, std::pair<int64_t, int64_t>{67, 64},
+                          std::pair<int64_t, int64_t>{13, 40}, std::pair<int64_t, int64_t>{8, 17},
+                          std::pair<int64_t, int64_t>{1, 5}, std::pair<int64_t, int64_t>{9, 1},
+                          std::pair<int64_t, int64_t>{100, 1024}),
+        ::testing::Values(1, 2, 3, 7)),
     [](const auto& info) {
       std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
-      name += std::to_string(info.param.first);
+      name += std::to_string(std::get<0>(info.param).first);
       name += "_k";
-      name += std::to_string(info.param.second);
+      name += std::to_string(std::get<0>(info.param).second);
+      name += "_m";
+      name += std::to_string(std::get<1>(info.param));
       return name;
     });
 
