@@ -34,6 +34,7 @@ struct BenchArgs {
   std::vector<int64_t> kv_heads;  // empty: NH, NH/2, NH/4, NH/8 where they divide NH
   std::vector<int64_t> new_tokens{64, 256, 512};
   int64_t prompt_tokens = 16;
+  int64_t batch = 1;
   int runs = 3;
   bool skip_no_cache = false;
   bool op_by_op = false;
@@ -52,13 +53,13 @@ void print_generate_table(const json& g) {
   const json& m = g["model"];
   std::printf(
       "\nkvlab bench generate: %lld layers, %lld heads, %lld kv heads, n_embd %lld, block %lld, "
-      "vocab %lld (%.2fM parameters, %s f32)\n%d threads, prompt %lld tokens, greedy, batch 1, "
+      "vocab %lld (%.2fM parameters, %s f32)\n%d threads, prompt %lld tokens, greedy, batch %lld, "
       "median of %d runs after one warm-up\n\n",
       m["n_layer"].get<long long>(), m["n_head"].get<long long>(), m["n_kv_head"].get<long long>(),
       m["n_embd"].get<long long>(), m["block_size"].get<long long>(),
       m["vocab_size"].get<long long>(), m["parameters"].get<double>() / 1e6,
       mib(m["weight_bytes"].get<double>()).c_str(), g["threads"].get<int>(),
-      g["prompt_tokens"].get<long long>(), g["runs"].get<int>());
+      g["prompt_tokens"].get<long long>(), g["batch"].get<long long>(), g["runs"].get<int>());
   const json& rs = g["results"];
   auto row = [&](const char* label, auto cell) {
     std::printf("%-28s", label);
@@ -125,13 +126,14 @@ void print_generate_table(const json& g) {
   }
 }
 
-void print_cache_report(const json& rep, const json& speed, DType dtype) {
+void print_cache_report(const json& rep, const json& speed, DType dtype, int64_t batch) {
   std::printf(
-      "\nKV cache (%s) at batch 1, S = block_size (2 * L * B * S * NKV * HS * %zu bytes), and "
+      "\nKV cache (%s) at batch %lld, S = block_size (2 * L * B * S * NKV * HS * %zu bytes), and "
       "decode speed with the cache (ceiling: this run's peak read rate over the bytes a step "
       "reads):\n%-10s%16s%16s%8s%12s%10s%12s%12s%14s%12s\n",
-      dtype_name(dtype), dtype_size(dtype), "n_kv_head", "measured B", "formula B", "equal",
-      "vs MHA", "expected", "tok/s", "TPOT ms", "ceiling tok/s", "of ceiling");
+      dtype_name(dtype), static_cast<long long>(batch), dtype_size(dtype), "n_kv_head",
+      "measured B", "formula B", "equal", "vs MHA", "expected", "tok/s", "TPOT ms", "ceiling tok/s",
+      "of ceiling");
   for (size_t i = 0; i < rep.size(); ++i) {
     const json& r = rep[i];
     std::printf("%-10lld%16lld%16lld%8s%12.4f%10.4f", r["n_kv_head"].get<long long>(),
@@ -155,6 +157,7 @@ void run_bench_generate(BenchArgs& a) {
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   KVLAB_USAGE_CHECK(a.runs >= 1, "--runs must be >= 1, got ", a.runs);
   KVLAB_USAGE_CHECK(a.prompt_tokens >= 1, "--prompt-tokens must be >= 1, got ", a.prompt_tokens);
+  KVLAB_USAGE_CHECK(a.batch >= 1, "--batch must be >= 1, got ", a.batch);
   for (int64_t n : a.new_tokens)
     KVLAB_USAGE_CHECK(n >= 1, "--new-tokens values must be >= 1, got ", n);
   std::unique_ptr<GPT> model;
@@ -189,6 +192,7 @@ void run_bench_generate(BenchArgs& a) {
   model->fused_cpu_decode = !a.op_by_op;
   BenchGenerateOptions o;
   o.prompt_tokens = a.prompt_tokens;
+  o.batch = a.batch;
   o.new_tokens = a.new_tokens;
   o.runs = a.runs;
   o.no_cache = !a.skip_no_cache;
@@ -200,10 +204,10 @@ void run_bench_generate(BenchArgs& a) {
     std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
   };
   const json gen = bench_generate(*model, tok, o);
-  const json report = kv_cache_report(a.cfg, a.kv_heads, 1, kv_dtype);
+  const json report = kv_cache_report(a.cfg, a.kv_heads, a.batch, kv_dtype);
   const json speed = bench_decode_by_kv_heads(a.cfg, a.kv_heads, 256, o);
   print_generate_table(gen);
-  print_cache_report(report, speed, kv_dtype);
+  print_cache_report(report, speed, kv_dtype, a.batch);
   if (!a.json_path.empty()) {
     const json out{{"generate", gen},
                    {"cache_report", report},
@@ -242,6 +246,11 @@ void add_bench_command(CLI::App& root) {
       ->delimiter(',')
       ->capture_default_str();
   gen->add_option("--prompt-tokens", args->prompt_tokens, "Prompt length")->capture_default_str();
+  gen->add_option("--batch", args->batch,
+                  "Rows decoded together, each from its own random prompt; tok/s counts every "
+                  "row's tokens. The ceiling is memory's: a large batch may be bound by "
+                  "arithmetic first")
+      ->capture_default_str();
   gen->add_option("--runs", args->runs, "Measured runs per setting (median)")
       ->capture_default_str();
   gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");

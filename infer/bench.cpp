@@ -127,31 +127,40 @@ double cpu_read_bandwidth(double bytes) {
   return 4.0 * static_cast<double>(n) / best / 1e9;
 }
 
-// Bytes a decode step reads: every weight but the position table (one row of it) and, when
-// the LM head is a matrix of its own, the token table (one row of it too), plus the cached K
-// and V of every layer at position `pos`.
-double step_read_bytes(const GPT& model, int64_t kv_elem, double pos) {
+// Bytes a decode step of `batch` rows reads: every weight but the position table (one row of
+// it) and, when the LM head is a matrix of its own, the token table (one row of it too), once
+// for all the rows, plus each row's cached K and V of every layer at position `pos`.
+double step_read_bytes(const GPT& model, int64_t kv_elem, double pos, int64_t batch) {
   const GPTConfig& c = model.config();
   const int64_t tables = c.block_size * c.n_embd + (c.tied ? 0 : c.vocab_size * c.n_embd);
   return static_cast<double>(model.num_parameters() - tables) * 4.0 +
-         2.0 * static_cast<double>(c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
+         2.0 * static_cast<double>(batch * c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
 }
 
-// A decode side's memory traffic: bytes_read_per_token and read_GB_per_s, and on the CPU the
+// A decode side's memory traffic: bytes_read_per_step and read_GB_per_s, and on the CPU the
 // ceiling measured here over a buffer of the step's size (at least 256 KB; each timed pass
 // includes entering the parallel region, <1% of a pass at a real model's size; on a GPU,
 // bench_cuda measures its own): read_bandwidth_GB_per_s, ceiling_tokens_per_s and
 // fraction_of_ceiling.
-void add_bandwidth(json& side, const GPT& model, int64_t kv_elem, double mean_pos) {
-  const double bytes = step_read_bytes(model, kv_elem, mean_pos);
-  const double tps = side["tokens_per_s"].get<double>();
-  side["bytes_read_per_token"] = bytes;
-  side["read_GB_per_s"] = bytes * tps / 1e9;
+void add_bandwidth(json& side, const GPT& model, int64_t kv_elem, double mean_pos, int64_t batch) {
+  const double bytes = step_read_bytes(model, kv_elem, mean_pos, batch);
+  const double tps = side["tokens_per_s"].get<double>(), steps = tps / static_cast<double>(batch);
+  side["bytes_read_per_step"] = bytes;
+  side["read_GB_per_s"] = bytes * steps / 1e9;
   if (model.wte.weight.device() != Device::CPU) return;
   const double gbps = cpu_read_bandwidth(bytes);
   side["read_bandwidth_GB_per_s"] = gbps;
-  side["ceiling_tokens_per_s"] = gbps * 1e9 / bytes;
-  side["fraction_of_ceiling"] = tps * bytes / (gbps * 1e9);
+  side["ceiling_tokens_per_s"] = static_cast<double>(batch) * gbps * 1e9 / bytes;
+  side["fraction_of_ceiling"] = steps * bytes / (gbps * 1e9);
+}
+
+// o.batch random prompts of o.prompt_tokens each; the first is the one a batch of 1 uses.
+std::vector<std::vector<int32_t>> random_prompts(const BenchGenerateOptions& o, int64_t vocab) {
+  KVLAB_CHECK(o.batch >= 1, "bench: batch must be >= 1, got ", o.batch);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int64_t b = 0; b < o.batch; ++b)
+    prompts.push_back(random_prompt(o.prompt_tokens, vocab, o.seed + static_cast<uint64_t>(b)));
+  return prompts;
 }
 
 json model_json(const GPT& model) {
@@ -190,12 +199,12 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
   }
   Engine engine(model, tokenizer, o.cache_dtype);
   const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
-  const std::vector<std::vector<int32_t>> prompt{
-      random_prompt(o.prompt_tokens, c.vocab_size, o.seed)};
+  const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c.vocab_size);
 
   json out{{"model", model_json(model)},
            {"threads", omp_get_max_threads()},
            {"prompt_tokens", o.prompt_tokens},
+           {"batch", o.batch},
            {"cache_dtype", dtype_name(o.cache_dtype)},
            {"fused_decode", model.fused_cpu_decode && model.device() == Device::CPU},
            {"runs", o.runs},
@@ -225,10 +234,10 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
       if (use_cache) {
         side["cache_bytes"] = bytes;
         side["cache_positions"] = positions;
-        side["cache_bytes_formula"] =
-            kv_cache_formula_bytes(c.n_layer, 1, positions, c.n_kv_head, c.head_size(), kv_elem);
+        side["cache_bytes_formula"] = kv_cache_formula_bytes(c.n_layer, o.batch, positions,
+                                                             c.n_kv_head, c.head_size(), kv_elem);
         add_bandwidth(side, model, kv_elem,
-                      static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2);
+                      static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
         curve_cache = median_steps(runs);
       } else {
         curve_nocache = median_steps(runs);
@@ -283,8 +292,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
   const int64_t n = std::min(new_tokens, config.block_size - o.prompt_tokens);
   KVLAB_CHECK(n >= 1, "bench: a prompt of ", o.prompt_tokens,
               " tokens leaves no room in block_size ", config.block_size);
-  const std::vector<std::vector<int32_t>> prompt{
-      random_prompt(o.prompt_tokens, config.vocab_size, o.seed)};
+  const std::vector<std::vector<int32_t>> prompt = random_prompts(o, config.vocab_size);
   for (int64_t nkv : kv_heads) {
     GPTConfig c = config;
     c.n_kv_head = nkv;
@@ -309,8 +317,9 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["new_tokens"] = n;
     e["cache_bytes"] = bytes;
     e["weights"] = "random";
+    e["batch"] = o.batch;
     add_bandwidth(e, model, static_cast<int64_t>(dtype_size(o.cache_dtype)),
-                  static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2);
+                  static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
     out.push_back(e);
     if (o.progress)
       o.progress(detail::cat("n_kv_head ", nkv, ": ",

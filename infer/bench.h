@@ -15,6 +15,9 @@ namespace kvlab {
 
 struct BenchGenerateOptions {
   int64_t prompt_tokens = 16;
+  // Rows decoded together, each from its own random prompt of prompt_tokens; tokens/s counts
+  // every row's tokens.
+  int64_t batch = 1;
   // Each capped at block_size - prompt_tokens (duplicates after capping are dropped).
   std::vector<int64_t> new_tokens = {64, 256, 512};
   int runs = 3;             // measured runs per setting (median reported); one warm-up before
@@ -27,17 +30,19 @@ struct BenchGenerateOptions {
   std::function<void(const std::string&)> progress;  // one line per measured setting
 };
 
-// Greedy generation at batch 1 from a random prompt. JSON:
+// Greedy generation of options.batch rows from random prompts. JSON:
 //   model {n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size, parameters,
-//          weight_bytes}, threads, prompt_tokens, runs,
+//          weight_bytes}, threads, prompt_tokens, batch, runs,
 //   results [{new_tokens, cache {...}, no_cache {...}, speedup}] where each side holds
 //     tokens_per_s (decode: tokens after the first per second of decode time),
 //     e2e_tokens_per_s, ttft_ms, tpot_mean_ms, tpot_p50_ms, tpot_p99_ms, and for the cache
-//     cache_bytes (measured), cache_bytes_formula, cache_positions, bytes_read_per_token
-//     (weights + cached K/V at the mean position) and read_GB_per_s (that times tokens/s);
-//     on the CPU also read_bandwidth_GB_per_s (the peak rate at which the threads read a
-//     buffer of bytes_read_per_token, measured in the same run), ceiling_tokens_per_s (that
-//     over bytes_read_per_token) and fraction_of_ceiling (tokens_per_s over the ceiling);
+//     cache_bytes (measured), cache_bytes_formula, cache_positions, bytes_read_per_step
+//     (weights + every row's cached K/V at the mean position; a step makes one token per
+//     row) and read_GB_per_s (that times steps/s); on the CPU also read_bandwidth_GB_per_s
+//     (the peak rate at which the threads read a buffer of bytes_read_per_step, measured in
+//     the same run), ceiling_tokens_per_s (batch over the time to read bytes_read_per_step at
+//     that rate: the memory ceiling; a large batch can be bound by arithmetic first) and
+//     fraction_of_ceiling (tokens_per_s over the ceiling);
 //   time_vs_position {cache [{position, ms}], no_cache [...]} from the longest setting.
 // Each figure is the median over the runs.
 nlohmann::json bench_generate(GPT& model, const Tokenizer& tokenizer,
@@ -50,9 +55,9 @@ nlohmann::json bench_generate(GPT& model, const Tokenizer& tokenizer,
 nlohmann::json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_heads,
                                int64_t batch = 1, DType dtype = DType::F32);
 
-// Decode speed with the cache at batch 1 for each n_kv_head (random weights from `seed`, the
-// rest of `config` unchanged): JSON array of {n_kv_head, tokens_per_s, tpot_mean_ms,
-// tpot_p50_ms, tpot_p99_ms, ttft_ms, cache_bytes, bytes_read_per_token, read_GB_per_s} and on
+// Decode speed with the cache at options.batch rows for each n_kv_head (random weights from
+// `seed`, the rest of `config` unchanged): JSON array of {n_kv_head, tokens_per_s, tpot_mean_ms,
+// tpot_p50_ms, tpot_p99_ms, ttft_ms, cache_bytes, bytes_read_per_step, read_GB_per_s} and on
 // the CPU the measured ceiling as in bench_generate.
 nlohmann::json bench_decode_by_kv_heads(const GPTConfig& config,
                                         const std::vector<int64_t>& kv_heads, int64_t new_tokens,

@@ -434,19 +434,21 @@ namespace kvlab {
 namespace {
 
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
-  for (const bool tied : {true, false}) {
-    SCOPED_TRACE(tied ? "tied LM head" : "untied LM head");
+  for (const auto& [tied, batch] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 3}}) {
+    SCOPED_TRACE(detail::cat(tied ? "tied" : "untied", " LM head, batch ", batch));
     GPTConfig cfg = test::tiny_config(2, 48);
     cfg.tied = tied;
     auto model = test::random_model(cfg, 7);
     const Tokenizer tok = tiny_tokenizer();
     BenchGenerateOptions o;
+    o.batch = batch;
     o.prompt_tokens = 8;
     o.new_tokens = {16, 64};  // 64 is capped at block_size - prompt = 40
     o.runs = 1;
     o.position_points = 3;
     const nlohmann::json j = bench_generate(*model, tok, o);
     ASSERT_EQ(j["results"].size(), 2u);
+    EXPECT_EQ(j["batch"], batch);
     EXPECT_EQ(j["results"][1]["new_tokens"], 40);
     // The weights a step reads: each block's LayerNorms and products, the final LayerNorm
     // and the V x C LM head (tied: the token table itself; untied: only one row of it is read,
@@ -461,15 +463,21 @@ TEST(Bench, ReportsBothModesAndTheCacheFormula) {
       EXPECT_GT(r["no_cache"]["tokens_per_s"].get<double>(), 0);
       EXPECT_EQ(r["cache"]["cache_bytes"], r["cache"]["cache_bytes_formula"]);
       EXPECT_TRUE(r.contains("speedup"));
-      // Plus K and V at the mean position; the ceiling is this run's read rate over that.
+      // Plus each row's K and V at the mean position; the ceiling is `batch` tokens per time
+      // to read that at this run's read rate.
       const nlohmann::json& c = r["cache"];
       const double mean_pos = 8.0 + r["new_tokens"].get<double>() / 2;
-      const double bytes = weights + 2.0 * 4.0 * static_cast<double>(cfg.n_layer * KVD) * mean_pos;
-      EXPECT_DOUBLE_EQ(c["bytes_read_per_token"].get<double>(), bytes);
+      const double bytes =
+          weights + 2.0 * 4.0 * static_cast<double>(batch * cfg.n_layer * KVD) * mean_pos;
+      EXPECT_DOUBLE_EQ(c["bytes_read_per_step"].get<double>(), bytes);
       EXPECT_GT(c["read_bandwidth_GB_per_s"].get<double>(), 0);
       EXPECT_NEAR(c["ceiling_tokens_per_s"].get<double>() * bytes,
-                  c["read_bandwidth_GB_per_s"].get<double>() * 1e9,
-                  1e-9 * c["read_bandwidth_GB_per_s"].get<double>() * 1e9);
+                  batch * c["read_bandwidth_GB_per_s"].get<double>() * 1e9,
+                  1e-9 * batch * c["read_bandwidth_GB_per_s"].get<double>() * 1e9);
+      // The cache holds every row: the formula at B = batch.
+      EXPECT_EQ(c["cache_bytes"].get<int64_t>(),
+                kv_cache_formula_bytes(cfg.n_layer, batch, c["cache_positions"].get<int64_t>(),
+                                       cfg.n_kv_head, cfg.head_size(), 4));
       EXPECT_NEAR(c["fraction_of_ceiling"].get<double>(),
                   c["tokens_per_s"].get<double>() / c["ceiling_tokens_per_s"].get<double>(), 1e-12);
     }
