@@ -126,7 +126,7 @@ void packed_block(float* y, int64_t ldy, const float* block, const float* a, int
                       : _mm512_maskz_loadu_ps(tail_mask, a + r * lda + c * kPackCols);
     const float* chunk = block + c * kPackRows * kPackCols;
     for (int i = 0; i < kPackRows; ++i) {
-      const __m512 w = _mm512_load_ps(chunk + i * kPackCols);
+      const __m512 w = _mm512_loadu_ps(chunk + i * kPackCols);
       for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w, x[r], acc[r][i]);
     }
   }
