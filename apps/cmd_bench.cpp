@@ -129,8 +129,8 @@ void print_generate_table(const json& g) {
 void print_cache_report(const json& rep, const json& speed, DType dtype, int64_t batch) {
   std::printf(
       "\nKV cache (%s) at batch %lld, S = block_size (2 * L * B * S * NKV * HS * %zu bytes), and "
-      "decode speed with the cache (ceiling: this run's peak read rate over the bytes a step "
-      "reads):\n%-10s%16s%16s%8s%12s%10s%12s%12s%14s%12s\n",
+      "decode speed with the cache (ceiling: batch tokens per time to read a step's bytes at "
+      "this run's peak read rate):\n%-10s%16s%16s%8s%12s%10s%12s%12s%14s%12s\n",
       dtype_name(dtype), static_cast<long long>(batch), dtype_size(dtype), "n_kv_head",
       "measured B", "formula B", "equal", "vs MHA", "expected", "tok/s", "TPOT ms", "ceiling tok/s",
       "of ceiling");

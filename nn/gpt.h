@@ -63,8 +63,9 @@ class GPT;
 
 // While it lives, the model's fused CPU decode steps read copies of its matrices packed for
 // few-row products (cpu::pack_weight), made when GPT::pack_for_decode returned it: the
-// weights must not change until it is destroyed. Empty (packing nothing) where the fused step
-// or the packed kernel does not apply.
+// weights must not change until it is destroyed, and it must not outlive the model. Empty
+// (packing nothing) where the fused step or the packed kernel does not apply. Guards nest:
+// the copies are read until the last one ends.
 class DecodePackGuard {
  public:
   DecodePackGuard() = default;
@@ -117,10 +118,11 @@ class GPT : public Module {
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
-  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head: cpu::pack_weight's form, read
-  // while decode_pack_live_ (a DecodePackGuard lives).
+  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head, each
+  // (packed_weight_size(out, in)) in cpu::pack_weight's form; read while a DecodePackGuard
+  // lives (decode_pack_users_ of them).
   std::vector<Tensor> decode_pack_;
-  bool decode_pack_live_ = false;
+  int decode_pack_users_ = 0;
 };
 
 // Parameter count of a config without building it (for --param-matched search).

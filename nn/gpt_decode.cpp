@@ -36,17 +36,19 @@ namespace {
 
 // A Linear's f32 weight (out, in) and bias (out, or null), taken before the parallel region:
 // nothing inside it may throw.
-// With `packed` (the weight in cpu::pack_weight's form) the products read that.
+// A product's f32 weight (out, in), bias (out, or null) and, while packed, the weight in
+// cpu::pack_weight's form, taken before the parallel region: nothing inside it may throw.
 struct LinearRef {
   const float* w;
   const float* b;
   int64_t in;
   const float* packed;
-  LinearRef(const Linear& l, const Tensor* pack)
-      : w(l.weight.data<float>()),
-        b(l.bias.defined() ? l.bias.data<float>() : nullptr),
-        in(l.weight.size(1)),
+  LinearRef(const Tensor& weight, const Tensor* bias, const Tensor* pack)
+      : w(weight.data<float>()),
+        b(bias != nullptr && bias->defined() ? bias->data<float>() : nullptr),
+        in(weight.size(1)),
         packed(pack != nullptr ? pack->data<float>() : nullptr) {}
+  LinearRef(const Linear& l, const Tensor* pack) : LinearRef(l.weight, &l.bias, pack) {}
 };
 
 struct NormRef {
@@ -64,19 +66,24 @@ std::array<const Linear*, kPackedPerBlock> block_linears(const Block& b) {
           &b.attn.c_proj, &b.mlp.c_fc,    &b.mlp.c_proj};
 }
 
+// pack: the block's kPackedPerBlock packed weights in block_linears's order, or null.
 struct BlockRef {
   NormRef ln_1, ln_2;
   LinearRef q, k, v, proj, fc, fc_proj;
-  // pack: the block's kPackedPerBlock packed weights, or null
   BlockRef(const Block& b, const Tensor* pack)
+      : BlockRef(b, block_linears(b), [pack](size_t i) { return pack ? pack + i : nullptr; }) {}
+
+ private:
+  template <class PackOf>
+  BlockRef(const Block& b, const std::array<const Linear*, kPackedPerBlock>& l, PackOf pack_of)
       : ln_1(b.ln_1),
         ln_2(b.ln_2),
-        q(b.attn.q_proj, pack),
-        k(b.attn.k_proj, pack ? pack + 1 : nullptr),
-        v(b.attn.v_proj, pack ? pack + 2 : nullptr),
-        proj(b.attn.c_proj, pack ? pack + 3 : nullptr),
-        fc(b.mlp.c_fc, pack ? pack + 4 : nullptr),
-        fc_proj(b.mlp.c_proj, pack ? pack + 5 : nullptr) {}
+        q(*l[0], pack_of(0)),
+        k(*l[1], pack_of(1)),
+        v(*l[2], pack_of(2)),
+        proj(*l[3], pack_of(3)),
+        fc(*l[4], pack_of(4)),
+        fc_proj(*l[5], pack_of(5)) {}
 };
 
 // This thread's rows [lo, hi) of n, in blocks of a multiple of 16 (the BLAS kernels' tile).
@@ -138,32 +145,38 @@ bool GPT::fused_decode_applies() const {
 
 DecodePackGuard GPT::pack_for_decode() {
   if (!fused_decode_applies() || cpu::packed_weight_size(1, 1) == 0) return {};
-  std::vector<const Linear*> linears;
+  std::vector<const Tensor*> weights;  // in decode_pack_'s order
   for (const auto& blk : blocks)
-    for (const Linear* l : block_linears(*blk)) linears.push_back(l);
-  const Tensor& head = lm_head_weight();
-  decode_pack_.resize(linears.size() + 1);
-  auto buffer = [&](size_t i, const Tensor& w) -> Tensor& {  // reused while the size fits
+    for (const Linear* l : block_linears(*blk)) weights.push_back(&l->weight);
+  weights.push_back(&lm_head_weight());
+  // Buffers (reused while the sizes fit) and the weights' pointers are taken before the
+  // parallel region: nothing inside it may throw.
+  struct Job {
+    float* packed;
+    const float* w;
+    int64_t N, K;
+  };
+  std::vector<Job> jobs;
+  decode_pack_.resize(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Tensor& w = *weights[i];
     const int64_t n = cpu::packed_weight_size(w.size(0), w.size(1));
     if (!decode_pack_[i].defined() || decode_pack_[i].numel() != n)
       decode_pack_[i] = Tensor::empty({n});
-    return decode_pack_[i];
-  };
-  for (size_t i = 0; i < linears.size(); ++i) buffer(i, linears[i]->weight);
-  buffer(linears.size(), head);
-  const int64_t count = static_cast<int64_t>(decode_pack_.size());
+    jobs.push_back({decode_pack_[i].data<float>(), w.data<float>(), w.size(0), w.size(1)});
+  }
+  const int64_t count = static_cast<int64_t>(jobs.size());
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) {
-    const Tensor& w = i < count - 1 ? linears[static_cast<size_t>(i)]->weight : head;
-    cpu::pack_weight(decode_pack_[static_cast<size_t>(i)].data<float>(), w.data<float>(), w.size(0),
-                     w.size(1));
+    const Job& j = jobs[static_cast<size_t>(i)];
+    cpu::pack_weight(j.packed, j.w, j.N, j.K);
   }
-  decode_pack_live_ = true;
+  ++decode_pack_users_;
   return DecodePackGuard(this);
 }
 
 DecodePackGuard::~DecodePackGuard() {
-  if (model_ != nullptr) model_->decode_pack_live_ = false;
+  if (model_ != nullptr) --model_->decode_pack_users_;
 }
 
 Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& cache) {
@@ -174,7 +187,9 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   for (int64_t b = 0; b < B; ++b)
     KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "gpt: token id ", ids[b], " in row ", b,
                 " is outside [0, ", V, ")");
-  const bool packed = decode_pack_live_;
+  const bool packed = decode_pack_users_ > 0;
+  KVLAB_ASSERT(!packed || decode_pack_.size() == blocks.size() * kPackedPerBlock + 1,
+               "gpt: ", decode_pack_.size(), " packed weights for ", blocks.size(), " blocks");
   std::vector<BlockRef> layers;
   layers.reserve(blocks.size());
   for (size_t l = 0; l < blocks.size(); ++l)
@@ -182,8 +197,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   const NormRef final_norm(ln_f);
   const float* wte_w = wte.weight.data<float>();
   const float* wpe_w = wpe.weight.data<float>();
-  const float* head = lm_head_weight().data<float>();
-  const float* head_packed = packed ? decode_pack_.back().data<float>() : nullptr;
+  const LinearRef head(lm_head_weight(), nullptr, packed ? &decode_pack_.back() : nullptr);
   const int threads = omp_get_max_threads();
   Tensor x = Tensor::empty({B, C});                      // (B, C) the residual stream
   Tensor q = Tensor::empty({B, C});                      // (B, 1, NH, HS)
@@ -279,11 +293,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     if (!failure) {
       layer_norm(ln, stats, xs, final_norm, B, C);
       const auto [v0, v1] = thread_rows(V, t, nt);
-      if (v0 < v1 && head_packed != nullptr)
-        cpu::gemm_packed(out, V, ln, C, head_packed, B, C, v0, v1, 0.0f);
-      else if (v0 < v1)
-        cpu::gemm<float>(false, true, B, v1 - v0, C, 1.0f, ln, C, head + v0 * C, C, 0.0f, out + v0,
-                         V);
+      linear_rows(out, V, ln, B, head, v0, v1);
     }
   }
   if (failure) std::rethrow_exception(failure);

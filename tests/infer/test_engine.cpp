@@ -470,6 +470,9 @@ TEST(Bench, ReportsBothModesAndTheCacheFormula) {
       const double bytes =
           weights + 2.0 * 4.0 * static_cast<double>(batch * cfg.n_layer * KVD) * mean_pos;
       EXPECT_DOUBLE_EQ(c["bytes_read_per_step"].get<double>(), bytes);
+      EXPECT_NEAR(c["read_GB_per_s"].get<double>(),  // bytes per step times steps per second
+                  bytes * c["tokens_per_s"].get<double>() / batch / 1e9,
+                  1e-12 * c["read_GB_per_s"].get<double>());
       EXPECT_GT(c["read_bandwidth_GB_per_s"].get<double>(), 0);
       EXPECT_NEAR(c["ceiling_tokens_per_s"].get<double>() * bytes,
                   batch * c["read_bandwidth_GB_per_s"].get<double>() * 1e9,

@@ -274,6 +274,25 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
 }
 
+// Guards nest (a generate call inside another's callback, two engines on one model): the
+// copies are read until the last guard ends, not the first.
+TEST(PackedDecode, GuardsNest) {
+  auto model = test::random_model(decode_config(2), 5);
+  NoGradGuard no_grad;
+  if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  const std::vector<int32_t> prompt{4, 9, 1};
+  model->fused_cpu_decode = true;
+  std::optional<DecodePackGuard> outer(model->pack_for_decode());
+  std::optional<DecodePackGuard> inner(model->pack_for_decode());
+  inner.reset();
+  Tensor w = model->blocks[0]->attn.c_proj.weight;  // changed under the outer guard
+  for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
+  const std::vector<float> now = step_logits(*model, false, prompt, 7);
+  EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), now), 0.1);  // still the copies
+  outer.reset();
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), now), 1e-5 * max_abs(now));
+}
+
 // Errors raised inside the fused step's parallel region (by the cache's append, or by a cache
 // whose views the step cannot read) come out as errors, on every thread count, without a
 // hang, and the cache does not advance.

@@ -103,7 +103,7 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
 constexpr int64_t kPackRows = 8, kPackCols = 16;  // one block row of the packed form: 8 x 16
 // Rows of a that share one pass over a block: 8 accumulators each, plus their 16 columns of a
 // and one of w, within the 32 vector registers.
-constexpr int64_t kPackedTile = 3;
+constexpr int64_t kPackTileRows = 3;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -159,23 +159,23 @@ void pack_weight(float* packed, const float* w, int64_t N, int64_t K) {
         float* out = packed + ((nb * chunks + c) * kPackRows + i) * kPackCols;
         const int64_t n = nb * kPackRows + i, k = c * kPackCols;
         const int64_t cols = n < N ? std::min(kPackCols, K - k) : 0;
-        std::copy_n(w + n * K + k, cols, out);
+        if (cols > 0) std::copy_n(w + n * K + k, cols, out);
         std::fill(out + cols, out + kPackCols, 0.0f);
       }
 }
 
 // Block by block; a block is read once from memory and again from L1/L2 for each further tile
-// of kPackedTile rows of a.
+// of kPackTileRows rows of a.
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
                  int64_t K, int64_t n0, int64_t n1, float beta) {
   const int64_t block_floats = round_up(K, kPackCols) * kPackRows;
   for (int64_t nb = n0 / kPackRows; nb * kPackRows < n1; ++nb) {
     const float* block = packed + nb * block_floats;
     const int64_t lo = std::max(n0, nb * kPackRows), hi = std::min(n1, (nb + 1) * kPackRows);
-    for (int64_t m = 0; m < M; m += kPackedTile) {
+    for (int64_t m = 0; m < M; m += kPackTileRows) {
       float* ym = y + m * ldy;
       const float* am = a + m * lda;
-      switch (std::min(kPackedTile, M - m)) {
+      switch (std::min(kPackTileRows, M - m)) {
         case 1:
           packed_block<1>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
           break;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -27,7 +28,8 @@ std::vector<uint32_t> bits(const std::vector<float>& v) {
 }
 
 // (N, K, M): whole blocks, a short last block of rows, K with and without a 16-column tail,
-// one row, one column; 1 to 7 rows of a (whole and partial tiles of rows).
+// one row, one column; 1 to 7 rows of a (whole tiles of three rows, and the last tile of
+// one or two).
 class GemmPacked
     : public ::testing::TestWithParam<std::tuple<std::pair<int64_t, int64_t>, int64_t>> {};
 
@@ -36,13 +38,18 @@ TEST_P(GemmPacked, EqualsTheOneRowGemmRowByRowOnEveryRange) {
   const auto [N, K] = NK;
   if (cpu::packed_weight_size(N, K) == 0) GTEST_SKIP() << "no packed kernel in this build";
   Generator gen(static_cast<uint64_t>((N * 1000 + K) * 10 + M));
-  // a and y at strides wider than their rows, as the decode step's (B, C) slices can be.
+  // a and y at strides wider than their rows, as the decode step's (B, C) slices can be; a
+  // ends with its last row, and the gaps between its rows hold NaN: a read past a row's K
+  // columns (the 16-column tail) would poison the sums.
   const int64_t lda = K + 3, ldy = N + 5;
-  const std::vector<float> w = random_floats(N * K, gen), a = random_floats(M * lda, gen);
+  const std::vector<float> w = random_floats(N * K, gen);
+  std::vector<float> a = random_floats((M - 1) * lda + K, gen);
+  for (int64_t m = 0; m + 1 < M; ++m)
+    std::fill_n(a.begin() + m * lda + K, lda - K, std::numeric_limits<float>::quiet_NaN());
   const std::vector<float> y0 = random_floats(M * ldy, gen);
-  // Poisoned: padding read as anything but zero would show in the sums.
-  std::vector<float> packed(static_cast<size_t>(cpu::packed_weight_size(N, K)), 1e30f);
-  EXPECT_GE(packed.size(), static_cast<size_t>(N * K));
+  // Poisoned as well: padding read as anything but zero would show in the sums.
+  std::vector<float> packed(static_cast<size_t>(cpu::packed_weight_size(N, K)),
+                            std::numeric_limits<float>::quiet_NaN());
   cpu::pack_weight(packed.data(), w.data(), N, K);
   // Ranges that start and end inside 8-row blocks, as the threads' shares of q/k/v do.
   const std::vector<std::pair<int64_t, int64_t>> ranges = {
@@ -65,7 +72,7 @@ INSTANTIATE_TEST_SUITE_P(
                           std::pair<int64_t, int64_t>{13, 40}, std::pair<int64_t, int64_t>{8, 17},
                           std::pair<int64_t, int64_t>{1, 5}, std::pair<int64_t, int64_t>{9, 1},
                           std::pair<int64_t, int64_t>{100, 1024}),
-        ::testing::Values(1, 2, 3, 7)),
+        ::testing::Values(1, 2, 3, 5, 7)),
     [](const auto& info) {
       std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
       name += std::to_string(std::get<0>(info.param).first);
