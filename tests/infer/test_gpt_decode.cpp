@@ -48,6 +48,36 @@ struct ThreadCount {
   ~ThreadCount() { omp_set_num_threads(saved); }
 };
 
+// Decode steps of `tokens` through both caches, fused then op by op: the largest logit
+// difference and the logits' scale.
+struct StepDiff {
+  double worst = 0, scale = 0;
+};
+StepDiff fused_against_op(GPT& model, ContiguousKVCache& fused, ContiguousKVCache& plain,
+                          const std::vector<Tensor>& tokens) {
+  StepDiff d;
+  for (const Tensor& t : tokens) {
+    model.fused_cpu_decode = true;
+    const std::vector<float> a = model.forward(t, &fused, true).to_vector<float>();
+    model.fused_cpu_decode = false;
+    const std::vector<float> b = model.forward(t, &plain, true).to_vector<float>();
+    d.worst = std::max(d.worst, max_diff(a, b));
+    d.scale = std::max(d.scale, max_abs(b));
+  }
+  return d;
+}
+
+// The same keys and values in every layer of both caches, within tol of their scale.
+void expect_same_cache(const ContiguousKVCache& fused, const ContiguousKVCache& plain,
+                       int64_t n_layer, double tol) {
+  for (int layer = 0; layer < n_layer; ++layer)
+    for (const bool is_k : {true, false}) {
+      const auto y = test::cached(plain, layer, is_k);
+      EXPECT_LE(max_diff(test::cached(fused, layer, is_k), y), tol * std::max(1.0, max_abs(y)))
+          << "layer " << layer << (is_k ? " K" : " V");
+    }
+}
+
 // (n_kv_head, cache dtype, threads, prompt lengths of the rows)
 class FusedDecode
     : public ::testing::TestWithParam<std::tuple<int64_t, DType, int, std::vector<int64_t>>> {};
@@ -103,13 +133,7 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   for (int64_t b = 0; b < B; ++b)
     EXPECT_EQ(fused.lengths()[static_cast<size_t>(b)], prompt_len[static_cast<size_t>(b)] + steps);
   // Same keys and values in the caches (a bf16 cache may round a value the other way).
-  const double tol = dtype == DType::BF16 ? 1.0 / 128 : 1e-5;
-  for (int layer = 0; layer < c.n_layer; ++layer)
-    for (const bool is_k : {true, false}) {
-      const auto y = test::cached(plain, layer, is_k);
-      EXPECT_LE(max_diff(test::cached(fused, layer, is_k), y), tol * std::max(1.0, max_abs(y)))
-          << "layer " << layer << (is_k ? " K" : " V");
-    }
+  expect_same_cache(fused, plain, c.n_layer, dtype == DType::BF16 ? 1.0 / 128 : 1e-5);
   // The fused step really ran: it asks the allocator for its own few buffers, where the
   // op-by-op step makes a tensor per op.
   EXPECT_LE(fused_requests, 16u * steps);
@@ -140,29 +164,23 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
   ContiguousKVCache fused(c.n_layer, 1, c.block_size, 1, c.head_size());
   ContiguousKVCache plain(c.n_layer, 1, c.block_size, 1, c.head_size());
   Generator gen(4);
-  double worst = 0, scale = 0;
-  for (int step = 0; step < 10; ++step) {
-    const Tensor tok = Tensor::from_vector(
+  std::vector<Tensor> tokens;
+  for (int step = 0; step < 10; ++step)
+    tokens.push_back(Tensor::from_vector(
         std::vector<int32_t>{static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)))},
-        {1, 1});
-    model->fused_cpu_decode = true;
-    const std::vector<float> a = model->forward(tok, &fused, true).to_vector<float>();
-    model->fused_cpu_decode = false;
-    const std::vector<float> b = model->forward(tok, &plain, true).to_vector<float>();
-    worst = std::max(worst, max_diff(a, b));
-    scale = std::max(scale, max_abs(b));
-  }
-  EXPECT_GT(scale, 1.0);
-  EXPECT_LE(worst, 1e-5 * scale);
+        {1, 1}));
+  const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+  EXPECT_GT(d.scale, 1.0);
+  EXPECT_LE(d.worst, 1e-5 * d.scale);
 }
 
 // ---- with the weights packed (GPT::pack_for_decode) ----
 
-// C = 40 (HS 10: K has a 16-column tail), hidden 100, V = 67: with 3 threads the threads'
-// shares of k and v start inside 8-row blocks of the packed weights.
+// decode_config with NH = 4, C = 40 (HS 10: K has a 16-column tail) and hidden 100: with 3
+// threads the threads' shares of k and v start inside 8-row blocks of the packed weights.
 GPTConfig odd_config(int64_t n_kv_head) {
-  GPTConfig c = test::tiny_config(n_kv_head, 24);
-  c.vocab_size = 67;
+  GPTConfig c = decode_config(n_kv_head);
+  c.n_head = 4;
   c.n_embd = 40;
   c.mlp_hidden = 100;
   return c;
@@ -207,24 +225,12 @@ TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) {
     }
   model->fused_cpu_decode = true;
   const DecodePackGuard pack = model->pack_for_decode();
-  double worst = 0, scale = 0;
-  for (int step = 0; step < 12; ++step) {
-    const Tensor t = random_tokens(B);
-    model->fused_cpu_decode = true;
-    const std::vector<float> a = model->forward(t, &fused, true).to_vector<float>();
-    model->fused_cpu_decode = false;
-    const std::vector<float> b = model->forward(t, &plain, true).to_vector<float>();
-    worst = std::max(worst, max_diff(a, b));
-    scale = std::max(scale, max_abs(b));
-  }
-  EXPECT_GT(scale, 1.0);
-  EXPECT_LE(worst, 1e-5 * scale) << "logit scale " << scale;
-  for (int layer = 0; layer < c.n_layer; ++layer)
-    for (const bool is_k : {true, false}) {
-      const auto y = test::cached(plain, layer, is_k);
-      EXPECT_LE(max_diff(test::cached(fused, layer, is_k), y), 1e-5 * std::max(1.0, max_abs(y)))
-          << "layer " << layer << (is_k ? " K" : " V");
-    }
+  std::vector<Tensor> tokens;
+  for (int step = 0; step < 12; ++step) tokens.push_back(random_tokens(B));
+  const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+  EXPECT_GT(d.scale, 1.0);
+  EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;
+  expect_same_cache(fused, plain, c.n_layer, 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(OddNkvThreadsRows, PackedDecode,
