@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
@@ -41,44 +42,62 @@ __m512 sum_lanes8(const __m512 v[8]) {
   return level(pairs, pairs, l4, 1);
 }
 
+constexpr int64_t kRows = 8, kCols = 16;  // a block of w: 8 rows, in chunks of 16 columns
+
+// Rows [i0, i1) of one block of 8 rows of w: y[r, i] = alpha * dot(w[i, :], a[r, :]) +
+// beta * y[r, i] for r < R (y at stride ldy, a at stride lda). Row i's chunk c (16 columns)
+// starts at w + i * row_step + c * chunk_step: row-major w has (ldw, 16), the packed form
+// (16, 128). Rows at or past `rows` are neither read nor written (kAllRows: all 8 are there).
+// The eight rows stream at once, each into its own 16-lane accumulator per row of a, reduced
+// by one lane tree; the last K % 16 columns load under a mask. This is the one dot product of
+// the one-row GEMV and of the packed product, so the two give the same bits. Always inlined:
+// as a call per block it cost decode ~10%, where attention's q k^T has K = HS = 32.
+template <int R, bool kAllRows>
+[[gnu::always_inline]] inline void dot_block(float* y, int64_t ldy, const float* a, int64_t lda,
+                                             const float* w, int64_t row_step, int64_t chunk_step,
+                                             int64_t rows, int64_t K, int64_t i0, int64_t i1,
+                                             float alpha, float beta) {
+  __m512 acc[R][kRows];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
+  // Chunk c of every row; with `masked` (a bool_constant) only the columns under `cols`.
+  auto chunk = [&](int64_t c, auto masked, __mmask16 cols) {
+    auto load = [&](const float* p) {
+      return masked() ? _mm512_maskz_loadu_ps(cols, p) : _mm512_loadu_ps(p);
+    };
+    __m512 x[R];
+    for (int r = 0; r < R; ++r) x[r] = load(a + r * lda + c * kCols);
+    for (int i = 0; i < kRows && (kAllRows || i < rows); ++i) {
+      const __m512 wv = load(w + i * row_step + c * chunk_step);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(wv, x[r], acc[r][i]);
+    }
+  };
+  const int64_t full = K / kCols;
+  for (int64_t c = 0; c < full; ++c) chunk(c, std::false_type(), 0);
+  if (K % kCols != 0)
+    chunk(full, std::true_type(), static_cast<__mmask16>((1u << (K % kCols)) - 1));
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float dot[16];
+    _mm512_store_ps(dot, sum_lanes8(acc[r]));
+    float* yr = y + r * ldy;
+    for (int64_t i = i0; i < i1; ++i) {
+      const float d = alpha * dot[i];
+      yr[i] = beta == 0.0f ? d : d + beta * yr[i];
+    }
+  }
+}
+
 // y[n] = alpha * dot(w[n, :], a) + beta * y[n] for n in [n0, n1); w is row-major at stride
-// ldw. Eight rows stream at once, each into its own 16-lane accumulator. It made batch-1
-// decode 14-23% faster than OpenBLAS's sgemv did (docs/benchmarks.md); on one matrix read
-// over and over from cache the two are within 1-9%.
+// ldw. It made batch-1 decode 14-23% faster than OpenBLAS's sgemv did (docs/benchmarks.md);
+// on one matrix read over and over from cache the two are within 1-9%.
 void dot_rows(int64_t n0, int64_t n1, int64_t K, float alpha, const float* w, int64_t ldw,
               const float* a, float beta, float* y) {
-  const int64_t tail = K % 16;
-  const __mmask16 tail_mask = static_cast<__mmask16>((1u << tail) - 1);
-  for (int64_t n = n0; n < n1; n += 8) {
-    const float* r = w + n * ldw;
-    const int64_t rows = std::min<int64_t>(8, n1 - n);
-    __m512 acc[8];
-    for (auto& v : acc) v = _mm512_setzero_ps();
-    int64_t k = 0;
-    if (rows == 8) {  // the common case, with a fixed row count the accumulators stay in registers
-      for (; k + 16 <= K; k += 16) {
-        const __m512 x = _mm512_loadu_ps(a + k);
-        for (int i = 0; i < 8; ++i)
-          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r + i * ldw + k), x, acc[i]);
-      }
-    } else {  // the last N % 8 rows; the missing rows' sums stay zero
-      for (; k + 16 <= K; k += 16) {
-        const __m512 x = _mm512_loadu_ps(a + k);
-        for (int64_t i = 0; i < rows; ++i)
-          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(r + i * ldw + k), x, acc[i]);
-      }
-    }
-    if (tail != 0) {  // the last K % 16 columns under a mask
-      const __m512 x = _mm512_maskz_loadu_ps(tail_mask, a + k);
-      for (int64_t i = 0; i < rows; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r + i * ldw + k), x, acc[i]);
-    }
-    alignas(64) float dot[16];
-    _mm512_store_ps(dot, sum_lanes8(acc));
-    for (int64_t i = 0; i < rows; ++i) {
-      const float d = alpha * dot[i];
-      y[n + i] = beta == 0.0f ? d : d + beta * y[n + i];
-    }
+  for (int64_t n = n0; n < n1; n += kRows) {
+    const int64_t rows = std::min(kRows, n1 - n);
+    if (rows == kRows)  // with a fixed row count the accumulators stay in registers
+      dot_block<1, true>(y + n, 0, a, 0, w + n * ldw, ldw, kCols, rows, K, 0, rows, alpha, beta);
+    else
+      dot_block<1, false>(y + n, 0, a, 0, w + n * ldw, ldw, kCols, rows, K, 0, rows, alpha, beta);
   }
 }
 
@@ -100,67 +119,30 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
   }
 }
 
-constexpr int64_t kPackRows = 8, kPackCols = 16;  // one block row of the packed form: 8 x 16
-// Rows of a that share one pass over a block: 8 accumulators each, plus their 16 columns of a
-// and one of w, within the 32 vector registers.
+// Rows of a that share one pass over a packed block: 8 accumulators each, plus their 16
+// columns of a and one of w, within the 32 vector registers.
 constexpr int64_t kPackTileRows = 3;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// Rows [n0, n1) (inside block nb) of y (R, ldy) = a (R, K at stride lda) @ w^T + beta * y, w's
-// block in the packed form. Each dot product is dot_rows's: the same fused multiply-adds in
-// the same order (the padding multiplies zeros, as dot_rows's masked tail does), the same
-// lane tree, whatever R is.
-template <int R>
-void packed_block(float* y, int64_t ldy, const float* block, const float* a, int64_t lda, int64_t K,
-                  int64_t nb, int64_t n0, int64_t n1, float beta) {
-  const int64_t full = K / kPackCols, chunks = round_up(K, kPackCols) / kPackCols;
-  const __mmask16 tail_mask = static_cast<__mmask16>((1u << (K % kPackCols)) - 1);
-  __m512 acc[R][kPackRows];
-  for (auto& row : acc)
-    for (auto& v : row) v = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512 x[R];
-    for (int r = 0; r < R; ++r)
-      x[r] = c < full ? _mm512_loadu_ps(a + r * lda + c * kPackCols)
-                      : _mm512_maskz_loadu_ps(tail_mask, a + r * lda + c * kPackCols);
-    const float* chunk = block + c * kPackRows * kPackCols;
-    for (int i = 0; i < kPackRows; ++i) {
-      const __m512 w = _mm512_loadu_ps(chunk + i * kPackCols);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w, x[r], acc[r][i]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float dot[16];
-    _mm512_store_ps(dot, sum_lanes8(acc[r]));
-    float* yr = y + r * ldy;
-    for (int64_t n = n0; n < n1; ++n) {
-      const float d = dot[n - nb * kPackRows];
-      yr[n] = beta == 0.0f ? d : d + beta * yr[n];
-    }
-  }
-}
 #endif
 
 }  // namespace
 
 #if defined(__AVX512F__)
-int64_t packed_weight_size(int64_t N, int64_t K) {
-  return round_up(N, kPackRows) * round_up(K, kPackCols);
-}
+int64_t packed_weight_size(int64_t N, int64_t K) { return round_up(N, kRows) * round_up(K, kCols); }
 
 // packed (ceil(N / 8), ceil(K / 16), 8, 16): block nb, chunk c, row i, column j holds
 // w[8 nb + i, 16 c + j].
 void pack_weight(float* packed, const float* w, int64_t N, int64_t K) {
-  const int64_t chunks = round_up(K, kPackCols) / kPackCols;
-  for (int64_t nb = 0; nb * kPackRows < N; ++nb)
+  const int64_t chunks = round_up(K, kCols) / kCols;
+  for (int64_t nb = 0; nb * kRows < N; ++nb)
     for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t i = 0; i < kPackRows; ++i) {
-        float* out = packed + ((nb * chunks + c) * kPackRows + i) * kPackCols;
-        const int64_t n = nb * kPackRows + i, k = c * kPackCols;
-        const int64_t cols = n < N ? std::min(kPackCols, K - k) : 0;
+      for (int64_t i = 0; i < kRows; ++i) {
+        float* out = packed + ((nb * chunks + c) * kRows + i) * kCols;
+        const int64_t n = nb * kRows + i, k = c * kCols;
+        const int64_t cols = n < N ? std::min(kCols, K - k) : 0;
         if (cols > 0) std::copy_n(w + n * K + k, cols, out);
-        std::fill(out + cols, out + kPackCols, 0.0f);
+        std::fill(out + cols, out + kCols, 0.0f);
       }
 }
 
@@ -168,22 +150,27 @@ void pack_weight(float* packed, const float* w, int64_t N, int64_t K) {
 // of kPackTileRows rows of a.
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
                  int64_t K, int64_t n0, int64_t n1, float beta) {
-  const int64_t block_floats = round_up(K, kPackCols) * kPackRows;
-  for (int64_t nb = n0 / kPackRows; nb * kPackRows < n1; ++nb) {
+  const int64_t block_floats = round_up(K, kCols) * kRows;
+  for (int64_t nb = n0 / kRows; nb * kRows < n1; ++nb) {
     const float* block = packed + nb * block_floats;
-    const int64_t lo = std::max(n0, nb * kPackRows), hi = std::min(n1, (nb + 1) * kPackRows);
+    // This block's rows of [n0, n1), relative to its first.
+    const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
+    const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
+    float* yb = y + nb * kRows;
     for (int64_t m = 0; m < M; m += kPackTileRows) {
-      float* ym = y + m * ldy;
-      const float* am = a + m * lda;
+      auto tile = [&](auto rows_of_a) {  // an integral_constant: the tile's rows of a
+        dot_block<rows_of_a(), true>(yb + m * ldy, ldy, a + m * lda, lda, block, kCols,
+                                     kRows * kCols, kRows, K, i0, i1, 1.0f, beta);
+      };
       switch (std::min(kPackTileRows, M - m)) {
         case 1:
-          packed_block<1>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
+          tile(std::integral_constant<int, 1>());
           break;
         case 2:
-          packed_block<2>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
+          tile(std::integral_constant<int, 2>());
           break;
         default:
-          packed_block<3>(ym, ldy, block, am, lda, K, nb, lo, hi, beta);
+          tile(std::integral_constant<int, 3>());
       }
     }
   }
