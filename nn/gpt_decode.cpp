@@ -34,8 +34,6 @@ namespace kvlab {
 
 namespace {
 
-// A Linear's f32 weight (out, in) and bias (out, or null), taken before the parallel region:
-// nothing inside it may throw.
 // A product's f32 weight (out, in), bias (out, or null) and, while packed, the weight in
 // cpu::pack_weight's form, taken before the parallel region: nothing inside it may throw.
 struct LinearRef {
