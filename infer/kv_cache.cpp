@@ -24,6 +24,9 @@ class ContiguousKVCache::RowRange final : public KVCache {
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
     return parent_.append_rows(layer, first_, k, v);
   }
+  std::pair<Tensor, Tensor> slots(int layer, int64_t T) override {
+    return parent_.slots_rows(layer, first_, batch(), T);
+  }
   void advance(int64_t T) override {
     for (size_t i = 0; i < lengths_.size(); ++i) {
       lengths_[i] += T;
@@ -74,10 +77,31 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append(int layer, const Tensor& k, 
   return append_rows(layer, 0, k, v);
 }
 
-std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t first, const Tensor& k,
-                                                         const Tensor& v) {
+std::pair<Tensor, Tensor> ContiguousKVCache::slots(int layer, int64_t T) {
+  return slots_rows(layer, 0, batch_, T);
+}
+
+std::pair<Tensor, Tensor> ContiguousKVCache::slots_rows(int layer, int64_t first, int64_t n,
+                                                        int64_t T) {
   KVLAB_CHECK(layer >= 0 && layer < n_layer_, "kv cache: layer ", layer, " outside [0, ", n_layer_,
               ")");
+  KVLAB_CHECK(first >= 0 && n >= 0 && first + n <= batch_ && T >= 0, "kv cache: ", T,
+              " positions for rows [", first, ", ", first + n, ") of a cache of ", batch_,
+              " active rows");
+  int64_t max_len = 0;
+  for (int64_t b = first; b < first + n; ++b) {
+    const int64_t len = lengths_[static_cast<size_t>(b)];
+    KVLAB_CHECK(len + T <= capacity_, "kv cache: row ", b, " holds ", len, " positions, ", T,
+                " more exceed its capacity of ", capacity_);
+    max_len = std::max(max_len, len);
+  }
+  const int64_t S = max_len + T;
+  return {view(k_[static_cast<size_t>(layer)], first, n, S),
+          view(v_[static_cast<size_t>(layer)], first, n, S)};
+}
+
+std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t first, const Tensor& k,
+                                                         const Tensor& v) {
   KVLAB_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "kv cache: k ", k.shape_str(), " and v ",
               v.shape_str(), " must both be (B, NKV, T, HS)");
   const int64_t n = k.size(0), T = k.size(2);
@@ -89,13 +113,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
   const DType input = dtype_ == DType::BF16 ? DType::F32 : dtype_;
   KVLAB_CHECK(k.dtype() == input && v.dtype() == input, "kv cache: k/v dtype ",
               dtype_name(k.dtype()), " does not fit the cache's ", dtype_name(dtype_));
-  int64_t max_len = 0;
-  for (int64_t b = first; b < first + n; ++b) {
-    const int64_t len = lengths_[static_cast<size_t>(b)];
-    KVLAB_CHECK(len + T <= capacity_, "kv cache: row ", b, " holds ", len, " positions, ", T,
-                " more exceed its capacity of ", capacity_);
-    max_len = std::max(max_len, len);
-  }
+  auto views = slots_rows(layer, first, n, T);
   const Tensor& kb = k_[static_cast<size_t>(layer)];
   const Tensor& vb = v_[static_cast<size_t>(layer)];
   const size_t esize = dtype_size(dtype_);
@@ -128,8 +146,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
   };
   store(kb, k);
   store(vb, v);
-  const int64_t S = max_len + T;
-  return {view(kb, first, n, S), view(vb, first, n, S)};
+  return views;
 }
 
 void ContiguousKVCache::advance(int64_t T) {

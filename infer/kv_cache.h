@@ -9,6 +9,8 @@
 // too, keep a pool of (NKV, block, HS) blocks per layer plus a (B, max_blocks) table, and
 //  - append(): write each row's new positions into its current block (taking a free block
 //    from the pool when one fills) instead of at an offset of one big buffer;
+//  - slots(): hand out views the caller writes the new positions into (a scratch gathered
+//    from the blocks, its new positions written back to them by advance());
 //  - the views it returns: the attention op reads (B, NKV, S, HS) strided views today, so a
 //    paged cache would either gather into a scratch buffer or pass its block table to a
 //    paged attention kernel (the only change outside infer/);
@@ -66,6 +68,8 @@ class ContiguousKVCache final : public GenerationKVCache {
   // k, v (B, NKV, T, HS), any strides: copied into each row at its length. Returns narrow
   // views (B, NKV, max(lengths) + T, HS) of the buffers (row b valid up to lengths[b] + T).
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
+  // Views of the buffers themselves: what the caller writes into them is cached.
+  std::pair<Tensor, Tensor> slots(int layer, int64_t T) override;
   void advance(int64_t T) override;
 
   // ---- GenerationKVCache ----
@@ -91,6 +95,9 @@ class ContiguousKVCache final : public GenerationKVCache {
   // Writes k, v (n, NKV, T, HS) into rows first .. first + n - 1 at their lengths and returns
   // views (n, NKV, max_len + T, HS) of those rows.
   std::pair<Tensor, Tensor> append_rows(int layer, int64_t first, const Tensor& k, const Tensor& v);
+  // Views (n, NKV, max_len + T, HS) of rows first .. first + n - 1, once they are checked to
+  // exist and to have room for T more positions.
+  std::pair<Tensor, Tensor> slots_rows(int layer, int64_t first, int64_t n, int64_t T);
   Tensor view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const;
 
   int64_t n_layer_, max_batch_, capacity_, n_kv_head_, head_size_;

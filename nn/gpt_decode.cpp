@@ -3,12 +3,15 @@
 // closing them, plus the worker's wake-ups, cost as much as the products themselves: the same
 // products in one region with a barrier between them ran 1.3-1.8x faster (docs/benchmarks.md).
 // So here one parallel region runs the whole step. Every thread computes its own share of
-// each product's output rows; the small row-wise work (LayerNorm) is done by every thread on
-// its own copy, so that the only waits are the barriers where one stage needs another's
-// complete output. It calls the op path's CPU kernels in the op path's order (the bias
-// before the product, as `linear` does); the products' rows, and with few KV groups a
-// group's query heads, are split differently between the threads, which can change the
-// rounding (the tests bound the difference).
+// each product's output rows and writes its share of the new keys and values straight into
+// the cache (KVCache::slots, taken before the region); the small row-wise work (LayerNorm) is
+// done by every thread on its own copy, so that the only waits are the barriers where one
+// stage needs another's complete output: four a layer when the KV groups share out evenly
+// between the threads (a thread's q, k and v rows are then its groups', and it goes straight
+// on to their attention), five otherwise. It calls the op path's CPU kernels in the op path's
+// order (the bias before the product, as `linear` does); the products' rows, and with few KV
+// groups a group's query heads, are split differently between the threads, which can change
+// the rounding (the tests bound the difference).
 //
 // While a DecodePackGuard lives, the products read copies of the weights packed as one
 // sequential stream each (cpu::pack_weight), once for all the batch's rows: faster than
@@ -25,7 +28,10 @@
 #include <cmath>
 #include <exception>
 #include <span>
+#include <type_traits>
+#include <utility>
 
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
 #include "nn/gpt.h"
@@ -119,20 +125,58 @@ void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int
   cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.w, ln.b, B, C, ln.eps);
 }
 
-// The cache's views of one layer must be what the attention kernel reads: host memory, f32
-// or bf16, (B, NKV, S, HS) with contiguous heads and room for every row's length.
-void check_cache_views(const Tensor& k, const Tensor& v, int64_t B, int64_t NKV, int64_t HS,
-                       std::span<const int64_t> lengths) {
-  const bool ok =
-      k.device() == Device::CPU && v.device() == Device::CPU && k.dtype() == v.dtype() &&
-      (k.dtype() == DType::F32 || k.dtype() == DType::BF16) && k.dim() == 4 &&
-      k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == NKV && k.size(3) == HS &&
-      k.stride(3) == 1 && v.stride(3) == 1 &&
-      std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= k.size(2); });
-  KVLAB_CHECK(ok, "gpt: the KV cache returned k ", k.shape_str(), " ", dtype_name(k.dtype()),
-              " on ", device_name(k.device()), ", v ", v.shape_str(), " ", dtype_name(v.dtype()),
-              "; the CPU decode step reads host f32 or bf16 (B, NKV, S, HS) views with "
-              "contiguous heads");
+// One layer's cache views for this step (cache.slots): host memory, f32 or bf16,
+// (B, NKV, S, HS) with contiguous heads and room for every row's length (which counts this
+// step's position), checked before the parallel region; the threads write their new keys and
+// values straight into them.
+struct CacheRef {
+  Tensor k_view, v_view;  // held for the step
+  void *k, *v;            // their data
+  HeadView k_strides, v_strides;
+  int64_t S;
+  bool bf16;
+  CacheRef(std::pair<Tensor, Tensor> views, int64_t B, int64_t NKV, int64_t HS,
+           std::span<const int64_t> lengths)
+      : k_view(std::move(views.first)), v_view(std::move(views.second)) {
+    const Tensor &kt = k_view, &vt = v_view;
+    const bool ok =
+        kt.device() == Device::CPU && vt.device() == Device::CPU && kt.dtype() == vt.dtype() &&
+        (kt.dtype() == DType::F32 || kt.dtype() == DType::BF16) && kt.dim() == 4 &&
+        kt.sizes() == vt.sizes() && kt.size(0) == B && kt.size(1) == NKV && kt.size(3) == HS &&
+        kt.stride(3) == 1 && vt.stride(3) == 1 &&
+        std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= kt.size(2); });
+    KVLAB_CHECK(ok, "gpt: the KV cache returned k ", kt.shape_str(), " ", dtype_name(kt.dtype()),
+                " on ", device_name(kt.device()), ", v ", vt.shape_str(), " ",
+                dtype_name(vt.dtype()),
+                "; the CPU decode step writes and reads host f32 or bf16 (B, NKV, S, HS) views "
+                "with contiguous heads");
+    k = kt.raw_data();
+    v = vt.raw_data();
+    k_strides = {kt.stride(0), kt.stride(1), kt.stride(2)};
+    v_strides = {vt.stride(0), vt.stride(1), vt.stride(2)};
+    S = kt.size(2);
+    bf16 = kt.dtype() == DType::BF16;
+  }
+};
+
+// Elements [lo, hi) of each row's new keys (or values) src (B, NKV * HS) into the cache view
+// dst at the row's last position (length - 1); a bf16 cache rounds them as append would.
+template <class KV>
+void store_new(KV* dst, HeadView view, const float* src, int64_t B, int64_t KVD, int64_t HS,
+               const int64_t* lengths, int64_t lo, int64_t hi) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = lo; j < hi;) {  // a run of one head's elements at a time
+      const int64_t head = j / HS, n = std::min(hi, (head + 1) * HS) - j;
+      KV* out = dst + b * view.sb + head * view.sh + (lengths[b] - 1) * view.st + j % HS;
+      const float* in = src + b * KVD + j;
+      for (int64_t i = 0; i < n; ++i) {
+        if constexpr (std::is_same_v<KV, float>)
+          out[i] = in[i];
+        else
+          out[i] = cpu::f32_to_bf16(in[i]);
+      }
+      j += n;
+    }
 }
 
 }  // namespace
@@ -180,6 +224,7 @@ DecodePackGuard::~DecodePackGuard() {
 Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& cache) {
   const int64_t B = tokens.size(0), C = cfg_.n_embd, V = cfg_.vocab_size, H = cfg_.hidden();
   const int64_t NH = cfg_.n_head, NKV = cfg_.n_kv_head, HS = cfg_.head_size(), KVD = NKV * HS;
+  const int64_t G = NH / NKV;  // query heads per KV head
   const int32_t* ids = tokens.data<int32_t>();
   const int32_t* at = pos.data<int32_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -189,9 +234,13 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   KVLAB_ASSERT(!packed || decode_pack_.size() == blocks.size() * kPackedPerBlock + 1,
                "gpt: ", decode_pack_.size(), " packed weights for ", blocks.size(), " blocks");
   std::vector<BlockRef> layers;
+  std::vector<CacheRef> caches;
   layers.reserve(blocks.size());
-  for (size_t l = 0; l < blocks.size(); ++l)
+  caches.reserve(blocks.size());
+  for (size_t l = 0; l < blocks.size(); ++l) {
     layers.emplace_back(*blocks[l], packed ? &decode_pack_[l * kPackedPerBlock] : nullptr);
+    caches.emplace_back(cache.slots(static_cast<int>(l), 1), B, NKV, HS, kv_lengths_);
+  }
   const NormRef final_norm(ln_f);
   const float* wte_w = wte.weight.data<float>();
   const float* wpe_w = wpe.weight.data<float>();
@@ -199,8 +248,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   const int threads = omp_get_max_threads();
   Tensor x = Tensor::empty({B, C});                      // (B, C) the residual stream
   Tensor q = Tensor::empty({B, C});                      // (B, 1, NH, HS)
-  Tensor k_new = Tensor::empty({B, 1, NKV, HS});         // this step's keys
-  Tensor v_new = Tensor::empty({B, 1, NKV, HS});         // and values
+  Tensor k_new = Tensor::empty({B, KVD});                // this step's keys
+  Tensor v_new = Tensor::empty({B, KVD});                // and values
   Tensor y = Tensor::empty({B, C});                      // (B, 1, NH, HS) attention out
   Tensor d = Tensor::empty({B, C});                      // (B, C) a block's update to x
   Tensor h = Tensor::empty({B, H});                      // (B, H) MLP hidden
@@ -209,72 +258,78 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   float *xs = x.data<float>(), *qs = q.data<float>(), *ks = k_new.data<float>();
   float *vs = v_new.data<float>(), *ys = y.data<float>(), *ds = d.data<float>();
   float *hs = h.data<float>(), *own_s = own.data<float>(), *out = logits.data<float>();
-  // What the appending thread hands the others: the cache's views of this layer.
-  Tensor k_all, v_all;  // (B, NKV, S, HS)
+  const int64_t* lengths = kv_lengths_.data();  // each row's, this step's position included
   std::exception_ptr failure;
-  const Shape kv_shape{B, NKV, 1, HS}, kv_strides{KVD, HS, KVD, 1};
-  AttentionShape s{B, NH, NKV, 1, 0, HS, kv_lengths_.data(), 1.0 / std::sqrt(double(HS)), 0.0, 0};
+  const AttentionShape s{B, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
 
-  // Inside the region only the cache append and the attention scratch can throw; their
-  // errors are carried out of it, every thread leaving the layer loop at the same barrier.
+  // Inside the region only the attention scratch can throw; its error is carried out of the
+  // region, every thread leaving the layer loop at the same barrier.
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     float* ln = own_s + t * (B * C + 2 * B);  // (B, C), then mean and rstd (B)
     float* stats = ln + B * C;
+    AttentionShape shape = s;                     // S set per layer
     const auto [c0, c1] = thread_rows(C, t, nt);  // this thread's columns of x
+    // When the KV groups share out evenly, each thread computes the q, k and v rows of its
+    // own groups and then their attention, with no barrier between. Otherwise the q, k and v
+    // rows, one range of C + 2 KVD, are split evenly, and with fewer KV groups than threads a
+    // group's query heads are shared out too.
+    const bool own_groups = NKV % nt == 0;
+    const int64_t g0 = NKV * t / nt, g1 = NKV * (t + 1) / nt;
+    const auto [r0, r1] = thread_rows(C + 2 * KVD, t, nt);
+    const int64_t q0 = own_groups ? g0 * G * HS : std::min(r0, C);
+    const int64_t q1 = own_groups ? g1 * G * HS : std::min(r1, C);
+    const int64_t k0 = own_groups ? g0 * HS : std::clamp<int64_t>(r0 - C, 0, KVD);
+    const int64_t k1 = own_groups ? g1 * HS : std::clamp<int64_t>(r1 - C, 0, KVD);
+    const int64_t v0 = own_groups ? k0 : std::clamp<int64_t>(r0 - C - KVD, 0, KVD);
+    const int64_t v1 = own_groups ? k1 : std::clamp<int64_t>(r1 - C - KVD, 0, KVD);
+    const int64_t parts = own_groups ? 1 : std::clamp<int64_t>(nt / (B * NKV), 1, G);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = c0; c < c1; ++c)
         xs[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[at[b] * C + c];
 #pragma omp barrier
     for (size_t l = 0; l < layers.size(); ++l) {
       const BlockRef& blk = layers[l];
+      const CacheRef& kv = caches[l];
       layer_norm(ln, stats, xs, blk.ln_1, B, C);
-      // q, k and v as one range of C + 2 KVD output rows, split between the threads.
-      const auto [lo, hi] = thread_rows(C + 2 * KVD, t, nt);
-      linear_rows(qs, C, ln, B, blk.q, lo, std::min(hi, C));
-      linear_rows(ks, KVD, ln, B, blk.k, std::max<int64_t>(lo - C, 0),
-                  std::clamp<int64_t>(hi - C, 0, KVD));
-      linear_rows(vs, KVD, ln, B, blk.v, std::max<int64_t>(lo - C - KVD, 0),
-                  std::clamp<int64_t>(hi - C - KVD, 0, KVD));
+      linear_rows(qs, C, ln, B, blk.q, q0, q1);
+      linear_rows(ks, KVD, ln, B, blk.k, k0, k1);
+      linear_rows(vs, KVD, ln, B, blk.v, v0, v1);
+      if (kv.bf16) {
+        store_new(static_cast<uint16_t*>(kv.k), kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
+        store_new(static_cast<uint16_t*>(kv.v), kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
+      } else {
+        store_new(static_cast<float*>(kv.k), kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
+        store_new(static_cast<float*>(kv.v), kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
+      }
+      if (!own_groups) {
 #pragma omp barrier
-#pragma omp single
-      {
-        try {
-          auto kv = cache.append(static_cast<int>(l), k_new.as_strided(kv_shape, kv_strides, 0),
-                                 v_new.as_strided(kv_shape, kv_strides, 0));
-          check_cache_views(kv.first, kv.second, B, NKV, HS, kv_lengths_);
-          k_all = kv.first;
-          v_all = kv.second;
-          s.S = k_all.size(2);
-        } catch (...) {
-          failure = std::current_exception();
-        }
-      }                    // implicit barrier: the cache holds this step's keys and values
-      if (failure) break;  // every thread sees the same flag after the barrier
-      const HeadView kview{k_all.stride(0), k_all.stride(1), k_all.stride(2)};
-      const HeadView vview{v_all.stride(0), v_all.stride(1), v_all.stride(2)};
-      const bool bf16 = k_all.dtype() == DType::BF16;
-      // With fewer KV groups than threads, each group's query heads are shared out too.
-      const int64_t parts = std::clamp<int64_t>(nt / (B * NKV), 1, NH / NKV);
+      }
+      shape.S = kv.S;
       try {  // the kernel grows its per-thread scratch to the cache's length: it may not fit
-        for (int64_t task = t; task < B * NKV * parts; task += nt) {
-          if (bf16)
+        auto task = [&](int64_t i) {
+          if (kv.bf16)
             cpu::attention_decode_task<float, uint16_t>(
-                ys, qv, qs, qv, static_cast<const uint16_t*>(k_all.raw_data()), kview,
-                static_cast<const uint16_t*>(v_all.raw_data()), vview, s, task, parts);
+                ys, qv, qs, qv, static_cast<const uint16_t*>(kv.k), kv.k_strides,
+                static_cast<const uint16_t*>(kv.v), kv.v_strides, shape, i, parts);
           else
-            cpu::attention_decode_task<float>(
-                ys, qv, qs, qv, static_cast<const float*>(k_all.raw_data()), kview,
-                static_cast<const float*>(v_all.raw_data()), vview, s, task, parts);
-        }
+            cpu::attention_decode_task<float>(ys, qv, qs, qv, static_cast<const float*>(kv.k),
+                                              kv.k_strides, static_cast<const float*>(kv.v),
+                                              kv.v_strides, shape, i, parts);
+        };
+        if (own_groups)
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
+        else
+          for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
       } catch (...) {
 #pragma omp critical(kvlab_decode_failure)
         if (!failure) failure = std::current_exception();
       }
 #pragma omp barrier
-      if (failure) break;  // as above: every thread sees the same flag after the barrier
+      if (failure) break;  // every thread sees the same flag after the barrier
       linear_rows(ds, C, ys, B, blk.proj, c0, c1);
       add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
 #pragma omp barrier
@@ -290,8 +345,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     }
     if (!failure) {
       layer_norm(ln, stats, xs, final_norm, B, C);
-      const auto [v0, v1] = thread_rows(V, t, nt);
-      linear_rows(out, V, ln, B, head, v0, v1);
+      const auto [o0, o1] = thread_rows(V, t, nt);
+      linear_rows(out, V, ln, B, head, o0, o1);
     }
   }
   if (failure) std::rethrow_exception(failure);

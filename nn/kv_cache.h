@@ -21,6 +21,11 @@ class KVCache {
   // (B, NKV, S, HS) with S = max(lengths) + T that the attention op reads; row b's valid
   // length is lengths()[b] + T.
   virtual std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) = 0;
+  // The views append() would return for T new positions, storing nothing: the caller writes
+  // row b's keys and values at positions lengths()[b] .. lengths()[b] + T - 1 of them itself,
+  // before advance(T). The fused CPU decode step does, each thread where it computes them,
+  // so that no thread waits while another copies.
+  virtual std::pair<Tensor, Tensor> slots(int layer, int64_t T) = 0;
   // Called once all layers have appended: every row's length grows by T.
   virtual void advance(int64_t T) = 0;
 };

@@ -299,11 +299,11 @@ TEST(PackedDecode, GuardsNest) {
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), now), 1e-5 * max_abs(now));
 }
 
-// Errors raised inside the fused step's parallel region (by the cache's append, or by a cache
-// whose views the step cannot read) come out as errors, on every thread count, without a
-// hang, and the cache does not advance.
-TEST(FusedDecode, ACacheErrorInsideTheStepIsAnError) {
-  // A cache whose views are f64: a KVCache may be any implementation.
+// A cache whose views the fused step cannot write or read (f64 views, from the cache's own
+// buffers or from another implementation) is an error naming them, raised before anything is
+// written, on every thread count; the cache does not advance.
+TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
+  // A cache handing out f64 views: a KVCache may be any implementation.
   struct F64Views final : KVCache {
     ContiguousKVCache inner;
     explicit F64Views(const GPTConfig& c)
@@ -313,6 +313,10 @@ TEST(FusedDecode, ACacheErrorInsideTheStepIsAnError) {
     const std::vector<int64_t>& lengths() const override { return inner.lengths(); }
     std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
       auto [kc, vc] = inner.append(layer, k, v);
+      return {kc.to(DType::F64), vc.to(DType::F64)};
+    }
+    std::pair<Tensor, Tensor> slots(int layer, int64_t T) override {
+      auto [kc, vc] = inner.slots(layer, T);
       return {kc.to(DType::F64), vc.to(DType::F64)};
     }
     void advance(int64_t T) override { inner.advance(T); }
@@ -326,9 +330,10 @@ TEST(FusedDecode, ACacheErrorInsideTheStepIsAnError) {
     ContiguousKVCache f64(c.n_layer, 1, c.block_size, 2, c.head_size(), DType::F64);
     try {
       model->forward(tok, &f64, true);
-      FAIL() << "an f64 cache took f32 keys";
+      FAIL() << "the step wrote f32 keys into an f64 cache";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("does not fit the cache's f64"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("the KV cache returned k (1, 2, 1, 8) f64"),
+                std::string::npos)
           << e.what();
     }
     EXPECT_EQ(f64.lengths(), std::vector<int64_t>{0});

@@ -107,6 +107,48 @@ TEST(KVCache, AppendWritesEachRowAtItsLengthAndReturnsViews) {
   EXPECT_EQ(kv[((1 * NKV + 1) * 5 + 4) * HS + 2], 7000.0f + 1000 + 100 + 10 + 2);
 }
 
+// slots() hands out the views append() would return, storing nothing: what is written into
+// them at each row's length is cached, for the whole cache and for a range of its rows, and a
+// row without room is an error naming its capacity.
+TEST(KVCache, SlotsAreTheViewsAppendReturnsAndWritesIntoThemAreCached) {
+  const int64_t NKV = 2, HS = 3, S = 4;
+  ContiguousKVCache cache(2, 3, S, NKV, HS), appended(2, 3, S, NKV, HS);
+  for (ContiguousKVCache* c : {&cache, &appended}) c->rows(1, 1).advance(2);  // lengths 0, 2, 0
+  auto [k, v] = cache.slots(1, 1);
+  EXPECT_EQ(k.sizes(), (Shape{3, NKV, 3, HS}));  // max(lengths) + T
+  const Tensor new_k = coded(3, NKV, 1, HS, 100), new_v = coded(3, NKV, 1, HS, 200);
+  const std::vector<float> nk = new_k.contiguous().to_vector<float>();
+  const std::vector<float> nv = new_v.contiguous().to_vector<float>();
+  for (int64_t b = 0; b < 3; ++b) {
+    const int64_t len = cache.lengths()[static_cast<size_t>(b)];
+    for (int64_t h = 0; h < NKV; ++h)
+      for (int64_t i = 0; i < HS; ++i) {
+        const int64_t src = (b * NKV + h) * HS + i;
+        const int64_t dst = b * k.stride(0) + h * k.stride(1) + len * k.stride(2) + i;
+        k.data<float>()[dst] = nk[static_cast<size_t>(src)];
+        v.data<float>()[dst] = nv[static_cast<size_t>(src)];
+      }
+  }
+  auto [ka, va] = appended.append(1, new_k, new_v);
+  EXPECT_EQ(ka.sizes(), k.sizes());
+  EXPECT_EQ(ka.strides(), k.strides());
+  EXPECT_EQ(cache.k_buffer(1).to_vector<float>(), appended.k_buffer(1).to_vector<float>());
+  EXPECT_EQ(cache.v_buffer(1).to_vector<float>(), appended.v_buffer(1).to_vector<float>());
+  EXPECT_EQ(cache.k_buffer(0).to_vector<float>(), std::vector<float>(3 * NKV * S * HS, 0.0f));
+  // A range of rows sees its own rows; row 1 has room for 2 more positions, not 3.
+  KVCache& row1 = cache.rows(1, 1);
+  const Tensor k1 = row1.slots(0, 2).first;
+  EXPECT_EQ(k1.sizes(), (Shape{1, NKV, 4, HS}));
+  EXPECT_EQ(k1.data<float>(), cache.k_buffer(0).data<float>() + cache.k_buffer(0).stride(0));
+  try {
+    row1.slots(0, 3);
+    FAIL() << "slots past the capacity did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity of 4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(cache.slots(2, 1), Error);  // layer 2 of 2
+}
+
 TEST(KVCache, AcceptsAnyStrides) {
   // The same values once with HS contiguous and once with HS strided (the slow path).
   const int64_t B = 2, NKV = 2, T = 3, HS = 4;
