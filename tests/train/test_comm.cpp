@@ -2,6 +2,7 @@
 // seeds, the gradient reducer and ZeRO-1's sharded AdamW with one rank. The multi-rank cases
 // run under mpirun (mpi_train_main.cpp, label `mpi`).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -101,9 +102,7 @@ TEST(CommTest, ShardedAdamWWithOneShardEqualsAdamW) {
 // Passing a local communicator is the same as passing none, and a checkpoint of a
 // single-process run records world_size 1 and one rank's 8 generator words.
 TEST(CommTest, TrainerWithALocalCommunicatorIsTheSingleProcessTrainer) {
-  const fs::path dir =
-      fs::temp_directory_path() /
-      ("kvlab_comm_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
+  const fs::path dir = fs::temp_directory_path() / ("kvlab_comm_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   {

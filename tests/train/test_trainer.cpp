@@ -1,6 +1,5 @@
-#include "train/trainer.h"
-
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -8,6 +7,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "tests/train/train_test_util.h"
+#include "train/trainer.h"
 
 namespace kvlab {
 namespace {
@@ -19,8 +19,8 @@ class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
-           ("kvlab_train_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-            "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+           ("kvlab_train_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     testing::write_tiny_corpus(dir_);

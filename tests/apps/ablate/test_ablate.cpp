@@ -1,9 +1,10 @@
-#include "apps/ablate/ablate.h"
-
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+
+#include "apps/ablate/ablate.h"
 
 namespace kvlab {
 namespace {
@@ -13,8 +14,10 @@ namespace fs = std::filesystem;
 class AblateTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // The pid keeps two test runs on one machine (a build's and a clone's) apart.
     dir_ = fs::temp_directory_path() /
-           ("kvlab_ablate_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+           ("kvlab_ablate_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     std::ofstream f(dir_ / "corpus.txt");
