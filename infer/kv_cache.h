@@ -1,7 +1,8 @@
 #pragma once
 // KV caches for generation. GPT::forward talks to the abstract KVCache of nn/kv_cache.h
-// (append one forward's keys and values, then advance); the engine also needs to reset rows,
-// prefill one row or a run of rows on its own, and drop finished rows from the batch.
+// (append one forward's keys and values, or write them through slots, then advance); the
+// engine also needs to reset rows, prefill one row or a run of rows on its own, and drop
+// finished rows from the batch.
 // GenerationKVCache names those extra calls; ContiguousKVCache implements them over
 // preallocated (B, NKV, S_max, HS) buffers.
 //
@@ -9,8 +10,9 @@
 // too, keep a pool of (NKV, block, HS) blocks per layer plus a (B, max_blocks) table, and
 //  - append(): write each row's new positions into its current block (taking a free block
 //    from the pool when one fills) instead of at an offset of one big buffer;
-//  - slots(): hand out views the caller writes the new positions into (a scratch gathered
-//    from the blocks, its new positions written back to them by advance());
+//  - slots(): the views must be the cache's own memory, which scattered blocks are not, so
+//    the fused CPU decode step (its only caller) would take the block table as well, for
+//    its cache writes and its attention alike;
 //  - the views it returns: the attention op reads (B, NKV, S, HS) strided views today, so a
 //    paged cache would either gather into a scratch buffer or pass its block table to a
 //    paged attention kernel (the only change outside infer/);

@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <exception>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -259,17 +258,29 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   float *vs = v_new.data<float>(), *ys = y.data<float>(), *ds = d.data<float>();
   float *hs = h.data<float>(), *own_s = own.data<float>(), *out = logits.data<float>();
   const int64_t* lengths = kv_lengths_.data();  // each row's, this step's position included
-  std::exception_ptr failure;
   const AttentionShape s{B, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
+  // Per thread, the attention's work memory for a whole group's query heads over the longest
+  // layer, so that nothing inside the region allocates or throws; sized by the cache's
+  // capacity, so that step after step the caching allocator hands back the same block.
+  AttentionShape longest = s;
+  longest.S = cache.capacity();
+  bool any_bf16 = false;
+  for (const CacheRef& c : caches) {
+    longest.S = std::max(longest.S, c.S);
+    any_bf16 = any_bf16 || c.bf16;
+  }
+  const int64_t work_size = any_bf16 ? cpu::attention_decode_work<float, uint16_t>(longest, 1)
+                                     : cpu::attention_decode_work<float>(longest, 1);
+  Tensor work = Tensor::empty({threads, work_size});
+  float* work_s = work.data<float>();
 
-  // Inside the region only the attention scratch can throw; its error is carried out of the
-  // region, every thread leaving the layer loop at the same barrier.
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     float* ln = own_s + t * (B * C + 2 * B);  // (B, C), then mean and rstd (B)
     float* stats = ln + B * C;
+    float* my_work = work_s + t * work_size;
     AttentionShape shape = s;                     // S set per layer
     const auto [c0, c1] = thread_rows(C, t, nt);  // this thread's columns of x
     // When the KV groups share out evenly, each thread computes the q, k and v rows of its
@@ -308,28 +319,22 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
 #pragma omp barrier
       }
       shape.S = kv.S;
-      try {  // the kernel grows its per-thread scratch to the cache's length: it may not fit
-        auto task = [&](int64_t i) {
-          if (kv.bf16)
-            cpu::attention_decode_task<float, uint16_t>(
-                ys, qv, qs, qv, static_cast<const uint16_t*>(kv.k), kv.k_strides,
-                static_cast<const uint16_t*>(kv.v), kv.v_strides, shape, i, parts);
-          else
-            cpu::attention_decode_task<float>(ys, qv, qs, qv, static_cast<const float*>(kv.k),
-                                              kv.k_strides, static_cast<const float*>(kv.v),
-                                              kv.v_strides, shape, i, parts);
-        };
-        if (own_groups)
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
+      auto task = [&](int64_t i) {
+        if (kv.bf16)
+          cpu::attention_decode_task<float, uint16_t>(
+              ys, qv, qs, qv, static_cast<const uint16_t*>(kv.k), kv.k_strides,
+              static_cast<const uint16_t*>(kv.v), kv.v_strides, shape, i, parts, my_work);
         else
-          for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
-      } catch (...) {
-#pragma omp critical(kvlab_decode_failure)
-        if (!failure) failure = std::current_exception();
-      }
+          cpu::attention_decode_task<float>(ys, qv, qs, qv, static_cast<const float*>(kv.k),
+                                            kv.k_strides, static_cast<const float*>(kv.v),
+                                            kv.v_strides, shape, i, parts, my_work);
+      };
+      if (own_groups)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
+      else
+        for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
 #pragma omp barrier
-      if (failure) break;  // every thread sees the same flag after the barrier
       linear_rows(ds, C, ys, B, blk.proj, c0, c1);
       add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
 #pragma omp barrier
@@ -343,13 +348,10 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       add_rows(xs, ds, B, C, c0, c1);  // x += mlp(ln_2(x))
 #pragma omp barrier
     }
-    if (!failure) {
-      layer_norm(ln, stats, xs, final_norm, B, C);
-      const auto [o0, o1] = thread_rows(V, t, nt);
-      linear_rows(out, V, ln, B, head, o0, o1);
-    }
+    layer_norm(ln, stats, xs, final_norm, B, C);
+    const auto [o0, o1] = thread_rows(V, t, nt);
+    linear_rows(out, V, ln, B, head, o0, o1);
   }
-  if (failure) std::rethrow_exception(failure);
   return logits;
 }
 

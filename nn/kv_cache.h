@@ -23,10 +23,13 @@ class KVCache {
   virtual std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) = 0;
   // The views append() would return for T new positions, storing nothing: the caller writes
   // row b's keys and values at positions lengths()[b] .. lengths()[b] + T - 1 of them itself,
-  // before advance(T). The fused CPU decode step does, each thread where it computes them,
-  // so that no thread waits while another copies.
+  // before advance(T). The views must be the cache's own memory (what is written into them
+  // is what the cache holds), and every layer's must stay valid together until advance():
+  // the fused CPU decode step takes them all before its parallel region, and each thread
+  // writes the keys and values it computes, so that no thread waits while another copies.
   virtual std::pair<Tensor, Tensor> slots(int layer, int64_t T) = 0;
-  // Called once all layers have appended: every row's length grows by T.
+  // Called once every layer has appended (or been written through slots): every row's
+  // length grows by T.
   virtual void advance(int64_t T) = 0;
 };
 

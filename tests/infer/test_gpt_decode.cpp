@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
 #include "autograd/backend/allocator.h"
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/graph.h"
 #include "infer/kv_cache.h"
@@ -151,6 +154,79 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<2>(info.param)) + "_rows" +
              std::to_string(std::get<3>(info.param).size());
     });
+
+// n_kv_head 3 on 3 threads: each thread computes its own group's q, k and v and goes straight
+// on to that group's attention, with no barrier between; rows of different lengths, both
+// cache dtypes.
+TEST(FusedDecode, ThreeThreadsEachWithAGroupOfTheirOwn) {
+  const ThreadCount tc(3);
+  GPTConfig c = decode_config(3);
+  c.n_head = 6;
+  c.n_embd = 48;
+  auto model = test::random_model(c, 13);
+  NoGradGuard no_grad;
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    const int64_t B = 3;
+    ContiguousKVCache fused(c.n_layer, B, c.block_size, 3, c.head_size(), dtype);
+    ContiguousKVCache plain(c.n_layer, B, c.block_size, 3, c.head_size(), dtype);
+    Generator gen(29);
+    auto random_tokens = [&](int64_t rows, int64_t T) {
+      std::vector<int32_t> ids(static_cast<size_t>(rows * T));
+      for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)));
+      return Tensor::from_vector(ids, {rows, T});
+    };
+    model->fused_cpu_decode = false;
+    for (int64_t b = 0; b < B; ++b) {  // prompts of 2, 3 and 4 tokens
+      const Tensor p = random_tokens(1, 2 + b);
+      model->forward(p, &fused.rows(b, 1), true);
+      model->forward(p, &plain.rows(b, 1), true);
+    }
+    std::vector<Tensor> tokens;
+    for (int step = 0; step < 8; ++step) tokens.push_back(random_tokens(B, 1));
+    const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+    EXPECT_GT(d.scale, 1.0);
+    EXPECT_LE(d.worst, 1e-5 * d.scale) << dtype_name(dtype);
+    expect_same_cache(fused, plain, c.n_layer, dtype == DType::BF16 ? 1.0 / 128 : 1e-5);
+  }
+}
+
+// The fused step rounds the new keys and values it writes into a bf16 cache to nearest even,
+// as append does: in layer 0 they are the same f32 numbers as in an f32 run (they depend
+// only on this step's token), so the two caches' new position is compared bit for bit.
+TEST(FusedDecode, Bf16CacheHoldsTheNewKeysRoundedToNearestEven) {
+  for (const int threads : {1, 2}) {
+    const ThreadCount tc(threads);
+    auto model = test::random_model(decode_config(2), 7);
+    const GPTConfig& c = model->config();
+    NoGradGuard no_grad;
+    const Tensor prompt = Tensor::from_vector(std::vector<int32_t>{4, 9, 1}, {1, 3});
+    const Tensor token = Tensor::from_vector(std::vector<int32_t>{12}, {1, 1});
+    ContiguousKVCache f32(c.n_layer, 1, c.block_size, 2, c.head_size());
+    ContiguousKVCache bf16(c.n_layer, 1, c.block_size, 2, c.head_size(), DType::BF16);
+    for (ContiguousKVCache* cache : {&f32, &bf16}) {
+      model->fused_cpu_decode = false;
+      model->forward(prompt, cache, true);
+      model->fused_cpu_decode = true;
+      model->forward(token, cache, true);
+    }
+    int64_t rounded_away = 0;  // values where rounding to nearest differs from truncating
+    for (const bool is_k : {true, false}) {
+      const Tensor& wide = is_k ? f32.k_buffer(0) : f32.v_buffer(0);
+      const Tensor& narrow = is_k ? bf16.k_buffer(0) : bf16.v_buffer(0);
+      const auto* n = static_cast<const uint16_t*>(narrow.raw_data());
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < c.head_size(); ++i) {
+          const int64_t at = (h * c.block_size + 3) * c.head_size() + i;  // position 3
+          const float x = wide.data<float>()[at];
+          EXPECT_EQ(n[at], cpu::f32_to_bf16(x)) << "threads " << threads << " head " << h;
+          uint32_t bits;
+          std::memcpy(&bits, &x, 4);
+          rounded_away += cpu::f32_to_bf16(x) != static_cast<uint16_t>(bits >> 16);
+        }
+    }
+    EXPECT_GT(rounded_away, 0);  // truncation would have failed the comparison
+  }
+}
 
 // One query head per thread (a group of 2 heads split in 2 at batch 1) and an LM head of
 // its own: the attention kernel runs on single query rows, and the logits come from lm_head.
@@ -300,52 +376,64 @@ TEST(PackedDecode, GuardsNest) {
 }
 
 // A cache whose views the fused step cannot write or read (f64 views, from the cache's own
-// buffers or from another implementation) is an error naming them, raised before anything is
-// written, on every thread count; the cache does not advance.
+// buffers, or from another implementation in the last layer only) is an error naming them,
+// raised before anything is written: no layer's buffers change and the cache does not
+// advance.
 TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
-  // A cache handing out f64 views: a KVCache may be any implementation.
-  struct F64Views final : KVCache {
+  // A cache whose last layer hands out f64 views: a KVCache may be any implementation.
+  struct F64LastLayer final : KVCache {
     ContiguousKVCache inner;
-    explicit F64Views(const GPTConfig& c)
+    explicit F64LastLayer(const GPTConfig& c)
         : inner(c.n_layer, 1, c.block_size, c.n_kv_head, c.head_size()) {}
     int64_t batch() const override { return inner.batch(); }
     int64_t capacity() const override { return inner.capacity(); }
     const std::vector<int64_t>& lengths() const override { return inner.lengths(); }
     std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
-      auto [kc, vc] = inner.append(layer, k, v);
-      return {kc.to(DType::F64), vc.to(DType::F64)};
+      return widen(layer, inner.append(layer, k, v));
     }
     std::pair<Tensor, Tensor> slots(int layer, int64_t T) override {
-      auto [kc, vc] = inner.slots(layer, T);
-      return {kc.to(DType::F64), vc.to(DType::F64)};
+      return widen(layer, inner.slots(layer, T));
     }
     void advance(int64_t T) override { inner.advance(T); }
+    std::pair<Tensor, Tensor> widen(int layer, std::pair<Tensor, Tensor> kv) const {
+      if (layer + 1 < inner.n_layer()) return kv;
+      return {kv.first.to(DType::F64), kv.second.to(DType::F64)};
+    }
   };
+  // Every buffer of every layer still all zeros.
+  auto untouched = [](const ContiguousKVCache& cache) {
+    for (int l = 0; l < cache.n_layer(); ++l)
+      for (const Tensor* buf : {&cache.k_buffer(l), &cache.v_buffer(l)}) {
+        const std::vector<double> x = buf->to(DType::F64).to_vector<double>();
+        if (std::any_of(x.begin(), x.end(), [](double e) { return e != 0.0; })) return false;
+      }
+    return true;
+  };
+  const ThreadCount tc(2);
   auto model = test::random_model(decode_config(2), 5);
   const GPTConfig& c = model->config();
   NoGradGuard no_grad;
   const Tensor tok = Tensor::from_vector(std::vector<int32_t>{3}, {1, 1});
-  for (const int threads : {1, 2, 3}) {
-    const ThreadCount tc(threads);
-    ContiguousKVCache f64(c.n_layer, 1, c.block_size, 2, c.head_size(), DType::F64);
-    try {
-      model->forward(tok, &f64, true);
-      FAIL() << "the step wrote f32 keys into an f64 cache";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("the KV cache returned k (1, 2, 1, 8) f64"),
-                std::string::npos)
-          << e.what();
-    }
-    EXPECT_EQ(f64.lengths(), std::vector<int64_t>{0});
-    F64Views views(c);
-    try {
-      model->forward(tok, &views, true);
-      FAIL() << "f64 cache views were read as f32";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("the KV cache returned"), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(views.lengths(), std::vector<int64_t>{0});
+  ContiguousKVCache f64(c.n_layer, 1, c.block_size, 2, c.head_size(), DType::F64);
+  try {
+    model->forward(tok, &f64, true);
+    FAIL() << "the step wrote f32 keys into an f64 cache";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the KV cache returned k (1, 2, 1, 8) f64"),
+              std::string::npos)
+        << e.what();
   }
+  EXPECT_EQ(f64.lengths(), std::vector<int64_t>{0});
+  EXPECT_TRUE(untouched(f64));
+  F64LastLayer last(c);
+  try {
+    model->forward(tok, &last, true);
+    FAIL() << "f64 cache views were read as f32";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the KV cache returned"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(last.lengths(), std::vector<int64_t>{0});
+  EXPECT_TRUE(untouched(last.inner));  // layer 0's views were fine, and still not written
 }
 
 // The fused step runs only where it applies: with gradients on, a decode step goes op by op

@@ -116,6 +116,8 @@ TEST(KVCache, SlotsAreTheViewsAppendReturnsAndWritesIntoThemAreCached) {
   for (ContiguousKVCache* c : {&cache, &appended}) c->rows(1, 1).advance(2);  // lengths 0, 2, 0
   auto [k, v] = cache.slots(1, 1);
   EXPECT_EQ(k.sizes(), (Shape{3, NKV, 3, HS}));  // max(lengths) + T
+  const std::vector<float> zeros(3 * NKV * S * HS, 0.0f);
+  EXPECT_EQ(cache.k_buffer(1).to_vector<float>(), zeros);  // stored nothing
   const Tensor new_k = coded(3, NKV, 1, HS, 100), new_v = coded(3, NKV, 1, HS, 200);
   const std::vector<float> nk = new_k.contiguous().to_vector<float>();
   const std::vector<float> nv = new_v.contiguous().to_vector<float>();
@@ -134,7 +136,7 @@ TEST(KVCache, SlotsAreTheViewsAppendReturnsAndWritesIntoThemAreCached) {
   EXPECT_EQ(ka.strides(), k.strides());
   EXPECT_EQ(cache.k_buffer(1).to_vector<float>(), appended.k_buffer(1).to_vector<float>());
   EXPECT_EQ(cache.v_buffer(1).to_vector<float>(), appended.v_buffer(1).to_vector<float>());
-  EXPECT_EQ(cache.k_buffer(0).to_vector<float>(), std::vector<float>(3 * NKV * S * HS, 0.0f));
+  EXPECT_EQ(cache.k_buffer(0).to_vector<float>(), zeros);
   // A range of rows sees its own rows; row 1 has room for 2 more positions, not 3.
   KVCache& row1 = cache.rows(1, 1);
   const Tensor k1 = row1.slots(0, 2).first;

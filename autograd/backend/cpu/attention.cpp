@@ -41,15 +41,15 @@ struct Dropout {
 };
 
 // K or V rows [0, rows) of one KV head, read as T: the stored rows themselves (row stride
-// `st`), or for bf16 storage a widened copy in scratch slot `slot` (row stride HS).
+// `st`), or for bf16 storage a widened copy in `widened` (rows * HS, row stride HS).
 template <class T, class KV>
-const T* kv_rows(const KV* src, int64_t st, int64_t rows, int64_t HS, int slot, int64_t& out_st) {
+const T* kv_rows(const KV* src, int64_t st, int64_t rows, int64_t HS, T* widened, int64_t& out_st) {
   if constexpr (std::is_same_v<KV, T>) {
     out_st = st;
     return src;
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<KV, uint16_t>);
-    float* dst = scratch<float>(static_cast<size_t>(rows * HS), slot);
+    float* dst = widened;
     for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
       for (int64_t d = 0; d < HS; ++d) dst[r * HS + d] = bf16_to_f32(src[r * st + d]);
@@ -105,7 +105,7 @@ void for_each_task(int64_t tasks, F&& fn) {
 template <class T, class KV>
 void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
                            const KV* v, HeadView vv, const AttentionShape& s, int64_t task,
-                           int64_t parts) {
+                           int64_t parts, T* work) {
   // The query heads of one KV group form a (group, HS) block (their rows sit at a constant
   // stride), so K and V of the group are read once for all of them, not once per query head
   // (once per part: with parts > 1 the group's cache is read that many times, in parallel).
@@ -116,10 +116,12 @@ void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const K
   if (rows == 0) return;
   const int64_t h0 = g * group + r0;  // first query head of this part
   const T scale = static_cast<T>(s.scale);
-  T* p = scratch<T>(static_cast<size_t>(rows * Sb), 0);
+  T* p = work;  // (rows, Sb), then K and V widened from bf16
+  T* widened = std::is_same_v<KV, T> ? nullptr : work + rows * Sb;
   int64_t kst, vst;
-  const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, 1, kst);
-  const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, 2, vst);
+  const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened, kst);
+  const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS,
+                           widened ? widened + Sb * s.HS : nullptr, vst);
   gemm<T>(false, true, rows, Sb, s.HS, scale, q + b * qv.sb + h0 * qv.sh, qv.sh, kg, kst, T(0), p,
           Sb);
   for (int64_t r = 0; r < rows; ++r) {
@@ -139,8 +141,9 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
   const Dropout drop(s.dropout);
   const T scale = static_cast<T>(s.scale);
   if (s.T == 1 && group > 1 && !drop.on) {
+    const auto work = static_cast<size_t>(attention_decode_work<T, KV>(s, 1));
     for_each_task(s.B * s.NKV, [&](int64_t task) {
-      attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task, 1);
+      attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task, 1, scratch<T>(work, 0));
     });
     return;
   }
@@ -150,8 +153,11 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
     T* p = scratch<T>(static_cast<size_t>(s.T * Sb), 0);
     const T* qh = q + b * qv.sb + h * qv.sh;
     int64_t kst, vst;
-    const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, 1, kst);
-    const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, 2, vst);
+    const auto widened = [&](int slot) {
+      return std::is_same_v<KV, T> ? nullptr : scratch<T>(static_cast<size_t>(Sb * s.HS), slot);
+    };
+    const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened(1), kst);
+    const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, widened(2), vst);
     probabilities(p, qh, qv.st, kg, kst, s.T, Sb, s.HS, scale);
     if (drop.on) apply_dropout(p, drop, s.seed, task * s.T, s.T, Sb, s.S);
     gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, vst, T(0), out + b * ov.sb + h * ov.sh,
@@ -234,10 +240,10 @@ template void attention_forward<float, uint16_t>(float*, HeadView, const float*,
                                                  HeadView, const AttentionShape&);
 template void attention_decode_task<float, float>(float*, HeadView, const float*, HeadView,
                                                   const float*, HeadView, const float*, HeadView,
-                                                  const AttentionShape&, int64_t, int64_t);
+                                                  const AttentionShape&, int64_t, int64_t, float*);
 template void attention_decode_task<float, uint16_t>(float*, HeadView, const float*, HeadView,
                                                      const uint16_t*, HeadView, const uint16_t*,
                                                      HeadView, const AttentionShape&, int64_t,
-                                                     int64_t);
+                                                     int64_t, float*);
 
 }  // namespace kvlab::cpu

@@ -4,6 +4,7 @@
 // Outputs come first in argument lists; every buffer carries its shape in a comment.
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "autograd/backend/device.h"
@@ -118,10 +119,18 @@ void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const K
 // of B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
 // decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
 // than threads).
+// `work` holds attention_decode_work(s, parts) elements, s.S bounding every row's length:
+// the task allocates nothing, so it cannot throw.
 template <class T, class KV = T>
 void attention_decode_task(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k,
                            HeadView k_v, const KV* v, HeadView v_v, const AttentionShape& s,
-                           int64_t task, int64_t parts);
+                           int64_t task, int64_t parts, T* work);
+// Its work memory: a part's probabilities and, from a bf16 cache, the group's K and V widened.
+template <class T, class KV = T>
+int64_t attention_decode_work(const AttentionShape& s, int64_t parts) {
+  const int64_t rows = (s.NH / s.NKV + parts - 1) / parts;
+  return (rows + (std::is_same_v<KV, T> ? 0 : 2 * s.HS)) * s.S;
+}
 // dq like q; dk, dv (B, NKV, S, HS) summed over each KV head's group of query heads.
 template <class T>
 void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadView dv_v,
