@@ -156,6 +156,14 @@ struct CacheRef {
     S = kt.size(2);
     bf16 = kt.dtype() == DType::BF16;
   }
+  // fn(k, v) with the data as its elements: float, or uint16_t for bf16.
+  template <class F>
+  void typed(F&& fn) const {
+    if (bf16)
+      fn(static_cast<uint16_t*>(k), static_cast<uint16_t*>(v));
+    else
+      fn(static_cast<float*>(k), static_cast<float*>(v));
+  }
 };
 
 // Elements [lo, hi) of each row's new keys (or values) src (B, NKV * HS) into the cache view
@@ -308,32 +316,24 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       linear_rows(qs, C, ln, B, blk.q, q0, q1);
       linear_rows(ks, KVD, ln, B, blk.k, k0, k1);
       linear_rows(vs, KVD, ln, B, blk.v, v0, v1);
-      if (kv.bf16) {
-        store_new(static_cast<uint16_t*>(kv.k), kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
-        store_new(static_cast<uint16_t*>(kv.v), kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
-      } else {
-        store_new(static_cast<float*>(kv.k), kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
-        store_new(static_cast<float*>(kv.v), kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
-      }
-      if (!own_groups) {
-#pragma omp barrier
-      }
       shape.S = kv.S;
-      auto task = [&](int64_t i) {
-        if (kv.bf16)
-          cpu::attention_decode_task<float, uint16_t>(
-              ys, qv, qs, qv, static_cast<const uint16_t*>(kv.k), kv.k_strides,
-              static_cast<const uint16_t*>(kv.v), kv.v_strides, shape, i, parts, my_work);
+      kv.typed([&](auto* kd, auto* vd) {
+        using KV = std::remove_pointer_t<decltype(kd)>;
+        store_new(kd, kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
+        store_new(vd, kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
+        if (!own_groups) {
+#pragma omp barrier
+        }
+        auto task = [&](int64_t i) {
+          cpu::attention_decode_task<float, KV>(ys, qv, qs, qv, kd, kv.k_strides, vd, kv.v_strides,
+                                                shape, i, parts, my_work);
+        };
+        if (own_groups)
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
         else
-          cpu::attention_decode_task<float>(ys, qv, qs, qv, static_cast<const float*>(kv.k),
-                                            kv.k_strides, static_cast<const float*>(kv.v),
-                                            kv.v_strides, shape, i, parts, my_work);
-      };
-      if (own_groups)
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
-      else
-        for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
+          for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
+      });
 #pragma omp barrier
       linear_rows(ds, C, ys, B, blk.proj, c0, c1);
       add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
