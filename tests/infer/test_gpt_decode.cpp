@@ -81,6 +81,25 @@ void expect_same_cache(const ContiguousKVCache& fused, const ContiguousKVCache& 
     }
 }
 
+// A (rows, T) batch of token ids drawn from gen.
+Tensor random_tokens(Generator& gen, int64_t vocab, int64_t rows, int64_t T = 1) {
+  std::vector<int32_t> ids(static_cast<size_t>(rows * T));
+  for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
+  return Tensor::from_vector(ids, {rows, T});
+}
+
+// Row b of both caches prefilled op by op, in one pass, with its own random prompt of
+// lengths[b] tokens.
+void prefill_rows(GPT& model, ContiguousKVCache& fused, ContiguousKVCache& plain,
+                  const std::vector<int64_t>& lengths, Generator& gen) {
+  model.fused_cpu_decode = false;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const Tensor p = random_tokens(gen, model.config().vocab_size, 1, lengths[b]);
+    model.forward(p, &fused.rows(static_cast<int64_t>(b), 1), true);
+    model.forward(p, &plain.rows(static_cast<int64_t>(b), 1), true);
+  }
+}
+
 // (n_kv_head, cache dtype, threads, prompt lengths of the rows)
 class FusedDecode
     : public ::testing::TestWithParam<std::tuple<int64_t, DType, int, std::vector<int64_t>>> {};
@@ -97,23 +116,13 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
   ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
   Generator gen(17);
-  auto random_tokens = [&](int64_t rows, int64_t T) {
-    std::vector<int32_t> ids(static_cast<size_t>(rows * T));
-    for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(V)));
-    return Tensor::from_vector(ids, {rows, T});
-  };
-  model->fused_cpu_decode = false;
-  for (int64_t b = 0; b < B; ++b) {
-    const Tensor p = random_tokens(1, prompt_len[static_cast<size_t>(b)]);
-    model->forward(p, &fused.rows(b, 1), true);
-    model->forward(p, &plain.rows(b, 1), true);
-  }
+  prefill_rows(*model, fused, plain, prompt_len, gen);
 
   double worst = 0, scale = 0;
   uint64_t fused_requests = 0, plain_requests = 0;
   const int steps = 12;
   for (int step = 0; step < steps; ++step) {
-    const Tensor tokens = random_tokens(B, 1);
+    const Tensor tokens = random_tokens(gen, V, B);
     Allocator& alloc = allocator_for(Device::CPU);
     model->fused_cpu_decode = true;
     uint64_t r0 = alloc.stats().requests;
@@ -170,19 +179,9 @@ TEST(FusedDecode, ThreeThreadsEachWithAGroupOfTheirOwn) {
     ContiguousKVCache fused(c.n_layer, B, c.block_size, 3, c.head_size(), dtype);
     ContiguousKVCache plain(c.n_layer, B, c.block_size, 3, c.head_size(), dtype);
     Generator gen(29);
-    auto random_tokens = [&](int64_t rows, int64_t T) {
-      std::vector<int32_t> ids(static_cast<size_t>(rows * T));
-      for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)));
-      return Tensor::from_vector(ids, {rows, T});
-    };
-    model->fused_cpu_decode = false;
-    for (int64_t b = 0; b < B; ++b) {  // prompts of 2, 3 and 4 tokens
-      const Tensor p = random_tokens(1, 2 + b);
-      model->forward(p, &fused.rows(b, 1), true);
-      model->forward(p, &plain.rows(b, 1), true);
-    }
+    prefill_rows(*model, fused, plain, {2, 3, 4}, gen);
     std::vector<Tensor> tokens;
-    for (int step = 0; step < 8; ++step) tokens.push_back(random_tokens(B, 1));
+    for (int step = 0; step < 8; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, B));
     const StepDiff d = fused_against_op(*model, fused, plain, tokens);
     EXPECT_GT(d.scale, 1.0);
     EXPECT_LE(d.worst, 1e-5 * d.scale) << dtype_name(dtype);
@@ -241,10 +240,7 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
   ContiguousKVCache plain(c.n_layer, 1, c.block_size, 1, c.head_size());
   Generator gen(4);
   std::vector<Tensor> tokens;
-  for (int step = 0; step < 10; ++step)
-    tokens.push_back(Tensor::from_vector(
-        std::vector<int32_t>{static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)))},
-        {1, 1}));
+  for (int step = 0; step < 10; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, 1));
   const StepDiff d = fused_against_op(*model, fused, plain, tokens);
   EXPECT_GT(d.scale, 1.0);
   EXPECT_LE(d.worst, 1e-5 * d.scale);
@@ -287,22 +283,17 @@ TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) {
   ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size());
   ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size());
   Generator gen(23);
-  auto random_tokens = [&](int64_t rows) {
-    std::vector<int32_t> ids(static_cast<size_t>(rows));
-    for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(c.vocab_size)));
-    return Tensor::from_vector(ids, {rows, 1});
-  };
   model->fused_cpu_decode = false;
   for (int64_t b = 0; b < B; ++b)  // prompts of 3, 4, 5... tokens, op by op into both caches
     for (int64_t i = 0; i < 3 + b; ++i) {
-      const Tensor t = random_tokens(1);
+      const Tensor t = random_tokens(gen, c.vocab_size, 1);
       model->forward(t, &fused.rows(b, 1), true);
       model->forward(t, &plain.rows(b, 1), true);
     }
   model->fused_cpu_decode = true;
   const DecodePackGuard pack = model->pack_for_decode();
   std::vector<Tensor> tokens;
-  for (int step = 0; step < 12; ++step) tokens.push_back(random_tokens(B));
+  for (int step = 0; step < 12; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, B));
   const StepDiff d = fused_against_op(*model, fused, plain, tokens);
   EXPECT_GT(d.scale, 1.0);
   EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;
