@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
 #include "autograd/error.h"
@@ -44,38 +45,75 @@ __m512 sum_lanes8(const __m512 v[8]) {
 
 constexpr int64_t kRows = 8, kCols = 16;  // a block of w: 8 rows, in chunks of 16 columns
 
+// Where dot_block reads the weights: row i's chunk c (16 columns) of a block of 8 rows.
+// F32Rows: at w + i * row_step + c * chunk_step (row-major w has (ldw, 16), the packed form
+// (16, 128)); the last K % 16 columns load under a mask.
+struct F32Rows {
+  const float* w;
+  int64_t row_step, chunk_step;
+  template <bool kOdd, bool kMasked>
+  [[gnu::always_inline]] __m512 load(int64_t i, int64_t c, __mmask16 cols) const {
+    const float* p = w + i * row_step + c * chunk_step;
+    return kMasked ? _mm512_maskz_loadu_ps(cols, p) : _mm512_loadu_ps(p);
+  }
+};
+// Bf16Pairs: pack_weight's bf16 form. Chunks 2p and 2p + 1 of row i share the 16 words at
+// w + (p * 8 + i) * 16, the first in their low halves, the second in their high halves;
+// widening is a shift or a mask (bf16 is the top half of an f32), exact. The padding past K
+// is zero, so nothing needs a mask. (The shift is the zero-masking form under a full mask:
+// GCC 12 warns of an uninitialised value inside the plain one.)
+struct Bf16Pairs {
+  const uint32_t* w;
+  template <bool kOdd, bool kMasked>
+  [[gnu::always_inline]] __m512 load(int64_t i, int64_t c, __mmask16) const {
+    const __m512i words = _mm512_loadu_si512(w + ((c >> 1) * kRows + i) * kCols);
+    return _mm512_castsi512_ps(kOdd ? _mm512_and_si512(words, _mm512_set1_epi32(-65536))
+                                    : _mm512_maskz_slli_epi32(0xffff, words, 16));
+  }
+};
+
 // Rows [i0, i1) of one block of 8 rows of w: y[r, i] = alpha * dot(w[i, :], a[r, :]) +
-// beta * y[r, i] for r < R (y at stride ldy, a at stride lda). Row i's chunk c (16 columns)
-// starts at w + i * row_step + c * chunk_step: row-major w has (ldw, 16), the packed form
-// (16, 128). Rows at or past `rows` are neither read nor written (kAllRows: all 8 are there).
-// The eight rows stream at once, each into its own 16-lane accumulator per row of a, reduced
-// by one lane tree; the last K % 16 columns load under a mask. This is the one dot product of
-// the one-row GEMV and of the packed product, so the two give the same bits. Always inlined:
-// as a call per block it cost decode ~10%, where attention's q k^T has K = HS = 32.
-template <int R, bool kAllRows>
+// beta * y[r, i] for r < R (y at stride ldy, a at stride lda), w read through `src` (F32Rows
+// or Bf16Pairs). Rows at or past `rows` are neither read nor written (kAllRows: all 8 are
+// there). The eight rows stream at once, each into its own 16-lane accumulator per row of a,
+// reduced by one lane tree; the last K % 16 columns of a load under a mask. This is the one
+// dot product of the one-row GEMV and of the packed products, in one order whatever the
+// weights' form, so they give the same bits on the same values. Always inlined: as a call
+// per block it cost decode ~10%, where attention's q k^T has K = HS = 32.
+template <int R, bool kAllRows, class Src>
 [[gnu::always_inline]] inline void dot_block(float* y, int64_t ldy, const float* a, int64_t lda,
-                                             const float* w, int64_t row_step, int64_t chunk_step,
-                                             int64_t rows, int64_t K, int64_t i0, int64_t i1,
-                                             float alpha, float beta) {
+                                             const Src& src, int64_t rows, int64_t K, int64_t i0,
+                                             int64_t i1, float alpha, float beta) {
   __m512 acc[R][kRows];
   for (auto& row : acc)
     for (auto& v : row) v = _mm512_setzero_ps();
-  // Chunk c of every row; with `masked` (a bool_constant) only the columns under `cols`.
-  auto chunk = [&](int64_t c, auto masked, __mmask16 cols) {
-    auto load = [&](const float* p) {
-      return masked() ? _mm512_maskz_loadu_ps(cols, p) : _mm512_loadu_ps(p);
-    };
+  // Chunk c of every row: odd and masked are bool_constants (only the columns under `cols`).
+  auto chunk = [&](int64_t c, auto odd, auto masked, __mmask16 cols) {
     __m512 x[R];
-    for (int r = 0; r < R; ++r) x[r] = load(a + r * lda + c * kCols);
+    for (int r = 0; r < R; ++r) {
+      const float* p = a + r * lda + c * kCols;
+      x[r] = masked() ? _mm512_maskz_loadu_ps(cols, p) : _mm512_loadu_ps(p);
+    }
     for (int i = 0; i < kRows && (kAllRows || i < rows); ++i) {
-      const __m512 wv = load(w + i * row_step + c * chunk_step);
+      const __m512 wv = src.template load<odd(), masked()>(i, c, cols);
       for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(wv, x[r], acc[r][i]);
     }
   };
+  const std::false_type even, whole;
+  const std::true_type odd, part;
   const int64_t full = K / kCols;
-  for (int64_t c = 0; c < full; ++c) chunk(c, std::false_type(), 0);
-  if (K % kCols != 0)
-    chunk(full, std::true_type(), static_cast<__mmask16>((1u << (K % kCols)) - 1));
+  const auto tail = static_cast<__mmask16>((1u << (K % kCols)) - 1);
+  int64_t c = 0;
+  for (; c + 2 <= full; c += 2) {
+    chunk(c, even, whole, 0);
+    chunk(c + 1, odd, whole, 0);
+  }
+  if (c < full) {
+    chunk(c, even, whole, 0);
+    if (K % kCols != 0) chunk(c + 1, odd, part, tail);
+  } else if (K % kCols != 0) {
+    chunk(c, even, part, tail);
+  }
   for (int r = 0; r < R; ++r) {
     alignas(64) float dot[16];
     _mm512_store_ps(dot, sum_lanes8(acc[r]));
@@ -94,10 +132,11 @@ void dot_rows(int64_t n0, int64_t n1, int64_t K, float alpha, const float* w, in
               const float* a, float beta, float* y) {
   for (int64_t n = n0; n < n1; n += kRows) {
     const int64_t rows = std::min(kRows, n1 - n);
+    const F32Rows src{w + n * ldw, ldw, kCols};
     if (rows == kRows)  // with a fixed row count the accumulators stay in registers
-      dot_block<1, true>(y + n, 0, a, 0, w + n * ldw, ldw, kCols, rows, K, 0, rows, alpha, beta);
+      dot_block<1, true>(y + n, 0, a, 0, src, rows, K, 0, rows, alpha, beta);
     else
-      dot_block<1, false>(y + n, 0, a, 0, w + n * ldw, ldw, kCols, rows, K, 0, rows, alpha, beta);
+      dot_block<1, false>(y + n, 0, a, 0, src, rows, K, 0, rows, alpha, beta);
   }
 }
 
@@ -124,12 +163,46 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
 constexpr int64_t kPackTileRows = 3;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The packed products of both forms, block by block: `block_src(nb)` is the dot_block source
+// of block nb. A block is read once from memory and again from L1/L2 for each further tile of
+// kPackTileRows rows of a.
+template <class BlockSrc>
+void packed_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc block_src,
+                   int64_t M, int64_t K, int64_t n0, int64_t n1, float beta) {
+  for (int64_t nb = n0 / kRows; nb * kRows < n1; ++nb) {
+    const auto src = block_src(nb);
+    // This block's rows of [n0, n1), relative to its first.
+    const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
+    const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
+    float* yb = y + nb * kRows;
+    for (int64_t m = 0; m < M; m += kPackTileRows) {
+      auto tile = [&](auto rows_of_a) {  // an integral_constant: the tile's rows of a
+        dot_block<rows_of_a(), true>(yb + m * ldy, ldy, a + m * lda, lda, src, kRows, K, i0, i1,
+                                     1.0f, beta);
+      };
+      switch (std::min(kPackTileRows, M - m)) {
+        case 1:
+          tile(std::integral_constant<int, 1>());
+          break;
+        case 2:
+          tile(std::integral_constant<int, 2>());
+          break;
+        default:
+          tile(std::integral_constant<int, 3>());
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
 
 #if defined(__AVX512F__)
 int64_t packed_weight_size(int64_t N, int64_t K) { return round_up(N, kRows) * round_up(K, kCols); }
+int64_t packed_weight_bf16_size(int64_t N, int64_t K) {
+  return round_up(N, kRows) * round_up(K, 2 * kCols);
+}
 
 // packed (ceil(N / 8), ceil(K / 16), 8, 16): block nb, chunk c, row i, column j holds
 // w[8 nb + i, 16 c + j].
@@ -146,41 +219,59 @@ void pack_weight(float* packed, const float* w, int64_t N, int64_t K) {
       }
 }
 
-// Block by block; a block is read once from memory and again from L1/L2 for each further tile
-// of kPackTileRows rows of a.
+// packed (ceil(N / 8), ceil(K / 32), 8, 16, 2): block nb, pair p, row i, word j holds
+// w[8 nb + i, 32 p + j] then w[8 nb + i, 32 p + 16 + j] (the low half of the little-endian
+// word first), rounded to nearest even.
+void pack_weight(uint16_t* packed, const float* w, int64_t N, int64_t K) {
+  const int64_t pairs = round_up(K, 2 * kCols) / (2 * kCols);
+  for (int64_t nb = 0; nb * kRows < N; ++nb)
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t i = 0; i < kRows; ++i) {
+        uint16_t* out = packed + ((nb * pairs + p) * kRows + i) * 2 * kCols;
+        const int64_t n = nb * kRows + i;
+        auto at = [&](int64_t k) -> uint16_t {
+          return n < N && k < K ? f32_to_bf16(w[n * K + k]) : uint16_t{0};
+        };
+        for (int64_t j = 0; j < kCols; ++j) {
+          out[2 * j] = at(2 * kCols * p + j);
+          out[2 * j + 1] = at(2 * kCols * p + kCols + j);
+        }
+      }
+}
+
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
                  int64_t K, int64_t n0, int64_t n1, float beta) {
-  const int64_t block_floats = round_up(K, kCols) * kRows;
-  for (int64_t nb = n0 / kRows; nb * kRows < n1; ++nb) {
-    const float* block = packed + nb * block_floats;
-    // This block's rows of [n0, n1), relative to its first.
-    const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
-    const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
-    float* yb = y + nb * kRows;
-    for (int64_t m = 0; m < M; m += kPackTileRows) {
-      auto tile = [&](auto rows_of_a) {  // an integral_constant: the tile's rows of a
-        dot_block<rows_of_a(), true>(yb + m * ldy, ldy, a + m * lda, lda, block, kCols,
-                                     kRows * kCols, kRows, K, i0, i1, 1.0f, beta);
-      };
-      switch (std::min(kPackTileRows, M - m)) {
-        case 1:
-          tile(std::integral_constant<int, 1>());
-          break;
-        case 2:
-          tile(std::integral_constant<int, 2>());
-          break;
-        default:
-          tile(std::integral_constant<int, 3>());
-      }
-    }
-  }
+  const int64_t block = round_up(K, kCols) * kRows;
+  packed_blocks(
+      y, ldy, a, lda,
+      [&](int64_t nb) {
+        return F32Rows{packed + nb * block, kCols, kRows * kCols};
+      },
+      M, K, n0, n1, beta);
+}
+
+void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
+                 int64_t M, int64_t K, int64_t n0, int64_t n1, float beta) {
+  const int64_t block = round_up(K, 2 * kCols) * kRows;  // bf16 values
+  const auto* words = reinterpret_cast<const uint32_t*>(packed);
+  packed_blocks(
+      y, ldy, a, lda, [&](int64_t nb) { return Bf16Pairs{words + nb * block / 2}; }, M, K, n0, n1,
+      beta);
 }
 #else
 int64_t packed_weight_size(int64_t, int64_t) { return 0; }
+int64_t packed_weight_bf16_size(int64_t, int64_t) { return 0; }
 void pack_weight(float*, const float*, int64_t, int64_t) {
   KVLAB_ASSERT(false, "pack_weight: this build has no packed kernel (packed_weight_size is 0)");
 }
+void pack_weight(uint16_t*, const float*, int64_t, int64_t) {
+  KVLAB_ASSERT(false, "pack_weight: this build has no packed kernel (packed_weight_size is 0)");
+}
 void gemm_packed(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                 int64_t, float) {
+  KVLAB_ASSERT(false, "gemm_packed: this build has no packed kernel (packed_weight_size is 0)");
+}
+void gemm_packed(float*, int64_t, const float*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
                  int64_t, float) {
   KVLAB_ASSERT(false, "gemm_packed: this build has no packed kernel (packed_weight_size is 0)");
 }

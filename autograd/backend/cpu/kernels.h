@@ -32,16 +32,24 @@ void gemm_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T
 // N and column K), so that a product reads one sequential stream instead of eight rows at
 // once, and reads it once for all the rows. Each y[m, n] is summed in the order of gemm's
 // one-row path, so the two give the same bits, and a row's result does not depend on the
-// others. packed_weight_size is 0 where there is no kernel for it (no AVX-512): callers then
-// keep to gemm.
-// Floats of the packed form of a (N, K) weight.
+// others. The bf16 form holds the values rounded to bf16 in half the bytes, two chunks to a
+// 64-byte line (the low and high halves of its words), widened exactly as they are read: on
+// a weight whose values are all bf16 it gives the same bits as the f32 form.
+// packed_weight_size is 0 where there is no kernel for it (no AVX-512): callers then keep to
+// gemm.
+// Elements of the packed forms of a (N, K) weight: floats, and bf16 values.
 int64_t packed_weight_size(int64_t N, int64_t K);
+int64_t packed_weight_bf16_size(int64_t N, int64_t K);
 // packed (packed_weight_size(N, K)) = w (N, K), contiguous, in the packed form.
 void pack_weight(float* packed, const float* w, int64_t N, int64_t K);
+// packed (packed_weight_bf16_size(N, K)) = w rounded to bf16 (nearest even), in the bf16 form.
+void pack_weight(uint16_t* packed, const float* w, int64_t N, int64_t K);
 // y[m, n] = dot(w[n, :], a[m, :]) + beta * y[m, n] for m < M and n in [n0, n1): y (M, ldy),
-// a (M, K at stride lda), w packed by pack_weight.
+// a (M, K at stride lda), w packed by pack_weight in either form.
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
                  int64_t K, int64_t n0, int64_t n1, float beta);
+void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
+                 int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
 
 // ---- elementwise ----
 // out (sizes, contiguous) = a op b, where a and b are read through broadcast strides (0 on a

@@ -1,6 +1,7 @@
 // backend/cpu/gemm.cpp: products against a packed weight, which must equal gemm's one-row
 // path bit for bit, row by row, whatever the number of rows (the fused decode step relies on
-// it to match the op path at batch 1, and on a row's result not depending on the others).
+// it to match the op path at batch 1, and on a row's result not depending on the others);
+// from the bf16 form, on the weight rounded to bf16.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -8,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/random.h"
 
@@ -28,41 +30,63 @@ std::vector<uint32_t> bits(const std::vector<float>& v) {
 }
 
 // (N, K, M): whole blocks, a short last block of rows, K with and without a 16-column tail,
-// one row, one column; 1 to 7 rows of a (whole tiles of three rows, and the last tile of
-// one or two).
+// and for the bf16 form's pairs of chunks: K = 40 ends on a lone short chunk, 48 on a lone
+// whole one, 56 on a whole and a short one, 17 within one pair; one row, one column; 1 to 7
+// rows of a (whole tiles of three rows, and the last tile of one or two).
 class GemmPacked
-    : public ::testing::TestWithParam<std::tuple<std::pair<int64_t, int64_t>, int64_t>> {};
+    : public ::testing::TestWithParam<std::tuple<std::pair<int64_t, int64_t>, int64_t>> {
+ protected:
+  // gemm_packed against `packed` (pack_weight of w into a buffer of `size` Packed, poisoned
+  // first: padding read as anything but zero would show in the sums) equals the one-row gemm
+  // on `w_exact`, bit for bit, on every range of rows.
+  template <class Packed>
+  void check(const std::vector<float>& w, const std::vector<float>& w_exact, int64_t size,
+             Packed poison) {
+    const auto [NK, M] = GetParam();
+    const auto [N, K] = NK;
+    Generator gen(static_cast<uint64_t>((N * 1000 + K) * 10 + M));
+    // a and y at strides wider than their rows, as the decode step's (B, C) slices can be; a
+    // ends with its last row, and the gaps between its rows hold NaN: a read past a row's K
+    // columns (the 16-column tail) would poison the sums.
+    const int64_t lda = K + 3, ldy = N + 5;
+    std::vector<float> a = random_floats((M - 1) * lda + K, gen);
+    for (int64_t m = 0; m + 1 < M; ++m)
+      std::fill_n(a.begin() + m * lda + K, lda - K, std::numeric_limits<float>::quiet_NaN());
+    const std::vector<float> y0 = random_floats(M * ldy, gen);
+    std::vector<Packed> packed(static_cast<size_t>(size), poison);
+    cpu::pack_weight(packed.data(), w.data(), N, K);
+    // Ranges that start and end inside 8-row blocks, as the threads' shares of q/k/v do.
+    const std::vector<std::pair<int64_t, int64_t>> ranges = {
+        {0, N}, {0, N / 2}, {N / 2, N}, {N / 3, N - N / 3}, {N - 1, N}};
+    for (const auto& [n0, n1] : ranges)
+      for (const float beta : {0.0f, 1.0f}) {
+        std::vector<float> expect = y0, got = y0;
+        for (int64_t m = 0; m < M && n1 > n0; ++m)
+          cpu::gemm<float>(false, true, 1, n1 - n0, K, 1.0f, a.data() + m * lda, lda,
+                           w_exact.data() + n0 * K, K, beta, expect.data() + m * ldy + n0, ldy);
+        cpu::gemm_packed(got.data(), ldy, a.data(), lda, packed.data(), M, K, n0, n1, beta);
+        EXPECT_EQ(bits(got), bits(expect)) << "rows [" << n0 << ", " << n1 << "), beta " << beta;
+      }
+  }
+};
 
 TEST_P(GemmPacked, EqualsTheOneRowGemmRowByRowOnEveryRange) {
-  const auto [NK, M] = GetParam();
-  const auto [N, K] = NK;
+  const auto [N, K] = std::get<0>(GetParam());
   if (cpu::packed_weight_size(N, K) == 0) GTEST_SKIP() << "no packed kernel in this build";
-  Generator gen(static_cast<uint64_t>((N * 1000 + K) * 10 + M));
-  // a and y at strides wider than their rows, as the decode step's (B, C) slices can be; a
-  // ends with its last row, and the gaps between its rows hold NaN: a read past a row's K
-  // columns (the 16-column tail) would poison the sums.
-  const int64_t lda = K + 3, ldy = N + 5;
+  Generator gen(static_cast<uint64_t>(N * 1000 + K));
   const std::vector<float> w = random_floats(N * K, gen);
-  std::vector<float> a = random_floats((M - 1) * lda + K, gen);
-  for (int64_t m = 0; m + 1 < M; ++m)
-    std::fill_n(a.begin() + m * lda + K, lda - K, std::numeric_limits<float>::quiet_NaN());
-  const std::vector<float> y0 = random_floats(M * ldy, gen);
-  // Poisoned as well: padding read as anything but zero would show in the sums.
-  std::vector<float> packed(static_cast<size_t>(cpu::packed_weight_size(N, K)),
-                            std::numeric_limits<float>::quiet_NaN());
-  cpu::pack_weight(packed.data(), w.data(), N, K);
-  // Ranges that start and end inside 8-row blocks, as the threads' shares of q/k/v do.
-  const std::vector<std::pair<int64_t, int64_t>> ranges = {
-      {0, N}, {0, N / 2}, {N / 2, N}, {N / 3, N - N / 3}, {N - 1, N}};
-  for (const auto& [n0, n1] : ranges)
-    for (const float beta : {0.0f, 1.0f}) {
-      std::vector<float> expect = y0, got = y0;
-      for (int64_t m = 0; m < M && n1 > n0; ++m)
-        cpu::gemm<float>(false, true, 1, n1 - n0, K, 1.0f, a.data() + m * lda, lda,
-                         w.data() + n0 * K, K, beta, expect.data() + m * ldy + n0, ldy);
-      cpu::gemm_packed(got.data(), ldy, a.data(), lda, packed.data(), M, K, n0, n1, beta);
-      EXPECT_EQ(bits(got), bits(expect)) << "rows [" << n0 << ", " << n1 << "), beta " << beta;
-    }
+  check(w, w, cpu::packed_weight_size(N, K), std::numeric_limits<float>::quiet_NaN());
+}
+
+TEST_P(GemmPacked, Bf16FormEqualsTheOneRowGemmOnTheRoundedWeight) {
+  const auto [N, K] = std::get<0>(GetParam());
+  if (cpu::packed_weight_bf16_size(N, K) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  Generator gen(static_cast<uint64_t>(N * 1000 + K));
+  const std::vector<float> w = random_floats(N * K, gen);
+  std::vector<float> rounded(w.size());
+  for (size_t i = 0; i < w.size(); ++i) rounded[i] = cpu::bf16_to_f32(cpu::f32_to_bf16(w[i]));
+  ASSERT_NE(bits(rounded), bits(w));  // the packing must round: the sums would differ
+  check(w, rounded, cpu::packed_weight_bf16_size(N, K), uint16_t{0x7fc0});  // NaN
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -71,7 +95,8 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(std::pair<int64_t, int64_t>{64, 256}, std::pair<int64_t, int64_t>{67, 64},
                           std::pair<int64_t, int64_t>{13, 40}, std::pair<int64_t, int64_t>{8, 17},
                           std::pair<int64_t, int64_t>{1, 5}, std::pair<int64_t, int64_t>{9, 1},
-                          std::pair<int64_t, int64_t>{100, 1024}),
+                          std::pair<int64_t, int64_t>{100, 1024},
+                          std::pair<int64_t, int64_t>{24, 48}, std::pair<int64_t, int64_t>{13, 56}),
         ::testing::Values(1, 2, 3, 5, 7)),
     [](const auto& info) {
       std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
