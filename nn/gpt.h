@@ -104,13 +104,27 @@ class GPT : public Module {
   // region (gpt_decode.cpp); false runs them op by op, as the tests and benchmarks compare.
   bool fused_cpu_decode = true;
   // Packs the matrices of the fused decode step (1-2 ms for 20 MB of weights; the buffers are
-  // kept for the next call). Engine::generate holds one for each call.
+  // kept for the next call). Engine::generate holds one for each call. A matrix whose values
+  // are all bf16 is packed in the bf16 form: half the bytes, the same results.
   [[nodiscard]] DecodePackGuard pack_for_decode();
+  // Rounds the matrices of the products (each block's six and the LM head, which tied is the
+  // token table) to bf16 in place, to nearest even; biases, LayerNorms and the position table
+  // stay f32. The model is then one with bf16 matrices on every path and device, and the
+  // fused CPU decode reads them in half the bytes.
+  void round_matrices_to_bf16();
+  // Bytes of weights a decode step reads: every parameter but the position table and, when
+  // the LM head is a matrix of its own, the token table (a row of each); at 2 bytes an element
+  // for the matrices the fused CPU step packs as bf16, 4 for the rest.
+  int64_t decode_weight_bytes() const;
 
  private:
   friend class DecodePackGuard;
   // Whether a cached step of T = 1 on this model runs fused (decode_step_cpu).
   bool fused_decode_applies() const;
+  // Whether pack_for_decode packs (the fused step applies and this build has the kernel).
+  bool packing_applies() const;
+  // The matrices the fused step reads packed, in decode_pack_'s order.
+  std::vector<const Tensor*> decode_matrices() const;
   // The fused decode step: tokens (B, 1) and positions (B, 1) on the host, the cache's rows
   // already checked for room. Appends to every layer's cache; returns logits (B, 1, V).
   Tensor decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& cache);
@@ -118,9 +132,10 @@ class GPT : public Module {
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
-  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head, each
-  // (packed_weight_size(out, in)) in cpu::pack_weight's form; read while a DecodePackGuard
-  // lives (decode_pack_users_ of them).
+  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head, each in one of
+  // cpu::pack_weight's forms: f32 (packed_weight_size(out, in)) or, for a matrix whose values
+  // are all bf16, bf16 (packed_weight_bf16_size); read while a DecodePackGuard lives
+  // (decode_pack_users_ of them).
   std::vector<Tensor> decode_pack_;
   int decode_pack_users_ = 0;
 };

@@ -17,7 +17,9 @@
 // sequential stream each (cpu::pack_weight), once for all the batch's rows: faster than
 // row-major weights at batch 1 and much faster than the BLAS at a few rows
 // (docs/benchmarks.md). Engine::generate packs at the start of each call (1-2 ms for 20 MB),
-// so weights changed between calls are always seen.
+// so weights changed between calls are always seen. A matrix whose values are all bf16
+// (GPT::round_matrices_to_bf16) is packed in bf16, which batch-1 decode, bound by reading
+// the weights, reads in half the bytes for the same results.
 //
 // This writes the block's forward a second time, for this one case; the op path (the modules'
 // forward) stays the reference, and the tests compare the two at every step.
@@ -39,18 +41,21 @@ namespace kvlab {
 
 namespace {
 
-// A product's f32 weight (out, in), bias (out, or null) and, while packed, the weight in
-// cpu::pack_weight's form, taken before the parallel region: nothing inside it may throw.
+// A product's f32 weight (out, in), bias (out, or null) and, while packed, the weight in one
+// of cpu::pack_weight's forms (f32, or bf16 values), taken before the parallel region:
+// nothing inside it may throw.
 struct LinearRef {
   const float* w;
   const float* b;
   int64_t in;
-  const float* packed;
+  const void* packed;
+  bool packed_bf16;
   LinearRef(const Tensor& weight, const Tensor* bias, const Tensor* pack)
       : w(weight.data<float>()),
         b(bias != nullptr && bias->defined() ? bias->data<float>() : nullptr),
         in(weight.size(1)),
-        packed(pack != nullptr ? pack->data<float>() : nullptr) {}
+        packed(pack != nullptr ? pack->raw_data() : nullptr),
+        packed_bf16(pack != nullptr && pack->dtype() == DType::BF16) {}
   LinearRef(const Linear& l, const Tensor* pack) : LinearRef(l.weight, &l.bias, pack) {}
 };
 
@@ -103,8 +108,12 @@ void linear_rows(float* y, int64_t ldy, const float* x, int64_t B, const LinearR
   if (lin.b != nullptr)
     for (int64_t b = 0; b < B; ++b) std::copy(lin.b + lo, lin.b + hi, y + b * ldy + lo);
   const float beta = lin.b != nullptr ? 1.0f : 0.0f;
-  if (lin.packed != nullptr)
-    cpu::gemm_packed(y, ldy, x, lin.in, lin.packed, B, lin.in, lo, hi, beta);
+  if (lin.packed_bf16)
+    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const uint16_t*>(lin.packed), B, lin.in, lo, hi,
+                     beta);
+  else if (lin.packed != nullptr)
+    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const float*>(lin.packed), B, lin.in, lo, hi,
+                     beta);
   else
     cpu::gemm<float>(false, true, B, hi - lo, lin.in, 1.0f, x, lin.in, lin.w + lo * lin.in, lin.in,
                      beta, y + lo, ldy);
@@ -192,36 +201,69 @@ bool GPT::fused_decode_applies() const {
   return fused_cpu_decode && wte.weight.device() == Device::CPU && wte.weight.dtype() == DType::F32;
 }
 
-DecodePackGuard GPT::pack_for_decode() {
-  if (!fused_decode_applies() || cpu::packed_weight_size(1, 1) == 0) return {};
-  std::vector<const Tensor*> weights;  // in decode_pack_'s order
+bool GPT::packing_applies() const {
+  return fused_decode_applies() && cpu::packed_weight_size(1, 1) > 0;
+}
+
+std::vector<const Tensor*> GPT::decode_matrices() const {
+  std::vector<const Tensor*> m;
   for (const auto& blk : blocks)
-    for (const Linear* l : block_linears(*blk)) weights.push_back(&l->weight);
-  weights.push_back(&lm_head_weight());
+    for (const Linear* l : block_linears(*blk)) m.push_back(&l->weight);
+  m.push_back(&lm_head_weight());
+  return m;
+}
+
+DecodePackGuard GPT::pack_for_decode() {
+  if (!packing_applies()) return {};
+  const std::vector<const Tensor*> weights = decode_matrices();
+  const auto count = static_cast<int64_t>(weights.size());
+  std::vector<char> bf16(weights.size());  // which matrices take the bf16 form
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& w = *weights[static_cast<size_t>(i)];
+    bf16[static_cast<size_t>(i)] = cpu::all_bf16(w.data<float>(), w.numel());
+  }
   // Buffers (reused while the sizes fit) and the weights' pointers are taken before the
   // parallel region: nothing inside it may throw.
-  struct Job {
-    float* packed;
-    const float* w;
-    int64_t N, K;
-  };
-  std::vector<Job> jobs;
   decode_pack_.resize(weights.size());
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = *weights[i];
-    const int64_t n = cpu::packed_weight_size(w.size(0), w.size(1));
-    if (!decode_pack_[i].defined() || decode_pack_[i].numel() != n)
-      decode_pack_[i] = Tensor::empty({n});
-    jobs.push_back({decode_pack_[i].data<float>(), w.data<float>(), w.size(0), w.size(1)});
+    const DType form = bf16[i] ? DType::BF16 : DType::F32;
+    const int64_t n = bf16[i] ? cpu::packed_weight_bf16_size(w.size(0), w.size(1))
+                              : cpu::packed_weight_size(w.size(0), w.size(1));
+    Tensor& p = decode_pack_[i];
+    if (!p.defined() || p.numel() != n || p.dtype() != form) p = Tensor::empty({n}, form);
   }
-  const int64_t count = static_cast<int64_t>(jobs.size());
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) {
-    const Job& j = jobs[static_cast<size_t>(i)];
-    cpu::pack_weight(j.packed, j.w, j.N, j.K);
+    const Tensor& w = *weights[static_cast<size_t>(i)];
+    const Tensor& p = decode_pack_[static_cast<size_t>(i)];
+    if (p.dtype() == DType::BF16)
+      cpu::pack_weight(static_cast<uint16_t*>(p.raw_data()), w.data<float>(), w.size(0), w.size(1));
+    else
+      cpu::pack_weight(p.data<float>(), w.data<float>(), w.size(0), w.size(1));
   }
   ++decode_pack_users_;
   return DecodePackGuard(this);
+}
+
+void GPT::round_matrices_to_bf16() {
+  for (const Tensor* m : decode_matrices()) {
+    Tensor w = *m;  // a handle on the same storage
+    w.copy_from(w.to(DType::BF16));
+  }
+}
+
+int64_t GPT::decode_weight_bytes() const {
+  const int64_t tables = wpe.weight.numel() + (lm_head ? wte.weight.numel() : 0);
+  int64_t matrices = 0, bytes = 0;
+  const bool packs = packing_applies();
+  for (const Tensor* w : decode_matrices()) {
+    const bool half = packs && cpu::all_bf16(w->data<float>(), w->numel());
+    matrices += w->numel();
+    bytes += w->numel() * (half ? 2 : 4);
+  }
+  return bytes + (num_parameters() - tables - matrices) * 4;
 }
 
 DecodePackGuard::~DecodePackGuard() {

@@ -272,33 +272,43 @@ std::vector<float> step_logits(GPT& model, bool fused, const std::vector<int32_t
 }
 
 // (odd sizes, n_kv_head, threads, rows)
-class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, int, int64_t>> {};
+class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, int, int64_t>> {
+ protected:
+  // Twelve packed fused steps against the op path, from prompts of 3, 4, 5... tokens; with
+  // bf16_matrices the model's matrices are rounded first and packed in the bf16 form.
+  void check(bool bf16_matrices) {
+    const auto [odd, nkv, threads, B] = GetParam();
+    const ThreadCount tc(threads);
+    auto model = test::random_model(odd ? odd_config(nkv) : decode_config(nkv), 5);
+    if (bf16_matrices) model->round_matrices_to_bf16();
+    const GPTConfig& c = model->config();
+    NoGradGuard no_grad;
+    ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size());
+    ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size());
+    Generator gen(23);
+    model->fused_cpu_decode = false;
+    for (int64_t b = 0; b < B; ++b)  // op by op into both caches
+      for (int64_t i = 0; i < 3 + b; ++i) {
+        const Tensor t = random_tokens(gen, c.vocab_size, 1);
+        model->forward(t, &fused.rows(b, 1), true);
+        model->forward(t, &plain.rows(b, 1), true);
+      }
+    model->fused_cpu_decode = true;
+    const DecodePackGuard pack = model->pack_for_decode();
+    std::vector<Tensor> tokens;
+    for (int step = 0; step < 12; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, B));
+    const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+    EXPECT_GT(d.scale, 1.0);
+    EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;
+    expect_same_cache(fused, plain, c.n_layer, 1e-5);
+  }
+};
 
-TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) {
-  const auto [odd, nkv, threads, B] = GetParam();
-  const ThreadCount tc(threads);
-  auto model = test::random_model(odd ? odd_config(nkv) : decode_config(nkv), 5);
-  const GPTConfig& c = model->config();
-  NoGradGuard no_grad;
-  ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size());
-  ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size());
-  Generator gen(23);
-  model->fused_cpu_decode = false;
-  for (int64_t b = 0; b < B; ++b)  // prompts of 3, 4, 5... tokens, op by op into both caches
-    for (int64_t i = 0; i < 3 + b; ++i) {
-      const Tensor t = random_tokens(gen, c.vocab_size, 1);
-      model->forward(t, &fused.rows(b, 1), true);
-      model->forward(t, &plain.rows(b, 1), true);
-    }
-  model->fused_cpu_decode = true;
-  const DecodePackGuard pack = model->pack_for_decode();
-  std::vector<Tensor> tokens;
-  for (int step = 0; step < 12; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, B));
-  const StepDiff d = fused_against_op(*model, fused, plain, tokens);
-  EXPECT_GT(d.scale, 1.0);
-  EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;
-  expect_same_cache(fused, plain, c.n_layer, 1e-5);
-}
+TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) { check(false); }
+
+// The bf16 form gives the f32 form's bits on bf16 values (test_gemm.cpp), so the same bound
+// holds; the sizes put the products' K (40, 64, 100, 256) at every kind of 32-column tail.
+TEST_P(PackedDecode, Bf16MatricesEqualOpByOpAtEveryStep) { check(true); }
 
 INSTANTIATE_TEST_SUITE_P(OddNkvThreadsRows, PackedDecode,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(4, 2, 1),
@@ -364,6 +374,47 @@ TEST(PackedDecode, GuardsNest) {
   EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), now), 0.1);  // still the copies
   outer.reset();
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), now), 1e-5 * max_abs(now));
+}
+
+// round_matrices_to_bf16 rounds the six matrices of each block and the (tied) LM head to
+// nearest even bf16 and nothing else; a decode step then reads them at 2 bytes an element.
+TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
+  auto model = test::random_model(odd_config(2), 5);
+  const GPTConfig& c = model->config();
+  ASSERT_TRUE(c.tied);
+  std::vector<std::vector<float>> before;
+  for (const Tensor& p : model->parameters()) before.push_back(p.to_vector<float>());
+  const int64_t f32_bytes = model->decode_weight_bytes();
+  model->round_matrices_to_bf16();
+  std::vector<Tensor> matrices;
+  for (const auto& b : model->blocks)
+    for (const Linear* l : {&b->attn.q_proj, &b->attn.k_proj, &b->attn.v_proj, &b->attn.c_proj,
+                            &b->mlp.c_fc, &b->mlp.c_proj})
+      matrices.push_back(l->weight);
+  matrices.push_back(model->wte.weight);
+  int64_t rounded_elements = 0, others = 0;
+  const std::vector<Tensor> params = model->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool matrix = std::any_of(matrices.begin(), matrices.end(), [&](const Tensor& m) {
+      return m.raw_data() == params[i].raw_data();
+    });
+    const std::vector<float> now = params[i].to_vector<float>();
+    for (size_t j = 0; j < now.size(); ++j) {
+      const float expect = matrix ? cpu::bf16_to_f32(cpu::f32_to_bf16(before[i][j])) : before[i][j];
+      ASSERT_EQ(std::memcmp(&now[j], &expect, 4), 0) << "parameter " << i << " element " << j;
+    }
+    (matrix ? rounded_elements : others) += params[i].numel();
+  }
+  int64_t matrix_elements = 0;
+  for (const Tensor& m : matrices) matrix_elements += m.numel();
+  EXPECT_EQ(rounded_elements, matrix_elements);           // every matrix is a parameter, once
+  const int64_t rest = others - c.block_size * c.n_embd;  // the position table is not read
+  EXPECT_EQ(f32_bytes, 4 * (matrix_elements + rest));
+  model->fused_cpu_decode = true;
+  const bool packs = cpu::packed_weight_bf16_size(1, 1) > 0;
+  EXPECT_EQ(model->decode_weight_bytes(), (packs ? 2 : 4) * matrix_elements + 4 * rest);
+  model->fused_cpu_decode = false;  // the op path reads the f32 storage
+  EXPECT_EQ(model->decode_weight_bytes(), f32_bytes);
 }
 
 // A cache whose views the fused step cannot write or read (f64 views, from the cache's own

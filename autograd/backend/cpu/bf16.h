@@ -21,4 +21,15 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Whether every value of x (n) is a bf16 value (its low 16 bits zero): narrowing is exact.
+inline bool all_bf16(const float* x, int64_t n) {
+  uint32_t low = 0;  // no early exit, so that the loop vectorises
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    low |= bits & 0xffffu;
+  }
+  return low == 0;
+}
+
 }  // namespace kvlab::cpu
