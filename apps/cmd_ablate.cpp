@@ -74,7 +74,7 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.seeds = a.seeds;
   cfg.param_matched = a.param_matched;
   cfg.kv_budget_bytes = a.kv_budget;
-  cfg.kv_dtype = parse_kv_dtype(a.kv_dtype);
+  cfg.kv_dtype = parse_storage_dtype(a.kv_dtype);
   cfg.prompts = a.prompts;
   cfg.sample_tokens = a.sample_tokens;
   cfg.bench_runs = a.bench_runs;

@@ -38,7 +38,7 @@ struct BenchArgs {
   int runs = 3;
   bool skip_no_cache = false;
   bool op_by_op = false;
-  std::string device = "cpu", dtype = "f32", kv_dtype = "f32";
+  std::string device = "cpu", dtype = "f32", kv_dtype = "f32", weight_dtype = "f32";
   uint64_t seed = 0;
   std::string json_path;
 };
@@ -53,12 +53,14 @@ void print_generate_table(const json& g) {
   const json& m = g["model"];
   std::printf(
       "\nkvlab bench generate: %lld layers, %lld heads, %lld kv heads, n_embd %lld, block %lld, "
-      "vocab %lld (%.2fM parameters, %s f32)\n%d threads, prompt %lld tokens, greedy, batch %lld, "
-      "median of %d runs after one warm-up\n\n",
+      "vocab %lld (%.2fM parameters, %s f32; %s matrices, a decode step reads %s of "
+      "weights)\n%d threads, prompt %lld tokens, greedy, batch %lld, median of %d runs after one "
+      "warm-up\n\n",
       m["n_layer"].get<long long>(), m["n_head"].get<long long>(), m["n_kv_head"].get<long long>(),
       m["n_embd"].get<long long>(), m["block_size"].get<long long>(),
       m["vocab_size"].get<long long>(), m["parameters"].get<double>() / 1e6,
-      mib(m["weight_bytes"].get<double>()).c_str(), g["threads"].get<int>(),
+      mib(m["weight_bytes"].get<double>()).c_str(), g["weight_dtype"].get<std::string>().c_str(),
+      mib(m["decode_weight_bytes"].get<double>()).c_str(), g["threads"].get<int>(),
       g["prompt_tokens"].get<long long>(), g["batch"].get<long long>(), g["runs"].get<int>());
   const json& rs = g["results"];
   auto row = [&](const char* label, auto cell) {
@@ -154,7 +156,7 @@ void print_cache_report(const json& rep, const json& speed, DType dtype, int64_t
 void run_bench_generate(BenchArgs& a) {
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
-  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
+  const DType kv_dtype = parse_storage_dtype(a.kv_dtype);
   KVLAB_USAGE_CHECK(a.runs >= 1, "--runs must be >= 1, got ", a.runs);
   KVLAB_USAGE_CHECK(a.prompt_tokens >= 1, "--prompt-tokens must be >= 1, got ", a.prompt_tokens);
   KVLAB_USAGE_CHECK(a.batch >= 1, "--batch must be >= 1, got ", a.batch);
@@ -199,6 +201,7 @@ void run_bench_generate(BenchArgs& a) {
   o.seed = a.seed;
   o.device = device;
   o.cache_dtype = kv_dtype;
+  o.weight_dtype = parse_storage_dtype(a.weight_dtype);
   o.fused_decode = !a.op_by_op;
   o.progress = [](const std::string& line) {
     std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
@@ -258,6 +261,7 @@ void add_bench_command(CLI::App& root) {
                 "Decode on the CPU op by op instead of the fused step (its baseline)");
   add_device_flags(gen, args->device, args->dtype);
   add_kv_dtype_flag(gen, args->kv_dtype);
+  add_weight_dtype_flag(gen, args->weight_dtype);
   gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
       ->capture_default_str();
   gen->add_option("--json", args->json_path, "Write the results as JSON to this file");

@@ -22,6 +22,7 @@ struct GenerateArgs {
   std::string device = "cpu";
   std::string dtype = "f32";
   std::string kv_dtype = "f32";
+  std::string weight_dtype = "f32";
   std::string prompt;
   std::string prompt_file;
   bool has_prompt = false, has_prompt_file = false;
@@ -84,11 +85,12 @@ void run_generate(const GenerateArgs& a) {
   check_args(a);
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
-  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
+  const DType kv_dtype = parse_storage_dtype(a.kv_dtype);
   const std::vector<std::string> prompts = prompts_of(a);
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
   model.to(device);
+  if (parse_storage_dtype(a.weight_dtype) == DType::BF16) model.round_matrices_to_bf16();
   Engine engine(model, loaded.tokenizer, kv_dtype);
 
   GenerateOptions o;
@@ -144,36 +146,36 @@ void run_generate(const GenerateArgs& a) {
                           {"slides", r.slides},
                           {"ttft_ms", r.ttft_s * 1e3}});
     }
-    const json out{
-        {"texts", texts},
-        {"rows", rows},
-        {"timings",
-         {{"ttft_ms", st.ttft_s * 1e3},
-          {"prefill_ms", st.prefill_s * 1e3},
-          {"total_s", st.total_s},
-          {"new_tokens", st.new_tokens},
-          {"tokens_per_s", st.tokens_per_s()},
-          {"decode_tokens_per_s", st.decode_tokens_per_s()},
-          {"tpot_mean_ms", st.tpot_mean_s() * 1e3},
-          {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
-          {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
-        {"cache",
-         {{"enabled", !a.no_cache},
-          {"dtype", a.kv_dtype},
-          {"bytes", st.cache_bytes},
-          {"positions", st.cache_capacity}}},
-        {"sampling",
-         {{"temperature", a.temperature},
-          {"top_k", a.top_k},
-          {"top_p", a.top_p},
-          {"seed", a.seed}}},
-        {"model",
-         {{"n_layer", model.config().n_layer},
-          {"n_head", model.config().n_head},
-          {"n_kv_head", model.config().n_kv_head},
-          {"n_embd", model.config().n_embd},
-          {"block_size", block},
-          {"vocab_size", model.config().vocab_size}}}};
+    const json out{{"texts", texts},
+                   {"rows", rows},
+                   {"timings",
+                    {{"ttft_ms", st.ttft_s * 1e3},
+                     {"prefill_ms", st.prefill_s * 1e3},
+                     {"total_s", st.total_s},
+                     {"new_tokens", st.new_tokens},
+                     {"tokens_per_s", st.tokens_per_s()},
+                     {"decode_tokens_per_s", st.decode_tokens_per_s()},
+                     {"tpot_mean_ms", st.tpot_mean_s() * 1e3},
+                     {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
+                     {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
+                   {"cache",
+                    {{"enabled", !a.no_cache},
+                     {"dtype", a.kv_dtype},
+                     {"bytes", st.cache_bytes},
+                     {"positions", st.cache_capacity}}},
+                   {"sampling",
+                    {{"temperature", a.temperature},
+                     {"top_k", a.top_k},
+                     {"top_p", a.top_p},
+                     {"seed", a.seed}}},
+                   {"model",
+                    {{"n_layer", model.config().n_layer},
+                     {"n_head", model.config().n_head},
+                     {"n_kv_head", model.config().n_kv_head},
+                     {"n_embd", model.config().n_embd},
+                     {"block_size", block},
+                     {"vocab_size", model.config().vocab_size},
+                     {"weight_dtype", a.weight_dtype}}}};
     // A byte tokenizer can produce invalid UTF-8: replace it rather than fail.
     std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
     return;
@@ -205,6 +207,7 @@ void add_generate_command(CLI::App& root) {
       ->required();
   add_device_flags(cmd, args->device, args->dtype);
   add_kv_dtype_flag(cmd, args->kv_dtype);
+  add_weight_dtype_flag(cmd, args->weight_dtype);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =
       cmd->add_option("--prompt-file", args->prompt_file,

@@ -94,8 +94,17 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {
       ->capture_default_str();
 }
 
-DType parse_kv_dtype(const std::string& kv_dtype) {
-  return kv_dtype == "bf16" ? DType::BF16 : DType::F32;
+void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
+  cmd->add_option("--weight-dtype", weight_dtype,
+                  "The products' matrices: f32, or bf16 (rounded to bf16 once, at load, on "
+                  "every path; the fused CPU decode reads them in half the bytes. Biases, "
+                  "LayerNorms and positions stay f32)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+}
+
+DType parse_storage_dtype(const std::string& dtype) {
+  return dtype == "bf16" ? DType::BF16 : DType::F32;
 }
 
 TrainConfig finish_train_flags(const TrainFlags& f) {

@@ -23,7 +23,11 @@ Device parse_device(const std::string& device);
 MatmulPrecision parse_dtype(const std::string& dtype, Device device);
 // --kv-dtype f32|bf16 (generate, bench generate, ablate): the KV cache's element type.
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
-DType parse_kv_dtype(const std::string& kv_dtype);
+// --weight-dtype f32|bf16 (generate, bench generate): the products' matrices, rounded to bf16
+// (GPT::round_matrices_to_bf16) when bf16.
+void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
+// The DType of either flag's value.
+DType parse_storage_dtype(const std::string& dtype);
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

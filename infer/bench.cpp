@@ -127,13 +127,11 @@ double cpu_read_bandwidth(double bytes) {
   return 4.0 * static_cast<double>(n) / best / 1e9;
 }
 
-// Bytes a decode step of `batch` rows reads: every weight but the position table (one row of
-// it) and, when the LM head is a matrix of its own, the token table (one row of it too), once
-// for all the rows, plus each row's cached K and V of every layer at position `pos`.
+// Bytes a decode step of `batch` rows reads: the weights (GPT::decode_weight_bytes) once for
+// all the rows, plus each row's cached K and V of every layer at position `pos`.
 double step_read_bytes(const GPT& model, int64_t kv_elem, double pos, int64_t batch) {
   const GPTConfig& c = model.config();
-  const int64_t tables = c.block_size * c.n_embd + (c.tied ? 0 : c.vocab_size * c.n_embd);
-  return static_cast<double>(model.num_parameters() - tables) * 4.0 +
+  return static_cast<double>(model.decode_weight_bytes()) +
          2.0 * static_cast<double>(batch * c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
 }
 
@@ -166,9 +164,15 @@ std::vector<std::vector<int32_t>> random_prompts(const BenchGenerateOptions& o, 
 json model_json(const GPT& model) {
   const GPTConfig& c = model.config();
   const int64_t params = model.num_parameters();
-  return json{{"n_layer", c.n_layer}, {"n_head", c.n_head},         {"n_kv_head", c.n_kv_head},
-              {"n_embd", c.n_embd},   {"block_size", c.block_size}, {"vocab_size", c.vocab_size},
-              {"parameters", params}, {"weight_bytes", params * 4}};
+  return json{{"n_layer", c.n_layer},
+              {"n_head", c.n_head},
+              {"n_kv_head", c.n_kv_head},
+              {"n_embd", c.n_embd},
+              {"block_size", c.block_size},
+              {"vocab_size", c.vocab_size},
+              {"parameters", params},
+              {"weight_bytes", params * 4},
+              {"decode_weight_bytes", model.decode_weight_bytes()}};
 }
 
 }  // namespace
@@ -197,6 +201,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
     const int64_t m = std::min(n, cap);
     if (std::find(lengths.begin(), lengths.end(), m) == lengths.end()) lengths.push_back(m);
   }
+  if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
   Engine engine(model, tokenizer, o.cache_dtype);
   const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
   const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c.vocab_size);
@@ -206,6 +211,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
            {"prompt_tokens", o.prompt_tokens},
            {"batch", o.batch},
            {"cache_dtype", dtype_name(o.cache_dtype)},
+           {"weight_dtype", dtype_name(o.weight_dtype)},
            {"fused_decode", model.fused_cpu_decode && model.device() == Device::CPU},
            {"runs", o.runs},
            {"sampling", "greedy"},
@@ -300,6 +306,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     model.set_training(false);
     model.fused_cpu_decode = o.fused_decode;
     model.to(o.device);
+    if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
     Engine engine(model, tok, o.cache_dtype);
     GenerateOptions g;
     g.max_new_tokens = n;
@@ -317,6 +324,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["new_tokens"] = n;
     e["cache_bytes"] = bytes;
     e["weights"] = "random";
+    e["weight_dtype"] = dtype_name(o.weight_dtype);
     e["batch"] = o.batch;
     add_bandwidth(e, model, static_cast<int64_t>(dtype_size(o.cache_dtype)),
                   static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);

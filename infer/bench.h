@@ -26,13 +26,17 @@ struct BenchGenerateOptions {
   uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
   Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
   DType cache_dtype = DType::F32;                    // of the KV cache: f32 or bf16
+  // Of the products' matrices: bf16 rounds those of every model measured, the one passed to
+  // bench_generate included (GPT::round_matrices_to_bf16).
+  DType weight_dtype = DType::F32;
   bool fused_decode = true;  // GPT::fused_cpu_decode of bench_decode_by_kv_heads's models
   std::function<void(const std::string&)> progress;  // one line per measured setting
 };
 
 // Greedy generation of options.batch rows from random prompts. JSON:
 //   model {n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size, parameters,
-//          weight_bytes}, threads, prompt_tokens, batch, runs,
+//          weight_bytes (f32 storage), decode_weight_bytes (GPT::decode_weight_bytes)},
+//   threads, prompt_tokens, batch, cache_dtype, weight_dtype, runs,
 //   results [{new_tokens, cache {...}, no_cache {...}, speedup}] where each side holds
 //     tokens_per_s (decode: tokens after the first per second of decode time),
 //     e2e_tokens_per_s, ttft_ms, tpot_mean_ms, tpot_p50_ms, tpot_p99_ms, and for the cache

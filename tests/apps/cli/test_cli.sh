@@ -40,6 +40,9 @@ check "generate" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt 
 check "generate --json" 0 "\"ttft_ms\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
 check "generate --kv-dtype bf16" 0 "\"dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-dtype bf16
 check "unknown --kv-dtype" 2 "kv-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-dtype f16
+check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype bf16
+check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16
+check "bench generate --weight-dtype bf16" 0 "bf16 matrices" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype bf16
 # The bf16 cache holds the same positions in half the bytes, and greedy text is unchanged here.
 cache_bytes() { "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --temperature 0 "$@" |
   tr -d ' \n' | grep -o '"cache":{[^}]*}' | grep -o '"bytes":[0-9]*' | cut -d: -f2; }
