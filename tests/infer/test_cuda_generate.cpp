@@ -1,6 +1,7 @@
 // The model on the GPU: a short training run matches the CPU's losses, AdamW matches step for
 // step, cached decode equals recompute (and a bf16 cache stays within bf16 rounding of it),
-// and weights trained on the GPU generate the CPU's greedy text. Label `cuda`: skipped when no GPU is visible.
+// weights trained on the GPU generate the CPU's greedy text, and bf16 matrices round as on the
+// CPU. Label `cuda`: skipped when no GPU is visible.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -199,6 +200,23 @@ TEST(CudaGpt, GpuTrainedWeightsGenerateTheSameGreedyTextOnTheCpu) {
   const GenerationResult g = gpu_engine.generate({"abc", "hello"}, o);
   const GenerationResult c = cpu_engine.generate({"abc", "hello"}, o);
   for (size_t r = 0; r < 2; ++r) EXPECT_EQ(g.rows[r].tokens, c.rows[r].tokens) << "row " << r;
+}
+
+// round_matrices_to_bf16 on the GPU rounds as the CPU does (to nearest even): the two models'
+// parameters are equal bit for bit afterwards, and differ from the f32 ones.
+TEST(CudaGpt, RoundMatricesToBf16MatchesTheCpu) {
+  REQUIRE_GPU();
+  GPT cpu(small(2), 1), gpu(small(2), 1);
+  gpu.to(Device::CUDA);
+  const std::vector<float> before = cpu.blocks[0]->mlp.c_fc.weight.to_vector<float>();
+  cpu.round_matrices_to_bf16();
+  gpu.round_matrices_to_bf16();
+  const std::vector<Tensor> c = cpu.parameters(), g = gpu.parameters();
+  ASSERT_EQ(c.size(), g.size());
+  for (size_t i = 0; i < c.size(); ++i)
+    EXPECT_EQ(c[i].to_vector<float>(), g[i].to(Device::CPU).to_vector<float>())
+        << "parameter " << i;
+  EXPECT_NE(cpu.blocks[0]->mlp.c_fc.weight.to_vector<float>(), before);
 }
 
 }  // namespace
