@@ -1,6 +1,7 @@
 #pragma once
 // bf16 <-> f32 on the CPU, for copies and for kernels reading a bf16 KV cache. bf16 is the top
 // half of an f32: widening is exact, narrowing rounds to nearest even.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -22,14 +23,20 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 // Whether every value of x (n) is a bf16 value (its low 16 bits zero): narrowing is exact.
+// Chunk by chunk, each without an early exit so that it vectorises, stopping after the first
+// chunk that has another value (an f32 matrix is told apart in its first chunk).
 inline bool all_bf16(const float* x, int64_t n) {
-  uint32_t low = 0;  // no early exit, so that the loop vectorises
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, 4);
-    low |= bits & 0xffffu;
+  constexpr int64_t kChunk = 1024;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    uint32_t low = 0;
+    for (int64_t i = i0; i < std::min(n, i0 + kChunk); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, x + i, 4);
+      low |= bits & 0xffffu;
+    }
+    if (low != 0) return false;
   }
-  return low == 0;
+  return true;
 }
 
 }  // namespace kvlab::cpu

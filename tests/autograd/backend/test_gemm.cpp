@@ -4,6 +4,7 @@
 // from the bf16 form, on the weight rounded to bf16.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -107,6 +108,21 @@ INSTANTIATE_TEST_SUITE_P(
       name += std::to_string(std::get<1>(info.param));
       return name;
     });
+
+// all_bf16 (which matrices the decode step packs in bf16) sees a single f32 value anywhere,
+// in the first chunk it scans, a later one or a short last one.
+TEST(AllBf16, FindsTheOneValueThatIsNotBf16) {
+  Generator gen(7);
+  std::vector<float> v = random_floats(2500, gen);
+  for (float& x : v) x = cpu::bf16_to_f32(cpu::f32_to_bf16(x));
+  EXPECT_TRUE(cpu::all_bf16(v.data(), static_cast<int64_t>(v.size())));
+  EXPECT_TRUE(cpu::all_bf16(v.data(), 0));
+  for (const size_t i : {size_t{0}, size_t{1500}, size_t{2499}}) {
+    std::vector<float> w = v;
+    w[i] = std::nextafter(w[i], 1e9f);  // one ulp of f32 off a bf16 value
+    EXPECT_FALSE(cpu::all_bf16(w.data(), static_cast<int64_t>(w.size()))) << "at " << i;
+  }
+}
 
 }  // namespace
 }  // namespace kvlab
