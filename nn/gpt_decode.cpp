@@ -324,6 +324,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
                                      : cpu::attention_decode_work<float>(longest, 1);
   Tensor work = Tensor::empty({threads, work_size});
   float* work_s = work.data<float>();
+  cpu::SpinBarrier barrier;
 
 #pragma omp parallel num_threads(threads)
   {
@@ -350,7 +351,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = c0; c < c1; ++c)
         xs[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[at[b] * C + c];
-#pragma omp barrier
+#pragma omp single
+    barrier.reset(nt);  // its implicit barrier also ends the embedding
     for (size_t l = 0; l < layers.size(); ++l) {
       const BlockRef& blk = layers[l];
       const CacheRef& kv = caches[l];
@@ -363,9 +365,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
         using KV = std::remove_pointer_t<decltype(kd)>;
         store_new(kd, kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
         store_new(vd, kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
-        if (!own_groups) {
-#pragma omp barrier
-        }
+        if (!own_groups) barrier.wait();
         auto task = [&](int64_t i) {
           cpu::attention_decode_task<float, KV>(ys, qv, qs, qv, kd, kv.k_strides, vd, kv.v_strides,
                                                 shape, i, parts, my_work);
@@ -376,19 +376,19 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
         else
           for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
       });
-#pragma omp barrier
+      barrier.wait();
       linear_rows(ds, C, ys, B, blk.proj, c0, c1);
       add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
-#pragma omp barrier
+      barrier.wait();
       layer_norm(ln, stats, xs, blk.ln_2, B, C);
       const auto [h0, h1] = thread_rows(H, t, nt);
       linear_rows(hs, H, ln, B, blk.fc, h0, h1);
       for (int64_t b = 0; b < B && h0 < h1; ++b)
         cpu::gelu_forward<float>(hs + b * H + h0, hs + b * H + h0, h1 - h0);
-#pragma omp barrier
+      barrier.wait();
       linear_rows(ds, C, hs, B, blk.fc_proj, c0, c1);
       add_rows(xs, ds, B, C, c0, c1);  // x += mlp(ln_2(x))
-#pragma omp barrier
+      barrier.wait();
     }
     layer_norm(ln, stats, xs, final_norm, B, C);
     const auto [o0, o1] = thread_rows(V, t, nt);

@@ -6,12 +6,57 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <span>
+#include <thread>
 #include <utility>
 #include <vector>
 
 namespace kvlab::cpu {
+
+// A barrier for the threads of one parallel region that crosses in ~35 ns where libgomp's
+// `omp barrier` takes ~240 ns (two threads on this machine, docs/benchmarks.md); the fused
+// decode step crosses one 25 times a step. The last thread to arrive resets the count and
+// advances the generation, which the others spin on. Like libgomp under the spin count kvlab
+// sets (threads.h), a waiter spins ~25 us; after that it yields its core at each further
+// check, so that on a busy machine it does not burn the time slice of the thread it waits
+// for. reset() sets the number of threads: call it while no thread waits (before the region,
+// or under `omp single`).
+class SpinBarrier {
+ public:
+  void reset(int threads) {
+    threads_ = threads;
+    count_.store(0, std::memory_order_relaxed);
+  }
+  void wait() {
+    // The generation this thread saw at its last crossing: it cannot advance again before
+    // this thread arrives.
+    const unsigned generation = generation_.load(std::memory_order_relaxed);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpins)
+        relax();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1000;
+  static void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();  // ~25 ns on this machine
+#endif
+  }
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<unsigned> generation_{0};
+  int threads_ = 1;
+};
 
 // Below this many elements (or rows x columns) a kernel runs on the calling thread.
 constexpr int64_t kParallelMin = 1 << 15;
