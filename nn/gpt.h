@@ -60,6 +60,7 @@ class Block : public Module {
 };
 
 class GPT;
+struct DecodeRefs;  // the fused step's pointers into a model (nn/gpt_decode.cpp)
 
 // While it lives, the model's fused CPU decode steps read copies of its matrices packed for
 // few-row products (cpu::pack_weight), made when GPT::pack_for_decode returned it: the
@@ -138,6 +139,10 @@ class GPT : public Module {
   // (decode_pack_users_ of them).
   std::vector<Tensor> decode_pack_;
   int decode_pack_users_ = 0;
+  // The fused step's pointers into the weights and into decode_pack_, taken by the last
+  // pack_for_decode for the steps its guards cover (a step without one takes its own).
+  std::shared_ptr<const DecodeRefs> decode_refs_;
+  std::shared_ptr<const DecodeRefs> make_decode_refs(bool packed) const;
 };
 
 // Parameter count of a config without building it (for --param-matched search).

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <memory>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -197,6 +198,24 @@ void store_new(KV* dst, HeadView view, const float* src, int64_t B, int64_t KVD,
 
 }  // namespace
 
+// The step's pointers into the model: taking them costs ~2 us a step (some hundred calls into
+// Tensor), so pack_for_decode takes them once for all the steps of a generation.
+struct DecodeRefs {
+  std::vector<BlockRef> layers;
+  NormRef final_norm;
+  LinearRef head;
+};
+
+std::shared_ptr<const DecodeRefs> GPT::make_decode_refs(bool packed) const {
+  std::vector<BlockRef> layers;
+  layers.reserve(blocks.size());
+  for (size_t l = 0; l < blocks.size(); ++l)
+    layers.emplace_back(*blocks[l], packed ? &decode_pack_[l * kPackedPerBlock] : nullptr);
+  return std::make_shared<const DecodeRefs>(
+      DecodeRefs{std::move(layers), NormRef(ln_f),
+                 LinearRef(lm_head_weight(), nullptr, packed ? &decode_pack_.back() : nullptr)});
+}
+
 bool GPT::fused_decode_applies() const {
   return fused_cpu_decode && wte.weight.device() == Device::CPU && wte.weight.dtype() == DType::F32;
 }
@@ -243,6 +262,7 @@ DecodePackGuard GPT::pack_for_decode() {
     else
       cpu::pack_weight(p.data<float>(), w.data<float>(), w.size(0), w.size(1));
   }
+  decode_refs_ = make_decode_refs(true);
   ++decode_pack_users_;
   return DecodePackGuard(this);
 }
@@ -282,18 +302,16 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   const bool packed = decode_pack_users_ > 0;
   KVLAB_ASSERT(!packed || decode_pack_.size() == blocks.size() * kPackedPerBlock + 1,
                "gpt: ", decode_pack_.size(), " packed weights for ", blocks.size(), " blocks");
-  std::vector<BlockRef> layers;
+  const std::shared_ptr<const DecodeRefs> refs = packed ? decode_refs_ : make_decode_refs(false);
+  const std::vector<BlockRef>& layers = refs->layers;
+  const NormRef& final_norm = refs->final_norm;
+  const LinearRef& head = refs->head;
   std::vector<CacheRef> caches;
-  layers.reserve(blocks.size());
   caches.reserve(blocks.size());
-  for (size_t l = 0; l < blocks.size(); ++l) {
-    layers.emplace_back(*blocks[l], packed ? &decode_pack_[l * kPackedPerBlock] : nullptr);
+  for (size_t l = 0; l < blocks.size(); ++l)
     caches.emplace_back(cache.slots(static_cast<int>(l), 1), B, NKV, HS, kv_lengths_);
-  }
-  const NormRef final_norm(ln_f);
   const float* wte_w = wte.weight.data<float>();
   const float* wpe_w = wpe.weight.data<float>();
-  const LinearRef head(lm_head_weight(), nullptr, packed ? &decode_pack_.back() : nullptr);
   const int threads = omp_get_max_threads();
   Tensor x = Tensor::empty({B, C});                      // (B, C) the residual stream
   Tensor q = Tensor::empty({B, C});                      // (B, 1, NH, HS)
