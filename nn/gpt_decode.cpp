@@ -9,10 +9,10 @@
 // stage needs another's complete output: four a layer when the KV groups share out evenly
 // between the threads (a thread's q, k and v rows are then its groups', and it goes straight
 // on to their attention), five otherwise (cpu::SpinBarrier: a seventh of libgomp's cost to
-// cross). It calls the op path's CPU kernels in the op path's
-// order (the bias before the product, as `linear` does); the products' rows, and with few KV
-// groups a group's query heads, are split differently between the threads, which can change
-// the rounding (the tests bound the difference).
+// cross). It calls the op path's CPU kernels in the op path's order (the bias before the
+// product, as `linear` does); the products' rows, and with few KV groups a group's query
+// heads, are split differently between the threads, which can change the rounding (the tests
+// bound the difference).
 //
 // While a DecodePackGuard lives, the products read copies of the weights packed as one
 // sequential stream each (cpu::pack_weight), once for all the batch's rows: faster than
