@@ -3,6 +3,8 @@
 // registers itself on the root app; errors follow DESIGN.md (usage errors exit 2, runtime 1).
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+#include <limits>
 #include <string>
 
 #include "autograd/error.h"
@@ -19,6 +21,26 @@ class UsageError : public Error {
   do {                                                                          \
     if (!(cond)) throw ::kvlab::UsageError(::kvlab::detail::cat(__VA_ARGS__)); \
   } while (0)
+
+// A check for an integer flag of type T. CLI11 2.1 reads integers with strtoll/strtoull, so
+// "-1" wraps to 2^64 - 1 for an unsigned flag, a value past the range is clamped, and "0x10"
+// is read as hex; this takes only a plain decimal integer that fits T.
+template <class T>
+CLI::Validator integer_of() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T value{};
+        const char* end = text.data() + text.size();
+        const auto [stop, ec] = std::from_chars(text.data(), end, value);
+        if (ec == std::errc::result_out_of_range)
+          return "'" + text + "' is outside [" + std::to_string(std::numeric_limits<T>::min()) +
+                 ", " + std::to_string(std::numeric_limits<T>::max()) + "]";
+        if (ec != std::errc() || stop != end || text.empty())
+          return "'" + text + "' is not a decimal integer";
+        return {};
+      },
+      "");
+}
 
 // The command line as typed (recorded in results files).
 const std::string& command_line();
