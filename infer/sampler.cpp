@@ -11,6 +11,15 @@ namespace {
 // Rounding slack on the top-p threshold: probabilities come from f32 logits, so a set whose
 // exact cumulative probability equals p may sum to p - 1e-8 here.
 constexpr double kTopPSlack = 1e-6;
+
+// A NaN or infinite logit means the model's weights or activations are broken: no token can be
+// chosen from it (argmax would quietly take token 0, the softmax a NaN mass).
+void check_finite(std::span<const float> logits) {
+  KVLAB_CHECK(!logits.empty(), "sampler: empty logits");
+  for (size_t i = 0; i < logits.size(); ++i)
+    KVLAB_CHECK(std::isfinite(logits[i]), "sampler: the logit of token ", i, " is ", logits[i],
+                ": the model's weights or activations are not finite");
+}
 }  // namespace
 
 void SamplingOptions::validate() const {
@@ -22,7 +31,7 @@ void SamplingOptions::validate() const {
 }
 
 int32_t argmax(std::span<const float> logits) {
-  KVLAB_CHECK(!logits.empty(), "sampler: empty logits");
+  check_finite(logits);
   size_t best = 0;
   for (size_t i = 1; i < logits.size(); ++i)
     if (logits[i] > logits[best]) best = i;
@@ -35,13 +44,12 @@ Sampler::Sampler(const SamplingOptions& options, uint64_t stream_seed)
 }
 
 double Sampler::filtered(std::span<const float> logits) {
+  check_finite(logits);
   const size_t V = logits.size();
-  KVLAB_CHECK(V > 0, "sampler: empty logits");
   probs_.resize(V);
   const double inv_t = 1.0 / options_.temperature;
   double mx = -INFINITY;
   for (float l : logits) mx = std::max(mx, static_cast<double>(l));
-  KVLAB_CHECK(std::isfinite(mx), "sampler: logits are not finite");
   double total = 0;
   for (size_t i = 0; i < V; ++i) {
     probs_[i] = std::exp((static_cast<double>(logits[i]) - mx) * inv_t);

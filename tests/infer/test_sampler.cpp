@@ -58,6 +58,23 @@ TEST(Sampler, ValidationNamesTheSetting) {
   EXPECT_NO_THROW(make(1.0, 5, 0.01)());
 }
 
+// Greedy or sampled, a NaN or infinite logit anywhere is an error naming the token: argmax
+// used to take token 0 from all-NaN logits, and the softmax skipped a NaN below the maximum.
+TEST(Sampler, NonFiniteLogitsAreAnError) {
+  for (double t : {0.0, 1.0}) {
+    SamplingOptions o;
+    o.temperature = t;
+    for (float bad : {NAN, INFINITY, -INFINITY}) {
+      std::vector<float> l = random_logits(5);
+      l[7] = bad;
+      SCOPED_TRACE(::testing::Message() << "temperature " << t << ", logit " << bad);
+      Sampler s(o, 1);
+      expect_error([&] { s.sample(l); }, "the logit of token 7 is");
+      expect_error([&] { s.distribution(l); }, "not finite");
+    }
+  }
+}
+
 TEST(Sampler, SameSeedSameTokensAndSeedsMatter) {
   SamplingOptions o;
   o.temperature = 1.3;
