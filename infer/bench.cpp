@@ -70,14 +70,16 @@ std::vector<double> median_steps(const std::vector<RunFigures>& runs) {
 
 // Time per token at `points` positions spread over the steps: the median of the five steps
 // around each point (step i feeds the token at position prompt + i), so one preempted step
-// does not make a point.
+// does not make a point. With fewer steps than points, each step is a point once.
 json position_curve(const std::vector<double>& steps, int64_t prompt, int points) {
   json out = json::array();
   const int64_t n = static_cast<int64_t>(steps.size());
   if (n == 0 || points <= 0) return out;
   const int64_t half = 2;
-  for (int p = 0; p < points; ++p) {
+  for (int64_t p = 0, last = -1; p < points; ++p) {
     const int64_t i = points == 1 ? 0 : (n - 1) * p / (points - 1);
+    if (i == last) continue;
+    last = i;
     const int64_t lo = std::max<int64_t>(0, i - half), hi = std::min(n - 1, i + half);
     out.push_back(
         json{{"position", prompt + i},

@@ -159,6 +159,13 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
   const int64_t keep = block - 1;  // known tokens a slide re-prefills (the pending one follows)
   const int64_t prompt_keep = std::max<int64_t>(1, keep);  // of a prompt longer than block
   const int64_t max_new = opts.max_new_tokens;
+  // What a row can make: without --slide the context ends it (the last sampled token is never
+  // fed), so a huge max_new reserves only that; with --slide, reserving is capped and the
+  // vectors grow past it as usual.
+  auto reachable = [&](int64_t window) {
+    return opts.slide ? std::min<int64_t>(max_new, int64_t{1} << 20)
+                      : std::min(max_new, std::max<int64_t>(1, block - window + 1));
+  };
 
   // ---- rows ----
   std::vector<Row> rows;
@@ -169,19 +176,22 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
     const int64_t P = static_cast<int64_t>(p.size());
     Row& row =
         rows.emplace_back(opts.sampling, hash64(opts.sampling.seed, static_cast<uint64_t>(b)));
-    row.seq.reserve(static_cast<size_t>(P + max_new));
-    row.seq.assign(p.begin(), p.end());
     row.prompt_len = P;
     row.window_start = P > block ? P - prompt_keep : 0;
-    row.text.reserve(static_cast<size_t>(max_new) * 2);
+    const int64_t room = reachable(P - row.window_start);
+    row.seq.reserve(static_cast<size_t>(P + room));
+    row.seq.assign(p.begin(), p.end());
+    row.text.reserve(static_cast<size_t>(room) * 2);
     max_window = std::max(max_window, row.window_len());
   }
 
   NoGradGuard no_grad;
   GenerationResult result;
   GenerationStats& st = result.stats;
-  st.step_s.reserve(static_cast<size_t>(max_new));
-  st.step_rows.reserve(static_cast<size_t>(max_new));
+  int64_t min_window = max_window;
+  for (const Row& row : rows) min_window = std::min(min_window, row.window_len());
+  st.step_s.reserve(static_cast<size_t>(reachable(min_window)));
+  st.step_rows.reserve(static_cast<size_t>(reachable(min_window)));
   const auto t_start = Clock::now();
 
   // ---- per-token bookkeeping ----
@@ -248,7 +258,8 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
   if (opts.use_cache) {
     // Capacity: what the longest row can feed (the last sampled token is never fed), or the
     // whole context when sliding.
-    const int64_t capacity = opts.slide ? block : std::min(block, max_window + max_new - 1);
+    const int64_t capacity =
+        opts.slide ? block : std::min(block, max_window + std::min(max_new, block) - 1);
     GenerationKVCache& cache = cache_for(B, std::max<int64_t>(capacity, max_window));
     // Inside the timed call: its first token waits for the packing.
     const DecodePackGuard pack = model_.pack_for_decode();

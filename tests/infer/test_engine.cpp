@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <tuple>
 
@@ -224,8 +225,13 @@ TEST(Engine, StopsAtTheContextLimitAndSays) {
   auto model = tiny_model(2);
   const Tokenizer tok = tiny_tokenizer();
   Engine engine(*model, tok);
-  for (bool cache : {true, false}) {
-    const auto r = engine.generate({"abcdefg"}, greedy(40, cache));
+  // Any max_new past the context gives the same: the largest one once overflowed the cache's
+  // capacity, and reserving it asked for all of memory.
+  for (auto [cache, max_new] : {std::pair{true, int64_t{40}}, std::pair{false, int64_t{40}},
+                                std::pair{true, std::numeric_limits<int64_t>::max()},
+                                std::pair{false, std::numeric_limits<int64_t>::max()}}) {
+    SCOPED_TRACE(::testing::Message() << "cache " << cache << ", max_new " << max_new);
+    const auto r = engine.generate({"abcdefg"}, greedy(max_new, cache));
     // The cache fills at block_size = 16 positions; the token predicted from the last one is
     // the last: 7 + 10 = block_size + 1.
     EXPECT_EQ(r.rows[0].tokens.size(), 10u);
@@ -432,6 +438,22 @@ TEST_F(CheckpointFiles, LoadedModelGeneratesLikeTheOriginalAndBadFilesFailCleanl
 
 namespace kvlab {
 namespace {
+
+// Fewer decode steps than sample points: each step is one point, not several.
+TEST(Bench, PositionCurveNamesEachStepOnce) {
+  auto model = test::random_model(test::tiny_config(1, 48), 3);
+  BenchGenerateOptions o;
+  o.prompt_tokens = 4;
+  o.new_tokens = {4};  // the first comes from the prefill: three decode steps
+  o.runs = 1;
+  o.position_points = 8;
+  const nlohmann::json curve = bench_generate(*model, tiny_tokenizer(), o)["time_vs_position"];
+  for (const char* side : {"cache", "no_cache"}) {
+    SCOPED_TRACE(side);
+    ASSERT_EQ(curve[side].size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(curve[side][i]["position"], 4 + i);
+  }
+}
 
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
   for (const auto& [tied, batch] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 3}}) {
