@@ -1,6 +1,7 @@
 // kvlab bench generate: decode speed with and without the KV cache, time per token against
 // position, and the cache's memory for several n_kv_head settings. Table plus JSON.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -25,7 +26,7 @@ struct BenchArgs {
     GPTConfig c;
     c.n_layer = 6;
     c.n_head = 8;
-    c.n_kv_head = 8;
+    c.n_kv_head = 0;  // without --n-kv-head: n_head
     c.n_embd = 256;
     c.block_size = 512;
     c.vocab_size = 65;
@@ -41,6 +42,7 @@ struct BenchArgs {
   std::string device = "cpu", dtype = "f32", kv_dtype = "f32", weight_dtype = "f32";
   uint64_t seed = 0;
   std::string json_path;
+  bool n_kv_head_given = false;
 };
 
 std::string mib(double bytes) {
@@ -153,7 +155,19 @@ void print_cache_report(const json& rep, const json& speed, DType dtype, int64_t
   }
 }
 
+// The JSON file is written after the whole benchmark: a path that cannot be written is found
+// before it starts, not minutes later.
+void check_writable_file(const std::string& path) {
+  std::error_code ec;
+  KVLAB_USAGE_CHECK(!std::filesystem::is_directory(path, ec), "--json ", path, " is a directory");
+  const bool existed = std::filesystem::exists(path, ec);
+  KVLAB_USAGE_CHECK(std::ofstream(path, std::ios::app).good(), "--json ", path,
+                    " cannot be written");
+  if (!existed) std::filesystem::remove(path, ec);
+}
+
 void run_bench_generate(BenchArgs& a) {
+  if (!a.json_path.empty()) check_writable_file(a.json_path);
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
   const DType kv_dtype = parse_storage_dtype(a.kv_dtype);
@@ -170,6 +184,7 @@ void run_bench_generate(BenchArgs& a) {
     tok = loaded.tokenizer;
     a.cfg = model->config();
   } else {
+    if (!a.n_kv_head_given) a.cfg.n_kv_head = a.cfg.n_head;
     try {
       a.cfg.validate();
     } catch (const Error& e) {
@@ -179,8 +194,10 @@ void run_bench_generate(BenchArgs& a) {
     model->set_training(false);
     tok = synthetic_tokenizer(a.cfg.vocab_size);
   }
-  KVLAB_USAGE_CHECK(a.prompt_tokens < a.cfg.block_size, "--prompt-tokens ", a.prompt_tokens,
-                    " leaves no room in block_size ", a.cfg.block_size);
+  // The first new token comes from the prefill: timing decode needs room for a second.
+  KVLAB_USAGE_CHECK(a.prompt_tokens + 2 <= a.cfg.block_size, "--prompt-tokens ", a.prompt_tokens,
+                    " leaves room for fewer than 2 new tokens in block_size ", a.cfg.block_size,
+                    ": no decode step to time");
   if (a.kv_heads.empty())
     for (int64_t d : {1, 2, 4, 8})
       if (a.cfg.n_head % d == 0) a.kv_heads.push_back(a.cfg.n_head / d);
@@ -218,7 +235,7 @@ void run_bench_generate(BenchArgs& a) {
                    {"checkpoint", a.ckpt}};
     std::ofstream f(a.json_path);
     KVLAB_CHECK(f.good(), "cannot write ", a.json_path);
-    f << out.dump(2) << "\n";
+    f << out.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
     KVLAB_CHECK(f.good(), "error writing ", a.json_path);
     std::printf("\nwrote %s\n", a.json_path.c_str());
   }
@@ -233,28 +250,41 @@ void add_bench_command(CLI::App& root) {
   CLI::App* gen = bench->add_subcommand(
       "generate",
       "Decode speed with and without the KV cache, and cache memory against the formula");
-  gen->add_option("--ckpt", args->ckpt, "Checkpoint to measure (default: random weights)");
-  gen->add_option("--n-layer", args->cfg.n_layer, "Layers (random weights)")->capture_default_str();
-  gen->add_option("--n-head", args->cfg.n_head, "Query heads")->capture_default_str();
-  gen->add_option("--n-kv-head", args->cfg.n_kv_head, "Key/value heads")->capture_default_str();
-  gen->add_option("--n-embd", args->cfg.n_embd, "Channels")->capture_default_str();
-  gen->add_option("--block-size", args->cfg.block_size, "Context length")->capture_default_str();
-  gen->add_option("--vocab", args->cfg.vocab_size, "Vocabulary size")->capture_default_str();
+  CLI::Option* ckpt =
+      gen->add_option("--ckpt", args->ckpt, "Checkpoint to measure (default: random weights)");
+  // The random model's shape; a checkpoint brings its own.
+  auto shape = [&](const char* name, int64_t& value, const char* help) {
+    return gen->add_option(name, value, help)->check(integer_of<int64_t>())->excludes(ckpt);
+  };
+  shape("--n-layer", args->cfg.n_layer, "Layers (random weights)")->capture_default_str();
+  shape("--n-head", args->cfg.n_head, "Query heads (random weights)")->capture_default_str();
+  CLI::Option* n_kv_head =
+      shape("--n-kv-head", args->cfg.n_kv_head, "Key/value heads (random weights); default n-head");
+  shape("--n-embd", args->cfg.n_embd, "Channels (random weights)")->capture_default_str();
+  shape("--block-size", args->cfg.block_size, "Context length (random weights)")
+      ->capture_default_str();
+  shape("--vocab", args->cfg.vocab_size, "Vocabulary size (random weights)")->capture_default_str();
   gen->add_option("--kv-heads", args->kv_heads,
                   "n_kv_head settings for the cache report and speed by NKV (default NH, NH/2, "
                   "NH/4, NH/8)")
+      ->check(integer_of<int64_t>())
       ->delimiter(',');
   gen->add_option("--new-tokens", args->new_tokens,
                   "New token counts (capped at block_size - prompt tokens)")
+      ->check(integer_of<int64_t>())
       ->delimiter(',')
       ->capture_default_str();
-  gen->add_option("--prompt-tokens", args->prompt_tokens, "Prompt length")->capture_default_str();
+  gen->add_option("--prompt-tokens", args->prompt_tokens, "Prompt length")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
   gen->add_option("--batch", args->batch,
                   "Rows decoded together, each from its own random prompt; tok/s counts every "
                   "row's tokens. The ceiling is memory's: a large batch may be bound by "
                   "arithmetic first")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   gen->add_option("--runs", args->runs, "Measured runs per setting (median)")
+      ->check(integer_of<int>())
       ->capture_default_str();
   gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");
   gen->add_flag("--op-by-op", args->op_by_op,
@@ -263,9 +293,13 @@ void add_bench_command(CLI::App& root) {
   add_kv_dtype_flag(gen, args->kv_dtype);
   add_weight_dtype_flag(gen, args->weight_dtype);
   gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
+      ->check(integer_of<uint64_t>())
       ->capture_default_str();
   gen->add_option("--json", args->json_path, "Write the results as JSON to this file");
-  gen->callback([args] { run_bench_generate(*args); });
+  gen->callback([args, n_kv_head] {
+    args->n_kv_head_given = n_kv_head->count() > 0;
+    run_bench_generate(*args);
+  });
 }
 
 }  // namespace kvlab

@@ -1,6 +1,7 @@
 // kvlab generate: text from a checkpoint through the KV cache, streamed as it is made.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -38,13 +39,24 @@ struct GenerateArgs {
   bool json = false;
 };
 
+// A prompt has at most block_size tokens (more with --slide, which keeps the last ones): this
+// bounds what is read, so that /dev/zero or a huge file is an error, not all of memory.
+constexpr std::streamsize kMaxPromptFileBytes = 64 << 20;
+
 std::string read_file(const std::string& path) {
+  std::error_code ec;
+  KVLAB_CHECK(!std::filesystem::is_directory(path, ec), "prompt file ", path, " is a directory");
   std::ifstream in(path, std::ios::binary);
   KVLAB_CHECK(in.good(), "cannot read prompt file ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+    text.append(chunk, static_cast<size_t>(in.gcount()));
+    KVLAB_CHECK(static_cast<std::streamsize>(text.size()) <= kMaxPromptFileBytes, "prompt file ",
+                path, " is larger than ", kMaxPromptFileBytes >> 20, " MiB");
+  }
   KVLAB_CHECK(!in.bad(), "error reading prompt file ", path);
-  return ss.str();
+  return text;
 }
 
 std::vector<std::string> prompts_of(const GenerateArgs& a) {
@@ -188,12 +200,15 @@ void run_generate(const GenerateArgs& a) {
                    "tokens; --slide continues past it\n",
                    res.rows.size() > 1 ? detail::cat("row ", b + 1, " ").c_str() : "",
                    static_cast<long long>(block), res.rows[b].tokens.size());
-  std::fprintf(stderr,
-               "kvlab: %lld tokens, TTFT %.2f ms, %.1f tok/s decode (%.1f overall), TPOT mean "
-               "%.3f ms p50 %.3f p99 %.3f, cache %s\n",
-               static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, st.decode_tokens_per_s(),
-               st.tokens_per_s(), st.tpot_mean_s() * 1e3, st.tpot_quantile_s(0.5) * 1e3,
-               st.tpot_quantile_s(0.99) * 1e3,
+  // The first token comes from the prefill; with no step after it there is no decode rate.
+  char decode[160] = "no decode steps";
+  if (!st.step_s.empty())
+    std::snprintf(decode, sizeof decode,
+                  "%.1f tok/s decode (%.1f overall), TPOT mean %.3f ms p50 %.3f p99 %.3f",
+                  st.decode_tokens_per_s(), st.tokens_per_s(), st.tpot_mean_s() * 1e3,
+                  st.tpot_quantile_s(0.5) * 1e3, st.tpot_quantile_s(0.99) * 1e3);
+  std::fprintf(stderr, "kvlab: %lld tokens, TTFT %.2f ms, %s, cache %s\n",
+               static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, decode,
                a.no_cache ? "off" : detail::cat(st.cache_bytes, " bytes, ", a.kv_dtype).c_str());
 }
 
@@ -213,19 +228,24 @@ void add_generate_command(CLI::App& root) {
       cmd->add_option("--prompt-file", args->prompt_file,
                       "Read the prompt from a file (one trailing newline dropped); with --batch N, "
                       "its first N non-empty lines are the prompts");
-  cmd->add_option("--max-new", args->max_new, "New tokens per prompt")->capture_default_str();
+  cmd->add_option("--max-new", args->max_new, "New tokens per prompt")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
   cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 is greedy")
       ->capture_default_str();
   cmd->add_option("--top-k", args->top_k, "Keep the k most probable tokens; 0 keeps all")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--top-p", args->top_p,
                   "Nucleus sampling: keep the smallest set with probability >= p, in (0, 1]")
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Sampling seed: the same seed gives the same text")
+      ->check(integer_of<uint64_t>())
       ->capture_default_str();
   cmd->add_option("--batch", args->batch,
                   "Rows generated together: the prompt repeated N times, or N lines of "
                   "--prompt-file")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_flag("--no-cache", args->no_cache,
                 "Recompute the whole sequence at every step (no KV cache), for comparison");

@@ -30,7 +30,8 @@ void run_inspect(const InspectArgs& a) {
     if (c.has_train_state)
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
-    std::printf("%s\n", j.dump(2).c_str());
+    // Paths in it are bytes, not always UTF-8: replace what is not, rather than fail.
+    std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return;
   }
   std::printf("checkpoint %s\n\nconfig:\n", a.ckpt.c_str());

@@ -1,8 +1,11 @@
 // kvlab: train GPTs with MHA/GQA/MQA attention, generate through a KV cache, and compare
 // n_kv_head settings side by side.
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <exception>
+#include <iostream>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -49,8 +52,23 @@ int main(int argc, char** argv) {
   } catch (const kvlab::Error& e) {
     std::fprintf(stderr, "kvlab: error: %s\n", e.what());
     return 1;
+  } catch (const std::bad_alloc& e) {
+    std::fprintf(stderr,
+                 "kvlab: error: out of memory (%s): a smaller batch, length or model "
+                 "needs less\n",
+                 e.what());
+    return 1;
+  } catch (const std::length_error& e) {
+    std::fprintf(stderr, "kvlab: error: a size is too large to allocate (%s)\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvlab: error: %s\n", e.what());
+    return 1;
+  }
+  // Output that could not be written (a full disk, say) is a failure, not a success.
+  std::cout.flush();
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0 || !std::cout) {
+    std::fprintf(stderr, "kvlab: error: writing the standard output failed\n");
     return 1;
   }
   return 0;

@@ -77,6 +77,17 @@ check "prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" generate --ckpt "$work/run
 check "max-new 0" 2 "max-new" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 0
 check "negative temperature" 2 "temperature" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --temperature -1
 check "top-p out of range" 2 "top-p" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --top-p 1.5
+check "negative unsigned seed" 2 "not a decimal integer" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --seed -1
+check "max-new past int64" 2 "outside" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 99999999999999999999
+check "largest max-new stops at the context" 0 "context limit" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 9223372036854775807
+check "prompt file is a directory" 1 "is a directory" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt-file "$work"
+check "standard output full" 1 "standard output" -- bash -c '"$0" generate --ckpt "$1" --prompt a --max-new 2 --json > /dev/full' "$KVLAB" "$work/run/final.h5"
+check "bench --json unwritable" 2 "cannot be written" -- "$KVLAB" bench generate --json "$work/none/b.json"
+check "bench --ckpt with a shape flag" 2 "excludes" -- "$KVLAB" bench generate --ckpt "$work/run/final.h5" --n-layer 2
+check "bench without a decode step" 2 "no decode step" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --prompt-tokens 7
+cp "$work/corpus.txt" "$work/corpus-"$'\xe9'".txt"
+"$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus-"$'\xe9'".txt" --out "$work/latin1" >/dev/null 2>&1
+check "inspect --json of a non-UTF-8 corpus path" 0 "\"corpus\"" -- "$KVLAB" inspect --json "$work/latin1/final.h5"
 check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
 check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
 check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
