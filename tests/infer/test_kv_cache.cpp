@@ -208,7 +208,10 @@ TEST(KVCache, MoveRowTruncateResetAndCapacity) {
 // Prefill of a whole prompt in one forward equals feeding it one token at a time: the same
 // cache contents and the same logits at every position.
 // (n_kv_head, cache dtype): a bf16 cache rounds keys and values as they are stored, and both
-// ways read them back from the cache, so they agree as closely as in f32.
+// ways read them back from the cache, so they agree as closely as in f32, except that the two
+// ways' f32 keys and values (a many-row GEMM against one-row products, summed in other
+// orders) can fall on either side of a bf16 rounding boundary: an element may then differ by
+// one bf16 step.
 class PrefillSplit : public ::testing::TestWithParam<std::tuple<int64_t, DType>> {};
 
 TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
@@ -243,10 +246,14 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
       const auto a = test::cached(one, layer, is_k);
       const auto b = test::cached(step, layer, is_k);
       ASSERT_EQ(a.size(), b.size());
-      double d = 0;
-      for (size_t i = 0; i < a.size(); ++i)
-        d = std::max(d, static_cast<double>(std::fabs(a[i] - b[i])));
-      EXPECT_LE(d, 1e-5) << "layer " << layer << (is_k ? " K" : " V");
+      double d = 0;  // beyond the allowed difference
+      for (size_t i = 0; i < a.size(); ++i) {
+        const double step_bf16 =
+            std::ldexp(1.0, std::ilogb(std::max(std::fabs(a[i]), std::fabs(b[i]))) - 7);
+        const double allowed = dtype == DType::BF16 ? std::max(1e-5, step_bf16) : 1e-5;
+        d = std::max(d, std::fabs(a[i] - b[i]) - allowed);
+      }
+      EXPECT_LE(d, 0.0) << "layer " << layer << (is_k ? " K" : " V");
     }
   // The cache is not trivially empty: its keys are the model's, not zeros.
   double norm = 0;

@@ -9,7 +9,11 @@
 #include "autograd/backend/cpu/parallel.h"
 #include "autograd/error.h"
 
-#if defined(__AVX512F__)
+// The row kernels below (the one-row GEMV and the packed products) are written once over a
+// few vector primitives, for AVX-512 or for AVX2 with FMA, whichever the build targets
+// (-march=native by default); without either, products go to the BLAS and nothing is packed.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define KVLAB_ROW_KERNELS 1
 #include <immintrin.h>
 #endif
 
@@ -17,11 +21,32 @@ namespace kvlab::cpu {
 
 namespace {
 
+#if defined(KVLAB_ROW_KERNELS)
 #if defined(__AVX512F__)
+using Vec = __m512;     // 16 f32 lanes
+using Words = __m512i;  // 16 32-bit words
+constexpr int64_t kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+// Lanes [0, n) of p for 0 < n < kLanes, the rest zero: nothing past them is read.
+inline Vec vload_first(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Words wload(const uint32_t* p) { return _mm512_loadu_si512(p); }
+// The f32 value of each word's low or high bf16 half: a shift or a mask (bf16 is the top half
+// of an f32), exact. (The shift is the zero-masking form under a full mask: GCC 12 warns of an
+// uninitialised value inside the plain one.)
+inline Vec bf16_low(Words w) { return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16)); }
+inline Vec bf16_high(Words w) {
+  return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+}
+
 // Lane i < 8 of the result is the sum of the 16 lanes of v[i]: a tree of two-source permutes and
 // adds that halves the lanes per row at each level, one pass for eight rows instead of eight
 // separate horizontal sums.
-__m512 sum_lanes8(const __m512 v[8]) {
+Vec sum_lanes8(const Vec v[8]) {
   // Sum of the lanes idx and idx + step of the pair (a, b) (indices >= 16 select from b).
   auto level = [](__m512 a, __m512 b, __m512i idx, int step) {
     return _mm512_add_ps(
@@ -42,112 +67,169 @@ __m512 sum_lanes8(const __m512 v[8]) {
   const __m512i l4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
   return level(pairs, pairs, l4, 1);
 }
+#else
+using Vec = __m256;     // 8 f32 lanes
+using Words = __m256i;  // 8 32-bit words
+constexpr int64_t kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+// Lanes [0, n) of p for 0 < n < kLanes, the rest zero: nothing past them is read.
+inline Vec vload_first(const float* p, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+}
+inline void vstore(float* p, Vec v) { _mm256_store_ps(p, v); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Words wload(const uint32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+// The f32 value of each word's low or high bf16 half (bf16 is the top half of an f32), exact.
+inline Vec bf16_low(Words w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline Vec bf16_high(Words w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+}
+
+// Lane i of the result is the sum of the 8 lanes of v[i]: horizontal adds pair the rows up
+// within each 128-bit half (rows 0-3 from v[0..3], rows 4-7 from v[4..7]), then the halves
+// are added.
+Vec sum_lanes8(const Vec v[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
 
 constexpr int64_t kRows = 8, kCols = 16;  // a block of w: 8 rows, in chunks of 16 columns
+constexpr int64_t kParts = kCols / kLanes;  // vectors a chunk
+
+// 16 columns of one row, as kParts vectors.
+struct Chunk {
+  Vec v[kParts];
+};
+[[gnu::always_inline]] inline Chunk load_chunk(const float* p) {
+  Chunk c;
+  for (int64_t h = 0; h < kParts; ++h) c.v[h] = vload(p + h * kLanes);
+  return c;
+}
+// The first n <= kCols columns at p, the rest zero: nothing past them is read.
+[[gnu::always_inline]] inline Chunk load_chunk_first(const float* p, int64_t n) {
+  Chunk c;
+  for (int64_t h = 0; h < kParts; ++h) {
+    const int64_t m = n - h * kLanes;  // of this vector's lanes
+    c.v[h] = m >= kLanes ? vload(p + h * kLanes) : m > 0 ? vload_first(p + h * kLanes, m) : vzero();
+  }
+  return c;
+}
 
 // Row i's chunks c and c + 1 of a block of 8 rows, as dot_block reads them together.
 struct ChunkPair {
-  __m512 even, odd;
+  Chunk even, odd;
 };
 
-// Where dot_block reads the weights: row i's chunk c (16 columns) of a block of 8 rows, and
-// (pair) a row's whole chunks c and c + 1 for an even c.
+// Where dot_block reads the weights: row i's chunk c (16 columns) of a block of 8 rows, of
+// which the first n are there (a short last chunk), and (pair) a row's whole chunks c and
+// c + 1 for an even c.
 // F32Rows: at w + i * row_step + c * chunk_step (row-major w has (ldw, 16), the packed form
-// (16, 128)); the last K % 16 columns load under a mask.
+// (16, 128)); a short chunk loads under a mask.
 struct F32Rows {
   const float* w;
   int64_t row_step, chunk_step;
-  template <bool kOdd, bool kMasked>
-  [[gnu::always_inline]] __m512 load(int64_t i, int64_t c, __mmask16 cols) const {
+  template <bool kOdd>
+  [[gnu::always_inline]] Chunk load(int64_t i, int64_t c, int64_t n) const {
     const float* p = w + i * row_step + c * chunk_step;
-    return kMasked ? _mm512_maskz_loadu_ps(cols, p) : _mm512_loadu_ps(p);
+    return n < kCols ? load_chunk_first(p, n) : load_chunk(p);
   }
   [[gnu::always_inline]] ChunkPair pair(int64_t i, int64_t c) const {
     const float* p = w + i * row_step + c * chunk_step;
-    return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + chunk_step)};
+    return {load_chunk(p), load_chunk(p + chunk_step)};
   }
 };
 // Bf16Pairs: pack_weight's bf16 form. Chunks 2p and 2p + 1 of row i share the 16 words at
-// w + (p * 8 + i) * 16, the first in their low halves, the second in their high halves;
-// widening is a shift or a mask (bf16 is the top half of an f32), exact. The padding past K
-// is zero, so nothing needs a mask. (The shift is the zero-masking form under a full mask:
-// GCC 12 warns of an uninitialised value inside the plain one.)
+// w + (p * 8 + i) * 16, the first in their low halves, the second in their high halves. The
+// padding past K is zero, so nothing needs a mask.
 struct Bf16Pairs {
   const uint32_t* w;
-  template <bool kOdd, bool kMasked>
-  [[gnu::always_inline]] __m512 load(int64_t i, int64_t c, __mmask16) const {
-    const __m512i words = _mm512_loadu_si512(w + ((c >> 1) * kRows + i) * kCols);
-    return kOdd ? high(words) : low(words);
+  template <bool kOdd>
+  [[gnu::always_inline]] Chunk load(int64_t i, int64_t c, int64_t) const {
+    const uint32_t* p = w + ((c >> 1) * kRows + i) * kCols;
+    Chunk out;
+    for (int64_t h = 0; h < kParts; ++h) {
+      const Words words = wload(p + h * kLanes);
+      out.v[h] = kOdd ? bf16_high(words) : bf16_low(words);
+    }
+    return out;
   }
   [[gnu::always_inline]] ChunkPair pair(int64_t i, int64_t c) const {  // one load for both
-    const __m512i words = _mm512_loadu_si512(w + ((c >> 1) * kRows + i) * kCols);
-    return {low(words), high(words)};
-  }
-  static __m512 low(__m512i words) {
-    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, words, 16));
-  }
-  static __m512 high(__m512i words) {
-    return _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+    const uint32_t* p = w + ((c >> 1) * kRows + i) * kCols;
+    ChunkPair out;
+    for (int64_t h = 0; h < kParts; ++h) {
+      const Words words = wload(p + h * kLanes);
+      out.even.v[h] = bf16_low(words);
+      out.odd.v[h] = bf16_high(words);
+    }
+    return out;
   }
 };
 
 // Rows [i0, i1) of one block of 8 rows of w: y[r, i] = alpha * dot(w[i, :], a[r, :]) +
 // beta * y[r, i] for r < R (y at stride ldy, a at stride lda), w read through `src` (F32Rows
 // or Bf16Pairs). Rows at or past `rows` are neither read nor written (kAllRows: all 8 are
-// there). The eight rows stream at once, each into its own 16-lane accumulator per row of a,
-// reduced by one lane tree; the last K % 16 columns of a load under a mask. This is the one
-// dot product of the one-row GEMV and of the packed products, in one order whatever the
-// weights' form, so they give the same bits on the same values. Always inlined: as a call
-// per block it cost decode ~10%, where attention's q k^T has K = HS = 32.
+// there). The eight rows stream at once, each into its own accumulator vector per row of a
+// (a chunk's vectors in turn), reduced by one lane tree; the last K % 16 columns of a load
+// under a mask. This is the one dot product of the one-row GEMV and of the packed products,
+// in one order whatever the weights' form, so they give the same bits on the same values.
+// Always inlined: as a call per block it cost decode ~10%, where attention's q k^T has
+// K = HS = 32.
 template <int R, bool kAllRows, class Src>
 [[gnu::always_inline]] inline void dot_block(float* y, int64_t ldy, const float* a, int64_t lda,
                                              const Src& src, int64_t rows, int64_t K, int64_t i0,
                                              int64_t i1, float alpha, float beta) {
-  __m512 acc[R][kRows];
+  Vec acc[R][kRows];
   for (auto& row : acc)
-    for (auto& v : row) v = _mm512_setzero_ps();
-  // Chunk c of every row: odd and masked are bool_constants (only the columns under `cols`).
-  auto chunk = [&](int64_t c, auto odd, auto masked, __mmask16 cols) {
-    __m512 x[R];
-    for (int r = 0; r < R; ++r) {
-      const float* p = a + r * lda + c * kCols;
-      x[r] = masked() ? _mm512_maskz_loadu_ps(cols, p) : _mm512_loadu_ps(p);
-    }
+    for (auto& v : row) v = vzero();
+  // acc[r][i] += w chunk . a chunk, vector by vector.
+  auto fma = [&](int r, int i, const Chunk& w, const Chunk& x) {
+    for (int64_t h = 0; h < kParts; ++h) acc[r][i] = vfmadd(w.v[h], x.v[h], acc[r][i]);
+  };
+  // Chunk c of every row, of which the first n columns are there; odd is a bool_constant.
+  auto chunk = [&](int64_t c, auto odd, int64_t n) {
+    Chunk x[R];
+    for (int r = 0; r < R; ++r) x[r] = load_chunk_first(a + r * lda + c * kCols, n);
     for (int i = 0; i < kRows && (kAllRows || i < rows); ++i) {
-      const __m512 wv = src.template load<odd(), masked()>(i, c, cols);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(wv, x[r], acc[r][i]);
+      const Chunk wv = src.template load<odd()>(i, c, n);
+      for (int r = 0; r < R; ++r) fma(r, i, wv, x[r]);
     }
   };
   // Whole chunks c (even) and c + 1: each accumulator takes chunk c's product, then chunk
   // c + 1's, as two chunk() calls would, but a row's two chunks are read together: in bf16
   // one load instead of two (2-3% off the products of a decode step).
   auto pair = [&](int64_t c) {
-    __m512 x0[R], x1[R];
+    Chunk x0[R], x1[R];
     for (int r = 0; r < R; ++r) {
-      x0[r] = _mm512_loadu_ps(a + r * lda + c * kCols);
-      x1[r] = _mm512_loadu_ps(a + r * lda + (c + 1) * kCols);
+      x0[r] = load_chunk(a + r * lda + c * kCols);
+      x1[r] = load_chunk(a + r * lda + (c + 1) * kCols);
     }
     for (int i = 0; i < kRows && (kAllRows || i < rows); ++i) {
       const ChunkPair wv = src.pair(i, c);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(wv.even, x0[r], acc[r][i]);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(wv.odd, x1[r], acc[r][i]);
+      for (int r = 0; r < R; ++r) fma(r, i, wv.even, x0[r]);
+      for (int r = 0; r < R; ++r) fma(r, i, wv.odd, x1[r]);
     }
   };
-  const std::false_type even, whole;
-  const std::true_type odd, part;
-  const int64_t full = K / kCols;
-  const auto tail = static_cast<__mmask16>((1u << (K % kCols)) - 1);
+  const std::false_type even;
+  const std::true_type odd;
+  const int64_t full = K / kCols, tail = K % kCols;
   int64_t c = 0;
   for (; c + 2 <= full; c += 2) pair(c);
   if (c < full) {
-    chunk(c, even, whole, 0);
-    if (K % kCols != 0) chunk(c + 1, odd, part, tail);
-  } else if (K % kCols != 0) {
-    chunk(c, even, part, tail);
+    chunk(c, even, kCols);
+    if (tail != 0) chunk(c + 1, odd, tail);
+  } else if (tail != 0) {
+    chunk(c, even, tail);
   }
   for (int r = 0; r < R; ++r) {
-    alignas(64) float dot[16];
-    _mm512_store_ps(dot, sum_lanes8(acc[r]));
+    alignas(64) float dot[kLanes];
+    vstore(dot, sum_lanes8(acc[r]));
     float* yr = y + r * ldy;
     for (int64_t i = i0; i < i1; ++i) {
       const float d = alpha * dot[i];
@@ -190,8 +272,9 @@ void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, c
 }
 
 // Rows of a that share one pass over a packed block: 8 accumulators each, plus their 16
-// columns of a and one of w, within the 32 vector registers.
-constexpr int64_t kPackTileRows = 3;
+// columns of a and one of w, within AVX-512's 32 vector registers; AVX2 has 16, which one
+// row's 8 accumulators and two chunks of 2 vectors already fill.
+constexpr int64_t kPackTileRows = kParts == 1 ? 3 : 1;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -229,7 +312,7 @@ void packed_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc 
 
 }  // namespace
 
-#if defined(__AVX512F__)
+#if defined(KVLAB_ROW_KERNELS)
 int64_t packed_weight_size(int64_t N, int64_t K) { return round_up(N, kRows) * round_up(K, kCols); }
 int64_t packed_weight_bf16_size(int64_t N, int64_t K) {
   return round_up(N, kRows) * round_up(K, 2 * kCols);
@@ -311,7 +394,7 @@ void gemm_packed(float*, int64_t, const float*, int64_t, const uint16_t*, int64_
 // OpenBLAS (OpenMP build) behind one function: it shares libgomp's pool with our kernels and
 // runs single-threaded when called from inside a parallel region. A product with one row or
 // one column goes to GEMV, which is ~10x faster than GEMM at M = 1 (decode): for a Linear's
-// a @ W^T to our row dot-product kernel where AVX-512 is available, otherwise to the BLAS.
+// a @ W^T to our row dot-product kernel where AVX-512 or AVX2 is available, else to the BLAS.
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -321,7 +404,7 @@ void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
     return;
   }
-#if defined(__AVX512F__)
+#if defined(KVLAB_ROW_KERNELS)
   if (M == 1 && tb && !ta) {  // c (1, N) = a (1, K) @ B^T, B (N, K): a dot product per row
     gemv_rows(N, K, alpha, B, ldb, A, beta, C);
     return;
