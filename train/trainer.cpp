@@ -21,6 +21,16 @@ namespace fs = std::filesystem;
 
 void TrainConfig::validate() const {
   model.validate();
+  // inf passes every range check below (an infinite lr or weight decay would train to NaN).
+  for (const auto& [name, value] : {std::pair<const char*, double>{"lr", lr},
+                                    {"min_lr", min_lr},
+                                    {"beta1", beta1},
+                                    {"beta2", beta2},
+                                    {"weight_decay", weight_decay},
+                                    {"grad_clip", grad_clip},
+                                    {"dropout", model.dropout},
+                                    {"val_fraction", val_fraction}})
+    KVLAB_CHECK(std::isfinite(value), "train: ", name, " must be a finite number, got ", value);
   KVLAB_CHECK(!corpus.empty(), "train: no corpus given (--corpus FILE)");
   KVLAB_CHECK(batch_size >= 1, "train: batch_size must be >= 1, got ", batch_size);
   KVLAB_CHECK(grad_accum >= 1, "train: grad_accum must be >= 1, got ", grad_accum);
@@ -343,6 +353,11 @@ double Trainer::evaluate() {
   return total / static_cast<double>(cfg_.eval_iters);
 }
 
+namespace {
+// "nan", "inf" or "-inf" (iostreams may print a NaN's sign bit: "-nan").
+std::string non_finite_str(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
+}  // namespace
+
 bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
                   const std::atomic<bool>* stop) {
   using Clock = std::chrono::steady_clock;
@@ -385,18 +400,25 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
       r.comm_s += std::chrono::duration<double>(Clock::now() - c0).count();
     }
     r.grad_norm = global_grad_norm(params);
-    r.lr = learning_rate(cfg_, step_);
-    if (zero_)
-      r.comm_s += zero_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
-    else
-      opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
-    ++step_;
-    if (world > 1) {
+    if (world > 1) {  // before the update, so every rank checks the same loss below
       const auto c0 = Clock::now();
       comm_->allreduce_sum(std::span<double>(&loss_sum, 1), "all-reduce of the training loss");
       loss_sum /= static_cast<double>(world);
       r.comm_s += std::chrono::duration<double>(Clock::now() - c0).count();
     }
+    r.lr = learning_rate(cfg_, step_);
+    // A diverged step stops the run before AdamW spreads it into the weights and before any
+    // checkpoint could store them; the loss and the norm are the same on every rank.
+    for (const auto& [what, value] :
+         {std::pair<const char*, double>{"loss", loss_sum}, {"gradient norm", r.grad_norm}})
+      KVLAB_CHECK(std::isfinite(value), "train: ", what, " is not finite at step ", step_ + 1, " (",
+                  non_finite_str(value), "); lower --lr (now ", cfg_.lr,
+                  ") or lengthen --warmup; checkpoints hold earlier steps only");
+    if (zero_)
+      r.comm_s += zero_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    else
+      opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    ++step_;
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     elapsed_ += dt;
     r.step = step_;

@@ -101,6 +101,8 @@ class Trainer {
   void resume(const std::filesystem::path& ckpt);
   // Trains until cfg.iters, or until `on_step` returns false or `stop` becomes true; a
   // checkpoint (last.h5) is written whenever it stops. Returns true when all iters are done.
+  // A step whose loss or gradient norm is not finite throws (naming the step) before the
+  // optimizer applies it and before anything is saved: checkpoints keep the last good weights.
   bool run(const std::function<bool(const StepRecord&)>& on_step,
            const std::atomic<bool>* stop = nullptr);
   // Mean loss over the fixed validation windows (the same for every run of a corpus).

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "checkpoints/checkpoint.h"
 #include "tests/train/train_test_util.h"
@@ -100,6 +101,79 @@ TEST_F(TrainerTest, ResumeRefusesADifferentConfigAndNamesTheKeys) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("n_kv_head: 2 vs 1"), std::string::npos) << msg;
     EXPECT_NE(msg.find("lr:"), std::string::npos) << msg;
+  }
+}
+
+// Lines of `log` whose "step" is `step`.
+int log_lines_at_step(const fs::path& log, int64_t step) {
+  std::ifstream in(log);
+  int n = 0;
+  const std::string key = "\"step\":" + std::to_string(step) + ",";
+  for (std::string line; std::getline(in, line);) n += line.find(key) != std::string::npos;
+  return n;
+}
+
+// A diverging step stops the run with an error naming the step, before the optimizer applies
+// it and before any checkpoint is written: last.h5 keeps the last good weights.
+TEST_F(TrainerTest, NonFiniteLossStopsAtItsStepAndKeepsTheLastCheckpoint) {
+  {
+    Trainer first(config("run"));
+    run_all(first, 4);  // step 4 is a checkpoint (eval_interval 4)
+  }
+  const fs::path last = dir_ / "run" / "last.h5";
+  const auto before = fs::last_write_time(last);
+  Trainer second(config("run"));
+  second.resume(last);
+  // Poison one weight: the loss of the next step (5) is NaN.
+  Tensor w = second.model().named_parameters()[0].second;
+  std::vector<float> v = w.to_vector<float>();
+  v[0] = std::numeric_limits<float>::quiet_NaN();
+  w.copy_from(Tensor::from_vector(v, w.sizes()));
+  try {
+    run_all(second);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train: loss is not finite at step 5 (nan)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(second.step(), 4);
+  EXPECT_EQ(fs::last_write_time(last), before);
+  EXPECT_FALSE(fs::exists(dir_ / "run" / "final.h5"));
+  const Checkpoint c = load_checkpoint(last, true);
+  EXPECT_EQ(c.iteration, 4);
+  for (const auto& [name, array] : c.model)
+    for (float x : array.data) ASSERT_TRUE(std::isfinite(x)) << name;
+  EXPECT_EQ(log_lines_at_step(dir_ / "run" / "log.jsonl", 5), 0);
+}
+
+TEST_F(TrainerTest, HugeLearningRateDivergesWithAnError) {
+  TrainConfig c = config("");
+  c.lr = 1e6;
+  c.warmup = 0;
+  Trainer t(c);
+  try {
+    run_all(t);
+    FAIL() << "no error, final val loss " << t.best_val_loss();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not finite at step"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("lower --lr"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(TrainerTest, NonFiniteSettingsAreRejected) {
+  TrainConfig good = config("");
+  good.model.vocab_size = 10;  // the corpus sets it
+  EXPECT_NO_THROW(good.validate());
+  for (const double bad : {double{INFINITY}, double{-INFINITY}, std::nan("")}) {
+    for (int which = 0; which < 7; ++which) {
+      TrainConfig c = good;
+      double* fields[] = {&c.lr,           &c.min_lr,    &c.beta1,        &c.beta2,
+                          &c.weight_decay, &c.grad_clip, &c.model.dropout};
+      *fields[which] = bad;
+      if (which == 0 && bad > 0) c.min_lr = 1e-4;  // lr inf passed every range check
+      EXPECT_THROW(c.validate(), Error) << "field " << which << " = " << bad;
+    }
   }
 }
 

@@ -80,6 +80,9 @@ check "top-p out of range" 2 "top-p" -- "$KVLAB" generate --ckpt "$work/run/fina
 check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
 check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
 check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
+# A diverging run stops at the step with an error, saving nothing from it.
+check "diverging loss stops the run" 1 "loss is not finite at step" -- "$KVLAB" train "${tiny[@]}" --lr 1e6 --out "$work/nan"
+check "nothing saved from a diverged step" 2 "No such file" -- ls "$work/nan/final.h5"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
