@@ -99,19 +99,23 @@ void add_ablate_command(CLI::App& root) {
                   "n_kv_head values, comma separated (default: every divisor of n-head)")
       ->delimiter(',');
   cmd->add_option("--seeds", args->seeds, "Seeds per variant (mean +- std over them)")
+      ->check(integer_of<int>())
       ->capture_default_str();
   cmd->add_flag("--param-matched", args->param_matched,
                 "Widen each variant's MLP to MHA's parameter count (within 1%)");
   cmd->add_option("--kv-budget", args->kv_budget,
                   "Memory for the sequences-that-fit figure, e.g. 1GiB")
       ->transform(CLI::AsSizeValue(false))
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   add_kv_dtype_flag(cmd, args->kv_dtype);
   cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
                                               "the start of two fixed validation windows)");
   cmd->add_option("--sample-tokens", args->sample_tokens, "New tokens per sample")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--bench-runs", args->bench_runs, "Timed decode runs per variant (median)")
+      ->check(integer_of<int>())
       ->capture_default_str();
   cmd->add_option("--out", args->out, "Output folder (runs/, results.json, report.html, ...)")
       ->capture_default_str();

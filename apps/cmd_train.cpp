@@ -2,6 +2,7 @@
 // `mpirun -np N` it trains data-parallel over N ranks (train/comm.h): rank 0 prints, logs
 // and writes the checkpoints.
 #include <csignal>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
@@ -27,7 +28,8 @@ void run_train(const TrainArgs& a) {
   TrainConfig cfg = finish_train_flags(a.flags);
   cfg.out_dir = a.out;
   cfg.zero = a.zero;
-  KVLAB_USAGE_CHECK(a.comm_timeout > 0, "--comm-timeout must be > 0 seconds, got ", a.comm_timeout);
+  KVLAB_USAGE_CHECK(a.comm_timeout > 0 && std::isfinite(a.comm_timeout),
+                    "--comm-timeout must be a finite number > 0 of seconds, got ", a.comm_timeout);
   namespace fs = std::filesystem;
   const fs::path last = fs::path(a.out) / "last.h5";
   KVLAB_USAGE_CHECK(a.resume || !fs::exists(last), "output folder ", a.out,
@@ -86,10 +88,12 @@ void add_train_command(CLI::App& root) {
   cmd->add_option("--comm-timeout", args->comm_timeout,
                   "Under mpirun: seconds a rank waits in a collective before the job fails with "
                   "an error naming the ranks that did not arrive")
+      ->check(finite_number())
       ->capture_default_str();
   cmd->add_option("--zero", args->zero,
                   "Under mpirun: 1 shards the AdamW moments over the ranks (ZeRO stage 1); "
                   "same weights as 0")
+      ->check(integer_of<int64_t>())
       ->check(CLI::IsMember({0, 1}))
       ->capture_default_str();
   cmd->callback([args] { run_train(*args); });

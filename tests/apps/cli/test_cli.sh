@@ -83,6 +83,13 @@ check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" -
 # A diverging run stops at the step with an error, saving nothing from it.
 check "diverging loss stops the run" 1 "loss is not finite at step" -- "$KVLAB" train "${tiny[@]}" --lr 1e6 --out "$work/nan"
 check "nothing saved from a diverged step" 2 "No such file" -- ls "$work/nan/final.h5"
+# Float flags must be finite and integer flags fit their type, checked as they are parsed.
+check "--lr inf" 2 "'inf' is not a finite number" -- "$KVLAB" train "${tiny[@]}" --lr inf --out "$work/x7"
+check "--weight-decay inf" 2 "'inf' is not a finite number" -- "$KVLAB" train "${tiny[@]}" --weight-decay inf --out "$work/x7"
+check "--dropout nan" 2 "'nan' is not a finite number" -- "$KVLAB" ablate "${tiny[@]}" --dropout nan --out "$work/x7"
+check "--seed -1" 2 "'-1' is not a decimal integer" -- "$KVLAB" train "${tiny[@]}" --seed -1 --out "$work/x7"
+check "int64 flag past its range" 2 "is outside" -- "$KVLAB" train "${tiny[@]}" --warmup 99999999999999999999 --out "$work/x7"
+check "int flag past its range" 2 "is outside" -- "$KVLAB" ablate "${tiny[@]}" --seeds 2147483648 --out "$work/x7"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
