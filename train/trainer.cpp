@@ -56,6 +56,7 @@ Attrs TrainConfig::to_attrs() const {
   Attrs a;
   put_gpt_config(a, model);
   a["corpus"] = corpus;
+  if (corpus_hash != 0) a["corpus_hash"] = hash_hex(corpus_hash);
   a["tokenizer"] = tokenizer;
   a["val_fraction"] = val_fraction;
   a["batch_size"] = batch_size;
@@ -103,8 +104,15 @@ std::string attr_str(const AttrValue& v) {
   std::visit([&](const auto& x) { os << x; }, v);
   return os.str();
 }
-// Settings that describe where things are, not what is computed.
-bool informational(const std::string& key) { return key == "corpus"; }
+// Settings that describe where things are, not what is computed; the corpus's content is
+// compared through corpus_hash, reported as "corpus".
+bool informational(const std::string& key) { return key == "corpus" || key == "corpus_hash"; }
+
+std::string corpus_desc(const Attrs& a) {
+  const auto path = a.find("corpus");
+  return detail::cat(path == a.end() ? "(no path)" : attr_str(path->second), " (content ",
+                     attr_str(a.at("corpus_hash")), ")");
+}
 }  // namespace
 
 void ensure_writable_dir(const fs::path& dir, const std::string& who) {
@@ -119,6 +127,9 @@ void ensure_writable_dir(const fs::path& dir, const std::string& who) {
 
 std::vector<std::string> config_differences(const Attrs& a, const Attrs& b) {
   std::vector<std::string> diffs;
+  const auto ha = a.find("corpus_hash"), hb = b.find("corpus_hash");
+  if (ha != a.end() && hb != b.end() && attr_str(ha->second) != attr_str(hb->second))
+    diffs.push_back("corpus: " + corpus_desc(a) + " vs " + corpus_desc(b));
   for (const auto& [k, v] : a) {
     if (informational(k)) continue;
     auto it = b.find(k);
@@ -150,6 +161,7 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
   check_corpus_fits(corpus_, static_cast<int>(cfg_.model.block_size));
   cfg_.model.vocab_size = corpus_.tokenizer.vocab_size();
   cfg_.corpus = corpus_.path;
+  cfg_.corpus_hash = corpus_.content_hash;
   const int world = comm_->world_size(), rank = comm_->rank();
   if (world > 1) {
     // Every rank must run the same configuration on the same data.

@@ -113,6 +113,47 @@ int log_lines_at_step(const fs::path& log, int64_t step) {
   return n;
 }
 
+TEST_F(TrainerTest, ResumeRefusesAnotherCorpusNamingBoth) {
+  Trainer first(config("run"));
+  run_all(first, 2);
+  // Another text under another name, and another text under the same name.
+  std::ofstream(dir_ / "other.txt") << std::ifstream(dir_ / "corpus.txt").rdbuf() << "the end.\n";
+  TrainConfig other = config("run");
+  other.corpus = (dir_ / "other.txt").string();
+  for (int pass = 0; pass < 2; ++pass) {
+    Trainer second(other);
+    try {
+      second.resume(dir_ / "run" / "last.h5");
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      const std::string want = "corpus: " + (dir_ / "corpus.txt").string() + " (content " +
+                               hash_hex(first.corpus().content_hash) + ") vs " + other.corpus +
+                               " (content " + hash_hex(second.corpus().content_hash) + ")";
+      EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    }
+    if (pass == 0) {  // the new text replaces the old one under its name
+      fs::rename(dir_ / "other.txt", dir_ / "corpus.txt");
+      other.corpus = (dir_ / "corpus.txt").string();
+    }
+  }
+}
+
+// Checkpoints written before the corpus hash was stored still resume.
+TEST_F(TrainerTest, ResumeAcceptsACheckpointWithoutCorpusHash) {
+  Trainer first(config("run"));
+  run_all(first, 2);
+  const fs::path last = dir_ / "run" / "last.h5";
+  Checkpoint c = load_checkpoint(last, true);
+  ASSERT_EQ(std::get<std::string>(c.config.at("corpus_hash")),
+            hash_hex(first.corpus().content_hash));
+  c.config.erase("corpus_hash");
+  save_checkpoint(last, c);
+  Trainer second(config("run"));
+  EXPECT_NO_THROW(second.resume(last));
+  EXPECT_EQ(second.step(), 2);
+}
+
 // A diverging step stops the run with an error naming the step, before the optimizer applies
 // it and before any checkpoint is written: last.h5 keeps the last good weights.
 TEST_F(TrainerTest, NonFiniteLossStopsAtItsStepAndKeepsTheLastCheckpoint) {

@@ -90,6 +90,9 @@ check "--dropout nan" 2 "'nan' is not a finite number" -- "$KVLAB" ablate "${tin
 check "--seed -1" 2 "'-1' is not a decimal integer" -- "$KVLAB" train "${tiny[@]}" --seed -1 --out "$work/x7"
 check "int64 flag past its range" 2 "is outside" -- "$KVLAB" train "${tiny[@]}" --warmup 99999999999999999999 --out "$work/x7"
 check "int flag past its range" 2 "is outside" -- "$KVLAB" ablate "${tiny[@]}" --seeds 2147483648 --out "$work/x7"
+# --resume and ablate's reuse compare the corpus by content, not by path.
+sed 's/lord/dorl/' "$work/corpus.txt" > "$work/corpus2.txt"  # the same characters, another text
+check "resume on another corpus" 1 "corpus: $work/corpus.txt (content" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus2.txt" --n-kv-head 2 --out "$work/run" --resume
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
