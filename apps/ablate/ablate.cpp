@@ -104,6 +104,8 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   const Corpus corpus = load_corpus(base.corpus, Tokenizer::parse_kind(base.tokenizer), base.val_fraction);
   check_corpus_fits(corpus, static_cast<int>(base.model.block_size));
   base.model.vocab_size = corpus.tokenizer.vocab_size();
+  // Runs record the corpus's content: a finished run is reused only on the same text.
+  base.corpus_hash = corpus.content_hash;
   GPTConfig mha = base.model;
   mha.n_kv_head = nh;
   const int64_t target = count_parameters(mha);
@@ -164,7 +166,16 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
                    ProgressBar::clock(train_s / trained_runs * runs_left).c_str());
     const auto t0 = Clock::now();
     Trainer trainer(c);
-    const int64_t from = fs::exists(last) ? (trainer.resume(last), trainer.step()) : 0;
+    int64_t from = 0;
+    if (fs::exists(last)) {
+      try {
+        trainer.resume(last);
+      } catch (const Error& e) {  // another config or corpus than the run in that folder
+        KVLAB_CHECK(false, "ablate: ", e.what(), ". Use another --out, or delete ", dir.string(),
+                    " to retrain");
+      }
+      from = trainer.step();
+    }
     if (from > 0) ++stats.runs_resumed;
     const bool done = train_with_progress(trainer, label);
     stats.steps_trained += trainer.step() - from;

@@ -116,6 +116,29 @@ TEST_F(AblateTest, AChangedConfigIsAnErrorNamingTheKeys) {
   }
 }
 
+// Finished runs are reused only on the same text: another corpus under the same --out is an
+// error naming both, before anything trains.
+TEST_F(AblateTest, AnotherCorpusIsAnErrorNotAReuse) {
+  AblateConfig c = config();
+  c.kv_heads = {2};
+  c.seeds = 1;
+  run_ablation(c);
+  std::ofstream(dir_ / "other.txt") << std::ifstream(dir_ / "corpus.txt").rdbuf() << "amen.\n";
+  c.base.corpus = (dir_ / "other.txt").string();
+  const auto log = dir_ / "out" / "runs" / "kv2_seed0" / "log.jsonl";
+  const auto log_time = fs::last_write_time(log);
+  try {
+    run_ablation(c);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("corpus: " + (dir_ / "corpus.txt").string()), std::string::npos) << msg;
+    EXPECT_NE(msg.find(" vs " + c.base.corpus), std::string::npos) << msg;
+    EXPECT_NE(msg.find("another --out"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(fs::last_write_time(log), log_time);
+}
+
 TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   auto expect_error = [&](AblateConfig c, const std::string& needle) {
     try {

@@ -93,6 +93,9 @@ check "int flag past its range" 2 "is outside" -- "$KVLAB" ablate "${tiny[@]}" -
 # --resume and ablate's reuse compare the corpus by content, not by path.
 sed 's/lord/dorl/' "$work/corpus.txt" > "$work/corpus2.txt"  # the same characters, another text
 check "resume on another corpus" 1 "corpus: $work/corpus.txt (content" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus2.txt" --n-kv-head 2 --out "$work/run" --resume
+ab=(--n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 1 --kv-heads 2 --seeds 1 --sample-tokens 4 --bench-runs 1)
+check "ablate" 0 "n_kv_head" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --out "$work/abc"
+check "ablate on another corpus" 1 "another --out" -- "$KVLAB" ablate --corpus "$work/corpus2.txt" "${ab[@]}" --out "$work/abc"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
