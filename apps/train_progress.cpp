@@ -30,7 +30,7 @@ bool train_with_progress(Trainer& trainer, const std::string& label) {
   // which mpirun forwards to every rank, stops cleanly with a checkpoint, as Ctrl-C does alone.
   auto previous_usr1 = parallel ? std::signal(SIGUSR1, on_sigint) : SIG_DFL;
   const TrainConfig& cfg = trainer.config();
-  ProgressBar bar(label, cfg.iters, "step");
+  ProgressBar bar(label, cfg.iters, "step", trainer.step());
   double last_val = trainer.best_val_loss();
   const bool done = trainer.run(
       [&](const StepRecord& r) {
