@@ -58,6 +58,7 @@ void apply_quick(CLI::App* cmd, AblateArgs& a) {
 
 void run_ablate(CLI::App* cmd, AblateArgs& a) {
   if (a.quick) apply_quick(cmd, a);
+  KVLAB_USAGE_CHECK(!a.out.empty(), "ablate: no output folder (--out is empty)");
   AblateConfig cfg;
   cfg.base = finish_train_flags(a.flags);
   cfg.kv_heads = a.kv_heads;

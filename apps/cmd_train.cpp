@@ -25,6 +25,7 @@ struct TrainArgs {
 };
 
 void run_train(const TrainArgs& a) {
+  KVLAB_USAGE_CHECK(!a.out.empty(), "train: no output folder (--out is empty)");
   TrainConfig cfg = finish_train_flags(a.flags);
   cfg.out_dir = a.out;
   cfg.zero = a.zero;
