@@ -45,7 +45,8 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   if (with_n_kv_head)
     cmd->add_option("--n-kv-head", f.n_kv_head,
                     "Key/value heads: n-head (MHA), a divisor (GQA) or 1 (MQA); default n-head")
-        ->check(integer_of<int64_t>());
+        ->check(integer_of<int64_t>())
+        ->each([&f](const std::string&) { f.n_kv_head_given = true; });
   cmd->add_option("--n-embd", c.model.n_embd, "Channels (n_embd)")
       ->check(integer_of<int64_t>())
       ->capture_default_str();
@@ -150,7 +151,12 @@ DType parse_storage_dtype(const std::string& dtype) {
 
 TrainConfig finish_train_flags(const TrainFlags& f) {
   TrainConfig c = f.cfg;
-  c.model.n_kv_head = f.n_kv_head > 0 ? f.n_kv_head : c.model.n_head;
+  // Only the flag's absence means MHA; an explicit 0 or negative count is a mistake.
+  KVLAB_USAGE_CHECK(!f.n_kv_head_given || c.model.n_head < 1 ||
+                        (f.n_kv_head >= 1 && f.n_kv_head <= c.model.n_head),
+                    "--n-kv-head must be in [1, n_head] = [1, ", c.model.n_head, "], got ",
+                    f.n_kv_head);
+  c.model.n_kv_head = f.n_kv_head_given ? f.n_kv_head : c.model.n_head;
   c.model.tied = !f.untied;
   c.device = parse_device(f.device);
   c.precision = parse_dtype(f.dtype, c.device);

@@ -9,7 +9,8 @@ namespace kvlab {
 
 struct TrainFlags {
   TrainConfig cfg;
-  int64_t n_kv_head = 0;  // 0: n_head (MHA)
+  int64_t n_kv_head = 0;         // used when n_kv_head_given; otherwise n_head (MHA)
+  bool n_kv_head_given = false;  // --n-kv-head appeared (on the command line or in --config)
   bool untied = false;
   std::string device = "cpu";
   std::string dtype = "f32";

@@ -98,6 +98,8 @@ check "ablate" 0 "n_kv_head" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${a
 check "ablate on another corpus" 1 "another --out" -- "$KVLAB" ablate --corpus "$work/corpus2.txt" "${ab[@]}" --out "$work/abc"
 check "train --out empty" 2 "no output folder" -- "$KVLAB" train "${tiny[@]}" --out ""
 check "ablate --out empty" 2 "no output folder" -- "$KVLAB" ablate "${tiny[@]}" --out ""
+check "--n-kv-head 0" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 0 --out "$work/x8"
+check "--n-kv-head -1" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head -1 --out "$work/x8"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
