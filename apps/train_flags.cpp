@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "apps/cli.h"
+#include "apps/config_file.h"
 
 namespace kvlab {
 
@@ -26,7 +27,9 @@ CLI::Validator finite_number() {
 void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   TrainConfig& c = f.cfg;
   c.corpus = default_corpus();
-  // Expanded into flags before parsing (apps/config_file.h); declared here for --help.
+  // Expanded into flags before parsing (apps/config_file.h); declared here for --help, and its
+  // keys are checked against this command's flags.
+  register_config_command(cmd);
   static std::string config_file;
   cmd->add_option("--config", config_file,
                   "Read flags from a file of 'key = value' lines (the same keys; command-line "

@@ -100,6 +100,15 @@ check "train --out empty" 2 "no output folder" -- "$KVLAB" train "${tiny[@]}" --
 check "ablate --out empty" 2 "no output folder" -- "$KVLAB" ablate "${tiny[@]}" --out ""
 check "--n-kv-head 0" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 0 --out "$work/x8"
 check "--n-kv-head -1" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head -1 --out "$work/x8"
+# --config: a folder, a key without a value, an unknown key, a nested config.
+mkdir -p "$work/cfgdir"
+printf 'iters = 4\nlr =\n' > "$work/novalue.toml"
+printf 'iters = 4\nn-head = 4\nbogus_key = 3\n' > "$work/bogus.toml"
+printf 'iters = 4\nconfig = "%s"\n' "$work/run.toml" > "$work/nested.toml"
+check "--config a folder" 2 "cannot read" -- "$KVLAB" train --config "$work/cfgdir"
+check "--config key without value" 2 "novalue.toml:2: 'lr' has no value" -- "$KVLAB" train --config "$work/novalue.toml"
+check "--config unknown key" 2 "bogus.toml:3: unknown key 'bogus-key'" -- "$KVLAB" train --config "$work/bogus.toml"
+check "--config nested" 2 "nested.toml:2: 'config' cannot be nested" -- "$KVLAB" train --config "$work/nested.toml"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
