@@ -1,9 +1,10 @@
 // kvlab train: one GPT on a corpus, with a progress bar, a JSONL log and checkpoints. Under
 // `mpirun -np N` it trains data-parallel over N ranks (train/comm.h): rank 0 prints, logs
 // and writes the checkpoints.
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "apps/cli.h"
@@ -24,7 +25,8 @@ struct TrainArgs {
   int64_t zero = 0;
 };
 
-void run_train(const TrainArgs& a) {
+// Returns the exit code: 0 when every step is done, 128 + the signal when one stopped it.
+int run_train(const TrainArgs& a) {
   KVLAB_USAGE_CHECK(!a.out.empty(), "train: no output folder (--out is empty)");
   TrainConfig cfg = finish_train_flags(a.flags);
   cfg.out_dir = a.out;
@@ -69,6 +71,8 @@ void run_train(const TrainArgs& a) {
                   trainer.best_val_loss(), a.out.c_str());
       if (!done) std::printf("resume with the same command plus --resume\n");
     }
+    // Interrupted is not finished: a script or scheduler must see it (SIGINT gives 130).
+    return done ? 0 : 128 + (stop_signal() > 0 ? stop_signal() : SIGINT);
   } catch (...) {
     // Another rank may be waiting for this one in a collective: end the whole job at exit.
     if (world > 1) comm->fail();
@@ -97,7 +101,14 @@ void add_train_command(CLI::App& root) {
       ->check(integer_of<int64_t>())
       ->check(CLI::IsMember({0, 1}))
       ->capture_default_str();
-  cmd->callback([args] { run_train(*args); });
+  cmd->callback([args] {
+    if (const int rc = run_train(*args); rc != 0) {
+      // Everything is saved and the trainer is gone; the exit code is all that is left.
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::exit(rc);
+    }
+  });
 }
 
 }  // namespace kvlab

@@ -109,6 +109,16 @@ check "--config a folder" 2 "cannot read" -- "$KVLAB" train --config "$work/cfgd
 check "--config key without value" 2 "novalue.toml:2: 'lr' has no value" -- "$KVLAB" train --config "$work/novalue.toml"
 check "--config unknown key" 2 "bogus.toml:3: unknown key 'bogus-key'" -- "$KVLAB" train --config "$work/bogus.toml"
 check "--config nested" 2 "nested.toml:2: 'config' cannot be nested" -- "$KVLAB" train --config "$work/nested.toml"
+# Ctrl-C saves and exits 130; a second Ctrl-C (here during the long step-0 evaluation) quits at once.
+long=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 100000 --eval-interval 10)
+"$KVLAB" train "${long[@]}" --eval-iters 2 --out "$work/int" > "$work/int.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do [ -s "$work/int/log.jsonl" ] && break; sleep 0.1; done
+kill -INT "$pid"; wait "$pid"; rc=$?
+if [ "$rc" -eq 130 ] && grep -q "interrupted at step" "$work/int.log" && [ -f "$work/int/last.h5" ]; then pass=$((pass + 1)); else echo "FAIL Ctrl-C: rc=$rc (want 130)"; tail -3 "$work/int.log"; fails=$((fails + 1)); fi
+"$KVLAB" train "${long[@]}" --eval-iters 20000 --out "$work/int2" > "$work/int2.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do grep -q "from scratch" "$work/int2.log" && break; sleep 0.1; done
+kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null; wait "$pid"; rc=$?
+if [ "$rc" -eq 130 ] && ! grep -q "interrupted at step" "$work/int2.log"; then pass=$((pass + 1)); else echo "FAIL second Ctrl-C: rc=$rc (want 130, no clean stop)"; tail -3 "$work/int2.log"; fails=$((fails + 1)); fi
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
