@@ -243,6 +243,7 @@ void Trainer::resume(const fs::path& file) {
     get_optimizer(*opt_, ckpt, file);
   }
   step_ = ckpt.iteration;
+  resumed_ = true;
   best_val_ = ckpt.best_val_loss;
   // Rank r's words: rng_state[8 r, 8 r + 4) sampler, [8 r + 4, 8 r + 8) dropout.
   const auto words = ckpt.rng_state.begin() + 8 * comm_->rank();
@@ -378,7 +379,7 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
   const int world = comm_->world_size();
   MatmulPrecisionGuard precision(cfg_.precision);
   model_->set_training(true);
-  if (step_ == 0) {  // the curve starts at the initial weights
+  if (step_ == 0 && !resumed_) {  // the curve starts at the initial weights (logged once)
     StepRecord r;
     r.val_loss = evaluate();
     append_log(r);

@@ -143,6 +143,7 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   std::vector<int64_t> val_starts_;
   int64_t step_ = 0;
+  bool resumed_ = false;  // the log already holds the lines up to step_
   double best_val_ = std::numeric_limits<double>::infinity();
   double elapsed_ = 0;  // training seconds so far, evaluation excluded
 };

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -216,6 +217,28 @@ TEST_F(TrainerTest, NonFiniteSettingsAreRejected) {
       EXPECT_THROW(c.validate(), Error) << "field " << which << " = " << bad;
     }
   }
+}
+
+// Stopped right after the step-0 evaluation, the run resumes from a step-0 checkpoint; the
+// evaluation is not repeated in the log.
+TEST_F(TrainerTest, ResumeFromStepZeroLogsStepZeroOnce) {
+  {
+    Trainer first(config("run"));
+    std::atomic<bool> stop{true};
+    EXPECT_FALSE(first.run([](const StepRecord&) { return true; }, &stop));
+    EXPECT_EQ(first.step(), 0);
+  }
+  Trainer second(config("run"));
+  second.resume(dir_ / "run" / "last.h5");
+  EXPECT_EQ(second.step(), 0);
+  const auto recs = run_all(second);
+  EXPECT_EQ(recs.size(), 12u);  // steps 1..12 only
+  const fs::path log = dir_ / "run" / "log.jsonl";
+  EXPECT_EQ(log_lines_at_step(log, 0), 1);
+  std::ifstream in(log);
+  int lines = 0;
+  for (std::string line; std::getline(in, line);) ++lines;
+  EXPECT_EQ(lines, 13);
 }
 
 TEST_F(TrainerTest, LearningRateScheduleWarmupThenCosine) {
