@@ -90,12 +90,16 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
     for (int64_t k = nh; k >= 1; --k)
       if (nh % k == 0) cfg.kv_heads.push_back(k);
   KVLAB_CHECK(!cfg.kv_heads.empty(), "ablate: the list of n_kv_head values is empty");
-  for (int64_t k : cfg.kv_heads)
-    KVLAB_CHECK(k >= 1 && k <= nh && nh % k == 0, "ablate: n_head = ", nh,
-                " is not divisible by n_kv_head = ", k, " (use divisors of n_head, e.g. ",
-                nh, ",", nh / 2 > 0 ? nh / 2 : 1, ",1)");
+  for (int64_t k : cfg.kv_heads) {
+    KVLAB_CHECK(k >= 1 && k <= nh, "ablate: n_kv_head = ", k, " must be in [1, ", nh,
+                "] (n_head = ", nh, ")");
+    KVLAB_CHECK(nh % k == 0, "ablate: n_head = ", nh, " is not divisible by n_kv_head = ", k,
+                " (use divisors of n_head, e.g. ", nh, ",", nh / 2 > 0 ? nh / 2 : 1, ",1)");
+  }
   std::sort(cfg.kv_heads.begin(), cfg.kv_heads.end(), std::greater<>());
-  cfg.kv_heads.erase(std::unique(cfg.kv_heads.begin(), cfg.kv_heads.end()), cfg.kv_heads.end());
+  const auto dup = std::adjacent_find(cfg.kv_heads.begin(), cfg.kv_heads.end());
+  KVLAB_CHECK(dup == cfg.kv_heads.end(),
+              "ablate: n_kv_head = ", dup == cfg.kv_heads.end() ? 0 : *dup, " is listed twice");
   KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");

@@ -162,6 +162,14 @@ TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   c = config();
   c.base.model.block_size = 1 << 20;
   expect_error(c, "block");
+  for (const int64_t k : {0, -2, 8}) {
+    c = config();
+    c.kv_heads = {4, k};
+    expect_error(c, "n_kv_head = " + std::to_string(k) + " must be in [1, 4]");
+  }
+  c = config();
+  c.kv_heads = {4, 2, 4};
+  expect_error(c, "n_kv_head = 4 is listed twice");
 }
 
 TEST_F(AblateTest, ParamMatchedVariantsWithinOnePercentOfMha) {
