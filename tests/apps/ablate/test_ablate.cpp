@@ -170,6 +170,15 @@ TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   c = config();
   c.kv_heads = {4, 2, 4};
   expect_error(c, "n_kv_head = 4 is listed twice");
+  // The samples' prompts come after all training: they are checked first, with the engine's
+  // messages.
+  c = config();
+  c.prompts = {"Zebra"};
+  expect_error(c, "characters are not in the model's vocabulary: 'Z' (U+005A)");
+  c.prompts = {"and", ""};
+  expect_error(c, "prompt 2 is empty");
+  c.prompts = {std::string(17, 'a')};
+  expect_error(c, "prompt has 17 tokens, more than the model's context of block_size = 16");
 }
 
 TEST_F(AblateTest, ParamMatchedVariantsWithinOnePercentOfMha) {

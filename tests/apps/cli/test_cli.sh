@@ -125,6 +125,10 @@ check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]
 check "ablate --kv-heads ," 2 "item 1 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads , --out "$work/ab"
 check "ablate --kv-heads 4,4" 2 "4 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,4 --out "$work/ab"
 check "ablate --kv-heads 4,,2" 2 "item 2 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,,2 --out "$work/ab"
+# ablate --prompt is checked before anything trains.
+check "ablate prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt Zebra --out "$work/abp"
+check "ablate empty prompt" 1 "prompt is empty" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt "" --out "$work/abp"
+check "ablate trained nothing for a bad prompt" 2 "No such file" -- ls "$work/abp/runs"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
