@@ -129,6 +129,20 @@ check "ablate --kv-heads 4,,2" 2 "item 2 is empty" -- "$KVLAB" ablate "${tiny[@]
 check "ablate prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt Zebra --out "$work/abp"
 check "ablate empty prompt" 1 "prompt is empty" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt "" --out "$work/abp"
 check "ablate trained nothing for a bad prompt" 2 "No such file" -- ls "$work/abp/runs"
+# scripts/ablate.sh: --help does nothing else; an existing build/ keeps its generator (stubs
+# stand in for setup.sh, cmake and kvlab).
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+mkdir -p "$work/sh/scripts" "$work/sh/build/apps" "$work/sh/bin"
+cp "$root/scripts/ablate.sh" "$work/sh/scripts/"
+printf '#!/bin/sh\necho setup >> "%s"\n' "$work/sh/cmake.log" > "$work/sh/scripts/setup.sh"
+printf 'CMAKE_GENERATOR:INTERNAL=Unix Makefiles\n' > "$work/sh/build/CMakeCache.txt"
+printf '#!/bin/sh\necho "cmake $*" >> "%s"\n' "$work/sh/cmake.log" > "$work/sh/bin/cmake"
+printf '#!/bin/sh\necho "kvlab $*"\n' > "$work/sh/build/apps/kvlab"
+chmod +x "$work/sh/scripts/setup.sh" "$work/sh/bin/cmake" "$work/sh/build/apps/kvlab"
+check "ablate.sh --help" 0 "kvlab ablate --help" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --help
+check "ablate.sh --help sets up and builds nothing" 2 "No such file" -- ls "$work/sh/cmake.log"
+check "ablate.sh in a configured checkout" 0 "kvlab ablate --out out/ablate --quick" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick
+check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "-G" "$work/sh/cmake.log"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"
