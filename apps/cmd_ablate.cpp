@@ -1,5 +1,8 @@
 // kvlab ablate: the n_kv_head sweep (the main job).
+#include <algorithm>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "apps/ablate/ablate.h"
 #include "apps/cli.h"
@@ -12,7 +15,7 @@ namespace {
 
 struct AblateArgs {
   TrainFlags flags;
-  std::vector<int64_t> kv_heads;
+  std::string kv_heads;  // "8,4,2,1": parsed by parse_kv_heads
   int seeds = 3;
   bool param_matched = false;
   int64_t kv_budget = int64_t{1} << 30;
@@ -56,17 +59,46 @@ void apply_quick(CLI::App* cmd, AblateArgs& a) {
   if (unset("--bench-runs")) a.bench_runs = 1;
 }
 
+// --kv-heads as given: one comma-separated argument (CLI11's own list splitting drops empty
+// items and, for ",", goes on to take the next flag as a value). Every item must be a decimal
+// integer in [1, n_head] dividing n_head, listed once.
+std::vector<int64_t> parse_kv_heads(const std::string& text, int64_t n_head) {
+  auto trim = [](const std::string& s) {
+    const auto b = s.find_first_not_of(" \t");
+    return b == std::string::npos ? std::string() : s.substr(b, s.find_last_not_of(" \t") - b + 1);
+  };
+  KVLAB_USAGE_CHECK(!trim(text).empty(), "--kv-heads: the list is empty");
+  const CLI::Validator integer = integer_of<int64_t>();
+  std::vector<int64_t> ks;
+  size_t begin = 0;
+  for (int item = 1;; ++item) {
+    const size_t comma = text.find(',', begin);
+    std::string word = trim(text.substr(begin, comma - begin));
+    KVLAB_USAGE_CHECK(!word.empty(), "--kv-heads '", text, "': item ", item,
+                      " is empty (write comma-separated counts, e.g. 8,4,2,1)");
+    const std::string bad = integer(word);
+    KVLAB_USAGE_CHECK(bad.empty(), "--kv-heads: ", bad);
+    const int64_t k = std::stoll(word);
+    KVLAB_USAGE_CHECK(k >= 1 && k <= n_head, "--kv-heads: ", k, " must be in [1, ", n_head,
+                      "] (n_head = ", n_head, ")");
+    KVLAB_USAGE_CHECK(n_head % k == 0, "--kv-heads: n_head = ", n_head,
+                      " is not divisible by n_kv_head = ", k);
+    KVLAB_USAGE_CHECK(std::find(ks.begin(), ks.end(), k) == ks.end(), "--kv-heads: ", k,
+                      " is listed twice");
+    ks.push_back(k);
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return ks;
+}
+
 void run_ablate(CLI::App* cmd, AblateArgs& a) {
   if (a.quick) apply_quick(cmd, a);
+  KVLAB_USAGE_CHECK(!a.out.empty(), "ablate: no output folder (--out is empty)");
   AblateConfig cfg;
   cfg.base = finish_train_flags(a.flags);
-  cfg.kv_heads = a.kv_heads;
-  KVLAB_USAGE_CHECK(cmd->count("--kv-heads") == 0 || !a.kv_heads.empty(),
-                    "--kv-heads: the list is empty");
-  for (int64_t k : a.kv_heads)
-    KVLAB_USAGE_CHECK(k >= 1 && k <= cfg.base.model.n_head && cfg.base.model.n_head % k == 0,
-                      "--kv-heads: n_head = ", cfg.base.model.n_head,
-                      " is not divisible by n_kv_head = ", k);
+  if (cmd->count("--kv-heads") > 0)
+    cfg.kv_heads = parse_kv_heads(a.kv_heads, cfg.base.model.n_head);
   KVLAB_USAGE_CHECK(a.seeds >= 1, "--seeds must be >= 1, got ", a.seeds);
   KVLAB_USAGE_CHECK(a.kv_budget > 0, "--kv-budget must be positive");
   KVLAB_USAGE_CHECK(a.sample_tokens >= 1, "--sample-tokens must be >= 1");
@@ -96,22 +128,26 @@ void add_ablate_command(CLI::App& root) {
   set_sweep_defaults(args->flags.cfg);
   add_train_flags(cmd, args->flags, false);
   cmd->add_option("--kv-heads", args->kv_heads,
-                  "n_kv_head values, comma separated (default: every divisor of n-head)")
-      ->delimiter(',');
+                  "n_kv_head values, comma separated, e.g. 8,2,1 (default: every divisor of "
+                  "n-head)");
   cmd->add_option("--seeds", args->seeds, "Seeds per variant (mean +- std over them)")
+      ->check(integer_of<int>())
       ->capture_default_str();
   cmd->add_flag("--param-matched", args->param_matched,
                 "Widen each variant's MLP to MHA's parameter count (within 1%)");
   cmd->add_option("--kv-budget", args->kv_budget,
                   "Memory for the sequences-that-fit figure, e.g. 1GiB")
       ->transform(CLI::AsSizeValue(false))
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   add_kv_dtype_flag(cmd, args->kv_dtype);
   cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
                                               "the start of two fixed validation windows)");
   cmd->add_option("--sample-tokens", args->sample_tokens, "New tokens per sample")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--bench-runs", args->bench_runs, "Timed decode runs per variant (median)")
+      ->check(integer_of<int>())
       ->capture_default_str();
   cmd->add_option("--out", args->out, "Output folder (runs/, results.json, report.html, ...)")
       ->capture_default_str();

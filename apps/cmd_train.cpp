@@ -1,8 +1,10 @@
 // kvlab train: one GPT on a corpus, with a progress bar, a JSONL log and checkpoints. Under
 // `mpirun -np N` it trains data-parallel over N ranks (train/comm.h): rank 0 prints, logs
 // and writes the checkpoints.
+#include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "apps/cli.h"
@@ -23,11 +25,14 @@ struct TrainArgs {
   int64_t zero = 0;
 };
 
-void run_train(const TrainArgs& a) {
+// Returns the exit code: 0 when every step is done, 128 + the signal when one stopped it.
+int run_train(const TrainArgs& a) {
+  KVLAB_USAGE_CHECK(!a.out.empty(), "train: no output folder (--out is empty)");
   TrainConfig cfg = finish_train_flags(a.flags);
   cfg.out_dir = a.out;
   cfg.zero = a.zero;
-  KVLAB_USAGE_CHECK(a.comm_timeout > 0, "--comm-timeout must be > 0 seconds, got ", a.comm_timeout);
+  KVLAB_USAGE_CHECK(a.comm_timeout > 0 && std::isfinite(a.comm_timeout),
+                    "--comm-timeout must be a finite number > 0 of seconds, got ", a.comm_timeout);
   namespace fs = std::filesystem;
   const fs::path last = fs::path(a.out) / "last.h5";
   KVLAB_USAGE_CHECK(a.resume || !fs::exists(last), "output folder ", a.out,
@@ -66,6 +71,8 @@ void run_train(const TrainArgs& a) {
                   trainer.best_val_loss(), a.out.c_str());
       if (!done) std::printf("resume with the same command plus --resume\n");
     }
+    // Interrupted is not finished: a script or scheduler must see it (SIGINT gives 130).
+    return done ? 0 : 128 + (stop_signal() > 0 ? stop_signal() : SIGINT);
   } catch (...) {
     // Another rank may be waiting for this one in a collective: end the whole job at exit.
     if (world > 1) comm->fail();
@@ -86,13 +93,22 @@ void add_train_command(CLI::App& root) {
   cmd->add_option("--comm-timeout", args->comm_timeout,
                   "Under mpirun: seconds a rank waits in a collective before the job fails with "
                   "an error naming the ranks that did not arrive")
+      ->check(finite_number())
       ->capture_default_str();
   cmd->add_option("--zero", args->zero,
                   "Under mpirun: 1 shards the AdamW moments over the ranks (ZeRO stage 1); "
                   "same weights as 0")
+      ->check(integer_of<int64_t>())
       ->check(CLI::IsMember({0, 1}))
       ->capture_default_str();
-  cmd->callback([args] { run_train(*args); });
+  cmd->callback([args] {
+    if (const int rc = run_train(*args); rc != 0) {
+      // Everything is saved and the trainer is gone; the exit code is all that is left.
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::exit(rc);
+    }
+  });
 }
 
 }  // namespace kvlab

@@ -1,7 +1,9 @@
 #include "apps/config_file.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "apps/cli.h"
@@ -28,7 +30,14 @@ std::string unquote(std::string v) {
   return v;
 }
 
+std::map<std::string, const CLI::App*>& registered_commands() {
+  static std::map<std::string, const CLI::App*> commands;
+  return commands;
+}
+
 }  // namespace
+
+void register_config_command(const CLI::App* cmd) { registered_commands()[cmd->get_name()] = cmd; }
 
 std::vector<std::string> expand_config_file(const std::vector<std::string>& args) {
   // args[0] is the program, args[1] the subcommand (when it is not a flag).
@@ -53,8 +62,13 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
   std::set<std::string> given;  // flags on the command line win over the file
   for (const auto& a : args)
     if (a.rfind("--", 0) == 0) given.insert(a.substr(0, a.find('=')));
+  std::error_code ec;
+  KVLAB_USAGE_CHECK(!std::filesystem::is_directory(file, ec), "--config ", file,
+                    ": cannot read the file (it is a folder)");
   std::ifstream in(file);
   KVLAB_USAGE_CHECK(in.good(), "--config ", file, ": cannot read the file");
+  const auto known = registered_commands().find(sub);
+  const CLI::App* cmd = known == registered_commands().end() ? nullptr : known->second;
   std::vector<std::string> from_file;
   std::string line, section;
   for (int n = 1; std::getline(in, line); ++n) {
@@ -73,6 +87,15 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
     std::replace(key.begin(), key.end(), '_', '-');
     const std::string value = unquote(trim(line.substr(eq + 1)));
     const std::string flag = "--" + key;
+    const std::string at_line = detail::cat("--config ", file, ":", n, ": ");
+    KVLAB_USAGE_CHECK(!key.empty(), at_line, "no key before '=' in '", line, "'");
+    KVLAB_USAGE_CHECK(key != "config", at_line,
+                      "'config' cannot be nested (a config file cannot include another); "
+                      "put its settings in this file");
+    KVLAB_USAGE_CHECK(cmd == nullptr || cmd->get_option_no_throw(flag) != nullptr, at_line,
+                      "unknown key '", key, "' (kvlab ", sub, " has no flag ", flag, ")");
+    KVLAB_USAGE_CHECK(!value.empty(), at_line, "'", key,
+                      "' has no value (write 'key = value', or remove the line)");
     if (given.count(flag)) continue;
     if (value == "true") {
       from_file.push_back(flag);
@@ -81,6 +104,7 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
       from_file.push_back(value);
     }
   }
+  KVLAB_USAGE_CHECK(!in.bad(), "--config ", file, ": cannot read the file");
   std::vector<std::string> out;
   for (size_t i = 0; i < args.size(); ++i) {
     if (i == at) {

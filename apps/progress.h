@@ -11,9 +11,27 @@ namespace kvlab {
 
 class ProgressBar {
  public:
-  ProgressBar(std::string label, int64_t total, std::string unit = "it")
-      : label_(std::move(label)), unit_(std::move(unit)), total_(total), tty_(isatty(2) != 0),
-        start_(Clock::now()), last_(start_ - std::chrono::hours(1)) {}
+  // `first`: units done before this bar started (a resumed run); rate and ETA count only the
+  // units done since.
+  ProgressBar(std::string label, int64_t total, std::string unit = "it", int64_t first = 0)
+      : label_(std::move(label)),
+        unit_(std::move(unit)),
+        total_(total),
+        first_(first),
+        tty_(isatty(2) != 0),
+        start_(Clock::now()),
+        last_(start_ - std::chrono::hours(1)) {}
+
+  struct Rate {
+    double per_s = 0;  // units per second since the start
+    double eta_s = 0;  // seconds left at that rate
+  };
+  static Rate rate(int64_t done, int64_t first, int64_t total, double elapsed_s) {
+    Rate r;
+    if (elapsed_s > 0 && done > first) r.per_s = static_cast<double>(done - first) / elapsed_s;
+    if (r.per_s > 0) r.eta_s = static_cast<double>(total - done) / r.per_s;
+    return r;
+  }
 
   // `done` units finished; `status` is appended (e.g. "loss 1.234 | 21.3k tok/s").
   void update(int64_t done, const std::string& status, bool force = false) {
@@ -22,17 +40,15 @@ class ProgressBar {
     if (!force && since < (tty_ ? 0.1 : 5.0) && done < total_) return;
     last_ = now;
     const double elapsed = std::chrono::duration<double>(now - start_).count();
-    const double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0;
-    const double eta = rate > 0 ? static_cast<double>(total_ - done) / rate : 0;
+    const Rate r = rate(done, first_, total_, elapsed);
     const int width = 24;
     const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
     std::string bar(static_cast<size_t>(filled), '#');
     bar.resize(static_cast<size_t>(width), '.');
     std::fprintf(stderr, "%s%s [%s] %lld/%lld | %.1f %s/s | %s elapsed, ETA %s | %s%s",
-                 tty_ ? "\r\033[K" : "", label_.c_str(), bar.c_str(),
-                 static_cast<long long>(done), static_cast<long long>(total_), rate,
-                 unit_.c_str(), clock(elapsed).c_str(), clock(eta).c_str(), status.c_str(),
-                 tty_ ? "" : "\n");
+                 tty_ ? "\r\033[K" : "", label_.c_str(), bar.c_str(), static_cast<long long>(done),
+                 static_cast<long long>(total_), r.per_s, unit_.c_str(), clock(elapsed).c_str(),
+                 clock(r.eta_s).c_str(), status.c_str(), tty_ ? "" : "\n");
     std::fflush(stderr);
   }
   void finish() {
@@ -49,7 +65,7 @@ class ProgressBar {
  private:
   using Clock = std::chrono::steady_clock;
   std::string label_, unit_;
-  int64_t total_;
+  int64_t total_, first_;
   bool tty_;
   Clock::time_point start_, last_;
 };

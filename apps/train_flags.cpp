@@ -1,17 +1,35 @@
 #include "apps/train_flags.h"
 
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 #include "apps/cli.h"
+#include "apps/config_file.h"
 
 namespace kvlab {
 
 std::string default_corpus() { return KVLAB_DEFAULT_CORPUS; }
 
+CLI::Validator finite_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        // CLI11 reads floating-point flags with strtold-like parsing: "inf" and "nan" pass.
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size()) return {};  // CLI11 reports it
+        if (!std::isfinite(v)) return "'" + text + "' is not a finite number";
+        return {};
+      },
+      "");
+}
+
 void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   TrainConfig& c = f.cfg;
   c.corpus = default_corpus();
-  // Expanded into flags before parsing (apps/config_file.h); declared here for --help.
+  // Expanded into flags before parsing (apps/config_file.h); declared here for --help, and its
+  // keys are checked against this command's flags.
+  register_config_command(cmd);
   static std::string config_file;
   cmd->add_option("--config", config_file,
                   "Read flags from a file of 'key = value' lines (the same keys; command-line "
@@ -21,42 +39,69 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   cmd->add_option("--tokenizer", c.tokenizer, "char (code points of the corpus) or byte")
       ->check(CLI::IsMember({"char", "byte"}))
       ->capture_default_str();
-  cmd->add_option("--n-layer", c.model.n_layer, "Transformer blocks")->capture_default_str();
-  cmd->add_option("--n-head", c.model.n_head, "Query heads")->capture_default_str();
+  cmd->add_option("--n-layer", c.model.n_layer, "Transformer blocks")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--n-head", c.model.n_head, "Query heads")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
   if (with_n_kv_head)
     cmd->add_option("--n-kv-head", f.n_kv_head,
-                    "Key/value heads: n-head (MHA), a divisor (GQA) or 1 (MQA); default n-head");
-  cmd->add_option("--n-embd", c.model.n_embd, "Channels (n_embd)")->capture_default_str();
+                    "Key/value heads: n-head (MHA), a divisor (GQA) or 1 (MQA); default n-head")
+        ->check(integer_of<int64_t>())
+        ->each([&f](const std::string&) { f.n_kv_head_given = true; });
+  cmd->add_option("--n-embd", c.model.n_embd, "Channels (n_embd)")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
   cmd->add_option("--mlp-hidden", c.model.mlp_hidden, "MLP width; 0 means 4 * n-embd")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--block-size", c.model.block_size, "Context length in tokens")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--dropout", c.model.dropout, "Dropout on attention and residual paths")
+      ->check(finite_number())
       ->capture_default_str();
   cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");
-  cmd->add_option("--batch-size", c.batch_size, "Sequences per micro-batch")->capture_default_str();
+  cmd->add_option("--batch-size", c.batch_size, "Sequences per micro-batch")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
   cmd->add_option("--grad-accum", c.grad_accum, "Micro-batches per optimizer step")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
-  cmd->add_option("--iters", c.iters, "Optimizer steps")->capture_default_str();
-  cmd->add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
+  cmd->add_option("--iters", c.iters, "Optimizer steps")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--lr", c.lr, "Peak learning rate")
+      ->check(finite_number())
+      ->capture_default_str();
   cmd->add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
+      ->check(finite_number())
       ->capture_default_str();
-  cmd->add_option("--warmup", c.warmup, "Linear warmup steps")->capture_default_str();
-  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
-  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
+  cmd->add_option("--warmup", c.warmup, "Linear warmup steps")
+      ->check(integer_of<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->check(finite_number())->capture_default_str();
+  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->check(finite_number())->capture_default_str();
   cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay (2-D weights only)")
+      ->check(finite_number())
       ->capture_default_str();
   cmd->add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip; 0 disables")
+      ->check(finite_number())
       ->capture_default_str();
   cmd->add_option("--eval-interval", c.eval_interval, "Steps between validation evaluations")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--eval-iters", c.eval_iters,
                   "Validation batches per evaluation (fixed windows, the same for every run)")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--ckpt-interval", c.ckpt_interval,
                   "Steps between checkpoints; 0 means at every evaluation")
+      ->check(integer_of<int64_t>())
       ->capture_default_str();
   cmd->add_option("--seed", c.seed, "Seed of the initial weights, batches and dropout")
+      ->check(integer_of<uint64_t>())
       ->capture_default_str();
   add_device_flags(cmd, f.device, f.dtype);
 }
@@ -109,7 +154,12 @@ DType parse_storage_dtype(const std::string& dtype) {
 
 TrainConfig finish_train_flags(const TrainFlags& f) {
   TrainConfig c = f.cfg;
-  c.model.n_kv_head = f.n_kv_head > 0 ? f.n_kv_head : c.model.n_head;
+  // Only the flag's absence means MHA; an explicit 0 or negative count is a mistake.
+  KVLAB_USAGE_CHECK(!f.n_kv_head_given || c.model.n_head < 1 ||
+                        (f.n_kv_head >= 1 && f.n_kv_head <= c.model.n_head),
+                    "--n-kv-head must be in [1, n_head] = [1, ", c.model.n_head, "], got ",
+                    f.n_kv_head);
+  c.model.n_kv_head = f.n_kv_head_given ? f.n_kv_head : c.model.n_head;
   c.model.tied = !f.untied;
   c.device = parse_device(f.device);
   c.precision = parse_dtype(f.dtype, c.device);

@@ -9,7 +9,8 @@ namespace kvlab {
 
 struct TrainFlags {
   TrainConfig cfg;
-  int64_t n_kv_head = 0;  // 0: n_head (MHA)
+  int64_t n_kv_head = 0;         // used when n_kv_head_given; otherwise n_head (MHA)
+  bool n_kv_head_given = false;  // --n-kv-head appeared (on the command line or in --config)
   bool untied = false;
   std::string device = "cpu";
   std::string dtype = "f32";
@@ -28,6 +29,10 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
+
+// A check for a floating-point flag: "inf", "nan" and values that overflow to inf are rejected
+// at parse time (CLI11 would take them).
+CLI::Validator finite_number();
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

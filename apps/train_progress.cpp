@@ -11,8 +11,17 @@ namespace kvlab {
 
 namespace {
 std::atomic<bool> g_stop{false};
-extern "C" void on_sigint(int) { g_stop.store(true); }
+std::atomic<int> g_signal{0};
+// The first signal asks for a clean stop (checkpoint, then exit); the default action comes
+// back at once, so a second one ends the process immediately.
+extern "C" void on_sigint(int sig) {
+  g_signal.store(sig);
+  g_stop.store(true);
+  std::signal(sig, SIG_DFL);
+}
 }  // namespace
+
+int stop_signal() { return g_signal.load(); }
 
 bool train_with_progress(Trainer& trainer, const std::string& label) {
   // A Trainer without the MPI communicator under mpirun -np N (kvlab ablate, for one) would
@@ -23,32 +32,46 @@ bool train_with_progress(Trainer& trainer, const std::string& label) {
               " ranks that would each run it and write the same files; "
               "run it without mpirun (or with -np 1)");
   g_stop.store(false);
+  g_signal.store(0);
   const bool parallel = trainer.world_size() > 1;
   const bool rank0 = trainer.rank() == 0;
-  auto previous = std::signal(SIGINT, on_sigint);
-  // Under mpirun, Ctrl-C makes mpirun kill the job (the last checkpoint stays intact); SIGUSR1,
-  // which mpirun forwards to every rank, stops cleanly with a checkpoint, as Ctrl-C does alone.
-  auto previous_usr1 = parallel ? std::signal(SIGUSR1, on_sigint) : SIG_DFL;
   const TrainConfig& cfg = trainer.config();
-  ProgressBar bar(label, cfg.iters, "step");
+  ProgressBar bar(label, cfg.iters, "step", trainer.step());
+  // Restores the handlers and ends the bar's line however run() ends (an error included, so
+  // its message starts on a line of its own).
+  struct Scope {
+    ProgressBar& bar;
+    bool rank0, parallel;
+    // Under mpirun, Ctrl-C makes mpirun kill the job (the last checkpoint stays intact);
+    // SIGUSR1, which mpirun forwards to every rank, stops cleanly with a checkpoint, as Ctrl-C
+    // does alone.
+    void (*previous)(int) = std::signal(SIGINT, on_sigint);
+    void (*previous_usr1)(int) = parallel ? std::signal(SIGUSR1, on_sigint) : SIG_DFL;
+    ~Scope() {
+      if (rank0) bar.finish();
+      std::signal(SIGINT, previous);
+      if (parallel) std::signal(SIGUSR1, previous_usr1);
+    }
+  };
   double last_val = trainer.best_val_loss();
-  const bool done = trainer.run(
-      [&](const StepRecord& r) {
-        if (!rank0) return true;  // rank 0 alone prints
-        if (r.val_loss) last_val = *r.val_loss;
-        char status[200];
-        int n = std::snprintf(status, sizeof status, "loss %.4f | val %.4f | %.1fk tok/s",
-                              r.train_loss, last_val, r.tokens_per_s / 1000.0);
-        if (parallel && r.step > 0 && n > 0 && n < static_cast<int>(sizeof status))
-          std::snprintf(status + n, sizeof status - static_cast<size_t>(n), " | comm %.0f%%",
-                        r.step_s > 0 ? 100.0 * r.comm_s / r.step_s : 0.0);
-        bar.update(r.step, status, r.val_loss.has_value());
-        return true;
-      },
-      &g_stop);
-  if (rank0) bar.finish();
-  std::signal(SIGINT, previous);
-  if (parallel) std::signal(SIGUSR1, previous_usr1);
+  bool done = false;
+  {
+    Scope scope{bar, rank0, parallel};
+    done = trainer.run(
+        [&](const StepRecord& r) {
+          if (!rank0) return true;  // rank 0 alone prints
+          if (r.val_loss) last_val = *r.val_loss;
+          char status[200];
+          int n = std::snprintf(status, sizeof status, "loss %.4f | val %.4f | %.1fk tok/s",
+                                r.train_loss, last_val, r.tokens_per_s / 1000.0);
+          if (parallel && r.step > 0 && n > 0 && n < static_cast<int>(sizeof status))
+            std::snprintf(status + n, sizeof status - static_cast<size_t>(n), " | comm %.0f%%",
+                          r.step_s > 0 ? 100.0 * r.comm_s / r.step_s : 0.0);
+          bar.update(r.step, status, r.val_loss.has_value());
+          return true;
+        },
+        &g_stop);
+  }
   if (!done && rank0)
     std::fprintf(stderr, "%s: stopped at step %lld, checkpoint saved\n", label.c_str(),
                  static_cast<long long>(trainer.step()));

@@ -1,5 +1,6 @@
 #include "checkpoints/model_io.h"
 
+#include <cmath>
 #include <cstring>
 
 namespace kvlab {
@@ -68,6 +69,13 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
     KVLAB_CHECK(arr.shape == t.sizes(), "checkpoint ", file.string(), ": /", group, "/", name,
                 " has shape ", shape_str(arr.shape), ", the model expects ", t.shape_str());
     KVLAB_CHECK(t.is_contiguous() && t.dtype() == DType::F32, "copy_into: ", name);
+    // One pass over the values: a run that diverged must not come back as weights that
+    // compute NaN (greedy decoding of NaN logits prints token 0 forever).
+    size_t non_finite = 0;
+    for (const float v : arr.data) non_finite += std::isfinite(v) ? 0 : 1;
+    KVLAB_CHECK(non_finite == 0, "checkpoint ", file.string(), ": tensor ",
+                group == "model" ? name : group + "/" + name, " holds non-finite values (",
+                non_finite, " of ", arr.data.size(), " are NaN or inf)");
     Tensor target = t;  // the handle is shared: the data lands in the model's tensor
     target.copy_from(Tensor::from_vector(arr.data, arr.shape));  // to the tensor's device
   }

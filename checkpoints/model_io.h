@@ -17,7 +17,8 @@ GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
 
 NamedArrays to_arrays(const NamedTensors& tensors);
 // Copies arrays into the tensors of the same names after checking that names and shapes match
-// exactly (an error names the file and the dataset otherwise).
+// exactly and that every value is finite (an error names the file and the dataset otherwise).
+// Every load of parameters or optimizer state (load_model, Trainer::resume) goes through it.
 void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
                const std::filesystem::path& file);
 

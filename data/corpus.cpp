@@ -18,12 +18,6 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'B', 'T', 'O', 'K'};
 constexpr uint32_t kVersion = 1;
 
-std::string hex16(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 // Whole file, or nullopt with errno set.
 std::optional<std::string> read_bytes(const fs::path& file) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(file.c_str(), "rb"), &std::fclose);
@@ -91,9 +85,15 @@ uint64_t fnv1a64(std::string_view bytes) {
   return h;
 }
 
+std::string hash_hex(uint64_t hash) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(hash));
+  return buf;
+}
+
 fs::path token_cache_path(const fs::path& file, uint64_t content_hash, TokenizerKind kind) {
   fs::path cache = file;
-  cache += detail::cat(".", hex16(content_hash), ".", kind_name(kind), ".kvlab-cache");
+  cache += detail::cat(".", hash_hex(content_hash), ".", kind_name(kind), ".kvlab-cache");
   return cache;
 }
 
@@ -112,7 +112,7 @@ bool write_token_cache(const fs::path& cache, uint64_t content_hash, const Token
   // A unique temporary name: several processes (data-parallel ranks) may load the same corpus.
   std::random_device rd;
   fs::path tmp = cache;
-  tmp += detail::cat(".tmp-", hex16((static_cast<uint64_t>(rd()) << 32) | rd()));
+  tmp += detail::cat(".tmp-", hash_hex((static_cast<uint64_t>(rd()) << 32) | rd()));
   std::error_code ec;
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);

@@ -32,6 +32,8 @@ Corpus load_corpus(const std::filesystem::path& file, TokenizerKind kind, double
 void check_corpus_fits(const Corpus& corpus, int block_size);
 
 uint64_t fnv1a64(std::string_view bytes);
+// A content hash as 16 lowercase hex digits, as in the token cache's file name and checkpoints.
+std::string hash_hex(uint64_t hash);
 
 // Token cache, keyed by content hash and tokenizer kind: <file>.<hash, 16 hex>.<kind>.kvlab-cache
 struct TokenCache {

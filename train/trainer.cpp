@@ -21,6 +21,16 @@ namespace fs = std::filesystem;
 
 void TrainConfig::validate() const {
   model.validate();
+  // inf passes every range check below (an infinite lr or weight decay would train to NaN).
+  for (const auto& [name, value] : {std::pair<const char*, double>{"lr", lr},
+                                    {"min_lr", min_lr},
+                                    {"beta1", beta1},
+                                    {"beta2", beta2},
+                                    {"weight_decay", weight_decay},
+                                    {"grad_clip", grad_clip},
+                                    {"dropout", model.dropout},
+                                    {"val_fraction", val_fraction}})
+    KVLAB_CHECK(std::isfinite(value), "train: ", name, " must be a finite number, got ", value);
   KVLAB_CHECK(!corpus.empty(), "train: no corpus given (--corpus FILE)");
   KVLAB_CHECK(batch_size >= 1, "train: batch_size must be >= 1, got ", batch_size);
   KVLAB_CHECK(grad_accum >= 1, "train: grad_accum must be >= 1, got ", grad_accum);
@@ -46,6 +56,7 @@ Attrs TrainConfig::to_attrs() const {
   Attrs a;
   put_gpt_config(a, model);
   a["corpus"] = corpus;
+  if (corpus_hash != 0) a["corpus_hash"] = hash_hex(corpus_hash);
   a["tokenizer"] = tokenizer;
   a["val_fraction"] = val_fraction;
   a["batch_size"] = batch_size;
@@ -93,8 +104,15 @@ std::string attr_str(const AttrValue& v) {
   std::visit([&](const auto& x) { os << x; }, v);
   return os.str();
 }
-// Settings that describe where things are, not what is computed.
-bool informational(const std::string& key) { return key == "corpus"; }
+// Settings that describe where things are, not what is computed; the corpus's content is
+// compared through corpus_hash, reported as "corpus".
+bool informational(const std::string& key) { return key == "corpus" || key == "corpus_hash"; }
+
+std::string corpus_desc(const Attrs& a) {
+  const auto path = a.find("corpus");
+  return detail::cat(path == a.end() ? "(no path)" : attr_str(path->second), " (content ",
+                     attr_str(a.at("corpus_hash")), ")");
+}
 }  // namespace
 
 void ensure_writable_dir(const fs::path& dir, const std::string& who) {
@@ -109,6 +127,9 @@ void ensure_writable_dir(const fs::path& dir, const std::string& who) {
 
 std::vector<std::string> config_differences(const Attrs& a, const Attrs& b) {
   std::vector<std::string> diffs;
+  const auto ha = a.find("corpus_hash"), hb = b.find("corpus_hash");
+  if (ha != a.end() && hb != b.end() && attr_str(ha->second) != attr_str(hb->second))
+    diffs.push_back("corpus: " + corpus_desc(a) + " vs " + corpus_desc(b));
   for (const auto& [k, v] : a) {
     if (informational(k)) continue;
     auto it = b.find(k);
@@ -140,6 +161,7 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
   check_corpus_fits(corpus_, static_cast<int>(cfg_.model.block_size));
   cfg_.model.vocab_size = corpus_.tokenizer.vocab_size();
   cfg_.corpus = corpus_.path;
+  cfg_.corpus_hash = corpus_.content_hash;
   const int world = comm_->world_size(), rank = comm_->rank();
   if (world > 1) {
     // Every rank must run the same configuration on the same data.
@@ -221,6 +243,7 @@ void Trainer::resume(const fs::path& file) {
     get_optimizer(*opt_, ckpt, file);
   }
   step_ = ckpt.iteration;
+  resumed_ = true;
   best_val_ = ckpt.best_val_loss;
   // Rank r's words: rng_state[8 r, 8 r + 4) sampler, [8 r + 4, 8 r + 8) dropout.
   const auto words = ckpt.rng_state.begin() + 8 * comm_->rank();
@@ -343,6 +366,11 @@ double Trainer::evaluate() {
   return total / static_cast<double>(cfg_.eval_iters);
 }
 
+namespace {
+// "nan", "inf" or "-inf" (iostreams may print a NaN's sign bit: "-nan").
+std::string non_finite_str(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
+}  // namespace
+
 bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
                   const std::atomic<bool>* stop) {
   using Clock = std::chrono::steady_clock;
@@ -351,7 +379,7 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
   const int world = comm_->world_size();
   MatmulPrecisionGuard precision(cfg_.precision);
   model_->set_training(true);
-  if (step_ == 0) {  // the curve starts at the initial weights
+  if (step_ == 0 && !resumed_) {  // the curve starts at the initial weights (logged once)
     StepRecord r;
     r.val_loss = evaluate();
     append_log(r);
@@ -385,18 +413,25 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
       r.comm_s += std::chrono::duration<double>(Clock::now() - c0).count();
     }
     r.grad_norm = global_grad_norm(params);
-    r.lr = learning_rate(cfg_, step_);
-    if (zero_)
-      r.comm_s += zero_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
-    else
-      opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
-    ++step_;
-    if (world > 1) {
+    if (world > 1) {  // before the update, so every rank checks the same loss below
       const auto c0 = Clock::now();
       comm_->allreduce_sum(std::span<double>(&loss_sum, 1), "all-reduce of the training loss");
       loss_sum /= static_cast<double>(world);
       r.comm_s += std::chrono::duration<double>(Clock::now() - c0).count();
     }
+    r.lr = learning_rate(cfg_, step_);
+    // A diverged step stops the run before AdamW spreads it into the weights and before any
+    // checkpoint could store them; the loss and the norm are the same on every rank.
+    for (const auto& [what, value] :
+         {std::pair<const char*, double>{"loss", loss_sum}, {"gradient norm", r.grad_norm}})
+      KVLAB_CHECK(std::isfinite(value), "train: ", what, " is not finite at step ", step_ + 1, " (",
+                  non_finite_str(value), "); lower --lr (now ", cfg_.lr,
+                  ") or lengthen --warmup; checkpoints hold earlier steps only");
+    if (zero_)
+      r.comm_s += zero_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    else
+      opt_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
+    ++step_;
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     elapsed_ += dt;
     r.step = step_;

@@ -32,6 +32,10 @@ namespace kvlab {
 
 struct TrainConfig {
   std::string corpus;
+  // fnv1a64 of the corpus file's bytes (Corpus::content_hash), stored in checkpoints so a run
+  // resumes (or an ablation reuses a run) only on the same text. 0: not known yet; the Trainer
+  // sets it from the corpus it reads.
+  uint64_t corpus_hash = 0;
   std::string tokenizer = "char";
   double val_fraction = 0.1;
   GPTConfig model;  // vocab_size comes from the corpus
@@ -88,7 +92,10 @@ uint64_t dropout_seed(uint64_t seed, int rank);
 // Creates `dir` if needed and checks a file can be written in it; the error names `who`.
 void ensure_writable_dir(const std::filesystem::path& dir, const std::string& who);
 
-// Keys whose values differ between two /config attribute sets ("n_kv_head: 4 vs 2").
+// Keys whose values differ between two /config attribute sets ("n_kv_head: 4 vs 2"). The corpus
+// is compared by content, not path ("corpus: a.txt (content 2c44ba6e87467f92) vs b.txt (content
+// ...)"), and only when both sets hold its hash (checkpoints written before it was stored do
+// not).
 std::vector<std::string> config_differences(const Attrs& a, const Attrs& b);
 
 class Trainer {
@@ -96,11 +103,13 @@ class Trainer {
   // `comm` null means a single process (local_communicator()).
   explicit Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm = nullptr);
 
-  // Continues from `ckpt` (written by a Trainer with the same config; a differing key is an
-  // error that names it).
+  // Continues from `ckpt` (written by a Trainer with the same config on the same corpus; a
+  // differing key or corpus content is an error that names it).
   void resume(const std::filesystem::path& ckpt);
   // Trains until cfg.iters, or until `on_step` returns false or `stop` becomes true; a
   // checkpoint (last.h5) is written whenever it stops. Returns true when all iters are done.
+  // A step whose loss or gradient norm is not finite throws (naming the step) before the
+  // optimizer applies it and before anything is saved: checkpoints keep the last good weights.
   bool run(const std::function<bool(const StepRecord&)>& on_step,
            const std::atomic<bool>* stop = nullptr);
   // Mean loss over the fixed validation windows (the same for every run of a corpus).
@@ -134,6 +143,7 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   std::vector<int64_t> val_starts_;
   int64_t step_ = 0;
+  bool resumed_ = false;  // the log already holds the lines up to step_
   double best_val_ = std::numeric_limits<double>::infinity();
   double elapsed_ = 0;  // training seconds so far, evaluation excluded
 };

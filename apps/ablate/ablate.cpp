@@ -90,12 +90,16 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
     for (int64_t k = nh; k >= 1; --k)
       if (nh % k == 0) cfg.kv_heads.push_back(k);
   KVLAB_CHECK(!cfg.kv_heads.empty(), "ablate: the list of n_kv_head values is empty");
-  for (int64_t k : cfg.kv_heads)
-    KVLAB_CHECK(k >= 1 && k <= nh && nh % k == 0, "ablate: n_head = ", nh,
-                " is not divisible by n_kv_head = ", k, " (use divisors of n_head, e.g. ",
-                nh, ",", nh / 2 > 0 ? nh / 2 : 1, ",1)");
+  for (int64_t k : cfg.kv_heads) {
+    KVLAB_CHECK(k >= 1 && k <= nh, "ablate: n_kv_head = ", k, " must be in [1, ", nh,
+                "] (n_head = ", nh, ")");
+    KVLAB_CHECK(nh % k == 0, "ablate: n_head = ", nh, " is not divisible by n_kv_head = ", k,
+                " (use divisors of n_head, e.g. ", nh, ",", nh / 2 > 0 ? nh / 2 : 1, ",1)");
+  }
   std::sort(cfg.kv_heads.begin(), cfg.kv_heads.end(), std::greater<>());
-  cfg.kv_heads.erase(std::unique(cfg.kv_heads.begin(), cfg.kv_heads.end()), cfg.kv_heads.end());
+  const auto dup = std::adjacent_find(cfg.kv_heads.begin(), cfg.kv_heads.end());
+  KVLAB_CHECK(dup == cfg.kv_heads.end(),
+              "ablate: n_kv_head = ", dup == cfg.kv_heads.end() ? 0 : *dup, " is listed twice");
   KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
@@ -104,6 +108,21 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   const Corpus corpus = load_corpus(base.corpus, Tokenizer::parse_kind(base.tokenizer), base.val_fraction);
   check_corpus_fits(corpus, static_cast<int>(base.model.block_size));
   base.model.vocab_size = corpus.tokenizer.vocab_size();
+  // Runs record the corpus's content: a finished run is reused only on the same text.
+  base.corpus_hash = corpus.content_hash;
+  // The samples come after all training: their prompts are checked now, with the messages the
+  // engine would give (empty, outside the vocabulary, longer than the context).
+  for (size_t p = 0; p < cfg.prompts.size(); ++p) {
+    const std::string name =
+        cfg.prompts.size() == 1 ? std::string("prompt") : detail::cat("prompt ", p + 1);
+    KVLAB_CHECK(!cfg.prompts[p].empty(), name,
+                " is empty: at least one token is needed to condition on");
+    const auto ids = corpus.tokenizer.encode(cfg.prompts[p], name);
+    KVLAB_CHECK(static_cast<int64_t>(ids.size()) <= base.model.block_size, name, " has ",
+                ids.size(),
+                " tokens, more than the model's context of block_size = ", base.model.block_size,
+                " tokens");
+  }
   GPTConfig mha = base.model;
   mha.n_kv_head = nh;
   const int64_t target = count_parameters(mha);
@@ -164,7 +183,16 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
                    ProgressBar::clock(train_s / trained_runs * runs_left).c_str());
     const auto t0 = Clock::now();
     Trainer trainer(c);
-    const int64_t from = fs::exists(last) ? (trainer.resume(last), trainer.step()) : 0;
+    int64_t from = 0;
+    if (fs::exists(last)) {
+      try {
+        trainer.resume(last);
+      } catch (const Error& e) {  // another config or corpus than the run in that folder
+        KVLAB_CHECK(false, "ablate: ", e.what(), ". Use another --out, or delete ", dir.string(),
+                    " to retrain");
+      }
+      from = trainer.step();
+    }
     if (from > 0) ++stats.runs_resumed;
     const bool done = train_with_progress(trainer, label);
     stats.steps_trained += trainer.step() - from;

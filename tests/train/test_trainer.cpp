@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "checkpoints/checkpoint.h"
 #include "tests/train/train_test_util.h"
@@ -101,6 +103,142 @@ TEST_F(TrainerTest, ResumeRefusesADifferentConfigAndNamesTheKeys) {
     EXPECT_NE(msg.find("n_kv_head: 2 vs 1"), std::string::npos) << msg;
     EXPECT_NE(msg.find("lr:"), std::string::npos) << msg;
   }
+}
+
+// Lines of `log` whose "step" is `step`.
+int log_lines_at_step(const fs::path& log, int64_t step) {
+  std::ifstream in(log);
+  int n = 0;
+  const std::string key = "\"step\":" + std::to_string(step) + ",";
+  for (std::string line; std::getline(in, line);) n += line.find(key) != std::string::npos;
+  return n;
+}
+
+TEST_F(TrainerTest, ResumeRefusesAnotherCorpusNamingBoth) {
+  Trainer first(config("run"));
+  run_all(first, 2);
+  // Another text under another name, and another text under the same name.
+  std::ofstream(dir_ / "other.txt") << std::ifstream(dir_ / "corpus.txt").rdbuf() << "the end.\n";
+  TrainConfig other = config("run");
+  other.corpus = (dir_ / "other.txt").string();
+  for (int pass = 0; pass < 2; ++pass) {
+    Trainer second(other);
+    try {
+      second.resume(dir_ / "run" / "last.h5");
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      const std::string want = "corpus: " + (dir_ / "corpus.txt").string() + " (content " +
+                               hash_hex(first.corpus().content_hash) + ") vs " + other.corpus +
+                               " (content " + hash_hex(second.corpus().content_hash) + ")";
+      EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    }
+    if (pass == 0) {  // the new text replaces the old one under its name
+      fs::rename(dir_ / "other.txt", dir_ / "corpus.txt");
+      other.corpus = (dir_ / "corpus.txt").string();
+    }
+  }
+}
+
+// Checkpoints written before the corpus hash was stored still resume.
+TEST_F(TrainerTest, ResumeAcceptsACheckpointWithoutCorpusHash) {
+  Trainer first(config("run"));
+  run_all(first, 2);
+  const fs::path last = dir_ / "run" / "last.h5";
+  Checkpoint c = load_checkpoint(last, true);
+  ASSERT_EQ(std::get<std::string>(c.config.at("corpus_hash")),
+            hash_hex(first.corpus().content_hash));
+  c.config.erase("corpus_hash");
+  save_checkpoint(last, c);
+  Trainer second(config("run"));
+  EXPECT_NO_THROW(second.resume(last));
+  EXPECT_EQ(second.step(), 2);
+}
+
+// A diverging step stops the run with an error naming the step, before the optimizer applies
+// it and before any checkpoint is written: last.h5 keeps the last good weights.
+TEST_F(TrainerTest, NonFiniteLossStopsAtItsStepAndKeepsTheLastCheckpoint) {
+  {
+    Trainer first(config("run"));
+    run_all(first, 4);  // step 4 is a checkpoint (eval_interval 4)
+  }
+  const fs::path last = dir_ / "run" / "last.h5";
+  const auto before = fs::last_write_time(last);
+  Trainer second(config("run"));
+  second.resume(last);
+  // Poison one weight: the loss of the next step (5) is NaN.
+  Tensor w = second.model().named_parameters()[0].second;
+  std::vector<float> v = w.to_vector<float>();
+  v[0] = std::numeric_limits<float>::quiet_NaN();
+  w.copy_from(Tensor::from_vector(v, w.sizes()));
+  try {
+    run_all(second);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train: loss is not finite at step 5 (nan)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(second.step(), 4);
+  EXPECT_EQ(fs::last_write_time(last), before);
+  EXPECT_FALSE(fs::exists(dir_ / "run" / "final.h5"));
+  const Checkpoint c = load_checkpoint(last, true);
+  EXPECT_EQ(c.iteration, 4);
+  for (const auto& [name, array] : c.model)
+    for (float x : array.data) ASSERT_TRUE(std::isfinite(x)) << name;
+  EXPECT_EQ(log_lines_at_step(dir_ / "run" / "log.jsonl", 5), 0);
+}
+
+TEST_F(TrainerTest, HugeLearningRateDivergesWithAnError) {
+  TrainConfig c = config("");
+  c.lr = 1e6;
+  c.warmup = 0;
+  Trainer t(c);
+  try {
+    run_all(t);
+    FAIL() << "no error, final val loss " << t.best_val_loss();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not finite at step"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("lower --lr"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(TrainerTest, NonFiniteSettingsAreRejected) {
+  TrainConfig good = config("");
+  good.model.vocab_size = 10;  // the corpus sets it
+  EXPECT_NO_THROW(good.validate());
+  for (const double bad : {double{INFINITY}, double{-INFINITY}, std::nan("")}) {
+    for (int which = 0; which < 7; ++which) {
+      TrainConfig c = good;
+      double* fields[] = {&c.lr,           &c.min_lr,    &c.beta1,        &c.beta2,
+                          &c.weight_decay, &c.grad_clip, &c.model.dropout};
+      *fields[which] = bad;
+      if (which == 0 && bad > 0) c.min_lr = 1e-4;  // lr inf passed every range check
+      EXPECT_THROW(c.validate(), Error) << "field " << which << " = " << bad;
+    }
+  }
+}
+
+// Stopped right after the step-0 evaluation, the run resumes from a step-0 checkpoint; the
+// evaluation is not repeated in the log.
+TEST_F(TrainerTest, ResumeFromStepZeroLogsStepZeroOnce) {
+  {
+    Trainer first(config("run"));
+    std::atomic<bool> stop{true};
+    EXPECT_FALSE(first.run([](const StepRecord&) { return true; }, &stop));
+    EXPECT_EQ(first.step(), 0);
+  }
+  Trainer second(config("run"));
+  second.resume(dir_ / "run" / "last.h5");
+  EXPECT_EQ(second.step(), 0);
+  const auto recs = run_all(second);
+  EXPECT_EQ(recs.size(), 12u);  // steps 1..12 only
+  const fs::path log = dir_ / "run" / "log.jsonl";
+  EXPECT_EQ(log_lines_at_step(log, 0), 1);
+  std::ifstream in(log);
+  int lines = 0;
+  for (std::string line; std::getline(in, line);) ++lines;
+  EXPECT_EQ(lines, 13);
 }
 
 TEST_F(TrainerTest, LearningRateScheduleWarmupThenCosine) {

@@ -116,6 +116,29 @@ TEST_F(AblateTest, AChangedConfigIsAnErrorNamingTheKeys) {
   }
 }
 
+// Finished runs are reused only on the same text: another corpus under the same --out is an
+// error naming both, before anything trains.
+TEST_F(AblateTest, AnotherCorpusIsAnErrorNotAReuse) {
+  AblateConfig c = config();
+  c.kv_heads = {2};
+  c.seeds = 1;
+  run_ablation(c);
+  std::ofstream(dir_ / "other.txt") << std::ifstream(dir_ / "corpus.txt").rdbuf() << "amen.\n";
+  c.base.corpus = (dir_ / "other.txt").string();
+  const auto log = dir_ / "out" / "runs" / "kv2_seed0" / "log.jsonl";
+  const auto log_time = fs::last_write_time(log);
+  try {
+    run_ablation(c);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("corpus: " + (dir_ / "corpus.txt").string()), std::string::npos) << msg;
+    EXPECT_NE(msg.find(" vs " + c.base.corpus), std::string::npos) << msg;
+    EXPECT_NE(msg.find("another --out"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(fs::last_write_time(log), log_time);
+}
+
 TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   auto expect_error = [&](AblateConfig c, const std::string& needle) {
     try {
@@ -139,6 +162,23 @@ TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   c = config();
   c.base.model.block_size = 1 << 20;
   expect_error(c, "block");
+  for (const int64_t k : {0, -2, 8}) {
+    c = config();
+    c.kv_heads = {4, k};
+    expect_error(c, "n_kv_head = " + std::to_string(k) + " must be in [1, 4]");
+  }
+  c = config();
+  c.kv_heads = {4, 2, 4};
+  expect_error(c, "n_kv_head = 4 is listed twice");
+  // The samples' prompts come after all training: they are checked first, with the engine's
+  // messages.
+  c = config();
+  c.prompts = {"Zebra"};
+  expect_error(c, "characters are not in the model's vocabulary: 'Z' (U+005A)");
+  c.prompts = {"and", ""};
+  expect_error(c, "prompt 2 is empty");
+  c.prompts = {std::string(17, 'a')};
+  expect_error(c, "prompt has 17 tokens, more than the model's context of block_size = 16");
 }
 
 TEST_F(AblateTest, ParamMatchedVariantsWithinOnePercentOfMha) {

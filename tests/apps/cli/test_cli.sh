@@ -91,6 +91,69 @@ check "inspect --json of a non-UTF-8 corpus path" 0 "\"corpus\"" -- "$KVLAB" ins
 check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
 check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
 check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
+# A diverging run stops at the step with an error, saving nothing from it.
+check "diverging loss stops the run" 1 "loss is not finite at step" -- "$KVLAB" train "${tiny[@]}" --lr 1e6 --out "$work/nan"
+check "nothing saved from a diverged step" 2 "No such file" -- ls "$work/nan/final.h5"
+# Float flags must be finite and integer flags fit their type, checked as they are parsed.
+check "--lr inf" 2 "'inf' is not a finite number" -- "$KVLAB" train "${tiny[@]}" --lr inf --out "$work/x7"
+check "--weight-decay inf" 2 "'inf' is not a finite number" -- "$KVLAB" train "${tiny[@]}" --weight-decay inf --out "$work/x7"
+check "--dropout nan" 2 "'nan' is not a finite number" -- "$KVLAB" ablate "${tiny[@]}" --dropout nan --out "$work/x7"
+check "--seed -1" 2 "'-1' is not a decimal integer" -- "$KVLAB" train "${tiny[@]}" --seed -1 --out "$work/x7"
+check "int64 flag past its range" 2 "is outside" -- "$KVLAB" train "${tiny[@]}" --warmup 99999999999999999999 --out "$work/x7"
+check "int flag past its range" 2 "is outside" -- "$KVLAB" ablate "${tiny[@]}" --seeds 2147483648 --out "$work/x7"
+# --resume and ablate's reuse compare the corpus by content, not by path.
+sed 's/lord/dorl/' "$work/corpus.txt" > "$work/corpus2.txt"  # the same characters, another text
+check "resume on another corpus" 1 "corpus: $work/corpus.txt (content" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus2.txt" --n-kv-head 2 --out "$work/run" --resume
+ab=(--n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 1 --kv-heads 2 --seeds 1 --sample-tokens 4 --bench-runs 1)
+check "ablate" 0 "n_kv_head" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --out "$work/abc"
+check "ablate on another corpus" 1 "another --out" -- "$KVLAB" ablate --corpus "$work/corpus2.txt" "${ab[@]}" --out "$work/abc"
+check "train --out empty" 2 "no output folder" -- "$KVLAB" train "${tiny[@]}" --out ""
+check "ablate --out empty" 2 "no output folder" -- "$KVLAB" ablate "${tiny[@]}" --out ""
+check "--n-kv-head 0" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 0 --out "$work/x8"
+check "--n-kv-head -1" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head -1 --out "$work/x8"
+# --config: a folder, a key without a value, an unknown key, a nested config.
+mkdir -p "$work/cfgdir"
+printf 'iters = 4\nlr =\n' > "$work/novalue.toml"
+printf 'iters = 4\nn-head = 4\nbogus_key = 3\n' > "$work/bogus.toml"
+printf 'iters = 4\nconfig = "%s"\n' "$work/run.toml" > "$work/nested.toml"
+check "--config a folder" 2 "cannot read" -- "$KVLAB" train --config "$work/cfgdir"
+check "--config key without value" 2 "novalue.toml:2: 'lr' has no value" -- "$KVLAB" train --config "$work/novalue.toml"
+check "--config unknown key" 2 "bogus.toml:3: unknown key 'bogus-key'" -- "$KVLAB" train --config "$work/bogus.toml"
+check "--config nested" 2 "nested.toml:2: 'config' cannot be nested" -- "$KVLAB" train --config "$work/nested.toml"
+# Ctrl-C saves and exits 130; a second Ctrl-C (here during the long step-0 evaluation) quits at once.
+long=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 100000 --eval-interval 10)
+"$KVLAB" train "${long[@]}" --eval-iters 2 --out "$work/int" > "$work/int.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do [ -s "$work/int/log.jsonl" ] && break; sleep 0.1; done
+kill -INT "$pid"; wait "$pid"; rc=$?
+if [ "$rc" -eq 130 ] && grep -q "interrupted at step" "$work/int.log" && [ -f "$work/int/last.h5" ]; then pass=$((pass + 1)); else echo "FAIL Ctrl-C: rc=$rc (want 130)"; tail -3 "$work/int.log"; fails=$((fails + 1)); fi
+"$KVLAB" train "${long[@]}" --eval-iters 20000 --out "$work/int2" > "$work/int2.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do grep -q "from scratch" "$work/int2.log" && break; sleep 0.1; done
+kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null; wait "$pid"; rc=$?
+if [ "$rc" -eq 130 ] && ! grep -q "interrupted at step" "$work/int2.log"; then pass=$((pass + 1)); else echo "FAIL second Ctrl-C: rc=$rc (want 130, no clean stop)"; tail -3 "$work/int2.log"; fails=$((fails + 1)); fi
+# ablate --kv-heads: each item an integer in [1, n_head] dividing it, listed once.
+for kv in 0 -2 16; do check "ablate --kv-heads $kv" 2 "--kv-heads: $kv must be in [1, 4]" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "$kv" --out "$work/ab"; done
+check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "" --out "$work/ab"
+check "ablate --kv-heads ," 2 "item 1 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads , --out "$work/ab"
+check "ablate --kv-heads 4,4" 2 "4 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,4 --out "$work/ab"
+check "ablate --kv-heads 4,,2" 2 "item 2 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,,2 --out "$work/ab"
+# ablate --prompt is checked before anything trains.
+check "ablate prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt Zebra --out "$work/abp"
+check "ablate empty prompt" 1 "prompt is empty" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt "" --out "$work/abp"
+check "ablate trained nothing for a bad prompt" 2 "No such file" -- ls "$work/abp/runs"
+# scripts/ablate.sh: --help does nothing else; an existing build/ keeps its generator (stubs
+# stand in for setup.sh, cmake and kvlab).
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+mkdir -p "$work/sh/scripts" "$work/sh/build/apps" "$work/sh/bin"
+cp "$root/scripts/ablate.sh" "$work/sh/scripts/"
+printf '#!/bin/sh\necho setup >> "%s"\n' "$work/sh/cmake.log" > "$work/sh/scripts/setup.sh"
+printf 'CMAKE_GENERATOR:INTERNAL=Unix Makefiles\n' > "$work/sh/build/CMakeCache.txt"
+printf '#!/bin/sh\necho "cmake $*" >> "%s"\n' "$work/sh/cmake.log" > "$work/sh/bin/cmake"
+printf '#!/bin/sh\necho "kvlab $*"\n' > "$work/sh/build/apps/kvlab"
+chmod +x "$work/sh/scripts/setup.sh" "$work/sh/bin/cmake" "$work/sh/build/apps/kvlab"
+check "ablate.sh --help" 0 "kvlab ablate --help" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --help
+check "ablate.sh --help sets up and builds nothing" 2 "No such file" -- ls "$work/sh/cmake.log"
+check "ablate.sh in a configured checkout" 0 "kvlab ablate --out out/ablate --quick" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick
+check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "-G" "$work/sh/cmake.log"
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
 echo "cli: $pass passed, $fails failed"

@@ -1,0 +1,24 @@
+#include <gtest/gtest.h>
+
+#include "apps/progress.h"
+
+namespace kvlab {
+namespace {
+
+// A resumed run starts its bar at the checkpoint's step: rate and ETA count only the steps of
+// this process (500 steps resumed, 10 more in 10 s: 1 step/s, 490 s left).
+TEST(ProgressBar, RateAndEtaCountOnlyTheUnitsDoneSinceTheStart) {
+  const ProgressBar::Rate resumed = ProgressBar::rate(510, 500, 1000, 10.0);
+  EXPECT_DOUBLE_EQ(resumed.per_s, 1.0);
+  EXPECT_DOUBLE_EQ(resumed.eta_s, 490.0);
+  const ProgressBar::Rate fresh = ProgressBar::rate(10, 0, 1000, 5.0);
+  EXPECT_DOUBLE_EQ(fresh.per_s, 2.0);
+  EXPECT_DOUBLE_EQ(fresh.eta_s, 495.0);
+  // Nothing done yet (or no time passed): no rate, no ETA.
+  EXPECT_EQ(ProgressBar::rate(500, 500, 1000, 3.0).per_s, 0.0);
+  EXPECT_EQ(ProgressBar::rate(500, 500, 1000, 3.0).eta_s, 0.0);
+  EXPECT_EQ(ProgressBar::rate(5, 0, 1000, 0.0).per_s, 0.0);
+}
+
+}  // namespace
+}  // namespace kvlab
