@@ -2,8 +2,9 @@
 // Shared pieces of the kvlab command line: each subcommand lives in cmd_<name>.cpp and
 // registers itself on the root app; errors follow DESIGN.md (usage errors exit 2, runtime 1).
 #include <CLI/CLI.hpp>
-
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -37,6 +38,20 @@ CLI::Validator integer_of() {
                  ", " + std::to_string(std::numeric_limits<T>::max()) + "]";
         if (ec != std::errc() || stop != end || text.empty())
           return "'" + text + "' is not a decimal integer";
+        return {};
+      },
+      "");
+}
+
+// A check for a floating-point flag: "inf", "nan" and values that overflow to inf are rejected
+// at parse time (CLI11 would take them).
+inline CLI::Validator finite_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size()) return {};  // CLI11 reports it
+        if (!std::isfinite(v)) return "'" + text + "' is not a finite number";
         return {};
       },
       "");

@@ -1,7 +1,5 @@
 #include "apps/train_flags.h"
 
-#include <cmath>
-#include <cstdlib>
 #include <filesystem>
 
 #include "apps/cli.h"
@@ -10,19 +8,6 @@
 namespace kvlab {
 
 std::string default_corpus() { return KVLAB_DEFAULT_CORPUS; }
-
-CLI::Validator finite_number() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        // CLI11 reads floating-point flags with strtold-like parsing: "inf" and "nan" pass.
-        char* end = nullptr;
-        const double v = std::strtod(text.c_str(), &end);
-        if (text.empty() || end != text.c_str() + text.size()) return {};  // CLI11 reports it
-        if (!std::isfinite(v)) return "'" + text + "' is not a finite number";
-        return {};
-      },
-      "");
-}
 
 void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   TrainConfig& c = f.cfg;

@@ -30,10 +30,6 @@ void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
 
-// A check for a floating-point flag: "inf", "nan" and values that overflow to inf are rejected
-// at parse time (CLI11 would take them).
-CLI::Validator finite_number();
-
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).
 void add_train_flags(CLI::App* cmd, TrainFlags& flags, bool with_n_kv_head);
