@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 packages=(
   build-essential cmake ninja-build pkg-config
-  libopenblas-openmp-dev libhdf5-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libopenblas-openmp-dev libhdf5-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
   python3 python3-numpy python3-h5py python3-torch
   librsvg2-bin bible-kjv
