@@ -38,6 +38,18 @@ class TrainerTest : public ::testing::Test {
 
 using testing::run_all;
 
+// The message of the Error that f() throws; a test failure when it throws none.
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return {};
+}
+
 TEST_F(TrainerTest, LossDecreasesAndLogIsWritten) {
   Trainer t(config("run"));
   const auto recs = run_all(t);
@@ -95,14 +107,9 @@ TEST_F(TrainerTest, ResumeRefusesADifferentConfigAndNamesTheKeys) {
   other.model.n_kv_head = 1;
   other.lr = 1e-3;
   Trainer second(other);
-  try {
-    second.resume(dir_ / "run" / "last.h5");
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("n_kv_head: 2 vs 1"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("lr:"), std::string::npos) << msg;
-  }
+  const std::string msg = error_of([&] { second.resume(dir_ / "run" / "last.h5"); });
+  EXPECT_NE(msg.find("n_kv_head: 2 vs 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("lr:"), std::string::npos) << msg;
 }
 
 // Lines of `log` whose "step" is `step`.
@@ -123,16 +130,11 @@ TEST_F(TrainerTest, ResumeRefusesAnotherCorpusNamingBoth) {
   other.corpus = (dir_ / "other.txt").string();
   for (int pass = 0; pass < 2; ++pass) {
     Trainer second(other);
-    try {
-      second.resume(dir_ / "run" / "last.h5");
-      FAIL() << "no error";
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      const std::string want = "corpus: " + (dir_ / "corpus.txt").string() + " (content " +
-                               hash_hex(first.corpus().content_hash) + ") vs " + other.corpus +
-                               " (content " + hash_hex(second.corpus().content_hash) + ")";
-      EXPECT_NE(msg.find(want), std::string::npos) << msg;
-    }
+    const std::string msg = error_of([&] { second.resume(dir_ / "run" / "last.h5"); });
+    const std::string want = "corpus: " + (dir_ / "corpus.txt").string() + " (content " +
+                             hash_hex(first.corpus().content_hash) + ") vs " + other.corpus +
+                             " (content " + hash_hex(second.corpus().content_hash) + ")";
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
     if (pass == 0) {  // the new text replaces the old one under its name
       fs::rename(dir_ / "other.txt", dir_ / "corpus.txt");
       other.corpus = (dir_ / "corpus.txt").string();
@@ -171,14 +173,8 @@ TEST_F(TrainerTest, NonFiniteLossStopsAtItsStepAndKeepsTheLastCheckpoint) {
   std::vector<float> v = w.to_vector<float>();
   v[0] = std::numeric_limits<float>::quiet_NaN();
   w.copy_from(Tensor::from_vector(v, w.sizes()));
-  try {
-    run_all(second);
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("train: loss is not finite at step 5 (nan)"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string msg = error_of([&] { run_all(second); });
+  EXPECT_NE(msg.find("train: loss is not finite at step 5 (nan)"), std::string::npos) << msg;
   EXPECT_EQ(second.step(), 4);
   EXPECT_EQ(fs::last_write_time(last), before);
   EXPECT_FALSE(fs::exists(dir_ / "run" / "final.h5"));
@@ -194,13 +190,9 @@ TEST_F(TrainerTest, HugeLearningRateDivergesWithAnError) {
   c.lr = 1e6;
   c.warmup = 0;
   Trainer t(c);
-  try {
-    run_all(t);
-    FAIL() << "no error, final val loss " << t.best_val_loss();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("is not finite at step"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("lower --lr"), std::string::npos) << e.what();
-  }
+  const std::string msg = error_of([&] { run_all(t); });
+  EXPECT_NE(msg.find("is not finite at step"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("lower --lr"), std::string::npos) << msg;
 }
 
 TEST_F(TrainerTest, NonFiniteSettingsAreRejected) {
@@ -261,12 +253,8 @@ TEST_F(TrainerTest, BadInputGivesClearErrors) {
   EXPECT_THROW(Trainer{c}, Error);
   std::ofstream(dir_ / "short.txt") << "abc";
   c.corpus = (dir_ / "short.txt").string();
-  try {
-    Trainer t(c);
-    FAIL() << "no error for a short corpus";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("block"), std::string::npos) << e.what();
-  }
+  const std::string msg = error_of([&] { Trainer t(c); });
+  EXPECT_NE(msg.find("block"), std::string::npos) << msg;
   c = config("");
   c.model.n_kv_head = 3;
   EXPECT_THROW(Trainer{c}, Error);
