@@ -1,8 +1,9 @@
 // kvlab inspect: what a checkpoint holds, without loading a model.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
-#include <variant>
-
 #include <nlohmann/json.hpp>
+#include <variant>
 
 #include "apps/cli.h"
 #include "autograd/tensor.h"
@@ -17,6 +18,12 @@ struct InspectArgs {
   bool json = false;
 };
 
+// NaN and inf in a tensor: loading it for generate, bench or --resume is refused, but inspect
+// still reads the file and says where they are.
+int64_t non_finite(const ArrayF32& arr) {
+  return std::count_if(arr.data.begin(), arr.data.end(), [](float v) { return !std::isfinite(v); });
+}
+
 void run_inspect(const InspectArgs& a) {
   const Checkpoint c = load_checkpoint(a.ckpt, true);
   int64_t n_params = 0;
@@ -26,7 +33,9 @@ void run_inspect(const InspectArgs& a) {
     for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
     j["parameters"] = n_params;
     j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", c.tokenizer_vocab.size()}};
-    for (const auto& [name, arr] : c.model) j["tensors"].push_back({{"name", name}, {"shape", arr.shape}});
+    for (const auto& [name, arr] : c.model)
+      j["tensors"].push_back(
+          {{"name", name}, {"shape", arr.shape}, {"non_finite", non_finite(arr)}});
     if (c.has_train_state)
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
@@ -47,8 +56,15 @@ void run_inspect(const InspectArgs& a) {
   std::printf("\ntokenizer: %s, %zu symbols\nparameters: %lld in %zu tensors\n",
               c.tokenizer_kind.c_str(), c.tokenizer_vocab.size(), static_cast<long long>(n_params),
               c.model.size());
-  for (const auto& [name, arr] : c.model)
-    std::printf("  %-36s %-14s %zu\n", name.c_str(), shape_str(arr.shape).c_str(), arr.data.size());
+  bool any_non_finite = false;
+  for (const auto& [name, arr] : c.model) {
+    const int64_t bad = non_finite(arr);
+    any_non_finite = any_non_finite || bad > 0;
+    std::printf("  %-36s %-14s %zu%s\n", name.c_str(), shape_str(arr.shape).c_str(),
+                arr.data.size(), bad > 0 ? detail::cat("  (", bad, " NaN or inf)").c_str() : "");
+  }
+  if (any_non_finite)
+    std::printf("(tensors holding NaN or inf: generate, bench and --resume refuse this file)\n");
   if (c.has_train_state)
     std::printf("\ntraining state: iteration %lld, best val loss %.4f\n",
                 static_cast<long long>(c.iteration), c.best_val_loss);

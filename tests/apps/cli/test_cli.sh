@@ -88,6 +88,11 @@ check "bench without a decode step" 2 "no decode step" -- "$KVLAB" bench generat
 cp "$work/corpus.txt" "$work/corpus-"$'\xe9'".txt"
 "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus-"$'\xe9'".txt" --out "$work/latin1" >/dev/null 2>&1
 check "inspect --json of a non-UTF-8 corpus path" 0 "\"corpus\"" -- "$KVLAB" inspect --json "$work/latin1/final.h5"
+# A checkpoint whose weights hold NaN: inspect says where, generate refuses it.
+cp "$work/run/final.h5" "$work/nan.h5"
+/usr/bin/python3 -c 'import h5py, sys; f = h5py.File(sys.argv[1], "r+"); d = f["model/blocks.0.attn.q_proj.weight"]; d[0, 0] = float("nan"); f.close()' "$work/nan.h5"
+check "inspect names the NaN tensor" 0 "blocks.0.attn.q_proj.weight" -- bash -c '"$0" inspect "$1" | grep "NaN or inf"' "$KVLAB" "$work/nan.h5"
+check "generate refuses NaN weights" 1 "non-finite" -- "$KVLAB" generate --ckpt "$work/nan.h5" --prompt a --max-new 2
 check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
 check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
 check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
