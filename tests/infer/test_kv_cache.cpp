@@ -248,8 +248,8 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
       ASSERT_EQ(a.size(), b.size());
       double d = 0;  // beyond the allowed difference
       for (size_t i = 0; i < a.size(); ++i) {
-        const double step_bf16 =
-            std::ldexp(1.0, std::ilogb(std::max(std::fabs(a[i]), std::fabs(b[i]))) - 7);
+        const double m = std::max(std::fabs(a[i]), std::fabs(b[i]));  // ilogb(0) is INT_MIN
+        const double step_bf16 = m > 0 ? std::ldexp(1.0, std::ilogb(m) - 7) : 0.0;
         const double allowed = dtype == DType::BF16 ? std::max(1e-5, step_bf16) : 1e-5;
         d = std::max(d, std::fabs(a[i] - b[i]) - allowed);
       }
