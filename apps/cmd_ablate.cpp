@@ -1,5 +1,4 @@
 // kvlab ablate: the n_kv_head sweep (the main job).
-#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -61,7 +60,7 @@ void apply_quick(CLI::App* cmd, AblateArgs& a) {
 
 // --kv-heads as given: one comma-separated argument (CLI11's own list splitting drops empty
 // items and, for ",", goes on to take the next flag as a value). Every item must be a decimal
-// integer in [1, n_head] dividing n_head, listed once.
+// integer, and the list one kv_heads_problem accepts.
 std::vector<int64_t> parse_kv_heads(const std::string& text, int64_t n_head) {
   auto trim = [](const std::string& s) {
     const auto b = s.find_first_not_of(" \t");
@@ -78,17 +77,12 @@ std::vector<int64_t> parse_kv_heads(const std::string& text, int64_t n_head) {
                       " is empty (write comma-separated counts, e.g. 8,4,2,1)");
     const std::string bad = integer(word);
     KVLAB_USAGE_CHECK(bad.empty(), "--kv-heads: ", bad);
-    const int64_t k = std::stoll(word);
-    KVLAB_USAGE_CHECK(k >= 1 && k <= n_head, "--kv-heads: ", k, " must be in [1, ", n_head,
-                      "] (n_head = ", n_head, ")");
-    KVLAB_USAGE_CHECK(n_head % k == 0, "--kv-heads: n_head = ", n_head,
-                      " is not divisible by n_kv_head = ", k);
-    KVLAB_USAGE_CHECK(std::find(ks.begin(), ks.end(), k) == ks.end(), "--kv-heads: ", k,
-                      " is listed twice");
-    ks.push_back(k);
+    ks.push_back(std::stoll(word));
     if (comma == std::string::npos) break;
     begin = comma + 1;
   }
+  const std::string problem = kv_heads_problem(ks, n_head);
+  KVLAB_USAGE_CHECK(problem.empty(), "--kv-heads: ", problem);
   return ks;
 }
 

@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -82,6 +83,23 @@ double mean_train_tokens_per_s(const fs::path& dir) {
 
 }  // namespace
 
+std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head) {
+  for (size_t i = 0; i < kv_heads.size(); ++i) {
+    const int64_t k = kv_heads[i];
+    if (k < 1 || k > n_head)
+      return detail::cat("n_kv_head = ", k, " must be in [1, ", n_head, "] (n_head = ", n_head,
+                         ")");
+    if (n_head % k != 0)
+      return detail::cat("n_head = ", n_head, " is not divisible by n_kv_head = ", k,
+                         " (use divisors of n_head, e.g. ", n_head, ",",
+                         n_head / 2 > 0 ? n_head / 2 : 1, ",1)");
+    if (std::find(kv_heads.begin(), kv_heads.begin() + static_cast<std::ptrdiff_t>(i), k) !=
+        kv_heads.begin() + static_cast<std::ptrdiff_t>(i))
+      return detail::cat("n_kv_head = ", k, " is listed twice");
+  }
+  return "";
+}
+
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   TrainConfig& base = cfg.base;
   const int64_t nh = base.model.n_head;
@@ -90,16 +108,9 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
     for (int64_t k = nh; k >= 1; --k)
       if (nh % k == 0) cfg.kv_heads.push_back(k);
   KVLAB_CHECK(!cfg.kv_heads.empty(), "ablate: the list of n_kv_head values is empty");
-  for (int64_t k : cfg.kv_heads) {
-    KVLAB_CHECK(k >= 1 && k <= nh, "ablate: n_kv_head = ", k, " must be in [1, ", nh,
-                "] (n_head = ", nh, ")");
-    KVLAB_CHECK(nh % k == 0, "ablate: n_head = ", nh, " is not divisible by n_kv_head = ", k,
-                " (use divisors of n_head, e.g. ", nh, ",", nh / 2 > 0 ? nh / 2 : 1, ",1)");
-  }
+  const std::string problem = kv_heads_problem(cfg.kv_heads, nh);
+  KVLAB_CHECK(problem.empty(), "ablate: ", problem);
   std::sort(cfg.kv_heads.begin(), cfg.kv_heads.end(), std::greater<>());
-  const auto dup = std::adjacent_find(cfg.kv_heads.begin(), cfg.kv_heads.end());
-  KVLAB_CHECK(dup == cfg.kv_heads.end(),
-              "ablate: n_kv_head = ", dup == cfg.kv_heads.end() ? 0 : *dup, " is listed twice");
   KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");

@@ -39,6 +39,11 @@ struct AblateStats {
 // errors. With param_matched, mlp_hidden is chosen per variant (parameters within 1% of MHA).
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 
+// What is wrong with a list of n_kv_head values for n_head heads (each in [1, n_head], dividing
+// it, listed once), or "" when nothing is: one check for plan_ablation and the CLI, each of
+// which reports it as its own kind of error.
+std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head);
+
 // Trains (or reuses / resumes) every run, measures, writes the report into cfg.out_dir and
 // returns results.json's document. Progress goes to stderr.
 nlohmann::json run_ablation(AblateConfig cfg, AblateStats* stats = nullptr);

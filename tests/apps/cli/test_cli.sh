@@ -136,10 +136,10 @@ pid=$!; for _ in $(seq 300); do grep -q "from scratch" "$work/int2.log" && break
 kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null; wait "$pid"; rc=$?
 if [ "$rc" -eq 130 ] && ! grep -q "interrupted at step" "$work/int2.log"; then pass=$((pass + 1)); else echo "FAIL second Ctrl-C: rc=$rc (want 130, no clean stop)"; tail -3 "$work/int2.log"; fails=$((fails + 1)); fi
 # ablate --kv-heads: each item an integer in [1, n_head] dividing it, listed once.
-for kv in 0 -2 16; do check "ablate --kv-heads $kv" 2 "--kv-heads: $kv must be in [1, 4]" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "$kv" --out "$work/ab"; done
+for kv in 0 -2 16; do check "ablate --kv-heads $kv" 2 "--kv-heads: n_kv_head = $kv must be in [1, 4]" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "$kv" --out "$work/ab"; done
 check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "" --out "$work/ab"
 check "ablate --kv-heads ," 2 "item 1 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads , --out "$work/ab"
-check "ablate --kv-heads 4,4" 2 "4 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,4 --out "$work/ab"
+check "ablate --kv-heads 4,4" 2 "--kv-heads: n_kv_head = 4 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,4 --out "$work/ab"
 check "ablate --kv-heads 4,,2" 2 "item 2 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,,2 --out "$work/ab"
 # ablate --prompt is checked before anything trains.
 check "ablate prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt Zebra --out "$work/abp"
