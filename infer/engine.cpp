@@ -15,10 +15,26 @@ using Clock = std::chrono::steady_clock;
 double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
+// The end of the error about an empty prompt, after its name.
+constexpr const char* kEmptyPrompt = " is empty: at least one token is needed to condition on";
+}  // namespace
+
 std::string prompt_name(int64_t b, int64_t B) {
   return B == 1 ? std::string("prompt") : detail::cat("prompt ", b + 1);
 }
-}  // namespace
+
+std::string prompt_problem(std::span<const int32_t> ids, int64_t vocab_size, int64_t block_size,
+                           bool slide) {
+  if (ids.empty()) return kEmptyPrompt;
+  for (int32_t id : ids)
+    if (id < 0 || id >= vocab_size)
+      return detail::cat(": token id ", id, " outside the vocabulary [0, ", vocab_size, ")");
+  if (static_cast<int64_t>(ids.size()) > block_size && !slide)
+    return detail::cat(" has ", ids.size(),
+                       " tokens, more than the model's context of block_size = ", block_size,
+                       " tokens");
+  return "";
+}
 
 const char* stop_reason_name(StopReason r) {
   switch (r) {
@@ -102,7 +118,7 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype)
 Engine::~Engine() = default;
 
 std::vector<int32_t> Engine::encode(std::string_view text, std::string_view what) const {
-  KVLAB_CHECK(!text.empty(), what, " is empty: at least one token is needed to condition on");
+  KVLAB_CHECK(!text.empty(), what, kEmptyPrompt);
   return tokenizer_.encode(text, what);
 }
 
@@ -137,16 +153,12 @@ void Engine::validate(const std::vector<std::vector<int32_t>>& prompts,
   const int64_t B = static_cast<int64_t>(prompts.size());
   for (int64_t b = 0; b < B; ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
-    const std::string name = prompt_name(b, B);
-    const int64_t P = static_cast<int64_t>(p.size());
-    KVLAB_CHECK(P >= 1, name, " is empty: at least one token is needed to condition on");
-    for (int32_t id : p)
-      KVLAB_CHECK(id >= 0 && id < V, name, ": token id ", id, " outside the vocabulary [0, ", V,
-                  ")");
-    KVLAB_CHECK(P <= block || opts.slide, name, " has ", P,
-                " tokens, more than the model's context of block_size = ", block,
-                " tokens (shorten it, or use --slide to keep its last ",
-                std::max<int64_t>(1, block - 1), ")");
+    const std::string problem = prompt_problem(p, V, block, opts.slide);
+    KVLAB_CHECK(problem.empty(), prompt_name(b, B), problem,
+                static_cast<int64_t>(p.size()) > block
+                    ? detail::cat(" (shorten it, or use --slide to keep its last ",
+                                  std::max<int64_t>(1, block - 1), ")")
+                    : std::string());
   }
 }
 

@@ -50,6 +50,15 @@ namespace kvlab {
 enum class StopReason { MaxNewTokens, StopString, ContextLimit };
 const char* stop_reason_name(StopReason r);  // "max_new_tokens", "stop_string", "context_limit"
 
+// How errors name prompt b of B: "prompt", or "prompt 2" among several.
+std::string prompt_name(int64_t b, int64_t B);
+// Why the engine refuses prompt `ids` for a model of this vocabulary and context, as the end
+// of a sentence that starts with the prompt's name (" is empty: ..."), or "" when it does not:
+// empty, a token outside the vocabulary, or longer than block_size without sliding. Callers
+// that generate only later (ablate, after training) check their prompts with it up front.
+std::string prompt_problem(std::span<const int32_t> ids, int64_t vocab_size, int64_t block_size,
+                           bool slide);
+
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
   SamplingOptions sampling;  // row b draws from a Generator seeded hash64(seed, b)

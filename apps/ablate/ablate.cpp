@@ -121,18 +121,12 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   base.model.vocab_size = corpus.tokenizer.vocab_size();
   // Runs record the corpus's content: a finished run is reused only on the same text.
   base.corpus_hash = corpus.content_hash;
-  // The samples come after all training: their prompts are checked now, with the messages the
-  // engine would give (empty, outside the vocabulary, longer than the context).
+  // The samples come after all training: their prompts are checked now, as the engine will.
   for (size_t p = 0; p < cfg.prompts.size(); ++p) {
-    const std::string name =
-        cfg.prompts.size() == 1 ? std::string("prompt") : detail::cat("prompt ", p + 1);
-    KVLAB_CHECK(!cfg.prompts[p].empty(), name,
-                " is empty: at least one token is needed to condition on");
-    const auto ids = corpus.tokenizer.encode(cfg.prompts[p], name);
-    KVLAB_CHECK(static_cast<int64_t>(ids.size()) <= base.model.block_size, name, " has ",
-                ids.size(),
-                " tokens, more than the model's context of block_size = ", base.model.block_size,
-                " tokens");
+    const std::string name = prompt_name(static_cast<int64_t>(p), std::ssize(cfg.prompts));
+    const std::string problem = prompt_problem(corpus.tokenizer.encode(cfg.prompts[p], name),
+                                               base.model.vocab_size, base.model.block_size, false);
+    KVLAB_CHECK(problem.empty(), name, problem);
   }
   GPTConfig mha = base.model;
   mha.n_kv_head = nh;
