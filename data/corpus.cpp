@@ -4,9 +4,11 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <random>
 
+#include "autograd/backend/host_memory.h"
 #include "autograd/error.h"
 
 namespace kvlab {
@@ -18,14 +20,16 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'B', 'T', 'O', 'K'};
 constexpr uint32_t kVersion = 1;
 
-// Whole file, or nullopt with errno set.
-std::optional<std::string> read_bytes(const fs::path& file) {
+// Whole file, or its first max_bytes + 1 bytes when it is longer, or nullopt with errno set.
+std::optional<std::string> read_bytes(const fs::path& file,
+                                      size_t max_bytes = std::numeric_limits<size_t>::max() - 1) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(file.c_str(), "rb"), &std::fclose);
   if (!f) return std::nullopt;
   std::string bytes;
   char buf[1 << 16];
   size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, f.get())) > 0) bytes.append(buf, got);
+  while (bytes.size() <= max_bytes && (got = std::fread(buf, 1, sizeof buf, f.get())) > 0)
+    bytes.append(buf, got);
   if (std::ferror(f.get())) return std::nullopt;
   return bytes;
 }
@@ -172,9 +176,17 @@ Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction
   const std::string name = file.string();
   std::error_code ec;
   KVLAB_CHECK(!fs::is_directory(file, ec), "corpus: '", name, "' is a directory, not a file");
-  const std::optional<std::string> bytes = read_bytes(file);
+  // Tokens take 4 bytes a character, and their cache as much again while it is written.
+  constexpr double kBytesPerByte = 10;
+  const double memory = host_memory_bytes();
+  const auto max_bytes = memory > 0 ? static_cast<size_t>(memory / kBytesPerByte)
+                                    : std::numeric_limits<size_t>::max() - 1;
+  const std::optional<std::string> bytes = read_bytes(file, max_bytes);
   KVLAB_CHECK(bytes, "corpus: cannot read '", name, "': ", std::strerror(errno));
   KVLAB_CHECK(!bytes->empty(), "corpus: '", name, "' is empty");
+  KVLAB_CHECK(bytes->size() <= max_bytes, "corpus: '", name, "' is larger than ",
+              static_cast<double>(max_bytes) / 1e9, " GB, the most this machine's ", memory / 1e9,
+              " GB of memory can tokenize (about ", kBytesPerByte, " bytes for each byte of text)");
 
   const uint64_t hash = fnv1a64(*bytes);
   const fs::path cache = token_cache_path(file, hash, kind);

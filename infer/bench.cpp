@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "autograd/backend/host_memory.h"
 #include "autograd/random.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
@@ -155,8 +156,20 @@ void add_bandwidth(json& side, const GPT& model, int64_t kv_elem, double mean_po
 }
 
 // o.batch random prompts of o.prompt_tokens each; the first is the one a batch of 1 uses.
-std::vector<std::vector<int32_t>> random_prompts(const BenchGenerateOptions& o, int64_t vocab) {
+// A batch whose KV cache (at most n_head heads, up to block_size positions) could not fit in
+// memory is refused first: building its prompts alone would take hours.
+std::vector<std::vector<int32_t>> random_prompts(const BenchGenerateOptions& o,
+                                                 const GPTConfig& c) {
   KVLAB_CHECK(o.batch >= 1, "bench: batch must be >= 1, got ", o.batch);
+  const double row_bytes = 2.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.n_embd) *
+                           static_cast<double>(c.block_size) *
+                           static_cast<double>(dtype_size(o.cache_dtype));
+  const double memory = host_memory_bytes();
+  KVLAB_CHECK(memory <= 0 || static_cast<double>(o.batch) * row_bytes <= memory,
+              "bench: a batch of ", o.batch, " rows would need up to ",
+              static_cast<double>(o.batch) * row_bytes / 1e9,
+              " GB of KV cache, more than this machine's ", memory / 1e9, " GB of memory");
+  const int64_t vocab = c.vocab_size;
   std::vector<std::vector<int32_t>> prompts;
   for (int64_t b = 0; b < o.batch; ++b)
     prompts.push_back(random_prompt(o.prompt_tokens, vocab, o.seed + static_cast<uint64_t>(b)));
@@ -206,7 +219,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
   if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
   Engine engine(model, tokenizer, o.cache_dtype);
   const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
-  const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c.vocab_size);
+  const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c);
 
   json out{{"model", model_json(model)},
            {"threads", omp_get_max_threads()},
@@ -300,7 +313,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
   const int64_t n = std::min(new_tokens, config.block_size - o.prompt_tokens);
   KVLAB_CHECK(n >= 1, "bench: a prompt of ", o.prompt_tokens,
               " tokens leaves no room in block_size ", config.block_size);
-  const std::vector<std::vector<int32_t>> prompt = random_prompts(o, config.vocab_size);
+  const std::vector<std::vector<int32_t>> prompt = random_prompts(o, config);
   for (int64_t nkv : kv_heads) {
     GPTConfig c = config;
     c.n_kv_head = nkv;

@@ -2,10 +2,24 @@
 
 #include <cmath>
 
+#include "autograd/backend/host_memory.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 
 namespace kvlab {
+
+namespace {
+// count_parameters in double, which cannot overflow for any config (exact below 2^53).
+double parameters_of(const GPTConfig& c) {
+  const auto C = static_cast<double>(c.n_embd), H = static_cast<double>(c.hidden());
+  const double kv = static_cast<double>(c.n_kv_head) * static_cast<double>(c.head_size());
+  const double attn = (C * C + C) * 2 + (C * kv + kv) * 2;
+  const double mlp = (C * H + H) + (H * C + C);
+  const double block = attn + mlp + 4 * C;
+  return static_cast<double>(c.vocab_size) * C * (c.tied ? 1 : 2) +
+         static_cast<double>(c.block_size) * C + static_cast<double>(c.n_layer) * block + 2 * C;
+}
+}  // namespace
 
 void GPTConfig::validate() const {
   KVLAB_CHECK(vocab_size > 0, "config: vocab_size must be positive, got ", vocab_size);
@@ -21,6 +35,14 @@ void GPTConfig::validate() const {
               " is not divisible by n_kv_head = ", n_kv_head);
   KVLAB_CHECK(mlp_hidden >= 0, "config: mlp_hidden must be >= 0, got ", mlp_hidden);
   KVLAB_CHECK(dropout >= 0 && dropout < 1, "config: dropout ", dropout, " outside [0, 1)");
+  // The layers are allocated one by one, each small: a model far past memory would grow
+  // until the system kills the process rather than fail one large allocation.
+  const double params = parameters_of(*this);
+  const double memory = host_memory_bytes();
+  KVLAB_CHECK(memory <= 0 || 4 * params <= memory, "config: the model would have ", params,
+              " parameters, ", 4 * params / 1e9, " GB of f32 weights: more than this machine's ",
+              memory / 1e9, " GB of memory (n_layer ", n_layer, ", n_embd ", n_embd,
+              ", block_size ", block_size, ")");
 }
 
 namespace {
@@ -172,14 +194,6 @@ Tensor GPT::loss(const Tensor& tokens, const Tensor& targets) {
   return cross_entropy(forward(tokens), targets.to(wte.weight.device()));
 }
 
-int64_t count_parameters(const GPTConfig& c) {
-  const int64_t C = c.n_embd, kv = c.n_kv_head * c.head_size(), H = c.hidden();
-  const int64_t attn = (C * C + C) * 2 + (C * kv + kv) * 2;
-  const int64_t mlp = (C * H + H) + (H * C + C);
-  const int64_t block = attn + mlp + 4 * C;
-  int64_t n = c.vocab_size * C + c.block_size * C + c.n_layer * block + 2 * C;
-  if (!c.tied) n += c.vocab_size * C;
-  return n;
-}
+int64_t count_parameters(const GPTConfig& c) { return static_cast<int64_t>(parameters_of(c)); }
 
 }  // namespace kvlab

@@ -42,6 +42,8 @@ TEST(GptConfig, ValidationNamesTheSetting) {
   expect_config_error([](GPTConfig& c) { c.vocab_size = 0; }, "vocab_size");
   expect_config_error([](GPTConfig& c) { c.n_layer = -1; }, "n_layer");
   expect_config_error([](GPTConfig& c) { c.dropout = 1.0; }, "dropout");
+  // A model past the machine's memory is refused before any layer is allocated.
+  expect_config_error([](GPTConfig& c) { c.n_layer = int64_t{1} << 40; }, "GB of f32 weights");
   EXPECT_THROW(GPT(GPTConfig{}, 0), Error);  // vocab_size 0
 }
 

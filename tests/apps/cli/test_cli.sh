@@ -84,6 +84,8 @@ check "prompt file is a directory" 1 "is a directory" -- "$KVLAB" generate --ckp
 check "standard output full" 1 "standard output" -- bash -c '"$0" generate --ckpt "$1" --prompt a --max-new 2 --json > /dev/full' "$KVLAB" "$work/run/final.h5"
 check "bench --json unwritable" 2 "cannot be written" -- "$KVLAB" bench generate --json "$work/none/b.json"
 check "bench --ckpt with a shape flag" 2 "excludes" -- "$KVLAB" bench generate --ckpt "$work/run/final.h5" --n-layer 2
+check "bench --batch past memory" 1 "GB of KV cache" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 16 --block-size 24 --new-tokens 4 --batch 99999999999
+check "train a model past memory" 2 "GB of f32 weights" -- "$KVLAB" train --corpus "$work/corpus.txt" --n-layer 99999999999 --out "$work/huge"
 check "bench without a decode step" 2 "no decode step" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --prompt-tokens 7
 cp "$work/corpus.txt" "$work/corpus-"$'\xe9'".txt"
 "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus-"$'\xe9'".txt" --out "$work/latin1" >/dev/null 2>&1
