@@ -1,7 +1,6 @@
 // kvlab train: one GPT on a corpus, with a progress bar, a JSONL log and checkpoints. Under
 // `mpirun -np N` it trains data-parallel over N ranks (train/comm.h): rank 0 prints, logs
 // and writes the checkpoints.
-#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -31,8 +30,9 @@ int run_train(const TrainArgs& a) {
   TrainConfig cfg = finish_train_flags(a.flags);
   cfg.out_dir = a.out;
   cfg.zero = a.zero;
-  KVLAB_USAGE_CHECK(a.comm_timeout > 0 && std::isfinite(a.comm_timeout),
-                    "--comm-timeout must be a finite number > 0 of seconds, got ", a.comm_timeout);
+  // The deadline is a steady_clock time in nanoseconds, which 1e10 s would overflow.
+  KVLAB_USAGE_CHECK(a.comm_timeout > 0 && a.comm_timeout <= 1e9,
+                    "--comm-timeout must be a number of seconds in (0, 1e9], got ", a.comm_timeout);
   namespace fs = std::filesystem;
   const fs::path last = fs::path(a.out) / "last.h5";
   KVLAB_USAGE_CHECK(a.resume || !fs::exists(last), "output folder ", a.out,
@@ -92,7 +92,7 @@ void add_train_command(CLI::App& root) {
   cmd->add_flag("--resume", args->resume, "Continue the run in --out from its last.h5");
   cmd->add_option("--comm-timeout", args->comm_timeout,
                   "Under mpirun: seconds a rank waits in a collective before the job fails with "
-                  "an error naming the ranks that did not arrive")
+                  "an error naming the ranks that did not arrive; at most 1e9")
       ->check(finite_number())
       ->capture_default_str();
   cmd->add_option("--zero", args->zero,

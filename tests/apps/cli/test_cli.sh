@@ -114,6 +114,7 @@ check "resume on another corpus" 1 "corpus: $work/corpus.txt (content" -- "$KVLA
 ab=(--n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 1 --kv-heads 2 --seeds 1 --sample-tokens 4 --bench-runs 1)
 check "ablate" 0 "n_kv_head" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --out "$work/abc"
 check "ablate on another corpus" 1 "another --out" -- "$KVLAB" ablate --corpus "$work/corpus2.txt" "${ab[@]}" --out "$work/abc"
+check "train --comm-timeout past 1e9" 2 "in (0, 1e9]" -- "$KVLAB" train "${tiny[@]}" --comm-timeout 1e10 --out "$work/ct"
 check "train --out empty" 2 "no output folder" -- "$KVLAB" train "${tiny[@]}" --out ""
 check "ablate --out empty" 2 "no output folder" -- "$KVLAB" ablate "${tiny[@]}" --out ""
 check "--n-kv-head 0" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 0 --out "$work/x8"
