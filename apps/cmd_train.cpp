@@ -38,6 +38,14 @@ int run_train(const TrainArgs& a) {
   KVLAB_USAGE_CHECK(a.resume || !fs::exists(last), "output folder ", a.out,
                     " already holds a run (", last.string(),
                     "); pass --resume to continue it or choose another --out");
+  if (!a.resume) {  // what an earlier run that never saved last.h5 (it diverged) left behind
+    std::string found;
+    for (const char* name : {"log.jsonl", "best.h5", "final.h5"})
+      if (fs::exists(fs::path(a.out) / name)) found += detail::cat(found.empty() ? "" : ", ", name);
+    KVLAB_USAGE_CHECK(found.empty(), "output folder ", a.out, " holds an earlier run's ", found,
+                      " (a new run would write over or append to them); remove them or choose "
+                      "another --out");
+  }
   KVLAB_USAGE_CHECK(!a.resume || fs::exists(last), "--resume: no checkpoint ", last.string(),
                     " to resume from");
   // Without mpirun this is the local communicator and MPI is never initialised.
