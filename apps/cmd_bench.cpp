@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "apps/ablate/ablate.h"
 #include "apps/cli.h"
+#include "apps/report/report.h"
 #include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
 #include "infer/bench.h"
@@ -167,7 +169,12 @@ void check_writable_file(const std::string& path) {
 }
 
 void run_bench_generate(BenchArgs& a) {
-  if (!a.json_path.empty()) check_writable_file(a.json_path);
+  if (!a.json_path.empty()) {
+    std::error_code ec;
+    KVLAB_USAGE_CHECK(a.ckpt.empty() || !std::filesystem::equivalent(a.json_path, a.ckpt, ec),
+                      "--json ", a.json_path, " is the checkpoint --ckpt reads");
+    check_writable_file(a.json_path);
+  }
   const Device device = parse_device(a.device);
   const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
   const DType kv_dtype = parse_storage_dtype(a.kv_dtype);
@@ -201,9 +208,8 @@ void run_bench_generate(BenchArgs& a) {
   if (a.kv_heads.empty())
     for (int64_t d : {1, 2, 4, 8})
       if (a.cfg.n_head % d == 0) a.kv_heads.push_back(a.cfg.n_head / d);
-  for (int64_t nkv : a.kv_heads)
-    KVLAB_USAGE_CHECK(nkv >= 1 && nkv <= a.cfg.n_head && a.cfg.n_head % nkv == 0,
-                      "--kv-heads: ", nkv, " does not divide n_head = ", a.cfg.n_head);
+  const std::string kv_problem = kv_heads_problem(a.kv_heads, a.cfg.n_head);
+  KVLAB_USAGE_CHECK(kv_problem.empty(), "--kv-heads: ", kv_problem);
 
   KVLAB_USAGE_CHECK(!a.op_by_op || device == Device::CPU,
                     "--op-by-op compares against the fused CPU decode step; it needs --device cpu");
@@ -233,10 +239,7 @@ void run_bench_generate(BenchArgs& a) {
                    {"cache_report", report},
                    {"decode_by_kv_heads", speed},
                    {"checkpoint", a.ckpt}};
-    std::ofstream f(a.json_path);
-    KVLAB_CHECK(f.good(), "cannot write ", a.json_path);
-    f << out.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
-    KVLAB_CHECK(f.good(), "error writing ", a.json_path);
+    write_file_atomic(a.json_path, out.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
     std::printf("\nwrote %s\n", a.json_path.c_str());
   }
 }
@@ -295,7 +298,9 @@ void add_bench_command(CLI::App& root) {
   gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
       ->check(integer_of<uint64_t>())
       ->capture_default_str();
-  gen->add_option("--json", args->json_path, "Write the results as JSON to this file");
+  gen->add_option("--json", args->json_path, "Write the results as JSON to this file")
+      ->check(CLI::Validator(
+          [](const std::string& path) { return path.empty() ? "the path is empty" : ""; }, "PATH"));
   gen->callback([args, n_kv_head] {
     args->n_kv_head_given = n_kv_head->count() > 0;
     run_bench_generate(*args);

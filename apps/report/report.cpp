@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -637,23 +639,6 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
 
 // --- files -------------------------------------------------------------------------------
 
-// Temporary name, then rename: a reader never sees a half-written file.
-void write_file(const fs::path& path, const std::string& content) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream os(tmp, std::ios::binary | std::ios::trunc);
-    KVLAB_CHECK(os.is_open(), "report: cannot write ", path.string());
-    os << content;
-    os.flush();
-    KVLAB_CHECK(os.good(), "report: failed writing ", path.string());
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  KVLAB_CHECK(!ec, "report: cannot rename ", tmp.string(), " to ", path.string(), ": ",
-              ec.message());
-}
-
 std::optional<fs::path> find_on_path(const std::string& program) {
   const char* path = std::getenv("PATH");
   std::istringstream dirs(path ? path : "");
@@ -710,19 +695,43 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
   const std::optional<fs::path> rsvg = find_on_path("rsvg-convert");
 
   // Generated text may hold invalid UTF-8 (byte-level sampling): replace it, don't throw.
-  write_file(out_dir / "results.json",
-             results.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-  write_file(out_dir / "results.csv", make_csv(p));
+  write_file_atomic(out_dir / "results.json",
+                    results.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+  write_file_atomic(out_dir / "results.csv", make_csv(p));
   const std::vector<std::string> svgs = {
       svg::render(curves_plot(p)), svg::render(loss_vs_kv_plot(p)),
       svg::render(cache_plot(p, results)), svg::render(speed_plot(p))};
   for (std::size_t i = 0; i < svgs.size(); ++i)
-    write_file(out_dir / (kPlotNames[i] + ".svg"), svgs[i]);
-  write_file(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));
-  write_file(out_dir / "report.html", make_html(results, p, vs, svgs));
+    write_file_atomic(out_dir / (kPlotNames[i] + ".svg"), svgs[i]);
+  write_file_atomic(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));
+  write_file_atomic(out_dir / "report.html", make_html(results, p, vs, svgs));
   if (rsvg)
     for (const std::string& name : kPlotNames)
       svg_to_png(*rsvg, out_dir / (name + ".svg"), out_dir / (name + ".png"));
+}
+
+void write_file_atomic(const fs::path& path, const std::string& content) {
+  fs::path tmp = path;
+  tmp += ".tmp";
+  std::error_code ec;
+  {
+    std::ofstream os(tmp, std::ios::binary | std::ios::trunc);
+    KVLAB_CHECK(os.is_open(), "cannot write ", path.string(), ": ", std::strerror(errno));
+    os << content;
+    os.flush();
+    if (!os.good()) {
+      const int err = errno;
+      os.close();
+      fs::remove(tmp, ec);
+      KVLAB_CHECK(false, "error writing ", path.string(), ": ", std::strerror(err));
+    }
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    KVLAB_CHECK(false, "cannot rename ", tmp.string(), " to ", path.string(), ": ", ec.message());
+  }
 }
 
 }  // namespace kvlab

@@ -83,6 +83,9 @@ check "largest max-new stops at the context" 0 "context limit" -- "$KVLAB" gener
 check "prompt file is a directory" 1 "is a directory" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt-file "$work"
 check "standard output full" 1 "standard output" -- bash -c '"$0" generate --ckpt "$1" --prompt a --max-new 2 --json > /dev/full' "$KVLAB" "$work/run/final.h5"
 check "bench --json unwritable" 2 "cannot be written" -- "$KVLAB" bench generate --json "$work/none/b.json"
+check "bench --json empty" 2 "the path is empty" -- "$KVLAB" bench generate --json ""
+check "bench --json onto its --ckpt" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" bench generate --ckpt "$work/run/final.h5" --json "$work/run/final.h5"
+check "bench --kv-heads repeated" 2 "n_kv_head = 2 is listed twice" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 16 --block-size 24 --kv-heads 2,2
 check "bench --ckpt with a shape flag" 2 "excludes" -- "$KVLAB" bench generate --ckpt "$work/run/final.h5" --n-layer 2
 check "bench --batch past memory" 1 "GB of KV cache" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 16 --block-size 24 --new-tokens 4 --batch 99999999999
 check "train a model past memory" 2 "GB of f32 weights" -- "$KVLAB" train --corpus "$work/corpus.txt" --n-layer 99999999999 --out "$work/huge"
