@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <sstream>
@@ -44,6 +45,15 @@ void TrainConfig::validate() const {
   KVLAB_CHECK(eval_interval >= 1 && eval_iters >= 1,
               "train: eval_interval and eval_iters must be >= 1");
   KVLAB_CHECK(ckpt_interval >= 0, "train: ckpt_interval must be >= 0");
+  // The data layer counts tokens of a window and windows of a batch in int.
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  KVLAB_CHECK(model.block_size <= kIntMax, "train: block_size ", model.block_size,
+              " is past the largest supported, ", kIntMax);
+  KVLAB_CHECK(batch_size <= kIntMax, "train: batch_size ", batch_size,
+              " is past the largest supported, ", kIntMax);
+  KVLAB_CHECK(eval_iters <= kIntMax / batch_size, "train: eval_iters ", eval_iters,
+              " x batch_size ", batch_size, " validation windows is past the largest supported, ",
+              kIntMax);
   KVLAB_CHECK(val_fraction > 0 && val_fraction < 1, "train: val_fraction must be in (0, 1), got ",
               val_fraction);
   KVLAB_CHECK(zero == 0 || zero == 1, "train: zero must be 0 or 1 (ZeRO stage 1), got ", zero);
