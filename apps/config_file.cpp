@@ -42,21 +42,22 @@ void register_config_command(const CLI::App* cmd) { registered_commands()[cmd->g
 std::vector<std::string> expand_config_file(const std::vector<std::string>& args) {
   // args[0] is the program, args[1] the subcommand (when it is not a flag).
   size_t at = 0;
+  bool found = false;
   std::string file;
   for (size_t i = 1; i < args.size(); ++i) {
-    if (args[i] == "--config") {
-      KVLAB_USAGE_CHECK(i + 1 < args.size(), "--config needs a file name");
-      file = args[i + 1];
-      at = i;
-      break;
-    }
-    if (args[i].rfind("--config=", 0) == 0) {
-      file = args[i].substr(9);
-      at = i;
-      break;
-    }
+    const bool split = args[i] == "--config", joined = args[i].rfind("--config=", 0) == 0;
+    if (!split && !joined) continue;
+    KVLAB_USAGE_CHECK(!found,
+                      "--config is given twice: give one file (its flags can be "
+                      "combined into one, and command-line flags win over it)");
+    KVLAB_USAGE_CHECK(!split || i + 1 < args.size(), "--config needs a file name");
+    file = split ? args[i + 1] : args[i].substr(9);
+    KVLAB_USAGE_CHECK(!file.empty(), "--config needs a file name, got an empty one");
+    found = true;
+    at = i;
+    if (split) ++i;
   }
-  if (file.empty()) return args;
+  if (!found) return args;
   const bool two = args[at] == "--config";
   const std::string sub = args.size() > 1 && args[1].rfind("-", 0) != 0 ? args[1] : "";
   std::set<std::string> given;  // flags on the command line win over the file
@@ -70,6 +71,7 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
   const auto known = registered_commands().find(sub);
   const CLI::App* cmd = known == registered_commands().end() ? nullptr : known->second;
   std::vector<std::string> from_file;
+  std::map<std::string, int> line_of_key;  // each key once
   std::string line, section;
   for (int n = 1; std::getline(in, line); ++n) {
     line = trim(line.substr(0, line.find('#')));
@@ -96,6 +98,9 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
                       "unknown key '", key, "' (kvlab ", sub, " has no flag ", flag, ")");
     KVLAB_USAGE_CHECK(!value.empty(), at_line, "'", key,
                       "' has no value (write 'key = value', or remove the line)");
+    const auto [first, fresh] = line_of_key.emplace(key, n);
+    KVLAB_USAGE_CHECK(fresh, at_line, "'", key, "' is set again (first at line ", first->second,
+                      ")");
     if (given.count(flag)) continue;
     if (value == "true") {
       from_file.push_back(flag);

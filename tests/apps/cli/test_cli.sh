@@ -136,6 +136,10 @@ check "--config a folder" 2 "cannot read" -- "$KVLAB" train --config "$work/cfgd
 check "--config key without value" 2 "novalue.toml:2: 'lr' has no value" -- "$KVLAB" train --config "$work/novalue.toml"
 check "--config unknown key" 2 "bogus.toml:3: unknown key 'bogus-key'" -- "$KVLAB" train --config "$work/bogus.toml"
 check "--config nested" 2 "nested.toml:2: 'config' cannot be nested" -- "$KVLAB" train --config "$work/nested.toml"
+printf 'iters = 4\nlr = 1e-3\niters = 5\n' > "$work/twice.toml"
+check "--config key set twice" 2 "twice.toml:3: 'iters' is set again (first at line 1)" -- "$KVLAB" train --config "$work/twice.toml"
+check "--config given twice" 2 "--config is given twice" -- "$KVLAB" train --config "$work/run.toml" --config "$work/twice.toml" --out "$work/cfg3"
+check "--config= empty" 2 "--config needs a file name" -- "$KVLAB" train --config= --out "$work/cfg3"
 # Ctrl-C saves and exits 130; a second Ctrl-C (here during the long step-0 evaluation) quits at once.
 long=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 100000 --eval-interval 10)
 "$KVLAB" train "${long[@]}" --eval-iters 2 --out "$work/int" > "$work/int.log" 2>&1 &
