@@ -11,6 +11,7 @@
 
 #include "apps/cli.h"
 #include "apps/config_file.h"
+#include "apps/train_progress.h"
 #include "autograd/backend/cpu/threads.h"
 
 namespace kvlab {
@@ -46,6 +47,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the parse error
     return rc == 0 ? 0 : 2;
+  } catch (const kvlab::Interrupted& e) {  // its work is saved
+    std::fprintf(stderr, "kvlab: %s\n", e.what());
+    return 128 + e.signal();
   } catch (const kvlab::UsageError& e) {
     std::fprintf(stderr, "kvlab: error: %s\n", e.what());
     return 2;

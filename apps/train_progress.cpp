@@ -14,7 +14,7 @@ std::atomic<bool> g_stop{false};
 std::atomic<int> g_signal{0};
 // The first signal asks for a clean stop (checkpoint, then exit); the default action comes
 // back at once, so a second one ends the process immediately.
-extern "C" void on_sigint(int sig) {
+extern "C" void on_stop_signal(int sig) {
   g_signal.store(sig);
   g_stop.store(true);
   std::signal(sig, SIG_DFL);
@@ -42,14 +42,18 @@ bool train_with_progress(Trainer& trainer, const std::string& label) {
   struct Scope {
     ProgressBar& bar;
     bool rank0, parallel;
-    // Under mpirun, Ctrl-C makes mpirun kill the job (the last checkpoint stays intact);
-    // SIGUSR1, which mpirun forwards to every rank, stops cleanly with a checkpoint, as Ctrl-C
-    // does alone.
-    void (*previous)(int) = std::signal(SIGINT, on_sigint);
-    void (*previous_usr1)(int) = parallel ? std::signal(SIGUSR1, on_sigint) : SIG_DFL;
+    // Ctrl-C, and SIGTERM or SIGHUP (a scheduler, a closed terminal), stop cleanly with a
+    // checkpoint. Under mpirun, Ctrl-C makes mpirun kill the job (the last checkpoint stays
+    // intact); SIGUSR1, which mpirun forwards to every rank, stops it cleanly instead.
+    void (*previous)(int) = std::signal(SIGINT, on_stop_signal);
+    void (*previous_term)(int) = std::signal(SIGTERM, on_stop_signal);
+    void (*previous_hup)(int) = std::signal(SIGHUP, on_stop_signal);
+    void (*previous_usr1)(int) = parallel ? std::signal(SIGUSR1, on_stop_signal) : SIG_DFL;
     ~Scope() {
       if (rank0) bar.finish();
       std::signal(SIGINT, previous);
+      std::signal(SIGTERM, previous_term);
+      std::signal(SIGHUP, previous_hup);
       if (parallel) std::signal(SIGUSR1, previous_usr1);
     }
   };

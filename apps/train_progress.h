@@ -1,14 +1,26 @@
 #pragma once
 // Runs a Trainer with a progress bar on stderr and stops cleanly (checkpoint written) on
-// Ctrl-C. Returns true when every step is done.
+// Ctrl-C, SIGTERM or SIGHUP. Returns true when every step is done.
 #include "train/trainer.h"
 
 namespace kvlab {
 
 bool train_with_progress(Trainer& trainer, const std::string& label);
 
-// The signal (SIGINT, or SIGUSR1 under mpirun) that stopped the last train_with_progress; 0 when
-// none did. Commands exit with 128 + it, the shell's convention for a process a signal ended.
+// The signal (SIGINT, SIGTERM, SIGHUP, or SIGUSR1 under mpirun) that stopped the last
+// train_with_progress; 0 when none did. Commands exit with 128 + it, the shell's convention
+// for a process a signal ended.
 int stop_signal();
+
+// A command that a signal stopped after saving its work: main prints the message and exits
+// with 128 + signal().
+class Interrupted : public Error {
+ public:
+  Interrupted(const std::string& msg, int sig) : Error(msg), signal_(sig) {}
+  int signal() const { return signal_; }
+
+ private:
+  int signal_;
+};
 
 }  // namespace kvlab

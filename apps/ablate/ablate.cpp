@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -201,8 +202,10 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
     if (from > 0) ++stats.runs_resumed;
     const bool done = train_with_progress(trainer, label);
     stats.steps_trained += trainer.step() - from;
-    KVLAB_CHECK(done, "ablate: interrupted during ", label,
-                "; rerun the same command to continue where it stopped");
+    if (!done)
+      throw Interrupted(detail::cat("ablate: interrupted during ", label,
+                                    "; rerun the same command to continue where it stopped"),
+                        stop_signal() > 0 ? stop_signal() : SIGINT);
     train_s += std::chrono::duration<double>(Clock::now() - t0).count();
     ++trained_runs;
   }

@@ -150,6 +150,11 @@ if [ "$rc" -eq 130 ] && grep -q "interrupted at step" "$work/int.log" && [ -f "$
 pid=$!; for _ in $(seq 300); do grep -q "from scratch" "$work/int2.log" && break; sleep 0.1; done
 kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null; wait "$pid"; rc=$?
 if [ "$rc" -eq 130 ] && ! grep -q "interrupted at step" "$work/int2.log"; then pass=$((pass + 1)); else echo "FAIL second Ctrl-C: rc=$rc (want 130, no clean stop)"; tail -3 "$work/int2.log"; fails=$((fails + 1)); fi
+# SIGTERM (a scheduler's stop) saves as Ctrl-C does and exits 143.
+"$KVLAB" train "${long[@]}" --eval-iters 2 --out "$work/term" > "$work/term.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do [ -s "$work/term/log.jsonl" ] && break; sleep 0.1; done
+kill -TERM "$pid"; wait "$pid"; rc=$?
+if [ "$rc" -eq 143 ] && grep -q "interrupted at step" "$work/term.log" && [ -f "$work/term/last.h5" ]; then pass=$((pass + 1)); else echo "FAIL SIGTERM: rc=$rc (want 143)"; tail -3 "$work/term.log"; fails=$((fails + 1)); fi
 # ablate --kv-heads: each item an integer in [1, n_head] dividing it, listed once.
 for kv in 0 -2 16; do check "ablate --kv-heads $kv" 2 "--kv-heads: n_kv_head = $kv must be in [1, 4]" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "$kv" --out "$work/ab"; done
 check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "" --out "$work/ab"
