@@ -244,6 +244,9 @@ void Trainer::resume(const fs::path& file) {
               " words, ", 8 * world, " expected for ", world, " rank(s))");
   KVLAB_CHECK(get_tokenizer(ckpt, file) == corpus_.tokenizer, "resume: ", file.string(),
               " was trained with a different tokenizer vocabulary than ", cfg_.corpus, " gives");
+  KVLAB_CHECK(ckpt.iteration >= 0 && ckpt.iteration <= cfg_.iters, "resume: ", file.string(),
+              ": /train attribute iteration = ", ckpt.iteration,
+              " is outside [0, iters = ", cfg_.iters, "]");
   copy_into(model_->named_parameters(), ckpt.model, "model", file);
   if (zero_) {
     KVLAB_CHECK(ckpt.has_optimizer, "checkpoint ", file.string(),

@@ -157,6 +157,23 @@ TEST_F(TrainerTest, ResumeAcceptsACheckpointWithoutCorpusHash) {
   EXPECT_EQ(second.step(), 2);
 }
 
+// A damaged step count is refused before anything is loaded or logged.
+TEST_F(TrainerTest, ResumeRefusesAnIterationOutsideTheRun) {
+  Trainer first(config("run"));
+  run_all(first, 2);
+  const fs::path last = dir_ / "run" / "last.h5";
+  for (int64_t bad : {int64_t{-5}, int64_t{1} << 50}) {
+    Checkpoint c = load_checkpoint(last, true);
+    c.iteration = bad;
+    save_checkpoint(dir_ / "bad.h5", c);
+    Trainer second(config("run"));
+    const std::string msg = error_of([&] { second.resume(dir_ / "bad.h5"); });
+    EXPECT_NE(msg.find("iteration = " + std::to_string(bad) + " is outside [0, iters"),
+              std::string::npos)
+        << msg;
+  }
+}
+
 // A diverging step stops the run with an error naming the step, before the optimizer applies
 // it and before any checkpoint is written: last.h5 keeps the last good weights.
 TEST_F(TrainerTest, NonFiniteLossStopsAtItsStepAndKeepsTheLastCheckpoint) {
