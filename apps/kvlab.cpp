@@ -40,10 +40,28 @@ int main(int argc, char** argv) {
   kvlab::add_inspect_command(app);
   try {
     std::vector<std::string> args(argv, argv + argc);
+    if (args.size() > 1 && args[1].rfind('-', 0) != 0) {  // a command name, or a typo
+      std::string names;
+      bool known = false;
+      for (const CLI::App* sub : app.get_subcommands({})) {
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+        known = known || sub->get_name() == args[1];
+      }
+      KVLAB_USAGE_CHECK(known, "unknown command '", args[1], "' (commands: ", names, ")");
+    }
     args = kvlab::expand_config_file(args);
     args.erase(args.begin());
     std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last-first
     app.parse(args);
+  } catch (const CLI::ExtrasError&) {
+    // CLI11's own message lists them last-first (it parses a reversed vector); remaining()
+    // has them in the order given.
+    std::string list;
+    for (const std::string& a : app.remaining(true)) list += " " + a;
+    std::fprintf(stderr,
+                 "kvlab: error: unexpected arguments:%s\nRun with --help for more information.\n",
+                 list.c_str());
+    return 2;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the parse error
     return rc == 0 ? 0 : 2;
