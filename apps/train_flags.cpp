@@ -19,7 +19,9 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   cmd->add_option("--config", config_file,
                   "Read flags from a file of 'key = value' lines (the same keys; command-line "
                   "flags win)");
-  cmd->add_option("--corpus", c.corpus, "UTF-8 text file to train on (90/10 train/val split)")
+  cmd->add_option("--corpus", c.corpus,
+                  "UTF-8 text file to train on (90/10 train/val split); its tokens are cached "
+                  "beside it as FILE.<hash>.<tokenizer>.kvlab-cache (an edit replaces it)")
       ->capture_default_str();
   cmd->add_option("--tokenizer", c.tokenizer, "char (code points of the corpus) or byte")
       ->check(CLI::IsMember({"char", "byte"}))

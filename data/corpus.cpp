@@ -170,6 +170,31 @@ std::optional<TokenCache> read_token_cache(const fs::path& cache, uint64_t conte
   }
 }
 
+namespace {
+// The caches of earlier contents of `file` (<file>.<another hash>.<kind>.kvlab-cache, any
+// kind): each edit of a corpus would otherwise leave more behind, ~4x its size. Best effort.
+void remove_stale_token_caches(const fs::path& file, uint64_t content_hash) {
+  const std::string prefix = file.filename().string() + ".", suffix = ".kvlab-cache";
+  const std::string current = hash_hex(content_hash);
+  std::error_code ec;
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= prefix.size() + 17 + suffix.size() || !name.starts_with(prefix) ||
+        !name.ends_with(suffix))
+      continue;
+    const std::string hex = name.substr(prefix.size(), 16);
+    const std::string kind =
+        name.substr(prefix.size() + 17, name.size() - prefix.size() - 17 - suffix.size());
+    if (hex == current || hex.find_first_not_of("0123456789abcdef") != std::string::npos ||
+        name[prefix.size() + 16] != '.' || kind.find('.') != std::string::npos)
+      continue;
+    std::error_code ignored;
+    fs::remove(it->path(), ignored);
+  }
+}
+}  // namespace
+
 Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction, bool use_cache) {
   KVLAB_CHECK(val_fraction >= 0.0 && val_fraction < 1.0,
               "corpus: val_fraction must be in [0, 1), got ", val_fraction);
@@ -194,7 +219,8 @@ Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction
   if (use_cache) tokens = read_token_cache(cache, hash, kind);
   if (!tokens) {
     tokens = tokenize(*bytes, kind, "corpus '" + name + "'");
-    if (use_cache) write_token_cache(cache, hash, tokens->tokenizer, tokens->ids);
+    if (use_cache && write_token_cache(cache, hash, tokens->tokenizer, tokens->ids))
+      remove_stale_token_caches(file, hash);
   }
 
   const std::vector<int32_t>& ids = tokens->ids;

@@ -38,6 +38,7 @@ class CorpusTest : public ::testing::Test {
     for (const auto& e : fs::directory_iterator(dir_)) {
       if (e.path().string().ends_with(".kvlab-cache")) found.push_back(e.path());
     }
+    std::sort(found.begin(), found.end());  // directory order is unspecified
     return found;
   }
 
@@ -171,14 +172,25 @@ TEST_F(CorpusTest, TokenizerKindsUseSeparateCaches) {
   EXPECT_EQ(load_corpus(file, TokenizerKind::Char).train, chars.train);
 }
 
-TEST_F(CorpusTest, ChangedContentGetsNewCache) {
+TEST_F(CorpusTest, ChangedContentGetsNewCacheAndTheOldOnesGo) {
   const fs::path file = write("c.txt", "aaaa bbbb cccc");
   const Corpus before = load_corpus(file, TokenizerKind::Char);
   write("c.txt", "xyzw xyzw xyzw");
   const Corpus after = load_corpus(file, TokenizerKind::Char);
   EXPECT_EQ(after.tokenizer.vocab(), (std::vector<uint32_t>{' ', 'w', 'x', 'y', 'z'}));
   EXPECT_NE(after.content_hash, before.content_hash);
-  EXPECT_EQ(caches().size(), 2u);
+  // The old content's caches (either tokenizer) are removed; other files' are not.
+  const fs::path other = write("c.txt2.0123456789abcdef.char.kvlab-cache", "x");
+  auto only = [&](const Corpus& c) {
+    std::vector<fs::path> want{other, token_cache_path(file, c.content_hash, TokenizerKind::Char)};
+    std::sort(want.begin(), want.end());
+    return want;
+  };
+  EXPECT_EQ(caches(), only(after));
+  load_corpus(file, TokenizerKind::Byte);
+  write("c.txt", "qqqq rrrr ssss");
+  const Corpus third = load_corpus(file, TokenizerKind::Char);
+  EXPECT_EQ(caches(), only(third));
 }
 
 TEST_F(CorpusTest, UnwritableCacheIsSkippedSilently) {
