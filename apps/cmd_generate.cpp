@@ -1,6 +1,8 @@
 // kvlab generate: text from a checkpoint through the KV cache, streamed as it is made.
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -46,8 +48,10 @@ constexpr std::streamsize kMaxPromptFileBytes = 64 << 20;
 std::string read_file(const std::string& path) {
   std::error_code ec;
   KVLAB_CHECK(!std::filesystem::is_directory(path, ec), "prompt file ", path, " is a directory");
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  KVLAB_CHECK(in.good(), "cannot read prompt file ", path);
+  KVLAB_CHECK(in.good(), "cannot read prompt file ", path,
+              errno != 0 ? detail::cat(": ", std::strerror(errno)) : std::string());
   std::string text;
   char chunk[1 << 16];
   while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {

@@ -4,8 +4,10 @@
 #include "autograd/backend/cuda/collectives.h"
 #endif
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -127,10 +129,16 @@ std::string corpus_desc(const Attrs& a) {
 
 void ensure_writable_dir(const fs::path& dir, const std::string& who) {
   std::error_code ec;
+  KVLAB_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), who, ": output folder ",
+              dir.string(), " is a file, not a folder");
   fs::create_directories(dir, ec);
+  KVLAB_CHECK(!ec, who, ": output folder ", dir.string(),
+              " is not writable (creating it: ", ec.message(), ")");
   const fs::path probe = dir / ".kvlab-write-test";
+  errno = 0;
   std::ofstream f(probe);
-  KVLAB_CHECK(!ec && f.good(), who, ": output folder ", dir.string(), " is not writable");
+  KVLAB_CHECK(f.good(), who, ": output folder ", dir.string(), " is not writable",
+              errno != 0 ? detail::cat(" (", std::strerror(errno), ")") : std::string());
   f.close();
   fs::remove(probe, ec);
 }

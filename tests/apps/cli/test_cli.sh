@@ -123,6 +123,9 @@ check "train into an earlier run's files" 2 "holds an earlier run's log.jsonl" -
 check "train kept the earlier log" 0 '{"step": 0}' -- cat "$work/dead/log.jsonl"
 check "train --batch-size past int" 2 "batch_size 9223372036854775807 is past" -- "$KVLAB" train --corpus "$work/corpus.txt" --batch-size 9223372036854775807 --out "$work/big"
 check "train --eval-iters past int" 2 "eval_iters 99999999999 x batch_size" -- "$KVLAB" train --corpus "$work/corpus.txt" --eval-iters 99999999999 --out "$work/big"
+touch "$work/afile"
+check "train --out a file" 1 "is a file, not a folder" -- "$KVLAB" train "${tiny[@]}" --out "$work/afile"
+check "missing prompt file says why" 1 "No such file or directory" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt-file "$work/missing.txt" --max-new 2
 check "train --out empty" 2 "no output folder" -- "$KVLAB" train "${tiny[@]}" --out ""
 check "ablate --out empty" 2 "no output folder" -- "$KVLAB" ablate "${tiny[@]}" --out ""
 check "--n-kv-head 0" 2 "--n-kv-head must be in [1, n_head]" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 0 --out "$work/x8"
