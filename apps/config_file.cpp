@@ -69,7 +69,14 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
   std::ifstream in(file);
   KVLAB_USAGE_CHECK(in.good(), "--config ", file, ": cannot read the file");
   const auto known = registered_commands().find(sub);
-  const CLI::App* cmd = known == registered_commands().end() ? nullptr : known->second;
+  std::string takers;
+  for (const auto& [name, app] : registered_commands())
+    takers += detail::cat(takers.empty() ? "" : " and ", name);
+  KVLAB_USAGE_CHECK(known != registered_commands().end(), "--config: ",
+                    sub.empty() ? std::string("give it after the command")
+                                : detail::cat("kvlab ", sub, " takes no config file"),
+                    " (", takers, " take one)");
+  const CLI::App* cmd = known->second;
   std::vector<std::string> from_file;
   std::map<std::string, int> line_of_key;  // each key once
   std::string line, section;
@@ -94,8 +101,8 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
     KVLAB_USAGE_CHECK(key != "config", at_line,
                       "'config' cannot be nested (a config file cannot include another); "
                       "put its settings in this file");
-    KVLAB_USAGE_CHECK(cmd == nullptr || cmd->get_option_no_throw(flag) != nullptr, at_line,
-                      "unknown key '", key, "' (kvlab ", sub, " has no flag ", flag, ")");
+    KVLAB_USAGE_CHECK(cmd->get_option_no_throw(flag) != nullptr, at_line, "unknown key '", key,
+                      "' (kvlab ", sub, " has no flag ", flag, ")");
     KVLAB_USAGE_CHECK(!value.empty(), at_line, "'", key,
                       "' has no value (write 'key = value', or remove the line)");
     const auto [first, fresh] = line_of_key.emplace(key, n);

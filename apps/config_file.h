@@ -1,5 +1,6 @@
 #pragma once
-// --config FILE for any subcommand: the file holds the command's flags as `key = value` lines
+// --config FILE for the subcommands that register for it (train, ablate): the file holds the
+// command's flags as `key = value` lines
 // (TOML/INI style: `n-layer = 4`, `corpus = "input.txt"`, `untied = true`,
 // `kv-heads = [8, 4, 2]`; `#` comments; keys may use - or _). Lines before any `[section]`,
 // or in the section named like the subcommand, apply. Flags given on the command line win.
@@ -15,12 +16,13 @@ namespace kvlab {
 // Returns argv with `--config FILE` replaced by the file's flags (those not already given on
 // the command line), placed right after the subcommand. Throws UsageError for an unreadable
 // file (a folder included) or a malformed line, naming the file and line number: a line
-// without '=', a key without a value, a nested `config` key, or (for a command registered
-// below) a key that is not one of its flags.
+// without '=', a key without a value, a key set twice, a nested `config` key, or a key that
+// is not one of the command's flags; and for --config given twice or to a command that did not
+// register for it.
 std::vector<std::string> expand_config_file(const std::vector<std::string>& args);
 
-// Lets expand_config_file check a file's keys against the flags of `cmd` (a subcommand, found
-// by name; it must outlive the parse). Keys for other commands are left to CLI11.
+// Lets `cmd` (a subcommand, found by name; it must outlive the parse) take --config, whose
+// keys expand_config_file checks against its flags.
 void register_config_command(const CLI::App* cmd);
 
 }  // namespace kvlab

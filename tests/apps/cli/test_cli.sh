@@ -142,6 +142,7 @@ check "--config nested" 2 "nested.toml:2: 'config' cannot be nested" -- "$KVLAB"
 printf 'iters = 4\nlr = 1e-3\niters = 5\n' > "$work/twice.toml"
 check "--config key set twice" 2 "twice.toml:3: 'iters' is set again (first at line 1)" -- "$KVLAB" train --config "$work/twice.toml"
 check "--config given twice" 2 "--config is given twice" -- "$KVLAB" train --config "$work/run.toml" --config "$work/twice.toml" --out "$work/cfg3"
+check "--config on generate" 2 "kvlab generate takes no config file" -- "$KVLAB" generate --config "$work/run.toml" --ckpt "$work/run/final.h5"
 check "--config= empty" 2 "--config needs a file name" -- "$KVLAB" train --config= --out "$work/cfg3"
 # Ctrl-C saves and exits 130; a second Ctrl-C (here during the long step-0 evaluation) quits at once.
 long=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 100000 --eval-interval 10)
