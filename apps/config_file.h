@@ -1,9 +1,9 @@
 #pragma once
 // --config FILE for the subcommands that register for it (train, ablate): the file holds the
-// command's flags as `key = value` lines
-// (TOML/INI style: `n-layer = 4`, `corpus = "input.txt"`, `untied = true`,
-// `kv-heads = [8, 4, 2]`; `#` comments; keys may use - or _). Lines before any `[section]`,
-// or in the section named like the subcommand, apply. Flags given on the command line win.
+// command's flags as `key = value` lines (TOML/INI style: `n-layer = 4`, `corpus =
+// "input.txt"`, `untied = true`, `kv-heads = [8, 4, 2]`; `#` comments; keys may use - or _).
+// Lines before any `[section]`, or in the section named like the subcommand, apply. Flags
+// given on the command line win.
 #include <string>
 #include <vector>
 
