@@ -196,7 +196,10 @@ void run_generate(const GenerateArgs& a) {
     std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
     return;
   }
-  if (stream) std::printf("\n");
+  if (stream) {  // ended before the notes on stderr, which a pipe may merge with stdout
+    std::printf("\n");
+    std::fflush(stdout);
+  }
   for (size_t b = 0; b < res.rows.size(); ++b)
     if (res.rows[b].stop_reason == StopReason::ContextLimit)
       std::fprintf(stderr,

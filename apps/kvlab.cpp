@@ -25,6 +25,16 @@ void set_command_line(int argc, char** argv) {
 }
 }  // namespace kvlab
 
+// Output that could not be written (a full disk, say) is a failure, not a success.
+bool flushed_stdout() {
+  std::cout.flush();
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0 || !std::cout) {
+    std::fprintf(stderr, "kvlab: error: writing the standard output failed\n");
+    return false;
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   kvlab::apply_thread_wait_policy(argv);
   kvlab::set_command_line(argc, argv);
@@ -64,7 +74,8 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the parse error
-    return rc == 0 ? 0 : 2;
+    if (rc != 0) return 2;
+    return flushed_stdout() ? 0 : 1;
   } catch (const kvlab::Interrupted& e) {  // its work is saved
     std::fprintf(stderr, "kvlab: %s\n", e.what());
     return 128 + e.signal();
@@ -87,11 +98,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvlab: error: %s\n", e.what());
     return 1;
   }
-  // Output that could not be written (a full disk, say) is a failure, not a success.
-  std::cout.flush();
-  if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0 || !std::cout) {
-    std::fprintf(stderr, "kvlab: error: writing the standard output failed\n");
-    return 1;
-  }
-  return 0;
+  return flushed_stdout() ? 0 : 1;
 }

@@ -82,6 +82,7 @@ check "max-new past int64" 2 "outside" -- "$KVLAB" generate --ckpt "$work/run/fi
 check "largest max-new stops at the context" 0 "context limit" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 9223372036854775807
 check "prompt file is a directory" 1 "is a directory" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt-file "$work"
 check "standard output full" 1 "standard output" -- bash -c '"$0" generate --ckpt "$1" --prompt a --max-new 2 --json > /dev/full' "$KVLAB" "$work/run/final.h5"
+check "--help into a full output" 1 "standard output" -- bash -c '"$0" --help > /dev/full' "$KVLAB"
 check "bench --json unwritable" 2 "cannot be written" -- "$KVLAB" bench generate --json "$work/none/b.json"
 check "bench --json empty" 2 "the path is empty" -- "$KVLAB" bench generate --json ""
 check "bench --json onto its --ckpt" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" bench generate --ckpt "$work/run/final.h5" --json "$work/run/final.h5"
