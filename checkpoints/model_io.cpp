@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <set>
 
 namespace kvlab {
 
@@ -59,8 +60,20 @@ NamedArrays to_arrays(const NamedTensors& tensors) {
 
 void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
                const std::filesystem::path& file) {
-  KVLAB_CHECK(dst.size() == src.size(), "checkpoint ", file.string(), ": /", group, " holds ",
-              src.size(), " tensors, the model has ", dst.size());
+  if (dst.size() != src.size()) {  // name what is missing and what is extra
+    std::set<std::string> expected, found;
+    for (const auto& entry : dst) expected.insert(entry.first);
+    for (const auto& entry : src) found.insert(entry.first);
+    std::string missing, extra;
+    for (const std::string& n : expected)
+      if (!found.count(n)) missing += (missing.empty() ? "" : ", ") + n;
+    for (const std::string& n : found)
+      if (!expected.count(n)) extra += (extra.empty() ? "" : ", ") + n;
+    KVLAB_CHECK(false, "checkpoint ", file.string(), ": /", group, " holds ", src.size(),
+                " tensors, the model has ", dst.size(),
+                missing.empty() ? "" : detail::cat("; missing: ", missing),
+                extra.empty() ? "" : detail::cat("; not in the model: ", extra));
+  }
   for (size_t i = 0; i < dst.size(); ++i) {
     const auto& [name, t] = dst[i];
     const auto& [sname, arr] = src[i];

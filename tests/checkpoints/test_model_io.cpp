@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 
 #include "checkpoints/model_io.h"
@@ -28,7 +29,10 @@ class ModelIoTest : public ::testing::Test {
 
   // A checkpoint of a small GQA model with value `poison` at index 3 of tensor `target` (none
   // when empty).
-  fs::path write(const std::string& target, float poison) {
+  // edit: a last change to the tensors before the file is written.
+  fs::path write(
+      const std::string& target, float poison,
+      const std::function<void(NamedArrays&)>& edit = [](NamedArrays&) {}) {
     const Tokenizer tok = Tokenizer::build_char("abcdefgh");
     GPTConfig cfg;
     cfg.vocab_size = tok.vocab_size();
@@ -44,6 +48,7 @@ class ModelIoTest : public ::testing::Test {
     c.model = to_arrays(model.named_parameters());
     for (auto& [name, array] : c.model)
       if (name == target) array.data[3] = poison;
+    edit(c.model);
     const fs::path file = dir_ / "model.h5";
     save_checkpoint(file, c);
     return file;
@@ -75,6 +80,28 @@ TEST_F(ModelIoTest, NonFiniteTensorIsAnErrorNamingFileAndTensor) {
     // The file itself is still readable (kvlab inspect shows it).
     EXPECT_NO_THROW(load_checkpoint(file, true));
   }
+}
+
+// A file that lacks a tensor, or holds one the model does not have, says which.
+TEST_F(ModelIoTest, MissingOrExtraTensorsAreNamed) {
+  auto message = [](const fs::path& file) {
+    try {
+      load_model(file);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const fs::path missing = write("", 0.0f, [](NamedArrays& t) {
+    std::erase_if(t, [](const auto& entry) { return entry.first == "ln_f.bias"; });
+  });
+  std::string msg = message(missing);
+  EXPECT_NE(msg.find("missing: ln_f.bias"), std::string::npos) << msg;
+  const fs::path extra = write("", 0.0f, [](NamedArrays& t) {
+    t.emplace_back("stray", ArrayF32{{2}, {1.0f, 2.0f}});
+  });
+  msg = message(extra);
+  EXPECT_NE(msg.find("not in the model: stray"), std::string::npos) << msg;
 }
 
 }  // namespace
