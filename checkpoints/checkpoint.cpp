@@ -398,7 +398,14 @@ class Loader {
     std::vector<hsize_t> dims(ndims);
     H5_CHECK(H5Sget_simple_extent_dims(space, dims.data(), nullptr), pre_, "reading ", path);
     const std::vector<int64_t> shape(dims.begin(), dims.end());
-    std::vector<T> data(H5_CHECK(H5Sget_simple_extent_npoints(space), pre_, "reading ", path));
+    const hssize_t points = H5_CHECK(H5Sget_simple_extent_npoints(space), pre_, "reading ", path);
+    // A chunked dataset can declare far more values than the file stores (the chunks never
+    // written read back as the fill value): reading it would allocate all of them.
+    H5D_space_status_t stored = H5D_SPACE_STATUS_ERROR;
+    H5_CHECK(H5Dget_space_status(dset, &stored), pre_, "reading ", path);
+    check(points == 0 || stored == H5D_SPACE_STATUS_ALLOCATED, path, ": declares ", points,
+          " values but the file does not store them all (a damaged or unfinished file)");
+    std::vector<T> data(static_cast<size_t>(points));
     if (!data.empty()) {
       H5_CHECK(H5Dread(dset, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()), pre_,
                "reading ", path);

@@ -373,14 +373,40 @@ TEST_F(CheckpointTest, DeletedDatasetOrGroupIsNamed) {
   EXPECT_NE(msg.find("/optimizer/m has 5 datasets, /model has 4"), std::string::npos) << msg;
 }
 
-// Replaces the dataset at `path` with one of the given type and shape.
+// Replaces the dataset at `path` with one of the given type and shape, its values zero bytes.
 void replace_dataset(hid_t f, const char* path, hid_t type, std::vector<hsize_t> dims) {
   ASSERT_GE(H5Ldelete(f, path, H5P_DEFAULT), 0);
   const hid_t space = H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr);
   const hid_t d = H5Dcreate2(f, path, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
   ASSERT_GE(d, 0);
+  const std::vector<char> zeros(H5Tget_size(type) * H5Sget_simple_extent_npoints(space));
+  ASSERT_GE(H5Dwrite(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, zeros.data()), 0);
   H5Dclose(d);
   H5Sclose(space);
+}
+
+// A chunked dataset whose chunks were never written declares values the file does not hold:
+// refused before anything is allocated for them (2^40 floats here).
+TEST_F(CheckpointTest, DatasetNotAllStoredIsRefused) {
+  save_checkpoint(file_, sample_checkpoint());
+  edit_file([](hid_t f) {
+    ASSERT_GE(H5Ldelete(f, "/model/wte.weight", H5P_DEFAULT), 0);
+    const hsize_t dims[1] = {hsize_t{1} << 40}, chunk[1] = {1024};
+    const hid_t space = H5Screate_simple(1, dims, nullptr);
+    const hid_t plist = H5Pcreate(H5P_DATASET_CREATE);
+    ASSERT_GE(H5Pset_chunk(plist, 1, chunk), 0);
+    const hid_t d =
+        H5Dcreate2(f, "/model/wte.weight", H5T_IEEE_F32LE, space, H5P_DEFAULT, plist, H5P_DEFAULT);
+    ASSERT_GE(d, 0);
+    H5Dclose(d);
+    H5Pclose(plist);
+    H5Sclose(space);
+  });
+  const std::string msg = load_error();
+  EXPECT_NE(msg.find("/model/wte.weight: declares 1099511627776 values but the file does not "
+                     "store them all"),
+            std::string::npos)
+      << msg;
 }
 
 TEST_F(CheckpointTest, WrongDtypeOrRankIsNamed) {
