@@ -58,8 +58,8 @@ NamedArrays to_arrays(const NamedTensors& tensors) {
   return out;
 }
 
-void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
-               const std::filesystem::path& file) {
+void check_arrays_fit(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
+                      const std::filesystem::path& file) {
   if (dst.size() != src.size()) {  // name what is missing and what is extra
     std::set<std::string> expected, found;
     for (const auto& entry : dst) expected.insert(entry.first);
@@ -81,7 +81,7 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
                 " found where the model expects ", name);
     KVLAB_CHECK(arr.shape == t.sizes(), "checkpoint ", file.string(), ": /", group, "/", name,
                 " has shape ", shape_str(arr.shape), ", the model expects ", t.shape_str());
-    KVLAB_CHECK(t.is_contiguous() && t.dtype() == DType::F32, "copy_into: ", name);
+    KVLAB_CHECK(t.is_contiguous() && t.dtype() == DType::F32, "check_arrays_fit: ", name);
     // One pass over the values: a run that diverged must not come back as weights that
     // compute NaN (greedy decoding of NaN logits prints token 0 forever).
     size_t non_finite = 0;
@@ -89,8 +89,15 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
     KVLAB_CHECK(non_finite == 0, "checkpoint ", file.string(), ": tensor ",
                 group == "model" ? name : group + "/" + name, " holds non-finite values (",
                 non_finite, " of ", arr.data.size(), " are NaN or inf)");
-    Tensor target = t;  // the handle is shared: the data lands in the model's tensor
-    target.copy_from(Tensor::from_vector(arr.data, arr.shape));  // to the tensor's device
+  }
+}
+
+void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
+               const std::filesystem::path& file) {
+  check_arrays_fit(dst, src, group, file);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    Tensor target = dst[i].second;  // the handle is shared: the data lands in the model's tensor
+    target.copy_from(Tensor::from_vector(src[i].second.data, src[i].second.shape));
   }
 }
 

@@ -16,9 +16,13 @@ void put_gpt_config(Attrs& attrs, const GPTConfig& cfg);
 GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
 
 NamedArrays to_arrays(const NamedTensors& tensors);
-// Copies arrays into the tensors of the same names after checking that names and shapes match
-// exactly and that every value is finite (an error names the file and the dataset otherwise).
-// Every load of parameters or optimizer state (load_model, Trainer::resume) goes through it.
+// Checks that the arrays of checkpoint group `group` fit the tensors: the same names in the
+// same order, the same shapes, and every value finite (an error names the file and the
+// dataset otherwise). Every load of parameters or optimizer state goes through it: copy_into
+// below, and the sharded optimizer's load_moments, which copies only its shard.
+void check_arrays_fit(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
+                      const std::filesystem::path& file);
+// check_arrays_fit, then copies each array into its tensor (load_model, Trainer::resume).
 void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
                const std::filesystem::path& file);
 

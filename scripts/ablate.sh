@@ -9,7 +9,7 @@ usage() {
 usage: scripts/ablate.sh [--quick] [kvlab ablate flags...]
 
 Installs the dependencies (scripts/setup.sh), builds kvlab in build/ (Release) and runs
-`kvlab ablate --out out/ablate`: the same GPT trained with n_kv_head = n_head (MHA), its
+`kvlab ablate --out out/ablate` (or the --out given): the same GPT trained with n_kv_head = n_head (MHA), its
 divisors (GQA) and 1 (MQA), compared on validation loss, KV-cache memory and decode speed.
 The table is printed at the end; report.html and results.json are written to out/ablate.
 
@@ -39,4 +39,11 @@ else
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVLAB_TESTS=OFF -DKVLAB_BENCH=OFF >/dev/null
 fi
 cmake --build build -j "$(nproc)" --target kvlab
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} build/apps/kvlab ablate --out out/ablate "$@"
+# out/ablate unless the arguments name another folder.
+out=(--out out/ablate)
+for arg in "$@"; do
+  case "$arg" in
+    --out | --out=*) out=() ;;
+  esac
+done
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} build/apps/kvlab ablate "${out[@]}" "$@"

@@ -8,12 +8,25 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVLAB_WERROR=ON
+# Configures folder $1 with the rest as options: Ninja for a new one; an existing one keeps
+# its generator (naming another is an error there), and the options below are set either way.
+configure() {
+  local dir=$1
+  shift
+  if [ -f "$dir/CMakeCache.txt" ]; then
+    cmake -S . -B "$dir" "$@"
+  else
+    cmake -S . -B "$dir" -G Ninja "$@"
+  fi
+}
+
+# Tests and benchmarks on, whatever an earlier configuration (scripts/ablate.sh's) chose.
+configure build -DCMAKE_BUILD_TYPE=Release -DKVLAB_WERROR=ON -DKVLAB_TESTS=ON -DKVLAB_BENCH=ON
 cmake --build build -j "$jobs"
 (cd build && ctest --output-on-failure -j "$jobs" --timeout 600)
 
 # Sanitizers: a Debug-free optimised build (RelWithDebInfo) keeps the run short.
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVLAB_WERROR=ON \
+configure build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVLAB_WERROR=ON -DKVLAB_TESTS=ON \
   -DKVLAB_SANITIZE="address;undefined" -DKVLAB_BENCH=OFF -DKVLAB_CUDA=OFF
 cmake --build build-asan -j "$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j "$jobs" --timeout 900)

@@ -7,6 +7,7 @@
 
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/error.h"
+#include "checkpoints/model_io.h"
 
 namespace kvlab {
 
@@ -126,18 +127,8 @@ void ShardedAdamW::gather_moments(NamedArrays& m, NamedArrays& v) {
 
 void ShardedAdamW::load_moments(const NamedArrays& m, const NamedArrays& v, int64_t step,
                                 const std::filesystem::path& file) {
-  for (const NamedArrays* state : {&m, &v}) {
-    const char* group = state == &m ? "optimizer/m" : "optimizer/v";
-    KVLAB_CHECK(state->size() == params_.size(), "checkpoint ", file.string(), ": /", group,
-                " holds ", state->size(), " tensors, the model has ", params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const auto& [name, arr] = (*state)[i];
-      KVLAB_CHECK(name == params_[i].first && arr.shape == params_[i].second.sizes() &&
-                      static_cast<int64_t>(arr.data.size()) == params_[i].second.numel(),
-                  "checkpoint ", file.string(), ": /", group, "/", name, " does not match ",
-                  params_[i].first, " ", params_[i].second.shape_str());
-    }
-  }
+  check_arrays_fit(params_, m, "optimizer/m", file);
+  check_arrays_fit(params_, v, "optimizer/v", file);
   const int64_t s0 = shard_begin();
   for_range(s0, shard_end(), [&](size_t i, int64_t off, int64_t pos, int64_t n) {
     const size_t local = static_cast<size_t>(pos - s0);

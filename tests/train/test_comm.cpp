@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "autograd/ops/ops.h"
 #include "checkpoints/checkpoint.h"
@@ -96,6 +97,26 @@ TEST(CommTest, ShardedAdamWWithOneShardEqualsAdamW) {
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(m[i].second.data, plain.exp_avg()[i].second.to_vector<float>());
     EXPECT_EQ(v[i].second.data, plain.exp_avg_sq()[i].second.to_vector<float>());
+  }
+}
+
+// The sharded optimizer loads moments through the same checks as every other load: a NaN
+// moment (a run that diverged) is refused, naming the file and the dataset.
+TEST(CommTest, ShardedAdamWRefusesNonFiniteMoments) {
+  NamedTensors ps;
+  ps.emplace_back("w", Tensor::zeros({2, 3}));
+  ShardedAdamW sharded(ps, AdamWConfig{0.9, 0.95, 1e-8, 0.1}, local_communicator());
+  const NamedArrays good{{"w", ArrayF32{{2, 3}, std::vector<float>(6, 0.5f)}}};
+  NamedArrays bad = good;
+  bad[0].second.data[4] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_NO_THROW(sharded.load_moments(good, good, 3, "c.h5"));
+  try {
+    sharded.load_moments(good, bad, 3, "c.h5");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint c.h5: tensor optimizer/v/w holds non-finite"),
+              std::string::npos)
+        << e.what();
   }
 }
 

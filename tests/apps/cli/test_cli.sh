@@ -184,6 +184,7 @@ check "ablate.sh --help" 0 "kvlab ablate --help" -- env PATH="$work/sh/bin:$PATH
 check "ablate.sh --help sets up and builds nothing" 2 "No such file" -- ls "$work/sh/cmake.log"
 check "ablate.sh in a configured checkout" 0 "kvlab ablate --out out/ablate --quick" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick
 check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "-G" "$work/sh/cmake.log"
+check "ablate.sh passes the user's --out alone" 0 "kvlab ablate --quick --out mine" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick --out mine
 check "unknown command" 2 "unknown command 'nosuch' (commands: train, generate" -- "$KVLAB" nosuch
 check "unexpected arguments in order" 2 "unexpected arguments: foo bar baz" -- "$KVLAB" train foo bar baz
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
