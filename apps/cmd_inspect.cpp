@@ -8,6 +8,7 @@
 #include "apps/cli.h"
 #include "autograd/tensor.h"
 #include "checkpoints/checkpoint.h"
+#include "checkpoints/model_io.h"
 
 namespace kvlab {
 
@@ -24,10 +25,38 @@ int64_t non_finite(const ArrayF32& arr) {
   return std::count_if(arr.data.begin(), arr.data.end(), [](float v) { return !std::isfinite(v); });
 }
 
+// Why generate, bench and --resume would refuse the file's model, short of NaN and inf
+// (listed per tensor), or "": its config is not a valid model, or describes another number of
+// parameters than the tensors hold (one missing or extra).
+std::string model_problem(const Checkpoint& c, const std::string& file, int64_t n_params) {
+  try {
+    const int64_t want = count_parameters(get_gpt_config(c.config, file));
+    if (want != n_params)
+      return detail::cat("the config describes ", want, " parameters, the tensors hold ", n_params);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The whole file; or, when its training state is damaged, the rest of it and why (--resume
+// refuses such a file, generate and bench read only the model).
+Checkpoint load_for_inspect(const std::string& file, std::string& training_state_problem) {
+  try {
+    return load_checkpoint(file, true);
+  } catch (const Error& e) {
+    Checkpoint c = load_checkpoint(file, false);  // throws if the model part is damaged too
+    training_state_problem = e.what();
+    return c;
+  }
+}
+
 void run_inspect(const InspectArgs& a) {
-  const Checkpoint c = load_checkpoint(a.ckpt, true);
+  std::string state_problem;
+  const Checkpoint c = load_for_inspect(a.ckpt, state_problem);
   int64_t n_params = 0;
   for (const auto& [name, arr] : c.model) n_params += static_cast<int64_t>(arr.data.size());
+  const std::string problem = model_problem(c, a.ckpt, n_params);
   if (a.json) {
     nlohmann::json j;
     for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
@@ -39,6 +68,8 @@ void run_inspect(const InspectArgs& a) {
     if (c.has_train_state)
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
+    if (!problem.empty()) j["model_problem"] = problem;
+    if (!state_problem.empty()) j["training_state_problem"] = state_problem;
     // Paths in it are bytes, not always UTF-8: replace what is not, rather than fail.
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return;
@@ -65,11 +96,17 @@ void run_inspect(const InspectArgs& a) {
   }
   if (any_non_finite)
     std::printf("(tensors holding NaN or inf: generate, bench and --resume refuse this file)\n");
+  if (!problem.empty())
+    std::printf("(not a loadable model: %s; generate, bench and --resume refuse this file)\n",
+                problem.c_str());
   if (c.has_train_state)
     std::printf("\ntraining state: iteration %lld, best val loss %.4f\n",
                 static_cast<long long>(c.iteration), c.best_val_loss);
   if (c.has_optimizer)
     std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
+  if (!state_problem.empty())
+    std::printf("\ntraining state not readable (--resume refuses this file): %s\n",
+                state_problem.c_str());
 }
 
 }  // namespace

@@ -99,6 +99,12 @@ cp "$work/run/final.h5" "$work/nan.h5"
 /usr/bin/python3 -c 'import h5py, sys; f = h5py.File(sys.argv[1], "r+"); d = f["model/blocks.0.attn.q_proj.weight"]; d[0, 0] = float("nan"); f.close()' "$work/nan.h5"
 check "inspect names the NaN tensor" 0 "blocks.0.attn.q_proj.weight" -- bash -c '"$0" inspect "$1" | grep "NaN or inf"' "$KVLAB" "$work/nan.h5"
 check "generate refuses NaN weights" 1 "non-finite" -- "$KVLAB" generate --ckpt "$work/nan.h5" --prompt a --max-new 2
+# One without ln_f.bias: inspect says it would not load, generate names what is missing.
+cp "$work/run/final.h5" "$work/lack.h5"
+/usr/bin/python3 -c 'import h5py, sys; f = h5py.File(sys.argv[1], "r+"); del f["model/ln_f.bias"]; f.close()' "$work/lack.h5"
+check "inspect flags a missing tensor" 0 "not a loadable model: the config describes" -- "$KVLAB" inspect "$work/lack.h5"
+check "inspect says the training state is not readable" 0 "training state not readable" -- "$KVLAB" inspect "$work/lack.h5"
+check "generate names the missing tensor" 1 "missing: ln_f.bias" -- "$KVLAB" generate --ckpt "$work/lack.h5" --prompt a --max-new 2
 check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
 check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
 check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
