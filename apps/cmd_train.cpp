@@ -1,7 +1,6 @@
 // kvlab train: one GPT on a corpus, with a progress bar, a JSONL log and checkpoints. Under
 // `mpirun -np N` it trains data-parallel over N ranks (train/comm.h): rank 0 prints, logs
 // and writes the checkpoints.
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -80,7 +79,7 @@ int run_train(const TrainArgs& a) {
       if (!done) std::printf("resume with the same command plus --resume\n");
     }
     // Interrupted is not finished: a script or scheduler must see it (SIGINT gives 130).
-    return done ? 0 : 128 + (stop_signal() > 0 ? stop_signal() : SIGINT);
+    return done ? 0 : 128 + stop_signal();
   } catch (...) {
     // Another rank may be waiting for this one in a collective: end the whole job at exit.
     if (world > 1) comm->fail();

@@ -21,7 +21,10 @@ extern "C" void on_stop_signal(int sig) {
 }
 }  // namespace
 
-int stop_signal() { return g_signal.load(); }
+int stop_signal() {
+  const int sig = g_signal.load();
+  return sig > 0 ? sig : SIGINT;
+}
 
 bool train_with_progress(Trainer& trainer, const std::string& label) {
   // A Trainer without the MPI communicator under mpirun -np N (kvlab ablate, for one) would

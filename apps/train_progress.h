@@ -7,9 +7,10 @@ namespace kvlab {
 
 bool train_with_progress(Trainer& trainer, const std::string& label);
 
-// The signal (SIGINT, SIGTERM, SIGHUP, or SIGUSR1 under mpirun) that stopped the last
-// train_with_progress; 0 when none did. Commands exit with 128 + it, the shell's convention
-// for a process a signal ended.
+// The signal that stopped the last train_with_progress that returned false: the one this
+// process received (SIGINT, SIGTERM, SIGHUP, or SIGUSR1 under mpirun), or SIGINT when another
+// rank's stop ended it. Commands exit with 128 + it, the shell's convention for a process a
+// signal ended.
 int stop_signal();
 
 // A command that a signal stopped after saving its work: main prints the message and exits

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -205,7 +204,7 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
     if (!done)
       throw Interrupted(detail::cat("ablate: interrupted during ", label,
                                     "; rerun the same command to continue where it stopped"),
-                        stop_signal() > 0 ? stop_signal() : SIGINT);
+                        stop_signal());
     train_s += std::chrono::duration<double>(Clock::now() - t0).count();
     ++trained_runs;
   }
