@@ -1,6 +1,4 @@
 // kvlab inspect: what a checkpoint holds, without loading a model.
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <variant>
@@ -18,12 +16,6 @@ struct InspectArgs {
   std::string ckpt;
   bool json = false;
 };
-
-// NaN and inf in a tensor: loading it for generate, bench or --resume is refused, but inspect
-// still reads the file and says where they are.
-int64_t non_finite(const ArrayF32& arr) {
-  return std::count_if(arr.data.begin(), arr.data.end(), [](float v) { return !std::isfinite(v); });
-}
 
 // Why generate, bench and --resume would refuse the file's model, short of NaN and inf
 // (listed per tensor), or "": its config is not a valid model, or describes another number of
@@ -64,7 +56,7 @@ void run_inspect(const InspectArgs& a) {
     j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", c.tokenizer_vocab.size()}};
     for (const auto& [name, arr] : c.model)
       j["tensors"].push_back(
-          {{"name", name}, {"shape", arr.shape}, {"non_finite", non_finite(arr)}});
+          {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
     if (c.has_train_state)
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
@@ -89,7 +81,7 @@ void run_inspect(const InspectArgs& a) {
               c.model.size());
   bool any_non_finite = false;
   for (const auto& [name, arr] : c.model) {
-    const int64_t bad = non_finite(arr);
+    const int64_t bad = count_non_finite(arr);
     any_non_finite = any_non_finite || bad > 0;
     std::printf("  %-36s %-14s %zu%s\n", name.c_str(), shape_str(arr.shape).c_str(),
                 arr.data.size(), bad > 0 ? detail::cat("  (", bad, " NaN or inf)").c_str() : "");

@@ -1,5 +1,6 @@
 #include "checkpoints/model_io.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -58,6 +59,10 @@ NamedArrays to_arrays(const NamedTensors& tensors) {
   return out;
 }
 
+int64_t count_non_finite(const ArrayF32& arr) {
+  return std::count_if(arr.data.begin(), arr.data.end(), [](float v) { return !std::isfinite(v); });
+}
+
 void check_arrays_fit(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
                       const std::filesystem::path& file) {
   if (dst.size() != src.size()) {  // name what is missing and what is extra
@@ -84,8 +89,7 @@ void check_arrays_fit(const NamedTensors& dst, const NamedArrays& src, const std
     KVLAB_CHECK(t.is_contiguous() && t.dtype() == DType::F32, "check_arrays_fit: ", name);
     // One pass over the values: a run that diverged must not come back as weights that
     // compute NaN (greedy decoding of NaN logits prints token 0 forever).
-    size_t non_finite = 0;
-    for (const float v : arr.data) non_finite += std::isfinite(v) ? 0 : 1;
+    const int64_t non_finite = count_non_finite(arr);
     KVLAB_CHECK(non_finite == 0, "checkpoint ", file.string(), ": tensor ",
                 group == "model" ? name : group + "/" + name, " holds non-finite values (",
                 non_finite, " of ", arr.data.size(), " are NaN or inf)");

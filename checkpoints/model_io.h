@@ -16,6 +16,8 @@ void put_gpt_config(Attrs& attrs, const GPTConfig& cfg);
 GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
 
 NamedArrays to_arrays(const NamedTensors& tensors);
+// How many of the array's values are NaN or inf: the loads below refuse any; inspect lists them.
+int64_t count_non_finite(const ArrayF32& arr);
 // Checks that the arrays of checkpoint group `group` fit the tensors: the same names in the
 // same order, the same shapes, and every value finite (an error names the file and the
 // dataset otherwise). Every load of parameters or optimizer state goes through it: copy_into
