@@ -154,11 +154,13 @@ void Engine::validate(const std::vector<std::vector<int32_t>>& prompts,
   for (int64_t b = 0; b < B; ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
     const std::string problem = prompt_problem(p, V, block, opts.slide);
-    KVLAB_CHECK(problem.empty(), prompt_name(b, B), problem,
-                static_cast<int64_t>(p.size()) > block
-                    ? detail::cat(" (shorten it, or use --slide to keep its last ",
-                                  std::max<int64_t>(1, block - 1), ")")
-                    : std::string());
+    if (problem.empty()) continue;
+    // When only its length is wrong (sliding would take it), say how to fix that.
+    const bool only_length = prompt_problem(p, V, block, true).empty();
+    KVLAB_CHECK(false, prompt_name(b, B), problem,
+                only_length ? detail::cat(" (shorten it, or use --slide to keep its last ",
+                                          std::max<int64_t>(1, block - 1), ")")
+                            : std::string());
   }
 }
 

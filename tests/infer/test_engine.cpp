@@ -284,7 +284,22 @@ TEST(Engine, PromptLongerThanTheContext) {
   Engine engine(*model, tok);
   const std::string long_prompt = "abcdefghij abcdefghij";  // 21 tokens > 16
   expect_error([&] { engine.generate({long_prompt}, greedy(3)); },
-               "prompt has 21 tokens, more than the model's context of block_size = 16");
+               "prompt has 21 tokens, more than the model's context of block_size = 16 tokens "
+               "(shorten it, or use --slide to keep its last 15)");
+  // A long prompt with a token outside the vocabulary gets that error, without the length's
+  // advice.
+  std::vector<int32_t> bad(21, 0);
+  bad[3] = static_cast<int32_t>(tok.vocab_size());
+  try {
+    engine.generate_ids({bad}, greedy(3));
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("token id " + std::to_string(tok.vocab_size()) + " outside"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("--slide"), std::string::npos) << msg;
+  }
   GenerateOptions o = greedy(3);
   o.slide = true;
   const auto r = engine.generate({long_prompt}, o);
