@@ -3,7 +3,6 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <bit>
 #include <cmath>
@@ -15,6 +14,7 @@
 
 #include "autograd/error.h"
 #include "checkpoints/checkpoint.h"
+#include "tests/test_dir.h"
 
 namespace kvlab {
 namespace {
@@ -97,19 +97,12 @@ std::string read_text(const fs::path& p) {
   return {std::istreambuf_iterator<char>(in), {}};
 }
 
-class CheckpointTest : public ::testing::Test {
+class CheckpointTest : public testing::TestDirFixture {
  protected:
+  CheckpointTest() : TestDirFixture("kvlab-ckpt") {}
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("kvlab-ckpt-" + std::to_string(::getpid()) + "-" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    TestDirFixture::SetUp();
     file_ = dir_ / "model.h5";
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
   }
 
   // Opens file_ read-write for a test that damages it; the handle closes when `edit` returns.
@@ -124,7 +117,7 @@ class CheckpointTest : public ::testing::Test {
     return error_of([&] { load_checkpoint(file_, with_training_state); });
   }
 
-  fs::path dir_, file_;
+  fs::path file_;
 };
 
 TEST_F(CheckpointTest, RoundTripKeepsEverything) {

@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -7,25 +6,16 @@
 #include <limits>
 
 #include "checkpoints/model_io.h"
+#include "tests/test_dir.h"
 
 namespace kvlab {
 namespace {
 
 namespace fs = std::filesystem;
 
-class ModelIoTest : public ::testing::Test {
+class ModelIoTest : public testing::TestDirFixture {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("kvlab-model-io-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  ModelIoTest() : TestDirFixture("kvlab-model-io") {}
 
   // A checkpoint of a small GQA model with value `poison` at index 3 of tensor `target` (none
   // when empty).
@@ -53,8 +43,6 @@ class ModelIoTest : public ::testing::Test {
     save_checkpoint(file, c);
     return file;
   }
-
-  fs::path dir_;
 };
 
 TEST_F(ModelIoTest, CleanCheckpointLoads) {

@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -8,6 +7,7 @@
 #include <limits>
 
 #include "checkpoints/checkpoint.h"
+#include "tests/test_dir.h"
 #include "tests/train/train_test_util.h"
 #include "train/trainer.h"
 
@@ -17,23 +17,17 @@ namespace {
 namespace fs = std::filesystem;
 
 // A small synthetic corpus: enough structure to learn, no dependency on shared data.
-class TrainerTest : public ::testing::Test {
+class TrainerTest : public testing::TestDirFixture {
  protected:
+  TrainerTest() : TestDirFixture("kvlab_train") {}
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("kvlab_train_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    TestDirFixture::SetUp();
     testing::write_tiny_corpus(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   TrainConfig config(const std::string& out, double dropout = 0.0) const {
     return testing::tiny_config(dir_, out, dropout);
   }
-
-  fs::path dir_;
 };
 
 using testing::run_all;

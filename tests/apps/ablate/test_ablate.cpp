@@ -1,29 +1,24 @@
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
 #include "apps/ablate/ablate.h"
+#include "tests/test_dir.h"
 
 namespace kvlab {
 namespace {
 
 namespace fs = std::filesystem;
 
-class AblateTest : public ::testing::Test {
+class AblateTest : public testing::TestDirFixture {
  protected:
+  AblateTest() : TestDirFixture("kvlab_ablate") {}
   void SetUp() override {
-    // The pid keeps two test runs on one machine (a build's and a clone's) apart.
-    dir_ = fs::temp_directory_path() /
-           ("kvlab_ablate_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    TestDirFixture::SetUp();
     std::ofstream f(dir_ / "corpus.txt");
     for (int i = 0; i < 300; ++i) f << "and the king said unto them, go " << (i % 5) << " ways.\n";
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   AblateConfig config(const std::string& out = "out") const {
     AblateConfig c;
@@ -44,8 +39,6 @@ class AblateTest : public ::testing::Test {
     c.out_dir = (dir_ / out).string();
     return c;
   }
-
-  fs::path dir_;
 };
 
 TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
