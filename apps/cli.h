@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "autograd/error.h"
 
@@ -55,6 +56,18 @@ inline CLI::Validator finite_number() {
         return {};
       },
       "");
+}
+
+// A numeric flag with its default shown in --help, checked at parse time: integer_of<T> for
+// an integer, finite_number for a floating-point value.
+template <class T>
+CLI::Option* add_number(CLI::App* cmd, const std::string& name, T& value, const std::string& help) {
+  CLI::Option* opt = cmd->add_option(name, value, help);
+  if constexpr (std::is_integral_v<T>)
+    opt->check(integer_of<T>());
+  else
+    opt->check(finite_number());
+  return opt->capture_default_str();
 }
 
 // The command line as typed (recorded in results files).

@@ -124,9 +124,7 @@ void add_ablate_command(CLI::App& root) {
   cmd->add_option("--kv-heads", args->kv_heads,
                   "n_kv_head values, comma separated, e.g. 8,2,1 (default: every divisor of "
                   "n-head)");
-  cmd->add_option("--seeds", args->seeds, "Seeds per variant (mean +- std over them)")
-      ->check(integer_of<int>())
-      ->capture_default_str();
+  add_number(cmd, "--seeds", args->seeds, "Seeds per variant (mean +- std over them)");
   cmd->add_flag("--param-matched", args->param_matched,
                 "Widen each variant's MLP to MHA's parameter count (within 1%)");
   cmd->add_option("--kv-budget", args->kv_budget,
@@ -137,12 +135,8 @@ void add_ablate_command(CLI::App& root) {
   add_kv_dtype_flag(cmd, args->kv_dtype);
   cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
                                               "the start of two fixed validation windows)");
-  cmd->add_option("--sample-tokens", args->sample_tokens, "New tokens per sample")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--bench-runs", args->bench_runs, "Timed decode runs per variant (median)")
-      ->check(integer_of<int>())
-      ->capture_default_str();
+  add_number(cmd, "--sample-tokens", args->sample_tokens, "New tokens per sample");
+  add_number(cmd, "--bench-runs", args->bench_runs, "Timed decode runs per variant (median)");
   cmd->add_option("--out", args->out, "Output folder (runs/, results.json, report.html, ...)")
       ->capture_default_str();
   cmd->add_flag("--quick", args->quick,

@@ -277,27 +277,19 @@ void add_bench_command(CLI::App& root) {
       ->check(integer_of<int64_t>())
       ->delimiter(',')
       ->capture_default_str();
-  gen->add_option("--prompt-tokens", args->prompt_tokens, "Prompt length")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  gen->add_option("--batch", args->batch,
-                  "Rows decoded together, each from its own random prompt; tok/s counts every "
-                  "row's tokens. The ceiling is memory's: a large batch may be bound by "
-                  "arithmetic first")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  gen->add_option("--runs", args->runs, "Measured runs per setting (median)")
-      ->check(integer_of<int>())
-      ->capture_default_str();
+  add_number(gen, "--prompt-tokens", args->prompt_tokens, "Prompt length");
+  add_number(gen, "--batch", args->batch,
+             "Rows decoded together, each from its own random prompt; tok/s counts every "
+             "row's tokens. The ceiling is memory's: a large batch may be bound by "
+             "arithmetic first");
+  add_number(gen, "--runs", args->runs, "Measured runs per setting (median)");
   gen->add_flag("--skip-no-cache", args->skip_no_cache, "Measure with the cache only");
   gen->add_flag("--op-by-op", args->op_by_op,
                 "Decode on the CPU op by op instead of the fused step (its baseline)");
   add_device_flags(gen, args->device, args->dtype);
   add_kv_dtype_flag(gen, args->kv_dtype);
   add_weight_dtype_flag(gen, args->weight_dtype);
-  gen->add_option("--seed", args->seed, "Seed of the random weights and prompt")
-      ->check(integer_of<uint64_t>())
-      ->capture_default_str();
+  add_number(gen, "--seed", args->seed, "Seed of the random weights and prompt");
   gen->add_option("--json", args->json_path, "Write the results as JSON to this file")
       ->check(CLI::Validator(
           [](const std::string& path) { return path.empty() ? "the path is empty" : ""; }, "PATH"));

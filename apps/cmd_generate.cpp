@@ -235,25 +235,17 @@ void add_generate_command(CLI::App& root) {
       cmd->add_option("--prompt-file", args->prompt_file,
                       "Read the prompt from a file (one trailing newline dropped); with --batch N, "
                       "its first N non-empty lines are the prompts");
-  cmd->add_option("--max-new", args->max_new, "New tokens per prompt")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
+  add_number(cmd, "--max-new", args->max_new, "New tokens per prompt");
   cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 is greedy")
       ->capture_default_str();
-  cmd->add_option("--top-k", args->top_k, "Keep the k most probable tokens; 0 keeps all")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
+  add_number(cmd, "--top-k", args->top_k, "Keep the k most probable tokens; 0 keeps all");
   cmd->add_option("--top-p", args->top_p,
                   "Nucleus sampling: keep the smallest set with probability >= p, in (0, 1]")
       ->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Sampling seed: the same seed gives the same text")
-      ->check(integer_of<uint64_t>())
-      ->capture_default_str();
-  cmd->add_option("--batch", args->batch,
-                  "Rows generated together: the prompt repeated N times, or N lines of "
-                  "--prompt-file")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
+  add_number(cmd, "--seed", args->seed, "Sampling seed: the same seed gives the same text");
+  add_number(cmd, "--batch", args->batch,
+             "Rows generated together: the prompt repeated N times, or N lines of "
+             "--prompt-file");
   cmd->add_flag("--no-cache", args->no_cache,
                 "Recompute the whole sequence at every step (no KV cache), for comparison");
   cmd->add_flag("--slide", args->slide,

@@ -97,11 +97,9 @@ void add_train_command(CLI::App& root) {
   cmd->add_option("--out", args->out, "Output folder: log.jsonl, last.h5, best.h5, final.h5")
       ->capture_default_str();
   cmd->add_flag("--resume", args->resume, "Continue the run in --out from its last.h5");
-  cmd->add_option("--comm-timeout", args->comm_timeout,
-                  "Under mpirun: seconds a rank waits in a collective before the job fails with "
-                  "an error naming the ranks that did not arrive; at most 1e9")
-      ->check(finite_number())
-      ->capture_default_str();
+  add_number(cmd, "--comm-timeout", args->comm_timeout,
+             "Under mpirun: seconds a rank waits in a collective before the job fails with "
+             "an error naming the ranks that did not arrive; at most 1e9");
   cmd->add_option("--zero", args->zero,
                   "Under mpirun: 1 shards the AdamW moments over the ranks (ZeRO stage 1); "
                   "same weights as 0")

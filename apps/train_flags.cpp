@@ -26,70 +26,34 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   cmd->add_option("--tokenizer", c.tokenizer, "char (code points of the corpus) or byte")
       ->check(CLI::IsMember({"char", "byte"}))
       ->capture_default_str();
-  cmd->add_option("--n-layer", c.model.n_layer, "Transformer blocks")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--n-head", c.model.n_head, "Query heads")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
+  add_number(cmd, "--n-layer", c.model.n_layer, "Transformer blocks");
+  add_number(cmd, "--n-head", c.model.n_head, "Query heads");
   if (with_n_kv_head)
     cmd->add_option("--n-kv-head", f.n_kv_head,
                     "Key/value heads: n-head (MHA), a divisor (GQA) or 1 (MQA); default n-head")
         ->check(integer_of<int64_t>())
         ->each([&f](const std::string&) { f.n_kv_head_given = true; });
-  cmd->add_option("--n-embd", c.model.n_embd, "Channels (n_embd)")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--mlp-hidden", c.model.mlp_hidden, "MLP width; 0 means 4 * n-embd")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--block-size", c.model.block_size, "Context length in tokens")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--dropout", c.model.dropout, "Dropout on attention and residual paths")
-      ->check(finite_number())
-      ->capture_default_str();
+  add_number(cmd, "--n-embd", c.model.n_embd, "Channels (n_embd)");
+  add_number(cmd, "--mlp-hidden", c.model.mlp_hidden, "MLP width; 0 means 4 * n-embd");
+  add_number(cmd, "--block-size", c.model.block_size, "Context length in tokens");
+  add_number(cmd, "--dropout", c.model.dropout, "Dropout on attention and residual paths");
   cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");
-  cmd->add_option("--batch-size", c.batch_size, "Sequences per micro-batch")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--grad-accum", c.grad_accum, "Micro-batches per optimizer step")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--iters", c.iters, "Optimizer steps")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--lr", c.lr, "Peak learning rate")
-      ->check(finite_number())
-      ->capture_default_str();
-  cmd->add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
-      ->check(finite_number())
-      ->capture_default_str();
-  cmd->add_option("--warmup", c.warmup, "Linear warmup steps")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->check(finite_number())->capture_default_str();
-  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->check(finite_number())->capture_default_str();
-  cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay (2-D weights only)")
-      ->check(finite_number())
-      ->capture_default_str();
-  cmd->add_option("--grad-clip", c.grad_clip, "Global gradient-norm clip; 0 disables")
-      ->check(finite_number())
-      ->capture_default_str();
-  cmd->add_option("--eval-interval", c.eval_interval, "Steps between validation evaluations")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--eval-iters", c.eval_iters,
-                  "Validation batches per evaluation (fixed windows, the same for every run)")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--ckpt-interval", c.ckpt_interval,
-                  "Steps between checkpoints; 0 means at every evaluation")
-      ->check(integer_of<int64_t>())
-      ->capture_default_str();
-  cmd->add_option("--seed", c.seed, "Seed of the initial weights, batches and dropout")
-      ->check(integer_of<uint64_t>())
-      ->capture_default_str();
+  add_number(cmd, "--batch-size", c.batch_size, "Sequences per micro-batch");
+  add_number(cmd, "--grad-accum", c.grad_accum, "Micro-batches per optimizer step");
+  add_number(cmd, "--iters", c.iters, "Optimizer steps");
+  add_number(cmd, "--lr", c.lr, "Peak learning rate");
+  add_number(cmd, "--min-lr", c.min_lr, "Learning rate at the end of the cosine decay");
+  add_number(cmd, "--warmup", c.warmup, "Linear warmup steps");
+  add_number(cmd, "--beta1", c.beta1, "AdamW beta1");
+  add_number(cmd, "--beta2", c.beta2, "AdamW beta2");
+  add_number(cmd, "--weight-decay", c.weight_decay, "AdamW weight decay (2-D weights only)");
+  add_number(cmd, "--grad-clip", c.grad_clip, "Global gradient-norm clip; 0 disables");
+  add_number(cmd, "--eval-interval", c.eval_interval, "Steps between validation evaluations");
+  add_number(cmd, "--eval-iters", c.eval_iters,
+             "Validation batches per evaluation (fixed windows, the same for every run)");
+  add_number(cmd, "--ckpt-interval", c.ckpt_interval,
+             "Steps between checkpoints; 0 means at every evaluation");
+  add_number(cmd, "--seed", c.seed, "Seed of the initial weights, batches and dropout");
   add_device_flags(cmd, f.device, f.dtype);
 }
 
