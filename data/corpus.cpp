@@ -20,9 +20,11 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'B', 'T', 'O', 'K'};
 constexpr uint32_t kVersion = 1;
 
+// read_bytes's default: no limit (max_bytes + 1 must not wrap).
+constexpr size_t kAnySize = std::numeric_limits<size_t>::max() - 1;
+
 // Whole file, or its first max_bytes + 1 bytes when it is longer, or nullopt with errno set.
-std::optional<std::string> read_bytes(const fs::path& file,
-                                      size_t max_bytes = std::numeric_limits<size_t>::max() - 1) {
+std::optional<std::string> read_bytes(const fs::path& file, size_t max_bytes = kAnySize) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(file.c_str(), "rb"), &std::fclose);
   if (!f) return std::nullopt;
   std::string bytes;
@@ -204,8 +206,7 @@ Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction
   // Tokens take 4 bytes a character, and their cache as much again while it is written.
   constexpr double kBytesPerByte = 10;
   const double memory = host_memory_bytes();
-  const auto max_bytes = memory > 0 ? static_cast<size_t>(memory / kBytesPerByte)
-                                    : std::numeric_limits<size_t>::max() - 1;
+  const size_t max_bytes = memory > 0 ? static_cast<size_t>(memory / kBytesPerByte) : kAnySize;
   const std::optional<std::string> bytes = read_bytes(file, max_bytes);
   KVLAB_CHECK(bytes, "corpus: cannot read '", name, "': ", std::strerror(errno));
   KVLAB_CHECK(!bytes->empty(), "corpus: '", name, "' is empty");
