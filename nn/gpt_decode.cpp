@@ -43,22 +43,27 @@ namespace kvlab {
 
 namespace {
 
-// A product's f32 weight (out, in), bias (out, or null) and, while packed, the weight in one
-// of cpu::pack_weight's forms (f32, or bf16 values), taken before the parallel region:
-// nothing inside it may throw.
+// A matrix packed in one of cpu::pack_weight's forms (f32, or bf16 values), or none.
+struct PackRef {
+  const void* data = nullptr;
+  bool bf16 = false;
+};
+
+// A product's f32 weight (out, in), bias (out, or null) and, while packed, the packed weight,
+// taken before the parallel region: nothing inside it may throw.
 struct LinearRef {
   const float* w;
   const float* b;
   int64_t in;
   const void* packed;
   bool packed_bf16;
-  LinearRef(const Tensor& weight, const Tensor* bias, const Tensor* pack)
+  LinearRef(const Tensor& weight, const Tensor* bias, PackRef pack)
       : w(weight.data<float>()),
         b(bias != nullptr && bias->defined() ? bias->data<float>() : nullptr),
         in(weight.size(1)),
-        packed(pack != nullptr ? pack->raw_data() : nullptr),
-        packed_bf16(pack != nullptr && pack->dtype() == DType::BF16) {}
-  LinearRef(const Linear& l, const Tensor* pack) : LinearRef(l.weight, &l.bias, pack) {}
+        packed(pack.data),
+        packed_bf16(pack.bf16) {}
+  LinearRef(const Linear& l, PackRef pack) : LinearRef(l.weight, &l.bias, pack) {}
 };
 
 struct NormRef {
@@ -80,20 +85,18 @@ std::array<const Linear*, kPackedPerBlock> block_linears(const Block& b) {
 struct BlockRef {
   NormRef ln_1, ln_2;
   LinearRef q, k, v, proj, fc, fc_proj;
-  BlockRef(const Block& b, const Tensor* pack)
-      : BlockRef(b, block_linears(b), [pack](size_t i) { return pack ? pack + i : nullptr; }) {}
+  BlockRef(const Block& b, const PackRef* pack) : BlockRef(b, block_linears(b), pack) {}
 
  private:
-  template <class PackOf>
-  BlockRef(const Block& b, const std::array<const Linear*, kPackedPerBlock>& l, PackOf pack_of)
+  BlockRef(const Block& b, const std::array<const Linear*, kPackedPerBlock>& l, const PackRef* p)
       : ln_1(b.ln_1),
         ln_2(b.ln_2),
-        q(*l[0], pack_of(0)),
-        k(*l[1], pack_of(1)),
-        v(*l[2], pack_of(2)),
-        proj(*l[3], pack_of(3)),
-        fc(*l[4], pack_of(4)),
-        fc_proj(*l[5], pack_of(5)) {}
+        q(*l[0], p ? p[0] : PackRef{}),
+        k(*l[1], p ? p[1] : PackRef{}),
+        v(*l[2], p ? p[2] : PackRef{}),
+        proj(*l[3], p ? p[3] : PackRef{}),
+        fc(*l[4], p ? p[4] : PackRef{}),
+        fc_proj(*l[5], p ? p[5] : PackRef{}) {}
 };
 
 // This thread's rows [lo, hi) of n, in blocks of a multiple of 16 (the BLAS kernels' tile).
@@ -208,13 +211,17 @@ struct DecodeRefs {
 };
 
 std::shared_ptr<const DecodeRefs> GPT::make_decode_refs(bool packed) const {
+  std::vector<PackRef> pack;
+  if (packed)
+    for (const PackedMatrix& m : decode_packed_)
+      pack.push_back({decode_pack_.data<float>() + m.offset, m.bf16});
   std::vector<BlockRef> layers;
   layers.reserve(blocks.size());
   for (size_t l = 0; l < blocks.size(); ++l)
-    layers.emplace_back(*blocks[l], packed ? &decode_pack_[l * kPackedPerBlock] : nullptr);
+    layers.emplace_back(*blocks[l], packed ? &pack[l * kPackedPerBlock] : nullptr);
   return std::make_shared<const DecodeRefs>(
       DecodeRefs{std::move(layers), NormRef(ln_f),
-                 LinearRef(lm_head_weight(), nullptr, packed ? &decode_pack_.back() : nullptr)});
+                 LinearRef(lm_head_weight(), nullptr, packed ? pack.back() : PackRef{})});
 }
 
 bool GPT::fused_decode_applies() const {
@@ -243,25 +250,29 @@ DecodePackGuard GPT::pack_for_decode() {
     const Tensor& w = *weights[static_cast<size_t>(i)];
     bf16[static_cast<size_t>(i)] = cpu::all_bf16(w.data<float>(), w.numel());
   }
-  // Buffers (reused while the sizes fit) and the weights' pointers are taken before the
-  // parallel region: nothing inside it may throw.
-  decode_pack_.resize(weights.size());
+  // The buffer (reused while its size fits) and the weights' pointers are taken before the
+  // parallel region: nothing inside it may throw. The matrices lie one after another in one
+  // block, so that the step's stream of weights takes huge pages (cpu_raw_alloc).
+  decode_packed_.clear();
+  int64_t words = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = *weights[i];
-    const DType form = bf16[i] ? DType::BF16 : DType::F32;
-    const int64_t n = bf16[i] ? cpu::packed_weight_bf16_size(w.size(0), w.size(1))
+    decode_packed_.push_back({words, bf16[i] != 0});
+    const int64_t n = bf16[i] ? (cpu::packed_weight_bf16_size(w.size(0), w.size(1)) + 1) / 2
                               : cpu::packed_weight_size(w.size(0), w.size(1));
-    Tensor& p = decode_pack_[i];
-    if (!p.defined() || p.numel() != n || p.dtype() != form) p = Tensor::empty({n}, form);
+    words += (n + 15) / 16 * 16;  // each matrix on a 64-byte line of its own
   }
+  if (!decode_pack_.defined() || decode_pack_.numel() != words)
+    decode_pack_ = Tensor::empty({words});
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) {
     const Tensor& w = *weights[static_cast<size_t>(i)];
-    const Tensor& p = decode_pack_[static_cast<size_t>(i)];
-    if (p.dtype() == DType::BF16)
-      cpu::pack_weight(static_cast<uint16_t*>(p.raw_data()), w.data<float>(), w.size(0), w.size(1));
+    const PackedMatrix& m = decode_packed_[static_cast<size_t>(i)];
+    float* p = decode_pack_.data<float>() + m.offset;
+    if (m.bf16)
+      cpu::pack_weight(reinterpret_cast<uint16_t*>(p), w.data<float>(), w.size(0), w.size(1));
     else
-      cpu::pack_weight(p.data<float>(), w.data<float>(), w.size(0), w.size(1));
+      cpu::pack_weight(p, w.data<float>(), w.size(0), w.size(1));
   }
   decode_refs_ = make_decode_refs(true);
   ++decode_pack_users_;
@@ -301,8 +312,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "gpt: token id ", ids[b], " in row ", b,
                 " is outside [0, ", V, ")");
   const bool packed = decode_pack_users_ > 0;
-  KVLAB_ASSERT(!packed || decode_pack_.size() == blocks.size() * kPackedPerBlock + 1,
-               "gpt: ", decode_pack_.size(), " packed weights for ", blocks.size(), " blocks");
+  KVLAB_ASSERT(!packed || decode_packed_.size() == blocks.size() * kPackedPerBlock + 1,
+               "gpt: ", decode_packed_.size(), " packed weights for ", blocks.size(), " blocks");
   const std::shared_ptr<const DecodeRefs> refs = packed ? decode_refs_ : make_decode_refs(false);
   const std::vector<BlockRef>& layers = refs->layers;
   const NormRef& final_norm = refs->final_norm;

@@ -35,8 +35,8 @@ void gemm_batched(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T
 // others. The bf16 form holds the values rounded to bf16 in half the bytes, two chunks to a
 // 64-byte line (the low and high halves of its words), widened exactly as they are read: on
 // a weight whose values are all bf16 it gives the same bits as the f32 form.
-// packed_weight_size is 0 where there is no kernel for it (no AVX-512): callers then keep to
-// gemm.
+// packed_weight_size is 0 where there is no kernel for it (neither AVX-512 nor AVX2 with FMA):
+// callers then keep to gemm.
 // Elements of the packed forms of a (N, K) weight: floats, and bf16 values.
 int64_t packed_weight_size(int64_t N, int64_t K);
 int64_t packed_weight_bf16_size(int64_t N, int64_t K);

@@ -1,5 +1,9 @@
 // backend/allocator.cpp: the caching CPU allocator.
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #include "autograd/backend/allocator.h"
 #include "tests/autograd/gradcheck.h"
@@ -76,6 +80,35 @@ TEST(Allocator, SizeClassesAndAlignment) {
   // An empty tensor still gets a valid (tiny) block.
   Tensor e = Tensor::empty({0});
   EXPECT_NE(e.storage()->data(), nullptr);
+}
+
+// The VmFlags of the mapping that holds address p (/proc/self/smaps), or "" when not found.
+std::string vm_flags_at(const void* p) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream range(line);
+    if (range >> std::hex >> lo >> dash >> hi && dash == '-') inside = lo <= at && at < hi;
+    if (inside && line.starts_with("VmFlags:")) return line;
+  }
+  return "";
+}
+
+TEST(Allocator, LargeBlocksStartOnHugePagesAndAskForThem) {
+  const Tensor small = Tensor::empty({100000});  // 400 KB: no change
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.raw_data()) % 64, 0u);
+  const int64_t n = (5 << 20) / 4;  // 5 MiB of f32
+  const Tensor big = Tensor::empty({n});
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.raw_data()) % (2 << 20), 0u);
+  if (!std::filesystem::exists("/sys/kernel/mm/transparent_hugepage/enabled"))
+    GTEST_SKIP() << "this system has no transparent huge pages";
+  const std::string flags = vm_flags_at(big.raw_data());
+  ASSERT_FALSE(flags.empty()) << "no mapping in /proc/self/smaps holds the block";
+  EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;  // madvise(MADV_HUGEPAGE)
 }
 
 TEST(Allocator, ReleaseCachedReturnsBlocks) {
