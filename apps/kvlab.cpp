@@ -35,6 +35,28 @@ bool flushed_stdout() {
   return true;
 }
 
+// The command and, for one that has its own (bench), its subcommand: an unknown or missing
+// one is named with the choices, where CLI11 would only say "A subcommand is required" or
+// list the word as an unexpected argument. Flags before the command are left to CLI11.
+void check_command_names(const CLI::App& app, const std::vector<std::string>& args) {
+  const CLI::App* parent = &app;
+  std::string path = "kvlab";
+  for (size_t i = 1; !parent->get_subcommands({}).empty(); ++i) {
+    std::string names;
+    const CLI::App* found = nullptr;
+    for (const CLI::App* sub : parent->get_subcommands({})) {
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+      if (i < args.size() && sub->get_name() == args[i]) found = sub;
+    }
+    if (i < args.size() && args[i].rfind('-', 0) == 0) return;  // --help, --version, ...
+    KVLAB_USAGE_CHECK(i < args.size(), "'", path, "' needs a command (commands: ", names, ")");
+    KVLAB_USAGE_CHECK(found != nullptr, "unknown command '", args[i], "'",
+                      parent == &app ? "" : " for '" + path + "'", " (commands: ", names, ")");
+    path += " " + args[i];
+    parent = found;
+  }
+}
+
 int main(int argc, char** argv) {
   kvlab::apply_thread_wait_policy(argv);
   kvlab::set_command_line(argc, argv);
@@ -50,15 +72,7 @@ int main(int argc, char** argv) {
   kvlab::add_inspect_command(app);
   try {
     std::vector<std::string> args(argv, argv + argc);
-    if (args.size() > 1 && args[1].rfind('-', 0) != 0) {  // a command name, or a typo
-      std::string names;
-      bool known = false;
-      for (const CLI::App* sub : app.get_subcommands({})) {
-        names += (names.empty() ? "" : ", ") + sub->get_name();
-        known = known || sub->get_name() == args[1];
-      }
-      KVLAB_USAGE_CHECK(known, "unknown command '", args[1], "' (commands: ", names, ")");
-    }
+    check_command_names(app, args);
     args = kvlab::expand_config_file(args);
     args.erase(args.begin());
     std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last-first

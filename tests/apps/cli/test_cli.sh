@@ -192,6 +192,10 @@ check "ablate.sh in a configured checkout" 0 "kvlab ablate --out out/ablate --qu
 check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "-G" "$work/sh/cmake.log"
 check "ablate.sh passes the user's --out alone" 0 "kvlab ablate --quick --out mine" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick --out mine
 check "unknown command" 2 "unknown command 'nosuch' (commands: train, generate" -- "$KVLAB" nosuch
+check "no command" 2 "'kvlab' needs a command (commands: train, generate" -- "$KVLAB"
+check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate)" -- "$KVLAB" bench nosuch
+check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate)" -- "$KVLAB" bench
+check "bench --help" 0 "Usage: kvlab bench" -- "$KVLAB" bench --help
 check "unexpected arguments in order" 2 "unexpected arguments: foo bar baz" -- "$KVLAB" train foo bar baz
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
 
