@@ -134,21 +134,15 @@ class GPT : public Module {
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
   // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head, each in one of
-  // cpu::pack_weight's forms, one after another in decode_pack_'s f32 words: f32
-  // (packed_weight_size(out, in) words) or, for a matrix whose values are all bf16, bf16
-  // (packed_weight_bf16_size values, two to a word); read while a DecodePackGuard lives
-  // (decode_pack_users_ of them).
-  struct PackedMatrix {
-    int64_t offset;  // in words, a multiple of 16
-    bool bf16;
-  };
+  // cpu::pack_weight's forms, one after another in decode_pack_'s f32 words, each from a
+  // 64-byte boundary: f32 (packed_weight_size(out, in) words) or, for a matrix whose values
+  // are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
+  // DecodePackGuard lives (decode_pack_users_ of them).
   Tensor decode_pack_;
-  std::vector<PackedMatrix> decode_packed_;
   int decode_pack_users_ = 0;
   // The fused step's pointers into the weights and into decode_pack_, taken by the last
   // pack_for_decode for the steps its guards cover (a step without one takes its own).
   std::shared_ptr<const DecodeRefs> decode_refs_;
-  std::shared_ptr<const DecodeRefs> make_decode_refs(bool packed) const;
 };
 
 // Parameter count of a config without building it (for --param-matched search).

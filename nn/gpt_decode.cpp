@@ -55,14 +55,12 @@ struct LinearRef {
   const float* w;
   const float* b;
   int64_t in;
-  const void* packed;
-  bool packed_bf16;
+  PackRef packed;
   LinearRef(const Tensor& weight, const Tensor* bias, PackRef pack)
       : w(weight.data<float>()),
         b(bias != nullptr && bias->defined() ? bias->data<float>() : nullptr),
         in(weight.size(1)),
-        packed(pack.data),
-        packed_bf16(pack.bf16) {}
+        packed(pack) {}
   LinearRef(const Linear& l, PackRef pack) : LinearRef(l.weight, &l.bias, pack) {}
 };
 
@@ -113,12 +111,12 @@ void linear_rows(float* y, int64_t ldy, const float* x, int64_t B, const LinearR
   if (lin.b != nullptr)
     for (int64_t b = 0; b < B; ++b) std::copy(lin.b + lo, lin.b + hi, y + b * ldy + lo);
   const float beta = lin.b != nullptr ? 1.0f : 0.0f;
-  if (lin.packed_bf16)
-    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const uint16_t*>(lin.packed), B, lin.in, lo, hi,
-                     beta);
-  else if (lin.packed != nullptr)
-    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const float*>(lin.packed), B, lin.in, lo, hi,
-                     beta);
+  if (lin.packed.bf16)
+    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const uint16_t*>(lin.packed.data), B, lin.in,
+                     lo, hi, beta);
+  else if (lin.packed.data != nullptr)
+    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const float*>(lin.packed.data), B, lin.in, lo,
+                     hi, beta);
   else
     cpu::gemm<float>(false, true, B, hi - lo, lin.in, 1.0f, x, lin.in, lin.w + lo * lin.in, lin.in,
                      beta, y + lo, ldy);
@@ -210,19 +208,20 @@ struct DecodeRefs {
   LinearRef head;
 };
 
-std::shared_ptr<const DecodeRefs> GPT::make_decode_refs(bool packed) const {
-  std::vector<PackRef> pack;
-  if (packed)
-    for (const PackedMatrix& m : decode_packed_)
-      pack.push_back({decode_pack_.data<float>() + m.offset, m.bf16});
+namespace {
+// pack: the packed matrices in GPT::decode_matrices's order, or null for none.
+std::shared_ptr<const DecodeRefs> make_decode_refs(const GPT& m, const std::vector<PackRef>* pack) {
+  KVLAB_ASSERT(!pack || pack->size() == m.blocks.size() * kPackedPerBlock + 1,
+               "gpt: ", pack->size(), " packed weights for ", m.blocks.size(), " blocks");
   std::vector<BlockRef> layers;
-  layers.reserve(blocks.size());
-  for (size_t l = 0; l < blocks.size(); ++l)
-    layers.emplace_back(*blocks[l], packed ? &pack[l * kPackedPerBlock] : nullptr);
+  layers.reserve(m.blocks.size());
+  for (size_t l = 0; l < m.blocks.size(); ++l)
+    layers.emplace_back(*m.blocks[l], pack ? &(*pack)[l * kPackedPerBlock] : nullptr);
   return std::make_shared<const DecodeRefs>(
-      DecodeRefs{std::move(layers), NormRef(ln_f),
-                 LinearRef(lm_head_weight(), nullptr, packed ? pack.back() : PackRef{})});
+      DecodeRefs{std::move(layers), NormRef(m.ln_f),
+                 LinearRef(m.lm_head_weight(), nullptr, pack ? pack->back() : PackRef{})});
 }
+}  // namespace
 
 bool GPT::fused_decode_applies() const {
   return fused_cpu_decode && wte.weight.device() == Device::CPU && wte.weight.dtype() == DType::F32;
@@ -253,28 +252,30 @@ DecodePackGuard GPT::pack_for_decode() {
   // The buffer (reused while its size fits) and the weights' pointers are taken before the
   // parallel region: nothing inside it may throw. The matrices lie one after another in one
   // block, so that the step's stream of weights takes huge pages (cpu_raw_alloc).
-  decode_packed_.clear();
+  std::vector<int64_t> offset;  // of each matrix, in words
   int64_t words = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = *weights[i];
-    decode_packed_.push_back({words, bf16[i] != 0});
+    offset.push_back(words);
     const int64_t n = bf16[i] ? (cpu::packed_weight_bf16_size(w.size(0), w.size(1)) + 1) / 2
                               : cpu::packed_weight_size(w.size(0), w.size(1));
     words += (n + 15) / 16 * 16;  // each matrix on a 64-byte line of its own
   }
   if (!decode_pack_.defined() || decode_pack_.numel() != words)
     decode_pack_ = Tensor::empty({words});
+  float* buffer = decode_pack_.data<float>();
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) {
     const Tensor& w = *weights[static_cast<size_t>(i)];
-    const PackedMatrix& m = decode_packed_[static_cast<size_t>(i)];
-    float* p = decode_pack_.data<float>() + m.offset;
-    if (m.bf16)
+    float* p = buffer + offset[static_cast<size_t>(i)];
+    if (bf16[static_cast<size_t>(i)])
       cpu::pack_weight(reinterpret_cast<uint16_t*>(p), w.data<float>(), w.size(0), w.size(1));
     else
       cpu::pack_weight(p, w.data<float>(), w.size(0), w.size(1));
   }
-  decode_refs_ = make_decode_refs(true);
+  std::vector<PackRef> pack;
+  for (size_t i = 0; i < weights.size(); ++i) pack.push_back({buffer + offset[i], bf16[i] != 0});
+  decode_refs_ = make_decode_refs(*this, &pack);
   ++decode_pack_users_;
   return DecodePackGuard(this);
 }
@@ -312,9 +313,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "gpt: token id ", ids[b], " in row ", b,
                 " is outside [0, ", V, ")");
   const bool packed = decode_pack_users_ > 0;
-  KVLAB_ASSERT(!packed || decode_packed_.size() == blocks.size() * kPackedPerBlock + 1,
-               "gpt: ", decode_packed_.size(), " packed weights for ", blocks.size(), " blocks");
-  const std::shared_ptr<const DecodeRefs> refs = packed ? decode_refs_ : make_decode_refs(false);
+  const std::shared_ptr<const DecodeRefs> refs =
+      packed ? decode_refs_ : make_decode_refs(*this, nullptr);
   const std::vector<BlockRef>& layers = refs->layers;
   const NormRef& final_norm = refs->final_norm;
   const LinearRef& head = refs->head;
