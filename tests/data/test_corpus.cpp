@@ -2,10 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
-#include <random>
 
 #include "data/corpus.h"
 #include "tests/data/data_test_util.h"
+#include "tests/test_dir.h"
 
 namespace kvlab {
 namespace {
@@ -15,14 +15,9 @@ using testing::error_message;
 using ::testing::HasSubstr;
 
 // Each test gets a fresh folder under the system temp dir, removed afterwards.
-class CorpusTest : public ::testing::Test {
+class CorpusTest : public testing::TestDirFixture {
  protected:
-  void SetUp() override {
-    dir_ =
-        fs::temp_directory_path() / ("kvlab-data-test-" + std::to_string(std::random_device{}()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  CorpusTest() : TestDirFixture("kvlab-data-test") {}
 
   fs::path write(const std::string& name, const std::string& bytes) {
     const fs::path file = dir_ / name;
@@ -41,8 +36,6 @@ class CorpusTest : public ::testing::Test {
     std::sort(found.begin(), found.end());  // directory order is unspecified
     return found;
   }
-
-  fs::path dir_;
 };
 
 std::string sample_text(size_t n_chars) {

@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -14,6 +13,7 @@
 #include "infer/bench.h"
 #include "infer/engine.h"
 #include "infer_test_util.h"
+#include "tests/test_dir.h"
 
 namespace kvlab {
 namespace {
@@ -405,15 +405,9 @@ TEST(Engine, BadInputGivesClearErrors) {
   EXPECT_EQ(engine.generate({"abc"}, greedy(3)).rows[0].tokens.size(), 3u);
 }
 
-class CheckpointFiles : public ::testing::Test {
+class CheckpointFiles : public testing::TestDirFixture {
  protected:
-  void SetUp() override {
-    dir_ =
-        std::filesystem::temp_directory_path() / ("kvlab_infer_test_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::filesystem::path dir_;
+  CheckpointFiles() : TestDirFixture("kvlab-infer-test") {}
 };
 
 TEST_F(CheckpointFiles, LoadedModelGeneratesLikeTheOriginalAndBadFilesFailCleanly) {

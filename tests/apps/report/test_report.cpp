@@ -9,6 +9,7 @@
 #include "apps/report/report.h"
 #include "autograd/error.h"
 #include "tests/apps/report/xml_check.h"
+#include "tests/test_dir.h"
 
 namespace kvlab {
 namespace {
@@ -162,15 +163,9 @@ bool on_path(const std::string& program) {
   return false;
 }
 
-class ReportFiles : public ::testing::Test {
+class ReportFiles : public testing::TestDirFixture {
  protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "kvlab_report_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  ReportFiles() : TestDirFixture("kvlab-report") {}
 };
 
 const char* kSvgs[] = {"val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
