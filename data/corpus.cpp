@@ -1,6 +1,7 @@
 #include "data/corpus.h"
 
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -173,26 +174,26 @@ std::optional<TokenCache> read_token_cache(const fs::path& cache, uint64_t conte
 }
 
 namespace {
-// The caches of earlier contents of `file` (<file>.<another hash>.<kind>.kvlab-cache, any
+// The caches of earlier contents of `file` (<file>.<another hash>.<kind>.kvlab-cache, either
 // kind): each edit of a corpus would otherwise leave more behind, ~4x its size. Best effort.
 void remove_stale_token_caches(const fs::path& file, uint64_t content_hash) {
-  const std::string prefix = file.filename().string() + ".", suffix = ".kvlab-cache";
-  const std::string current = hash_hex(content_hash);
+  const std::string prefix = file.filename().string() + ".";
   std::error_code ec;
   const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name.size() <= prefix.size() + 17 + suffix.size() || !name.starts_with(prefix) ||
-        !name.ends_with(suffix))
+    if (!name.starts_with(prefix)) continue;
+    // The hash the name would carry; it is a cache only if token_cache_path gives it back.
+    uint64_t hash = 0;
+    const char* hex = name.data() + prefix.size();
+    if (std::from_chars(hex, name.data() + name.size(), hash, 16).ec != std::errc() ||
+        hash == content_hash)
       continue;
-    const std::string hex = name.substr(prefix.size(), 16);
-    const std::string kind =
-        name.substr(prefix.size() + 17, name.size() - prefix.size() - 17 - suffix.size());
-    if (hex == current || hex.find_first_not_of("0123456789abcdef") != std::string::npos ||
-        name[prefix.size() + 16] != '.' || kind.find('.') != std::string::npos)
-      continue;
-    std::error_code ignored;
-    fs::remove(it->path(), ignored);
+    for (const TokenizerKind kind : {TokenizerKind::Char, TokenizerKind::Byte})
+      if (token_cache_path(file, hash, kind).filename() == name) {
+        std::error_code ignored;
+        fs::remove(it->path(), ignored);
+      }
   }
 }
 }  // namespace
