@@ -25,6 +25,8 @@ void set_command_line(int argc, char** argv) {
 }
 }  // namespace kvlab
 
+namespace {
+
 // Output that could not be written (a full disk, say) is a failure, not a success.
 bool flushed_stdout() {
   std::cout.flush();
@@ -56,6 +58,8 @@ void check_command_names(const CLI::App& app, const std::vector<std::string>& ar
     parent = found;
   }
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   kvlab::apply_thread_wait_policy(argv);
