@@ -409,16 +409,23 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
   std::vector<int32_t> x, y;
   Tensor xt = Tensor::empty({B, T}, DType::I32), yt = Tensor::empty({B, T}, DType::I32);
   const NamedTensors params = model_->named_parameters();
+  Generator& dropout = model_->dropout_generator();
   while (step_ < cfg_.iters) {
-    // With several ranks a stop request is agreed on after each step (below).
-    if (world == 1 && stop != nullptr && stop->load()) {
-      save(checkpoint_path("last"));
-      return false;
-    }
     const auto t0 = Clock::now();
     model_->zero_grad();
+    // Where this step's batches and dropout masks start. A stop part-way through the gradient
+    // accumulation (a step of many micro-batches can take minutes) puts them back, so that its
+    // checkpoint is the one a stop before the step writes and resume stays exact.
+    const Generator::State sampler_at = sampler_->state(), dropout_at = dropout.state();
     double loss_sum = 0;
     for (int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
+      // With several ranks a stop request is agreed on after each step (below).
+      if (world == 1 && stop != nullptr && stop->load()) {
+        sampler_->set_state(sampler_at);
+        dropout.set_state(dropout_at);
+        save(checkpoint_path("last"));
+        return false;
+      }
       sampler_->next(x, y);
       std::copy(x.begin(), x.end(), xt.data<int32_t>());
       std::copy(y.begin(), y.end(), yt.data<int32_t>());

@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <thread>
 
 #include "checkpoints/checkpoint.h"
 #include "tests/test_dir.h"
@@ -242,6 +244,55 @@ TEST_F(TrainerTest, ResumeFromStepZeroLogsStepZeroOnce) {
   int lines = 0;
   for (std::string line; std::getline(in, line);) ++lines;
   EXPECT_EQ(lines, 13);
+}
+
+// A stop during a long gradient accumulation ends the run within a micro-batch, and its
+// checkpoint is the one a stop before that step writes (weights, AdamW state, the sampler's
+// and dropout's streams), so resume stays exact. The step has 100,000 micro-batches (tens of
+// seconds), the stop comes after 200 ms.
+TEST_F(TrainerTest, StopDuringGradientAccumulationKeepsTheCheckpointOfTheStepBefore) {
+  TrainConfig c = config("before", 0.1);
+  c.grad_accum = 100'000;
+  c.iters = 1;
+  {
+    Trainer t(c);
+    std::atomic<bool> stop{true};  // seen before the first micro-batch
+    EXPECT_FALSE(t.run([](const StepRecord&) { return true; }, &stop));
+  }
+  c.out_dir = (dir_ / "during").string();
+  {
+    Trainer t(c);
+    std::atomic<bool> stop{false};
+    std::thread stopper;
+    // Set from another thread well after the step has begun, as a signal handler would.
+    EXPECT_FALSE(t.run(
+        [&](const StepRecord&) {
+          if (!stopper.joinable())
+            stopper = std::thread([&] {
+              std::this_thread::sleep_for(std::chrono::milliseconds(200));
+              stop.store(true);
+            });
+          return true;
+        },
+        &stop));
+    stopper.join();
+    EXPECT_EQ(t.step(), 0);
+  }
+  const Checkpoint a = load_checkpoint(dir_ / "before" / "last.h5", true);
+  const Checkpoint b = load_checkpoint(dir_ / "during" / "last.h5", true);
+  EXPECT_EQ(a.iteration, 0);
+  EXPECT_EQ(b.iteration, 0);
+  EXPECT_EQ(a.rng_state, b.rng_state);
+  EXPECT_EQ(a.optimizer_step, b.optimizer_step);
+  const std::pair<const NamedArrays*, const NamedArrays*> parts[] = {
+      {&a.model, &b.model}, {&a.optimizer_m, &b.optimizer_m}, {&a.optimizer_v, &b.optimizer_v}};
+  for (const auto& [x, y] : parts) {
+    ASSERT_EQ(x->size(), y->size());
+    for (size_t i = 0; i < x->size(); ++i) {
+      EXPECT_EQ((*x)[i].first, (*y)[i].first);
+      EXPECT_EQ((*x)[i].second.data, (*y)[i].second.data) << (*x)[i].first;
+    }
+  }
 }
 
 TEST_F(TrainerTest, LearningRateScheduleWarmupThenCosine) {
