@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -23,6 +24,15 @@ class UsageError : public Error {
   do {                                                                          \
     if (!(cond)) throw ::kvlab::UsageError(::kvlab::detail::cat(__VA_ARGS__)); \
   } while (0)
+
+// "best val loss 1.2345", or, before the first evaluation after a step (the best is then
+// +inf), "no best val loss yet".
+inline std::string best_val_text(double best) {
+  if (!std::isfinite(best)) return "no best val loss yet";
+  char text[64];
+  std::snprintf(text, sizeof text, "best val loss %.4f", best);
+  return text;
+}
 
 // A check for an integer flag of type T. CLI11 2.1 reads integers with strtoll/strtoull, so
 // "-1" wraps to 2^64 - 1 for an unsigned flag, a value past the range is clamped, and "0x10"

@@ -92,8 +92,8 @@ void run_inspect(const InspectArgs& a) {
     std::printf("(not a loadable model: %s; generate, bench and --resume refuse this file)\n",
                 problem.c_str());
   if (c.has_train_state)
-    std::printf("\ntraining state: iteration %lld, best val loss %.4f\n",
-                static_cast<long long>(c.iteration), c.best_val_loss);
+    std::printf("\ntraining state: iteration %lld, %s\n", static_cast<long long>(c.iteration),
+                best_val_text(c.best_val_loss).c_str());
   if (c.has_optimizer)
     std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
   if (!state_problem.empty())

@@ -73,9 +73,9 @@ int run_train(const TrainArgs& a) {
     }
     const bool done = train_with_progress(trainer, "train");
     if (rank0) {
-      std::printf("%s at step %lld: best val loss %.4f; checkpoints in %s\n",
-                  done ? "finished" : "interrupted", static_cast<long long>(trainer.step()),
-                  trainer.best_val_loss(), a.out.c_str());
+      std::printf("%s at step %lld: %s; checkpoints in %s\n", done ? "finished" : "interrupted",
+                  static_cast<long long>(trainer.step()),
+                  best_val_text(trainer.best_val_loss()).c_str(), a.out.c_str());
       if (!done) std::printf("resume with the same command plus --resume\n");
     }
     // Interrupted is not finished: a script or scheduler must see it (SIGINT gives 130).

@@ -161,6 +161,15 @@ if [ "$rc" -eq 130 ] && grep -q "interrupted at step" "$work/int.log" && [ -f "$
 pid=$!; for _ in $(seq 300); do grep -q "from scratch" "$work/int2.log" && break; sleep 0.1; done
 kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null; wait "$pid"; rc=$?
 if [ "$rc" -eq 130 ] && ! grep -q "interrupted at step" "$work/int2.log"; then pass=$((pass + 1)); else echo "FAIL second Ctrl-C: rc=$rc (want 130, no clean stop)"; tail -3 "$work/int2.log"; fails=$((fails + 1)); fi
+# Ctrl-C part-way through a step of a million micro-batches stops within one of them (30 s
+# allowed), at step 0, where no evaluation after a step has given a best val loss yet.
+"$KVLAB" train "${long[@]}" --eval-iters 2 --grad-accum 1000000 --out "$work/acc" > "$work/acc.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do [ -s "$work/acc/log.jsonl" ] && break; sleep 0.1; done
+sleep 0.5; kill -INT "$pid"
+for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+kill -9 "$pid" 2>/dev/null; wait "$pid"; rc=$?
+if [ "$rc" -eq 130 ] && grep -q "interrupted at step 0: no best val loss yet" "$work/acc.log"; then pass=$((pass + 1)); else echo "FAIL Ctrl-C during gradient accumulation: rc=$rc (want 130 within 30 s)"; tail -3 "$work/acc.log"; fails=$((fails + 1)); fi
+check "inspect a step-0 checkpoint" 0 "iteration 0, no best val loss yet" -- "$KVLAB" inspect "$work/acc/last.h5"
 # SIGTERM (a scheduler's stop) saves as Ctrl-C does and exits 143.
 "$KVLAB" train "${long[@]}" --eval-iters 2 --out "$work/term" > "$work/term.log" 2>&1 &
 pid=$!; for _ in $(seq 300); do [ -s "$work/term/log.jsonl" ] && break; sleep 0.1; done
