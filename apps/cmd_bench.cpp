@@ -10,6 +10,7 @@
 
 #include "apps/ablate/ablate.h"
 #include "apps/cli.h"
+#include "apps/progress.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
@@ -226,9 +227,13 @@ void run_bench_generate(BenchArgs& a) {
   o.cache_dtype = kv_dtype;
   o.weight_dtype = parse_storage_dtype(a.weight_dtype);
   o.fused_decode = !a.op_by_op;
-  o.progress = [](const std::string& line) {
-    std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
+  // A bar for the setting being measured (a cache-off setting of a large model takes minutes),
+  // replaced by its result line.
+  TaskBars bars("kvlab bench: ", "tok");
+  o.on_tokens = [&](const std::string& setting, int64_t done, int64_t total) {
+    bars.update(setting, done, total);
   };
+  o.progress = [&](const std::string& line) { bars.line("kvlab bench: " + line); };
   const json gen = bench_generate(*model, tok, o);
   const json report = kv_cache_report(a.cfg, a.kv_heads, a.batch, kv_dtype);
   const json speed = bench_decode_by_kv_heads(a.cfg, a.kv_heads, 256, o);

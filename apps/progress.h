@@ -1,10 +1,12 @@
 #pragma once
 // A one-line progress bar on stderr: step i of n, rate, ETA and a free-form status. Redrawn
-// in place on a terminal; on a pipe or file it prints a plain line at most every few seconds.
+// in place on a terminal; on a pipe or file it prints a plain line at most every few seconds
+// (the first a few seconds in, unless forced: a short task leaves no line).
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 
 namespace kvlab {
@@ -20,7 +22,7 @@ class ProgressBar {
         first_(first),
         tty_(isatty(2) != 0),
         start_(Clock::now()),
-        last_(start_ - std::chrono::hours(1)) {}
+        last_(tty_ ? start_ - std::chrono::hours(1) : start_) {}
 
   struct Rate {
     double per_s = 0;  // units per second since the start
@@ -45,14 +47,19 @@ class ProgressBar {
     const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
     std::string bar(static_cast<size_t>(filled), '#');
     bar.resize(static_cast<size_t>(width), '.');
-    std::fprintf(stderr, "%s%s [%s] %lld/%lld | %.1f %s/s | %s elapsed, ETA %s | %s%s",
+    std::fprintf(stderr, "%s%s [%s] %lld/%lld | %.1f %s/s | %s elapsed, ETA %s%s%s%s",
                  tty_ ? "\r\033[K" : "", label_.c_str(), bar.c_str(), static_cast<long long>(done),
                  static_cast<long long>(total_), r.per_s, unit_.c_str(), clock(elapsed).c_str(),
-                 clock(r.eta_s).c_str(), status.c_str(), tty_ ? "" : "\n");
+                 clock(r.eta_s).c_str(), status.empty() ? "" : " | ", status.c_str(),
+                 tty_ ? "" : "\n");
     std::fflush(stderr);
   }
   void finish() {
     if (tty_) std::fputc('\n', stderr);
+  }
+  // Clears the bar's line on a terminal.
+  void erase() {
+    if (tty_) std::fputs("\r\033[K", stderr);
   }
   static std::string clock(double s) {
     char buf[32];
@@ -68,6 +75,40 @@ class ProgressBar {
   int64_t total_, first_;
   bool tty_;
   Clock::time_point start_, last_;
+};
+
+// One bar per task in turn (a benchmark's settings): a task's first update starts its bar, and
+// a result line or the end takes the bar's place. A bar never shows its task as complete: the
+// caller's line says that.
+class TaskBars {
+ public:
+  TaskBars(std::string prefix, std::string unit)
+      : prefix_(std::move(prefix)), unit_(std::move(unit)) {}
+  TaskBars(const TaskBars&) = delete;
+  TaskBars& operator=(const TaskBars&) = delete;
+  ~TaskBars() { end(); }  // an error's message, too, starts on a line of its own
+
+  void update(const std::string& task, int64_t done, int64_t total) {
+    if (!bar_ || task != task_) {
+      end();
+      bar_ = std::make_unique<ProgressBar>(prefix_ + task, total, unit_);
+      task_ = task;
+    }
+    if (done < total) bar_->update(done, "");
+  }
+  // `text` on a line of its own, in the place of the bar being drawn.
+  void line(const std::string& text) {
+    end();
+    std::fprintf(stderr, "%s\n", text.c_str());
+  }
+
+ private:
+  void end() {
+    if (bar_) bar_->erase();
+    bar_.reset();
+  }
+  std::string prefix_, unit_, task_;
+  std::unique_ptr<ProgressBar> bar_;
 };
 
 }  // namespace kvlab

@@ -190,6 +190,34 @@ json model_json(const GPT& model) {
               {"decode_weight_bytes", model.decode_weight_bytes()}};
 }
 
+// One measured setting: a warm-up of `warm` new tokens (discarded: allocator, caches, thread
+// pool), then o.runs runs of g. Returns the runs' stats; o.on_tokens hears of every row's
+// tokens as they are made, the warm-up's included, against the setting's total.
+std::vector<GenerationStats> measure(Engine& engine,
+                                     const std::vector<std::vector<int32_t>>& prompt,
+                                     const GenerateOptions& g, int64_t warm,
+                                     const BenchGenerateOptions& o, const std::string& setting) {
+  const int64_t rows = static_cast<int64_t>(prompt.size());
+  const int64_t total = rows * (warm + o.runs * g.max_new_tokens);
+  int64_t before = 0;  // tokens of the generations already done
+  auto run = [&](GenerateOptions opts) {
+    if (o.on_tokens)  // the first token comes from the prefill, one more per decode step
+      opts.on_decode_step = [&](int64_t step) {
+        o.on_tokens(setting, before + rows * (step + 2), total);
+      };
+    const GenerationResult res = engine.generate_ids(prompt, opts);
+    before += rows * opts.max_new_tokens;
+    return res.stats;
+  };
+  if (o.on_tokens) o.on_tokens(setting, 0, total);
+  GenerateOptions w = g;
+  w.max_new_tokens = warm;
+  run(w);
+  std::vector<GenerationStats> runs;
+  for (int r = 0; r < o.runs; ++r) runs.push_back(run(g));
+  return runs;
+}
+
 }  // namespace
 
 Tokenizer synthetic_tokenizer(int64_t vocab_size) {
@@ -240,17 +268,13 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
       g.max_new_tokens = n;
       g.sampling.temperature = 0;
       g.use_cache = use_cache;
-      GenerateOptions warm = g;  // warm-up, discarded (allocator, caches, thread pool)
-      warm.max_new_tokens = std::min<int64_t>(n, 32);
-      engine.generate_ids(prompt, warm);
+      const std::string setting =
+          detail::cat("new tokens ", n, use_cache ? ", cache on" : ", cache off");
+      const std::vector<GenerationStats> stats =
+          measure(engine, prompt, g, std::min<int64_t>(n, 32), o, setting);
       std::vector<RunFigures> runs;
-      int64_t bytes = 0, positions = 0;
-      for (int r = 0; r < o.runs; ++r) {
-        const GenerationResult res = engine.generate_ids(prompt, g);
-        runs.push_back(figures(res.stats));
-        bytes = res.stats.cache_bytes;
-        positions = res.stats.cache_capacity;
-      }
+      for (const GenerationStats& st : stats) runs.push_back(figures(st));
+      const int64_t bytes = stats.back().cache_bytes, positions = stats.back().cache_capacity;
       json side = summarise(runs);
       if (use_cache) {
         side["cache_bytes"] = bytes;
@@ -265,7 +289,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
       }
       entry[use_cache ? "cache" : "no_cache"] = side;
       if (o.progress)
-        o.progress(detail::cat("new tokens ", n, use_cache ? ", cache on: " : ", cache off: ",
+        o.progress(detail::cat(setting, ": ",
                                static_cast<int64_t>(side["tokens_per_s"].get<double>()), " tok/s"));
     }
     if (entry.contains("no_cache")) {
@@ -326,14 +350,11 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     GenerateOptions g;
     g.max_new_tokens = n;
     g.sampling.temperature = 0;
-    engine.generate_ids(prompt, g);  // warm-up
+    const std::string setting = detail::cat("n_kv_head ", nkv);
+    const std::vector<GenerationStats> stats = measure(engine, prompt, g, n, o, setting);
     std::vector<RunFigures> runs;
-    int64_t bytes = 0;
-    for (int r = 0; r < o.runs; ++r) {
-      const GenerationResult res = engine.generate_ids(prompt, g);
-      runs.push_back(figures(res.stats));
-      bytes = res.stats.cache_bytes;
-    }
+    for (const GenerationStats& st : stats) runs.push_back(figures(st));
+    const int64_t bytes = stats.back().cache_bytes;
     json e = summarise(runs);
     e["n_kv_head"] = nkv;
     e["new_tokens"] = n;
@@ -345,8 +366,8 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
                   static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
     out.push_back(e);
     if (o.progress)
-      o.progress(detail::cat("n_kv_head ", nkv, ": ",
-                             static_cast<int64_t>(e["tokens_per_s"].get<double>()), " tok/s"));
+      o.progress(detail::cat(setting, ": ", static_cast<int64_t>(e["tokens_per_s"].get<double>()),
+                             " tok/s"));
   }
   return out;
 }

@@ -31,6 +31,9 @@ struct BenchGenerateOptions {
   DType weight_dtype = DType::F32;
   bool fused_decode = true;  // GPT::fused_cpu_decode of bench_decode_by_kv_heads's models
   std::function<void(const std::string&)> progress;  // one line per measured setting
+  // While a setting ("new tokens 256, cache off", "n_kv_head 2") is measured: every row's
+  // tokens made so far, its warm-up included, and the setting's total; first with done = 0.
+  std::function<void(const std::string& setting, int64_t done, int64_t total)> on_tokens;
 };
 
 // Greedy generation of options.batch rows from random prompts. JSON:

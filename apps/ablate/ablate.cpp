@@ -267,6 +267,10 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
       bo.runs = cfg.bench_runs;
       bo.position_points = 0;
       bo.cache_dtype = cfg.kv_dtype;
+      TaskBars bars(detail::cat("n_kv_head=", kv, " decode: "), "tok");
+      bo.on_tokens = [&](const std::string& setting, int64_t done, int64_t total) {
+        bars.update(setting, done, total);
+      };
       const json b = bench_generate(*lm.model, lm.tokenizer, bo);
       const json& r = b["results"][0];
       v["decode_tokens_per_s_cache"] = r["cache"]["tokens_per_s"];

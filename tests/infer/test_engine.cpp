@@ -464,6 +464,54 @@ TEST(Bench, PositionCurveNamesEachStepOnce) {
   }
 }
 
+// Each setting reports from 0 up to its total, every row's tokens of the warm-up and the runs,
+// one call per token step (the prefill's first token arrives with the first decode step).
+TEST(Bench, ReportsEachSettingsTokensUpToItsTotal) {
+  struct Call {
+    std::string setting;
+    int64_t done, total;
+  };
+  std::vector<Call> calls;
+  BenchGenerateOptions o;
+  o.batch = 2;
+  o.prompt_tokens = 4;
+  o.new_tokens = {5, 40};  // 40: a warm-up of 32
+  o.runs = 2;
+  o.on_tokens = [&](const std::string& s, int64_t done, int64_t total) {
+    calls.push_back({s, done, total});
+  };
+  auto model = test::random_model(test::tiny_config(2, 48), 5);
+  bench_generate(*model, tiny_tokenizer(), o);
+  bench_decode_by_kv_heads(test::tiny_config(2, 48), {2, 1}, 6, o);
+  struct Expected {
+    const char* setting;
+    int64_t warm, n;
+  };
+  const Expected expected[] = {{"new tokens 5, cache on", 5, 5},
+                               {"new tokens 5, cache off", 5, 5},
+                               {"new tokens 40, cache on", 32, 40},
+                               {"new tokens 40, cache off", 32, 40},
+                               {"n_kv_head 2", 6, 6},
+                               {"n_kv_head 1", 6, 6}};
+  size_t i = 0;
+  for (const Expected& e : expected) {
+    SCOPED_TRACE(e.setting);
+    const int64_t total = 2 * (e.warm + 2 * e.n);
+    const size_t first = i;
+    for (; i < calls.size() && calls[i].setting == e.setting; ++i) {
+      EXPECT_EQ(calls[i].total, total);
+      if (i > first) {
+        EXPECT_GT(calls[i].done, calls[i - 1].done);
+      }
+    }
+    // 0, then one call per decode step: warm - 1 and n - 1 per run
+    ASSERT_EQ(i - first, static_cast<size_t>(1 + (e.warm - 1) + 2 * (e.n - 1)));
+    EXPECT_EQ(calls[first].done, 0);
+    EXPECT_EQ(calls[i - 1].done, total);
+  }
+  EXPECT_EQ(i, calls.size());
+}
+
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
   for (const auto& [tied, batch] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 3}}) {
     SCOPED_TRACE(detail::cat(tied ? "tied" : "untied", " LM head, batch ", batch));
