@@ -2,10 +2,13 @@
 // A one-line progress bar on stderr: step i of n, rate, ETA and a free-form status. Redrawn
 // in place on a terminal; on a pipe or file it prints a plain line at most every few seconds
 // (the first a few seconds in, unless forced: a short task leaves no line).
+#include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -43,16 +46,37 @@ class ProgressBar {
     last_ = now;
     const double elapsed = std::chrono::duration<double>(now - start_).count();
     const Rate r = rate(done, first_, total_, elapsed);
-    const int width = 24;
-    const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
-    std::string bar(static_cast<size_t>(filled), '#');
-    bar.resize(static_cast<size_t>(width), '.');
-    std::fprintf(stderr, "%s%s [%s] %lld/%lld | %.1f %s/s | %s elapsed, ETA %s%s%s%s",
-                 tty_ ? "\r\033[K" : "", label_.c_str(), bar.c_str(), static_cast<long long>(done),
-                 static_cast<long long>(total_), r.per_s, unit_.c_str(), clock(elapsed).c_str(),
-                 clock(r.eta_s).c_str(), status.empty() ? "" : " | ", status.c_str(),
-                 tty_ ? "" : "\n");
+    char tail[768];
+    std::snprintf(tail, sizeof tail, " %lld/%lld | %.1f %s/s | %s elapsed, ETA %s%s%s",
+                  static_cast<long long>(done), static_cast<long long>(total_), r.per_s,
+                  unit_.c_str(), clock(elapsed).c_str(), clock(r.eta_s).c_str(),
+                  status.empty() ? "" : " | ", status.c_str());
+    // The bar graphic gives way first on a narrow terminal, then the end of the line.
+    const int columns = tty_ ? terminal_columns() : 0;
+    const int room = columns - 1 - static_cast<int>(label_.size() + std::strlen(tail) + 3);
+    const int width = columns > 0 ? std::min(24, room) : 24;
+    std::string line = label_;
+    if (width >= 5) {
+      const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
+      std::string bar(static_cast<size_t>(filled), '#');
+      bar.resize(static_cast<size_t>(width), '.');
+      line += " [" + bar + "]";
+    }
+    line += tail;
+    if (tty_)
+      std::fprintf(stderr, "\r\033[K%s", fit(line, columns).c_str());
+    else
+      std::fprintf(stderr, "%s\n", line.c_str());
     std::fflush(stderr);
+  }
+  // `line` cut to fewer than `columns` characters (a terminal's width; 0: unknown, kept whole),
+  // never inside a UTF-8 character: a line that wraps cannot be redrawn in place.
+  static std::string fit(std::string line, int columns) {
+    if (columns <= 1 || line.size() < static_cast<size_t>(columns)) return line;
+    size_t cut = static_cast<size_t>(columns) - 1;
+    while (cut > 0 && (static_cast<unsigned char>(line[cut]) & 0xC0) == 0x80) --cut;
+    line.resize(cut);
+    return line;
   }
   void finish() {
     if (tty_) std::fputc('\n', stderr);
@@ -60,6 +84,10 @@ class ProgressBar {
   // Clears the bar's line on a terminal.
   void erase() {
     if (tty_) std::fputs("\r\033[K", stderr);
+  }
+  static int terminal_columns() {
+    winsize w{};
+    return ioctl(STDERR_FILENO, TIOCGWINSZ, &w) == 0 ? w.ws_col : 0;
   }
   static std::string clock(double s) {
     char buf[32];

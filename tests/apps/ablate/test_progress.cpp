@@ -20,5 +20,22 @@ TEST(ProgressBar, RateAndEtaCountOnlyTheUnitsDoneSinceTheStart) {
   EXPECT_EQ(ProgressBar::rate(5, 0, 1000, 0.0).per_s, 0.0);
 }
 
+// On a terminal the bar is cut to fit its width (a wrapped line leaves its first part behind at
+// each redraw), never inside a UTF-8 character; an unknown width keeps the line whole.
+TEST(ProgressBar, FitsTheLineToTheTerminal) {
+  EXPECT_EQ(ProgressBar::fit("train [####] 5/10", 10), "train [##");
+  EXPECT_EQ(ProgressBar::fit("short", 80), "short");
+  EXPECT_EQ(ProgressBar::fit("exactly80", 9), "exactly8");
+  EXPECT_EQ(ProgressBar::fit("whole line", 0), "whole line");
+  EXPECT_EQ(ProgressBar::fit("ab\xc3\xa9"
+                             "cd",
+                             4),
+            "ab");  // 'é' is two bytes: not split
+  EXPECT_EQ(ProgressBar::fit("ab\xc3\xa9"
+                             "cd",
+                             5),
+            "ab\xc3\xa9");
+}
+
 }  // namespace
 }  // namespace kvlab
