@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -230,9 +231,7 @@ void run_bench_generate(BenchArgs& a) {
   // A bar for the setting being measured (a cache-off setting of a large model takes minutes),
   // replaced by its result line.
   TaskBars bars("kvlab bench: ", "tok");
-  o.on_tokens = [&](const std::string& setting, int64_t done, int64_t total) {
-    bars.update(setting, done, total);
-  };
+  o.on_tokens = std::bind_front(&TaskBars::update, &bars);
   o.progress = [&](const std::string& line) { bars.line("kvlab bench: " + line); };
   const json gen = bench_generate(*model, tok, o);
   const json report = kv_cache_report(a.cfg, a.kv_heads, a.batch, kv_dtype);

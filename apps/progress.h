@@ -85,10 +85,6 @@ class ProgressBar {
   void erase() {
     if (tty_) std::fputs("\r\033[K", stderr);
   }
-  static int terminal_columns() {
-    winsize w{};
-    return ioctl(STDERR_FILENO, TIOCGWINSZ, &w) == 0 ? w.ws_col : 0;
-  }
   static std::string clock(double s) {
     char buf[32];
     const long t = static_cast<long>(s + 0.5);
@@ -99,6 +95,10 @@ class ProgressBar {
 
  private:
   using Clock = std::chrono::steady_clock;
+  static int terminal_columns() {
+    winsize w{};
+    return ioctl(STDERR_FILENO, TIOCGWINSZ, &w) == 0 ? w.ws_col : 0;
+  }
   std::string label_, unit_;
   int64_t total_, first_;
   bool tty_;

@@ -190,13 +190,18 @@ json model_json(const GPT& model) {
               {"decode_weight_bytes", model.decode_weight_bytes()}};
 }
 
+// A setting's runs, and the last run's stats (its cache's bytes and positions).
+struct Measured {
+  std::vector<RunFigures> runs;
+  GenerationStats last;
+};
+
 // One measured setting: a warm-up of `warm` new tokens (discarded: allocator, caches, thread
-// pool), then o.runs runs of g. Returns the runs' stats; o.on_tokens hears of every row's
-// tokens as they are made, the warm-up's included, against the setting's total.
-std::vector<GenerationStats> measure(Engine& engine,
-                                     const std::vector<std::vector<int32_t>>& prompt,
-                                     const GenerateOptions& g, int64_t warm,
-                                     const BenchGenerateOptions& o, const std::string& setting) {
+// pool), then o.runs runs of g. o.on_tokens hears of every row's tokens as they are made, the
+// warm-up's included, against the setting's total.
+Measured measure(Engine& engine, const std::vector<std::vector<int32_t>>& prompt,
+                 const GenerateOptions& g, int64_t warm, const BenchGenerateOptions& o,
+                 const std::string& setting) {
   const int64_t rows = static_cast<int64_t>(prompt.size());
   const int64_t total = rows * (warm + o.runs * g.max_new_tokens);
   int64_t before = 0;  // tokens of the generations already done
@@ -213,9 +218,12 @@ std::vector<GenerationStats> measure(Engine& engine,
   GenerateOptions w = g;
   w.max_new_tokens = warm;
   run(w);
-  std::vector<GenerationStats> runs;
-  for (int r = 0; r < o.runs; ++r) runs.push_back(run(g));
-  return runs;
+  Measured m;
+  for (int r = 0; r < o.runs; ++r) {
+    m.last = run(g);
+    m.runs.push_back(figures(m.last));
+  }
+  return m;
 }
 
 }  // namespace
@@ -270,22 +278,19 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
       g.use_cache = use_cache;
       const std::string setting =
           detail::cat("new tokens ", n, use_cache ? ", cache on" : ", cache off");
-      const std::vector<GenerationStats> stats =
-          measure(engine, prompt, g, std::min<int64_t>(n, 32), o, setting);
-      std::vector<RunFigures> runs;
-      for (const GenerationStats& st : stats) runs.push_back(figures(st));
-      const int64_t bytes = stats.back().cache_bytes, positions = stats.back().cache_capacity;
-      json side = summarise(runs);
+      const Measured m = measure(engine, prompt, g, std::min<int64_t>(n, 32), o, setting);
+      const int64_t positions = m.last.cache_capacity;
+      json side = summarise(m.runs);
       if (use_cache) {
-        side["cache_bytes"] = bytes;
+        side["cache_bytes"] = m.last.cache_bytes;
         side["cache_positions"] = positions;
         side["cache_bytes_formula"] = kv_cache_formula_bytes(c.n_layer, o.batch, positions,
                                                              c.n_kv_head, c.head_size(), kv_elem);
         add_bandwidth(side, model, kv_elem,
                       static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
-        curve_cache = median_steps(runs);
+        curve_cache = median_steps(m.runs);
       } else {
-        curve_nocache = median_steps(runs);
+        curve_nocache = median_steps(m.runs);
       }
       entry[use_cache ? "cache" : "no_cache"] = side;
       if (o.progress)
@@ -351,14 +356,11 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     g.max_new_tokens = n;
     g.sampling.temperature = 0;
     const std::string setting = detail::cat("n_kv_head ", nkv);
-    const std::vector<GenerationStats> stats = measure(engine, prompt, g, n, o, setting);
-    std::vector<RunFigures> runs;
-    for (const GenerationStats& st : stats) runs.push_back(figures(st));
-    const int64_t bytes = stats.back().cache_bytes;
-    json e = summarise(runs);
+    const Measured m = measure(engine, prompt, g, n, o, setting);
+    json e = summarise(m.runs);
     e["n_kv_head"] = nkv;
     e["new_tokens"] = n;
-    e["cache_bytes"] = bytes;
+    e["cache_bytes"] = m.last.cache_bytes;
     e["weights"] = "random";
     e["weight_dtype"] = dtype_name(o.weight_dtype);
     e["batch"] = o.batch;

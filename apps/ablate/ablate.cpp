@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "apps/progress.h"
 #include "apps/report/report.h"
@@ -268,9 +269,7 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
       bo.position_points = 0;
       bo.cache_dtype = cfg.kv_dtype;
       TaskBars bars(detail::cat("n_kv_head=", kv, " decode: "), "tok");
-      bo.on_tokens = [&](const std::string& setting, int64_t done, int64_t total) {
-        bars.update(setting, done, total);
-      };
+      bo.on_tokens = std::bind_front(&TaskBars::update, &bars);
       const json b = bench_generate(*lm.model, lm.tokenizer, bo);
       const json& r = b["results"][0];
       v["decode_tokens_per_s_cache"] = r["cache"]["tokens_per_s"];
