@@ -1,5 +1,7 @@
 // kvlab: train GPTs with MHA/GQA/MQA attention, generate through a KV cache, and compare
 // n_kv_head settings side by side.
+#include <cblas.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -68,7 +70,10 @@ int main(int argc, char** argv) {
                "key/value heads costs and buys"};
   app.name("kvlab");
   app.require_subcommand(1);
-  app.set_version_flag("--version", "kvlab " KVLAB_VERSION);
+  // The BLAS build and the kernels it runs on this CPU: they set most of the training speed.
+  app.set_version_flag("--version", std::string("kvlab " KVLAB_VERSION "\nBLAS: ") +
+                                        openblas_get_config() + "; kernels " +
+                                        openblas_get_corename());
   kvlab::add_train_command(app);
   kvlab::add_generate_command(app);
   kvlab::add_bench_command(app);

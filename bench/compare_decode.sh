@@ -16,6 +16,9 @@ build=${1:-build}
 threads=${THREADS:-2}
 batch=${BATCH:-1}
 rounds=${ROUNDS:-3}
+# Both sides on the same OpenBLAS kernels (PyTorch's BLAS is the same OpenBLAS): those kvlab
+# runs here, named where OpenBLAS would fall back to narrower ones (autograd/backend/cpu/blas_core.cpp).
+export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$("$build/apps/kvlab" --version | sed -n 's/^BLAS: .*; kernels //p')}
 model=(--n-layer 6 --n-head 8 --n-embd 256 --block-size 512 --vocab 65)
 kvlab() {  # kvlab bench generate with the shared settings and "$@"
   OMP_NUM_THREADS=$threads "$build/apps/kvlab" bench generate "${model[@]}" --kv-heads 8,4,2,1 \
@@ -33,7 +36,7 @@ for r in $(seq "$rounds"); do
   torch --dtype bf16 --json "$build/torch_decode_bf16.$r.json"
 done
 /usr/bin/python3 - "$build" "$threads" "$batch" "$rounds" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 build, threads, batch, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 def load(name, key):  # per round: {n_kv_head: row}
     out = []
@@ -50,8 +53,9 @@ def med(side, n, field="tokens_per_s"):
     return statistics.median(rows[n][field] for _, rows in side)
 print(f"\ndecode with KV cache, batch {batch}, 6L/8H/256, 256 new tokens, {threads} threads "
       f"(kvlab: OpenMP + OpenBLAS-openmp; PyTorch {t[0][0]['torch_version']}: "
-      f"set_num_threads({threads}), OMP_WAIT_POLICY=PASSIVE); medians of {rounds} alternating "
-      f"rounds")
+      f"set_num_threads({threads}), OMP_WAIT_POLICY=PASSIVE; OpenBLAS kernels: kvlab "
+      f"{os.environ['OPENBLAS_CORETYPE']}, PyTorch {t[0][0]['blas_kernels']}); medians of {rounds} "
+      f"alternating rounds")
 print("ceiling: the bytes a step reads (f32 weights + cache) over the peak rate at which kvlab's\n"
       "threads read a buffer of that size in the same run, times the batch; 'ceiling / PyTorch' is\n"
       "the largest ratio any engine could reach here with f32 weights; 'bf16 mat.': kvlab with its\n"

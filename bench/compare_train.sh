@@ -10,6 +10,9 @@ build=${1:-build}
 corpus=${2:-../shared/data/tinyshakespeare.txt}
 threads=${THREADS:-2}
 rounds=${ROUNDS:-3}
+# Both sides on the same OpenBLAS kernels (PyTorch's BLAS is the same OpenBLAS): those kvlab
+# runs here, named where OpenBLAS would fall back to narrower ones (autograd/backend/cpu/blas_core.cpp).
+export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$("$build/apps/kvlab" --version | sed -n 's/^BLAS: .*; kernels //p')}
 for r in $(seq "$rounds"); do
   OMP_NUM_THREADS=$threads "$build/bench/bench_train" --corpus "$corpus" --iters 60 \
     --json "$build/bench_train.$r.json" >/dev/null
@@ -19,7 +22,7 @@ for r in $(seq "$rounds"); do
     --warmup-iters 5 --json "$build/torch_train.$r.json" >/dev/null
 done
 /usr/bin/python3 - "$build" "$threads" "$rounds" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 build, threads, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ks = [json.load(open(f"{build}/bench_train.{r}.json")) for r in range(1, rounds + 1)]
 ts = [json.load(open(f"{build}/torch_train.{r}.json")) for r in range(1, rounds + 1)]
@@ -30,7 +33,8 @@ runs = lambda rs: ", ".join(f"{x['tokens_per_s']:.0f}" for x in rs)
 k = min(ks, key=lambda k: abs(k["tokens_per_s"] - k_rate))  # the median run's other figures
 print(f"\ntraining, baby config, {threads} threads (kvlab: OpenMP + OpenBLAS-openmp, one pool; "
       f"PyTorch {ts[0]['torch_version']}: torch.set_num_threads({threads}), "
-      f"OMP_WAIT_POLICY=PASSIVE); median of {rounds} alternating rounds")
+      f"OMP_WAIT_POLICY=PASSIVE; OpenBLAS kernels: kvlab {os.environ['OPENBLAS_CORETYPE']}, "
+      f"PyTorch {ts[0]['blas_kernels']}); median of {rounds} alternating rounds")
 print(f"  kvlab    {k_rate:9.0f} tokens/s  ({k['step_ms']:.1f} ms/step, "
       f"{k['fraction_of_sgemm']:.0%} of sgemm at the same shapes, peak RSS {k['peak_rss_mib']:.0f} MiB)"
       f"  rounds: {runs(ks)}")

@@ -26,7 +26,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_gpt import GPT  # noqa: E402  (bench/torch_gpt.py)
+from torch_gpt import GPT, blas_kernels  # noqa: E402  (bench/torch_gpt.py)
 
 
 @torch.no_grad()
@@ -131,7 +131,7 @@ def main():
               + (f", check rel err {err:.1e}" if err is not None else ""))
 
     out = {"results": results, "threads": args.threads, "torch_version": torch.__version__,
-           "dtype": args.dtype,
+           "blas_kernels": blas_kernels(), "dtype": args.dtype,
            "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                           mlp_hidden=hidden, block_size=args.block_size, vocab=args.vocab,
                           batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,

@@ -2,6 +2,7 @@
 torch_decode.py. Same parameter names, init and math as kvlab: tied head, biases, tanh GELU,
 query head h reads KV head h // (n_head // n_kv_head). (tests/reference/make_fixtures.py keeps
 its own independent copy on purpose: it is the oracle the C++ tests are judged against.)"""
+import ctypes
 import math
 
 import torch
@@ -144,3 +145,14 @@ def fixed_val_loss(model, val_data, batch, block, n_batches, seed=4242):
         for _ in range(n_batches):
             total += model(*get_batch(val_data, batch, block, gen)).item()
     return total / n_batches
+
+
+def blas_kernels():
+    """The kernels of the OpenBLAS torch calls (its BLAS is a wrapper over libopenblas.so.0), as
+    kvlab --version names its own; None where torch's BLAS is another library."""
+    try:
+        corename = ctypes.CDLL("libopenblas.so.0").openblas_get_corename
+    except (OSError, AttributeError):
+        return None
+    corename.restype = ctypes.c_char_p
+    return corename().decode()

@@ -17,7 +17,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from torch_gpt import GPT, char_corpus, fixed_val_loss, get_batch  # noqa: E402  (bench/torch_gpt.py)
+from torch_gpt import GPT, blas_kernels, char_corpus, fixed_val_loss, get_batch  # noqa: E402  (bench/torch_gpt.py)
 
 
 def main():
@@ -113,7 +113,7 @@ def main():
     st = sorted(times)
     result = {"tokens_per_s": tokens_per_s, "step_ms": step_ms, "threads": args.threads,
               "step_ms_median": 1e3 * st[len(st) // 2], "step_ms_min": 1e3 * st[0],
-              "torch_version": torch.__version__, "config": cfg,
+              "torch_version": torch.__version__, "blas_kernels": blas_kernels(), "config": cfg,
               "final_train_loss": last_loss, "wall_s": wall,
               "host": platform.node(), "timed_iters": len(times)}
 

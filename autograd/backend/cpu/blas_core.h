@@ -1,0 +1,7 @@
+#pragma once
+// Which OpenBLAS kernels run on this CPU: see blas_core.cpp.
+
+// The OpenBLAS kernels (OPENBLAS_CORETYPE) kvlab named at start-up because OpenBLAS had fallen
+// back to kernels narrower than the CPU's vectors, or nullptr where it named none. extern "C":
+// the link names it, to keep blas_core.cpp, whose start-up code nothing calls by name.
+extern "C" const char* kvlab_blas_core_named();
