@@ -1,5 +1,8 @@
 // kvlab bench generate: decode speed with and without the KV cache, time per token against
 // position, and the cache's memory for several n_kv_head settings. Table plus JSON.
+#include <cblas.h>
+#include <omp.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +17,7 @@
 #include "apps/progress.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
+#include "autograd/backend/host_cpu.h"
 #include "checkpoints/model_io.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"
@@ -242,7 +246,12 @@ void run_bench_generate(BenchArgs& a) {
     const json out{{"generate", gen},
                    {"cache_report", report},
                    {"decode_by_kv_heads", speed},
-                   {"checkpoint", a.ckpt}};
+                   {"checkpoint", a.ckpt},
+                   {"machine",
+                    {{"cpu", host_cpu_model()},
+                     {"threads", omp_get_max_threads()},
+                     {"openblas", openblas_get_config()},
+                     {"openblas_kernels", openblas_get_corename()}}}};
     write_file_atomic(a.json_path, out.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
     std::printf("\nwrote %s\n", a.json_path.c_str());
   }

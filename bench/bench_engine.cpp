@@ -450,7 +450,6 @@ int main(int argc, char** argv) {
   auto want = [&](const char* s) { return sections.empty() || sections.count(s) > 0; };
 
   Json machine = kvlab::bench::machine_info();
-  machine["openblas_config"] = openblas_get_config();
   machine["openblas_num_threads"] = openblas_get_num_threads();
   kvlab::bench::print_machine(machine);
   std::cout << "openblas: " << openblas_get_config()

@@ -1,6 +1,7 @@
 #pragma once
 // Small helpers shared by the benchmarks under bench/: a median timer, a plain-text table,
 // machine information and JSON output. Header-only; nothing here knows about the engine.
+#include <cblas.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -19,6 +20,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "autograd/backend/host_cpu.h"
 
 namespace kvlab::bench {
 
@@ -137,22 +140,6 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-inline std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("model name", 0) == 0 || line.rfind("Model", 0) == 0) {
-      const auto p = line.find(':');
-      if (p != std::string::npos) {
-        std::string v = line.substr(p + 1);
-        v.erase(0, v.find_first_not_of(" \t"));
-        return v;
-      }
-    }
-  }
-  return "unknown";
-}
-
 inline std::string env_or(const char* name, const char* fallback = "(unset)") {
   const char* v = std::getenv(name);
   return v ? v : fallback;
@@ -169,9 +156,11 @@ inline Json machine_info() {
   const std::time_t t = std::time(nullptr);
   char when[64];
   std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  Json m = {{"cpu_model", cpu_model()},
+  Json m = {{"cpu_model", host_cpu_model()},
             {"logical_cpus", std::thread::hardware_concurrency()},
             {"omp_max_threads", omp_get_max_threads()},
+            {"openblas_config", openblas_get_config()},
+            {"openblas_kernels", openblas_get_corename()},
             {"env", env},
             {"hostname", host},
             {"date_utc", when}};

@@ -15,6 +15,7 @@
 #include "apps/progress.h"
 #include "apps/report/report.h"
 #include "apps/train_progress.h"
+#include "autograd/backend/host_cpu.h"
 #include "autograd/graph.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
@@ -41,13 +42,6 @@ int64_t matched_hidden(GPTConfig c, int64_t target) {
   const int64_t per_unit = count_parameters(c) - at1;
   const double h = 1.0 + static_cast<double>(target - at1) / static_cast<double>(per_unit);
   return std::max<int64_t>(1, std::llround(h));
-}
-
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
 }
 
 std::string now_iso() {
@@ -324,9 +318,11 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   config["seeds"] = cfg.seeds;
   config["param_matched"] = cfg.param_matched;
   results["config"] = config;
-  results["machine"] = {{"cpu", cpu_model()}, {"threads", omp_get_max_threads()}};
-  results["versions"] = {{"kvlab", KVLAB_VERSION}, {"compiler", __VERSION__},
-                         {"openblas", openblas_get_config()}};
+  results["machine"] = {{"cpu", host_cpu_model()}, {"threads", omp_get_max_threads()}};
+  results["versions"] = {{"kvlab", KVLAB_VERSION},
+                         {"compiler", __VERSION__},
+                         {"openblas", openblas_get_config()},
+                         {"openblas_kernels", openblas_get_corename()}};
   results["kv_budget_bytes"] = cfg.kv_budget_bytes;
   results["kv_dtype"] = dtype_name(cfg.kv_dtype);
   results["dtype_bytes"] = dtype_size(cfg.kv_dtype);

@@ -84,6 +84,9 @@ check "largest max-new stops at the context" 0 "context limit" -- "$KVLAB" gener
 check "prompt file is a directory" 1 "is a directory" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt-file "$work"
 check "standard output full" 1 "standard output" -- bash -c '"$0" generate --ckpt "$1" --prompt a --max-new 2 --json > /dev/full' "$KVLAB" "$work/run/final.h5"
 check "--help into a full output" 1 "standard output" -- bash -c '"$0" --help > /dev/full' "$KVLAB"
+# The JSON records the machine a figure came from: CPU, threads, the BLAS and its kernels.
+check "bench --json records the machine" 0 "" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --json "$work/bench.json"
+check "bench --json names the BLAS kernels" 0 "openblas_kernels" -- grep -A5 '"machine"' "$work/bench.json"
 check "bench --json unwritable" 2 "cannot be written" -- "$KVLAB" bench generate --json "$work/none/b.json"
 check "bench --json empty" 2 "the path is empty" -- "$KVLAB" bench generate --json ""
 check "bench --json onto its --ckpt" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" bench generate --ckpt "$work/run/final.h5" --json "$work/run/final.h5"
