@@ -211,7 +211,8 @@ TEST(KVCache, MoveRowTruncateResetAndCapacity) {
 // ways read them back from the cache, so they agree as closely as in f32, except that the two
 // ways' f32 keys and values (a many-row GEMM against one-row products, summed in other
 // orders) can fall on either side of a bf16 rounding boundary: an element may then differ by
-// one bf16 step.
+// one bf16 step, and the logits then by what such a step makes (7e-5 seen where one did,
+// 2-3e-6 elsewhere, as in f32).
 class PrefillSplit : public ::testing::TestWithParam<std::tuple<int64_t, DType>> {};
 
 TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
@@ -239,7 +240,7 @@ TEST_P(PrefillSplit, OnePassEqualsTokenByToken) {
             worst, static_cast<double>(std::fabs(l[static_cast<size_t>(b * V + i)] -
                                                  full[static_cast<size_t>((b * T + t) * V + i)])));
   }
-  EXPECT_LE(worst, 1e-5);
+  EXPECT_LE(worst, dtype == DType::BF16 ? 5e-4 : 1e-5);
   EXPECT_EQ(one.lengths(), step.lengths());
   for (int layer = 0; layer < c.n_layer; ++layer)
     for (const bool is_k : {true, false}) {

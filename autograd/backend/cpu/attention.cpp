@@ -122,22 +122,16 @@ void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const K
   const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened, kst);
   const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS,
                            widened ? widened + Sb * s.HS : nullptr, vst);
-  // A few query heads go one by one through the one-row GEMV: the BLAS's GEMM at M = 2 took
-  // 4.0-4.5 us for both products over 144 cached keys (HS 32), two one-row calls each 1.8-1.9;
-  // at M = 4 the two are even and at 8 the GEMM is faster (docs/benchmarks.md).
-  const int64_t calls = rows < 4 ? rows : 1, m = rows / calls;
   const T* qh = q + b * qv.sb + h0 * qv.sh;
-  T* oh = out + b * ov.sb + h0 * ov.sh;
-  for (int64_t c = 0; c < calls; ++c)
-    gemm<T>(false, true, m, Sb, s.HS, scale, qh + c * qv.sh, qv.sh, kg, kst, T(0), p + c * Sb, Sb);
+  gemm<T>(false, true, rows, Sb, s.HS, scale, qh, qv.sh, kg, kst, T(0), p, Sb);
   for (int64_t r = 0; r < rows; ++r) {
     T* row = p + r * Sb;
     const T inv = static_cast<T>(1.0 / exp_shift_inplace(row, Sb, row_max(row, Sb)));
 #pragma omp simd
     for (int64_t j = 0; j < Sb; ++j) row[j] *= inv;
   }
-  for (int64_t c = 0; c < calls; ++c)
-    gemm<T>(false, false, m, s.HS, Sb, T(1), p + c * Sb, Sb, vg, vst, T(0), oh + c * ov.sh, ov.sh);
+  gemm<T>(false, false, rows, s.HS, Sb, T(1), p, Sb, vg, vst, T(0), out + b * ov.sb + h0 * ov.sh,
+          ov.sh);
 }
 
 template <class T, class KV>

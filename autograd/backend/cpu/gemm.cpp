@@ -28,6 +28,8 @@ using Words = __m512i;  // 16 32-bit words
 constexpr int64_t kLanes = 16;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 // Lanes [0, n) of p for 0 < n < kLanes, the rest zero: nothing past them is read.
 inline Vec vload_first(const float* p, int64_t n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
@@ -73,6 +75,8 @@ using Words = __m256i;  // 8 32-bit words
 constexpr int64_t kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 // Lanes [0, n) of p for 0 < n < kLanes, the rest zero: nothing past them is read.
 inline Vec vload_first(const float* p, int64_t n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -192,8 +196,8 @@ struct Bf16Pairs {
 // or Bf16Pairs). Rows at or past `rows` are neither read nor written (kAllRows: all 8 are
 // there). The eight rows stream at once, each into its own accumulator vector per row of a
 // (a chunk's vectors in turn), reduced by one lane tree; the last K % 16 columns of a load
-// under a mask. This is the one dot product of the one-row GEMV and of the packed products,
-// in one order whatever the weights' form, so they give the same bits on the same values.
+// under a mask. This is the one dot product of gemm<float> at a few rows and of the packed
+// products, in one order whatever the weights' form, so they give the same bits on the same values.
 // Always inlined: as a call per block it cost decode ~10%, where attention's q k^T has
 // K = HS = 32.
 template <int R, bool kAllRows, class Src>
@@ -246,71 +250,57 @@ template <int R, bool kAllRows, class Src>
     alignas(64) float dot[kLanes];
     vstore(dot, sum_lanes8(acc[r]));
     float* yr = y + r * ldy;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float d = alpha * dot[i];
-      yr[i] = beta == 0.0f ? d : d + beta * yr[i];
-    }
-  }
-}
-
-// y[n] = alpha * dot(w[n, :], a) + beta * y[n] for n in [n0, n1); w is row-major at stride
-// ldw. It made batch-1 decode 14-23% faster than OpenBLAS's sgemv did (docs/benchmarks.md);
-// on one matrix read over and over from cache the two are within 1-9%.
-void dot_rows(int64_t n0, int64_t n1, int64_t K, float alpha, const float* w, int64_t ldw,
-              const float* a, float beta, float* y) {
-  for (int64_t n = n0; n < n1; n += kRows) {
-    const int64_t rows = std::min(kRows, n1 - n);
-    const F32Rows src{w + n * ldw, ldw, kCols};
-    if (rows == kRows)  // with a fixed row count the accumulators stay in registers
-      dot_block<1, true>(y + n, 0, a, 0, src, rows, K, 0, rows, alpha, beta);
+    // A whole block's 8 results in one vector pass: a loop over runtime bounds, one result at
+    // a time, made attention's q k^T (K = HS = 32, two FMAs an accumulator) 1.7x as slow.
+    auto store = [&](int64_t lo, int64_t hi) {
+      if (beta == 0.0f) {
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) yr[i] = alpha * dot[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) yr[i] = alpha * dot[i] + beta * yr[i];
+      }
+    };
+    if (i0 == 0 && i1 == kRows)
+      store(0, kRows);
     else
-      dot_block<1, false>(y + n, 0, a, 0, src, rows, K, 0, rows, alpha, beta);
+      store(i0, i1);
   }
 }
 
-// y (N) = alpha * w (N, K) a + beta * y: rows split across the threads outside a parallel
-// region (in blocks of 8), one thread inside one.
-void gemv_rows(int64_t N, int64_t K, float alpha, const float* w, int64_t ldw, const float* a,
-               float beta, float* y) {
-  constexpr int64_t kMinWork = 1 << 14;  // elements of w worth a thread of their own
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const int64_t parts = std::min<int64_t>({threads, N * K / kMinWork, (N + 7) / 8});
-  if (parts < 2) {
-    dot_rows(0, N, K, alpha, w, ldw, a, beta, y);
-    return;
-  }
-#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static, 1)
-  for (int64_t p = 0; p < parts; ++p) {
-    const auto [lo, hi] = split_range(N, p, parts, 8);
-    dot_rows(lo, hi, K, alpha, w, ldw, a, beta, y);
-  }
-}
-
-// Rows of a that share one pass over a packed block: 8 accumulators each, plus their 16
+// Rows of a that share one pass over a block of w: 8 accumulators each, plus their 16
 // columns of a and one of w, within AVX-512's 32 vector registers; AVX2 has 16, which one
 // row's 8 accumulators and two chunks of 2 vectors already fill.
-constexpr int64_t kPackTileRows = kParts == 1 ? 3 : 1;
+constexpr int64_t kTileRows = kParts == 1 ? 3 : 1;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The packed products of both forms, block by block: `block_src(nb)` is the dot_block source
-// of block nb. A block is read once from memory and again from L1/L2 for each further tile of
-// kPackTileRows rows of a.
+// y[m, n] = alpha * dot(w[n, :], a[m, :]) + beta * y[m, n] for m < M and n in [n0, n1), w
+// block by block: `block_src(nb)` is the dot_block source of rows 8 nb .. 8 nb + 7, of which
+// those below n_w are there (a packed form pads its last block; a row-major w ends with its
+// last row). A block is read once from memory and again from L1/L2 for each further tile of
+// kTileRows rows of a. The products against packed weights and those of a few rows of a with
+// a row-major w^T (gemm<float>) are this one loop.
 template <class BlockSrc>
-void packed_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc block_src,
-                   int64_t M, int64_t K, int64_t n0, int64_t n1, float beta) {
+void row_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc block_src, int64_t M,
+                int64_t K, int64_t n0, int64_t n1, int64_t n_w, float alpha, float beta) {
   for (int64_t nb = n0 / kRows; nb * kRows < n1; ++nb) {
     const auto src = block_src(nb);
+    const int64_t rows = std::min(kRows, n_w - nb * kRows);
     // This block's rows of [n0, n1), relative to its first.
     const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
     const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
     float* yb = y + nb * kRows;
-    for (int64_t m = 0; m < M; m += kPackTileRows) {
+    for (int64_t m = 0; m < M; m += kTileRows) {
       auto tile = [&](auto rows_of_a) {  // an integral_constant: the tile's rows of a
-        dot_block<rows_of_a(), true>(yb + m * ldy, ldy, a + m * lda, lda, src, kRows, K, i0, i1,
-                                     1.0f, beta);
+        if (rows == kRows)  // with a fixed row count the accumulators stay in registers
+          dot_block<rows_of_a(), true>(yb + m * ldy, ldy, a + m * lda, lda, src, rows, K, i0, i1,
+                                       alpha, beta);
+        else
+          dot_block<rows_of_a(), false>(yb + m * ldy, ldy, a + m * lda, lda, src, rows, K, i0, i1,
+                                        alpha, beta);
       };
-      switch (std::min(kPackTileRows, M - m)) {
+      switch (std::min(kTileRows, M - m)) {
         case 1:
           tile(std::integral_constant<int, 1>());
           break;
@@ -321,6 +311,156 @@ void packed_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc 
           tile(std::integral_constant<int, 3>());
       }
     }
+  }
+}
+
+// Rows of A up to which gemm<float> runs the row kernels rather than the BLAS, for a @ w^T
+// and for a @ b. Over attention's cached keys and values (144 of them, HS 32) the first took
+// 0.39-0.79 us at 2-4 rows against OpenBLAS's sgemm's 0.95-0.99, and ~1.6 against 1.34 at 8;
+// the second 0.11-0.39 us at 1-8 rows against 0.19-0.94 (docs/benchmarks.md).
+constexpr int64_t kFewRowsWt = 4, kFewRowsB = 8;
+
+// Below this much of b (or w), in elements, a product of a few rows runs on one thread.
+constexpr int64_t kFewRowsMinWork = 1 << 14;
+
+// Threads for a product of a few rows over `elements` of b, cut into `units` pieces: all of
+// them outside a parallel region where the work is worth it, one inside one.
+int64_t few_rows_parts(int64_t elements, int64_t units) {
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  return std::min<int64_t>({threads, elements / kFewRowsMinWork, units});
+}
+
+// y (M, N) = alpha * a (M, K) @ w^T + beta * y for a few rows of a, w (N, K) row-major at
+// stride ldw: the rows of w split across the threads (in blocks of 8). At M = 1 it made
+// batch-1 decode 14-23% faster than OpenBLAS's sgemv did (docs/benchmarks.md).
+void few_rows_times_wt(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
+                       const float* w, int64_t ldw, float beta, float* y, int64_t ldy) {
+  // Short rows of w (attention's keys, K = HS <= 64) take one row of a at a time: a block read
+  // again from L1 costs less than a tile's registers there (0.39 us against 0.59 for two rows
+  // over 144 keys of HS 32, 0.58 against 0.76 at HS 64; at HS 128 the tiles win).
+  const int64_t step = K <= 64 ? 1 : M;
+  auto rows = [&](int64_t n0, int64_t n1) {
+    auto src = [&](int64_t nb) { return F32Rows{w + nb * kRows * ldw, ldw, kCols}; };
+    for (int64_t m = 0; m < M; m += step)
+      row_blocks(y + m * ldy, ldy, a + m * lda, lda, src, std::min(step, M - m), K, n0, n1, N,
+                 alpha, beta);
+  };
+  const int64_t parts = few_rows_parts(N * K, (N + kRows - 1) / kRows);
+  if (parts < 2) {
+    rows(0, N);
+    return;
+  }
+#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) {
+    const auto [lo, hi] = split_range(N, p, parts, kRows);
+    rows(lo, hi);
+  }
+}
+
+// Rows of a a tile of the product with b takes: one chunk of accumulators each, 8 vectors.
+constexpr int64_t kAxpyTileRows = 8 / kParts;
+
+// Columns [0, n) (n <= 16) of rows [0, R) of y = alpha * a (R, K) @ b (K, n) + beta * y, b's
+// rows read in order, once. Row r's sum over k runs in U interleaved accumulators (k mod U),
+// added at the end: one chain of dependent FMAs a row would leave the FMA units idle at a few
+// rows (a one-row product ran at a third of OpenBLAS's sgemv speed).
+template <int R>
+[[gnu::always_inline]] inline void axpy_tile(float* y, int64_t ldy, const float* a, int64_t lda,
+                                             const float* b, int64_t ldb, int64_t K, int64_t n,
+                                             float alpha, float beta) {
+  constexpr int64_t U = std::max<int64_t>(1, 8 / (R * kParts));
+  Chunk acc[U][R];
+  for (auto& row : acc)
+    for (auto& c : row)
+      for (auto& v : c.v) v = vzero();
+  auto step = [&](int64_t k, int64_t u, auto whole) {  // whole: a bool_constant, n == 16
+    const float* bk = b + k * ldb;
+    const Chunk w = whole() ? load_chunk(bk) : load_chunk_first(bk, n);
+    for (int r = 0; r < R; ++r) {
+      const Vec x = vbroadcast(a[r * lda + k]);
+      for (int64_t h = 0; h < kParts; ++h) acc[u][r].v[h] = vfmadd(x, w.v[h], acc[u][r].v[h]);
+    }
+  };
+  auto run = [&](auto whole) {
+    int64_t k = 0;
+    for (; k + U <= K; k += U)
+      for (int64_t u = 0; u < U; ++u) step(k + u, u, whole);
+    for (; k < K; ++k) step(k, 0, whole);
+  };
+  if (n == kCols)
+    run(std::true_type());
+  else
+    run(std::false_type());
+  for (int r = 0; r < R; ++r) {
+    for (int64_t u = 1; u < U; ++u)
+      for (int64_t h = 0; h < kParts; ++h) acc[0][r].v[h] = vadd(acc[0][r].v[h], acc[u][r].v[h]);
+    alignas(64) float out[kCols];
+    for (int64_t h = 0; h < kParts; ++h) vstore(out + h * kLanes, acc[0][r].v[h]);
+    float* yr = y + r * ldy;
+    for (int64_t j = 0; j < n; ++j)
+      yr[j] = beta == 0.0f ? alpha * out[j] : alpha * out[j] + beta * yr[j];
+  }
+}
+
+// Columns [n0, n1) of y (M, N) = alpha * a (M, K) @ b (K, N) + beta * y, b row-major at
+// stride ldb, 16 columns and a tile of rows of a at a time.
+void axpy_columns(int64_t M, int64_t K, float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float beta, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; j += kCols) {
+    const int64_t n = std::min(kCols, n1 - j);
+    for (int64_t m = 0; m < M; m += kAxpyTileRows) {
+      auto tile = [&](auto rows_of_a) {
+        axpy_tile<rows_of_a()>(y + m * ldy + j, ldy, a + m * lda, lda, b + j, ldb, K, n, alpha,
+                               beta);
+      };
+      switch (std::min(kAxpyTileRows, M - m)) {
+        case 1:
+          tile(std::integral_constant<int, 1>());
+          break;
+        case 2:
+          tile(std::integral_constant<int, 2>());
+          break;
+        case 3:
+          tile(std::integral_constant<int, 3>());
+          break;
+        case 4:
+          tile(std::integral_constant<int, 4>());
+          break;
+        default:
+          if constexpr (kAxpyTileRows == 8) {
+            switch (M - m) {
+              case 5:
+                tile(std::integral_constant<int, 5>());
+                break;
+              case 6:
+                tile(std::integral_constant<int, 6>());
+                break;
+              case 7:
+                tile(std::integral_constant<int, 7>());
+                break;
+              default:
+                tile(std::integral_constant<int, 8>());
+            }
+          }
+      }
+    }
+  }
+}
+
+// y (M, N) = alpha * a (M, K) @ b (K, N) + beta * y for a few rows of a (attention's
+// probabilities times the cached values): the columns split across the threads (in chunks of
+// 16).
+void few_rows_times_b(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float beta, float* y, int64_t ldy) {
+  const int64_t parts = few_rows_parts(N * K, (N + kCols - 1) / kCols);
+  if (parts < 2) {
+    axpy_columns(M, K, alpha, a, lda, b, ldb, beta, y, ldy, 0, N);
+    return;
+  }
+#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) {
+    const auto [lo, hi] = split_range(N, p, parts, kCols);
+    axpy_columns(M, K, alpha, a, lda, b, ldb, beta, y, ldy, lo, hi);
   }
 }
 #endif
@@ -371,24 +511,24 @@ void pack_weight(uint16_t* packed, const float* w, int64_t N, int64_t K) {
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
                  int64_t K, int64_t n0, int64_t n1, float beta) {
   const int64_t block = round_up(K, kCols) * kRows;
-  packed_blocks(
+  row_blocks(
       y, ldy, a, lda,
       [&](int64_t nb) {
         return F32Rows{packed + nb * block, kCols, kRows * kCols};
       },
-      M, K, n0, n1, beta);
+      M, K, n0, n1, round_up(n1, kRows), 1.0f, beta);
 }
 
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
                  int64_t M, int64_t K, int64_t n0, int64_t n1, float beta) {
   const int64_t block = round_up(K, 2 * kCols) * kRows;  // bf16 values
   const auto* words = reinterpret_cast<const uint32_t*>(packed);
-  packed_blocks(
+  row_blocks(
       y, ldy, a, lda,
       [&](int64_t nb) {
         return Bf16Pairs{words + nb * block / 2, bf16_prefetch_bytes};
       },
-      M, K, n0, n1, beta);
+      M, K, n0, n1, round_up(n1, kRows), 1.0f, beta);
 }
 #else
 int64_t packed_weight_size(int64_t, int64_t) { return 0; }
@@ -410,9 +550,10 @@ void gemm_packed(float*, int64_t, const float*, int64_t, const uint16_t*, int64_
 #endif
 
 // OpenBLAS (OpenMP build) behind one function: it shares libgomp's pool with our kernels and
-// runs single-threaded when called from inside a parallel region. A product with one row or
-// one column goes to GEMV, which is ~10x faster than GEMM at M = 1 (decode): for a Linear's
-// a @ W^T to our row dot-product kernel where AVX-512 or AVX2 is available, else to the BLAS.
+// runs single-threaded when called from inside a parallel region. A product with a few rows
+// of A goes to our row kernels where AVX-512 or AVX2 is available (decode: a Linear's a @ W^T
+// at batch 1, attention's q k^T and p v over the cache), else one row to the BLAS's GEMV,
+// which is ~10x faster than its GEMM at M = 1.
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -423,8 +564,12 @@ void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
     return;
   }
 #if defined(KVLAB_ROW_KERNELS)
-  if (M == 1 && tb && !ta) {  // c (1, N) = a (1, K) @ B^T, B (N, K): a dot product per row
-    gemv_rows(N, K, alpha, B, ldb, A, beta, C);
+  if (!ta && tb && M <= kFewRowsWt) {
+    few_rows_times_wt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  if (!ta && !tb && M <= kFewRowsB) {
+    few_rows_times_b(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
 #endif

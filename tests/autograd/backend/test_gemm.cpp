@@ -1,7 +1,8 @@
 // backend/cpu/gemm.cpp: products against a packed weight, which must equal gemm's one-row
 // path bit for bit, row by row, whatever the number of rows (the fused decode step relies on
 // it to match the op path at batch 1, and on a row's result not depending on the others);
-// from the bf16 form, on the weight rounded to bf16.
+// from the bf16 form, on the weight rounded to bf16. gemm at a few rows of A against the
+// product in double.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -108,6 +109,68 @@ INSTANTIATE_TEST_SUITE_P(
       name += std::to_string(std::get<1>(info.param));
       return name;
     });
+
+// gemm<float> at a few rows of A (the row kernels: attention's q k^T and p v over the cache at
+// decode, a Linear at a small batch) and past them (the BLAS) equals the product in double,
+// for both forms of B, with alpha and beta, on operands at strides wider than their rows whose
+// gaps hold NaN (a read past a row would poison the sums), over shapes with short last blocks
+// of 8 rows and chunks of 16 columns, and large enough at (M, 1000, 100) for the threads to
+// split the work.
+class GemmFewRows
+    : public ::testing::TestWithParam<std::tuple<int64_t, std::pair<int64_t, int64_t>, bool>> {};
+
+TEST_P(GemmFewRows, EqualsTheProductInDouble) {
+  const auto [M, NK, tb] = GetParam();
+  const auto [N, K] = NK;
+  Generator gen(static_cast<uint64_t>(M * 100000 + N * 100 + K));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // A (M, K) at stride lda; B as (N, K) when tb, else (K, N), at stride ldb; C (M, N) at ldc.
+  const int64_t lda = K + 3, ldb = (tb ? K : N) + 5, ldc = N + 2, b_rows = tb ? N : K;
+  auto strided = [&](int64_t rows, int64_t cols, int64_t ld) {
+    std::vector<float> v = random_floats((rows - 1) * ld + cols, gen);
+    for (int64_t r = 0; r + 1 < rows; ++r) std::fill_n(v.begin() + r * ld + cols, ld - cols, nan);
+    return v;
+  };
+  const std::vector<float> a = strided(M, K, lda), b = strided(b_rows, tb ? K : N, ldb);
+  const std::vector<float> c0 = strided(M, N, ldc);
+  for (const auto& [alpha, beta] : {std::pair{1.0f, 0.0f}, std::pair{0.5f, 1.0f}}) {
+    std::vector<float> c = c0;
+    cpu::gemm<float>(false, tb, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double sum = 0, scale = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double term = double(a[i * lda + k]) * (tb ? b[j * ldb + k] : b[k * ldb + j]);
+          sum += term;
+          scale += std::fabs(term);
+        }
+        const double expect = alpha * sum + (beta == 0.0f ? 0.0 : beta * c0[i * ldc + j]);
+        ASSERT_NEAR(c[i * ldc + j], expect, 1e-6 * (scale + std::fabs(c0[i * ldc + j])) + 1e-6)
+            << "row " << i << ", column " << j << ", alpha " << alpha << ", beta " << beta;
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmFewRows,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8, 9),
+                                            ::testing::Values(std::pair<int64_t, int64_t>{144, 32},
+                                                              std::pair<int64_t, int64_t>{32, 144},
+                                                              std::pair<int64_t, int64_t>{13, 17},
+                                                              std::pair<int64_t, int64_t>{7, 64},
+                                                              std::pair<int64_t, int64_t>{40, 128},
+                                                              std::pair<int64_t, int64_t>{1000,
+                                                                                          100}),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           std::string name = "m";
+                           name += std::to_string(std::get<0>(info.param));
+                           name += "_n";
+                           name += std::to_string(std::get<1>(info.param).first);
+                           name += "_k";
+                           name += std::to_string(std::get<1>(info.param).second);
+                           name += std::get<2>(info.param) ? "_bt" : "_b";
+                           return name;
+                         });
 
 // all_bf16 (which matrices the decode step packs in bf16) sees a single f32 value anywhere,
 // in the first chunk it scans, a later one or a short last one.
