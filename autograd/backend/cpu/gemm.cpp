@@ -197,8 +197,8 @@ struct Bf16Pairs {
 // there). The eight rows stream at once, each into its own accumulator vector per row of a
 // (a chunk's vectors in turn), reduced by one lane tree; the last K % 16 columns of a load
 // under a mask. This is the one dot product of gemm<float> at a few rows and of the packed
-// products, in one order whatever the weights' form, so they give the same bits on the same values.
-// Always inlined: as a call per block it cost decode ~10%, where attention's q k^T has
+// products, in one order whatever the weights' form, so they give the same bits on the same
+// values. Always inlined: as a call per block it cost decode ~10%, where attention's q k^T has
 // K = HS = 32.
 template <int R, bool kAllRows, class Src>
 [[gnu::always_inline]] inline void dot_block(float* y, int64_t ldy, const float* a, int64_t lda,
