@@ -268,6 +268,15 @@ template <int R, bool kAllRows, class Src>
   }
 }
 
+// f(std::integral_constant<int, min(n, kMax)>()) for n >= 1: a tile's rows of a as a
+// compile-time count, so that its accumulators can stay in registers.
+template <int64_t kMax, class F>
+void with_rows(int64_t n, F&& f) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return with_rows<kMax - 1>(n, f);
+  f(std::integral_constant<int, static_cast<int>(kMax)>());
+}
+
 // Rows of a that share one pass over a block of w: 8 accumulators each, plus their 16
 // columns of a and one of w, within AVX-512's 32 vector registers; AVX2 has 16, which one
 // row's 8 accumulators and two chunks of 2 vectors already fill.
@@ -300,16 +309,7 @@ void row_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc blo
           dot_block<rows_of_a(), false>(yb + m * ldy, ldy, a + m * lda, lda, src, rows, K, i0, i1,
                                         alpha, beta);
       };
-      switch (std::min(kTileRows, M - m)) {
-        case 1:
-          tile(std::integral_constant<int, 1>());
-          break;
-        case 2:
-          tile(std::integral_constant<int, 2>());
-          break;
-        default:
-          tile(std::integral_constant<int, 3>());
-      }
+      with_rows<kTileRows>(M - m, tile);
     }
   }
 }
@@ -413,36 +413,7 @@ void axpy_columns(int64_t M, int64_t K, float alpha, const float* a, int64_t lda
         axpy_tile<rows_of_a()>(y + m * ldy + j, ldy, a + m * lda, lda, b + j, ldb, K, n, alpha,
                                beta);
       };
-      switch (std::min(kAxpyTileRows, M - m)) {
-        case 1:
-          tile(std::integral_constant<int, 1>());
-          break;
-        case 2:
-          tile(std::integral_constant<int, 2>());
-          break;
-        case 3:
-          tile(std::integral_constant<int, 3>());
-          break;
-        case 4:
-          tile(std::integral_constant<int, 4>());
-          break;
-        default:
-          if constexpr (kAxpyTileRows == 8) {
-            switch (M - m) {
-              case 5:
-                tile(std::integral_constant<int, 5>());
-                break;
-              case 6:
-                tile(std::integral_constant<int, 6>());
-                break;
-              case 7:
-                tile(std::integral_constant<int, 7>());
-                break;
-              default:
-                tile(std::integral_constant<int, 8>());
-            }
-          }
-      }
+      with_rows<kAxpyTileRows>(M - m, tile);
     }
   }
 }
