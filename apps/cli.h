@@ -1,6 +1,8 @@
 #pragma once
 // Shared pieces of the kvlab command line: each subcommand lives in cmd_<name>.cpp and
 // registers itself on the root app; errors follow DESIGN.md (usage errors exit 2, runtime 1).
+#include <cblas.h>
+
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cmath>
@@ -10,6 +12,7 @@
 #include <string>
 #include <type_traits>
 
+#include "autograd/backend/cpu/blas_core.h"
 #include "autograd/error.h"
 
 namespace kvlab {
@@ -24,6 +27,20 @@ class UsageError : public Error {
   do {                                                                          \
     if (!(cond)) throw ::kvlab::UsageError(::kvlab::detail::cat(__VA_ARGS__)); \
   } while (0)
+
+// Where OpenBLAS runs kernels narrower than this CPU's widest (OPENBLAS_CORETYPE named them),
+// a note saying so, else "": they set most of the training speed (on a Zen 5 host training ran
+// 1.2-1.5x faster on OpenBLAS's AVX-512 kernels than on the Haswell ones its environment
+// named, docs/benchmarks.md).
+inline std::string blas_kernels_note() {
+  const char* wider = kvlab_blas_core_wider();
+  if (wider == nullptr) return "";
+  const char* named = std::getenv("OPENBLAS_CORETYPE");
+  return detail::cat("OpenBLAS runs its ", openblas_get_corename(), " kernels",
+                     named != nullptr ? detail::cat(" (OPENBLAS_CORETYPE=", named, ")") : "",
+                     "; this CPU can run its wider ", wider,
+                     " ones, which may train faster: unset OPENBLAS_CORETYPE to let kvlab choose");
+}
 
 // "best val loss 1.2345", or, before the first evaluation after a step (the best is then
 // +inf), "no best val loss yet".

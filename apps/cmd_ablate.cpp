@@ -106,6 +106,8 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.bench_runs = a.bench_runs;
   cfg.out_dir = a.out;
   cfg.command = a.command;
+  if (const std::string note = blas_kernels_note(); !note.empty())
+    std::fprintf(stderr, "kvlab ablate: note: %s\n", note.c_str());
   const auto results = run_ablation(cfg);
   std::printf("\n%s\n", format_table(results).c_str());
   std::printf("sweep wall time %.0f s; report: %s/report.html (also report.md, results.json, "

@@ -63,6 +63,8 @@ int run_train(const TrainArgs& a) {
                    static_cast<long long>(cfg.model.n_kv_head),
                    trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
                    trainer.corpus().val.size(), a.resume ? "resumed" : "from scratch");
+      if (const std::string note = blas_kernels_note(); !note.empty())
+        std::fprintf(stderr, "kvlab train: note: %s\n", note.c_str());
       if (world > 1)
         std::fprintf(stderr,
                      "kvlab train: data parallel over %d %s ranks, batch %lld per rank "

@@ -71,9 +71,11 @@ int main(int argc, char** argv) {
   app.name("kvlab");
   app.require_subcommand(1);
   // The BLAS build and the kernels it runs on this CPU: they set most of the training speed.
+  const std::string note = kvlab::blas_kernels_note();
   app.set_version_flag("--version", std::string("kvlab " KVLAB_VERSION "\nBLAS: ") +
                                         openblas_get_config() + "; kernels " +
-                                        openblas_get_corename());
+                                        openblas_get_corename() +
+                                        (note.empty() ? "" : "\nnote: " + note));
   kvlab::add_train_command(app);
   kvlab::add_generate_command(app);
   kvlab::add_bench_command(app);

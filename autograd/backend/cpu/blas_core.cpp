@@ -28,18 +28,22 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512cd");
 }
 
+// The kernels of the CPU's widest vectors where `core` is narrower, else nullptr.
+const char* wider_core(std::string_view core) {
+  if (has_avx512()) {
+    if (core != "SkylakeX" && core != "Cooperlake" && core != "SapphireRapids")
+      return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (core != "Haswell" && core != "Zen") return "Haswell";
+  }
+  return nullptr;
+}
+
 [[gnu::constructor]] void name_blas_core() {
   if (gotoblas_dynamic_init == nullptr || gotoblas_dynamic_quit == nullptr ||
       std::getenv("OPENBLAS_CORETYPE") != nullptr)
     return;
-  const std::string_view core = openblas_get_corename();
-  const char* want = nullptr;
-  if (has_avx512()) {
-    if (core != "SkylakeX" && core != "Cooperlake" && core != "SapphireRapids")
-      want = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    if (core != "Haswell" && core != "Zen") want = "Haswell";
-  }
+  const char* want = wider_core(openblas_get_corename());
   if (want == nullptr || setenv("OPENBLAS_CORETYPE", want, 0) != 0) return;
   gotoblas_dynamic_quit();
   gotoblas_dynamic_init();
@@ -49,3 +53,5 @@ bool has_avx512() {
 }  // namespace
 
 extern "C" const char* kvlab_blas_core_named() { return named; }
+
+extern "C" const char* kvlab_blas_core_wider() { return wider_core(openblas_get_corename()); }

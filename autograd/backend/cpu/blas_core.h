@@ -5,3 +5,7 @@
 // back to kernels narrower than the CPU's vectors, or nullptr where it named none. extern "C":
 // the link names it, to keep blas_core.cpp, whose start-up code nothing calls by name.
 extern "C" const char* kvlab_blas_core_named();
+// The kernels of the CPU's widest vectors where OpenBLAS runs narrower ones (the user's
+// OPENBLAS_CORETYPE named them, and kvlab leaves a named choice alone; or the BLAS cannot pick
+// again), else nullptr.
+extern "C" const char* kvlab_blas_core_wider();

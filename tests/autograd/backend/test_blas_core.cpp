@@ -1,6 +1,6 @@
 // backend/cpu/blas_core.cpp: OpenBLAS runs kernels made for the CPU's widest vectors, never
 // narrower ones (its SSE3 fallback) on a CPU with AVX2 or AVX-512, and the kernels kvlab named
-// are the ones it runs.
+// are the ones it runs, so that nothing notes wider ones.
 #include <cblas.h>
 #include <gtest/gtest.h>
 
@@ -34,6 +34,7 @@ TEST(BlasCore, OpenBlasRunsTheKernelsOfTheCpusWidestVectors) {
     GTEST_SKIP() << "neither AVX2 nor AVX-512: any OpenBLAS core will do";
   }
   EXPECT_TRUE(expected.contains(core)) << "OpenBLAS runs its " << core << " kernels";
+  EXPECT_EQ(kvlab_blas_core_wider(), nullptr) << "a note would offer " << kvlab_blas_core_wider();
 }
 
 }  // namespace
