@@ -316,8 +316,9 @@ void row_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc blo
 
 // Rows of A up to which gemm<float> runs the row kernels rather than the BLAS, for a @ w^T
 // and for a @ b. Over attention's cached keys and values (144 of them, HS 32) the first took
-// 0.39-0.79 us at 2-4 rows against OpenBLAS's sgemm's 0.95-0.99, and ~1.6 against 1.34 at 8;
-// the second 0.11-0.39 us at 1-8 rows against 0.19-0.94 (docs/benchmarks.md).
+// 0.39-0.79 us at 2-4 rows against OpenBLAS's sgemm's 0.95-0.99 (8 rows would take two 4-row
+// passes, against its 1.34); the second 0.11-0.39 us at 1-8 rows against 0.19-0.94
+// (docs/benchmarks.md).
 constexpr int64_t kFewRowsWt = 4, kFewRowsB = 8;
 
 // Below this much of b (or w), in elements, a product of a few rows runs on one thread.
