@@ -300,6 +300,16 @@ void row_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc blo
     const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
     const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
     float* yb = y + nb * kRows;
+    // One row of a (batch-1 decode) calls dot_block straight: through the tile's lambda, a
+    // call a block that GCC leaves out of line, attention's one-row q k^T over 144 keys took
+    // 0.21 us instead of 0.18.
+    if (M == 1) {
+      if (rows == kRows)
+        dot_block<1, true>(yb, ldy, a, lda, src, rows, K, i0, i1, alpha, beta);
+      else
+        dot_block<1, false>(yb, ldy, a, lda, src, rows, K, i0, i1, alpha, beta);
+      continue;
+    }
     for (int64_t m = 0; m < M; m += kTileRows) {
       auto tile = [&](auto rows_of_a) {  // an integral_constant: the tile's rows of a
         if (rows == kRows)  // with a fixed row count the accumulators stay in registers
