@@ -331,16 +331,6 @@ void row_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc blo
 // (docs/benchmarks.md).
 constexpr int64_t kFewRowsWt = 4, kFewRowsB = 8;
 
-// Below this much of b (or w), in elements, a product of a few rows runs on one thread.
-constexpr int64_t kFewRowsMinWork = 1 << 14;
-
-// Threads for a product of a few rows over `elements` of b, cut into `units` pieces: all of
-// them outside a parallel region where the work is worth it, one inside one.
-int64_t few_rows_parts(int64_t elements, int64_t units) {
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  return std::min<int64_t>({threads, elements / kFewRowsMinWork, units});
-}
-
 // y (M, N) = alpha * a (M, K) @ w^T + beta * y for a few rows of a, w (N, K) row-major at
 // stride ldw: the rows of w split across the threads (in blocks of 8). At M = 1 it made
 // batch-1 decode 14-23% faster than OpenBLAS's sgemv did (docs/benchmarks.md).
@@ -356,16 +346,7 @@ void few_rows_times_wt(int64_t M, int64_t N, int64_t K, float alpha, const float
       row_blocks(y + m * ldy, ldy, a + m * lda, lda, src, std::min(step, M - m), K, n0, n1, N,
                  alpha, beta);
   };
-  const int64_t parts = few_rows_parts(N * K, (N + kRows - 1) / kRows);
-  if (parts < 2) {
-    rows(0, N);
-    return;
-  }
-#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static, 1)
-  for (int64_t p = 0; p < parts; ++p) {
-    const auto [lo, hi] = split_range(N, p, parts, kRows);
-    rows(lo, hi);
-  }
+  parallel_blocks(N, kRows, N * K, rows);
 }
 
 // Rows of a a tile of the product with b takes: one chunk of accumulators each, 8 vectors.
@@ -434,16 +415,9 @@ void axpy_columns(int64_t M, int64_t K, float alpha, const float* a, int64_t lda
 // 16).
 void few_rows_times_b(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
                       const float* b, int64_t ldb, float beta, float* y, int64_t ldy) {
-  const int64_t parts = few_rows_parts(N * K, (N + kCols - 1) / kCols);
-  if (parts < 2) {
-    axpy_columns(M, K, alpha, a, lda, b, ldb, beta, y, ldy, 0, N);
-    return;
-  }
-#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static, 1)
-  for (int64_t p = 0; p < parts; ++p) {
-    const auto [lo, hi] = split_range(N, p, parts, kCols);
+  parallel_blocks(N, kCols, N * K, [&](int64_t lo, int64_t hi) {
     axpy_columns(M, K, alpha, a, lda, b, ldb, beta, y, ldy, lo, hi);
-  }
+  });
 }
 #endif
 

@@ -87,6 +87,24 @@ inline std::pair<int64_t, int64_t> split_range(int64_t n, int64_t part, int64_t 
   return {lo, std::min(n, lo + block)};
 }
 
+// parallel_range in blocks of a multiple of `multiple` (a kernel's tile): body(begin, end)
+// over [0, n), one block per thread, as many threads as there are tiles, when work >
+// kParallelMin; else one call on the calling thread.
+template <class F>
+inline void parallel_blocks(int64_t n, int64_t multiple, int64_t work, F&& body) {
+  const int64_t tiles = (n + multiple - 1) / multiple;
+  if (work <= kParallelMin || tiles <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+    body(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel num_threads( \
+    static_cast <int>(std::min <int64_t>(omp_get_max_threads(), tiles)))
+  {
+    const auto [lo, hi] = split_range(n, omp_get_thread_num(), omp_get_num_threads(), multiple);
+    body(lo, hi);
+  }
+}
+
 // Sum over arrays t (lengths[t] elements each) of chunk_sum(t, begin, end), taken over fixed
 // 4096-element chunks of every array: all chunks in parallel (one region for all the arrays),
 // their partial sums added in order within each array and the arrays' sums in order, so the
