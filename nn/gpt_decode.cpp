@@ -340,9 +340,9 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   const int64_t* lengths = kv_lengths_.data();  // each row's, this step's position included
   const AttentionShape s{B, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
-  // Per thread, the attention's work memory for a whole group's query heads over the longest
-  // layer, so that nothing inside the region allocates or throws; sized by the cache's
-  // capacity, so that step after step the caching allocator hands back the same block.
+  // Per thread, the attention's work memory over the longest layer, so that nothing inside the
+  // region allocates or throws; sized by the cache's capacity, so that step after step the
+  // caching allocator hands back the same block.
   AttentionShape longest = s;
   longest.S = cache.capacity();
   bool any_bf16 = false;
@@ -350,8 +350,8 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     longest.S = std::max(longest.S, c.S);
     any_bf16 = any_bf16 || c.bf16;
   }
-  const int64_t work_size = any_bf16 ? cpu::attention_decode_work<float, uint16_t>(longest, 1)
-                                     : cpu::attention_decode_work<float>(longest, 1);
+  const int64_t work_size = any_bf16 ? cpu::attention_decode_work<float, uint16_t>(longest)
+                                     : cpu::attention_decode_work<float>(longest);
   Tensor work = Tensor::empty({threads, work_size});
   float* work_s = work.data<float>();
   cpu::SpinBarrier barrier;

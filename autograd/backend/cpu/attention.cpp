@@ -106,32 +106,25 @@ template <class T, class KV>
 void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
                            const KV* v, HeadView vv, const AttentionShape& s, int64_t task,
                            int64_t parts, T* work) {
-  // The query heads of one KV group form a (group, HS) block (their rows sit at a constant
-  // stride), so K and V of the group are read once for all of them, not once per query head
-  // (once per part: with parts > 1 the group's cache is read that many times, in parallel).
-  // A single query sees every cached key: no mask.
+  // The query heads of one KV group (or of a part of it) run one after another over the
+  // group's K and V: read from memory for the first, from L1 for the rest (with parts > 1 the
+  // group's cache is read from memory once per part, in parallel). A single query sees every
+  // cached key: no mask.
   const int64_t group = s.NH / s.NKV, part = task % parts, b = task / parts / s.NKV;
   const int64_t g = task / parts % s.NKV, Sb = kv_len(s, b);
   const int64_t r0 = group * part / parts, rows = group * (part + 1) / parts - r0;
   if (rows == 0) return;
   const int64_t h0 = g * group + r0;  // first query head of this part
   const T scale = static_cast<T>(s.scale);
-  T* p = work;  // (rows, Sb), then K and V widened from bf16
-  T* widened = std::is_same_v<KV, T> ? nullptr : work + rows * Sb;
+  T* p = work;  // (Sb), then K and V widened from bf16
+  T* widened = std::is_same_v<KV, T> ? nullptr : work + Sb;
   int64_t kst, vst;
   const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened, kst);
   const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS,
                            widened ? widened + Sb * s.HS : nullptr, vst);
-  const T* qh = q + b * qv.sb + h0 * qv.sh;
-  gemm<T>(false, true, rows, Sb, s.HS, scale, qh, qv.sh, kg, kst, T(0), p, Sb);
-  for (int64_t r = 0; r < rows; ++r) {
-    T* row = p + r * Sb;
-    const T inv = static_cast<T>(1.0 / exp_shift_inplace(row, Sb, row_max(row, Sb)));
-#pragma omp simd
-    for (int64_t j = 0; j < Sb; ++j) row[j] *= inv;
-  }
-  gemm<T>(false, false, rows, s.HS, Sb, T(1), p, Sb, vg, vst, T(0), out + b * ov.sb + h0 * ov.sh,
-          ov.sh);
+  for (int64_t r = h0; r < h0 + rows; ++r)
+    attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kg, kst, vg, vst,
+                        Sb, s.HS, scale, p);
 }
 
 template <class T, class KV>
@@ -141,7 +134,7 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
   const Dropout drop(s.dropout);
   const T scale = static_cast<T>(s.scale);
   if (s.T == 1 && group > 1 && !drop.on) {
-    const auto work = static_cast<size_t>(attention_decode_work<T, KV>(s, 1));
+    const auto work = static_cast<size_t>(attention_decode_work<T, KV>(s));
     for_each_task(s.B * s.NKV, [&](int64_t task) {
       attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task, 1, scratch<T>(work, 0));
     });

@@ -7,6 +7,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
+#include "autograd/backend/cpu/vec_math.h"
 #include "autograd/error.h"
 
 // The row kernels below (the one-row GEMV and the packed products) are written once over a
@@ -35,6 +36,15 @@ inline Vec vload_first(const float* p, int64_t n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
 inline void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
+// Lanes [lo, hi) of v to the same lanes at p (0 <= lo < hi <= kLanes); nothing else is written.
+inline void vstore_lanes(float* p, Vec v, int64_t lo, int64_t hi) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)), v);
+}
+// Lanes [lo, hi) of p, the rest zero: nothing else is read.
+inline Vec vload_lanes(const float* p, int64_t lo, int64_t hi) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)), p);
+}
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Words wload(const uint32_t* p) { return _mm512_loadu_si512(p); }
 // The f32 value of each word's low or high bf16 half: a shift or a mask (bf16 is the top half
@@ -83,6 +93,21 @@ inline Vec vload_first(const float* p, int64_t n) {
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
 }
 inline void vstore(float* p, Vec v) { _mm256_store_ps(p, v); }
+// The lanes [lo, hi) of a vector as an AVX2 mask.
+inline __m256i lane_mask(int64_t lo, int64_t hi) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(hi)), lane),
+                          _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(lo) - 1)));
+}
+// Lanes [lo, hi) of v to the same lanes at p (0 <= lo < hi <= kLanes); nothing else is written.
+inline void vstore_lanes(float* p, Vec v, int64_t lo, int64_t hi) {
+  _mm256_maskstore_ps(p, lane_mask(lo, hi), v);
+}
+// Lanes [lo, hi) of p, the rest zero: nothing else is read.
+inline Vec vload_lanes(const float* p, int64_t lo, int64_t hi) {
+  return _mm256_maskload_ps(p, lane_mask(lo, hi));
+}
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Words wload(const uint32_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -246,25 +271,14 @@ template <int R, bool kAllRows, class Src>
   } else if (tail != 0) {
     chunk(c, even, tail);
   }
+  // A block's results in one masked vector store (lanes [i0, i1) of the 8): going through
+  // memory, one result at a time, made attention's q k^T (K = HS = 32, two FMAs an
+  // accumulator) 1.7x as slow, and a vector loop over them still 2x.
+  const Vec va = vbroadcast(alpha), vb = vbroadcast(beta);
   for (int r = 0; r < R; ++r) {
-    alignas(64) float dot[kLanes];
-    vstore(dot, sum_lanes8(acc[r]));
+    const Vec dot = vmul(va, sum_lanes8(acc[r]));
     float* yr = y + r * ldy;
-    // A whole block's 8 results in one vector pass: a loop over runtime bounds, one result at
-    // a time, made attention's q k^T (K = HS = 32, two FMAs an accumulator) 1.7x as slow.
-    auto store = [&](int64_t lo, int64_t hi) {
-      if (beta == 0.0f) {
-#pragma omp simd
-        for (int64_t i = lo; i < hi; ++i) yr[i] = alpha * dot[i];
-      } else {
-#pragma omp simd
-        for (int64_t i = lo; i < hi; ++i) yr[i] = alpha * dot[i] + beta * yr[i];
-      }
-    };
-    if (i0 == 0 && i1 == kRows)
-      store(0, kRows);
-    else
-      store(i0, i1);
+    vstore_lanes(yr, beta == 0.0f ? dot : vfmadd(vb, vload_lanes(yr, i0, i1), dot), i0, i1);
   }
 }
 
@@ -418,6 +432,58 @@ void few_rows_times_b(int64_t M, int64_t N, int64_t K, float alpha, const float*
   parallel_blocks(N, kCols, N * K, [&](int64_t lo, int64_t hi) {
     axpy_columns(M, K, alpha, a, lda, b, ldb, beta, y, ldy, lo, hi);
   });
+}
+
+// Vectors of kLanes a row of HS columns takes, up to which attend_one_query runs the row
+// kernel below (HS 128 with AVX-512, 64 with AVX2); longer rows take the general products.
+constexpr int64_t kAttendMaxVectors = 8;
+
+// attend_one_query with rows of NV vectors (the last one's first `last` lanes). Scores 8 keys
+// at a time: each key's product with q in its own accumulator (the first vector multiplied,
+// the rest fused in), the 8 reduced by one lane tree, scaled and stored under a mask, in the
+// order of dot_block's one-row product. Then the softmax, and the values weighted by the
+// unnormalised probabilities in one pass over their rows (U interleaved accumulators: one
+// chain of dependent FMAs would leave the FMA units idle), divided by the sum at the end.
+// Through the general products (two calls into gemm and a normalising pass), one query over
+// 144 keys at HS 32 took 0.36 us against 0.21 hot in cache, and a decode step's attention
+// 1.3-1.5x as long (docs/benchmarks.md).
+template <int NV>
+void attend_rows(float* out, const float* q, const float* k, int64_t kst, const float* v,
+                 int64_t vst, int64_t n, int64_t last, float scale, float* p) {
+  auto load = [&](const float* row, int h) {
+    return h < NV - 1 || last == kLanes ? vload(row + h * kLanes)
+                                        : vload_first(row + h * kLanes, last);
+  };
+  Vec qv[NV];
+  for (int h = 0; h < NV; ++h) qv[h] = load(q, h);
+  const Vec vscale = vbroadcast(scale);
+  for (int64_t j = 0; j < n; j += kRows) {
+    const int64_t m = std::min(kRows, n - j);  // keys in this block
+    Vec acc[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {
+      const float* kr = k + (j + std::min(i, m - 1)) * kst;  // past the last key: it again
+      acc[i] = vmul(load(kr, 0), qv[0]);
+      for (int h = 1; h < NV; ++h) acc[i] = vfmadd(load(kr, h), qv[h], acc[i]);
+    }
+    vstore_lanes(p + j, vmul(vscale, sum_lanes8(acc)), 0, m);
+  }
+  const float inv = static_cast<float>(1.0 / exp_shift_inplace(p, n, row_max(p, n)));
+  constexpr int U = std::max(1, 8 / NV);
+  Vec sum[U][NV];
+  for (auto& row : sum)
+    for (auto& x : row) x = vzero();
+  auto add = [&](int u, int64_t j) {
+    const Vec pj = vbroadcast(p[j]);
+    for (int h = 0; h < NV; ++h) sum[u][h] = vfmadd(pj, load(v + j * vst, h), sum[u][h]);
+  };
+  int64_t j = 0;
+  for (; j + U <= n; j += U)
+    for (int u = 0; u < U; ++u) add(u, j + u);
+  for (; j < n; ++j) add(0, j);
+  for (int h = 0; h < NV; ++h) {
+    for (int u = 1; u < U; ++u) sum[0][h] = vadd(sum[0][h], sum[u][h]);
+    vstore_lanes(out + h * kLanes, vmul(vbroadcast(inv), sum[0][h]), 0, h < NV - 1 ? kLanes : last);
+  }
 }
 #endif
 
@@ -604,5 +670,31 @@ template void gemm_batched<float>(bool, bool, int64_t, int64_t, int64_t, float, 
 template void gemm_batched<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*,
                                    int64_t, int64_t, const double*, int64_t, int64_t, double,
                                    double*, int64_t, int64_t, int64_t);
+
+template <class T>
+void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
+                      int64_t n, int64_t HS, T scale, T* p) {
+#if defined(KVLAB_ROW_KERNELS)
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t vectors = (HS + kLanes - 1) / kLanes;
+    if (vectors <= kAttendMaxVectors) {
+      with_rows<kAttendMaxVectors>(vectors, [&](auto nv) {
+        attend_rows<nv()>(out, q, k, kst, v, vst, n, HS - (nv() - 1) * kLanes, scale, p);
+      });
+      return;
+    }
+  }
+#endif
+  gemm<T>(false, true, 1, n, HS, scale, q, HS, k, kst, T(0), p, n);
+  const T inv = static_cast<T>(1.0 / exp_shift_inplace(p, n, row_max(p, n)));
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
+  gemm<T>(false, false, 1, HS, n, T(1), p, n, v, vst, T(0), out, HS);
+}
+
+template void attend_one_query<float>(float*, const float*, const float*, int64_t, const float*,
+                                      int64_t, int64_t, int64_t, float, float*);
+template void attend_one_query<double>(double*, const double*, const double*, int64_t,
+                                       const double*, int64_t, int64_t, int64_t, double, double*);
 
 }  // namespace kvlab::cpu

@@ -50,6 +50,13 @@ void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float
                  int64_t K, int64_t n0, int64_t n1, float beta);
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
                  int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
+// Decode attention of one query over n >= 1 cached keys: out (HS) = softmax(scale q k^T) v,
+// q (HS), k and v (n, HS) at row strides kst and vst, p (n) work. Single-threaded; it opens no
+// parallel region and allocates nothing. In f32 with AVX-512 or AVX2 (HS up to 128 or 64) a
+// row kernel; otherwise the products of gemm.
+template <class T>
+void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
+                      int64_t n, int64_t HS, T scale, T* p);
 
 // ---- elementwise ----
 // out (sizes, contiguous) = a op b, where a and b are read through broadcast strides (0 on a
@@ -127,17 +134,17 @@ void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const K
 // of B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
 // decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
 // than threads).
-// `work` holds attention_decode_work(s, parts) elements, s.S bounding every row's length:
+// `work` holds attention_decode_work(s) elements, s.S bounding every row's length:
 // the task allocates nothing, so it cannot throw.
 template <class T, class KV = T>
 void attention_decode_task(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k,
                            HeadView k_v, const KV* v, HeadView v_v, const AttentionShape& s,
                            int64_t task, int64_t parts, T* work);
-// Its work memory: a part's probabilities and, from a bf16 cache, the group's K and V widened.
+// Its work memory: one query's probabilities and, from a bf16 cache, the group's K and V
+// widened.
 template <class T, class KV = T>
-int64_t attention_decode_work(const AttentionShape& s, int64_t parts) {
-  const int64_t rows = (s.NH / s.NKV + parts - 1) / parts;
-  return (rows + (std::is_same_v<KV, T> ? 0 : 2 * s.HS)) * s.S;
+int64_t attention_decode_work(const AttentionShape& s) {
+  return (1 + (std::is_same_v<KV, T> ? 0 : 2 * s.HS)) * s.S;
 }
 // dq like q; dk, dv (B, NKV, S, HS) summed over each KV head's group of query heads.
 template <class T>

@@ -1,8 +1,8 @@
 // backend/cpu/gemm.cpp: products against a packed weight, which must equal gemm's one-row
 // path bit for bit, row by row, whatever the number of rows (the fused decode step relies on
 // it to match the op path at batch 1, and on a row's result not depending on the others);
-// from the bf16 form, on the weight rounded to bf16. gemm at a few rows of A against the
-// product in double.
+// from the bf16 form, on the weight rounded to bf16. gemm at a few rows of A, and the decode
+// attention of one query, against the same in double.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -170,6 +170,56 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmFewRows,
                            name += std::to_string(std::get<1>(info.param).second);
                            name += std::get<2>(info.param) ? "_bt" : "_b";
                            return name;
+                         });
+
+// attend_one_query (decode attention of one query) equals softmax(scale q k^T) v in double, on
+// both sides of its row kernel's reach (HS up to 128 with AVX-512, 64 with AVX2; 160 and the
+// double form take gemm's products), with rows of K and V at strides wider than HS whose gaps
+// hold NaN, key counts around the kernel's blocks of 8, and nothing written past out's HS.
+class AttendOneQuery : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(AttendOneQuery, EqualsSoftmaxAttentionInDouble) {
+  const auto [HS, n] = GetParam();
+  Generator gen(static_cast<uint64_t>(HS * 1000 + n));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t kst = HS + 3, vst = HS + 7;
+  auto rows = [&](int64_t st) {
+    std::vector<float> m = random_floats((n - 1) * st + HS, gen);
+    for (int64_t r = 0; r + 1 < n; ++r) std::fill_n(m.begin() + r * st + HS, st - HS, nan);
+    return m;
+  };
+  const std::vector<float> q = random_floats(HS, gen), k = rows(kst), v = rows(vst);
+  const double scale = 1.0 / std::sqrt(double(HS));
+  std::vector<double> p(static_cast<size_t>(n)), expect(static_cast<size_t>(HS), 0.0);
+  double top = -1e300, total = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    double dot = 0;
+    for (int64_t d = 0; d < HS; ++d) dot += double(q[d]) * k[j * kst + d];
+    p[j] = scale * dot;
+    top = std::max(top, p[j]);
+  }
+  for (double& x : p) total += x = std::exp(x - top);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < HS; ++d) expect[d] += p[j] / total * v[j * vst + d];
+  std::vector<float> out(static_cast<size_t>(HS + 16), 7.0f), work(static_cast<size_t>(n));
+  cpu::attend_one_query<float>(out.data(), q.data(), k.data(), kst, v.data(), vst, n, HS,
+                               static_cast<float>(scale), work.data());
+  for (int64_t d = 0; d < HS; ++d) ASSERT_NEAR(out[d], expect[d], 2e-5) << "column " << d;
+  for (int64_t d = HS; d < HS + 16; ++d) ASSERT_EQ(out[d], 7.0f) << "written past HS at " << d;
+  // The double form (gradient checks): gemm's products.
+  const std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()), vd(v.begin(), v.end());
+  std::vector<double> outd(static_cast<size_t>(HS)), workd(static_cast<size_t>(n));
+  cpu::attend_one_query<double>(outd.data(), qd.data(), kd.data(), kst, vd.data(), vst, n, HS,
+                                scale, workd.data());
+  for (int64_t d = 0; d < HS; ++d) ASSERT_NEAR(outd[d], expect[d], 1e-12) << "column " << d;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttendOneQuery,
+                         ::testing::Combine(::testing::Values(8, 20, 32, 48, 64, 100, 128, 160),
+                                            ::testing::Values(1, 7, 8, 9, 144, 513)),
+                         [](const auto& info) {
+                           return "hs" + std::to_string(std::get<0>(info.param)) + "_n" +
+                                  std::to_string(std::get<1>(info.param));
                          });
 
 // all_bf16 (which matrices the decode step packs in bf16) sees a single f32 value anywhere,
