@@ -33,6 +33,19 @@ check "--version names the BLAS kernels" 0 "; kernels " -- "$KVLAB" --version
 if grep -qw avx2 /proc/cpuinfo; then  # SSE3 kernels named on a CPU with wider vectors
   check "--version notes narrower named kernels" 0 "unset OPENBLAS_CORETYPE" -- env OPENBLAS_CORETYPE=Prescott "$KVLAB" --version
 fi
+# With OMP_PROC_BIND set, libgomp binds the first thread before main(), and kvlab re-executes
+# itself to set GOMP_SPINCOUNT (autograd/backend/cpu/threads.cpp): the new program must still
+# see every place, not the first one's CPUs alone.
+if [ "$(nproc)" -ge 2 ]; then
+  places=$(env -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY OMP_PROC_BIND=true OMP_DISPLAY_ENV=true \
+    "$KVLAB" --version 2>&1 | sed -n 's/^ *OMP_PLACES = //p')
+  if [ "$(wc -l <<<"$places")" -eq 2 ] && [ "$(sort -u <<<"$places" | wc -l)" -eq 1 ]; then
+    pass=$((pass + 1))
+  else
+    echo "FAIL OMP_PROC_BIND survives the re-exec: places before and after: $places"
+    fails=$((fails + 1))
+  fi
+fi
 tiny=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4
       --iters 20 --eval-interval 10 --eval-iters 2)
 check "train" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 2 --out "$work/run"
