@@ -31,18 +31,18 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-// Lanes [0, n) of p for 0 < n < kLanes, the rest zero: nothing past them is read.
-inline Vec vload_first(const float* p, int64_t n) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-}
 inline void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
-// Lanes [lo, hi) of v to the same lanes at p (0 <= lo < hi <= kLanes); nothing else is written.
-inline void vstore_lanes(float* p, Vec v, int64_t lo, int64_t hi) {
-  _mm512_mask_storeu_ps(p, static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)), v);
+// The lanes [lo, hi) of a vector as a mask (0 <= lo < hi <= kLanes).
+inline __mmask16 lane_mask(int64_t lo, int64_t hi) {
+  return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
 }
 // Lanes [lo, hi) of p, the rest zero: nothing else is read.
 inline Vec vload_lanes(const float* p, int64_t lo, int64_t hi) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)), p);
+  return _mm512_maskz_loadu_ps(lane_mask(lo, hi), p);
+}
+// Lanes [lo, hi) of v to the same lanes at p; nothing else is written.
+inline void vstore_lanes(float* p, Vec v, int64_t lo, int64_t hi) {
+  _mm512_mask_storeu_ps(p, lane_mask(lo, hi), v);
 }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -87,25 +87,18 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-// Lanes [0, n) of p for 0 < n < kLanes, the rest zero: nothing past them is read.
-inline Vec vload_first(const float* p, int64_t n) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-}
 inline void vstore(float* p, Vec v) { _mm256_store_ps(p, v); }
-// The lanes [lo, hi) of a vector as an AVX2 mask.
+// The lanes [lo, hi) of a vector as a mask (0 <= lo < hi <= kLanes).
 inline __m256i lane_mask(int64_t lo, int64_t hi) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(hi)), lane),
                           _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(lo) - 1)));
 }
-// Lanes [lo, hi) of v to the same lanes at p (0 <= lo < hi <= kLanes); nothing else is written.
-inline void vstore_lanes(float* p, Vec v, int64_t lo, int64_t hi) {
-  _mm256_maskstore_ps(p, lane_mask(lo, hi), v);
-}
-// Lanes [lo, hi) of p, the rest zero: nothing else is read.
 inline Vec vload_lanes(const float* p, int64_t lo, int64_t hi) {
   return _mm256_maskload_ps(p, lane_mask(lo, hi));
+}
+inline void vstore_lanes(float* p, Vec v, int64_t lo, int64_t hi) {
+  _mm256_maskstore_ps(p, lane_mask(lo, hi), v);
 }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -146,7 +139,9 @@ struct Chunk {
   Chunk c;
   for (int64_t h = 0; h < kParts; ++h) {
     const int64_t m = n - h * kLanes;  // of this vector's lanes
-    c.v[h] = m >= kLanes ? vload(p + h * kLanes) : m > 0 ? vload_first(p + h * kLanes, m) : vzero();
+    c.v[h] = m >= kLanes ? vload(p + h * kLanes)
+             : m > 0     ? vload_lanes(p + h * kLanes, 0, m)
+                         : vzero();
   }
   return c;
 }
@@ -452,7 +447,7 @@ void attend_rows(float* out, const float* q, const float* k, int64_t kst, const 
                  int64_t vst, int64_t n, int64_t last, float scale, float* p) {
   auto load = [&](const float* row, int h) {
     return h < NV - 1 || last == kLanes ? vload(row + h * kLanes)
-                                        : vload_first(row + h * kLanes, last);
+                                        : vload_lanes(row + h * kLanes, 0, last);
   };
   Vec qv[NV];
   for (int h = 0; h < NV; ++h) qv[h] = load(q, h);
