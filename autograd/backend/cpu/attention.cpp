@@ -102,6 +102,15 @@ void for_each_task(int64_t tasks, F&& fn) {
 
 }  // namespace
 
+template <class T>
+void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
+                      int64_t n, int64_t HS, T scale, T* p) {
+  if constexpr (std::is_same_v<T, float>)
+    if (attend_one_query_kernel(out, q, k, kst, v, vst, n, HS, scale, p)) return;
+  probabilities(p, q, HS, k, kst, 1, n, HS, scale);
+  gemm<T>(false, false, 1, HS, n, T(1), p, n, v, vst, T(0), out, HS);
+}
+
 template <class T, class KV>
 void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
                            const KV* v, HeadView vv, const AttentionShape& s, int64_t task,
@@ -231,6 +240,10 @@ KVLAB_INSTANTIATE(double)
 template void attention_forward<float, uint16_t>(float*, HeadView, const float*, HeadView,
                                                  const uint16_t*, HeadView, const uint16_t*,
                                                  HeadView, const AttentionShape&);
+template void attend_one_query<float>(float*, const float*, const float*, int64_t, const float*,
+                                      int64_t, int64_t, int64_t, float, float*);
+template void attend_one_query<double>(double*, const double*, const double*, int64_t,
+                                       const double*, int64_t, int64_t, int64_t, double, double*);
 template void attention_decode_task<float, float>(float*, HeadView, const float*, HeadView,
                                                   const float*, HeadView, const float*, HeadView,
                                                   const AttentionShape&, int64_t, int64_t, float*);

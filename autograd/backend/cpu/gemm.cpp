@@ -7,7 +7,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
-#include "autograd/backend/cpu/vec_math.h"
+#include "autograd/backend/cpu/vec_math.h"  // attend_rows's softmax
 #include "autograd/error.h"
 
 // The row kernels below (the one-row GEMV and the packed products) are written once over a
@@ -429,8 +429,9 @@ void few_rows_times_b(int64_t M, int64_t N, int64_t K, float alpha, const float*
   });
 }
 
-// Vectors of kLanes a row of HS columns takes, up to which attend_one_query runs the row
-// kernel below (HS 128 with AVX-512, 64 with AVX2); longer rows take the general products.
+// Vectors of kLanes a row of HS columns takes, up to which attend_one_query_kernel runs the
+// row kernel below (HS 128 with AVX-512, 64 with AVX2); longer rows take the general
+// attention's products (attend_one_query, attention.cpp).
 constexpr int64_t kAttendMaxVectors = 8;
 
 // attend_one_query with rows of NV vectors (the last one's first `last` lanes). Scores 8 keys
@@ -485,6 +486,17 @@ void attend_rows(float* out, const float* q, const float* k, int64_t kst, const 
 }  // namespace
 
 #if defined(KVLAB_ROW_KERNELS)
+bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t kst,
+                             const float* v, int64_t vst, int64_t n, int64_t HS, float scale,
+                             float* p) {
+  const int64_t vectors = (HS + kLanes - 1) / kLanes;
+  if (vectors > kAttendMaxVectors) return false;
+  with_rows<kAttendMaxVectors>(vectors, [&](auto nv) {
+    attend_rows<nv()>(out, q, k, kst, v, vst, n, HS - (nv() - 1) * kLanes, scale, p);
+  });
+  return true;
+}
+
 int64_t packed_weight_size(int64_t N, int64_t K) { return round_up(N, kRows) * round_up(K, kCols); }
 int64_t packed_weight_bf16_size(int64_t N, int64_t K) {
   return round_up(N, kRows) * round_up(K, 2 * kCols);
@@ -548,6 +560,10 @@ void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint1
       M, K, n0, n1, round_up(n1, kRows), 1.0f, beta);
 }
 #else
+bool attend_one_query_kernel(float*, const float*, const float*, int64_t, const float*, int64_t,
+                             int64_t, int64_t, float, float*) {
+  return false;
+}
 int64_t packed_weight_size(int64_t, int64_t) { return 0; }
 int64_t packed_weight_bf16_size(int64_t, int64_t) { return 0; }
 void pack_weight(float*, const float*, int64_t, int64_t) {
@@ -665,31 +681,5 @@ template void gemm_batched<float>(bool, bool, int64_t, int64_t, int64_t, float, 
 template void gemm_batched<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*,
                                    int64_t, int64_t, const double*, int64_t, int64_t, double,
                                    double*, int64_t, int64_t, int64_t);
-
-template <class T>
-void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
-                      int64_t n, int64_t HS, T scale, T* p) {
-#if defined(KVLAB_ROW_KERNELS)
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t vectors = (HS + kLanes - 1) / kLanes;
-    if (vectors <= kAttendMaxVectors) {
-      with_rows<kAttendMaxVectors>(vectors, [&](auto nv) {
-        attend_rows<nv()>(out, q, k, kst, v, vst, n, HS - (nv() - 1) * kLanes, scale, p);
-      });
-      return;
-    }
-  }
-#endif
-  gemm<T>(false, true, 1, n, HS, scale, q, HS, k, kst, T(0), p, n);
-  const T inv = static_cast<T>(1.0 / exp_shift_inplace(p, n, row_max(p, n)));
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-  gemm<T>(false, false, 1, HS, n, T(1), p, n, v, vst, T(0), out, HS);
-}
-
-template void attend_one_query<float>(float*, const float*, const float*, int64_t, const float*,
-                                      int64_t, int64_t, int64_t, float, float*);
-template void attend_one_query<double>(double*, const double*, const double*, int64_t,
-                                       const double*, int64_t, int64_t, int64_t, double, double*);
 
 }  // namespace kvlab::cpu

@@ -50,13 +50,11 @@ void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float
                  int64_t K, int64_t n0, int64_t n1, float beta);
 void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
                  int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
-// Decode attention of one query over n >= 1 cached keys: out (HS) = softmax(scale q k^T) v,
-// q (HS), k and v (n, HS) at row strides kst and vst, p (n) work. Single-threaded; it opens no
-// parallel region and allocates nothing. In f32 with AVX-512 or AVX2 (HS up to 128 or 64) a
-// row kernel; otherwise the products of gemm.
-template <class T>
-void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
-                      int64_t n, int64_t HS, T scale, T* p);
+// attend_one_query's row kernel (f32, AVX-512 or AVX2, HS up to 128 or 64): false, having
+// written nothing, where there is none for this HS.
+bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t kst,
+                             const float* v, int64_t vst, int64_t n, int64_t HS, float scale,
+                             float* p);
 
 // ---- elementwise ----
 // out (sizes, contiguous) = a op b, where a and b are read through broadcast strides (0 on a
@@ -128,6 +126,13 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
 template <class T, class KV = T>
 void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
                        const KV* v, HeadView v_v, const AttentionShape& s);
+// Decode attention of one query over n >= 1 cached keys: out (HS) = softmax(scale q k^T) v,
+// q (HS), k and v (n, HS) at row strides kst and vst, p (n) work. Single-threaded; it opens no
+// parallel region and allocates nothing. In f32 the row kernel where there is one, otherwise
+// the probabilities and products of the general attention.
+template <class T>
+void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
+                      int64_t n, int64_t HS, T scale, T* p);
 // The decode attention (T = 1, no dropout) of part of a KV group: attention_forward uses it
 // at T = 1 when group > 1, the fused decode step for every group size. Each KV group g of
 // row b is cut into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part,
