@@ -133,11 +133,12 @@ class GPT : public Module {
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step
-  // Per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head, each in one of
-  // cpu::pack_weight's forms, one after another in decode_pack_'s f32 words, each from a
-  // 64-byte boundary: f32 (packed_weight_size(out, in) words) or, for a matrix whose values
-  // are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
-  // DecodePackGuard lives (decode_pack_users_ of them).
+  // For each thread of the step (omp_get_max_threads at packing), its rows of each matrix
+  // (per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head), each packed on their own
+  // in one of cpu::pack_weight's forms, one after another in decode_pack_'s f32 words, each
+  // from a 64-byte boundary: f32 (packed_weight_size(rows, in) words) or, for a matrix whose
+  // values are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
+  // DecodePackGuard lives (decode_pack_users_ of them) by steps on that many threads.
   Tensor decode_pack_;
   int decode_pack_users_ = 0;
   // The fused step's pointers into the weights and into decode_pack_, taken by the last

@@ -17,10 +17,15 @@
 // While a DecodePackGuard lives, the products read copies of the weights packed as one
 // sequential stream each (cpu::pack_weight), once for all the batch's rows: faster than
 // row-major weights at batch 1 and much faster than the BLAS at a few rows
-// (docs/benchmarks.md). Engine::generate packs at the start of each call (1-2 ms for 20 MB),
-// so weights changed between calls are always seen. A matrix whose values are all bf16
-// (GPT::round_matrices_to_bf16) is packed in bf16, which batch-1 decode, bound by reading
-// the weights, reads in half the bytes for the same results.
+// (docs/benchmarks.md). Each thread's rows of each matrix are packed on their own, and one
+// thread's parts lie one after another in the order the step reads them, so that each thread
+// reads one stream from the first layer to the LM head: its prefetchers do not start afresh
+// at every product (a pass over the weights of 6L/8H/256 with the step's barriers took
+// 0.93-0.97 of the time it takes matrix after matrix; batch-1 decode, medians of 6
+// alternations, 0.99-1.05x at n_kv_head 8 to 1, docs/benchmarks.md). Engine::generate packs at the
+// start of each call (1-2 ms for 20 MB), so weights changed between calls are always seen. A matrix
+// whose values are all bf16 (GPT::round_matrices_to_bf16) is packed in bf16, which batch-1 decode,
+// bound by reading the weights, reads in half the bytes for the same results.
 //
 // This writes the block's forward a second time, for this one case; the op path (the modules'
 // forward) stays the reference, and the tests compare the two at every step.
@@ -43,25 +48,26 @@ namespace kvlab {
 
 namespace {
 
-// A matrix packed in one of cpu::pack_weight's forms (f32, or bf16 values), or none.
+// Rows of a matrix packed in one of cpu::pack_weight's forms (f32, or bf16 values), or none.
 struct PackRef {
   const void* data = nullptr;
   bool bf16 = false;
 };
 
-// A product's f32 weight (out, in), bias (out, or null) and, while packed, the packed weight,
+// A product's f32 weight (out, in), bias (out, or null) and, while packed, each thread's
+// rows of the weight (step_rows) packed on their own, a PackRef per thread (else null);
 // taken before the parallel region: nothing inside it may throw.
 struct LinearRef {
   const float* w;
   const float* b;
   int64_t in;
-  PackRef packed;
-  LinearRef(const Tensor& weight, const Tensor* bias, PackRef pack)
+  const PackRef* parts;
+  LinearRef(const Tensor& weight, const Tensor* bias, const PackRef* parts)
       : w(weight.data<float>()),
         b(bias != nullptr && bias->defined() ? bias->data<float>() : nullptr),
         in(weight.size(1)),
-        packed(pack) {}
-  LinearRef(const Linear& l, PackRef pack) : LinearRef(l.weight, &l.bias, pack) {}
+        parts(parts) {}
+  LinearRef(const Linear& l, const PackRef* parts) : LinearRef(l.weight, &l.bias, parts) {}
 };
 
 struct NormRef {
@@ -79,22 +85,25 @@ std::array<const Linear*, kPackedPerBlock> block_linears(const Block& b) {
           &b.attn.c_proj, &b.mlp.c_fc,    &b.mlp.c_proj};
 }
 
-// pack: the block's kPackedPerBlock packed weights in block_linears's order, or null.
+// parts: the parts of the block's kPackedPerBlock matrices in block_linears's order, `threads`
+// a matrix, or null.
 struct BlockRef {
   NormRef ln_1, ln_2;
   LinearRef q, k, v, proj, fc, fc_proj;
-  BlockRef(const Block& b, const PackRef* pack) : BlockRef(b, block_linears(b), pack) {}
+  BlockRef(const Block& b, const PackRef* parts, int threads)
+      : BlockRef(b, block_linears(b), parts, threads) {}
 
  private:
-  BlockRef(const Block& b, const std::array<const Linear*, kPackedPerBlock>& l, const PackRef* p)
+  BlockRef(const Block& b, const std::array<const Linear*, kPackedPerBlock>& l, const PackRef* p,
+           int n)
       : ln_1(b.ln_1),
         ln_2(b.ln_2),
-        q(*l[0], p ? p[0] : PackRef{}),
-        k(*l[1], p ? p[1] : PackRef{}),
-        v(*l[2], p ? p[2] : PackRef{}),
-        proj(*l[3], p ? p[3] : PackRef{}),
-        fc(*l[4], p ? p[4] : PackRef{}),
-        fc_proj(*l[5], p ? p[5] : PackRef{}) {}
+        q(*l[0], p ? p : nullptr),
+        k(*l[1], p ? p + n : nullptr),
+        v(*l[2], p ? p + 2 * n : nullptr),
+        proj(*l[3], p ? p + 3 * n : nullptr),
+        fc(*l[4], p ? p + 4 * n : nullptr),
+        fc_proj(*l[5], p ? p + 5 * n : nullptr) {}
 };
 
 // This thread's rows [lo, hi) of n, in blocks of a multiple of 16 (the BLAS kernels' tile).
@@ -102,21 +111,60 @@ std::pair<int64_t, int64_t> thread_rows(int64_t n, int t, int nt) {
   return cpu::split_range(n, t, nt, 16);
 }
 
+// Thread t's rows of each of the step's products, of nt threads. When the KV groups share out
+// evenly (own_groups), each thread computes the q, k and v rows of its own groups and then
+// their attention, with no barrier between. Otherwise the q, k and v rows, one range of
+// C + 2 KVD, are split evenly.
+struct StepRows {
+  bool own_groups;
+  int64_t g0, g1;  // the KV groups whose attention this thread computes, when own_groups
+  std::pair<int64_t, int64_t> q, k, v;
+  std::pair<int64_t, int64_t> c;  // of the attention's and the MLP's output projections
+  std::pair<int64_t, int64_t> h;  // of the MLP's c_fc
+  std::pair<int64_t, int64_t> o;  // of the LM head
+  StepRows(const GPTConfig& cfg, int t, int nt) {
+    const int64_t C = cfg.n_embd, NKV = cfg.n_kv_head, HS = cfg.head_size(), KVD = NKV * HS;
+    const int64_t G = cfg.n_head / NKV;
+    own_groups = NKV % nt == 0;
+    g0 = NKV * t / nt;
+    g1 = NKV * (t + 1) / nt;
+    const auto [r0, r1] = thread_rows(C + 2 * KVD, t, nt);
+    if (own_groups) {
+      q = {g0 * G * HS, g1 * G * HS};
+      k = v = {g0 * HS, g1 * HS};
+    } else {
+      q = {std::min(r0, C), std::min(r1, C)};
+      k = {std::clamp<int64_t>(r0 - C, 0, KVD), std::clamp<int64_t>(r1 - C, 0, KVD)};
+      v = {std::clamp<int64_t>(r0 - C - KVD, 0, KVD), std::clamp<int64_t>(r1 - C - KVD, 0, KVD)};
+    }
+    c = thread_rows(C, t, nt);
+    h = thread_rows(cfg.hidden(), t, nt);
+    o = thread_rows(cfg.vocab_size, t, nt);
+  }
+  // The rows of matrix i of GPT::decode_matrices (the last one the LM head).
+  std::pair<int64_t, int64_t> of_matrix(size_t i, size_t count) const {
+    if (i + 1 == count) return o;
+    const std::array<std::pair<int64_t, int64_t>, kPackedPerBlock> block{q, k, v, c, h, c};
+    return block[i % kPackedPerBlock];
+  }
+};
+
 // y[:, lo:hi] (B rows at stride ldy) = bias[lo:hi] + x (B, in) @ w[lo:hi]^T, in the order the
-// linear op uses (bias first, then the product accumulated onto it). Called inside the
-// parallel region: the BLAS runs single-threaded on these rows.
+// linear op uses (bias first, then the product accumulated onto it), reading `part` (the rows
+// [lo, hi) of w packed on their own) where given. Called inside the parallel region: the BLAS
+// runs single-threaded on these rows.
 void linear_rows(float* y, int64_t ldy, const float* x, int64_t B, const LinearRef& lin, int64_t lo,
-                 int64_t hi) {
+                 int64_t hi, const PackRef* part) {
   if (lo >= hi) return;
   if (lin.b != nullptr)
     for (int64_t b = 0; b < B; ++b) std::copy(lin.b + lo, lin.b + hi, y + b * ldy + lo);
   const float beta = lin.b != nullptr ? 1.0f : 0.0f;
-  if (lin.packed.bf16)
-    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const uint16_t*>(lin.packed.data), B, lin.in,
-                     lo, hi, beta);
-  else if (lin.packed.data != nullptr)
-    cpu::gemm_packed(y, ldy, x, lin.in, static_cast<const float*>(lin.packed.data), B, lin.in, lo,
-                     hi, beta);
+  if (part != nullptr && part->bf16)
+    cpu::gemm_packed(y + lo, ldy, x, lin.in, static_cast<const uint16_t*>(part->data), B, lin.in, 0,
+                     hi - lo, beta);
+  else if (part != nullptr)
+    cpu::gemm_packed(y + lo, ldy, x, lin.in, static_cast<const float*>(part->data), B, lin.in, 0,
+                     hi - lo, beta);
   else
     cpu::gemm<float>(false, true, B, hi - lo, lin.in, 1.0f, x, lin.in, lin.w + lo * lin.in, lin.in,
                      beta, y + lo, ldy);
@@ -201,27 +249,35 @@ void store_new(KV* dst, HeadView view, const float* src, int64_t B, int64_t KVD,
 }  // namespace
 
 // The step's pointers into the model: taking them costs ~2 us a step (some hundred calls into
-// Tensor), so pack_for_decode takes them once for all the steps of a generation.
+// Tensor), so pack_for_decode takes them once for all the steps of a generation. parts: the
+// packed parts of the matrices of GPT::decode_matrices, `threads` a matrix (thread t's rows,
+// StepRows, at t), or none; a step read by another number of threads reads the row-major
+// weights.
 struct DecodeRefs {
+  const std::vector<PackRef> parts;
+  const int threads;
   std::vector<BlockRef> layers;
   NormRef final_norm;
   LinearRef head;
-};
+  DecodeRefs(const GPT& m, std::vector<PackRef> packed, int packed_threads)
+      : parts(std::move(packed)),
+        threads(packed_threads),
+        final_norm(m.ln_f),
+        head(m.lm_head_weight(), nullptr, part(m.blocks.size() * kPackedPerBlock)) {
+    KVLAB_ASSERT(parts.empty() || parts.size() == (m.blocks.size() * kPackedPerBlock + 1) *
+                                                      static_cast<size_t>(threads),
+                 "gpt: ", parts.size(), " packed parts for ", m.blocks.size(), " blocks and ",
+                 threads, " threads");
+    layers.reserve(m.blocks.size());
+    for (size_t l = 0; l < m.blocks.size(); ++l)
+      layers.emplace_back(*m.blocks[l], part(l * kPackedPerBlock), threads);
+  }
 
-namespace {
-// pack: the packed matrices in GPT::decode_matrices's order, or null for none.
-std::shared_ptr<const DecodeRefs> make_decode_refs(const GPT& m, const std::vector<PackRef>* pack) {
-  KVLAB_ASSERT(!pack || pack->size() == m.blocks.size() * kPackedPerBlock + 1,
-               "gpt: ", pack->size(), " packed weights for ", m.blocks.size(), " blocks");
-  std::vector<BlockRef> layers;
-  layers.reserve(m.blocks.size());
-  for (size_t l = 0; l < m.blocks.size(); ++l)
-    layers.emplace_back(*m.blocks[l], pack ? &(*pack)[l * kPackedPerBlock] : nullptr);
-  return std::make_shared<const DecodeRefs>(
-      DecodeRefs{std::move(layers), NormRef(m.ln_f),
-                 LinearRef(m.lm_head_weight(), nullptr, pack ? pack->back() : PackRef{})});
-}
-}  // namespace
+ private:
+  const PackRef* part(size_t matrix) const {  // matrix's first part, or null
+    return parts.empty() ? nullptr : &parts[matrix * static_cast<size_t>(threads)];
+  }
+};
 
 bool GPT::fused_decode_applies() const {
   return fused_cpu_decode && wte.weight.device() == Device::CPU && wte.weight.dtype() == DType::F32;
@@ -250,32 +306,48 @@ DecodePackGuard GPT::pack_for_decode() {
     bf16[static_cast<size_t>(i)] = cpu::all_bf16(w.data<float>(), w.numel());
   }
   // The buffer (reused while its size fits) and the weights' pointers are taken before the
-  // parallel region: nothing inside it may throw. The matrices lie one after another in one
-  // block, so that the step's stream of weights takes huge pages (cpu_raw_alloc).
-  std::vector<int64_t> offset;  // of each matrix, in words
+  // parallel region: nothing inside it may throw. All the parts lie in one block, so that the
+  // step's streams of weights take huge pages (cpu_raw_alloc): thread t's parts of every
+  // matrix in the order the step reads them, then thread t + 1's.
+  const int threads = omp_get_max_threads();
+  const size_t parts = weights.size() * static_cast<size_t>(threads);
+  std::vector<int64_t> offset(parts);  // of matrix i's part t at i * threads + t, in words
+  std::vector<std::pair<int64_t, int64_t>> rows(parts);
   int64_t words = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const Tensor& w = *weights[i];
-    offset.push_back(words);
-    const int64_t n = bf16[i] ? (cpu::packed_weight_bf16_size(w.size(0), w.size(1)) + 1) / 2
-                              : cpu::packed_weight_size(w.size(0), w.size(1));
-    words += (n + 15) / 16 * 16;  // each matrix on a 64-byte line of its own
+  for (int t = 0; t < threads; ++t) {
+    const StepRows step(cfg_, t, threads);
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const size_t at = i * static_cast<size_t>(threads) + static_cast<size_t>(t);
+      rows[at] = step.of_matrix(i, weights.size());
+      const int64_t n = rows[at].second - rows[at].first, k = weights[i]->size(1);
+      if (n <= 0) continue;
+      offset[at] = words;
+      const int64_t size =
+          bf16[i] ? (cpu::packed_weight_bf16_size(n, k) + 1) / 2 : cpu::packed_weight_size(n, k);
+      words += (size + 15) / 16 * 16;  // each part on a 64-byte line of its own
+    }
   }
   if (!decode_pack_.defined() || decode_pack_.numel() != words)
     decode_pack_ = Tensor::empty({words});
   float* buffer = decode_pack_.data<float>();
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < count; ++i) {
-    const Tensor& w = *weights[static_cast<size_t>(i)];
-    float* p = buffer + offset[static_cast<size_t>(i)];
-    if (bf16[static_cast<size_t>(i)])
-      cpu::pack_weight(reinterpret_cast<uint16_t*>(p), w.data<float>(), w.size(0), w.size(1));
+  for (int64_t j = 0; j < static_cast<int64_t>(parts); ++j) {
+    const size_t at = static_cast<size_t>(j), i = at / static_cast<size_t>(threads);
+    const auto [lo, hi] = rows[at];
+    if (lo >= hi) continue;
+    const Tensor& w = *weights[i];
+    const float* src = w.data<float>() + lo * w.size(1);
+    float* p = buffer + offset[at];
+    if (bf16[i])
+      cpu::pack_weight(reinterpret_cast<uint16_t*>(p), src, hi - lo, w.size(1));
     else
-      cpu::pack_weight(p, w.data<float>(), w.size(0), w.size(1));
+      cpu::pack_weight(p, src, hi - lo, w.size(1));
   }
-  std::vector<PackRef> pack;
-  for (size_t i = 0; i < weights.size(); ++i) pack.push_back({buffer + offset[i], bf16[i] != 0});
-  decode_refs_ = make_decode_refs(*this, &pack);
+  std::vector<PackRef> pack(parts);
+  for (size_t at = 0; at < parts; ++at)
+    if (rows[at].first < rows[at].second)
+      pack[at] = {buffer + offset[at], bf16[at / static_cast<size_t>(threads)] != 0};
+  decode_refs_ = std::make_shared<const DecodeRefs>(*this, std::move(pack), threads);
   ++decode_pack_users_;
   return DecodePackGuard(this);
 }
@@ -314,7 +386,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
                 " is outside [0, ", V, ")");
   const bool packed = decode_pack_users_ > 0;
   const std::shared_ptr<const DecodeRefs> refs =
-      packed ? decode_refs_ : make_decode_refs(*this, nullptr);
+      packed ? decode_refs_ : std::make_shared<const DecodeRefs>(*this, std::vector<PackRef>(), 0);
   const std::vector<BlockRef>& layers = refs->layers;
   const NormRef& final_norm = refs->final_norm;
   const LinearRef& head = refs->head;
@@ -363,21 +435,20 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     float* stats = ln + B * C;
     float* my_work = work_s + t * work_size;
     AttentionShape shape = s;                     // S set per layer
-    const auto [c0, c1] = thread_rows(C, t, nt);  // this thread's columns of x
-    // When the KV groups share out evenly, each thread computes the q, k and v rows of its
-    // own groups and then their attention, with no barrier between. Otherwise the q, k and v
-    // rows, one range of C + 2 KVD, are split evenly, and with fewer KV groups than threads a
-    // group's query heads are shared out too.
-    const bool own_groups = NKV % nt == 0;
-    const int64_t g0 = NKV * t / nt, g1 = NKV * (t + 1) / nt;
-    const auto [r0, r1] = thread_rows(C + 2 * KVD, t, nt);
-    const int64_t q0 = own_groups ? g0 * G * HS : std::min(r0, C);
-    const int64_t q1 = own_groups ? g1 * G * HS : std::min(r1, C);
-    const int64_t k0 = own_groups ? g0 * HS : std::clamp<int64_t>(r0 - C, 0, KVD);
-    const int64_t k1 = own_groups ? g1 * HS : std::clamp<int64_t>(r1 - C, 0, KVD);
-    const int64_t v0 = own_groups ? k0 : std::clamp<int64_t>(r0 - C - KVD, 0, KVD);
-    const int64_t v1 = own_groups ? k1 : std::clamp<int64_t>(r1 - C - KVD, 0, KVD);
+    const StepRows rows(cfg_, t, nt);
+    const auto [c0, c1] = rows.c;  // also this thread's columns of x
+    const auto [q0, q1] = rows.q;
+    const auto [k0, k1] = rows.k;
+    const auto [v0, v1] = rows.v;
+    const auto [h0, h1] = rows.h;
+    const int64_t g0 = rows.g0, g1 = rows.g1;
+    const bool own_groups = rows.own_groups;
+    // Without own groups, with fewer KV groups than threads a group's query heads are shared
+    // out too.
     const int64_t parts = own_groups ? 1 : std::clamp<int64_t>(nt / (B * NKV), 1, G);
+    // This thread's part of a packed matrix, where the packing was for nt threads.
+    const bool packed_for_nt = !refs->parts.empty() && refs->threads == nt;
+    auto part = [&](const LinearRef& lin) { return packed_for_nt ? lin.parts + t : nullptr; };
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = c0; c < c1; ++c)
         xs[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[at[b] * C + c];
@@ -387,9 +458,9 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
       const BlockRef& blk = layers[l];
       const CacheRef& kv = caches[l];
       layer_norm(ln, stats, xs, blk.ln_1, B, C);
-      linear_rows(qs, C, ln, B, blk.q, q0, q1);
-      linear_rows(ks, KVD, ln, B, blk.k, k0, k1);
-      linear_rows(vs, KVD, ln, B, blk.v, v0, v1);
+      linear_rows(qs, C, ln, B, blk.q, q0, q1, part(blk.q));
+      linear_rows(ks, KVD, ln, B, blk.k, k0, k1, part(blk.k));
+      linear_rows(vs, KVD, ln, B, blk.v, v0, v1, part(blk.v));
       shape.S = kv.S;
       kv.typed([&](auto* kd, auto* vd) {
         using KV = std::remove_pointer_t<decltype(kd)>;
@@ -407,22 +478,20 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
           for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
       });
       barrier.wait();
-      linear_rows(ds, C, ys, B, blk.proj, c0, c1);
+      linear_rows(ds, C, ys, B, blk.proj, c0, c1, part(blk.proj));
       add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
       barrier.wait();
       layer_norm(ln, stats, xs, blk.ln_2, B, C);
-      const auto [h0, h1] = thread_rows(H, t, nt);
-      linear_rows(hs, H, ln, B, blk.fc, h0, h1);
+      linear_rows(hs, H, ln, B, blk.fc, h0, h1, part(blk.fc));
       for (int64_t b = 0; b < B && h0 < h1; ++b)
         cpu::gelu_forward<float>(hs + b * H + h0, hs + b * H + h0, h1 - h0);
       barrier.wait();
-      linear_rows(ds, C, hs, B, blk.fc_proj, c0, c1);
+      linear_rows(ds, C, hs, B, blk.fc_proj, c0, c1, part(blk.fc_proj));
       add_rows(xs, ds, B, C, c0, c1);  // x += mlp(ln_2(x))
       barrier.wait();
     }
     layer_norm(ln, stats, xs, final_norm, B, C);
-    const auto [o0, o1] = thread_rows(V, t, nt);
-    linear_rows(out, V, ln, B, head, o0, o1);
+    linear_rows(out, V, ln, B, head, rows.o.first, rows.o.second, part(head));
   }
   return logits;
 }

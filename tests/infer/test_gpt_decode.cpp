@@ -357,6 +357,32 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
 }
 
+// Each thread's rows are packed on their own, for the thread count at packing: a step on
+// another number of threads reads the row-major weights (so a weight changed under the guard
+// shows there), and one on that number reads the copies again.
+TEST(PackedDecode, AStepOnOtherThreadsThanThePackReadsTheWeights) {
+  auto model = test::random_model(odd_config(2), 5);
+  NoGradGuard no_grad;
+  if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  const std::vector<int32_t> prompt{4, 9, 1};
+  const std::vector<float> before = step_logits(*model, false, prompt, 7);
+  model->fused_cpu_decode = true;
+  std::optional<DecodePackGuard> pack;
+  {
+    const ThreadCount three(3);
+    pack.emplace(model->pack_for_decode());
+  }
+  const ThreadCount two(2);
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
+  Tensor w = model->blocks[0]->attn.q_proj.weight;  // changed under the guard
+  for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
+  const std::vector<float> after = step_logits(*model, false, prompt, 7);
+  ASSERT_GT(max_diff(after, before), 0.1);
+  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
+  const ThreadCount three(3);
+  EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), after), 0.1);  // the copies
+}
+
 // Guards nest (a generate call inside another's callback, two engines on one model): the
 // copies are read until the last guard ends, not the first.
 TEST(PackedDecode, GuardsNest) {
