@@ -98,7 +98,7 @@ struct BlockRef {
            int n)
       : ln_1(b.ln_1),
         ln_2(b.ln_2),
-        q(*l[0], p ? p : nullptr),
+        q(*l[0], p),
         k(*l[1], p ? p + n : nullptr),
         v(*l[2], p ? p + 2 * n : nullptr),
         proj(*l[3], p ? p + 3 * n : nullptr),
