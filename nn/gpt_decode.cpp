@@ -22,10 +22,11 @@
 // reads one stream from the first layer to the LM head: its prefetchers do not start afresh
 // at every product (a pass over the weights of 6L/8H/256 with the step's barriers took
 // 0.93-0.97 of the time it takes matrix after matrix; batch-1 decode, medians of 6
-// alternations, 0.99-1.05x at n_kv_head 8 to 1, docs/benchmarks.md). Engine::generate packs at the
-// start of each call (1-2 ms for 20 MB), so weights changed between calls are always seen. A matrix
-// whose values are all bf16 (GPT::round_matrices_to_bf16) is packed in bf16, which batch-1 decode,
-// bound by reading the weights, reads in half the bytes for the same results.
+// alternations, 0.99-1.05x at n_kv_head 8 to 1, docs/benchmarks.md). Engine::generate packs
+// at the start of each call (1-2 ms for 20 MB), so weights changed between calls are always
+// seen. A matrix whose values are all bf16 (GPT::round_matrices_to_bf16) is packed in bf16,
+// which batch-1 decode, bound by reading the weights, reads in half the bytes for the same
+// results.
 //
 // This writes the block's forward a second time, for this one case; the op path (the modules'
 // forward) stays the reference, and the tests compare the two at every step.
@@ -55,7 +56,7 @@ struct PackRef {
 };
 
 // A product's f32 weight (out, in), bias (out, or null) and, while packed, each thread's
-// rows of the weight (step_rows) packed on their own, a PackRef per thread (else null);
+// rows of the weight (StepRows) packed on their own, a PackRef per thread (else null);
 // taken before the parallel region: nothing inside it may throw.
 struct LinearRef {
   const float* w;
@@ -251,8 +252,8 @@ void store_new(KV* dst, HeadView view, const float* src, int64_t B, int64_t KVD,
 // The step's pointers into the model: taking them costs ~2 us a step (some hundred calls into
 // Tensor), so pack_for_decode takes them once for all the steps of a generation. parts: the
 // packed parts of the matrices of GPT::decode_matrices, `threads` a matrix (thread t's rows,
-// StepRows, at t), or none; a step read by another number of threads reads the row-major
-// weights.
+// StepRows, at t), or none (threads 0); a step on another number of threads reads the
+// row-major weights.
 struct DecodeRefs {
   const std::vector<PackRef> parts;
   const int threads;
@@ -264,10 +265,10 @@ struct DecodeRefs {
         threads(packed_threads),
         final_norm(m.ln_f),
         head(m.lm_head_weight(), nullptr, part(m.blocks.size() * kPackedPerBlock)) {
-    KVLAB_ASSERT(parts.empty() || parts.size() == (m.blocks.size() * kPackedPerBlock + 1) *
-                                                      static_cast<size_t>(threads),
-                 "gpt: ", parts.size(), " packed parts for ", m.blocks.size(), " blocks and ",
-                 threads, " threads");
+    KVLAB_ASSERT(
+        parts.size() == (m.blocks.size() * kPackedPerBlock + 1) * static_cast<size_t>(threads),
+        "gpt: ", parts.size(), " packed parts for ", m.blocks.size(), " blocks and ", threads,
+        " threads");
     layers.reserve(m.blocks.size());
     for (size_t l = 0; l < m.blocks.size(); ++l)
       layers.emplace_back(*m.blocks[l], part(l * kPackedPerBlock), threads);
@@ -447,7 +448,7 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     // out too.
     const int64_t parts = own_groups ? 1 : std::clamp<int64_t>(nt / (B * NKV), 1, G);
     // This thread's part of a packed matrix, where the packing was for nt threads.
-    const bool packed_for_nt = !refs->parts.empty() && refs->threads == nt;
+    const bool packed_for_nt = refs->threads == nt;
     auto part = [&](const LinearRef& lin) { return packed_for_nt ? lin.parts + t : nullptr; };
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = c0; c < c1; ++c)
