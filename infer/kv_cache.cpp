@@ -27,6 +27,9 @@ class ContiguousKVCache::RowRange final : public KVCache {
   std::pair<Tensor, Tensor> slots(int layer, int64_t T) override {
     return parent_.slots_rows(layer, first_, batch(), T);
   }
+  std::pair<SlotView, SlotView> slot_views(int layer, int64_t T) override {
+    return parent_.slot_views_rows(layer, first_, batch(), T);
+  }
   void advance(int64_t T) override {
     for (size_t i = 0; i < lengths_.size(); ++i) {
       lengths_[i] += T;
@@ -68,9 +71,21 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
 
 ContiguousKVCache::~ContiguousKVCache() = default;
 
-Tensor ContiguousKVCache::view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
+SlotView ContiguousKVCache::rows_of(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
   const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
-  return buf.as_strided({n, n_kv_head_, S, head_size_}, {sb, sh, head_size_, 1}, first * sb);
+  return {static_cast<char*>(buf.raw_data()) + static_cast<size_t>(first * sb) * dtype_size(dtype_),
+          4,
+          {n, n_kv_head_, S, head_size_},
+          {sb, sh, head_size_, 1},
+          dtype_,
+          buf.device(),
+          Tensor()};
+}
+
+Tensor ContiguousKVCache::view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
+  const SlotView r = rows_of(buf, first, n, S);
+  return buf.as_strided(Shape(r.sizes.begin(), r.sizes.end()),
+                        Shape(r.strides.begin(), r.strides.end()), first * r.strides[0]);
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append(int layer, const Tensor& k, const Tensor& v) {
@@ -81,8 +96,11 @@ std::pair<Tensor, Tensor> ContiguousKVCache::slots(int layer, int64_t T) {
   return slots_rows(layer, 0, batch_, T);
 }
 
-std::pair<Tensor, Tensor> ContiguousKVCache::slots_rows(int layer, int64_t first, int64_t n,
-                                                        int64_t T) {
+std::pair<SlotView, SlotView> ContiguousKVCache::slot_views(int layer, int64_t T) {
+  return slot_views_rows(layer, 0, batch_, T);
+}
+
+int64_t ContiguousKVCache::slot_length(int layer, int64_t first, int64_t n, int64_t T) const {
   KVLAB_CHECK(layer >= 0 && layer < n_layer_, "kv cache: layer ", layer, " outside [0, ", n_layer_,
               ")");
   KVLAB_CHECK(first >= 0 && n >= 0 && first + n <= batch_ && T >= 0, "kv cache: ", T,
@@ -95,9 +113,21 @@ std::pair<Tensor, Tensor> ContiguousKVCache::slots_rows(int layer, int64_t first
                 " more exceed its capacity of ", capacity_);
     max_len = std::max(max_len, len);
   }
-  const int64_t S = max_len + T;
+  return max_len + T;
+}
+
+std::pair<Tensor, Tensor> ContiguousKVCache::slots_rows(int layer, int64_t first, int64_t n,
+                                                        int64_t T) {
+  const int64_t S = slot_length(layer, first, n, T);
   return {view(k_[static_cast<size_t>(layer)], first, n, S),
           view(v_[static_cast<size_t>(layer)], first, n, S)};
+}
+
+std::pair<SlotView, SlotView> ContiguousKVCache::slot_views_rows(int layer, int64_t first,
+                                                                 int64_t n, int64_t T) {
+  const int64_t S = slot_length(layer, first, n, T);
+  return {rows_of(k_[static_cast<size_t>(layer)], first, n, S),
+          rows_of(v_[static_cast<size_t>(layer)], first, n, S)};
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t first, const Tensor& k,

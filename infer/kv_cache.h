@@ -10,9 +10,9 @@
 // too, keep a pool of (NKV, block, HS) blocks per layer plus a (B, max_blocks) table, and
 //  - append(): write each row's new positions into its current block (taking a free block
 //    from the pool when one fills) instead of at an offset of one big buffer;
-//  - slots(): the views must be the cache's own memory, which scattered blocks are not, so
-//    the fused CPU decode step (its only caller) would take the block table as well, for
-//    its cache writes and its attention alike;
+//  - slots(), slot_views(): the views must be the cache's own memory, which scattered
+//    blocks are not, so the fused CPU decode step (their only caller) would take the block
+//    table as well, for its cache writes and its attention alike;
 //  - the views it returns: the attention op reads (B, NKV, S, HS) strided views today, so a
 //    paged cache would either gather into a scratch buffer or pass its block table to a
 //    paged attention kernel (the only change outside infer/);
@@ -72,6 +72,7 @@ class ContiguousKVCache final : public GenerationKVCache {
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
   // Views of the buffers themselves: what the caller writes into them is cached.
   std::pair<Tensor, Tensor> slots(int layer, int64_t T) override;
+  std::pair<SlotView, SlotView> slot_views(int layer, int64_t T) override;  // slots()'s, untensored
   void advance(int64_t T) override;
 
   // ---- GenerationKVCache ----
@@ -97,9 +98,14 @@ class ContiguousKVCache final : public GenerationKVCache {
   // Writes k, v (n, NKV, T, HS) into rows first .. first + n - 1 at their lengths and returns
   // views (n, NKV, max_len + T, HS) of those rows.
   std::pair<Tensor, Tensor> append_rows(int layer, int64_t first, const Tensor& k, const Tensor& v);
-  // Views (n, NKV, max_len + T, HS) of rows first .. first + n - 1, once they are checked to
-  // exist and to have room for T more positions.
+  // S = max_len + T for rows first .. first + n - 1, once they are checked to exist and to
+  // have room for T more positions.
+  int64_t slot_length(int layer, int64_t first, int64_t n, int64_t T) const;
+  // Views (n, NKV, S, HS) of those rows, or where they lie.
   std::pair<Tensor, Tensor> slots_rows(int layer, int64_t first, int64_t n, int64_t T);
+  std::pair<SlotView, SlotView> slot_views_rows(int layer, int64_t first, int64_t n, int64_t T);
+  // Rows first .. first + n - 1 of a layer's buffer as (n, NKV, S, HS): where they lie, or a view.
+  SlotView rows_of(const Tensor& buf, int64_t first, int64_t n, int64_t S) const;
   Tensor view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const;
 
   int64_t n_layer_, max_batch_, capacity_, n_kv_head_, head_size_;

@@ -185,45 +185,44 @@ void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int
   cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.w, ln.b, B, C, ln.eps);
 }
 
-// One layer's cache views for this step (cache.slots): host memory, f32 or bf16,
+// One layer's cache views for this step (cache.slot_views): host memory, f32 or bf16,
 // (B, NKV, S, HS) with contiguous heads and room for every row's length (which counts this
 // step's position), checked before the parallel region; the threads write their new keys and
 // values straight into them.
 struct CacheRef {
-  Tensor k_view, v_view;  // held for the step
-  void *k, *v;            // their data
+  SlotView k_view, v_view;  // held for the step
   HeadView k_strides, v_strides;
   int64_t S;
   bool bf16;
-  CacheRef(std::pair<Tensor, Tensor> views, int64_t B, int64_t NKV, int64_t HS,
+  CacheRef(std::pair<SlotView, SlotView> views, int64_t B, int64_t NKV, int64_t HS,
            std::span<const int64_t> lengths)
       : k_view(std::move(views.first)), v_view(std::move(views.second)) {
-    const Tensor &kt = k_view, &vt = v_view;
+    const SlotView &kt = k_view, &vt = v_view;
     const bool ok =
-        kt.device() == Device::CPU && vt.device() == Device::CPU && kt.dtype() == vt.dtype() &&
-        (kt.dtype() == DType::F32 || kt.dtype() == DType::BF16) && kt.dim() == 4 &&
-        kt.sizes() == vt.sizes() && kt.size(0) == B && kt.size(1) == NKV && kt.size(3) == HS &&
-        kt.stride(3) == 1 && vt.stride(3) == 1 &&
-        std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= kt.size(2); });
-    KVLAB_CHECK(ok, "gpt: the KV cache returned k ", kt.shape_str(), " ", dtype_name(kt.dtype()),
-                " on ", device_name(kt.device()), ", v ", vt.shape_str(), " ",
-                dtype_name(vt.dtype()),
+        kt.device == Device::CPU && vt.device == Device::CPU && kt.dtype == vt.dtype &&
+        (kt.dtype == DType::F32 || kt.dtype == DType::BF16) && kt.dim == 4 && vt.dim == 4 &&
+        kt.sizes == vt.sizes && kt.sizes[0] == B && kt.sizes[1] == NKV && kt.sizes[3] == HS &&
+        kt.strides[3] == 1 && vt.strides[3] == 1 &&
+        std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= kt.sizes[2]; });
+    auto shape = [](const SlotView& s) {
+      return shape_str(Shape(s.sizes.begin(), s.sizes.begin() + std::min<int64_t>(s.dim, 4)));
+    };
+    KVLAB_CHECK(ok, "gpt: the KV cache returned k ", shape(kt), " ", dtype_name(kt.dtype), " on ",
+                device_name(kt.device), ", v ", shape(vt), " ", dtype_name(vt.dtype),
                 "; the CPU decode step writes and reads host f32 or bf16 (B, NKV, S, HS) views "
                 "with contiguous heads");
-    k = kt.raw_data();
-    v = vt.raw_data();
-    k_strides = {kt.stride(0), kt.stride(1), kt.stride(2)};
-    v_strides = {vt.stride(0), vt.stride(1), vt.stride(2)};
-    S = kt.size(2);
-    bf16 = kt.dtype() == DType::BF16;
+    k_strides = {kt.strides[0], kt.strides[1], kt.strides[2]};
+    v_strides = {vt.strides[0], vt.strides[1], vt.strides[2]};
+    S = kt.sizes[2];
+    bf16 = kt.dtype == DType::BF16;
   }
   // fn(k, v) with the data as its elements: float, or uint16_t for bf16.
   template <class F>
   void typed(F&& fn) const {
     if (bf16)
-      fn(static_cast<uint16_t*>(k), static_cast<uint16_t*>(v));
+      fn(static_cast<uint16_t*>(k_view.data), static_cast<uint16_t*>(v_view.data));
     else
-      fn(static_cast<float*>(k), static_cast<float*>(v));
+      fn(static_cast<float*>(k_view.data), static_cast<float*>(v_view.data));
   }
 };
 
@@ -394,22 +393,12 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   std::vector<CacheRef> caches;
   caches.reserve(blocks.size());
   for (size_t l = 0; l < blocks.size(); ++l)
-    caches.emplace_back(cache.slots(static_cast<int>(l), 1), B, NKV, HS, kv_lengths_);
+    caches.emplace_back(cache.slot_views(static_cast<int>(l), 1), B, NKV, HS, kv_lengths_);
   const float* wte_w = wte.weight.data<float>();
   const float* wpe_w = wpe.weight.data<float>();
   const int threads = omp_get_max_threads();
-  Tensor x = Tensor::empty({B, C});                      // (B, C) the residual stream
-  Tensor q = Tensor::empty({B, C});                      // (B, 1, NH, HS)
-  Tensor k_new = Tensor::empty({B, KVD});                // this step's keys
-  Tensor v_new = Tensor::empty({B, KVD});                // and values
-  Tensor y = Tensor::empty({B, C});                      // (B, 1, NH, HS) attention out
-  Tensor d = Tensor::empty({B, C});                      // (B, C) a block's update to x
-  Tensor h = Tensor::empty({B, H});                      // (B, H) MLP hidden
-  Tensor own = Tensor::empty({threads, B * C + 2 * B});  // per thread: LayerNorm out, stats
-  Tensor logits = Tensor::empty({B, 1, V});              // (B, 1, V)
-  float *xs = x.data<float>(), *qs = q.data<float>(), *ks = k_new.data<float>();
-  float *vs = v_new.data<float>(), *ys = y.data<float>(), *ds = d.data<float>();
-  float *hs = h.data<float>(), *own_s = own.data<float>(), *out = logits.data<float>();
+  Tensor logits = Tensor::empty({B, 1, V});  // (B, 1, V)
+  float* out = logits.data<float>();
   const int64_t* lengths = kv_lengths_.data();  // each row's, this step's position included
   const AttentionShape s{B, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
@@ -425,14 +414,31 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   }
   const int64_t work_size = any_bf16 ? cpu::attention_decode_work<float, uint16_t>(longest)
                                      : cpu::attention_decode_work<float>(longest);
-  Tensor work = Tensor::empty({threads, work_size});
-  float* work_s = work.data<float>();
+  // The step's buffers, carved from one block, each on 64-byte lines of its own (eleven tensors
+  // a step cost ~1 us to make and free): the residual stream x (B, C), q (B, 1, NH, HS), this
+  // step's keys and values (B, KVD), the attention's output y (B, 1, NH, HS), a block's update
+  // d to x (B, C), the MLP's hidden h (B, H), and per thread its LayerNorm output and stats
+  // (own_size) and the attention's work memory.
+  const int64_t own_size = B * C + 2 * B;
+  const std::array<int64_t, 9> sizes{
+      B * C, B * C, B * KVD, B * KVD, B * C, B * C, B * H, threads * own_size, threads * work_size};
+  auto lines = [](int64_t n) { return (n + 15) / 16 * 16; };
+  int64_t words = 0;
+  for (int64_t n : sizes) words += lines(n);
+  Tensor step_buffer = Tensor::empty({words});
+  std::array<float*, sizes.size()> buf{};
+  float* next = step_buffer.data<float>();
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    buf[i] = next;
+    next += lines(sizes[i]);
+  }
+  const auto [xs, qs, ks, vs, ys, ds, hs, own_s, work_s] = buf;
   cpu::SpinBarrier barrier;
 
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    float* ln = own_s + t * (B * C + 2 * B);  // (B, C), then mean and rstd (B)
+    float* ln = own_s + t * own_size;  // (B, C), then mean and rstd (B)
     float* stats = ln + B * C;
     float* my_work = work_s + t * work_size;
     AttentionShape shape = s;                     // S set per layer

@@ -151,6 +151,50 @@ TEST(KVCache, SlotsAreTheViewsAppendReturnsAndWritesIntoThemAreCached) {
   EXPECT_THROW(cache.slots(2, 1), Error);  // layer 2 of 2
 }
 
+// slot_views() names the memory and layout of the views slots() returns, without them: for the
+// whole cache and a range of its rows, f32 and bf16, with the same errors; KVCache's default
+// (any other implementation) takes them from slots() and holds the views.
+TEST(KVCache, SlotViewsDescribeTheViewsOfSlots) {
+  auto same = [](const SlotView& s, const Tensor& view) {
+    EXPECT_EQ(s.data, view.raw_data());
+    EXPECT_EQ(s.dim, 4);
+    EXPECT_EQ(Shape(s.sizes.begin(), s.sizes.end()), view.sizes());
+    EXPECT_EQ(Shape(s.strides.begin(), s.strides.end()), view.strides());
+    EXPECT_EQ(s.dtype, view.dtype());
+    EXPECT_EQ(s.device, view.device());
+  };
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    ContiguousKVCache cache(2, 3, 5, 2, 4, dtype);
+    cache.rows(1, 2).advance(3);  // lengths 0, 3, 3
+    for (int64_t first : {0, 1}) {
+      KVCache& c = first == 0 ? static_cast<KVCache&>(cache) : cache.rows(1, 2);
+      const auto [k, v] = c.slots(1, 2);
+      const auto [ks, vs] = c.slot_views(1, 2);
+      same(ks, k);
+      same(vs, v);
+      EXPECT_FALSE(ks.held.defined());          // nothing made
+      EXPECT_THROW(c.slot_views(1, 3), Error);  // rows of length 3 hold 5
+      EXPECT_THROW(c.slot_views(2, 1), Error);  // layer 2 of 2
+    }
+  }
+  // Any other KVCache: the views of its slots(), held.
+  struct Plain final : KVCache {
+    ContiguousKVCache inner{1, 1, 4, 1, 2};
+    int64_t batch() const override { return inner.batch(); }
+    int64_t capacity() const override { return inner.capacity(); }
+    const std::vector<int64_t>& lengths() const override { return inner.lengths(); }
+    std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
+      return inner.append(layer, k, v);
+    }
+    std::pair<Tensor, Tensor> slots(int layer, int64_t T) override { return inner.slots(layer, T); }
+    void advance(int64_t T) override { inner.advance(T); }
+  } plain;
+  const auto [ks, vs] = plain.slot_views(0, 1);
+  ASSERT_TRUE(ks.held.defined());
+  same(ks, ks.held);
+  same(vs, plain.inner.slots(0, 1).second);
+}
+
 TEST(KVCache, AcceptsAnyStrides) {
   // The same values once with HS contiguous and once with HS strided (the slow path).
   const int64_t B = 2, NKV = 2, T = 3, HS = 4;
