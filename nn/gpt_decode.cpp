@@ -107,6 +107,10 @@ struct BlockRef {
         fc_proj(*l[5], p ? p + 5 * n : nullptr) {}
 };
 
+// n f32 words rounded up to whole 64-byte lines: each packed part and each of the step's
+// buffers starts on a line of its own.
+int64_t whole_lines(int64_t n) { return (n + 15) / 16 * 16; }
+
 // This thread's rows [lo, hi) of n, in blocks of a multiple of 16 (the BLAS kernels' tile).
 std::pair<int64_t, int64_t> thread_rows(int64_t n, int t, int nt) {
   return cpu::split_range(n, t, nt, 16);
@@ -324,7 +328,7 @@ DecodePackGuard GPT::pack_for_decode() {
       offset[at] = words;
       const int64_t size =
           bf16[i] ? (cpu::packed_weight_bf16_size(n, k) + 1) / 2 : cpu::packed_weight_size(n, k);
-      words += (size + 15) / 16 * 16;  // each part on a 64-byte line of its own
+      words += whole_lines(size);
     }
   }
   if (!decode_pack_.defined() || decode_pack_.numel() != words)
@@ -422,15 +426,14 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   const int64_t own_size = B * C + 2 * B;
   const std::array<int64_t, 9> sizes{
       B * C, B * C, B * KVD, B * KVD, B * C, B * C, B * H, threads * own_size, threads * work_size};
-  auto lines = [](int64_t n) { return (n + 15) / 16 * 16; };
   int64_t words = 0;
-  for (int64_t n : sizes) words += lines(n);
+  for (int64_t n : sizes) words += whole_lines(n);
   Tensor step_buffer = Tensor::empty({words});
   std::array<float*, sizes.size()> buf{};
   float* next = step_buffer.data<float>();
   for (size_t i = 0; i < sizes.size(); ++i) {
     buf[i] = next;
-    next += lines(sizes[i]);
+    next += whole_lines(sizes[i]);
   }
   const auto [xs, qs, ks, vs, ys, ds, hs, own_s, work_s] = buf;
   cpu::SpinBarrier barrier;
