@@ -142,7 +142,11 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
   const int64_t group = s.NH / s.NKV, tasks = s.B * s.NH;
   const Dropout drop(s.dropout);
   const T scale = static_cast<T>(s.scale);
-  if (s.T == 1 && group > 1 && !drop.on) {
+  // Decode (T = 1): the fused CPU decode step's attention, at every group size, one query head
+  // a group included, so that the op path gives the step's bits. (The general path below
+  // normalises the probabilities before weighing the values and sums in another order: a
+  // difference of f32 rounding, which a bf16 KV cache can round into a whole bf16 step.)
+  if (s.T == 1 && !drop.on) {
     const auto work = static_cast<size_t>(attention_decode_work<T, KV>(s));
     for_each_task(s.B * s.NKV, [&](int64_t task) {
       attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task, 1, scratch<T>(work, 0));

@@ -134,7 +134,7 @@ template <class T>
 void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
                       int64_t n, int64_t HS, T scale, T* p);
 // The decode attention (T = 1, no dropout) of part of a KV group: attention_forward uses it
-// at T = 1 when group > 1, the fused decode step for every group size. Each KV group g of
+// at T = 1, as the fused decode step does, for every group size. Each KV group g of
 // row b is cut into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part,
 // of B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
 // decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
