@@ -4,12 +4,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include "apps/cli.h"
 #include "apps/progress.h"
 #include "apps/train_flags.h"
 #include "apps/train_progress.h"
 #include "train/comm.h"
+#include "train/output_dir.h"
 
 namespace kvlab {
 
@@ -23,6 +25,35 @@ struct TrainArgs {
   int64_t zero = 0;
 };
 
+// Whether the run in `out` is resumed, after the usage errors of what the folder holds: a
+// fresh run refuses another run's checkpoints; --resume needs last.h5, or no checkpoint at all
+// (then it starts from scratch). A log.jsonl without checkpoints, of a run stopped before its
+// first, is started over. `rank0` prints what is done.
+bool resume_from(const std::filesystem::path& out, bool resume, bool rank0) {
+  namespace fs = std::filesystem;
+  const fs::path last = out / "last.h5";
+  KVLAB_USAGE_CHECK(resume || !fs::exists(last), "output folder ", out.string(),
+                    " already holds a run (", last.string(),
+                    "); pass --resume to continue it or choose another --out");
+  if (fs::exists(last)) return true;
+  std::string found;  // what a run that never saved last.h5 (it diverged) left behind
+  for (const char* name : {"best.h5", "final.h5"})
+    if (fs::exists(out / name)) found += detail::cat(found.empty() ? "" : ", ", name);
+  KVLAB_USAGE_CHECK(found.empty(), "output folder ", out.string(), " holds an earlier run's ",
+                    found,
+                    " but no last.h5 to resume from (a new run would write over them); "
+                    "remove them or choose another --out");
+  if (rank0 && fs::exists(out / "log.jsonl"))
+    std::fprintf(stderr,
+                 "kvlab train: %s holds the log.jsonl of a run that saved no checkpoint; "
+                 "starting over\n",
+                 out.string().c_str());
+  else if (rank0 && resume)
+    std::fprintf(stderr, "kvlab train: --resume: %s holds no checkpoint; starting from scratch\n",
+                 out.string().c_str());
+  return false;
+}
+
 // Returns the exit code: 0 when every step is done, 128 + the signal when one stopped it.
 int run_train(const TrainArgs& a) {
   KVLAB_USAGE_CHECK(!a.out.empty(), "train: no output folder (--out is empty)");
@@ -32,28 +63,24 @@ int run_train(const TrainArgs& a) {
   // The deadline is a steady_clock time in nanoseconds, which 1e10 s would overflow.
   KVLAB_USAGE_CHECK(a.comm_timeout > 0 && a.comm_timeout <= 1e9,
                     "--comm-timeout must be a number of seconds in (0, 1e9], got ", a.comm_timeout);
-  namespace fs = std::filesystem;
-  const fs::path last = fs::path(a.out) / "last.h5";
-  KVLAB_USAGE_CHECK(a.resume || !fs::exists(last), "output folder ", a.out,
-                    " already holds a run (", last.string(),
-                    "); pass --resume to continue it or choose another --out");
-  if (!a.resume) {  // what an earlier run that never saved last.h5 (it diverged) left behind
-    std::string found;
-    for (const char* name : {"log.jsonl", "best.h5", "final.h5"})
-      if (fs::exists(fs::path(a.out) / name)) found += detail::cat(found.empty() ? "" : ", ", name);
-    KVLAB_USAGE_CHECK(found.empty(), "output folder ", a.out, " holds an earlier run's ", found,
-                      " (a new run would write over or append to them); remove them or choose "
-                      "another --out");
-  }
-  KVLAB_USAGE_CHECK(!a.resume || fs::exists(last), "--resume: no checkpoint ", last.string(),
-                    " to resume from");
   // Without mpirun this is the local communicator and MPI is never initialised.
   const std::shared_ptr<Communicator> comm = world_communicator(a.comm_timeout);
   const int world = comm->world_size();
   const bool rank0 = comm->rank() == 0;
   try {
+    // Rank 0 alone writes the folder, so it alone holds it, for the whole run, and before
+    // anything in it is looked at: a run holding it may be changing it.
+    std::optional<OutputDirLock> hold;
+    if (rank0) {
+      hold.emplace(a.out, "train");
+      for (const std::string& name : remove_checkpoint_temporaries(a.out))
+        std::fprintf(stderr,
+                     "kvlab train: removed %s, a checkpoint that a killed run was writing\n",
+                     name.c_str());
+    }
+    const bool resume = resume_from(a.out, a.resume, rank0);
     Trainer trainer(cfg, comm);
-    if (a.resume) trainer.resume(last);
+    if (resume) trainer.resume(std::filesystem::path(a.out) / "last.h5");
     if (rank0) {
       std::fprintf(stderr,
                    "kvlab train: %lld parameters, n_head %lld, n_kv_head %lld, vocab %d, "
@@ -62,7 +89,7 @@ int run_train(const TrainArgs& a) {
                    static_cast<long long>(cfg.model.n_head),
                    static_cast<long long>(cfg.model.n_kv_head),
                    trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
-                   trainer.corpus().val.size(), a.resume ? "resumed" : "from scratch");
+                   trainer.corpus().val.size(), resume ? "resumed" : "from scratch");
       if (const std::string note = blas_kernels_note(); !note.empty())
         std::fprintf(stderr, "kvlab train: note: %s\n", note.c_str());
       if (world > 1)
@@ -82,6 +109,8 @@ int run_train(const TrainArgs& a) {
     }
     // Interrupted is not finished: a script or scheduler must see it (SIGINT gives 130).
     return done ? 0 : 128 + stop_signal();
+  } catch (const UsageError&) {
+    throw;  // what the folder holds: every rank finds the same and exits on its own
   } catch (...) {
     // Another rank may be waiting for this one in a collective: end the whole job at exit.
     if (world > 1) comm->fail();
@@ -98,7 +127,8 @@ void add_train_command(CLI::App& root) {
   add_train_flags(cmd, args->flags, true);
   cmd->add_option("--out", args->out, "Output folder: log.jsonl, last.h5, best.h5, final.h5")
       ->capture_default_str();
-  cmd->add_flag("--resume", args->resume, "Continue the run in --out from its last.h5");
+  cmd->add_flag("--resume", args->resume,
+                "Continue the run in --out from its last.h5 (none there: start from scratch)");
   add_number(cmd, "--comm-timeout", args->comm_timeout,
              "Under mpirun: seconds a rank waits in a collective before the job fails with "
              "an error naming the ranks that did not arrive; at most 1e9");

@@ -86,6 +86,12 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& args
     if (line.front() == '[') {
       KVLAB_USAGE_CHECK(line.back() == ']', "--config ", file, ":", n, ": malformed section '", line, "'");
       section = trim(line.substr(1, line.size() - 2));
+      // A misspelt section would otherwise drop its keys without a word.
+      std::string sections;
+      for (const auto& [name, app] : registered_commands())
+        sections += detail::cat(sections.empty() ? "" : ", ", "[", name, "]");
+      KVLAB_USAGE_CHECK(registered_commands().count(section) != 0, "--config ", file, ":", n,
+                        ": unknown section '[", section, "]' (sections: ", sections, ")");
       continue;
     }
     if (!section.empty() && section != sub) continue;

@@ -21,6 +21,18 @@ extern "C" void on_stop_signal(int sig) {
 }
 }  // namespace
 
+std::string step_status(const StepRecord& r, double last_val, bool parallel) {
+  char loss[32] = "-";  // step 0 trained nothing: no training loss
+  if (r.step > 0) std::snprintf(loss, sizeof loss, "%.4f", r.train_loss);
+  char status[200];
+  int n = std::snprintf(status, sizeof status, "loss %s | val %.4f | %.1fk tok/s", loss, last_val,
+                        r.tokens_per_s / 1000.0);
+  if (parallel && r.step > 0 && n > 0 && n < static_cast<int>(sizeof status))
+    std::snprintf(status + n, sizeof status - static_cast<size_t>(n), " | comm %.0f%%",
+                  r.step_s > 0 ? 100.0 * r.comm_s / r.step_s : 0.0);
+  return status;
+}
+
 int stop_signal() {
   const int sig = g_signal.load();
   return sig > 0 ? sig : SIGINT;
@@ -68,13 +80,7 @@ bool train_with_progress(Trainer& trainer, const std::string& label) {
         [&](const StepRecord& r) {
           if (!rank0) return true;  // rank 0 alone prints
           if (r.val_loss) last_val = *r.val_loss;
-          char status[200];
-          int n = std::snprintf(status, sizeof status, "loss %.4f | val %.4f | %.1fk tok/s",
-                                r.train_loss, last_val, r.tokens_per_s / 1000.0);
-          if (parallel && r.step > 0 && n > 0 && n < static_cast<int>(sizeof status))
-            std::snprintf(status + n, sizeof status - static_cast<size_t>(n), " | comm %.0f%%",
-                          r.step_s > 0 ? 100.0 * r.comm_s / r.step_s : 0.0);
-          bar.update(r.step, status, r.val_loss.has_value());
+          bar.update(r.step, step_status(r, last_val, parallel), r.val_loss.has_value());
           return true;
         },
         &g_stop);

@@ -7,6 +7,11 @@ namespace kvlab {
 
 bool train_with_progress(Trainer& trainer, const std::string& label);
 
+// The bar's text after step r: "loss 2.1234 | val 2.2000 | 25.1k tok/s" (the loss "-" at step
+// 0, which trained nothing), where val is the latest val loss, plus " | comm 12%" when
+// `parallel`.
+std::string step_status(const StepRecord& r, double last_val, bool parallel);
+
 // The signal that stopped the last train_with_progress that returned false: the one this
 // process received (SIGINT, SIGTERM, SIGHUP, or SIGUSR1 under mpirun), or SIGINT when another
 // rank's stop ended it. Commands exit with 128 + it, the shell's convention for a process a

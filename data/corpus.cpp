@@ -81,6 +81,21 @@ TokenCache tokenize(std::string_view text, TokenizerKind kind, const std::string
   return TokenCache{std::move(tokenizer), std::move(ids)};
 }
 
+const char* file_type_name(fs::file_type type) {
+  switch (type) {
+    case fs::file_type::fifo:
+      return "FIFO";
+    case fs::file_type::socket:
+      return "socket";
+    case fs::file_type::block:
+      return "block device";
+    case fs::file_type::character:
+      return "character device";
+    default:
+      return "special file";
+  }
+}
+
 }  // namespace
 
 uint64_t fnv1a64(std::string_view bytes) {
@@ -203,7 +218,13 @@ Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction
               "corpus: val_fraction must be in [0, 1), got ", val_fraction);
   const std::string name = file.string();
   std::error_code ec;
-  KVLAB_CHECK(!fs::is_directory(file, ec), "corpus: '", name, "' is a directory, not a file");
+  // Anything but a regular file (a link to one is fine) is refused before it is opened: a FIFO
+  // would block the open until a writer came, and the text is read more than once (ablate).
+  const fs::file_type type = fs::status(file, ec).type();
+  KVLAB_CHECK(type != fs::file_type::directory, "corpus: '", name, "' is a directory, not a file");
+  KVLAB_CHECK(ec || type == fs::file_type::regular || type == fs::file_type::not_found, "corpus: '",
+              name, "' is not a regular file (it is a ", file_type_name(type),
+              "); give a text file");
   // Tokens take 4 bytes a character, and their cache as much again while it is written.
   constexpr double kBytesPerByte = 10;
   const double memory = host_memory_bytes();

@@ -23,7 +23,8 @@ struct Corpus {
 
 // Reads and tokenizes `file`, or loads the token cache an earlier call wrote next to it (a
 // corrupt or mismatched cache is ignored; an unwritable folder just means no cache). The split
-// is nanoGPT's: n_train = int((1 - val_fraction) * n).
+// is nanoGPT's: n_train = int((1 - val_fraction) * n). Anything but a regular file (a folder,
+// a FIFO, a device) is refused before it is opened.
 Corpus load_corpus(const std::filesystem::path& file, TokenizerKind kind, double val_fraction = 0.1,
                    bool use_cache = true);
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kvlab needs from Debian's packages (idempotent: only missing packages are
 # installed) and writes the default corpus, the King James Bible, to data/corpora/.
+# --tests adds what only the tests (and the PyTorch baselines in bench/) run: Python with
+# h5py, NumPy and PyTorch (python3-torch and what it depends on are large).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,9 +10,17 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-openmp-dev libhdf5-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
-  python3 python3-numpy python3-h5py python3-torch
   librsvg2-bin bible-kjv
 )
+for arg in "$@"; do
+  case "$arg" in
+    --tests) packages+=(python3 python3-numpy python3-h5py python3-torch) ;;
+    *)
+      echo "usage: scripts/setup.sh [--tests]" >&2
+      exit 2
+      ;;
+  esac
+done
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

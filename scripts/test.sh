@@ -4,7 +4,7 @@
 # kernels (x86-64-v3) where the first build took the host's (-march=native).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --tests
 
 jobs=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

@@ -265,6 +265,8 @@ void Trainer::resume(const fs::path& file) {
   }
   step_ = ckpt.iteration;
   resumed_ = true;
+  std::error_code ec;
+  if (fs::equivalent(file, checkpoint_path("last"), ec)) last_saved_ = step_;
   best_val_ = ckpt.best_val_loss;
   // Rank r's words: rng_state[8 r, 8 r + 4) sampler, [8 r + 4, 8 r + 8) dropout.
   const auto words = ckpt.rng_state.begin() + 8 * comm_->rank();
@@ -322,6 +324,22 @@ void Trainer::save(const fs::path& file) {
   save_checkpoint(file, c);
 }
 
+void Trainer::save_last() {
+  save(checkpoint_path("last"));
+  last_saved_ = step_;
+}
+
+std::string Trainer::saved_weights_note(const std::string& what) const {
+  if (cfg_.out_dir.empty()) return "";
+  std::string note = last_saved_ < 0        ? std::string(". No last.h5 saved yet")
+                     : last_saved_ == step_ ? detail::cat(". last.h5 holds step ", step_,
+                                                          ", the weights that gave this ", what)
+                                            : detail::cat(". last.h5 holds step ", last_saved_);
+  if (std::isfinite(best_val_))
+    note += detail::cat("; best.h5 holds the weights of the lowest val loss, ", best_val_);
+  return note;
+}
+
 void Trainer::check_replicas_agree() {
   uint64_t h = hash_bytes(nullptr, 0);
   for (const auto& [name, p] : model_->named_parameters()) {
@@ -341,9 +359,10 @@ bool Trainer::any_rank(bool mine) {
 
 void Trainer::append_log(const StepRecord& r) {
   if (cfg_.out_dir.empty() || comm_->rank() != 0) return;
+  // Step 0 has no training loss: null, not 0.
   nlohmann::json j = {{"step", r.step},
                       {"lr", r.lr},
-                      {"train_loss", r.train_loss},
+                      {"train_loss", r.step > 0 ? nlohmann::json(r.train_loss) : nullptr},
                       {"grad_norm", r.grad_norm},
                       {"tokens_per_s", r.tokens_per_s},
                       {"elapsed_s", r.elapsed_s}};
@@ -352,7 +371,9 @@ void Trainer::append_log(const StepRecord& r) {
     j["comm_s"] = r.comm_s;
     j["comm_frac"] = r.step_s > 0 ? r.comm_s / r.step_s : 0.0;
   }
-  std::ofstream(fs::path(cfg_.out_dir) / "log.jsonl", std::ios::app) << j.dump() << "\n";
+  // The step-0 line starts a fresh run's log: what a run that saved no checkpoint left goes.
+  std::ofstream(fs::path(cfg_.out_dir) / "log.jsonl", r.step == 0 ? std::ios::trunc : std::ios::app)
+      << j.dump() << "\n";
 }
 
 double Trainer::evaluate() {
@@ -423,7 +444,7 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
       if (world == 1 && stop != nullptr && stop->load()) {
         sampler_->set_state(sampler_at);
         dropout.set_state(dropout_at);
-        save(checkpoint_path("last"));
+        save_last();
         return false;
       }
       sampler_->next(x, y);
@@ -454,7 +475,9 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
          {std::pair<const char*, double>{"loss", loss_sum}, {"gradient norm", r.grad_norm}})
       KVLAB_CHECK(std::isfinite(value), "train: ", what, " is not finite at step ", step_ + 1, " (",
                   non_finite_str(value), "); lower --lr (now ", cfg_.lr,
-                  ") or lengthen --warmup; checkpoints hold earlier steps only");
+                  ") or lengthen --warmup and train again in another --out (resuming would "
+                  "repeat this step)",
+                  saved_weights_note(what));
     if (zero_)
       r.comm_s += zero_->step(r.lr, clip_factor(r.grad_norm, cfg_.grad_clip));
     else
@@ -468,19 +491,19 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
     r.elapsed_s = elapsed_;
     r.step_s = dt;
     const bool last = step_ == cfg_.iters;
-    if (step_ % cfg_.eval_interval == 0 || last) {
-      r.val_loss = evaluate();
-      if (*r.val_loss < best_val_) {
-        best_val_ = *r.val_loss;
-        save(checkpoint_path("best"));
-      }
-    }
-    if (step_ % ckpt_every == 0 || last) save(checkpoint_path("last"));
+    if (step_ % cfg_.eval_interval == 0 || last) r.val_loss = evaluate();
+    // The step's line goes to the log before its checkpoints: a process that dies in between
+    // leaves the log ahead of last.h5, which resume() trims, never behind it.
     append_log(r);
+    if (r.val_loss && *r.val_loss < best_val_) {
+      best_val_ = *r.val_loss;
+      save(checkpoint_path("best"));
+    }
+    if (step_ % ckpt_every == 0 || last) save_last();
     const bool go_on = on_step(r);
     const bool halt = world == 1 ? !go_on : any_rank(!go_on || (stop != nullptr && stop->load()));
     if (halt && !last) {
-      save(checkpoint_path("last"));
+      save_last();
       return false;
     }
   }

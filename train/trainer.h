@@ -76,6 +76,8 @@ double learning_rate(const TrainConfig& cfg, int64_t step);
 
 struct StepRecord {
   int64_t step = 0;  // 1-based: the number of updates done
+  // At step 0 (the initial weights' evaluation) no step was trained: train_loss is 0 there and
+  // means nothing (the log writes null).
   double lr = 0, train_loss = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
   std::optional<double> val_loss;
   // Seconds of this step (evaluation excluded) and of it spent in collectives (gradient
@@ -108,8 +110,12 @@ class Trainer {
   void resume(const std::filesystem::path& ckpt);
   // Trains until cfg.iters, or until `on_step` returns false or `stop` becomes true; a
   // checkpoint (last.h5) is written whenever it stops. Returns true when all iters are done.
-  // A step whose loss or gradient norm is not finite throws (naming the step) before the
-  // optimizer applies it and before anything is saved: checkpoints keep the last good weights.
+  // A run from step 0 (not resumed) starts log.jsonl afresh, dropping what a run that saved no
+  // checkpoint left there; each step's line is written before its checkpoints. A step whose
+  // loss or gradient norm is not finite throws (naming the step) before the optimizer applies
+  // it and before anything is saved; the weights that gave it may already be last.h5 (a
+  // checkpoint at the step before), and the message says which step last.h5 holds and what
+  // best.h5 holds.
   bool run(const std::function<bool(const StepRecord&)>& on_step,
            const std::atomic<bool>* stop = nullptr);
   // Mean loss over the fixed validation windows (the same for every run of a corpus).
@@ -127,6 +133,10 @@ class Trainer {
 
  private:
   void save(const std::filesystem::path& file);
+  void save_last();  // last.h5, remembering its step
+  // What the saved files hold, for the error that a non-finite `what` (the loss or the
+  // gradient norm) ends a run with.
+  std::string saved_weights_note(const std::string& what) const;
   void append_log(const StepRecord& r);
   // True when `mine` is true on any rank (collective when world_size > 1).
   bool any_rank(bool mine);
@@ -143,7 +153,8 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   std::vector<int64_t> val_starts_;
   int64_t step_ = 0;
-  bool resumed_ = false;  // the log already holds the lines up to step_
+  bool resumed_ = false;     // the log already holds the lines up to step_
+  int64_t last_saved_ = -1;  // the step last.h5 holds, when this Trainer saved or resumed it
   double best_val_ = std::numeric_limits<double>::infinity();
   double elapsed_ = 0;  // training seconds so far, evaluation excluded
 };

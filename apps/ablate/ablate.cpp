@@ -22,6 +22,7 @@
 #include "infer/bench.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
+#include "train/output_dir.h"
 
 namespace kvlab {
 
@@ -58,7 +59,10 @@ json read_curve(const fs::path& dir) {
   for (std::string line; std::getline(log, line);) {
     const json j = json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.contains("val_loss")) continue;
-    curve.push_back({{"step", j["step"]}, {"val_loss", j["val_loss"]}, {"train_loss", j.value("train_loss", 0.0)}});
+    // train_loss is null at step 0, which trained nothing.
+    curve.push_back({{"step", j["step"]},
+                     {"val_loss", j["val_loss"]},
+                     {"train_loss", j.value("train_loss", json())}});
   }
   return curve;
 }
@@ -150,6 +154,8 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   using Clock = std::chrono::steady_clock;
   const auto t_start = Clock::now();
   const std::string started = now_iso();
+  // Held until the report is written: a second sweep on the same folder refuses at once.
+  const OutputDirLock hold(cfg.out_dir, "ablate");
   const std::vector<TrainConfig> runs = plan_ablation(cfg);
   AblateStats stats;
   stats.runs_total = static_cast<int>(runs.size());
@@ -181,6 +187,15 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
     if (trained_runs > 0)
       std::fprintf(stderr, "sweep: %d of %zu runs left, ETA %s\n", runs_left, runs.size(),
                    ProgressBar::clock(train_s / trained_runs * runs_left).c_str());
+    // The run's own folder too, which `kvlab train --out` could be given.
+    const OutputDirLock run_hold(dir, "ablate");
+    for (const std::string& name : remove_checkpoint_temporaries(dir))
+      std::fprintf(stderr, "%s: removed %s, a checkpoint that a killed run was writing\n", label,
+                   name.c_str());
+    if (!fs::exists(last) && fs::exists(dir / "log.jsonl"))
+      std::fprintf(stderr,
+                   "%s: starting over (its log.jsonl is of a run that saved no checkpoint)\n",
+                   label);
     const auto t0 = Clock::now();
     Trainer trainer(c);
     int64_t from = 0;

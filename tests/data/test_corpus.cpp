@@ -1,5 +1,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <fstream>
 
@@ -216,6 +217,20 @@ TEST_F(CorpusTest, BadFilesAreErrorsNamingThePath) {
   EXPECT_THAT(msg, HasSubstr(latin1.string()));
   EXPECT_THAT(msg, HasSubstr("invalid UTF-8 at byte 3 (use --tokenizer byte"));
   EXPECT_EQ(load_corpus(latin1, TokenizerKind::Byte).train.size(), 10u);
+}
+
+// A FIFO would block the open until a writer came (forever, for a stray one): anything but a
+// regular file is refused before it is opened, naming what it is. A link to a file is fine.
+TEST_F(CorpusTest, NotARegularFileIsRefusedWithoutOpeningIt) {
+  const fs::path fifo = dir_ / "corpus.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(error_message([&] { load_corpus(fifo, TokenizerKind::Char); }),
+              HasSubstr("corpus: '" + fifo.string() + "' is not a regular file (it is a FIFO)"));
+  EXPECT_THAT(error_message([&] { load_corpus("/dev/null", TokenizerKind::Char); }),
+              HasSubstr("'/dev/null' is not a regular file (it is a character device)"));
+  const fs::path link = dir_ / "link.txt";
+  fs::create_symlink(write("text.txt", sample_text(50)), link);
+  EXPECT_EQ(load_corpus(link, TokenizerKind::Char).train.size(), 45u);
 }
 
 TEST_F(CorpusTest, TooShortCorpusError) {

@@ -1,16 +1,21 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <thread>
+#include <vector>
 
 #include "checkpoints/checkpoint.h"
 #include "tests/test_dir.h"
 #include "tests/train/train_test_util.h"
+#include "train/output_dir.h"
 #include "train/trainer.h"
 
 namespace kvlab {
@@ -336,6 +341,174 @@ TEST_F(TrainerTest, GradientAccumulationMatchesALargerBatch) {
   Trainer tb(big), ts(small);
   const auto rb = run_all(tb), rs = run_all(ts);
   for (size_t i = 1; i < rb.size(); ++i) EXPECT_NEAR(rb[i].train_loss, rs[i].train_loss, 1e-5);
+}
+
+// The "step" of every line of `log`, in order.
+std::vector<int64_t> log_steps(const fs::path& log) {
+  std::vector<int64_t> steps;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);)
+    steps.push_back(nlohmann::json::parse(line).at("step").get<int64_t>());
+  return steps;
+}
+
+std::vector<int64_t> steps_0_to(int64_t n) {
+  std::vector<int64_t> steps;
+  for (int64_t s = 0; s <= n; ++s) steps.push_back(s);
+  return steps;
+}
+
+// Step 0 evaluates the initial weights and trains nothing: its train_loss is null, not 0.
+TEST_F(TrainerTest, StepZeroLogsNoTrainingLoss) {
+  Trainer t(config("run"));
+  run_all(t, 2);
+  std::ifstream in(dir_ / "run" / "log.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_TRUE(lines[0].at("train_loss").is_null()) << lines[0];
+  EXPECT_TRUE(lines[0].at("val_loss").is_number()) << lines[0];
+  for (size_t i = 1; i < lines.size(); ++i) {
+    ASSERT_TRUE(lines[i].at("train_loss").is_number()) << lines[i];
+    EXPECT_GT(lines[i].at("train_loss").get<double>(), 0.0) << lines[i];
+  }
+}
+
+// A process that dies after a step's log line and before its checkpoint (here: the save of
+// last.h5 at step 4 fails, as a kill there would stop it) leaves the log ahead of last.h5,
+// never behind: the resumed run trims the extra lines and every step is logged exactly once.
+TEST_F(TrainerTest, TheLogLineComesBeforeTheCheckpointSoResumeLogsEveryStepOnce) {
+  TrainConfig c = config("run");
+  c.ckpt_interval = 2;  // last.h5 at steps 2, 4, ...; evaluation at 4, 8, 12
+  const fs::path run = dir_ / "run", last = run / "last.h5", kept = dir_ / "step2.h5";
+  {
+    Trainer t(c);
+    const std::string msg = error_of([&] {
+      t.run([&](const StepRecord& r) {
+        if (r.step == 2) {  // last.h5 holds step 2; make the next save of it fail
+          fs::copy_file(last, kept);
+          fs::remove(last);
+          fs::create_directories(last / "in-the-way");
+        }
+        return true;
+      });
+    });
+    EXPECT_NE(msg.find("last.h5"), std::string::npos) << msg;
+    EXPECT_EQ(t.step(), 4);
+  }
+  EXPECT_EQ(log_steps(run / "log.jsonl"), steps_0_to(4));  // step 4's line came first
+  fs::remove_all(last);
+  fs::rename(kept, last);
+  Trainer resumed(c);
+  resumed.resume(last);
+  EXPECT_EQ(resumed.step(), 2);
+  run_all(resumed);
+  EXPECT_EQ(log_steps(run / "log.jsonl"), steps_0_to(12));
+}
+
+// A run from step 0 owns the log: the lines of an earlier run in the folder that was stopped
+// before its first checkpoint are dropped, not continued.
+TEST_F(TrainerTest, AFreshRunStartsTheLogOver) {
+  fs::create_directories(dir_ / "run");
+  std::ofstream(dir_ / "run" / "log.jsonl") << "{\"step\": 0, \"val_loss\": 9.0}\n"
+                                               "{\"step\": 1, \"train_loss\": 9.0}\n";
+  Trainer t(config("run"));
+  run_all(t);
+  EXPECT_EQ(log_steps(dir_ / "run" / "log.jsonl"), steps_0_to(12));
+}
+
+// With a checkpoint at every step, the weights that give a non-finite loss are already in
+// last.h5 (saved at the step before): the error says so, and that resuming repeats the step.
+TEST_F(TrainerTest, ANonFiniteLossSaysWhatTheCheckpointsHold) {
+  TrainConfig c = config("run");
+  c.lr = 1e6;
+  c.warmup = 0;
+  c.ckpt_interval = 1;
+  std::string msg;
+  int64_t failed_at = 0;
+  {
+    Trainer t(c);
+    msg = error_of([&] { run_all(t); });
+    failed_at = t.step() + 1;
+  }
+  ASSERT_GE(failed_at, 2);  // the initial weights give a finite loss
+  const std::string step = std::to_string(failed_at - 1);
+  EXPECT_NE(msg.find("is not finite at step " + std::to_string(failed_at)), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("resuming would repeat this step"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("last.h5 holds step " + step + ", the weights that gave this"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("best.h5") != std::string::npos, fs::exists(dir_ / "run" / "best.h5")) << msg;
+  EXPECT_EQ(load_checkpoint(dir_ / "run" / "last.h5", true).iteration, failed_at - 1);
+  // The claim holds: resumed, the run fails at the same step, and says the same of last.h5.
+  Trainer again(c);
+  again.resume(dir_ / "run" / "last.h5");
+  const std::string again_msg = error_of([&] { run_all(again); });
+  EXPECT_NE(again_msg.find("is not finite at step " + std::to_string(failed_at)), std::string::npos)
+      << again_msg;
+  EXPECT_NE(again_msg.find("last.h5 holds step " + step + ", the weights"), std::string::npos)
+      << again_msg;
+}
+
+// Without a checkpoint at the step before, the error names the step last.h5 does hold.
+TEST_F(TrainerTest, ANonFiniteLossNamesAnEarlierLastCheckpoint) {
+  TrainConfig c = config("run");
+  c.ckpt_interval = 2;
+  Trainer t(c);
+  const std::string msg = error_of([&] {
+    t.run([&](const StepRecord& r) {
+      if (r.step == 3) {  // poison one weight: the loss of step 4 is NaN
+        Tensor w = t.model().named_parameters()[0].second;
+        std::vector<float> v = w.to_vector<float>();
+        v[0] = std::numeric_limits<float>::quiet_NaN();
+        w.copy_from(Tensor::from_vector(v, w.sizes()));
+      }
+      return true;
+    });
+  });
+  EXPECT_NE(msg.find("is not finite at step 4"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(". last.h5 holds step 2"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("the weights that gave this"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("best.h5"), std::string::npos) << msg;  // no evaluation after a step yet
+}
+
+// One process at a time holds an output folder; the refusal names the holder's pid, and the
+// folder is free again once the holder is gone.
+TEST_F(TrainerTest, AnOutputFolderHasOneHolder) {
+  const fs::path out = dir_ / "out";
+  {
+    const OutputDirLock first(out, "train");
+    // A second open of the lock file conflicts like another process's would (flock locks
+    // belong to the open file, not to the process).
+    const std::string msg = error_of([&] { OutputDirLock second(out, "ablate"); });
+    EXPECT_NE(
+        msg.find("ablate: output folder " + out.string() +
+                 " is in use by another kvlab process (pid " + std::to_string(::getpid()) + ")"),
+        std::string::npos)
+        << msg;
+  }
+  EXPECT_NO_THROW(OutputDirLock(out, "train"));
+  std::ofstream(dir_ / "afile") << "x";
+  EXPECT_NE(error_of([&] { OutputDirLock held(dir_ / "afile", "train"); }).find("is a file"),
+            std::string::npos);
+}
+
+// What a run killed while saving leaves: <name>.h5.tmp-<pid>. Only those go.
+TEST_F(TrainerTest, CheckpointTemporariesAreRemoved) {
+  const fs::path out = dir_ / "out";
+  fs::create_directories(out / "best.h5.tmp-77");  // a folder: not a file a writer left
+  for (const char* name : {"last.h5.tmp-12345", "final.h5.tmp-9", "last.h5", "log.jsonl",
+                           "last.h5.tmp-", "last.h5.tmp-12x", "notes.tmp-3"})
+    std::ofstream(out / name) << "x";
+  std::vector<std::string> removed = remove_checkpoint_temporaries(out);
+  std::sort(removed.begin(), removed.end());
+  EXPECT_EQ(removed, (std::vector<std::string>{"final.h5.tmp-9", "last.h5.tmp-12345"}));
+  for (const char* gone : {"last.h5.tmp-12345", "final.h5.tmp-9"})
+    EXPECT_FALSE(fs::exists(out / gone)) << gone;
+  for (const char* kept :
+       {"best.h5.tmp-77", "last.h5", "log.jsonl", "last.h5.tmp-", "last.h5.tmp-12x", "notes.tmp-3"})
+    EXPECT_TRUE(fs::exists(out / kept)) << kept;
 }
 
 }  // namespace

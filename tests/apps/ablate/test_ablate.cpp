@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
 #include "apps/ablate/ablate.h"
 #include "tests/test_dir.h"
+#include "train/output_dir.h"
 
 namespace kvlab {
 namespace {
@@ -93,6 +95,48 @@ TEST_F(AblateTest, ResumeRetrainsNothingThatFinished) {
   run_ablation(c, &stats);
   EXPECT_EQ(stats.runs_reused, 2);
   EXPECT_EQ(stats.steps_trained, 0);
+}
+
+// A run stopped before its first checkpoint left only a log: the next sweep trains that run
+// from scratch, its log starts over (step 0 once), and step 0, which trained nothing, has no
+// training loss in results.json.
+TEST_F(AblateTest, ARunFolderHoldingOnlyALogStartsOver) {
+  AblateConfig c = config();
+  c.kv_heads = {2};
+  c.seeds = 1;
+  const fs::path run = dir_ / "out" / "runs" / "kv2_seed0";
+  fs::create_directories(run);
+  std::ofstream(run / "log.jsonl") << "{\"step\": 0, \"val_loss\": 9.0, \"train_loss\": null}\n";
+  std::ofstream(run / "last.h5.tmp-4242") << "half a checkpoint";
+  AblateStats stats;
+  const auto r = run_ablation(c, &stats);
+  EXPECT_EQ(stats.runs_resumed, 0);
+  EXPECT_EQ(stats.steps_trained, 12);
+  EXPECT_FALSE(fs::exists(run / "last.h5.tmp-4242"));
+  const auto& curve = r["variants"][0]["runs"][0]["curve"];
+  ASSERT_EQ(curve.size(), 3u);  // steps 0, 6, 12
+  EXPECT_EQ(curve[0]["step"], 0);
+  EXPECT_NE(curve[0]["val_loss"], 9.0);
+  EXPECT_TRUE(curve[0]["train_loss"].is_null()) << curve[0];
+  EXPECT_TRUE(curve[1]["train_loss"].is_number()) << curve[1];
+}
+
+// One sweep per folder at a time: a second one refuses before anything trains, naming the
+// holder.
+TEST_F(AblateTest, ASecondSweepOnTheSameFolderIsRefused) {
+  AblateConfig c = config();
+  const OutputDirLock held(c.out_dir, "train");
+  try {
+    run_ablation(c);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ablate: output folder " + c.out_dir +
+                                         " is in use by another kvlab process (pid " +
+                                         std::to_string(::getpid()) + ")"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "out" / "runs"));
 }
 
 TEST_F(AblateTest, AChangedConfigIsAnErrorNamingTheKeys) {

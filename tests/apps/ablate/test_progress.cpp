@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "apps/progress.h"
+#include "apps/train_progress.h"
 
 namespace kvlab {
 namespace {
@@ -35,6 +36,21 @@ TEST(ProgressBar, FitsTheLineToTheTerminal) {
                              "cd",
                              5),
             "ab\xc3\xa9");
+}
+
+// Step 0 evaluates the initial weights and trains nothing: its loss shows as "-", not 0.
+TEST(TrainProgress, StepZeroShowsNoTrainingLoss) {
+  StepRecord r;
+  r.val_loss = 3.5;
+  EXPECT_EQ(step_status(r, 3.5, false), "loss - | val 3.5000 | 0.0k tok/s");
+  r.step = 7;
+  r.train_loss = 2.25;
+  r.tokens_per_s = 25100;
+  r.val_loss.reset();
+  EXPECT_EQ(step_status(r, 3.5, false), "loss 2.2500 | val 3.5000 | 25.1k tok/s");
+  r.step_s = 2.0;
+  r.comm_s = 0.5;
+  EXPECT_EQ(step_status(r, 3.5, true), "loss 2.2500 | val 3.5000 | 25.1k tok/s | comm 25%");
 }
 
 }  // namespace

@@ -79,6 +79,8 @@ check "unreadable --config" 2 "cannot read" -- "$KVLAB" train --config "$work/no
 
 check "n_kv_head not dividing n_head" 2 "not divisible by n_kv_head" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 3 --out "$work/x"
 check "missing corpus" 2 "no such file" -- "$KVLAB" train --corpus "$work/nope.txt" --out "$work/x"
+mkfifo "$work/corpus.fifo"  # no writer: opening it would block forever
+check "FIFO corpus" 1 "is not a regular file (it is a FIFO)" -- timeout 60 "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus.fifo" --out "$work/x1"
 check "empty corpus" 1 "empty" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/empty.txt" --out "$work/x2"
 check "invalid utf-8" 1 "invalid UTF-8 at byte 0" -- "$KVLAB" train "${tiny[@]:2}" --corpus "$work/binary.txt" --out "$work/x3"
 check "negative iters" 2 "iters" -- "$KVLAB" train "${tiny[@]}" --iters -1 --out "$work/x4"
@@ -145,9 +147,21 @@ ab=(--n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 4 
 check "ablate" 0 "n_kv_head" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --out "$work/abc"
 check "ablate on another corpus" 1 "another --out" -- "$KVLAB" ablate --corpus "$work/corpus2.txt" "${ab[@]}" --out "$work/abc"
 check "train --comm-timeout past 1e9" 2 "in (0, 1e9]" -- "$KVLAB" train "${tiny[@]}" --comm-timeout 1e10 --out "$work/ct"
-mkdir -p "$work/dead" && echo '{"step": 0}' > "$work/dead/log.jsonl"
-check "train into an earlier run's files" 2 "holds an earlier run's log.jsonl" -- "$KVLAB" train "${tiny[@]}" --out "$work/dead"
-check "train kept the earlier log" 0 '{"step": 0}' -- cat "$work/dead/log.jsonl"
+# A folder holding only the log of a run stopped before its first checkpoint is started over,
+# with or without --resume (which, with no checkpoint at all, starts from scratch); one holding
+# another run's checkpoints is refused.
+for mode in fresh resume; do
+  flag=(); [ "$mode" = resume ] && flag=(--resume)
+  mkdir -p "$work/dead-$mode" && echo '{"step": 0, "val_loss": 9.5}' > "$work/dead-$mode/log.jsonl"
+  check "train ($mode) over a log without checkpoints" 0 "holds the log.jsonl of a run that saved no checkpoint; starting over" -- "$KVLAB" train "${tiny[@]}" "${flag[@]}" --out "$work/dead-$mode"
+  check "the earlier log is gone ($mode)" 1 "" -- grep -q '"val_loss": 9.5' "$work/dead-$mode/log.jsonl"
+  check "step 0 logged once ($mode)" 0 "1" -- grep -c '"step":0,' "$work/dead-$mode/log.jsonl"
+done
+check "train --resume with no checkpoint" 0 "holds no checkpoint; starting from scratch" -- "$KVLAB" train "${tiny[@]}" --resume --out "$work/none-yet"
+mkdir -p "$work/bestonly" && cp "$work/run/final.h5" "$work/bestonly/best.h5"
+check "train into an earlier run's checkpoints" 2 "holds an earlier run's best.h5 but no last.h5" -- "$KVLAB" train "${tiny[@]}" --out "$work/bestonly"
+check "train --resume without last.h5" 2 "holds an earlier run's best.h5 but no last.h5" -- "$KVLAB" train "${tiny[@]}" --resume --out "$work/bestonly"
+check "step 0 has no training loss" 0 '"train_loss":null' -- head -1 "$work/run/log.jsonl"
 check "train --batch-size past int" 2 "batch_size 9223372036854775807 is past" -- "$KVLAB" train --corpus "$work/corpus.txt" --batch-size 9223372036854775807 --out "$work/big"
 check "train --eval-iters past int" 2 "eval_iters 99999999999 x batch_size" -- "$KVLAB" train --corpus "$work/corpus.txt" --eval-iters 99999999999 --out "$work/big"
 touch "$work/afile"
@@ -171,6 +185,12 @@ check "--config key set twice" 2 "twice.toml:3: 'iters' is set again (first at l
 check "--config given twice" 2 "--config is given twice" -- "$KVLAB" train --config "$work/run.toml" --config "$work/twice.toml" --out "$work/cfg3"
 check "--config on generate" 2 "kvlab generate takes no config file" -- "$KVLAB" generate --config "$work/run.toml" --ckpt "$work/run/final.h5"
 check "--config= empty" 2 "--config needs a file name" -- "$KVLAB" train --config= --out "$work/cfg3"
+# A misspelt section is an error naming the known ones; another command's section is skipped.
+printf 'iters = 4\n[trian]\nlr = 1e-2\n' > "$work/section.toml"
+check "--config unknown section" 2 "section.toml:2: unknown section '[trian]' (sections: [ablate], [train])" -- "$KVLAB" train --config "$work/section.toml"
+check "ablate --config unknown section" 2 "unknown section '[trian]'" -- "$KVLAB" ablate --config "$work/section.toml"
+printf '[ablate]\nkv-heads = [4, 2]\n[train]\niters = 4\n' > "$work/both.toml"
+check "--config skips another command's section" 0 "Usage: kvlab train" -- "$KVLAB" train --config "$work/both.toml" --help
 # Ctrl-C saves and exits 130; a second Ctrl-C (here during the long step-0 evaluation) quits at once.
 long=(--corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 100000 --eval-interval 10)
 "$KVLAB" train "${long[@]}" --eval-iters 2 --out "$work/int" > "$work/int.log" 2>&1 &
@@ -195,6 +215,17 @@ check "inspect a step-0 checkpoint" 0 "iteration 0, no best val loss yet" -- "$K
 pid=$!; for _ in $(seq 300); do [ -s "$work/term/log.jsonl" ] && break; sleep 0.1; done
 kill -TERM "$pid"; wait "$pid"; rc=$?
 if [ "$rc" -eq 143 ] && grep -q "interrupted at step" "$work/term.log" && [ -f "$work/term/last.h5" ]; then pass=$((pass + 1)); else echo "FAIL SIGTERM: rc=$rc (want 143)"; tail -3 "$work/term.log"; fails=$((fails + 1)); fi
+# One process per output folder: a second train or ablate on a folder a run holds refuses,
+# naming its pid; once that run is killed (-9: it cleans nothing up) the folder is free, and
+# the next run removes the checkpoint temporary a kill while saving would leave.
+"$KVLAB" train "${long[@]}" --eval-iters 20000 --out "$work/held" > "$work/held.log" 2>&1 &
+pid=$!; for _ in $(seq 300); do grep -q "from scratch" "$work/held.log" && break; sleep 0.1; done
+check "a second train on a held folder" 1 "output folder $work/held is in use by another kvlab process (pid $pid)" -- "$KVLAB" train "${long[@]}" --eval-iters 20000 --out "$work/held"
+check "ablate on a held folder" 1 "ablate: output folder $work/held is in use by another kvlab process (pid $pid)" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --out "$work/held"
+kill -9 "$pid"; wait "$pid" 2>/dev/null
+echo "half a checkpoint" > "$work/held/last.h5.tmp-$pid"
+check "a killed run leaves no lock" 0 "removed last.h5.tmp-$pid, a checkpoint that a killed run was writing" -- "$KVLAB" train "${tiny[@]}" --out "$work/held"
+check "the temporary is gone" 2 "No such file" -- ls "$work/held/last.h5.tmp-$pid"
 # ablate --kv-heads: each item an integer in [1, n_head] dividing it, listed once.
 for kv in 0 -2 16; do check "ablate --kv-heads $kv" 2 "--kv-heads: n_kv_head = $kv must be in [1, 4]" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "$kv" --out "$work/ab"; done
 check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads "" --out "$work/ab"

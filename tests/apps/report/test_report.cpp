@@ -39,7 +39,10 @@ json make_variant(int n_kv, double mean, double std, int seeds) {
     json curve = json::array();
     for (int step = 0; step <= 2000; step += 250) {
       const double loss = mean + 2.3 * std::exp(-step / 300.0) + 0.01 * (s - (seeds - 1) / 2.0);
-      curve.push_back({{"step", step}, {"val_loss", loss}, {"train_loss", loss - 0.02}});
+      // As kvlab ablate writes it: step 0 trained nothing, so it has no training loss.
+      curve.push_back({{"step", step},
+                       {"val_loss", loss},
+                       {"train_loss", step > 0 ? json(loss - 0.02) : json()}});
     }
     runs.push_back({{"seed", s},
                     {"val_loss", mean},

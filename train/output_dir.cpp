@@ -1,0 +1,83 @@
+#include "train/output_dir.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "autograd/error.h"
+#include "train/trainer.h"
+
+namespace kvlab {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The pid the holder wrote into the lock file, or "" when there is none (yet).
+std::string holder_pid(int fd) {
+  char buf[32] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  std::string pid(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+  return pid;
+}
+
+}  // namespace
+
+OutputDirLock::OutputDirLock(const fs::path& dir, const std::string& who) {
+  KVLAB_CHECK(!dir.empty(), who, ": no output folder");
+  ensure_writable_dir(dir, who);
+  const fs::path file = dir / ".lock";
+  // CLOEXEC: a child (rsvg-convert for the report's PNGs) must not keep the lock alive.
+  fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  KVLAB_CHECK(fd_ >= 0, who, ": cannot open the lock file ", file.string(), ": ",
+              std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::string pid;
+    if (err == EWOULDBLOCK) {
+      // The holder writes its pid right after taking the lock; two processes started together
+      // can look in between.
+      for (int i = 0; i < 20 && (pid = holder_pid(fd_)).empty(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ::close(fd_);
+    KVLAB_CHECK(err != EWOULDBLOCK, who, ": output folder ", dir.string(),
+                " is in use by another kvlab process (pid ", pid.empty() ? "unknown" : pid,
+                "); wait for it to end, or choose another --out");
+    KVLAB_CHECK(false, who, ": cannot lock ", file.string(), ": ", std::strerror(err));
+  }
+  // The pid only serves the refusal above: the lock holds even if writing it fails.
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) == 0) {
+    [[maybe_unused]] const ssize_t n = ::pwrite(fd_, pid.data(), pid.size(), 0);
+  }
+}
+
+OutputDirLock::~OutputDirLock() { ::close(fd_); }
+
+std::vector<std::string> remove_checkpoint_temporaries(const fs::path& dir) {
+  // Every temporary goes, whatever its writer's pid: the caller holds the folder's lock, and
+  // every kvlab process that writes checkpoints there holds it while it does, so none of them
+  // is being written. (A pid-alive check would also be wrong for a reused pid, or for a writer
+  // on another machine of a shared file system.)
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t at = name.find(".h5.tmp-");
+    if (at == std::string::npos || at == 0) continue;
+    const std::string pid = name.substr(at + 8);
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::error_code type_ec, remove_ec;
+    if (it->is_regular_file(type_ec) && fs::remove(it->path(), remove_ec)) removed.push_back(name);
+  }
+  return removed;
+}
+
+}  // namespace kvlab
