@@ -31,21 +31,15 @@ std::string model_problem(const Checkpoint& c, const std::string& file, int64_t 
   return "";
 }
 
-// The whole file; or, when its training state is damaged, the rest of it and why (--resume
-// refuses such a file, generate and bench read only the model).
-Checkpoint load_for_inspect(const std::string& file, std::string& training_state_problem) {
-  try {
-    return load_checkpoint(file, true);
-  } catch (const Error& e) {
-    Checkpoint c = load_checkpoint(file, false);  // throws if the model part is damaged too
-    training_state_problem = e.what();
-    return c;
-  }
-}
-
 void run_inspect(const InspectArgs& a) {
-  std::string state_problem;
-  const Checkpoint c = load_for_inspect(a.ckpt, state_problem);
+  // One load: a damaged training state is reported with the rest of the file (--resume refuses
+  // such a file; generate and bench read only the model).
+  LoadOptions options;
+  options.report_training_state = true;
+  const Checkpoint c = load_checkpoint(a.ckpt, options);
+  std::vector<std::string> state_problems;
+  if (!c.training_state_problem.empty()) state_problems.push_back(c.training_state_problem);
+  for (const std::string& p : training_state_problems(c)) state_problems.push_back(p);
   int64_t n_params = 0;
   for (const auto& [name, arr] : c.model) n_params += static_cast<int64_t>(arr.data.size());
   const std::string problem = model_problem(c, a.ckpt, n_params);
@@ -61,7 +55,7 @@ void run_inspect(const InspectArgs& a) {
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
     if (!problem.empty()) j["model_problem"] = problem;
-    if (!state_problem.empty()) j["training_state_problem"] = state_problem;
+    if (!state_problems.empty()) j["training_state_problems"] = state_problems;
     // Paths in it are bytes, not always UTF-8: replace what is not, rather than fail.
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return;
@@ -96,9 +90,10 @@ void run_inspect(const InspectArgs& a) {
                 best_val_text(c.best_val_loss).c_str());
   if (c.has_optimizer)
     std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
-  if (!state_problem.empty())
-    std::printf("\ntraining state not readable (--resume refuses this file): %s\n",
-                state_problem.c_str());
+  if (!state_problems.empty()) {
+    std::printf("\ntraining state not usable (--resume refuses this file):\n");
+    for (const std::string& p : state_problems) std::printf("  %s\n", p.c_str());
+  }
 }
 
 }  // namespace

@@ -1,15 +1,24 @@
 #include "checkpoints/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <set>
 #include <system_error>
 
 #include "autograd/error.h"
 #include "checkpoints/h5.h"
+
+#include <hdf5_hl.h>  // H5LTopen_file_image
 
 namespace kvlab {
 namespace {
@@ -26,6 +35,158 @@ herr_t append_name(hid_t, const char* name, const Info*, void* out) noexcept {
 }
 
 namespace fs = std::filesystem;
+
+// ------------------------------------------------------------------------------------------
+// The digest: HDF5 leaves a file's user block (the bytes before its superblock) to the
+// application. kvlab's holds a text header with the CRC-32 and the size of everything after
+// it; the block is exactly the header followed by zero bytes. CRC-32 catches every error
+// confined to 32 consecutive bits, so any one damaged byte, by construction.
+
+constexpr size_t kUserBlock = 512;
+constexpr char kDigestMagic[] = "kvlab-checkpoint-digest 1\n";
+
+// CRC-32 of n bytes at p, continuing the CRC of the bytes before them (0 for none).
+uint32_t crc32_of(const char* p, size_t n, uint32_t before = 0) {
+  return static_cast<uint32_t>(crc32_z(before, reinterpret_cast<const Bytef*>(p), n));
+}
+
+std::string digest_block(uint32_t crc, uint64_t size) {
+  char text[128];
+  const int len = std::snprintf(text, sizeof text, "%scrc32 %08x\nsize %llu\n", kDigestMagic,
+                                crc, static_cast<unsigned long long>(size));
+  std::string block(kUserBlock, '\0');
+  block.replace(0, static_cast<size_t>(len), text, static_cast<size_t>(len));
+  return block;
+}
+
+// Writes the digest of image[kUserBlock, end) into its user block.
+void seal(std::vector<char>& image) {
+  KVLAB_ASSERT(image.size() > kUserBlock);
+  const std::string block = digest_block(
+      crc32_of(image.data() + kUserBlock, image.size() - kUserBlock), image.size());
+  std::memcpy(image.data(), block.data(), kUserBlock);
+}
+
+// A file's bytes, read once: the digest is checked, and HDF5 parses, exactly these.
+struct FileImage {
+  std::unique_ptr<char[]> bytes;  // not zeroed first: every byte is read into
+  size_t size = 0;
+  uint32_t crc = 0;  // CRC-32 of bytes [kUserBlock, size), computed chunk by chunk as read
+  const char* data() const { return bytes.get(); }
+};
+
+// True for a file that carries kvlab's digest and matches it; false for a file without one.
+// Throws for a file whose digest does not match: damaged after kvlab wrote it.
+bool verify_seal(const FileImage& image, const std::string& pre) {
+  const size_t magic = sizeof kDigestMagic - 1;
+  if (image.size < magic || std::memcmp(image.data(), kDigestMagic, magic) != 0) return false;
+  const bool ok = image.size > kUserBlock &&
+                  std::memcmp(image.data(), digest_block(image.crc, image.size).data(),
+                              kUserBlock) == 0;
+  char crc[16];
+  std::snprintf(crc, sizeof crc, "%08x", image.crc);
+  KVLAB_CHECK(ok, pre, "damaged: its bytes no longer match the digest kvlab saved with them (",
+              image.size, " bytes, CRC-32 ", crc,
+              " now); the file was changed or corrupted after it was written");
+  return true;
+}
+
+// Anything but a regular file (a FIFO, a device) is refused before it is read from.
+FileImage read_image(const fs::path& path, const std::string& pre) {
+  struct stat st {};
+  KVLAB_CHECK(::stat(path.c_str(), &st) == 0, pre,
+              errno == ENOENT ? "no such file" : detail::cat("cannot read: ", std::strerror(errno)));
+  KVLAB_CHECK(!S_ISDIR(st.st_mode), pre, "is a directory, not a checkpoint file");
+  KVLAB_CHECK(S_ISREG(st.st_mode), pre, "not a regular file (a FIFO, socket or device?)");
+  // O_NONBLOCK: should the path become a FIFO after the stat, the open does not wait for it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  KVLAB_CHECK(fd >= 0, pre, "cannot open: ", std::strerror(errno));
+  FileImage image;
+  int err = 0;
+  if (::fstat(fd, &st) != 0) {
+    err = errno;
+  } else if (!S_ISREG(st.st_mode)) {
+    err = EINVAL;
+  } else {
+    const auto size = static_cast<size_t>(st.st_size);
+    image.bytes.reset(new char[size]);
+    constexpr size_t kChunk = size_t{1} << 20;  // summed while still in cache
+    while (image.size < size && err == 0) {
+      const ssize_t n =
+          ::read(fd, image.bytes.get() + image.size, std::min(kChunk, size - image.size));
+      if (n > 0) {
+        const size_t from = std::max(image.size, kUserBlock);
+        image.size += static_cast<size_t>(n);
+        if (image.size > from)
+          image.crc = crc32_of(image.data() + from, image.size - from, image.crc);
+      } else if (n == 0) {
+        break;  // shrank while read: what is there is parsed (and will not verify)
+      } else if (errno != EINTR) {
+        err = errno;
+      }
+    }
+  }
+  ::close(fd);
+  KVLAB_CHECK(err == 0, pre, "cannot read: ", std::strerror(err));
+  return image;
+}
+
+// Runs `parse` in a forked child and returns normally when it returned normally. A kvlab::Error
+// it threw is rethrown here with its message; a child that died (HDF5 does not promise to
+// survive a corrupt file) becomes an error that says so. The child only parses: it writes
+// nothing but its message and leaves by _exit.
+void parse_in_child(const std::function<void()>& parse, const std::string& pre) {
+  int fds[2];
+  KVLAB_CHECK(::pipe2(fds, O_CLOEXEC) == 0, pre, "cannot create a pipe: ", std::strerror(errno));
+  std::fflush(nullptr);  // nothing buffered is written twice
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    int code = 0;
+    std::string msg;
+    try {
+      parse();
+    } catch (const std::exception& e) {
+      msg = e.what();
+      code = 1;
+    } catch (...) {
+      code = 1;
+    }
+    for (size_t done = 0; done < msg.size();) {
+      const ssize_t n = ::write(fds[1], msg.data() + done, msg.size() - done);
+      if (n <= 0 && errno != EINTR) break;
+      if (n > 0) done += static_cast<size_t>(n);
+    }
+    ::_exit(code);
+  }
+  ::close(fds[1]);
+  if (pid < 0) {
+    ::close(fds[0]);
+    KVLAB_CHECK(false, pre, "cannot start the process that checks the file: ",
+                std::strerror(errno));
+  }
+  std::string msg;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n > 0) {
+      msg.append(buf, static_cast<size_t>(n));
+    } else if (n == 0 || errno != EINTR) {
+      break;
+    }
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
+  KVLAB_CHECK(!WIFSIGNALED(status), pre, "the HDF5 library crashed reading it (",
+              strsignal(WTERMSIG(status)),
+              "): the file is damaged, or is not a checkpoint HDF5 can read");
+  KVLAB_CHECK(!msg.empty(), pre, "the process checking the file failed (exit status ",
+              WIFEXITED(status) ? WEXITSTATUS(status) : -1, ")");
+  throw Error(msg);
+}
 
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "(";
@@ -179,8 +340,10 @@ std::vector<char> build_image(const fs::path& name, const Checkpoint& ckpt,
                           8 * ckpt.rng_state.size();
   H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS), pre, "creating the file"), H5Pclose);
   H5_CHECK(H5Pset_fapl_core(fapl, estimate, /*backing_store=*/0), pre, "creating the file");
+  H5Id fcpl(H5_CHECK(H5Pcreate(H5P_FILE_CREATE), pre, "creating the file"), H5Pclose);
+  H5_CHECK(H5Pset_userblock(fcpl, kUserBlock), pre, "creating the file");  // for the digest
   H5Id file(
-      H5_CHECK(H5Fcreate(name.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), pre, "creating the file"),
+      H5_CHECK(H5Fcreate(name.c_str(), H5F_ACC_TRUNC, fcpl, fapl), pre, "creating the file"),
       H5Fclose);
   write_attrs(file,
               {{"format", std::string(kCheckpointFormat)}, {"format_version", kCheckpointVersion}},
@@ -218,9 +381,11 @@ std::vector<char> build_image(const fs::path& name, const Checkpoint& ckpt,
   }
   H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL), pre, "flushing the file");
   const ssize_t size = H5_CHECK(H5Fget_file_image(file, nullptr, 0), pre, "file image");
-  std::vector<char> image(size);
-  H5_CHECK(H5Fget_file_image(file, image.data(), image.size()), pre, "file image");
+  // The image starts at the superblock; the user block kept free for the digest goes before it.
+  std::vector<char> image(kUserBlock + size);
+  H5_CHECK(H5Fget_file_image(file, image.data() + kUserBlock, size), pre, "file image");
   H5_CHECK(H5Fclose(file.release()), pre, "closing the file");
+  seal(image);
   return image;
 }
 
@@ -266,22 +431,51 @@ const Dtype kFloat32{H5T_FLOAT, 4, H5T_SGN_ERROR, "float32"};
 const Dtype kUint32{H5T_INTEGER, 4, H5T_SGN_NONE, "uint32"};
 const Dtype kUint64{H5T_INTEGER, 8, H5T_SGN_NONE, "uint64"};
 
+// What a group lists: each link's name, and whether it is a hard link (an object stored in
+// this file) rather than a soft or external one.
+struct Link {
+  std::string name;
+  bool hard;
+};
+
+herr_t append_link(hid_t, const char* name, const H5L_info_t* info, void* out) noexcept {
+  try {
+    static_cast<std::vector<Link>*>(out)->push_back({name, info->type == H5L_TYPE_HARD});
+    return 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Deflate never shrinks data by more than 1032:1, so a gzip dataset declaring more than that
+// many times its stored bytes is damaged: refused before its values are allocated.
+constexpr int64_t kDeflateMaxRatio = 1032;
+// The longest fixed-length string attribute read (kvlab's are variable-length and short).
+constexpr size_t kMaxStringAttr = size_t{1} << 20;
+
 class Loader {
  public:
-  explicit Loader(const fs::path& path)
-      : path_(path), pre_("checkpoint: " + path.string() + ": ") {}
+  // `image` holds the file's bytes; `sealed` says that its digest was kvlab's and matched.
+  Loader(const fs::path& path, const FileImage& image, bool sealed)
+      : path_(path), pre_("checkpoint: " + path.string() + ": "), image_(image),
+        sealed_(sealed) {}
 
-  Checkpoint load(bool with_training_state) {
-    std::error_code ec;
-    const fs::file_status st = fs::status(path_, ec);
-    check(fs::exists(st), "no such file");
-    check(!fs::is_directory(st), "is a directory, not a checkpoint file");
-    const htri_t is_hdf5 = H5Fis_hdf5(path_.c_str());
-    check(is_hdf5 >= 0, "cannot read: ", h5_error_message());
-    check(is_hdf5 > 0, "not an HDF5 file");
-    H5Id file(H5_CHECK(H5Fopen(path_.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), pre_,
-                       "cannot open HDF5 file (truncated or damaged?)"),
+  Checkpoint load(const LoadOptions& options) {
+    check(has_hdf5_signature(), "not an HDF5 file");
+    // Read-only, straight from the bytes already read: no copy, and nothing else is opened.
+    H5Id file(H5_CHECK(H5LTopen_file_image(const_cast<char*>(image_.data()), image_.size,
+                                           H5LT_FILE_IMAGE_DONT_COPY |
+                                               H5LT_FILE_IMAGE_DONT_RELEASE),
+                       pre_, "cannot open HDF5 file (truncated or damaged?)"),
               H5Fclose);
+    if (!sealed_) {
+      H5Id fcpl(H5_CHECK(H5Fget_create_plist(file), pre_, "reading the file"), H5Pclose);
+      hsize_t user_block = 0;
+      H5_CHECK(H5Pget_userblock(fcpl, &user_block), pre_, "reading the file");
+      check(user_block == 0, "its ", user_block,
+            "-byte user block is not a kvlab digest: a kvlab checkpoint damaged at its start, "
+            "or a file with a user block of its own (h5unjam removes one)");
+    }
 
     const AttrValue format = required_attr(file, "format", "/");
     const auto* format_str = std::get_if<std::string>(&format);
@@ -296,6 +490,8 @@ class Loader {
       H5Id config = open_group(file, "config", "/config");
       ckpt.config = all_attrs(config, "/config");
     }
+    ShapeList expected;
+    if (options.expected_model) expected = options.expected_model(ckpt.config);
     {
       H5Id tok = open_group(file, "tokenizer", "/tokenizer");
       ckpt.tokenizer_kind = string_attr(tok, "kind", "/tokenizer");
@@ -304,14 +500,38 @@ class Loader {
     }
     {
       H5Id model = open_group(file, "model", "/model");
-      for (const std::string& name : link_names(model, "/model")) {
-        auto [shape, data] =
-            read<float>(model, name, "/model/" + name, kFloat32, H5T_NATIVE_FLOAT, -1);
-        ckpt.model.emplace_back(name, ArrayF32{std::move(shape), std::move(data)});
-      }
+      ckpt.model = read_arrays(model, "/model", options.expected_model ? &expected : nullptr);
     }
-    if (!with_training_state) return ckpt;
+    if (!options.training_state) return ckpt;
+    try {
+      read_training_state(file, ckpt);
+    } catch (const Error& e) {
+      if (!options.report_training_state) throw;
+      ckpt.has_optimizer = ckpt.has_train_state = false;
+      ckpt.optimizer_m.clear();
+      ckpt.optimizer_v.clear();
+      ckpt.rng_state.clear();
+      ckpt.training_state_problem = e.what();
+    }
+    return ckpt;
+  }
 
+ private:
+  template <class... Args>
+  void check(bool ok, const Args&... args) const {
+    KVLAB_CHECK(ok, pre_, args...);
+  }
+
+  // HDF5's signature at offset 0, 512, 1024, ... (its superblock follows any user block).
+  bool has_hdf5_signature() const {
+    static constexpr char kSignature[] = "\211HDF\r\n\032\n";
+    for (size_t at = 0; at + 8 <= image_.size; at = at ? 2 * at : 512) {
+      if (std::memcmp(image_.data() + at, kSignature, 8) == 0) return true;
+    }
+    return false;
+  }
+
+  void read_training_state(hid_t file, Checkpoint& ckpt) const {
     if (has_link(file, "optimizer", "/optimizer")) {
       H5Id opt = open_group(file, "optimizer", "/optimizer");
       ckpt.has_optimizer = true;
@@ -334,13 +554,6 @@ class Loader {
           read<uint64_t>(train, "rng_state", "/train/rng_state", kUint64, H5T_NATIVE_UINT64, 1)
               .second;
     }
-    return ckpt;
-  }
-
- private:
-  template <class... Args>
-  void check(bool ok, const Args&... args) const {
-    KVLAB_CHECK(ok, pre_, args...);
   }
 
   static std::string describe(const AttrValue& v) {
@@ -349,8 +562,17 @@ class Loader {
     return detail::cat(std::get<double>(v));
   }
 
+  // Whether `name` is a link of `loc`; a link that is not a hard one (soft, or to another
+  // file) is refused: a checkpoint's objects are stored in the checkpoint.
   bool has_link(hid_t loc, const std::string& name, const std::string& path) const {
-    return H5_CHECK(H5Lexists(loc, name.c_str(), H5P_DEFAULT), pre_, "looking up ", path) > 0;
+    if (H5_CHECK(H5Lexists(loc, name.c_str(), H5P_DEFAULT), pre_, "looking up ", path) <= 0)
+      return false;
+    H5L_info_t info;
+    H5_CHECK(H5Lget_info(loc, name.c_str(), &info, H5P_DEFAULT), pre_, "looking up ", path);
+    check(info.type == H5L_TYPE_HARD, path, " is a ",
+          info.type == H5L_TYPE_EXTERNAL ? "link to another file" : "soft link",
+          "; kvlab reads only objects stored in the checkpoint itself");
+    return true;
   }
 
   // Opens an object that must exist and be of `type` (H5I_GROUP or H5I_DATASET).
@@ -373,13 +595,135 @@ class Loader {
     unsigned flags = 0;
     H5_CHECK(H5Pget_link_creation_order(gcpl, &flags), pre_, "reading ", path);
     const H5_index_t index = (flags & H5P_CRT_ORDER_TRACKED) ? H5_INDEX_CRT_ORDER : H5_INDEX_NAME;
+    std::vector<Link> links;
+    H5_CHECK(H5Literate(group, index, H5_ITER_INC, nullptr, append_link, &links), pre_,
+             "listing ", path);
     std::vector<std::string> names;
-    H5_CHECK(H5Literate(
-                 group, index, H5_ITER_INC, nullptr,
-                 append_name<H5L_info_t>,
-                 &names),
-             pre_, "listing ", path);
+    for (const Link& link : links) {
+      check(link.hard, path, "/", link.name,
+            " is a soft or external link; kvlab reads only objects stored in the checkpoint "
+            "itself");
+      names.push_back(link.name);
+    }
     return names;
+  }
+
+  // The shape a dataset declares, read from its header alone.
+  std::vector<int64_t> shape_of(hid_t loc, const std::string& name,
+                                const std::string& path) const {
+    H5Id dset = open_object(loc, name, path, H5I_DATASET);
+    H5Id space(H5_CHECK(H5Dget_space(dset), pre_, "reading ", path), H5Sclose);
+    const int ndims = H5_CHECK(H5Sget_simple_extent_ndims(space), pre_, "reading ", path);
+    std::vector<hsize_t> dims(ndims);
+    H5_CHECK(H5Sget_simple_extent_dims(space, dims.data(), nullptr), pre_, "reading ", path);
+    return {dims.begin(), dims.end()};
+  }
+
+  // The float32 datasets of a group of parameters. With `expected`, every name and shape is
+  // compared first, and the arrays are read in its order.
+  NamedArrays read_arrays(hid_t group, const std::string& path, const ShapeList* expected) const {
+    const std::vector<std::string> names = link_names(group, path);
+    NamedArrays arrays;
+    if (expected) {
+      ShapeList found;
+      for (const std::string& name : names)
+        found.emplace_back(name, shape_of(group, name, path + "/" + name));
+      compare_shapes(found, *expected, path);
+      for (const auto& [name, shape] : *expected) {
+        auto [s, data] = read<float>(group, name, path + "/" + name, kFloat32, H5T_NATIVE_FLOAT, -1);
+        arrays.emplace_back(name, ArrayF32{std::move(s), std::move(data)});
+      }
+      return arrays;
+    }
+    for (const std::string& name : names) {
+      auto [shape, data] = read<float>(group, name, path + "/" + name, kFloat32, H5T_NATIVE_FLOAT, -1);
+      arrays.emplace_back(name, ArrayF32{std::move(shape), std::move(data)});
+    }
+    return arrays;
+  }
+
+ public:
+  // Each expected name present with exactly its shape, and nothing else.
+  static void compare_shapes(const ShapeList& found, const ShapeList& expected,
+                             const std::string& group, const std::string& pre) {
+    std::map<std::string, const std::vector<int64_t>*> by_name;
+    for (const auto& [name, shape] : found) by_name[name] = &shape;
+    for (const auto& [name, shape] : expected) {
+      const auto it = by_name.find(name);
+      KVLAB_CHECK(it != by_name.end(), pre, "missing dataset ", group, "/", name,
+                  " (expected shape ", shape_str(shape), ")");
+      KVLAB_CHECK(*it->second == shape, pre, group, "/", name, ": shape ",
+                  shape_str(*it->second), " in the file, the model expects ", shape_str(shape));
+      by_name.erase(it);
+    }
+    KVLAB_CHECK(by_name.empty(), pre, "unexpected dataset ", group, "/", by_name.begin()->first,
+                " (not a parameter of this model; ", by_name.size(), " unexpected in all)");
+  }
+
+ private:
+  void compare_shapes(const ShapeList& found, const ShapeList& expected,
+                      const std::string& group) const {
+    compare_shapes(found, expected, group, pre_);
+  }
+
+  // Checks that a dataset's values are stored in this file, as many as it declares (`bytes`),
+  // before anything is allocated for them: contiguous or compact, or chunked with every chunk
+  // written and only the filters h5py users apply (gzip, shuffle, fletcher32).
+  void check_storage(hid_t dset, const std::string& path, int64_t points, size_t elem) const {
+    H5Id dcpl(H5_CHECK(H5Dget_create_plist(dset), pre_, "reading ", path), H5Pclose);
+    const H5D_layout_t layout = H5Pget_layout(dcpl);
+    check(layout != H5D_VIRTUAL, path,
+          ": a virtual dataset (its values live in other files); kvlab reads only values stored "
+          "in the checkpoint itself");
+    check(H5_CHECK(H5Pget_external_count(dcpl), pre_, "reading ", path) == 0, path,
+          ": its values are stored in external files; kvlab reads only values stored in the "
+          "checkpoint itself");
+    check(layout == H5D_CONTIGUOUS || layout == H5D_COMPACT || layout == H5D_CHUNKED, path,
+          ": unknown storage layout ", static_cast<int>(layout));
+    if (points == 0) return;
+    const auto image = static_cast<int64_t>(image_.size);
+    const std::string not_all = detail::cat(path, ": declares ", points,
+                                            " values but the file does not store them all (a "
+                                            "damaged or unfinished file)");
+    check(points <= image * kDeflateMaxRatio / static_cast<int64_t>(elem), not_all);
+    const int64_t bytes = points * static_cast<int64_t>(elem);
+    const auto stored = static_cast<int64_t>(H5Dget_storage_size(dset));
+    check(stored <= image, path, ": claims ", stored, " stored bytes in a file of ", image);
+    if (layout != H5D_CHUNKED) {
+      check(stored == bytes, not_all);
+      return;
+    }
+    bool deflate = false;
+    const int nfilters = H5_CHECK(H5Pget_nfilters(dcpl), pre_, "reading ", path);
+    for (int i = 0; i < nfilters; ++i) {
+      unsigned flags = 0, config = 0;
+      size_t nvalues = 0;
+      char name[64] = {};
+      const H5Z_filter_t id =
+          H5Pget_filter2(dcpl, static_cast<unsigned>(i), &flags, &nvalues, nullptr, sizeof name,
+                         name, &config);
+      check(id == H5Z_FILTER_DEFLATE || id == H5Z_FILTER_SHUFFLE || id == H5Z_FILTER_FLETCHER32,
+            path, ": stored through HDF5 filter ", id, " (", name,
+            "); kvlab reads gzip, shuffle and fletcher32 datasets");
+      deflate = deflate || id == H5Z_FILTER_DEFLATE;
+    }
+    const int rank = H5Pget_chunk(dcpl, 0, nullptr);
+    std::vector<hsize_t> chunk(rank > 0 ? rank : 0);
+    check(rank > 0 && H5Pget_chunk(dcpl, rank, chunk.data()) == rank, path,
+          ": unreadable chunk shape");
+    H5Id space(H5_CHECK(H5Dget_space(dset), pre_, "reading ", path), H5Sclose);
+    std::vector<hsize_t> dims(rank);
+    check(H5Sget_simple_extent_dims(space, dims.data(), nullptr) == rank, path,
+          ": chunk rank differs from the dataset's");
+    hsize_t want = 1;
+    for (int d = 0; d < rank; ++d) {
+      check(chunk[d] > 0, path, ": chunk of size 0");
+      want *= (dims[d] + chunk[d] - 1) / chunk[d];
+    }
+    hsize_t have = 0;
+    H5_CHECK(H5Dget_num_chunks(dset, space, &have), pre_, "reading ", path);
+    check(have == want, not_all);
+    check(bytes <= (deflate ? kDeflateMaxRatio : 1) * stored, not_all);
   }
 
   template <class T>
@@ -399,12 +743,7 @@ class Loader {
     H5_CHECK(H5Sget_simple_extent_dims(space, dims.data(), nullptr), pre_, "reading ", path);
     const std::vector<int64_t> shape(dims.begin(), dims.end());
     const hssize_t points = H5_CHECK(H5Sget_simple_extent_npoints(space), pre_, "reading ", path);
-    // A chunked dataset can declare far more values than the file stores (the chunks never
-    // written read back as the fill value): reading it would allocate all of them.
-    H5D_space_status_t stored = H5D_SPACE_STATUS_ERROR;
-    H5_CHECK(H5Dget_space_status(dset, &stored), pre_, "reading ", path);
-    check(points == 0 || stored == H5D_SPACE_STATUS_ALLOCATED, path, ": declares ", points,
-          " values but the file does not store them all (a damaged or unfinished file)");
+    check_storage(dset, path, points, want.size);
     std::vector<T> data(static_cast<size_t>(points));
     if (!data.empty()) {
       H5_CHECK(H5Dread(dset, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()), pre_,
@@ -413,21 +752,26 @@ class Loader {
     return {shape, std::move(data)};
   }
 
+  // A moment for every parameter of /model, by name, with its shape: compared before any is
+  // read.
   NamedArrays read_optimizer_state(hid_t opt, const char* name, const NamedArrays& model) const {
     const std::string group = std::string("/optimizer/") + name;
     H5Id g = open_group(opt, name, group);
-    NamedArrays state;
-    for (const auto& [param, array] : model) {
-      const std::string path = group + "/" + param;
-      auto [shape, data] = read<float>(g, param, path, kFloat32, H5T_NATIVE_FLOAT, -1);
-      check(shape == array.shape, path, ": shape ", shape_str(shape), ", /model/", param, " has ",
-            shape_str(array.shape));
-      state.emplace_back(param, ArrayF32{std::move(shape), std::move(data)});
-    }
+    ShapeList params;
+    for (const auto& [param, array] : model) params.emplace_back(param, array.shape);
     const std::vector<std::string> names = link_names(g, group);
+    ShapeList found;
+    for (const std::string& n : names) found.emplace_back(n, shape_of(g, n, group + "/" + n));
+    for (const auto& [param, shape] : params) {
+      const auto it = std::find_if(found.begin(), found.end(),
+                                   [&](const auto& f) { return f.first == param; });
+      check(it != found.end(), "missing dataset ", group, "/", param);
+      check(it->second == shape, group, "/", param, ": shape ", shape_str(it->second),
+            ", /model/", param, " has ", shape_str(shape));
+    }
     check(names.size() == model.size(), group, " has ", names.size(), " datasets, /model has ",
           model.size());
-    return state;
+    return read_arrays(g, group, &params);
   }
 
   AttrValue read_attr(hid_t loc, const std::string& name, const std::string& what) const {
@@ -457,6 +801,8 @@ class Loader {
       return s;
     }
     // Fixed-length: one more byte than stored, so the terminator never cuts a character.
+    check(H5Tget_size(type) <= kMaxStringAttr, what, ": a string of ", H5Tget_size(type),
+          " bytes");
     const size_t size = H5Tget_size(type) + 1;
     H5Id mem(H5_CHECK(H5Tcopy(H5T_C_S1), pre_, "reading ", what), H5Tclose);
     H5_CHECK(H5Tset_size(mem, size), pre_, "reading ", what);
@@ -489,10 +835,8 @@ class Loader {
 
   Attrs all_attrs(hid_t loc, const std::string& group) const {
     std::vector<std::string> names;
-    H5_CHECK(H5Aiterate2(
-                 loc, H5_INDEX_NAME, H5_ITER_INC, nullptr,
-                 append_name<H5A_info_t>,
-                 &names),
+    H5_CHECK(H5Aiterate2(loc, H5_INDEX_NAME, H5_ITER_INC, nullptr, append_name<H5A_info_t>,
+                         &names),
              pre_, "listing attributes of ", group);
     Attrs attrs;
     for (const std::string& name : names) {
@@ -503,6 +847,8 @@ class Loader {
 
   fs::path path_;
   std::string pre_;  // "checkpoint: <path>: "
+  const FileImage& image_;
+  bool sealed_;
 };
 
 }  // namespace
@@ -535,27 +881,19 @@ void save_checkpoint(const fs::path& file, const Checkpoint& ckpt) {
   }
 }
 
-Checkpoint load_checkpoint(const fs::path& file, bool with_training_state) {
+Checkpoint load_checkpoint(const fs::path& file, const LoadOptions& options) {
   h5_silence_errors();
-  return Loader(file).load(with_training_state);
+  const std::string pre = "checkpoint: " + file.string() + ": ";
+  const FileImage image = read_image(file, pre);
+  const bool sealed = verify_seal(image, pre);
+  if (!sealed) parse_in_child([&] { Loader(file, image, false).load(options); }, pre);
+  return Loader(file, image, sealed).load(options);
 }
 
-void check_model_shapes(const Checkpoint& ckpt,
-                        const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected,
-                        const fs::path& file) {
-  const std::string pre = "checkpoint: " + file.string() + ": ";
-  std::map<std::string, const ArrayF32*> by_name;
-  for (const auto& [name, array] : ckpt.model) by_name[name] = &array;
-  for (const auto& [name, shape] : expected) {
-    const auto it = by_name.find(name);
-    KVLAB_CHECK(it != by_name.end(), pre, "missing dataset /model/", name, " (expected shape ",
-                shape_str(shape), ")");
-    KVLAB_CHECK(it->second->shape == shape, pre, "/model/", name, ": shape ",
-                shape_str(it->second->shape), " in the file, the model expects ", shape_str(shape));
-    by_name.erase(it);
-  }
-  KVLAB_CHECK(by_name.empty(), pre, "unexpected dataset /model/", by_name.begin()->first,
-              " (not a parameter of this model; ", by_name.size(), " unexpected in all)");
+void check_model_shapes(const Checkpoint& ckpt, const ShapeList& expected, const fs::path& file) {
+  ShapeList found;
+  for (const auto& [name, array] : ckpt.model) found.emplace_back(name, array.shape);
+  Loader::compare_shapes(found, expected, "/model", "checkpoint: " + file.string() + ": ");
 }
 
 }  // namespace kvlab

@@ -3,6 +3,7 @@
 // Independent of the tensor engine: callers convert their parameters to and from ArrayF32.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <string>
@@ -23,6 +24,7 @@ struct ArrayF32 {
 using AttrValue = std::variant<int64_t, double, std::string>;
 using Attrs = std::map<std::string, AttrValue>;  // sorted: written in a stable order
 using NamedArrays = std::vector<std::pair<std::string, ArrayF32>>;
+using ShapeList = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
 struct Checkpoint {
   Attrs config;                           // every model and training hyper-parameter
@@ -38,22 +40,47 @@ struct Checkpoint {
   double best_val_loss = std::numeric_limits<double>::infinity();  // +inf when none yet
   std::vector<uint64_t> rng_state;  // opaque words (sampler + dropout generators)
   Attrs train_extra;                // anything else, e.g. world size, elapsed seconds
+  // Why /optimizer or /train could not be read, when LoadOptions::report_training_state
+  // asked for the rest of the file rather than an error ("" otherwise).
+  std::string training_state_problem;
+};
+
+struct LoadOptions {
+  bool training_state = true;  // false skips /optimizer and /train
+  // The parameters /model must hold (names and shapes, in the model's order) for the config
+  // read from /config; it throws for a config that is no model. When set, every dataset of
+  // /model (and of the optimizer's moments) is checked against it before any array is read,
+  // so a damaged config or shape cannot make the loader allocate for a model the file does
+  // not hold, and the arrays come back in this order whatever order the file lists them in.
+  std::function<ShapeList(const Attrs& config)> expected_model;
+  // A damaged /optimizer or /train is described in Checkpoint::training_state_problem and the
+  // rest returned, instead of thrown (inspect).
+  bool report_training_state = false;
 };
 
 // Writes a temporary file next to `file`, flushes and fsyncs it, then renames it over `file`:
 // an existing checkpoint is replaced whole or left untouched. Creates the folder if needed.
+// The file's HDF5 user block holds a digest of the rest (docs/checkpoint-format.md).
 // Throws kvlab::Error (naming the path) on inconsistent input or any I/O failure.
 void save_checkpoint(const std::filesystem::path& file, const Checkpoint& ckpt);
 
-// Reads and validates a checkpoint; model parameters come back in the order they were written.
-// with_training_state = false skips /optimizer and /train (has_optimizer, has_train_state are
-// then false). Throws kvlab::Error naming the file and the offending dataset or attribute.
-Checkpoint load_checkpoint(const std::filesystem::path& file, bool with_training_state = true);
+// Reads and validates a checkpoint. A file whose digest is kvlab's is checked against it before
+// HDF5 parses anything; any other file (written by h5py, or by kvlab before the digest) is
+// parsed first in a child process, so that a file which crashes the HDF5 library ends in an
+// error, not in this process's death. Then every link, layout and size is checked before an
+// array is allocated. Model parameters come back in the order LoadOptions::expected_model
+// gives, else in the file's. Throws kvlab::Error naming the file and the offending dataset or
+// attribute.
+Checkpoint load_checkpoint(const std::filesystem::path& file, const LoadOptions& options = {});
+inline Checkpoint load_checkpoint(const std::filesystem::path& file, bool with_training_state) {
+  LoadOptions options;
+  options.training_state = with_training_state;
+  return load_checkpoint(file, options);
+}
 
 // Checks that the model holds exactly the expected parameters: each name present with exactly
 // that shape, and nothing else. `file` is only used in the error message.
-void check_model_shapes(const Checkpoint& ckpt,
-                        const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected,
+void check_model_shapes(const Checkpoint& ckpt, const ShapeList& expected,
                         const std::filesystem::path& file);
 
 }  // namespace kvlab

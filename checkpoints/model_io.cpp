@@ -51,6 +51,57 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   return c;
 }
 
+LoadOptions gpt_load_options(const std::filesystem::path& file, bool with_training_state) {
+  LoadOptions options;
+  options.training_state = with_training_state;
+  options.expected_model = [file](const Attrs& config) {
+    return parameter_shapes(get_gpt_config(config, file));
+  };
+  return options;
+}
+
+std::vector<std::string> training_state_problems(const Checkpoint& c) {
+  std::vector<std::string> problems;
+  if (c.has_optimizer) {
+    if (c.optimizer_step < 0)
+      problems.push_back(detail::cat("attribute 'step' of /optimizer is ", c.optimizer_step));
+    for (const auto* group : {&c.optimizer_m, &c.optimizer_v}) {
+      for (const auto& [name, arr] : *group) {
+        const int64_t bad = count_non_finite(arr);
+        if (bad > 0)
+          problems.push_back(detail::cat("/optimizer/", group == &c.optimizer_m ? "m/" : "v/",
+                                         name, " holds non-finite values (", bad, " of ",
+                                         arr.data.size(), " are NaN or inf)"));
+      }
+    }
+  }
+  if (!c.has_train_state) return problems;
+  int64_t world = 1;  // checkpoints without the key come from single-process runs
+  if (auto it = c.train_extra.find("world_size"); it != c.train_extra.end()) {
+    const int64_t* w = std::get_if<int64_t>(&it->second);
+    if (w == nullptr || *w < 1) {
+      problems.push_back("attribute 'world_size' of /train is not a positive integer");
+      return problems;
+    }
+    world = *w;
+  }
+  if (static_cast<int64_t>(c.rng_state.size()) != 8 * world) {
+    problems.push_back(detail::cat("/train/rng_state holds ", c.rng_state.size(), " words, ",
+                                   8 * world, " expected for ", world, " rank(s)"));
+    return problems;
+  }
+  // Rank r's words: [8 r, 8 r + 4) its batch sampler's generator, [8 r + 4, 8 r + 8) dropout's.
+  for (size_t g = 0; g < c.rng_state.size(); g += 4) {
+    if (std::all_of(c.rng_state.begin() + g, c.rng_state.begin() + g + 4,
+                    [](uint64_t w) { return w == 0; }))
+      problems.push_back(detail::cat("/train/rng_state words ", g, "-", g + 3, " (rank ", g / 8,
+                                     g % 8 ? "'s dropout" : "'s batch sampler",
+                                     " generator) are all zero, a state xoshiro256** never "
+                                     "leaves"));
+  }
+  return problems;
+}
+
 NamedArrays to_arrays(const NamedTensors& tensors) {
   NamedArrays out;
   out.reserve(tensors.size());
@@ -135,7 +186,7 @@ void get_optimizer(AdamW& opt, const Checkpoint& ckpt, const std::filesystem::pa
 }
 
 LoadedModel load_model(const std::filesystem::path& file, bool with_training_state) {
-  Checkpoint ckpt = load_checkpoint(file, with_training_state);
+  Checkpoint ckpt = load_checkpoint(file, gpt_load_options(file, with_training_state));
   const GPTConfig cfg = get_gpt_config(ckpt.config, file);
   Tokenizer tok = get_tokenizer(ckpt, file);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, "checkpoint ", file.string(), ": tokenizer has ",

@@ -14,6 +14,14 @@ namespace kvlab {
 void put_gpt_config(Attrs& attrs, const GPTConfig& cfg);
 // Reads the model keys back; a missing or mistyped key is an error naming the file and key.
 GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
+// LoadOptions for a GPT's checkpoint: /model must hold the parameters of the GPT its /config
+// describes (get_gpt_config's checks first), compared before any weight is read.
+LoadOptions gpt_load_options(const std::filesystem::path& file, bool with_training_state);
+// What makes a checkpoint's training state unusable for --resume, one line each, naming the
+// dataset or attribute (none when nothing): moments holding NaN or inf, a negative step, a
+// world_size that is not a positive integer, a /train/rng_state that is not
+// 8 words a rank, and a generator state of all zeros, which xoshiro256** never leaves.
+std::vector<std::string> training_state_problems(const Checkpoint& ckpt);
 
 NamedArrays to_arrays(const NamedTensors& tensors);
 // How many of the array's values are NaN or inf: the loads below refuse any; inspect lists them.

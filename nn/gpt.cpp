@@ -196,4 +196,34 @@ Tensor GPT::loss(const Tensor& tokens, const Tensor& targets) {
 
 int64_t count_parameters(const GPTConfig& c) { return static_cast<int64_t>(parameters_of(c)); }
 
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const GPTConfig& c) {
+  c.validate();
+  const int64_t C = c.n_embd, kv = c.n_kv_head * c.head_size(), H = c.hidden();
+  std::vector<std::pair<std::string, std::vector<int64_t>>> s;
+  const auto linear = [&](const std::string& name, int64_t in, int64_t out) {
+    s.push_back({name + ".weight", {out, in}});
+    s.push_back({name + ".bias", {out}});
+  };
+  const auto layer_norm = [&](const std::string& name) {
+    s.push_back({name + ".weight", {C}});
+    s.push_back({name + ".bias", {C}});
+  };
+  s.push_back({"wte.weight", {c.vocab_size, C}});
+  s.push_back({"wpe.weight", {c.block_size, C}});
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    const std::string b = "blocks." + std::to_string(l) + ".";
+    layer_norm(b + "ln_1");
+    linear(b + "attn.q_proj", C, C);
+    linear(b + "attn.k_proj", C, kv);
+    linear(b + "attn.v_proj", C, kv);
+    linear(b + "attn.c_proj", C, C);
+    layer_norm(b + "ln_2");
+    linear(b + "mlp.c_fc", C, H);
+    linear(b + "mlp.c_proj", H, C);
+  }
+  layer_norm("ln_f");
+  if (!c.tied) s.push_back({"lm_head.weight", {c.vocab_size, C}});
+  return s;
+}
+
 }  // namespace kvlab

@@ -148,5 +148,8 @@ class GPT : public Module {
 
 // Parameter count of a config without building it (for --param-matched search).
 int64_t count_parameters(const GPTConfig& cfg);
+// The names and shapes of GPT(cfg).named_parameters(), in that order, without allocating them:
+// a checkpoint's datasets are compared with them before any weight is read.
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const GPTConfig& cfg);
 
 }  // namespace kvlab

@@ -225,7 +225,8 @@ fs::path Trainer::checkpoint_path(const std::string& which) const {
 }
 
 void Trainer::resume(const fs::path& file) {
-  Checkpoint ckpt = load_checkpoint(file, true);
+  // The model /config describes is compared with the file's datasets before any is read.
+  Checkpoint ckpt = load_checkpoint(file, gpt_load_options(file, true));
   const auto diffs = config_differences(ckpt.config, cfg_.to_attrs());
   if (!diffs.empty()) {
     std::string msg;
@@ -234,22 +235,19 @@ void Trainer::resume(const fs::path& file) {
                 " was trained with a different config (checkpoint vs now): ", msg);
   }
   KVLAB_CHECK(ckpt.has_train_state, "resume: ", file.string(), " has no complete /train state");
-  const int world = comm_->world_size();
-  int64_t ckpt_world = 1;  // checkpoints without the key come from single-process runs
-  if (auto it = ckpt.train_extra.find("world_size"); it != ckpt.train_extra.end()) {
-    const int64_t* w = std::get_if<int64_t>(&it->second);
-    KVLAB_CHECK(w != nullptr && *w >= 1, "resume: ", file.string(),
-                ": /train attribute world_size is not a positive integer");
-    ckpt_world = *w;
+  const std::vector<std::string> problems = training_state_problems(ckpt);
+  if (!problems.empty()) {
+    std::string msg;
+    for (const auto& p : problems) msg += (msg.empty() ? "" : "; ") + p;
+    KVLAB_CHECK(false, "resume: ", file.string(), ": ", msg);
   }
+  const int world = comm_->world_size();
+  const int64_t ckpt_world = static_cast<int64_t>(ckpt.rng_state.size() / 8);  // checked above
   KVLAB_CHECK(ckpt_world == world, "resume: ", file.string(), " was written by a run with ",
               ckpt_world, " rank(s) and this run has ", world,
               " rank(s); every rank's batch stream is saved, so resume with the same number of "
               "ranks (mpirun -np ",
               ckpt_world, ckpt_world == 1 ? ", or without mpirun)" : ")");
-  KVLAB_CHECK(ckpt.rng_state.size() == 8 * static_cast<size_t>(world), "resume: ", file.string(),
-              " has no complete /train state (/train/rng_state holds ", ckpt.rng_state.size(),
-              " words, ", 8 * world, " expected for ", world, " rank(s))");
   KVLAB_CHECK(get_tokenizer(ckpt, file) == corpus_.tokenizer, "resume: ", file.string(),
               " was trained with a different tokenizer vocabulary than ", cfg_.corpus, " gives");
   KVLAB_CHECK(ckpt.iteration >= 0 && ckpt.iteration <= cfg_.iters, "resume: ", file.string(),

@@ -84,12 +84,12 @@ TEST_F(ModelIoTest, MissingOrExtraTensorsAreNamed) {
     std::erase_if(t, [](const auto& entry) { return entry.first == "ln_f.bias"; });
   });
   std::string msg = message(missing);
-  EXPECT_NE(msg.find("missing: ln_f.bias"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing dataset /model/ln_f.bias"), std::string::npos) << msg;
   const fs::path extra = write("", 0.0f, [](NamedArrays& t) {
     t.emplace_back("stray", ArrayF32{{2}, {1.0f, 2.0f}});
   });
   msg = message(extra);
-  EXPECT_NE(msg.find("not in the model: stray"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unexpected dataset /model/stray"), std::string::npos) << msg;
 }
 
 }  // namespace

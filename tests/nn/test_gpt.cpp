@@ -69,6 +69,28 @@ TEST(Gpt, ParameterNamesFollowTheModuleTree) {
   EXPECT_EQ(mu.num_parameters() - count_parameters(tiny(1)), 13 * 16);
 }
 
+// parameter_shapes is what a checkpoint is checked against before its weights are read: it
+// must list exactly the model's parameters, in order, with their shapes.
+TEST(Gpt, ParameterShapesAreThoseOfTheBuiltModel) {
+  for (const bool tied : {true, false}) {
+    for (const int64_t nkv : {4, 2, 1}) {
+      GPTConfig c = tiny(nkv);
+      c.tied = tied;
+      c.mlp_hidden = tied ? 0 : 40;
+      c.n_layer = 3;
+      const auto shapes = parameter_shapes(c);
+      const auto params = GPT(c, 1).named_parameters();
+      ASSERT_EQ(shapes.size(), params.size()) << "tied " << tied << " nkv " << nkv;
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_EQ(shapes[i].first, params[i].first);
+        EXPECT_EQ(shapes[i].second, params[i].second.sizes()) << params[i].first;
+      }
+    }
+  }
+  GPTConfig bad = tiny(3);  // 4 heads do not share out over 3 KV heads
+  EXPECT_THROW(parameter_shapes(bad), Error);
+}
+
 TEST(Gpt, Gpt2Initialisation) {
   GPTConfig c = tiny(4);
   c.n_embd = 64;

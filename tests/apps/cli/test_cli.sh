@@ -116,17 +116,42 @@ check "bench without a decode step" 2 "no decode step" -- "$KVLAB" bench generat
 cp "$work/corpus.txt" "$work/corpus-"$'\xe9'".txt"
 "$KVLAB" train "${tiny[@]:2}" --corpus "$work/corpus-"$'\xe9'".txt" --out "$work/latin1" >/dev/null 2>&1
 check "inspect --json of a non-UTF-8 corpus path" 0 "\"corpus\"" -- "$KVLAB" inspect --json "$work/latin1/final.h5"
+# A kvlab file edited in place no longer matches its digest: refused as damaged.
+cp "$work/run/final.h5" "$work/edited.h5"
+/usr/bin/python3 -c 'import h5py, sys; f = h5py.File(sys.argv[1], "r+"); f["model/ln_f.bias"][0] = 1.5; f.close()' "$work/edited.h5"
+check "a kvlab file edited in place is refused" 1 "no longer match the digest" -- "$KVLAB" generate --ckpt "$work/edited.h5" --prompt a --max-new 2
+check "inspect refuses it too" 1 "no longer match the digest" -- "$KVLAB" inspect "$work/edited.h5"
+# The files below are edited without the 512-byte user block that holds the digest, as a file
+# h5py wrote: its structure is what kvlab checks.
 # A checkpoint whose weights hold NaN: inspect says where, generate refuses it.
-cp "$work/run/final.h5" "$work/nan.h5"
+tail -c +513 "$work/run/final.h5" > "$work/nan.h5"
 /usr/bin/python3 -c 'import h5py, sys; f = h5py.File(sys.argv[1], "r+"); d = f["model/blocks.0.attn.q_proj.weight"]; d[0, 0] = float("nan"); f.close()' "$work/nan.h5"
 check "inspect names the NaN tensor" 0 "blocks.0.attn.q_proj.weight" -- bash -c '"$0" inspect "$1" | grep "NaN or inf"' "$KVLAB" "$work/nan.h5"
 check "generate refuses NaN weights" 1 "non-finite" -- "$KVLAB" generate --ckpt "$work/nan.h5" --prompt a --max-new 2
 # One without ln_f.bias: inspect says it would not load, generate names what is missing.
-cp "$work/run/final.h5" "$work/lack.h5"
+tail -c +513 "$work/run/final.h5" > "$work/lack.h5"
 /usr/bin/python3 -c 'import h5py, sys; f = h5py.File(sys.argv[1], "r+"); del f["model/ln_f.bias"]; f.close()' "$work/lack.h5"
 check "inspect flags a missing tensor" 0 "not a loadable model: the config describes" -- "$KVLAB" inspect "$work/lack.h5"
-check "inspect says the training state is not readable" 0 "training state not readable" -- "$KVLAB" inspect "$work/lack.h5"
-check "generate names the missing tensor" 1 "missing: ln_f.bias" -- "$KVLAB" generate --ckpt "$work/lack.h5" --prompt a --max-new 2
+check "inspect says the training state is not usable" 0 "training state not usable" -- "$KVLAB" inspect "$work/lack.h5"
+check "generate names the missing tensor" 1 "missing dataset /model/ln_f.bias" -- "$KVLAB" generate --ckpt "$work/lack.h5" --prompt a --max-new 2
+# Training state --resume cannot use: inspect lists every problem, --resume refuses the first.
+for edit in 'f["train/rng_state"][0:4] = 0' 'f["optimizer/m/wte.weight"][0, 0] = float("nan")' \
+            'del f["train/rng_state"]; f["train"].create_dataset("rng_state", data=[1, 2, 3], dtype="u8")' \
+            'del f["config"].attrs["n_layer"]; f["config"].attrs["n_layer"] = "1"'; do
+  rm -rf "$work/state" && cp -r "$work/run" "$work/state"
+  tail -c +513 "$work/run/last.h5" > "$work/state/last.h5"
+  /usr/bin/python3 -c "import h5py, sys; f = h5py.File(sys.argv[1], 'r+'); $edit; f.close()" "$work/state/last.h5"
+  case $edit in
+    *rng_state*0:4*) want="words 0-3 (rank 0's batch sampler generator) are all zero" ;;
+    *nan*) want="/optimizer/m/wte.weight holds non-finite values" ;;
+    *1,\ 2,\ 3*) want="/train/rng_state holds 3 words, 8 expected" ;;
+    *) want="'n_layer' has the wrong type" ;;
+  esac
+  if [ "$want" != "'n_layer' has the wrong type" ]; then
+    check "inspect lists: $want" 0 "$want" -- "$KVLAB" inspect "$work/state/last.h5"
+  fi
+  check "--resume refuses: $want" 1 "$want" -- "$KVLAB" train "${tiny[@]}" --n-kv-head 2 --out "$work/state" --resume
+done
 check "prompt longer than context" 1 "context" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my shepherd; i shall" --max-new 2
 check "ablate kv not dividing" 2 "not divisible by n_kv_head = 3" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,3 --out "$work/ab"
 check "ablate unwritable out" 1 "not writable" -- "$KVLAB" ablate "${tiny[@]}" --out /proc/kvlab-nope
