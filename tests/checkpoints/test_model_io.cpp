@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -90,6 +91,50 @@ TEST_F(ModelIoTest, MissingOrExtraTensorsAreNamed) {
   });
   msg = message(extra);
   EXPECT_NE(msg.find("unexpected dataset /model/stray"), std::string::npos) << msg;
+}
+
+// What --resume refuses and inspect lists, each named: moments holding NaN, a negative step, an
+// rng_state of the wrong length for world_size, and a generator state of all zeros (which
+// xoshiro256** never leaves: a resumed run would train on one window at every step).
+TEST(TrainingState, ProblemsAreNamed) {
+  Checkpoint c;
+  c.model = {{"w", ArrayF32{{2}, {1.0f, 2.0f}}}};
+  c.has_optimizer = true;
+  c.optimizer_m = c.model;
+  c.optimizer_v = c.model;
+  c.has_train_state = true;
+  c.rng_state = {1, 2, 3, 4, 5, 6, 7, 8};
+  EXPECT_TRUE(training_state_problems(c).empty());
+
+  auto only = [](const Checkpoint& k) {
+    const std::vector<std::string> p = training_state_problems(k);
+    return p.size() == 1 ? p[0] : "problems: " + std::to_string(p.size());
+  };
+  Checkpoint bad = c;
+  bad.optimizer_m[0].second.data[1] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(only(bad), "/optimizer/m/w holds non-finite values (1 of 2 are NaN or inf)");
+  bad = c;
+  bad.optimizer_step = -1;
+  EXPECT_EQ(only(bad), "attribute 'step' of /optimizer is -1");
+  bad = c;
+  bad.rng_state.resize(7);
+  EXPECT_EQ(only(bad), "/train/rng_state holds 7 words, 8 expected for 1 rank(s)");
+  bad = c;
+  bad.train_extra["world_size"] = int64_t{2};
+  EXPECT_EQ(only(bad), "/train/rng_state holds 8 words, 16 expected for 2 rank(s)");
+  bad.train_extra["world_size"] = std::string("2");
+  EXPECT_EQ(only(bad), "attribute 'world_size' of /train is not a positive integer");
+  for (size_t g = 0; g < 8; g += 4) {
+    bad = c;
+    std::fill_n(bad.rng_state.begin() + g, 4, 0);
+    EXPECT_EQ(only(bad), "/train/rng_state words " + std::to_string(g) + "-" +
+                             std::to_string(g + 3) + " (rank 0's " +
+                             (g ? "dropout" : "batch sampler") +
+                             " generator) are all zero, a state xoshiro256** never leaves");
+  }
+  bad = c;
+  bad.rng_state[0] = bad.rng_state[1] = bad.rng_state[2] = 0;  // three zero words are a state
+  EXPECT_TRUE(training_state_problems(bad).empty());
 }
 
 }  // namespace
