@@ -7,6 +7,7 @@
 
 #include "autograd/graph.h"
 #include "autograd/random.h"
+#include "infer/stop_filter.h"
 
 namespace kvlab {
 
@@ -86,7 +87,8 @@ double GenerationStats::tpot_quantile_s(double q) const {
 
 // ---- engine ------------------------------------------------------------------------------
 
-struct Engine::Row {
+namespace {
+struct Row {
   std::vector<int32_t> seq;  // prompt + generated tokens
   int64_t prompt_len = 0;
   int64_t window_start = 0;  // seq index at position 0 of the model's current window
@@ -96,14 +98,58 @@ struct Engine::Row {
   int64_t slides = 0;
   double ttft_s = 0;
   std::string text;  // released text
-  std::string held;  // text that may begin a stop string
+  StopStringFilter stop;
   Sampler sampler;
 
-  Row(const SamplingOptions& s, uint64_t seed) : sampler(s, seed) {}
+  Row(const GenerateOptions& o, uint64_t seed) : stop(o.stop), sampler(o.sampling, seed) {}
   int64_t window_len() const { return static_cast<int64_t>(seq.size()) - window_start; }
   std::span<const int32_t> window() const {
     return {seq.data() + window_start, static_cast<size_t>(window_len())};
   }
+};
+}  // namespace
+
+// One generate_ids call: its rows, what each step does to them, and the loops that drive the
+// model with a cache (prefill, then batched decode steps) or without one (recompute).
+class Engine::Generation {
+ public:
+  Generation(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+             const GenerateOptions& opts);
+
+  void prefill_cached(GenerationKVCache& cache);
+  void decode_cached(GenerationKVCache& cache);
+  void prefill_recompute();
+  void decode_recompute();
+  GenerationResult result(const std::vector<std::vector<int32_t>>& prompts);
+
+  // What a row can make from a window of this many tokens: without --slide the context ends
+  // it (the last sampled token is never fed), so a huge max_new reserves only that; with
+  // --slide, reserving is capped and the vectors grow past it as usual.
+  int64_t reachable(int64_t window) const {
+    return opts_.slide ? std::min<int64_t>(opts_.max_new_tokens, int64_t{1} << 20)
+                       : std::min(opts_.max_new_tokens, std::max<int64_t>(1, block_ - window + 1));
+  }
+  int64_t max_window() const { return max_window_; }
+  GenerationStats& stats() { return result_.stats; }
+
+ private:
+  Row& row(int64_t r) { return rows_[static_cast<size_t>(r)]; }
+  void release(int64_t r, std::string_view piece);
+  void finish(int64_t r, StopReason why);
+  // Samples row r's next token from its logits (V), appends it, streams its text.
+  void take(int64_t r, const float* logits);
+  // (1, T) of row's seq[from:].
+  Tensor window_tensor(const Row& row, int64_t from) const;
+  void record_step(int64_t step, Clock::time_point t0, int64_t rows);
+
+  Engine& engine_;
+  const GenerateOptions& opts_;
+  const int64_t block_, V_;
+  const int64_t keep_;  // known tokens a slide re-prefills (the pending one follows)
+  std::vector<Row> rows_;
+  int64_t max_window_ = 0;
+  GenerationResult result_;
+  Clock::time_point t_start_;
 };
 
 Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype)
@@ -164,245 +210,231 @@ void Engine::validate(const std::vector<std::vector<int32_t>>& prompts,
   }
 }
 
-GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& prompts,
-                                      const GenerateOptions& opts) {
-  validate(prompts, opts);
-  const GPTConfig& cfg = model_.config();
-  const int64_t block = cfg.block_size, V = cfg.vocab_size;
+Engine::Generation::Generation(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                               const GenerateOptions& opts)
+    : engine_(engine),
+      opts_(opts),
+      block_(engine.model_.config().block_size),
+      V_(engine.model_.config().vocab_size),
+      keep_(block_ - 1) {
+  const int64_t prompt_keep = std::max<int64_t>(1, keep_);  // of a prompt longer than block
   const int64_t B = static_cast<int64_t>(prompts.size());
-  const int64_t keep = block - 1;  // known tokens a slide re-prefills (the pending one follows)
-  const int64_t prompt_keep = std::max<int64_t>(1, keep);  // of a prompt longer than block
-  const int64_t max_new = opts.max_new_tokens;
-  // What a row can make: without --slide the context ends it (the last sampled token is never
-  // fed), so a huge max_new reserves only that; with --slide, reserving is capped and the
-  // vectors grow past it as usual.
-  auto reachable = [&](int64_t window) {
-    return opts.slide ? std::min<int64_t>(max_new, int64_t{1} << 20)
-                      : std::min(max_new, std::max<int64_t>(1, block - window + 1));
-  };
-
-  // ---- rows ----
-  std::vector<Row> rows;
-  rows.reserve(static_cast<size_t>(B));
-  int64_t max_window = 0;
+  rows_.reserve(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
     const int64_t P = static_cast<int64_t>(p.size());
-    Row& row =
-        rows.emplace_back(opts.sampling, hash64(opts.sampling.seed, static_cast<uint64_t>(b)));
+    Row& row = rows_.emplace_back(opts, hash64(opts.sampling.seed, static_cast<uint64_t>(b)));
     row.prompt_len = P;
-    row.window_start = P > block ? P - prompt_keep : 0;
+    row.window_start = P > block_ ? P - prompt_keep : 0;
     const int64_t room = reachable(P - row.window_start);
     row.seq.reserve(static_cast<size_t>(P + room));
     row.seq.assign(p.begin(), p.end());
     row.text.reserve(static_cast<size_t>(room) * 2);
-    max_window = std::max(max_window, row.window_len());
+    max_window_ = std::max(max_window_, row.window_len());
   }
+  int64_t min_window = max_window_;
+  for (const Row& row : rows_) min_window = std::min(min_window, row.window_len());
+  stats().step_s.reserve(static_cast<size_t>(reachable(min_window)));
+  stats().step_rows.reserve(static_cast<size_t>(reachable(min_window)));
+  t_start_ = Clock::now();
+}
 
-  NoGradGuard no_grad;
-  GenerationResult result;
-  GenerationStats& st = result.stats;
-  int64_t min_window = max_window;
-  for (const Row& row : rows) min_window = std::min(min_window, row.window_len());
-  st.step_s.reserve(static_cast<size_t>(reachable(min_window)));
-  st.step_rows.reserve(static_cast<size_t>(reachable(min_window)));
-  const auto t_start = Clock::now();
+void Engine::Generation::release(int64_t r, std::string_view piece) {
+  if (piece.empty()) return;
+  row(r).text += piece;
+  if (opts_.on_text) opts_.on_text(r, piece);
+}
 
-  // ---- per-token bookkeeping ----
-  auto release = [&](int64_t r, std::string_view piece) {
-    if (piece.empty()) return;
-    rows[static_cast<size_t>(r)].text += piece;
-    if (opts.on_text) opts.on_text(r, piece);
-  };
-  auto finish = [&](int64_t r, StopReason why) {
-    Row& row = rows[static_cast<size_t>(r)];
-    if (row.done) return;
-    row.done = true;
-    row.reason = why;
-    if (!row.held.empty()) {
-      release(r, row.held);
-      row.held.clear();
+void Engine::Generation::finish(int64_t r, StopReason why) {
+  Row& rw = row(r);
+  if (rw.done) return;
+  rw.done = true;
+  rw.reason = why;
+  release(r, rw.stop.flush());
+  if (opts_.on_finish) opts_.on_finish(r, rw.text, why);
+}
+
+void Engine::Generation::take(int64_t r, const float* logits) {
+  Row& rw = row(r);
+  const std::span<const float> l(logits, static_cast<size_t>(V_));
+  if (opts_.on_logits) opts_.on_logits(r, rw.window(), l);
+  const int32_t tok = rw.sampler.sample(l);
+  rw.seq.push_back(tok);
+  if (++rw.generated == 1) rw.ttft_s = seconds(t_start_, Clock::now());
+  release(r, rw.stop.push(engine_.tokenizer_.decode_one(tok)));
+  if (rw.stop.stopped()) finish(r, StopReason::StopString);
+  if (!rw.done && rw.generated >= opts_.max_new_tokens) finish(r, StopReason::MaxNewTokens);
+}
+
+Tensor Engine::Generation::window_tensor(const Row& row, int64_t from) const {
+  Tensor t = Tensor::empty({1, static_cast<int64_t>(row.seq.size()) - from}, DType::I32);
+  std::copy(row.seq.begin() + from, row.seq.end(), t.data<int32_t>());
+  return t;
+}
+
+void Engine::Generation::record_step(int64_t step, Clock::time_point t0, int64_t rows) {
+  stats().step_s.push_back(seconds(t0, Clock::now()));
+  stats().step_rows.push_back(rows);
+  if (opts_.on_decode_step) opts_.on_decode_step(step);
+}
+
+// Runs of equal-length rows go through the model in one forward each.
+void Engine::Generation::prefill_cached(GenerationKVCache& cache) {
+  const int64_t B = static_cast<int64_t>(rows_.size());
+  for (int64_t r0 = 0; r0 < B;) {
+    const int64_t P = row(r0).window_len();
+    int64_t r1 = r0 + 1;
+    while (r1 < B && row(r1).window_len() == P) ++r1;
+    Tensor tokens = Tensor::empty({r1 - r0, P}, DType::I32);
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto w = row(r).window();
+      std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * P);
     }
-    if (opts.on_finish) opts.on_finish(r, row.text, why);
-  };
-  auto push_text = [&](int64_t r, std::string_view piece) {
-    Row& row = rows[static_cast<size_t>(r)];
-    if (opts.stop.empty()) {
-      release(r, piece);
-      return;
-    }
-    row.held += piece;
-    size_t cut = std::string::npos;
-    for (const auto& s : opts.stop) cut = std::min(cut, row.held.find(s));
-    if (cut != std::string::npos) {
-      release(r, std::string_view(row.held).substr(0, cut));
-      row.held.clear();
-      finish(r, StopReason::StopString);
-      return;
-    }
-    // Hold back the longest tail that could begin a stop string; release the rest.
-    size_t hold = 0;
-    const std::string_view h(row.held);
-    for (const auto& s : opts.stop)
-      for (size_t k = std::min(s.size() - 1, h.size()); k > hold; --k)
-        if (h.substr(h.size() - k) == std::string_view(s).substr(0, k)) {
-          hold = k;
-          break;
-        }
-    release(r, h.substr(0, h.size() - hold));
-    row.held.erase(0, row.held.size() - hold);
-  };
-  // Samples row r's next token from its logits (V), appends it, streams its text.
-  auto take = [&](int64_t r, const float* logits) {
-    Row& row = rows[static_cast<size_t>(r)];
-    const std::span<const float> l(logits, static_cast<size_t>(V));
-    if (opts.on_logits) opts.on_logits(r, row.window(), l);
-    const int32_t tok = row.sampler.sample(l);
-    row.seq.push_back(tok);
-    if (++row.generated == 1) row.ttft_s = seconds(t_start, Clock::now());
-    push_text(r, tokenizer_.decode_one(tok));
-    if (!row.done && row.generated >= max_new) finish(r, StopReason::MaxNewTokens);
-  };
-  auto window_tensor = [&](const Row& row, int64_t from) {  // (1, T) of seq[from:]
-    Tensor t = Tensor::empty({1, static_cast<int64_t>(row.seq.size()) - from}, DType::I32);
-    std::copy(row.seq.begin() + from, row.seq.end(), t.data<int32_t>());
-    return t;
-  };
+    const Tensor logits = engine_.model_.forward(tokens, &cache.rows(r0, r1 - r0), true)
+                              .to(Device::CPU);  // (n, 1, V)
+    for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V_);
+    r0 = r1;
+  }
+  stats().prefill_s = stats().ttft_s = seconds(t_start_, Clock::now());
+}
 
-  if (opts.use_cache) {
-    // Capacity: what the longest row can feed (the last sampled token is never fed), or the
-    // whole context when sliding.
-    const int64_t capacity =
-        opts.slide ? block : std::min(block, max_window + std::min(max_new, block) - 1);
-    GenerationKVCache& cache = cache_for(B, std::max<int64_t>(capacity, max_window));
-    // Inside the timed call: its first token waits for the packing.
-    const DecodePackGuard pack = model_.pack_for_decode();
-    st.cache_bytes = cache.bytes();
-    st.cache_capacity = cache.capacity();
-
-    // ---- prefill: runs of equal-length rows in one forward each ----
-    for (int64_t r0 = 0; r0 < B;) {
-      const int64_t P = rows[static_cast<size_t>(r0)].window_len();
-      int64_t r1 = r0 + 1;
-      while (r1 < B && rows[static_cast<size_t>(r1)].window_len() == P) ++r1;
-      Tensor tokens = Tensor::empty({r1 - r0, P}, DType::I32);
-      for (int64_t r = r0; r < r1; ++r) {
-        const auto w = rows[static_cast<size_t>(r)].window();
-        std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * P);
+// Cache row s holds row slot_row[s]; finished rows leave the batch.
+void Engine::Generation::decode_cached(GenerationKVCache& cache) {
+  GPT& model = engine_.model_;
+  std::vector<int64_t> slot_row(rows_.size());
+  std::iota(slot_row.begin(), slot_row.end(), int64_t{0});
+  auto compact = [&] {
+    int64_t n = static_cast<int64_t>(slot_row.size());
+    for (int64_t s = 0; s < n;) {
+      if (!row(slot_row[static_cast<size_t>(s)]).done) {
+        ++s;
+        continue;
       }
-      const Tensor logits =
-          model_.forward(tokens, &cache.rows(r0, r1 - r0), true).to(Device::CPU);  // (n, 1, V)
-      for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V);
-      r0 = r1;
-    }
-    st.prefill_s = st.ttft_s = seconds(t_start, Clock::now());
-
-    // ---- decode: cache row s holds row slot_row[s]; finished rows leave the batch ----
-    std::vector<int64_t> slot_row(static_cast<size_t>(B));
-    std::iota(slot_row.begin(), slot_row.end(), int64_t{0});
-    auto compact = [&] {
-      int64_t n = static_cast<int64_t>(slot_row.size());
-      for (int64_t s = 0; s < n;) {
-        if (!rows[static_cast<size_t>(slot_row[static_cast<size_t>(s)])].done) {
-          ++s;
-          continue;
-        }
-        --n;
-        if (s != n) {
-          cache.move_row(n, s);
-          slot_row[static_cast<size_t>(s)] = slot_row[static_cast<size_t>(n)];
-        }
-        slot_row.pop_back();
+      --n;
+      if (s != n) {
+        cache.move_row(n, s);
+        slot_row[static_cast<size_t>(s)] = slot_row[static_cast<size_t>(n)];
       }
-      cache.truncate_batch(n);
-    };
+      slot_row.pop_back();
+    }
+    cache.truncate_batch(n);
+  };
+  compact();
+  Tensor tokens;  // (n, 1), reused while the number of running rows stays the same
+  for (int64_t step = 0; !slot_row.empty(); ++step) {
+    const auto t0 = Clock::now();
+    // A full cache: stop, or slide (re-prefill the last block_size - 1 known tokens; the
+    // pending token is then fed by the batched step below like any other row's).
+    for (size_t s = 0; s < slot_row.size(); ++s) {
+      const int64_t r = slot_row[s];
+      Row& rw = row(r);
+      if (cache.lengths()[s] < block_) continue;
+      if (!opts_.slide) {
+        finish(r, StopReason::ContextLimit);
+        continue;
+      }
+      const int64_t n_seq = static_cast<int64_t>(rw.seq.size());
+      rw.window_start = n_seq - 1 - keep_;
+      ++rw.slides;
+      cache.reset_row(static_cast<int64_t>(s));
+      if (keep_ == 0) continue;  // block_size 1: nothing to re-prefill
+      Tensor known = Tensor::empty({1, keep_}, DType::I32);
+      std::copy(rw.seq.end() - 1 - keep_, rw.seq.end() - 1, known.data<int32_t>());
+      model.forward(known, &cache.rows(static_cast<int64_t>(s), 1), true);
+    }
     compact();
-    Tensor tokens;  // (n, 1), reused while the number of running rows stays the same
-    for (int64_t step = 0; !slot_row.empty(); ++step) {
-      const auto t0 = Clock::now();
-      // A full cache: stop, or slide (re-prefill the last block_size - 1 known tokens; the
-      // pending token is then fed by the batched step below like any other row's).
-      for (size_t s = 0; s < slot_row.size(); ++s) {
-        const int64_t r = slot_row[s];
-        Row& row = rows[static_cast<size_t>(r)];
-        if (cache.lengths()[s] < block) continue;
-        if (!opts.slide) {
+    if (slot_row.empty()) break;
+    const int64_t n = static_cast<int64_t>(slot_row.size());
+    if (!tokens.defined() || tokens.size(0) != n) tokens = Tensor::empty({n, 1}, DType::I32);
+    int32_t* tp = tokens.data<int32_t>();
+    for (int64_t s = 0; s < n; ++s) tp[s] = row(slot_row[static_cast<size_t>(s)]).seq.back();
+    const Tensor logits = model.forward(tokens, &cache, true).to(Device::CPU);  // (n, 1, V)
+    const float* lp = logits.data<float>();
+    for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V_);
+    record_step(step, t0, n);
+    compact();
+  }
+}
+
+void Engine::Generation::prefill_recompute() {
+  for (int64_t r = 0; r < static_cast<int64_t>(rows_.size()); ++r) {
+    const Row& rw = row(r);
+    const Tensor logits =
+        engine_.model_.forward(window_tensor(rw, rw.window_start), nullptr, true).to(Device::CPU);
+    take(r, logits.data<float>());
+  }
+  stats().prefill_s = stats().ttft_s = seconds(t_start_, Clock::now());
+}
+
+// Every step runs the model over each row's whole window: the same windows as the cached path.
+void Engine::Generation::decode_recompute() {
+  for (int64_t step = 0;; ++step) {
+    const auto t0 = Clock::now();
+    int64_t n = 0;
+    for (int64_t r = 0; r < static_cast<int64_t>(rows_.size()); ++r) {
+      Row& rw = row(r);
+      if (rw.done) continue;
+      if (rw.window_len() > block_) {
+        if (!opts_.slide) {
           finish(r, StopReason::ContextLimit);
           continue;
         }
-        const int64_t n_seq = static_cast<int64_t>(row.seq.size());
-        row.window_start = n_seq - 1 - keep;
-        ++row.slides;
-        cache.reset_row(static_cast<int64_t>(s));
-        if (keep == 0) continue;  // block_size 1: nothing to re-prefill
-        Tensor known = Tensor::empty({1, keep}, DType::I32);
-        std::copy(row.seq.end() - 1 - keep, row.seq.end() - 1, known.data<int32_t>());
-        model_.forward(known, &cache.rows(static_cast<int64_t>(s), 1), true);
+        rw.window_start = static_cast<int64_t>(rw.seq.size()) - 1 - keep_;
+        ++rw.slides;
       }
-      compact();
-      if (slot_row.empty()) break;
-      const int64_t n = static_cast<int64_t>(slot_row.size());
-      if (!tokens.defined() || tokens.size(0) != n) tokens = Tensor::empty({n, 1}, DType::I32);
-      int32_t* tp = tokens.data<int32_t>();
-      for (int64_t s = 0; s < n; ++s)
-        tp[s] = rows[static_cast<size_t>(slot_row[static_cast<size_t>(s)])].seq.back();
-      const Tensor logits = model_.forward(tokens, &cache, true).to(Device::CPU);  // (n, 1, V)
-      const float* lp = logits.data<float>();
-      for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V);
-      st.step_s.push_back(seconds(t0, Clock::now()));
-      st.step_rows.push_back(n);
-      if (opts.on_decode_step) opts.on_decode_step(step);
-      compact();
-    }
-  } else {
-    // ---- no cache: every step runs the model over each row's whole window ----
-    for (int64_t r = 0; r < B; ++r) {
-      const Row& row = rows[static_cast<size_t>(r)];
-      const Tensor logits =
-          model_.forward(window_tensor(row, row.window_start), nullptr, true).to(Device::CPU);
+      const Tensor logits = engine_.model_.forward(window_tensor(rw, rw.window_start), nullptr, true)
+                                .to(Device::CPU);
       take(r, logits.data<float>());
+      ++n;
     }
-    st.prefill_s = st.ttft_s = seconds(t_start, Clock::now());
-    for (int64_t step = 0;; ++step) {
-      const auto t0 = Clock::now();
-      int64_t n = 0;
-      for (int64_t r = 0; r < B; ++r) {
-        Row& row = rows[static_cast<size_t>(r)];
-        if (row.done) continue;
-        if (row.window_len() > block) {  // the same windows as the cached path
-          if (!opts.slide) {
-            finish(r, StopReason::ContextLimit);
-            continue;
-          }
-          row.window_start = static_cast<int64_t>(row.seq.size()) - 1 - keep;
-          ++row.slides;
-        }
-        const Tensor logits =
-            model_.forward(window_tensor(row, row.window_start), nullptr, true).to(Device::CPU);
-        take(r, logits.data<float>());
-        ++n;
-      }
-      if (n == 0) break;
-      st.step_s.push_back(seconds(t0, Clock::now()));
-      st.step_rows.push_back(n);
-      if (opts.on_decode_step) opts.on_decode_step(step);
-    }
+    if (n == 0) break;
+    record_step(step, t0, n);
   }
-  st.total_s = seconds(t_start, Clock::now());
+}
 
-  result.rows.resize(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    Row& row = rows[static_cast<size_t>(b)];
-    RowResult& out = result.rows[static_cast<size_t>(b)];
-    out.prompt = prompts[static_cast<size_t>(b)];
-    out.tokens.assign(row.seq.begin() + row.prompt_len, row.seq.end());
-    out.text = std::move(row.text);
-    out.stop_reason = row.reason;
-    out.slides = row.slides;
-    out.ttft_s = row.ttft_s;
-    st.new_tokens += row.generated;
+GenerationResult Engine::Generation::result(const std::vector<std::vector<int32_t>>& prompts) {
+  GenerationStats& st = stats();
+  st.total_s = seconds(t_start_, Clock::now());
+  result_.rows.resize(rows_.size());
+  for (size_t b = 0; b < rows_.size(); ++b) {
+    Row& rw = rows_[b];
+    RowResult& out = result_.rows[b];
+    out.prompt = prompts[b];
+    out.tokens.assign(rw.seq.begin() + rw.prompt_len, rw.seq.end());
+    out.text = std::move(rw.text);
+    out.stop_reason = rw.reason;
+    out.slides = rw.slides;
+    out.ttft_s = rw.ttft_s;
+    st.new_tokens += rw.generated;
   }
-  return result;
+  return std::move(result_);
+}
+
+GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& prompts,
+                                      const GenerateOptions& opts) {
+  validate(prompts, opts);
+  NoGradGuard no_grad;
+  Generation gen(*this, prompts, opts);
+  if (opts.use_cache) {
+    const int64_t block = model_.config().block_size, max_window = gen.max_window();
+    // Capacity: what the longest row can feed (the last sampled token is never fed), or the
+    // whole context when sliding.
+    const int64_t capacity =
+        opts.slide ? block
+                   : std::min(block, max_window + std::min(opts.max_new_tokens, block) - 1);
+    GenerationKVCache& cache = cache_for(static_cast<int64_t>(prompts.size()),
+                                         std::max<int64_t>(capacity, max_window));
+    // Inside the timed call: its first token waits for the packing.
+    const DecodePackGuard pack = model_.pack_for_decode();
+    gen.stats().cache_bytes = cache.bytes();
+    gen.stats().cache_capacity = cache.capacity();
+    gen.prefill_cached(cache);
+    gen.decode_cached(cache);
+  } else {
+    gen.prefill_recompute();
+    gen.decode_recompute();
+  }
+  return gen.result(prompts);
 }
 
 }  // namespace kvlab

@@ -146,7 +146,7 @@ class Engine {
   const Tokenizer& tokenizer() const { return tokenizer_; }
 
  private:
-  struct Row;
+  class Generation;
   // The one place that picks the cache implementation: the decode loop only uses the
   // GenerationKVCache calls, so a paged cache would be constructed here instead.
   GenerationKVCache& cache_for(int64_t batch, int64_t capacity);
