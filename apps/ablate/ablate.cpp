@@ -150,17 +150,12 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   return runs;
 }
 
-json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
-  using Clock = std::chrono::steady_clock;
-  const auto t_start = Clock::now();
-  const std::string started = now_iso();
-  // Held until the report is written: a second sweep on the same folder refuses at once.
-  const OutputDirLock hold(cfg.out_dir, "ablate");
-  const std::vector<TrainConfig> runs = plan_ablation(cfg);
-  AblateStats stats;
-  stats.runs_total = static_cast<int>(runs.size());
+namespace {
 
-  // ---- train (or reuse, or resume) every run ----
+// Trains every run of the sweep; a run finished earlier (same config) is reused, one stopped
+// part-way is resumed. Throws Interrupted on Ctrl-C, with the runs done so far kept.
+void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
+  using Clock = std::chrono::steady_clock;
   double train_s = 0;
   int trained_runs = 0;
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -219,101 +214,106 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
     ++trained_runs;
   }
 
-  // ---- measure every variant ----
-  json variants = json::array();
-  const int64_t prompt_len = std::max<int64_t>(1, std::min<int64_t>(16, cfg.base.model.block_size / 4));
-  for (int64_t kv : cfg.kv_heads) {
-    json v;
-    v["n_kv_head"] = kv;
-    json val_losses = json::array();
-    double sum = 0, sum2 = 0, train_tps = 0;
-    for (int s = 0; s < cfg.seeds; ++s) {
-      const fs::path dir = run_dir(cfg, kv, s);
-      json run;
-      run["seed"] = cfg.base.seed + static_cast<uint64_t>(s);
-      run["curve"] = read_curve(dir);
-      KVLAB_CHECK(!run["curve"].empty(), "ablate: ", (dir / "log.jsonl").string(),
-                  " holds no validation loss");
-      const double val = run["curve"].back()["val_loss"].get<double>();
-      run["val_loss"] = val;
-      run["train_tokens_per_s"] = mean_train_tokens_per_s(dir);
-      train_tps += run["train_tokens_per_s"].get<double>();
-      sum += val;
-      sum2 += val * val;
-      v["runs"].push_back(run);
-    }
-    const double n = cfg.seeds;
-    const double mean = sum / n;
-    v["val_loss_mean"] = mean;
-    v["val_loss_std"] = cfg.seeds > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
-    v["bpc"] = mean / std::log(2.0);
-    v["train_tokens_per_s"] = train_tps / n;
+}
 
-    std::fprintf(stderr, "measuring n_kv_head=%lld: cache, decode speed, samples\n",
-                 static_cast<long long>(kv));
-    LoadedModel lm = load_model(run_dir(cfg, kv, 0) / "final.h5");
-    lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
-    const MatmulPrecisionGuard precision(cfg.base.precision);
-    const GPTConfig& mc = lm.model->config();
-    v["params"] = lm.model->num_parameters();
-    v["mlp_hidden"] = mc.hidden();
-    {
-      // Measured by the inference engine's cache for one full-context sequence.
-      ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
-                              cfg.kv_dtype, cfg.base.device);
-      const int64_t measured = cache.bytes();
-      const int64_t formula =
-          kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
-                                 static_cast<int64_t>(dtype_size(cfg.kv_dtype)));
-      v["cache_bytes_context_measured"] = measured;
-      v["cache_bytes_context_formula"] = formula;
-      v["cache_bytes_per_token"] = measured / mc.block_size;
-      v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
-    }
-    {
-      BenchGenerateOptions bo;
-      bo.prompt_tokens = prompt_len;
-      bo.new_tokens = {mc.block_size - prompt_len};
-      bo.runs = cfg.bench_runs;
-      bo.position_points = 0;
-      bo.cache_dtype = cfg.kv_dtype;
-      TaskBars bars(detail::cat("n_kv_head=", kv, " decode: "), "tok");
-      bo.on_tokens = std::bind_front(&TaskBars::update, &bars);
-      const json b = bench_generate(*lm.model, lm.tokenizer, bo);
-      const json& r = b["results"][0];
-      v["decode_tokens_per_s_cache"] = r["cache"]["tokens_per_s"];
-      v["decode_tokens_per_s_nocache"] = r["no_cache"]["tokens_per_s"];
-      v["ttft_ms"] = r["cache"]["ttft_ms"];
-      v["tpot_ms"] = r["cache"]["tpot_mean_ms"];
-      v["tpot_p99_ms"] = r["cache"]["tpot_p99_ms"];
-      v["bench_new_tokens"] = r["new_tokens"];
-    }
-    {
-      Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype);
-      std::vector<std::string> prompts = cfg.prompts;
-      if (prompts.empty()) {
-        const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
-                                          cfg.base.val_fraction);
-        for (int64_t start : fixed_windows(static_cast<int64_t>(corpus.val.size()),
-                                           static_cast<int>(prompt_len), 2, 99)) {
-          const std::span<const int32_t> ids(corpus.val.data() + start, static_cast<size_t>(prompt_len));
-          prompts.push_back(corpus.tokenizer.decode(ids));
-        }
-      }
-      GenerateOptions greedy;
-      greedy.max_new_tokens = std::min<int64_t>(cfg.sample_tokens, mc.block_size - prompt_len);
-      greedy.sampling.temperature = 0;
-      GenerateOptions sampled = greedy;
-      sampled.sampling.temperature = 0.8;
-      sampled.sampling.seed = 1;
-      const auto g = engine.generate(prompts, greedy);
-      const auto s = engine.generate(prompts, sampled);
-      for (size_t p = 0; p < prompts.size(); ++p)
-        v["samples"].push_back({{"prompt", prompts[p]}, {"greedy", g.rows[p].text},
-                                {"sampled", s.rows[p].text}, {"seed", 1}, {"temperature", 0.8}});
-    }
-    variants.push_back(v);
+// One variant's figures: its runs' validation curves and losses, then, from its first seed's
+// final checkpoint, parameters, cache bytes, decode speed and sample continuations.
+json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
+  json v;
+  v["n_kv_head"] = kv;
+  json val_losses = json::array();
+  double sum = 0, sum2 = 0, train_tps = 0;
+  for (int s = 0; s < cfg.seeds; ++s) {
+    const fs::path dir = run_dir(cfg, kv, s);
+    json run;
+    run["seed"] = cfg.base.seed + static_cast<uint64_t>(s);
+    run["curve"] = read_curve(dir);
+    KVLAB_CHECK(!run["curve"].empty(), "ablate: ", (dir / "log.jsonl").string(),
+                " holds no validation loss");
+    const double val = run["curve"].back()["val_loss"].get<double>();
+    run["val_loss"] = val;
+    run["train_tokens_per_s"] = mean_train_tokens_per_s(dir);
+    train_tps += run["train_tokens_per_s"].get<double>();
+    sum += val;
+    sum2 += val * val;
+    v["runs"].push_back(run);
   }
+  const double n = cfg.seeds;
+  const double mean = sum / n;
+  v["val_loss_mean"] = mean;
+  v["val_loss_std"] = cfg.seeds > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
+  v["bpc"] = mean / std::log(2.0);
+  v["train_tokens_per_s"] = train_tps / n;
+
+  std::fprintf(stderr, "measuring n_kv_head=%lld: cache, decode speed, samples\n",
+               static_cast<long long>(kv));
+  LoadedModel lm = load_model(run_dir(cfg, kv, 0) / "final.h5");
+  lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
+  const MatmulPrecisionGuard precision(cfg.base.precision);
+  const GPTConfig& mc = lm.model->config();
+  v["params"] = lm.model->num_parameters();
+  v["mlp_hidden"] = mc.hidden();
+  {
+    // Measured by the inference engine's cache for one full-context sequence.
+    ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
+                            cfg.kv_dtype, cfg.base.device);
+    const int64_t measured = cache.bytes();
+    const int64_t formula =
+        kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
+                               static_cast<int64_t>(dtype_size(cfg.kv_dtype)));
+    v["cache_bytes_context_measured"] = measured;
+    v["cache_bytes_context_formula"] = formula;
+    v["cache_bytes_per_token"] = measured / mc.block_size;
+    v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
+  }
+  {
+    BenchGenerateOptions bo;
+    bo.prompt_tokens = prompt_len;
+    bo.new_tokens = {mc.block_size - prompt_len};
+    bo.runs = cfg.bench_runs;
+    bo.position_points = 0;
+    bo.cache_dtype = cfg.kv_dtype;
+    TaskBars bars(detail::cat("n_kv_head=", kv, " decode: "), "tok");
+    bo.on_tokens = std::bind_front(&TaskBars::update, &bars);
+    const json b = bench_generate(*lm.model, lm.tokenizer, bo);
+    const json& r = b["results"][0];
+    v["decode_tokens_per_s_cache"] = r["cache"]["tokens_per_s"];
+    v["decode_tokens_per_s_nocache"] = r["no_cache"]["tokens_per_s"];
+    v["ttft_ms"] = r["cache"]["ttft_ms"];
+    v["tpot_ms"] = r["cache"]["tpot_mean_ms"];
+    v["tpot_p99_ms"] = r["cache"]["tpot_p99_ms"];
+    v["bench_new_tokens"] = r["new_tokens"];
+  }
+  {
+    Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype);
+    std::vector<std::string> prompts = cfg.prompts;
+    if (prompts.empty()) {
+      const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
+                                        cfg.base.val_fraction);
+      for (int64_t start : fixed_windows(static_cast<int64_t>(corpus.val.size()),
+                                         static_cast<int>(prompt_len), 2, 99)) {
+        const std::span<const int32_t> ids(corpus.val.data() + start, static_cast<size_t>(prompt_len));
+        prompts.push_back(corpus.tokenizer.decode(ids));
+      }
+    }
+    GenerateOptions greedy;
+    greedy.max_new_tokens = std::min<int64_t>(cfg.sample_tokens, mc.block_size - prompt_len);
+    greedy.sampling.temperature = 0;
+    GenerateOptions sampled = greedy;
+    sampled.sampling.temperature = 0.8;
+    sampled.sampling.seed = 1;
+    const auto g = engine.generate(prompts, greedy);
+    const auto s = engine.generate(prompts, sampled);
+    for (size_t p = 0; p < prompts.size(); ++p)
+      v["samples"].push_back({{"prompt", prompts[p]}, {"greedy", g.rows[p].text},
+                              {"sampled", s.rows[p].text}, {"seed", 1}, {"temperature", 0.8}});
+  }
+  return v;
+}
+
+// results.json: the variants with their cache ratio to MHA, the config, machine and sweep.
+json assemble_results(const AblateConfig& cfg, json variants, const AblateStats& stats,
+                      const std::string& started, double wall_s) {
   // Cache ratio to the MHA variant (n_kv_head = n_head) when it is part of the sweep, else
   // to the largest n_kv_head measured.
   json mha_bytes = variants[0]["cache_bytes_context_measured"];
@@ -345,7 +345,29 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   results["variants"] = variants;
   results["sweep"] = {{"runs", stats.runs_total}, {"reused", stats.runs_reused},
                       {"resumed", stats.runs_resumed}, {"steps_trained", stats.steps_trained}};
-  results["wall_s"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+  results["wall_s"] = wall_s;
+  return results;
+}
+
+}  // namespace
+
+json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  const std::string started = now_iso();
+  // Held until the report is written: a second sweep on the same folder refuses at once.
+  const OutputDirLock hold(cfg.out_dir, "ablate");
+  const std::vector<TrainConfig> runs = plan_ablation(cfg);
+  AblateStats stats;
+  stats.runs_total = static_cast<int>(runs.size());
+  train_runs(runs, stats);
+
+  json variants = json::array();
+  const int64_t prompt_len =
+      std::max<int64_t>(1, std::min<int64_t>(16, cfg.base.model.block_size / 4));
+  for (int64_t kv : cfg.kv_heads) variants.push_back(measure_variant(cfg, kv, prompt_len));
+  const json results = assemble_results(cfg, std::move(variants), stats, started,
+                                        std::chrono::duration<double>(Clock::now() - t_start).count());
   write_report(results, cfg.out_dir);
   if (stats_out) *stats_out = stats;
   return results;
