@@ -1,6 +1,6 @@
 #pragma once
 // Shared pieces of the kvlab command line: each subcommand lives in cmd_<name>.cpp and
-// registers itself on the root app; errors follow DESIGN.md (usage errors exit 2, runtime 1).
+// registers itself on the root app. Errors are one line; usage errors exit 2, runtime errors 1.
 #include <cblas.h>
 
 #include <CLI/CLI.hpp>

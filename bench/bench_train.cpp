@@ -68,10 +68,11 @@ int main(int argc, char** argv) {
   apply_thread_wait_policy(argv);  // the same threading setup as the kvlab CLI
   CLI::App app{"kvlab training throughput at the baby config"};
   TrainConfig cfg;
-  cfg.corpus = std::string(KVLAB_SOURCE_DIR) + "/../shared/data/tinyshakespeare.txt";
   int64_t warmup_iters = 5;
   std::string json_path;
-  app.add_option("--corpus", cfg.corpus)->capture_default_str();
+  app.add_option("--corpus", cfg.corpus,
+                 "Text to train on (nanoGPT's published figures use tinyshakespeare.txt)")
+      ->required();
   app.add_option("--iters", cfg.iters, "Timed steps (after the warm-up)")->default_val(60);
   app.add_option("--warmup-iters", warmup_iters)->capture_default_str();
   app.add_option("--n-layer", cfg.model.n_layer)->capture_default_str();

@@ -3,11 +3,12 @@
 # python3-torch), in one sitting on the same machine and threads. The two alternate for
 # ROUNDS rounds (default 3) and the ratio is that of their medians: the machine's speed drifts
 # by 10% and more from minute to minute, and alternating keeps both sides in the same minutes.
-# Usage: bench/compare_train.sh [BUILD_DIR] [CORPUS]   (writes BUILD_DIR/compare_train.json)
+# Usage: bench/compare_train.sh BUILD_DIR CORPUS   (writes BUILD_DIR/compare_train.json;
+# nanoGPT's published figures use tinyshakespeare.txt, which kvlab does not ship)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
-corpus=${2:-../shared/data/tinyshakespeare.txt}
+corpus=${2:?usage: bench/compare_train.sh BUILD_DIR CORPUS}
 threads=${THREADS:-2}
 rounds=${ROUNDS:-3}
 # Both sides on the same OpenBLAS kernels (PyTorch's BLAS is the same OpenBLAS): those kvlab

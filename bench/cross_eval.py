@@ -7,7 +7,7 @@ thousandths. This loads kvlab checkpoints into the PyTorch model (bench/torch_gp
 parameter names) and evaluates them on exactly the windows torch_train.py uses, so a kvlab run
 and a PyTorch run of the same config compare on the same data.
 
-  /usr/bin/python3 bench/cross_eval.py --corpus ../shared/data/tinyshakespeare.txt \\
+  /usr/bin/python3 bench/cross_eval.py --corpus tinyshakespeare.txt \\
       sweep/runs/kv4_seed*/final.h5
 """
 import os
