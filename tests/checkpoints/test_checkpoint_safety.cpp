@@ -235,19 +235,25 @@ TEST_F(CheckpointSafety, StorageOutsideTheFileIsRefused) {
     const char* expect;
   };
   const hsize_t dims[2] = {static_cast<hsize_t>(wte.shape[0]), static_cast<hsize_t>(wte.shape[1])};
+  // /model/wte.weight made again with the creation properties `set` gives it.
+  const auto replace_wte = [&](hid_t f, const std::function<herr_t(hid_t, hid_t)>& set) {
+    ASSERT_GE(H5Ldelete(f, "/model/wte.weight", H5P_DEFAULT), 0);
+    const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    const hid_t space = H5Screate_simple(2, dims, nullptr);
+    ASSERT_GE(set(dcpl, space), 0);
+    const hid_t d = H5Dcreate2(f, "/model/wte.weight", H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl,
+                               H5P_DEFAULT);
+    ASSERT_GE(d, 0);
+    H5Dclose(d);
+    H5Sclose(space);
+    H5Pclose(dcpl);
+  };
   const std::vector<Case> cases = {
       {"external raw storage",
        [&](hid_t f) {
-         ASSERT_GE(H5Ldelete(f, "/model/wte.weight", H5P_DEFAULT), 0);
-         const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
-         ASSERT_GE(H5Pset_external(dcpl, elsewhere.c_str(), 0, dims[0] * dims[1] * 4), 0);
-         const hid_t space = H5Screate_simple(2, dims, nullptr);
-         const hid_t d = H5Dcreate2(f, "/model/wte.weight", H5T_IEEE_F32LE, space, H5P_DEFAULT,
-                                    dcpl, H5P_DEFAULT);
-         ASSERT_GE(d, 0);
-         H5Dclose(d);
-         H5Sclose(space);
-         H5Pclose(dcpl);
+         replace_wte(f, [&](hid_t dcpl, hid_t) {
+           return H5Pset_external(dcpl, elsewhere.c_str(), 0, dims[0] * dims[1] * 4);
+         });
        },
        "/model/wte.weight: its values are stored in external files"},
       {"external link",
@@ -268,16 +274,9 @@ TEST_F(CheckpointSafety, StorageOutsideTheFileIsRefused) {
        "/model/wte.weight is a soft or external link"},
       {"virtual dataset",
        [&](hid_t f) {
-         ASSERT_GE(H5Ldelete(f, "/model/wte.weight", H5P_DEFAULT), 0);
-         const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
-         const hid_t space = H5Screate_simple(2, dims, nullptr);
-         ASSERT_GE(H5Pset_virtual(dcpl, space, elsewhere.c_str(), "/x", space), 0);
-         const hid_t d = H5Dcreate2(f, "/model/wte.weight", H5T_IEEE_F32LE, space, H5P_DEFAULT,
-                                    dcpl, H5P_DEFAULT);
-         ASSERT_GE(d, 0);
-         H5Dclose(d);
-         H5Sclose(space);
-         H5Pclose(dcpl);
+         replace_wte(f, [&](hid_t dcpl, hid_t space) {
+           return H5Pset_virtual(dcpl, space, elsewhere.c_str(), "/x", space);
+         });
        },
        "/model/wte.weight: a virtual dataset"},
   };
