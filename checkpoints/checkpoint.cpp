@@ -1,6 +1,7 @@
 #include "checkpoints/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -159,9 +161,11 @@ FileImage read_image(const fs::path& path, const std::string& pre) {
 
 // Runs `parse` in a forked child and returns normally when it returned normally. A kvlab::Error
 // it threw is rethrown here with its message; a child that died (HDF5 does not promise to
-// survive a corrupt file) becomes an error that says so. The child only parses: it writes
-// nothing but its message and leaves by _exit.
-void parse_in_child(const std::function<void()>& parse, const std::string& pre) {
+// survive a corrupt file, and loops forever on some) becomes an error that says so. The child
+// only parses: it writes nothing but its message and leaves by _exit. `cpu_seconds` bounds its
+// CPU time.
+void parse_in_child(const std::function<void()>& parse, rlim_t cpu_seconds,
+                    const std::string& pre) {
   int fds[2];
   KVLAB_CHECK(::pipe2(fds, O_CLOEXEC) == 0, pre, "cannot create a pipe: ", std::strerror(errno));
   std::fflush(nullptr);  // nothing buffered is written twice
@@ -172,6 +176,8 @@ void parse_in_child(const std::function<void()>& parse, const std::string& pre) 
     // sanitizer's report) is not for the user: the parent says what happened.
     const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (null >= 0) ::dup2(null, STDERR_FILENO);
+    const rlimit cpu{cpu_seconds, cpu_seconds + 5};  // SIGXCPU, then SIGKILL
+    ::setrlimit(RLIMIT_CPU, &cpu);
     int code = 0;
     std::string msg;
     try {
@@ -210,6 +216,11 @@ void parse_in_child(const std::function<void()>& parse, const std::string& pre) 
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
+  const bool looped = WIFSIGNALED(status) &&
+                     (WTERMSIG(status) == SIGXCPU || WTERMSIG(status) == SIGKILL);
+  KVLAB_CHECK(!looped, pre, "the HDF5 library did not finish reading it in ", cpu_seconds,
+              " s of CPU time (it loops on some damaged files): the file is damaged, or is not "
+              "a checkpoint HDF5 can read");
   KVLAB_CHECK(!WIFSIGNALED(status), pre, "the HDF5 library crashed reading it (",
               strsignal(WTERMSIG(status)),
               "): the file is damaged, or is not a checkpoint HDF5 can read");
@@ -915,7 +926,9 @@ Checkpoint load_checkpoint(const fs::path& file, const LoadOptions& options) {
   const std::string pre = "checkpoint: " + file.string() + ": ";
   const FileImage image = read_image(file, pre);
   const bool sealed = verify_seal(image, pre);
-  if (!sealed) parse_in_child([&] { Loader(file, image, false).load(options); }, pre);
+  // The child's CPU budget: parsing reads well over 50 MB a second, even under a sanitizer.
+  const rlim_t budget = 5 + image.size / (50 << 20);
+  if (!sealed) parse_in_child([&] { Loader(file, image, false).load(options); }, budget, pre);
   return Loader(file, image, sealed).load(options);
 }
 

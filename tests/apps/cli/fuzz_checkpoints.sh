@@ -45,7 +45,7 @@ run() {
   outcomes["$kind rc=$rc"]=$(( ${outcomes["$kind rc=$rc"]:-0} + 1 ))
   if [ "$rc" -gt 2 ] || grep -q "Sanitizer" <<<"$out" || { [ "$kind" = sealed ] && [ "$rc" -eq 0 ]; }; then
     echo "FAIL $kind mutant $n: rc=$rc: $*"
-    echo "$out" | tail -3
+    echo "$out" | tail -12
     fails=$((fails + 1))
   else
     pass=$((pass + 1))
