@@ -474,6 +474,17 @@ const Dtype kFloat32{H5T_FLOAT, 4, H5T_SGN_ERROR, "float32"};
 const Dtype kUint32{H5T_INTEGER, 4, H5T_SGN_NONE, "uint32"};
 const Dtype kUint64{H5T_INTEGER, 8, H5T_SGN_NONE, "uint64"};
 
+// Whether a type of `want`'s class and size is its standard layout (IEEE binary32, or an
+// unsigned integer of all its bits) in either byte order. A damaged type message can keep the
+// class and size and change the precision, the bit offsets or the exponent's bias: the values
+// would then convert into others, silently.
+bool standard_layout(hid_t type, const Dtype& want) {
+  const bool f = want.cls == H5T_FLOAT;
+  const hid_t le = f ? H5T_IEEE_F32LE : want.size == 4 ? H5T_STD_U32LE : H5T_STD_U64LE;
+  const hid_t be = f ? H5T_IEEE_F32BE : want.size == 4 ? H5T_STD_U32BE : H5T_STD_U64BE;
+  return H5Tequal(type, le) > 0 || H5Tequal(type, be) > 0;
+}
+
 // What a group lists: each link's name, and whether it is a hard link (an object stored in
 // this file) rather than a soft or external one.
 struct Link {
@@ -775,6 +786,8 @@ class Loader {
     const bool type_ok = H5Tget_class(type) == want.cls && H5Tget_size(type) == want.size &&
                          (want.cls != H5T_INTEGER || H5Tget_sign(type) == want.sign);
     check(type_ok, path, ": dtype ", dtype_name(type), ", expected ", want.name);
+    check(standard_layout(type, want), path, ": a ", want.name,
+          " whose bit layout is not the standard one (a damaged type)");
     H5Id space(H5_CHECK(H5Dget_space(dset), pre_, "reading ", path), H5Sclose);
     check(H5Sget_simple_extent_type(space) != H5S_NULL, path, ": empty dataspace");
     const int ndims = H5_CHECK(H5Sget_simple_extent_ndims(space), pre_, "reading ", path);
