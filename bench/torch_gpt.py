@@ -1,7 +1,8 @@
-"""The kvlab GPT in PyTorch (float32), shared by the baselines torch_train.py and
-torch_decode.py. Same parameter names, init and math as kvlab: tied head, biases, tanh GELU,
-query head h reads KV head h // (n_head // n_kv_head). (tests/reference/make_fixtures.py keeps
-its own independent copy on purpose: it is the oracle the C++ tests are judged against.)"""
+"""The kvlab GPT in PyTorch: the one reference model of the repository. The parity fixtures
+(tests/reference/make_fixtures.py) and the baselines (torch_train.py, torch_decode.py,
+torch_gpu.py, cross_eval.py) all build it. Same parameter names, init and math as kvlab:
+pre-LayerNorm blocks, biases, tanh GELU, an LM head tied to the token table unless
+tied=False, query head h reads KV head h // (n_head // n_kv_head)."""
 import ctypes
 import math
 
@@ -73,13 +74,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden):
+    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden, tied=True):
         super().__init__()
         self.cfg = (n_layer, nkv, block_size, c // nh)
         self.wte = nn.Embedding(vocab, c)
         self.wpe = nn.Embedding(block_size, c)
         self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(c, eps=1e-5)
+        self.lm_head = None if tied else nn.Linear(c, vocab, bias=False)
         for name, p in self.named_parameters():  # GPT-2 initialisation, as kvlab
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
@@ -108,7 +110,8 @@ class GPT(nn.Module):
             cache.len = start + T
         if last_only:
             x = x[:, -1:]
-        return self.ln_f(x) @ self.wte.weight.t()  # tied head
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return self.ln_f(x) @ head.t()
 
     def forward(self, idx, targets):
         """Mean cross-entropy of the next-token logits (training)."""

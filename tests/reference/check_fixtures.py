@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Independent NumPy (float64) re-implementation of the kvlab GPT forward pass that reads
 only the HDF5 fixtures and checks /logits and /loss.  It does not import torch, so it
-cross-checks make_fixtures.py's nn.Module code against the written spec.
+cross-checks the PyTorch model (bench/torch_gpt.py) against the written spec.
 
     /usr/bin/python3 tests/reference/check_fixtures.py
 """

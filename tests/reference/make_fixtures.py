@@ -4,9 +4,8 @@
 Run from anywhere with Debian's torch:  /usr/bin/python3 tests/reference/make_fixtures.py
 See README.md in this folder for the file layout.
 
-The model below is an independent PyTorch restatement of the kvlab GPT
-(pre-LayerNorm blocks, GQA attention with q/k/v/c_proj Linears, GELU-tanh MLP,
-tied LM head by default).  Everything is float32 except the float64 self-check.
+The model is bench/torch_gpt.py's, the PyTorch restatement of the kvlab GPT that the
+benchmarks' baselines use too.  Everything is float32 except the float64 self-check.
 """
 import argparse
 import math
@@ -16,101 +15,12 @@ import sys
 import h5py
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 
-# --------------------------------------------------------------------------- model
-class Attention(nn.Module):
-    def __init__(self, n_embd, n_head, n_kv_head):
-        super().__init__()
-        assert n_embd % n_head == 0 and n_head % n_kv_head == 0
-        self.n_head, self.n_kv_head = n_head, n_kv_head
-        self.hs = n_embd // n_head
-        self.q_proj = nn.Linear(n_embd, n_embd, bias=True)
-        self.k_proj = nn.Linear(n_embd, n_kv_head * self.hs, bias=True)
-        self.v_proj = nn.Linear(n_embd, n_kv_head * self.hs, bias=True)
-        self.c_proj = nn.Linear(n_embd, n_embd, bias=True)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.hs).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)
-        rep = self.n_head // self.n_kv_head
-        if rep > 1:  # query head h reads KV head h // rep
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.hs))
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
-
-
-class MLP(nn.Module):
-    def __init__(self, n_embd, hidden):
-        super().__init__()
-        self.c_fc = nn.Linear(n_embd, hidden, bias=True)
-        self.c_proj = nn.Linear(hidden, n_embd, bias=True)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd, n_head, n_kv_head, hidden):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd, eps=1e-5)
-        self.attn = Attention(n_embd, n_head, n_kv_head)
-        self.ln_2 = nn.LayerNorm(n_embd, eps=1e-5)
-        self.mlp = MLP(n_embd, hidden)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_kv_head, n_embd,
-                 mlp_hidden=None, tied=True):
-        super().__init__()
-        hidden = mlp_hidden or 4 * n_embd
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(
-            [Block(n_embd, n_head, n_kv_head, hidden) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(n_embd, eps=1e-5)
-        self.tied = tied
-        self.lm_head = None if tied else nn.Linear(n_embd, vocab_size, bias=False)
-        self.reset_parameters(n_layer)
-
-    def reset_parameters(self, n_layer):
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("ln_f"):
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            else:
-                nn.init.zeros_(p)
-
-    def forward(self, idx, targets=None):
-        B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)[None]
-        for blk in self.blocks:
-            x = blk(x)
-        x = self.ln_f(x)
-        w = self.wte.weight if self.tied else self.lm_head.weight
-        logits = x @ w.t()
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
-        return logits, loss
+# The model is the repository's one PyTorch GPT (bench/torch_gpt.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from torch_gpt import GPT  # noqa: E402
 
 
 def make_adamw(model, lr, betas, eps, weight_decay):
@@ -159,7 +69,8 @@ def run_reference(model, x, y):
     losses, norms = [], []
     for step in range(N_STEPS):
         opt.zero_grad(set_to_none=True)
-        logits, loss = model(x, y)
+        logits = model.logits(x)
+        loss = F.cross_entropy(logits.reshape(B * T, -1), y.reshape(B * T))
         loss.backward()
         if step == 0:
             out["logits"] = logits.detach().clone().numpy()
