@@ -29,9 +29,8 @@ class UsageError : public Error {
   } while (0)
 
 // Where OpenBLAS runs kernels narrower than this CPU's widest (OPENBLAS_CORETYPE named them),
-// a note saying so, else "": they set most of the training speed (on a Zen 5 host training ran
-// 1.2-1.5x faster on OpenBLAS's AVX-512 kernels than on the Haswell ones its environment
-// named, docs/benchmarks.md).
+// a note saying so, else "": they set most of the training speed (docs/benchmarks.md compares
+// the two on one host).
 inline std::string blas_kernels_note() {
   const char* wider = kvlab_blas_core_wider();
   if (wider == nullptr) return "";
