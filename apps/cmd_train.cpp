@@ -73,10 +73,7 @@ int run_train(const TrainArgs& a) {
     std::optional<OutputDirLock> hold;
     if (rank0) {
       hold.emplace(a.out, "train");
-      for (const std::string& name : remove_checkpoint_temporaries(a.out))
-        std::fprintf(stderr,
-                     "kvlab train: removed %s, a checkpoint that a killed run was writing\n",
-                     name.c_str());
+      clear_checkpoint_temporaries(a.out, "kvlab train");
     }
     const bool resume = resume_from(a.out, a.resume, rank0);
     Trainer trainer(cfg, comm);

@@ -6,6 +6,7 @@
 
 #include "apps/progress.h"
 #include "train/comm.h"
+#include "train/output_dir.h"
 
 namespace kvlab {
 
@@ -36,6 +37,12 @@ std::string step_status(const StepRecord& r, double last_val, bool parallel) {
 int stop_signal() {
   const int sig = g_signal.load();
   return sig > 0 ? sig : SIGINT;
+}
+
+void clear_checkpoint_temporaries(const std::filesystem::path& dir, const std::string& who) {
+  for (const std::string& name : remove_checkpoint_temporaries(dir))
+    std::fprintf(stderr, "%s: removed %s, a checkpoint that a killed run was writing\n",
+                 who.c_str(), name.c_str());
 }
 
 bool train_with_progress(Trainer& trainer, const std::string& label) {

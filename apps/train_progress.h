@@ -1,6 +1,9 @@
 #pragma once
 // Runs a Trainer with a progress bar on stderr and stops cleanly (checkpoint written) on
 // Ctrl-C, SIGTERM or SIGHUP. Returns true when every step is done.
+#include <filesystem>
+#include <string>
+
 #include "train/trainer.h"
 
 namespace kvlab {
@@ -17,6 +20,10 @@ std::string step_status(const StepRecord& r, double last_val, bool parallel);
 // rank's stop ended it. Commands exit with 128 + it, the shell's convention for a process a
 // signal ended.
 int stop_signal();
+
+// Removes the checkpoint temporaries a killed run left in `dir` (remove_checkpoint_temporaries;
+// the caller holds the folder's lock) and says on stderr, after `who: `, what went.
+void clear_checkpoint_temporaries(const std::filesystem::path& dir, const std::string& who);
 
 // A command that a signal stopped after saving its work: main prints the message and exits
 // with 128 + signal().

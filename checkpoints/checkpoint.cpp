@@ -904,7 +904,18 @@ class Loader {
   bool sealed_;
 };
 
+// save_checkpoint writes <file> as <file><kTemporarySuffix><pid> first.
+constexpr std::string_view kTemporarySuffix = ".tmp-";
+
 }  // namespace
+
+bool is_checkpoint_temporary(const std::string& filename) {
+  const std::string marker = ".h5" + std::string(kTemporarySuffix);
+  const size_t at = filename.find(marker);
+  if (at == std::string::npos || at == 0) return false;
+  const std::string pid = filename.substr(at + marker.size());
+  return !pid.empty() && pid.find_first_not_of("0123456789") == std::string::npos;
+}
 
 void save_checkpoint(const fs::path& file, const Checkpoint& ckpt) {
   h5_silence_errors();
@@ -916,7 +927,7 @@ void save_checkpoint(const fs::path& file, const Checkpoint& ckpt) {
   KVLAB_CHECK(!ec, pre, "cannot create folder ", dir.string(), ": ", ec.message());
 
   fs::path tmp = file;
-  tmp += ".tmp-" + std::to_string(::getpid());
+  tmp += std::string(kTemporarySuffix) + std::to_string(::getpid());
   try {
     write_file(tmp, build_image(tmp, ckpt, pre), pre);
     fs::rename(tmp, file, ec);

@@ -63,6 +63,9 @@ struct LoadOptions {
 // The file's HDF5 user block holds a digest of the rest (docs/checkpoint-format.md).
 // Throws kvlab::Error (naming the path) on inconsistent input or any I/O failure.
 void save_checkpoint(const std::filesystem::path& file, const Checkpoint& ckpt);
+// Whether a file name is that of a temporary save_checkpoint writes, "<name>.h5.tmp-<pid>":
+// one left behind where its writer was killed.
+bool is_checkpoint_temporary(const std::string& filename);
 
 // Reads and validates a checkpoint. A file whose digest is kvlab's is checked against it before
 // HDF5 parses anything; any other file (written by h5py, or by kvlab before the digest) is

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "autograd/error.h"
+#include "checkpoints/checkpoint.h"
 #include "train/trainer.h"
 
 namespace kvlab {
@@ -70,10 +71,7 @@ std::vector<std::string> remove_checkpoint_temporaries(const fs::path& dir) {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    const size_t at = name.find(".h5.tmp-");
-    if (at == std::string::npos || at == 0) continue;
-    const std::string pid = name.substr(at + 8);
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (!is_checkpoint_temporary(name)) continue;
     std::error_code type_ec, remove_ec;
     if (it->is_regular_file(type_ec) && fs::remove(it->path(), remove_ec)) removed.push_back(name);
   }

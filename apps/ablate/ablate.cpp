@@ -184,9 +184,7 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
                    ProgressBar::clock(train_s / trained_runs * runs_left).c_str());
     // The run's own folder too, which `kvlab train --out` could be given.
     const OutputDirLock run_hold(dir, "ablate");
-    for (const std::string& name : remove_checkpoint_temporaries(dir))
-      std::fprintf(stderr, "%s: removed %s, a checkpoint that a killed run was writing\n", label,
-                   name.c_str());
+    clear_checkpoint_temporaries(dir, label);
     if (!fs::exists(last) && fs::exists(dir / "log.jsonl"))
       std::fprintf(stderr,
                    "%s: starting over (its log.jsonl is of a run that saved no checkpoint)\n",
