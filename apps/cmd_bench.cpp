@@ -220,7 +220,6 @@ void run_bench_generate(BenchArgs& a) {
   KVLAB_USAGE_CHECK(!a.op_by_op || device == Device::CPU,
                     "--op-by-op compares against the fused CPU decode step; it needs --device cpu");
   model->to(device);
-  model->fused_cpu_decode = !a.op_by_op;
   BenchGenerateOptions o;
   o.prompt_tokens = a.prompt_tokens;
   o.batch = a.batch;

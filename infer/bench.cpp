@@ -130,11 +130,11 @@ double cpu_read_bandwidth(double bytes) {
   return 4.0 * static_cast<double>(n) / best / 1e9;
 }
 
-// Bytes a decode step of `batch` rows reads: the weights (GPT::decode_weight_bytes) once for
+// Bytes a decode step of `batch` rows reads: the weights (DecodeStep::weight_bytes) once for
 // all the rows, plus each row's cached K and V of every layer at position `pos`.
-double step_read_bytes(const GPT& model, int64_t kv_elem, double pos, int64_t batch) {
-  const GPTConfig& c = model.config();
-  return static_cast<double>(model.decode_weight_bytes()) +
+double step_read_bytes(const Engine& engine, int64_t kv_elem, double pos, int64_t batch) {
+  const GPTConfig& c = engine.model().config();
+  return static_cast<double>(engine.decode_step().weight_bytes()) +
          2.0 * static_cast<double>(batch * c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
 }
 
@@ -143,12 +143,13 @@ double step_read_bytes(const GPT& model, int64_t kv_elem, double pos, int64_t ba
 // includes entering the parallel region, <1% of a pass at a real model's size; on a GPU,
 // bench_cuda measures its own): read_bandwidth_GB_per_s, ceiling_tokens_per_s and
 // fraction_of_ceiling.
-void add_bandwidth(json& side, const GPT& model, int64_t kv_elem, double mean_pos, int64_t batch) {
-  const double bytes = step_read_bytes(model, kv_elem, mean_pos, batch);
+void add_bandwidth(json& side, const Engine& engine, int64_t kv_elem, double mean_pos,
+                   int64_t batch) {
+  const double bytes = step_read_bytes(engine, kv_elem, mean_pos, batch);
   const double tps = side["tokens_per_s"].get<double>(), steps = tps / static_cast<double>(batch);
   side["bytes_read_per_step"] = bytes;
   side["read_GB_per_s"] = bytes * steps / 1e9;
-  if (model.wte.weight.device() != Device::CPU) return;
+  if (engine.model().wte.weight.device() != Device::CPU) return;
   const double gbps = cpu_read_bandwidth(bytes);
   side["read_bandwidth_GB_per_s"] = gbps;
   side["ceiling_tokens_per_s"] = static_cast<double>(batch) * gbps * 1e9 / bytes;
@@ -176,9 +177,9 @@ std::vector<std::vector<int32_t>> random_prompts(const BenchGenerateOptions& o,
   return prompts;
 }
 
-json model_json(const GPT& model) {
-  const GPTConfig& c = model.config();
-  const int64_t params = model.num_parameters();
+json model_json(const Engine& engine) {
+  const GPTConfig& c = engine.model().config();
+  const int64_t params = engine.model().num_parameters();
   return json{{"n_layer", c.n_layer},
               {"n_head", c.n_head},
               {"n_kv_head", c.n_kv_head},
@@ -187,7 +188,7 @@ json model_json(const GPT& model) {
               {"vocab_size", c.vocab_size},
               {"parameters", params},
               {"weight_bytes", params * 4},
-              {"decode_weight_bytes", model.decode_weight_bytes()}};
+              {"decode_weight_bytes", engine.decode_step().weight_bytes()}};
 }
 
 // A setting's runs, and the last run's stats (its cache's bytes and positions).
@@ -254,16 +255,17 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
   }
   if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
   Engine engine(model, tokenizer, o.cache_dtype);
+  engine.decode_step().enabled = o.fused_decode;
   const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
   const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c);
 
-  json out{{"model", model_json(model)},
+  json out{{"model", model_json(engine)},
            {"threads", omp_get_max_threads()},
            {"prompt_tokens", o.prompt_tokens},
            {"batch", o.batch},
            {"cache_dtype", dtype_name(o.cache_dtype)},
            {"weight_dtype", dtype_name(o.weight_dtype)},
-           {"fused_decode", model.fused_cpu_decode && model.device() == Device::CPU},
+           {"fused_decode", o.fused_decode && model.device() == Device::CPU},
            {"runs", o.runs},
            {"sampling", "greedy"},
            {"results", json::array()}};
@@ -286,7 +288,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
         side["cache_positions"] = positions;
         side["cache_bytes_formula"] = kv_cache_formula_bytes(c.n_layer, o.batch, positions,
                                                              c.n_kv_head, c.head_size(), kv_elem);
-        add_bandwidth(side, model, kv_elem,
+        add_bandwidth(side, engine, kv_elem,
                       static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
         curve_cache = median_steps(m.runs);
       } else {
@@ -348,10 +350,10 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     c.n_kv_head = nkv;
     GPT model(c, o.seed + 1);
     model.set_training(false);
-    model.fused_cpu_decode = o.fused_decode;
     model.to(o.device);
     if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
     Engine engine(model, tok, o.cache_dtype);
+    engine.decode_step().enabled = o.fused_decode;
     GenerateOptions g;
     g.max_new_tokens = n;
     g.sampling.temperature = 0;
@@ -364,7 +366,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["weights"] = "random";
     e["weight_dtype"] = dtype_name(o.weight_dtype);
     e["batch"] = o.batch;
-    add_bandwidth(e, model, static_cast<int64_t>(dtype_size(o.cache_dtype)),
+    add_bandwidth(e, engine, static_cast<int64_t>(dtype_size(o.cache_dtype)),
                   static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
     out.push_back(e);
     if (o.progress)

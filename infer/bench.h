@@ -29,7 +29,7 @@ struct BenchGenerateOptions {
   // Of the products' matrices: bf16 rounds those of every model measured, the one passed to
   // bench_generate included (GPT::round_matrices_to_bf16).
   DType weight_dtype = DType::F32;
-  bool fused_decode = true;  // GPT::fused_cpu_decode of bench_decode_by_kv_heads's models
+  bool fused_decode = true;  // DecodeStep::enabled of the engines measured (false: op by op)
   std::function<void(const std::string&)> progress;  // one line per measured setting
   // While a setting ("new tokens 256, cache off", "n_kv_head 2") is measured: every row's
   // tokens made so far, its warm-up included, and the setting's total; first with done = 0.
@@ -38,7 +38,7 @@ struct BenchGenerateOptions {
 
 // Greedy generation of options.batch rows from random prompts. JSON:
 //   model {n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size, parameters,
-//          weight_bytes (f32 storage), decode_weight_bytes (GPT::decode_weight_bytes)},
+//          weight_bytes (f32 storage), decode_weight_bytes (DecodeStep::weight_bytes)},
 //   threads, prompt_tokens, batch, cache_dtype, weight_dtype, runs,
 //   results [{new_tokens, cache {...}, no_cache {...}, speedup}] where each side holds
 //     tokens_per_s (decode: tokens after the first per second of decode time),

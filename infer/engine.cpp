@@ -153,7 +153,7 @@ class Engine::Generation {
 };
 
 Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype)
-    : model_(model), tokenizer_(tokenizer), cache_dtype_(cache_dtype) {
+    : model_(model), tokenizer_(tokenizer), cache_dtype_(cache_dtype), step_(model) {
   KVLAB_CHECK(tokenizer.vocab_size() == model.config().vocab_size, "engine: tokenizer has ",
               tokenizer.vocab_size(), " symbols, the model's vocab_size is ",
               model.config().vocab_size);
@@ -166,6 +166,11 @@ Engine::~Engine() = default;
 std::vector<int32_t> Engine::encode(std::string_view text, std::string_view what) const {
   KVLAB_CHECK(!text.empty(), what, kEmptyPrompt);
   return tokenizer_.encode(text, what);
+}
+
+Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache) {
+  return step_.applies(tokens) ? step_.forward(tokens, cache)
+                               : model_.forward(tokens, &cache, true);
 }
 
 GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
@@ -290,8 +295,8 @@ void Engine::Generation::prefill_cached(GenerationKVCache& cache) {
       const auto w = row(r).window();
       std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * P);
     }
-    const Tensor logits = engine_.model_.forward(tokens, &cache.rows(r0, r1 - r0), true)
-                              .to(Device::CPU);  // (n, 1, V)
+    const Tensor logits =
+        engine_.forward_cached(tokens, cache.rows(r0, r1 - r0)).to(Device::CPU);  // (n, 1, V)
     for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V_);
     r0 = r1;
   }
@@ -300,7 +305,6 @@ void Engine::Generation::prefill_cached(GenerationKVCache& cache) {
 
 // Cache row s holds row slot_row[s]; finished rows leave the batch.
 void Engine::Generation::decode_cached(GenerationKVCache& cache) {
-  GPT& model = engine_.model_;
   std::vector<int64_t> slot_row(rows_.size());
   std::iota(slot_row.begin(), slot_row.end(), int64_t{0});
   auto compact = [&] {
@@ -340,7 +344,7 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
       if (keep_ == 0) continue;  // block_size 1: nothing to re-prefill
       Tensor known = Tensor::empty({1, keep_}, DType::I32);
       std::copy(rw.seq.end() - 1 - keep_, rw.seq.end() - 1, known.data<int32_t>());
-      model.forward(known, &cache.rows(static_cast<int64_t>(s), 1), true);
+      engine_.forward_cached(known, cache.rows(static_cast<int64_t>(s), 1));
     }
     compact();
     if (slot_row.empty()) break;
@@ -348,7 +352,7 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
     if (!tokens.defined() || tokens.size(0) != n) tokens = Tensor::empty({n, 1}, DType::I32);
     int32_t* tp = tokens.data<int32_t>();
     for (int64_t s = 0; s < n; ++s) tp[s] = row(slot_row[static_cast<size_t>(s)]).seq.back();
-    const Tensor logits = model.forward(tokens, &cache, true).to(Device::CPU);  // (n, 1, V)
+    const Tensor logits = engine_.forward_cached(tokens, cache).to(Device::CPU);  // (n, 1, V)
     const float* lp = logits.data<float>();
     for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V_);
     record_step(step, t0, n);
@@ -382,8 +386,8 @@ void Engine::Generation::decode_recompute() {
         rw.window_start = static_cast<int64_t>(rw.seq.size()) - 1 - keep_;
         ++rw.slides;
       }
-      const Tensor logits = engine_.model_.forward(window_tensor(rw, rw.window_start), nullptr, true)
-                                .to(Device::CPU);
+      const Tensor logits =
+          engine_.model_.forward(window_tensor(rw, rw.window_start), nullptr, true).to(Device::CPU);
       take(r, logits.data<float>());
       ++n;
     }
@@ -420,12 +424,11 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
     // Capacity: what the longest row can feed (the last sampled token is never fed), or the
     // whole context when sliding.
     const int64_t capacity =
-        opts.slide ? block
-                   : std::min(block, max_window + std::min(opts.max_new_tokens, block) - 1);
-    GenerationKVCache& cache = cache_for(static_cast<int64_t>(prompts.size()),
-                                         std::max<int64_t>(capacity, max_window));
+        opts.slide ? block : std::min(block, max_window + std::min(opts.max_new_tokens, block) - 1);
+    GenerationKVCache& cache =
+        cache_for(static_cast<int64_t>(prompts.size()), std::max<int64_t>(capacity, max_window));
     // Inside the timed call: its first token waits for the packing.
-    const DecodePackGuard pack = model_.pack_for_decode();
+    const DecodeStep::PackGuard pack = step_.pack();
     gen.stats().cache_bytes = cache.bytes();
     gen.stats().cache_capacity = cache.capacity();
     gen.prefill_cached(cache);

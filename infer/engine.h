@@ -10,7 +10,9 @@
 // padding; per-row prefill costs the same FLOPs as the real tokens, only in smaller GEMMs.
 //
 // Decode: one batched forward per step with T = 1 over the rows still running; each row's
-// position and keys continue from its own cache length (AttentionOptions::kv_lengths). A row
+// position and keys continue from its own cache length (AttentionOptions::kv_lengths). On the
+// CPU such a step (f32, no gradients) runs in the engine's DecodeStep, fused, rather than
+// through GPT::forward op by op (infer/decode_step.h); every other forward is the model's. A row
 // stops on its own (max_new_tokens, a stop string, the context limit); finished rows leave
 // the batch (the last running row's cache moves into the freed slot), so later steps do not
 // spend time on them.
@@ -41,6 +43,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
+#include "infer/decode_step.h"
 #include "infer/kv_cache.h"
 #include "infer/sampler.h"
 #include "nn/gpt.h"
@@ -143,7 +146,15 @@ class Engine {
   // null before one.
   const GenerationKVCache* cache() const { return cache_.get(); }
   GPT& model() { return model_; }
+  const GPT& model() const { return model_; }
   const Tokenizer& tokenizer() const { return tokenizer_; }
+  // The fused CPU decode step; decode_step().enabled = false runs every step op by op.
+  DecodeStep& decode_step() { return step_; }
+  const DecodeStep& decode_step() const { return step_; }
+  // One cached forward of tokens (B, T) -> the last position's logits (B, 1, V), as generate
+  // runs each: through the decode step where it applies (DecodeStep::applies), else through
+  // the model.
+  Tensor forward_cached(const Tensor& tokens, DecodeKVCache& cache);
 
  private:
   class Generation;
@@ -154,6 +165,7 @@ class Engine {
   GPT& model_;
   const Tokenizer& tokenizer_;
   DType cache_dtype_;
+  DecodeStep step_;
   std::unique_ptr<GenerationKVCache> cache_;
   int64_t cache_batch_ = 0, cache_capacity_ = 0;
 };

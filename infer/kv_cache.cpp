@@ -11,7 +11,7 @@ int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int
 }
 
 // Active rows [first, first + count) of a ContiguousKVCache seen as a cache of their own.
-class ContiguousKVCache::RowRange final : public KVCache {
+class ContiguousKVCache::RowRange final : public DecodeKVCache {
  public:
   explicit RowRange(ContiguousKVCache& parent) : parent_(parent) {}
   void select(int64_t first, int64_t count) {
@@ -24,11 +24,8 @@ class ContiguousKVCache::RowRange final : public KVCache {
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
     return parent_.append_rows(layer, first_, k, v);
   }
-  std::pair<Tensor, Tensor> slots(int layer, int64_t T) override {
-    return parent_.slots_rows(layer, first_, batch(), T);
-  }
-  std::pair<SlotView, SlotView> slot_views(int layer, int64_t T) override {
-    return parent_.slot_views_rows(layer, first_, batch(), T);
+  KVRows layer_rows(int layer, int64_t T) override {
+    return parent_.layer_rows_of(layer, first_, batch(), T);
   }
   void advance(int64_t T) override {
     for (size_t i = 0; i < lengths_.size(); ++i) {
@@ -65,39 +62,31 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
     k_.push_back(Tensor::zeros(shape, dtype, device));
     v_.push_back(Tensor::zeros(shape, dtype, device));
   }
+  const size_t row_bytes =
+      static_cast<size_t>(n_kv_head * capacity * head_size) * dtype_size(dtype);
+  for (int64_t l = 0; l < n_layer; ++l)
+    for (int64_t b = 0; b < max_batch; ++b) {
+      const size_t at = static_cast<size_t>(b) * row_bytes;
+      k_rows_.push_back(static_cast<char*>(k_[static_cast<size_t>(l)].raw_data()) + at);
+      v_rows_.push_back(static_cast<char*>(v_[static_cast<size_t>(l)].raw_data()) + at);
+    }
   lengths_.assign(static_cast<size_t>(max_batch), 0);
   range_ = std::make_unique<RowRange>(*this);
 }
 
 ContiguousKVCache::~ContiguousKVCache() = default;
 
-SlotView ContiguousKVCache::rows_of(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
-  const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
-  return {static_cast<char*>(buf.raw_data()) + static_cast<size_t>(first * sb) * dtype_size(dtype_),
-          4,
-          {n, n_kv_head_, S, head_size_},
-          {sb, sh, head_size_, 1},
-          dtype_,
-          buf.device(),
-          Tensor()};
-}
-
 Tensor ContiguousKVCache::view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
-  const SlotView r = rows_of(buf, first, n, S);
-  return buf.as_strided(Shape(r.sizes.begin(), r.sizes.end()),
-                        Shape(r.strides.begin(), r.strides.end()), first * r.strides[0]);
+  const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
+  return buf.as_strided({n, n_kv_head_, S, head_size_}, {sb, sh, head_size_, 1}, first * sb);
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append(int layer, const Tensor& k, const Tensor& v) {
   return append_rows(layer, 0, k, v);
 }
 
-std::pair<Tensor, Tensor> ContiguousKVCache::slots(int layer, int64_t T) {
-  return slots_rows(layer, 0, batch_, T);
-}
-
-std::pair<SlotView, SlotView> ContiguousKVCache::slot_views(int layer, int64_t T) {
-  return slot_views_rows(layer, 0, batch_, T);
+KVRows ContiguousKVCache::layer_rows(int layer, int64_t T) {
+  return layer_rows_of(layer, 0, batch_, T);
 }
 
 int64_t ContiguousKVCache::slot_length(int layer, int64_t first, int64_t n, int64_t T) const {
@@ -116,18 +105,26 @@ int64_t ContiguousKVCache::slot_length(int layer, int64_t first, int64_t n, int6
   return max_len + T;
 }
 
-std::pair<Tensor, Tensor> ContiguousKVCache::slots_rows(int layer, int64_t first, int64_t n,
+std::pair<Tensor, Tensor> ContiguousKVCache::views_rows(int layer, int64_t first, int64_t n,
                                                         int64_t T) {
   const int64_t S = slot_length(layer, first, n, T);
   return {view(k_[static_cast<size_t>(layer)], first, n, S),
           view(v_[static_cast<size_t>(layer)], first, n, S)};
 }
 
-std::pair<SlotView, SlotView> ContiguousKVCache::slot_views_rows(int layer, int64_t first,
-                                                                 int64_t n, int64_t T) {
+KVRows ContiguousKVCache::layer_rows_of(int layer, int64_t first, int64_t n, int64_t T) {
   const int64_t S = slot_length(layer, first, n, T);
-  return {rows_of(k_[static_cast<size_t>(layer)], first, n, S),
-          rows_of(v_[static_cast<size_t>(layer)], first, n, S)};
+  const size_t row0 = static_cast<size_t>(layer * max_batch_ + first);
+  return {k_rows_.data() + row0,
+          v_rows_.data() + row0,
+          n,
+          n_kv_head_,
+          head_size_,
+          S,
+          capacity_ * head_size_,
+          head_size_,
+          dtype_,
+          k_[static_cast<size_t>(layer)].device()};
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t first, const Tensor& k,
@@ -143,7 +140,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
   const DType input = dtype_ == DType::BF16 ? DType::F32 : dtype_;
   KVLAB_CHECK(k.dtype() == input && v.dtype() == input, "kv cache: k/v dtype ",
               dtype_name(k.dtype()), " does not fit the cache's ", dtype_name(dtype_));
-  auto views = slots_rows(layer, first, n, T);
+  auto views = views_rows(layer, first, n, T);
   const Tensor& kb = k_[static_cast<size_t>(layer)];
   const Tensor& vb = v_[static_cast<size_t>(layer)];
   const size_t esize = dtype_size(dtype_);
@@ -197,7 +194,7 @@ void ContiguousKVCache::reset_row(int64_t b) {
   lengths_[static_cast<size_t>(b)] = 0;
 }
 
-KVCache& ContiguousKVCache::rows(int64_t first, int64_t count) {
+DecodeKVCache& ContiguousKVCache::rows(int64_t first, int64_t count) {
   KVLAB_CHECK(first >= 0 && count >= 1 && first + count <= batch_, "kv cache: rows [", first, ", ",
               first + count, ") outside the ", batch_, " active rows");
   range_->select(first, count);

@@ -1,8 +1,9 @@
 #pragma once
 // KV caches for generation. GPT::forward talks to the abstract KVCache of nn/kv_cache.h
-// (append one forward's keys and values, or write them through slots, then advance); the
-// engine also needs to reset rows, prefill one row or a run of rows on its own, and drop
-// finished rows from the batch.
+// (append one forward's keys and values, then advance); DecodeStep (infer/decode_step.h)
+// writes and reads a cache's memory itself, through DecodeKVCache::layer_rows. The engine
+// also needs to reset rows, prefill one row or a run of rows on its own, and drop finished
+// rows from the batch.
 // GenerationKVCache names those extra calls; ContiguousKVCache implements them over
 // preallocated (B, NKV, S_max, HS) buffers.
 //
@@ -10,11 +11,12 @@
 // too, keep a pool of (NKV, block, HS) blocks per layer plus a (B, max_blocks) table, and
 //  - append(): write each row's new positions into its current block (taking a free block
 //    from the pool when one fills) instead of at an offset of one big buffer;
-//  - slots(), slot_views(): the views must be the cache's own memory, which scattered
-//    blocks are not, so the fused CPU decode step (their only caller) would take the block
-//    table as well, for its cache writes and its attention alike;
-//  - the views it returns: the attention op reads (B, NKV, S, HS) strided views today, so a
-//    paged cache would either gather into a scratch buffer or pass its block table to a
+//  - layer_rows(): rows are addressed one by one (a pointer, a head stride and a position
+//    stride per layer), so rows may already lie apart; a row spread over scattered blocks
+//    would give a pointer per block instead, and DecodeStep's stores and attention would
+//    follow its block table (a change inside infer/);
+//  - the views append() returns: the attention op reads (B, NKV, S, HS) strided views today,
+//    so a paged cache would either gather into a scratch buffer or pass its block table to a
 //    paged attention kernel (the only change outside infer/);
 //  - rows(): the same block table restricted to some rows;
 //  - move_row(): swap block-table rows instead of copying memory;
@@ -35,7 +37,34 @@ namespace kvlab {
 int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int64_t HS,
                                int64_t bytes_per_elem);
 
-class GenerationKVCache : public KVCache {
+// One layer of a cache where DecodeStep reads and writes it, without a Tensor: row b's keys of
+// KV head h at position p are the head_size contiguous elements of `dtype` from
+// k[b] + h * head_stride + p * pos_stride (counted in elements), its values likewise from v[b].
+// The cache's own memory: what is written there is what the cache holds.
+struct KVRows {
+  void* const* k = nullptr;  // (rows) each row's head 0, position 0
+  void* const* v = nullptr;  // (rows)
+  int64_t rows = 0, n_kv_head = 0, head_size = 0;
+  int64_t positions = 0;  // S = max(lengths) + T: the positions a step's rows reach
+  int64_t head_stride = 0, pos_stride = 0;
+  DType dtype = DType::F32;
+  Device device = Device::CPU;
+};
+
+// A KVCache whose memory its caller may write and read itself: DecodeStep's threads write the
+// keys and values they compute straight into it, so that no thread waits while another copies.
+class DecodeKVCache : public KVCache {
+ public:
+  // Where `layer`'s rows lie for T new positions at each row's length, storing nothing: the
+  // caller writes row b's keys and values at positions lengths()[b] .. lengths()[b] + T - 1,
+  // then calls advance(T). Throws unless the layer exists and every row has room for T more.
+  // Every layer's stay valid together until advance(), and making them makes no Tensor and
+  // allocates nothing: DecodeStep takes every layer's at every step, before its parallel
+  // region.
+  virtual KVRows layer_rows(int layer, int64_t T) = 0;
+};
+
+class GenerationKVCache : public DecodeKVCache {
  public:
   // Rows that can be active at once, and the active count (batch() <= max_batch()).
   virtual int64_t max_batch() const = 0;
@@ -46,7 +75,7 @@ class GenerationKVCache : public KVCache {
   // A cache over active rows [first, first + count) sharing this one's memory: a forward of
   // just those rows (prefilling one prompt, re-prefilling one row after a slide) appends into
   // them. The view stays valid until the next rows() call.
-  virtual KVCache& rows(int64_t first, int64_t count) = 0;
+  virtual DecodeKVCache& rows(int64_t first, int64_t count) = 0;
   // Copies row src's cached positions (and length) over row dst (both active).
   virtual void move_row(int64_t src, int64_t dst) = 0;
   // Keeps active rows [0, count) and drops the rest (count <= batch()).
@@ -70,16 +99,16 @@ class ContiguousKVCache final : public GenerationKVCache {
   // k, v (B, NKV, T, HS), any strides: copied into each row at its length. Returns narrow
   // views (B, NKV, max(lengths) + T, HS) of the buffers (row b valid up to lengths[b] + T).
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
-  // Views of the buffers themselves: what the caller writes into them is cached.
-  std::pair<Tensor, Tensor> slots(int layer, int64_t T) override;
-  std::pair<SlotView, SlotView> slot_views(int layer, int64_t T) override;  // slots()'s, untensored
   void advance(int64_t T) override;
+
+  // ---- DecodeKVCache ----
+  KVRows layer_rows(int layer, int64_t T) override;
 
   // ---- GenerationKVCache ----
   int64_t max_batch() const override { return max_batch_; }
   void reset() override;
   void reset_row(int64_t b) override;
-  KVCache& rows(int64_t first, int64_t count) override;
+  DecodeKVCache& rows(int64_t first, int64_t count) override;
   void move_row(int64_t src, int64_t dst) override;
   void truncate_batch(int64_t count) override;
   int64_t bytes() const override;
@@ -101,17 +130,18 @@ class ContiguousKVCache final : public GenerationKVCache {
   // S = max_len + T for rows first .. first + n - 1, once they are checked to exist and to
   // have room for T more positions.
   int64_t slot_length(int layer, int64_t first, int64_t n, int64_t T) const;
-  // Views (n, NKV, S, HS) of those rows, or where they lie.
-  std::pair<Tensor, Tensor> slots_rows(int layer, int64_t first, int64_t n, int64_t T);
-  std::pair<SlotView, SlotView> slot_views_rows(int layer, int64_t first, int64_t n, int64_t T);
-  // Rows first .. first + n - 1 of a layer's buffer as (n, NKV, S, HS): where they lie, or a view.
-  SlotView rows_of(const Tensor& buf, int64_t first, int64_t n, int64_t S) const;
+  // Views (n, NKV, S, HS) of those rows, or where they lie (S = slot_length).
+  std::pair<Tensor, Tensor> views_rows(int layer, int64_t first, int64_t n, int64_t T);
+  KVRows layer_rows_of(int layer, int64_t first, int64_t n, int64_t T);
+  // Rows first .. first + n - 1 of a layer's buffer as a view (n, NKV, S, HS).
   Tensor view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const;
 
   int64_t n_layer_, max_batch_, capacity_, n_kv_head_, head_size_;
   DType dtype_;
   int64_t batch_;
-  std::vector<Tensor> k_, v_;     // per layer (B_max, NKV, S_max, HS)
+  std::vector<Tensor> k_, v_;  // per layer (B_max, NKV, S_max, HS)
+  // (L, B_max): where each row of each layer's buffers starts, for layer_rows.
+  std::vector<void*> k_rows_, v_rows_;
   std::vector<int64_t> lengths_;  // (batch_) cached positions per active row
   std::unique_ptr<RowRange> range_;
 };

@@ -143,6 +143,16 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
 
 const Tensor& GPT::lm_head_weight() const { return lm_head ? lm_head->weight : wte.weight; }
 
+void GPT::round_matrices_to_bf16() {
+  std::vector<Tensor> matrices;  // handles on the same storage
+  for (const auto& b : blocks)
+    for (const Linear* l : {&b->attn.q_proj, &b->attn.k_proj, &b->attn.v_proj, &b->attn.c_proj,
+                            &b->mlp.c_fc, &b->mlp.c_proj})
+      matrices.push_back(l->weight);
+  matrices.push_back(lm_head_weight());
+  for (Tensor& w : matrices) w.copy_from(w.to(DType::BF16));
+}
+
 Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
   KVLAB_CHECK(tokens_in.dtype() == DType::I32 && tokens_in.dim() == 2,
               "gpt: tokens must be (B, T) i32, got ", tokens_in.shape_str(), " ",
@@ -175,11 +185,6 @@ Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
       kv_lengths_[static_cast<size_t>(b)] = len + T;
     }
     ctx.kv_lengths = kv_lengths_;
-    if (T == 1 && fused_decode_applies() && !grad_enabled()) {
-      Tensor logits = decode_step_cpu(tokens.contiguous(), pos, *cache);
-      cache->advance(1);
-      return logits;
-    }
   }
   Tensor x = add(wte.forward(tokens), wpe.forward(pos.to(dev)));  // (B, T, C)
   x = maybe_dropout(x, cfg_.dropout, ctx, static_cast<int>(cfg_.n_layer), 3);

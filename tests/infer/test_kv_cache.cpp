@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "autograd/backend/allocator.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 #include "infer/kv_cache.h"
@@ -107,15 +108,16 @@ TEST(KVCache, AppendWritesEachRowAtItsLengthAndReturnsViews) {
   EXPECT_EQ(kv[((1 * NKV + 1) * 5 + 4) * HS + 2], 7000.0f + 1000 + 100 + 10 + 2);
 }
 
-// slots() hands out the views append() would return, storing nothing: what is written into
-// them at each row's length is cached, for the whole cache and for a range of its rows, and a
-// row without room is an error naming its capacity.
-TEST(KVCache, SlotsAreTheViewsAppendReturnsAndWritesIntoThemAreCached) {
+// layer_rows() says where each row of a layer lies, storing nothing: what is written there at
+// each row's length is cached, the same as append() would store, for the whole cache and for a
+// range of its rows, and a row without room is an error naming its capacity.
+TEST(KVCache, LayerRowsAreTheCachesMemoryAndWritesIntoThemAreCached) {
   const int64_t NKV = 2, HS = 3, S = 4;
   ContiguousKVCache cache(2, 3, S, NKV, HS), appended(2, 3, S, NKV, HS);
   for (ContiguousKVCache* c : {&cache, &appended}) c->rows(1, 1).advance(2);  // lengths 0, 2, 0
-  auto [k, v] = cache.slots(1, 1);
-  EXPECT_EQ(k.sizes(), (Shape{3, NKV, 3, HS}));  // max(lengths) + T
+  const KVRows r = cache.layer_rows(1, 1);
+  EXPECT_EQ(r.rows, 3);
+  EXPECT_EQ(r.positions, 3);  // max(lengths) + T
   const std::vector<float> zeros(3 * NKV * S * HS, 0.0f);
   EXPECT_EQ(cache.k_buffer(1).to_vector<float>(), zeros);  // stored nothing
   const Tensor new_k = coded(3, NKV, 1, HS, 100), new_v = coded(3, NKV, 1, HS, 200);
@@ -126,73 +128,64 @@ TEST(KVCache, SlotsAreTheViewsAppendReturnsAndWritesIntoThemAreCached) {
     for (int64_t h = 0; h < NKV; ++h)
       for (int64_t i = 0; i < HS; ++i) {
         const int64_t src = (b * NKV + h) * HS + i;
-        const int64_t dst = b * k.stride(0) + h * k.stride(1) + len * k.stride(2) + i;
-        k.data<float>()[dst] = nk[static_cast<size_t>(src)];
-        v.data<float>()[dst] = nv[static_cast<size_t>(src)];
+        const int64_t dst = h * r.head_stride + len * r.pos_stride + i;
+        static_cast<float*>(r.k[b])[dst] = nk[static_cast<size_t>(src)];
+        static_cast<float*>(r.v[b])[dst] = nv[static_cast<size_t>(src)];
       }
   }
-  auto [ka, va] = appended.append(1, new_k, new_v);
-  EXPECT_EQ(ka.sizes(), k.sizes());
-  EXPECT_EQ(ka.strides(), k.strides());
+  appended.append(1, new_k, new_v);
   EXPECT_EQ(cache.k_buffer(1).to_vector<float>(), appended.k_buffer(1).to_vector<float>());
   EXPECT_EQ(cache.v_buffer(1).to_vector<float>(), appended.v_buffer(1).to_vector<float>());
   EXPECT_EQ(cache.k_buffer(0).to_vector<float>(), zeros);
   // A range of rows sees its own rows; row 1 has room for 2 more positions, not 3.
-  KVCache& row1 = cache.rows(1, 1);
-  const Tensor k1 = row1.slots(0, 2).first;
-  EXPECT_EQ(k1.sizes(), (Shape{1, NKV, 4, HS}));
-  EXPECT_EQ(k1.data<float>(), cache.k_buffer(0).data<float>() + cache.k_buffer(0).stride(0));
+  DecodeKVCache& row1 = cache.rows(1, 1);
+  const KVRows r1 = row1.layer_rows(0, 2);
+  EXPECT_EQ(r1.rows, 1);
+  EXPECT_EQ(r1.positions, 4);
+  EXPECT_EQ(r1.k[0], cache.k_buffer(0).data<float>() + cache.k_buffer(0).stride(0));
   try {
-    row1.slots(0, 3);
-    FAIL() << "slots past the capacity did not throw";
+    row1.layer_rows(0, 3);
+    FAIL() << "rows past the capacity did not throw";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("capacity of 4"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(cache.slots(2, 1), Error);  // layer 2 of 2
+  EXPECT_THROW(cache.layer_rows(2, 1), Error);  // layer 2 of 2
 }
 
-// slot_views() names the memory and layout of the views slots() returns, without them: for the
-// whole cache and a range of its rows, f32 and bf16, with the same errors; KVCache's default
-// (any other implementation) takes them from slots() and holds the views.
-TEST(KVCache, SlotViewsDescribeTheViewsOfSlots) {
-  auto same = [](const SlotView& s, const Tensor& view) {
-    EXPECT_EQ(s.data, view.raw_data());
-    EXPECT_EQ(s.dim, 4);
-    EXPECT_EQ(Shape(s.sizes.begin(), s.sizes.end()), view.sizes());
-    EXPECT_EQ(Shape(s.strides.begin(), s.strides.end()), view.strides());
-    EXPECT_EQ(s.dtype, view.dtype());
-    EXPECT_EQ(s.device, view.device());
-  };
+// layer_rows() names, row by row and without making anything, the memory and layout of the
+// views append() returns for as many positions: for the whole cache and a range of its rows,
+// f32 and bf16, with the same errors.
+TEST(KVCache, LayerRowsDescribeTheViewsOfAppend) {
   for (DType dtype : {DType::F32, DType::BF16}) {
     ContiguousKVCache cache(2, 3, 5, 2, 4, dtype);
     cache.rows(1, 2).advance(3);  // lengths 0, 3, 3
     for (int64_t first : {0, 1}) {
-      KVCache& c = first == 0 ? static_cast<KVCache&>(cache) : cache.rows(1, 2);
-      const auto [k, v] = c.slots(1, 2);
-      const auto [ks, vs] = c.slot_views(1, 2);
-      same(ks, k);
-      same(vs, v);
-      EXPECT_FALSE(ks.held.defined());          // nothing made
-      EXPECT_THROW(c.slot_views(1, 3), Error);  // rows of length 3 hold 5
-      EXPECT_THROW(c.slot_views(2, 1), Error);  // layer 2 of 2
+      DecodeKVCache& c = first == 0 ? static_cast<DecodeKVCache&>(cache) : cache.rows(1, 2);
+      const int64_t n = c.batch();
+      Allocator& alloc = allocator_for(Device::CPU);
+      const uint64_t requests = alloc.stats().requests;
+      const KVRows r = c.layer_rows(1, 2);
+      EXPECT_EQ(alloc.stats().requests, requests);    // nothing made
+      const Tensor kv = Tensor::zeros({n, 2, 2, 4});  // two positions a row (append stores them)
+      const auto [k, v] = c.append(1, kv, kv);
+      EXPECT_EQ(r.rows, n);
+      EXPECT_EQ(r.n_kv_head, k.size(1));
+      EXPECT_EQ(r.positions, k.size(2));
+      EXPECT_EQ(r.head_size, k.size(3));
+      EXPECT_EQ(r.head_stride, k.stride(1));
+      EXPECT_EQ(r.pos_stride, k.stride(2));
+      EXPECT_EQ(k.stride(3), 1);
+      EXPECT_EQ(r.dtype, dtype);
+      EXPECT_EQ(r.device, Device::CPU);
+      const size_t row = static_cast<size_t>(k.stride(0)) * dtype_size(dtype);
+      for (int64_t b = 0; b < n; ++b) {
+        EXPECT_EQ(r.k[b], static_cast<char*>(k.raw_data()) + static_cast<size_t>(b) * row);
+        EXPECT_EQ(r.v[b], static_cast<char*>(v.raw_data()) + static_cast<size_t>(b) * row);
+      }
+      EXPECT_THROW(c.layer_rows(1, 3), Error);  // rows of length 3 hold 5
+      EXPECT_THROW(c.layer_rows(2, 1), Error);  // layer 2 of 2
     }
   }
-  // Any other KVCache: the views of its slots(), held.
-  struct Plain final : KVCache {
-    ContiguousKVCache inner{1, 1, 4, 1, 2};
-    int64_t batch() const override { return inner.batch(); }
-    int64_t capacity() const override { return inner.capacity(); }
-    const std::vector<int64_t>& lengths() const override { return inner.lengths(); }
-    std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
-      return inner.append(layer, k, v);
-    }
-    std::pair<Tensor, Tensor> slots(int layer, int64_t T) override { return inner.slots(layer, T); }
-    void advance(int64_t T) override { inner.advance(T); }
-  } plain;
-  const auto [ks, vs] = plain.slot_views(0, 1);
-  ASSERT_TRUE(ks.held.defined());
-  same(ks, ks.held);
-  same(vs, plain.inner.slots(0, 1).second);
 }
 
 TEST(KVCache, AcceptsAnyStrides) {

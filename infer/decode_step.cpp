@@ -1,35 +1,34 @@
-// GPT::forward's decode step on the CPU, fused. Op by op, a batch-1 step is ~45 parallel
-// regions of a few microseconds each (matrix-vector products of 0.25-1 MB), and opening and
-// closing them, plus the worker's wake-ups, cost as much as the products themselves: the same
-// products in one region with a barrier between them ran 1.3-1.8x faster (docs/benchmarks.md).
-// So here one parallel region runs the whole step. Every thread computes its own share of
-// each product's output rows and writes its share of the new keys and values straight into
-// the cache (KVCache::slots, taken before the region); the small row-wise work (LayerNorm) is
-// done by every thread on its own copy, so that the only waits are the barriers where one
-// stage needs another's complete output: four a layer when the KV groups share out evenly
-// between the threads (a thread's q, k and v rows are then its groups', and it goes straight
-// on to their attention), five otherwise (cpu::SpinBarrier: a seventh of libgomp's cost to
-// cross). It calls the op path's CPU kernels in the op path's order (the bias before the
-// product, as `linear` does); the products' rows, and with few KV groups a group's query
-// heads, are split differently between the threads, which can change the rounding (the tests
-// bound the difference).
+// DecodeStep: the Engine's decode step on the CPU, fused. Op by op (GPT::forward), a batch-1
+// step opens ~45 parallel regions of a few microseconds each (matrix-vector products of
+// 0.25-1 MB), and opening and closing them, plus the workers' wake-ups, cost as much as the
+// products themselves; the same products in one region with a barrier between them ran
+// faster (docs/benchmarks.md). So here one parallel region runs the whole step. Every thread
+// computes its own share of each product's output rows and writes its share of the new keys
+// and values straight into the cache (DecodeKVCache::layer_rows, taken before the region);
+// the small row-wise work (LayerNorm) is done by every thread on its own copy, so that the
+// only waits are the barriers where one stage needs another's complete output: four a layer
+// when the KV groups share out evenly between the threads (a thread's q, k and v rows are
+// then its groups', and it goes straight on to their attention), five otherwise
+// (cpu::SpinBarrier: cheaper to cross than libgomp's, docs/benchmarks.md). It calls the op
+// path's CPU kernels in the op path's order (the bias before the product, as `linear` does);
+// the products' rows, and with few KV groups a group's query heads, are split differently
+// between the threads, which can change the rounding (the tests bound the difference).
 //
-// While a DecodePackGuard lives, the products read copies of the weights packed as one
-// sequential stream each (cpu::pack_weight), once for all the batch's rows: faster than
-// row-major weights at batch 1 and much faster than the BLAS at a few rows
-// (docs/benchmarks.md). Each thread's rows of each matrix are packed on their own, and one
-// thread's parts lie one after another in the order the step reads them, so that each thread
-// reads one stream from the first layer to the LM head: its prefetchers do not start afresh
-// at every product (a pass over the weights of 6L/8H/256 with the step's barriers took
-// 0.93-0.97 of the time it takes matrix after matrix; batch-1 decode, medians of 6
-// alternations, 0.99-1.05x at n_kv_head 8 to 1, docs/benchmarks.md). Engine::generate packs
-// at the start of each call (1-2 ms for 20 MB), so weights changed between calls are always
-// seen. A matrix whose values are all bf16 (GPT::round_matrices_to_bf16) is packed in bf16,
-// which batch-1 decode, bound by reading the weights, reads in half the bytes for the same
-// results.
+// While a PackGuard lives, the products read copies of the weights packed as one sequential
+// stream each (cpu::pack_weight), once for all the batch's rows: faster than row-major weights
+// at batch 1 and much faster than the BLAS at a few rows (docs/benchmarks.md). Each thread's
+// rows of each matrix are packed on their own, and one thread's parts lie one after another
+// in the order the step reads them, so that each thread reads one stream from the first layer
+// to the LM head: its prefetchers do not start afresh at every product (docs/benchmarks.md).
+// Engine::generate packs at the start of each call, so weights changed between calls are
+// always seen. A matrix whose values are all bf16 (GPT::round_matrices_to_bf16) is packed in
+// bf16, which batch-1 decode, bound by reading the weights, reads in half the bytes for the
+// same results.
 //
 // This writes the block's forward a second time, for this one case; the op path (the modules'
 // forward) stays the reference, and the tests compare the two at every step.
+#include "infer/decode_step.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -37,13 +36,14 @@
 #include <cmath>
 #include <memory>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/parallel.h"
-#include "nn/gpt.h"
+#include "autograd/graph.h"
 
 namespace kvlab {
 
@@ -79,7 +79,7 @@ struct NormRef {
       : w(n.weight.data<float>()), b(n.bias.data<float>()), eps(n.eps) {}
 };
 
-// The block's six matrices in decode_pack_'s order.
+// The block's six matrices in the order they are packed (decode_matrices).
 constexpr size_t kPackedPerBlock = 6;
 std::array<const Linear*, kPackedPerBlock> block_linears(const Block& b) {
   return {&b.attn.q_proj, &b.attn.k_proj, &b.attn.v_proj,
@@ -146,7 +146,7 @@ struct StepRows {
     h = thread_rows(cfg.hidden(), t, nt);
     o = thread_rows(cfg.vocab_size, t, nt);
   }
-  // The rows of matrix i of GPT::decode_matrices (the last one the LM head).
+  // The rows of matrix i of decode_matrices (the last one the LM head).
   std::pair<int64_t, int64_t> of_matrix(size_t i, size_t count) const {
     if (i + 1 == count) return o;
     const std::array<std::pair<int64_t, int64_t>, kPackedPerBlock> block{q, k, v, c, h, c};
@@ -189,56 +189,50 @@ void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int
   cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.w, ln.b, B, C, ln.eps);
 }
 
-// One layer's cache views for this step (cache.slot_views): host memory, f32 or bf16,
-// (B, NKV, S, HS) with contiguous heads and room for every row's length (which counts this
-// step's position), checked before the parallel region; the threads write their new keys and
-// values straight into them.
+// One layer's rows of the cache for this step (DecodeKVCache::layer_rows): host memory, f32 or
+// bf16, B rows of NKV heads of HS contiguous elements with room for every row's length (which
+// counts this step's position), checked before the parallel region; the threads write their
+// new keys and values straight into them.
 struct CacheRef {
-  SlotView k_view, v_view;  // held for the step
-  HeadView k_strides, v_strides;
+  KVRows rows;
+  HeadView k_strides, v_strides;  // within a row (its sb unused: each row has its own pointer)
   int64_t S;
   bool bf16;
-  CacheRef(std::pair<SlotView, SlotView> views, int64_t B, int64_t NKV, int64_t HS,
-           std::span<const int64_t> lengths)
-      : k_view(std::move(views.first)), v_view(std::move(views.second)) {
-    const SlotView &kt = k_view, &vt = v_view;
+  CacheRef(const KVRows& r, int64_t B, int64_t NKV, int64_t HS, std::span<const int64_t> lengths)
+      : rows(r) {
     const bool ok =
-        kt.device == Device::CPU && vt.device == Device::CPU && kt.dtype == vt.dtype &&
-        (kt.dtype == DType::F32 || kt.dtype == DType::BF16) && kt.dim == 4 && vt.dim == 4 &&
-        kt.sizes == vt.sizes && kt.sizes[0] == B && kt.sizes[1] == NKV && kt.sizes[3] == HS &&
-        kt.strides[3] == 1 && vt.strides[3] == 1 &&
-        std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= kt.sizes[2]; });
-    auto shape = [](const SlotView& s) {
-      return shape_str(Shape(s.sizes.begin(), s.sizes.begin() + std::min<int64_t>(s.dim, 4)));
-    };
-    KVLAB_CHECK(ok, "gpt: the KV cache returned k ", shape(kt), " ", dtype_name(kt.dtype), " on ",
-                device_name(kt.device), ", v ", shape(vt), " ", dtype_name(vt.dtype),
-                "; the CPU decode step writes and reads host f32 or bf16 (B, NKV, S, HS) views "
+        r.device == Device::CPU && (r.dtype == DType::F32 || r.dtype == DType::BF16) &&
+        r.rows == B && r.n_kv_head == NKV && r.head_size == HS &&
+        std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= r.positions; });
+    const std::string shape = shape_str(Shape{r.rows, r.n_kv_head, r.positions, r.head_size});
+    KVLAB_CHECK(ok, "decode step: the KV cache returned k ", shape, " ", dtype_name(r.dtype),
+                " on ", device_name(r.device), ", v ", shape, " ", dtype_name(r.dtype),
+                "; the CPU decode step writes and reads host f32 or bf16 (B, NKV, S, HS) rows "
                 "with contiguous heads");
-    k_strides = {kt.strides[0], kt.strides[1], kt.strides[2]};
-    v_strides = {vt.strides[0], vt.strides[1], vt.strides[2]};
-    S = kt.sizes[2];
-    bf16 = kt.dtype == DType::BF16;
+    k_strides = v_strides = {0, r.head_stride, r.pos_stride};
+    S = r.positions;
+    bf16 = r.dtype == DType::BF16;
   }
-  // fn(k, v) with the data as its elements: float, or uint16_t for bf16.
+  // fn(tag) with tag's ::type the rows' elements: float, or uint16_t for bf16.
   template <class F>
   void typed(F&& fn) const {
     if (bf16)
-      fn(static_cast<uint16_t*>(k_view.data), static_cast<uint16_t*>(v_view.data));
+      fn(std::type_identity<uint16_t>{});
     else
-      fn(static_cast<float*>(k_view.data), static_cast<float*>(v_view.data));
+      fn(std::type_identity<float>{});
   }
 };
 
-// Elements [lo, hi) of each row's new keys (or values) src (B, NKV * HS) into the cache view
-// dst at the row's last position (length - 1); a bf16 cache rounds them as append would.
+// Elements [lo, hi) of each row's new keys (or values) src (B, NKV * HS) into the cache rows
+// dst (a pointer per row) at the row's last position (length - 1); a bf16 cache rounds them
+// as append would.
 template <class KV>
-void store_new(KV* dst, HeadView view, const float* src, int64_t B, int64_t KVD, int64_t HS,
-               const int64_t* lengths, int64_t lo, int64_t hi) {
+void store_new(void* const* dst, HeadView view, const float* src, int64_t B, int64_t KVD,
+               int64_t HS, const int64_t* lengths, int64_t lo, int64_t hi) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = lo; j < hi;) {  // a run of one head's elements at a time
       const int64_t head = j / HS, n = std::min(hi, (head + 1) * HS) - j;
-      KV* out = dst + b * view.sb + head * view.sh + (lengths[b] - 1) * view.st + j % HS;
+      KV* out = static_cast<KV*>(dst[b]) + head * view.sh + (lengths[b] - 1) * view.st + j % HS;
       const float* in = src + b * KVD + j;
       for (int64_t i = 0; i < n; ++i) {
         if constexpr (std::is_same_v<KV, float>)
@@ -250,13 +244,61 @@ void store_new(KV* dst, HeadView view, const float* src, int64_t B, int64_t KVD,
     }
 }
 
+// The matrices the step reads packed, in pack_'s order: each block's six (block_linears), then
+// the LM head.
+std::vector<const Tensor*> decode_matrices(const GPT& m) {
+  std::vector<const Tensor*> out;
+  for (const auto& blk : m.blocks)
+    for (const Linear* l : block_linears(*blk)) out.push_back(&l->weight);
+  out.push_back(&m.lm_head_weight());
+  return out;
+}
+
+// The step's buffers, carved from one block that the step keeps (eleven tensors a step cost
+// ~1 us to make and free), each on 64-byte lines of its own.
+struct StepBuffers {
+  float* x;     // (B, C) the residual stream
+  float* q;     // (B, C): this step's queries, (B, 1, NH, HS)
+  float* k;     // (B, KVD) this step's keys, KVD = NKV * HS
+  float* v;     // (B, KVD) this step's values
+  float* att;   // (B, C): the attention's output y, (B, 1, NH, HS)
+  float* d;     // (B, C): a block's update to x
+  float* h;     // (B, H): the MLP's hidden
+  float* own;   // (threads, own_size): per thread its LayerNorm output (B, C), mean and rstd (B)
+  float* work;  // (threads, work_size): per thread the attention's work memory
+  static constexpr size_t kCount = 9;
+  // The buffers' sizes in f32 words, in the order above.
+  static std::array<int64_t, kCount> sizes(int64_t B, int64_t C, int64_t KVD, int64_t H,
+                                           int threads, int64_t own_size, int64_t work_size) {
+    const int64_t BC = B * C, BKV = B * KVD;
+    return {BC, BC, BKV, BKV, BC, BC, B * H, threads * own_size, threads * work_size};
+  }
+  // Carves them from `block` in that order (members are initialised in declaration order).
+  StepBuffers(float* block, const std::array<int64_t, kCount>& n)
+      : x(carve(block, n[0])),
+        q(carve(block, n[1])),
+        k(carve(block, n[2])),
+        v(carve(block, n[3])),
+        att(carve(block, n[4])),
+        d(carve(block, n[5])),
+        h(carve(block, n[6])),
+        own(carve(block, n[7])),
+        work(carve(block, n[8])) {}
+
+ private:
+  static float* carve(float*& block, int64_t n) {
+    float* p = block;
+    block += whole_lines(n);
+    return p;
+  }
+};
+
 }  // namespace
 
 // The step's pointers into the model: taking them costs ~2 us a step (some hundred calls into
-// Tensor), so pack_for_decode takes them once for all the steps of a generation. parts: the
-// packed parts of the matrices of GPT::decode_matrices, `threads` a matrix (thread t's rows,
-// StepRows, at t), or none (threads 0); a step on another number of threads reads the
-// row-major weights.
+// Tensor), so pack() takes them once for all the steps of a generation. parts: the packed parts of
+// the matrices of decode_matrices, `threads` a matrix (thread t's rows, StepRows, at t), or none
+// (threads 0); a step on another number of threads reads the row-major weights.
 struct DecodeRefs {
   const std::vector<PackRef> parts;
   const int threads;
@@ -270,8 +312,8 @@ struct DecodeRefs {
         head(m.lm_head_weight(), nullptr, part(m.blocks.size() * kPackedPerBlock)) {
     KVLAB_ASSERT(
         parts.size() == (m.blocks.size() * kPackedPerBlock + 1) * static_cast<size_t>(threads),
-        "gpt: ", parts.size(), " packed parts for ", m.blocks.size(), " blocks and ", threads,
-        " threads");
+        "decode step: ", parts.size(), " packed parts for ", m.blocks.size(), " blocks and ",
+        threads, " threads");
     layers.reserve(m.blocks.size());
     for (size_t l = 0; l < m.blocks.size(); ++l)
       layers.emplace_back(*m.blocks[l], part(l * kPackedPerBlock), threads);
@@ -283,25 +325,26 @@ struct DecodeRefs {
   }
 };
 
-bool GPT::fused_decode_applies() const {
-  return fused_cpu_decode && wte.weight.device() == Device::CPU && wte.weight.dtype() == DType::F32;
+DecodeStep::DecodeStep(const GPT& model) : model_(model) {}
+
+DecodeStep::~DecodeStep() = default;
+
+bool DecodeStep::runs_on_model() const {
+  const Tensor& w = model_.wte.weight;
+  return enabled && w.device() == Device::CPU && w.dtype() == DType::F32;
 }
 
-bool GPT::packing_applies() const {
-  return fused_decode_applies() && cpu::packed_weight_size(1, 1) > 0;
+bool DecodeStep::applies(const Tensor& tokens) const {
+  return runs_on_model() && tokens.dim() == 2 && tokens.size(1) == 1 && !grad_enabled();
 }
 
-std::vector<const Tensor*> GPT::decode_matrices() const {
-  std::vector<const Tensor*> m;
-  for (const auto& blk : blocks)
-    for (const Linear* l : block_linears(*blk)) m.push_back(&l->weight);
-  m.push_back(&lm_head_weight());
-  return m;
+bool DecodeStep::packing_applies() const {
+  return runs_on_model() && cpu::packed_weight_size(1, 1) > 0;
 }
 
-DecodePackGuard GPT::pack_for_decode() {
+DecodeStep::PackGuard DecodeStep::pack() {
   if (!packing_applies()) return {};
-  const std::vector<const Tensor*> weights = decode_matrices();
+  const std::vector<const Tensor*> weights = decode_matrices(model_);
   const auto count = static_cast<int64_t>(weights.size());
   std::vector<char> bf16(weights.size());  // which matrices take the bf16 form
 #pragma omp parallel for schedule(dynamic, 1)
@@ -319,7 +362,7 @@ DecodePackGuard GPT::pack_for_decode() {
   std::vector<std::pair<int64_t, int64_t>> rows(parts);
   int64_t words = 0;
   for (int t = 0; t < threads; ++t) {
-    const StepRows step(cfg_, t, threads);
+    const StepRows step(model_.config(), t, threads);
     for (size_t i = 0; i < weights.size(); ++i) {
       const size_t at = i * static_cast<size_t>(threads) + static_cast<size_t>(t);
       rows[at] = step.of_matrix(i, weights.size());
@@ -331,9 +374,8 @@ DecodePackGuard GPT::pack_for_decode() {
       words += whole_lines(size);
     }
   }
-  if (!decode_pack_.defined() || decode_pack_.numel() != words)
-    decode_pack_ = Tensor::empty({words});
-  float* buffer = decode_pack_.data<float>();
+  if (!pack_.defined() || pack_.numel() != words) pack_ = Tensor::empty({words});
+  float* buffer = pack_.data<float>();
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t j = 0; j < static_cast<int64_t>(parts); ++j) {
     const size_t at = static_cast<size_t>(j), i = at / static_cast<size_t>(threads);
@@ -351,64 +393,75 @@ DecodePackGuard GPT::pack_for_decode() {
   for (size_t at = 0; at < parts; ++at)
     if (rows[at].first < rows[at].second)
       pack[at] = {buffer + offset[at], bf16[at / static_cast<size_t>(threads)] != 0};
-  decode_refs_ = std::make_shared<const DecodeRefs>(*this, std::move(pack), threads);
-  ++decode_pack_users_;
-  return DecodePackGuard(this);
+  refs_ = std::make_shared<const DecodeRefs>(model_, std::move(pack), threads);
+  ++pack_users_;
+  return PackGuard(this);
 }
 
-void GPT::round_matrices_to_bf16() {
-  for (const Tensor* m : decode_matrices()) {
-    Tensor w = *m;  // a handle on the same storage
-    w.copy_from(w.to(DType::BF16));
-  }
+DecodeStep::PackGuard::~PackGuard() {
+  if (step_ != nullptr) --step_->pack_users_;
 }
 
-int64_t GPT::decode_weight_bytes() const {
-  const int64_t tables = wpe.weight.numel() + (lm_head ? wte.weight.numel() : 0);
+int64_t DecodeStep::weight_bytes() const {
+  const int64_t tables =
+      model_.wpe.weight.numel() + (model_.lm_head ? model_.wte.weight.numel() : 0);
   int64_t matrices = 0, bytes = 0;
   const bool packs = packing_applies();
-  for (const Tensor* w : decode_matrices()) {
+  for (const Tensor* w : decode_matrices(model_)) {
     const bool half = packs && cpu::all_bf16(w->data<float>(), w->numel());
     matrices += w->numel();
     bytes += w->numel() * (half ? 2 : 4);
   }
-  return bytes + (num_parameters() - tables - matrices) * 4;
+  return bytes + (model_.num_parameters() - tables - matrices) * 4;
 }
 
-DecodePackGuard::~DecodePackGuard() {
-  if (model_ != nullptr) --model_->decode_pack_users_;
-}
-
-Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& cache) {
-  const int64_t B = tokens.size(0), C = cfg_.n_embd, V = cfg_.vocab_size, H = cfg_.hidden();
-  const int64_t NH = cfg_.n_head, NKV = cfg_.n_kv_head, HS = cfg_.head_size(), KVD = NKV * HS;
+Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
+  const GPTConfig& cfg = model_.config();
+  KVLAB_CHECK(tokens_in.dtype() == DType::I32 && tokens_in.dim() == 2 && tokens_in.size(1) == 1 &&
+                  tokens_in.device() == Device::CPU,
+              "decode step: tokens must be (B, 1) i32 on the host, got ", tokens_in.shape_str(),
+              " ", dtype_name(tokens_in.dtype()), " on ", device_name(tokens_in.device()));
+  const Tensor tokens = tokens_in.contiguous();
+  const int64_t B = tokens.size(0), C = cfg.n_embd, V = cfg.vocab_size, H = cfg.hidden();
+  const int64_t NH = cfg.n_head, NKV = cfg.n_kv_head, HS = cfg.head_size(), KVD = NKV * HS;
   const int64_t G = NH / NKV;  // query heads per KV head
+  KVLAB_CHECK(cache.batch() == B, "decode step: cache holds ", cache.batch(), " rows, tokens have ",
+              B);
+  lengths_.resize(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = cache.lengths()[static_cast<size_t>(b)];
+    KVLAB_CHECK(len + 1 <= cfg.block_size && len + 1 <= cache.capacity(), "decode step: row ", b,
+                " would reach position ", len + 1, " past the context limit (block_size ",
+                cfg.block_size, ", cache capacity ", cache.capacity(), ")");
+    lengths_[static_cast<size_t>(b)] = len + 1;
+  }
   const int32_t* ids = tokens.data<int32_t>();
-  const int32_t* at = pos.data<int32_t>();
   for (int64_t b = 0; b < B; ++b)
-    KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "gpt: token id ", ids[b], " in row ", b,
+    KVLAB_CHECK(ids[b] >= 0 && ids[b] < V, "decode step: token id ", ids[b], " in row ", b,
                 " is outside [0, ", V, ")");
-  const bool packed = decode_pack_users_ > 0;
+  const bool packed = pack_users_ > 0;
   const std::shared_ptr<const DecodeRefs> refs =
-      packed ? decode_refs_ : std::make_shared<const DecodeRefs>(*this, std::vector<PackRef>(), 0);
+      packed ? refs_ : std::make_shared<const DecodeRefs>(model_, std::vector<PackRef>(), 0);
   const std::vector<BlockRef>& layers = refs->layers;
   const NormRef& final_norm = refs->final_norm;
   const LinearRef& head = refs->head;
   std::vector<CacheRef> caches;
-  caches.reserve(blocks.size());
-  for (size_t l = 0; l < blocks.size(); ++l)
-    caches.emplace_back(cache.slot_views(static_cast<int>(l), 1), B, NKV, HS, kv_lengths_);
-  const float* wte_w = wte.weight.data<float>();
-  const float* wpe_w = wpe.weight.data<float>();
+  caches.reserve(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l)
+    caches.emplace_back(cache.layer_rows(static_cast<int>(l), 1), B, NKV, HS, lengths_);
+  const float* wte_w = model_.wte.weight.data<float>();
+  const float* wpe_w = model_.wpe.weight.data<float>();
   const int threads = omp_get_max_threads();
   Tensor logits = Tensor::empty({B, 1, V});  // (B, 1, V)
   float* out = logits.data<float>();
-  const int64_t* lengths = kv_lengths_.data();  // each row's, this step's position included
-  const AttentionShape s{B, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
+  const int64_t* lengths = lengths_.data();  // each row's, this step's position included
+  // One row's attention: the kernel's tasks of row b are those of a batch of 1 at row b's
+  // pointers (its own cache rows, q and y at b * C, its length).
+  const AttentionShape s{1, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
   const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
   // Per thread, the attention's work memory over the longest layer, so that nothing inside the
   // region allocates or throws; sized by the cache's capacity, so that step after step the
-  // caching allocator hands back the same block.
+  // buffers fit the same block.
   AttentionShape longest = s;
   longest.S = cache.capacity();
   bool any_bf16 = false;
@@ -418,34 +471,25 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
   }
   const int64_t work_size = any_bf16 ? cpu::attention_decode_work<float, uint16_t>(longest)
                                      : cpu::attention_decode_work<float>(longest);
-  // The step's buffers, carved from one block, each on 64-byte lines of its own (eleven tensors
-  // a step cost ~1 us to make and free): the residual stream x (B, C), q (B, 1, NH, HS), this
-  // step's keys and values (B, KVD), the attention's output y (B, 1, NH, HS), a block's update
-  // d to x (B, C), the MLP's hidden h (B, H), and per thread its LayerNorm output and stats
-  // (own_size) and the attention's work memory.
   const int64_t own_size = B * C + 2 * B;
-  const std::array<int64_t, 9> sizes{
-      B * C, B * C, B * KVD, B * KVD, B * C, B * C, B * H, threads * own_size, threads * work_size};
+  const auto sizes = StepBuffers::sizes(B, C, KVD, H, threads, own_size, work_size);
   int64_t words = 0;
   for (int64_t n : sizes) words += whole_lines(n);
-  Tensor step_buffer = Tensor::empty({words});
-  std::array<float*, sizes.size()> buf{};
-  float* next = step_buffer.data<float>();
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    buf[i] = next;
-    next += whole_lines(sizes[i]);
+  if (!buffers_.defined() || buffers_.numel() < words) {
+    buffers_ = Tensor();  // free first: the allocator can hand the same block back
+    buffers_ = Tensor::empty({words});
   }
-  const auto [xs, qs, ks, vs, ys, ds, hs, own_s, work_s] = buf;
+  const StepBuffers buf(buffers_.data<float>(), sizes);
   cpu::SpinBarrier barrier;
 
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    float* ln = own_s + t * own_size;  // (B, C), then mean and rstd (B)
+    float* ln = buf.own + t * own_size;  // (B, C), then mean and rstd (B)
     float* stats = ln + B * C;
-    float* my_work = work_s + t * work_size;
-    AttentionShape shape = s;                     // S set per layer
-    const StepRows rows(cfg_, t, nt);
+    float* my_work = buf.work + t * work_size;
+    AttentionShape shape = s;  // S set per layer, kv_lengths per row
+    const StepRows rows(cfg, t, nt);
     const auto [c0, c1] = rows.c;  // also this thread's columns of x
     const auto [q0, q1] = rows.q;
     const auto [k0, k1] = rows.k;
@@ -461,25 +505,30 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
     auto part = [&](const LinearRef& lin) { return packed_for_nt ? lin.parts + t : nullptr; };
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = c0; c < c1; ++c)
-        xs[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[at[b] * C + c];
+        buf.x[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[(lengths[b] - 1) * C + c];
 #pragma omp single
     barrier.reset(nt);  // its implicit barrier also ends the embedding
     for (size_t l = 0; l < layers.size(); ++l) {
       const BlockRef& blk = layers[l];
       const CacheRef& kv = caches[l];
-      layer_norm(ln, stats, xs, blk.ln_1, B, C);
-      linear_rows(qs, C, ln, B, blk.q, q0, q1, part(blk.q));
-      linear_rows(ks, KVD, ln, B, blk.k, k0, k1, part(blk.k));
-      linear_rows(vs, KVD, ln, B, blk.v, v0, v1, part(blk.v));
+      layer_norm(ln, stats, buf.x, blk.ln_1, B, C);
+      linear_rows(buf.q, C, ln, B, blk.q, q0, q1, part(blk.q));
+      linear_rows(buf.k, KVD, ln, B, blk.k, k0, k1, part(blk.k));
+      linear_rows(buf.v, KVD, ln, B, blk.v, v0, v1, part(blk.v));
       shape.S = kv.S;
-      kv.typed([&](auto* kd, auto* vd) {
-        using KV = std::remove_pointer_t<decltype(kd)>;
-        store_new(kd, kv.k_strides, ks, B, KVD, HS, lengths, k0, k1);
-        store_new(vd, kv.v_strides, vs, B, KVD, HS, lengths, v0, v1);
+      kv.typed([&](auto tag) {
+        using KV = typename decltype(tag)::type;
+        store_new<KV>(kv.rows.k, kv.k_strides, buf.k, B, KVD, HS, lengths, k0, k1);
+        store_new<KV>(kv.rows.v, kv.v_strides, buf.v, B, KVD, HS, lengths, v0, v1);
         if (!own_groups) barrier.wait();
+        // Task i of the batch: row b = i / (NKV * parts), and that row's task i % (NKV * parts).
         auto task = [&](int64_t i) {
-          cpu::attention_decode_task<float, KV>(ys, qv, qs, qv, kd, kv.k_strides, vd, kv.v_strides,
-                                                shape, i, parts, my_work);
+          const int64_t b = i / (NKV * parts);
+          shape.kv_lengths = lengths + b;
+          cpu::attention_decode_task<float, KV>(buf.att + b * C, qv, buf.q + b * C, qv,
+                                                static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
+                                                static_cast<const KV*>(kv.rows.v[b]), kv.v_strides,
+                                                shape, i - b * NKV * parts, parts, my_work);
         };
         if (own_groups)
           for (int64_t b = 0; b < B; ++b)
@@ -488,21 +537,22 @@ Tensor GPT::decode_step_cpu(const Tensor& tokens, const Tensor& pos, KVCache& ca
           for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
       });
       barrier.wait();
-      linear_rows(ds, C, ys, B, blk.proj, c0, c1, part(blk.proj));
-      add_rows(xs, ds, B, C, c0, c1);  // x += c_proj(y)
+      linear_rows(buf.d, C, buf.att, B, blk.proj, c0, c1, part(blk.proj));
+      add_rows(buf.x, buf.d, B, C, c0, c1);  // x += c_proj(y)
       barrier.wait();
-      layer_norm(ln, stats, xs, blk.ln_2, B, C);
-      linear_rows(hs, H, ln, B, blk.fc, h0, h1, part(blk.fc));
+      layer_norm(ln, stats, buf.x, blk.ln_2, B, C);
+      linear_rows(buf.h, H, ln, B, blk.fc, h0, h1, part(blk.fc));
       for (int64_t b = 0; b < B && h0 < h1; ++b)
-        cpu::gelu_forward<float>(hs + b * H + h0, hs + b * H + h0, h1 - h0);
+        cpu::gelu_forward<float>(buf.h + b * H + h0, buf.h + b * H + h0, h1 - h0);
       barrier.wait();
-      linear_rows(ds, C, hs, B, blk.fc_proj, c0, c1, part(blk.fc_proj));
-      add_rows(xs, ds, B, C, c0, c1);  // x += mlp(ln_2(x))
+      linear_rows(buf.d, C, buf.h, B, blk.fc_proj, c0, c1, part(blk.fc_proj));
+      add_rows(buf.x, buf.d, B, C, c0, c1);  // x += mlp(ln_2(x))
       barrier.wait();
     }
-    layer_norm(ln, stats, xs, final_norm, B, C);
+    layer_norm(ln, stats, buf.x, final_norm, B, C);
     linear_rows(out, V, ln, B, head, rows.o.first, rows.o.second, part(head));
   }
+  cache.advance(1);
   return logits;
 }
 

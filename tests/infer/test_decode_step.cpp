@@ -1,6 +1,6 @@
-// The fused CPU decode step (nn/gpt_decode.cpp) against the op-by-op path it replaces: the
-// same logits and the same cache contents at every step, for every n_kv_head, both cache
-// dtypes and thread counts that split the products unevenly.
+// The fused CPU decode step (infer/decode_step.cpp) against the op path it replaces
+// (GPT::forward with a cache): the same logits and the same cache contents at every step, for
+// every n_kv_head, both cache dtypes and thread counts that split the products unevenly.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -14,6 +14,9 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
 #include "autograd/graph.h"
+#include "infer/bench.h"
+#include "infer/decode_step.h"
+#include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer_test_util.h"
 
@@ -56,13 +59,11 @@ struct ThreadCount {
 struct StepDiff {
   double worst = 0, scale = 0;
 };
-StepDiff fused_against_op(GPT& model, ContiguousKVCache& fused, ContiguousKVCache& plain,
-                          const std::vector<Tensor>& tokens) {
+StepDiff fused_against_op(GPT& model, DecodeStep& step, ContiguousKVCache& fused,
+                          ContiguousKVCache& plain, const std::vector<Tensor>& tokens) {
   StepDiff d;
   for (const Tensor& t : tokens) {
-    model.fused_cpu_decode = true;
-    const std::vector<float> a = model.forward(t, &fused, true).to_vector<float>();
-    model.fused_cpu_decode = false;
+    const std::vector<float> a = step.forward(t, fused).to_vector<float>();
     const std::vector<float> b = model.forward(t, &plain, true).to_vector<float>();
     d.worst = std::max(d.worst, max_diff(a, b));
     d.scale = std::max(d.scale, max_abs(b));
@@ -92,7 +93,6 @@ Tensor random_tokens(Generator& gen, int64_t vocab, int64_t rows, int64_t T = 1)
 // lengths[b] tokens.
 void prefill_rows(GPT& model, ContiguousKVCache& fused, ContiguousKVCache& plain,
                   const std::vector<int64_t>& lengths, Generator& gen) {
-  model.fused_cpu_decode = false;
   for (size_t b = 0; b < lengths.size(); ++b) {
     const Tensor p = random_tokens(gen, model.config().vocab_size, 1, lengths[b]);
     model.forward(p, &fused.rows(static_cast<int64_t>(b), 1), true);
@@ -109,6 +109,7 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   const ThreadCount tc(threads);
   auto model = test::random_model(decode_config(nkv), 5);
   const GPTConfig& c = model->config();
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   // Rows of different lengths: each prefilled on its own, the same way in both caches. With
   // one row and fewer KV groups than threads, the threads share a group's query heads.
@@ -121,14 +122,12 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   double worst = 0, scale = 0;
   uint64_t fused_requests = 0, plain_requests = 0;
   const int steps = 12;
-  for (int step = 0; step < steps; ++step) {
+  for (int i = 0; i < steps; ++i) {
     const Tensor tokens = random_tokens(gen, V, B);
     Allocator& alloc = allocator_for(Device::CPU);
-    model->fused_cpu_decode = true;
     uint64_t r0 = alloc.stats().requests;
-    const std::vector<float> a = model->forward(tokens, &fused, true).to_vector<float>();
+    const std::vector<float> a = step.forward(tokens, fused).to_vector<float>();
     fused_requests += alloc.stats().requests - r0;
-    model->fused_cpu_decode = false;
     r0 = alloc.stats().requests;
     const std::vector<float> b = model->forward(tokens, &plain, true).to_vector<float>();
     plain_requests += alloc.stats().requests - r0;
@@ -176,6 +175,7 @@ TEST(FusedDecode, ThreeThreadsEachWithAGroupOfTheirOwn) {
   c.n_head = 6;
   c.n_embd = 48;
   auto model = test::random_model(c, 13);
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   for (const DType dtype : {DType::F32, DType::BF16}) {
     const int64_t B = 3;
@@ -184,8 +184,8 @@ TEST(FusedDecode, ThreeThreadsEachWithAGroupOfTheirOwn) {
     Generator gen(29);
     prefill_rows(*model, fused, plain, {2, 3, 4}, gen);
     std::vector<Tensor> tokens;
-    for (int step = 0; step < 8; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, B));
-    const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+    for (int i = 0; i < 8; ++i) tokens.push_back(random_tokens(gen, c.vocab_size, B));
+    const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
     EXPECT_GT(d.scale, 1.0);
     EXPECT_LE(d.worst, 1e-5 * d.scale) << dtype_name(dtype);
     expect_same_cache(fused, plain, c.n_layer, dtype == DType::BF16 ? 1.0 / 128 : 1e-5);
@@ -200,16 +200,15 @@ TEST(FusedDecode, Bf16CacheHoldsTheNewKeysRoundedToNearestEven) {
     const ThreadCount tc(threads);
     auto model = test::random_model(decode_config(2), 7);
     const GPTConfig& c = model->config();
+    DecodeStep step(*model);
     NoGradGuard no_grad;
     const Tensor prompt = Tensor::from_vector(std::vector<int32_t>{4, 9, 1}, {1, 3});
     const Tensor token = Tensor::from_vector(std::vector<int32_t>{12}, {1, 1});
     ContiguousKVCache f32(c.n_layer, 1, c.block_size, 2, c.head_size());
     ContiguousKVCache bf16(c.n_layer, 1, c.block_size, 2, c.head_size(), DType::BF16);
     for (ContiguousKVCache* cache : {&f32, &bf16}) {
-      model->fused_cpu_decode = false;
       model->forward(prompt, cache, true);
-      model->fused_cpu_decode = true;
-      model->forward(token, cache, true);
+      step.forward(token, *cache);
     }
     int64_t rounded_away = 0;  // values where rounding to nearest differs from truncating
     for (const bool is_k : {true, false}) {
@@ -238,18 +237,19 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
   c.n_head = 2;
   c.tied = false;
   auto model = test::random_model(c, 9);
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   ContiguousKVCache fused(c.n_layer, 1, c.block_size, 1, c.head_size());
   ContiguousKVCache plain(c.n_layer, 1, c.block_size, 1, c.head_size());
   Generator gen(4);
   std::vector<Tensor> tokens;
-  for (int step = 0; step < 10; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, 1));
-  const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+  for (int i = 0; i < 10; ++i) tokens.push_back(random_tokens(gen, c.vocab_size, 1));
+  const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
   EXPECT_GT(d.scale, 1.0);
   EXPECT_LE(d.worst, 1e-5 * d.scale);
 }
 
-// ---- with the weights packed (GPT::pack_for_decode) ----
+// ---- with the weights packed (DecodeStep::pack) ----
 
 // decode_config with NH = 4, C = 40 (HS 10: K has a 16-column tail) and hidden 100: with 3
 // threads the threads' shares of k and v start inside 8-row blocks of the packed weights.
@@ -261,17 +261,16 @@ GPTConfig odd_config(int64_t n_kv_head) {
   return c;
 }
 
-// Logits of one decode step after an op-path prefill of `prompt` into a fresh cache.
-std::vector<float> step_logits(GPT& model, bool fused, const std::vector<int32_t>& prompt,
-                               int32_t token) {
+// Logits of one decode step, fused (through `step`) or op by op, after an op-path prefill of
+// `prompt` into a fresh cache.
+std::vector<float> step_logits(GPT& model, DecodeStep& step, bool fused,
+                               const std::vector<int32_t>& prompt, int32_t token) {
   const GPTConfig& c = model.config();
   ContiguousKVCache cache(c.n_layer, 1, c.block_size, c.n_kv_head, c.head_size());
-  model.fused_cpu_decode = false;
   model.forward(Tensor::from_vector(prompt, {1, static_cast<int64_t>(prompt.size())}), &cache,
                 true);
-  model.fused_cpu_decode = fused;
-  return model.forward(Tensor::from_vector(std::vector<int32_t>{token}, {1, 1}), &cache, true)
-      .to_vector<float>();
+  const Tensor t = Tensor::from_vector(std::vector<int32_t>{token}, {1, 1});
+  return (fused ? step.forward(t, cache) : model.forward(t, &cache, true)).to_vector<float>();
 }
 
 // (odd sizes, n_kv_head, threads, rows)
@@ -285,22 +284,21 @@ class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, i
     auto model = test::random_model(odd ? odd_config(nkv) : decode_config(nkv), 5);
     if (bf16_matrices) model->round_matrices_to_bf16();
     const GPTConfig& c = model->config();
+    DecodeStep step(*model);
     NoGradGuard no_grad;
     ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size());
     ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size());
     Generator gen(23);
-    model->fused_cpu_decode = false;
     for (int64_t b = 0; b < B; ++b)  // op by op into both caches
       for (int64_t i = 0; i < 3 + b; ++i) {
         const Tensor t = random_tokens(gen, c.vocab_size, 1);
         model->forward(t, &fused.rows(b, 1), true);
         model->forward(t, &plain.rows(b, 1), true);
       }
-    model->fused_cpu_decode = true;
-    const DecodePackGuard pack = model->pack_for_decode();
+    const DecodeStep::PackGuard pack = step.pack();
     std::vector<Tensor> tokens;
-    for (int step = 0; step < 12; ++step) tokens.push_back(random_tokens(gen, c.vocab_size, B));
-    const StepDiff d = fused_against_op(*model, fused, plain, tokens);
+    for (int i = 0; i < 12; ++i) tokens.push_back(random_tokens(gen, c.vocab_size, B));
+    const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
     EXPECT_GT(d.scale, 1.0);
     EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;
     expect_same_cache(fused, plain, c.n_layer, 1e-5);
@@ -329,35 +327,34 @@ INSTANTIATE_TEST_SUITE_P(OddNkvThreadsRows, PackedDecode,
 // The second packing reuses the first one's buffers.
 TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   auto model = test::random_model(decode_config(2), 5);
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   const std::vector<int32_t> prompt{4, 9, 1};
-  const std::vector<float> before = step_logits(*model, false, prompt, 7);
-  model->fused_cpu_decode = true;  // packing is for the fused step only
-  std::optional<DecodePackGuard> pack(model->pack_for_decode());
+  const std::vector<float> before = step_logits(*model, step, false, prompt, 7);
+  std::optional<DecodeStep::PackGuard> pack(step.pack());
   if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), before), 1e-5 * max_abs(before));
   Tensor w = model->blocks[1]->mlp.c_fc.weight;  // changed under the guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
-  const std::vector<float> after = step_logits(*model, false, prompt, 7);
+  const std::vector<float> after = step_logits(*model, step, false, prompt, 7);
   ASSERT_GT(max_diff(after, before), 0.1);  // the change matters
   // The packed c_fc is the old one: the step matches neither the new op path nor the old one
   // (its cache was filled with the new weights), and differs by much more than rounding.
-  EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), after), 0.1);
+  EXPECT_GT(max_diff(step_logits(*model, step, true, prompt, 7), after), 0.1);
   pack.reset();
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), after), 1e-5 * max_abs(after));
   Allocator& alloc = allocator_for(Device::CPU);
   const uint64_t r0 = alloc.stats().requests;
-  model->fused_cpu_decode = true;
-  pack.emplace(model->pack_for_decode());
+  pack.emplace(step.pack());
   EXPECT_EQ(alloc.stats().requests - r0, 0u);
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
-  // Nothing is packed for the op path: a fused step under a guard made for the op path reads
-  // the weights (here restored), not the last pack.
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), after), 1e-5 * max_abs(after));
+  // Nothing is packed for the op path: a fused step under a guard made while the step was
+  // disabled reads the weights (here restored), not the last pack.
   pack.reset();
-  model->fused_cpu_decode = false;
-  pack.emplace(model->pack_for_decode());
+  step.enabled = false;
+  pack.emplace(step.pack());
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), before), 1e-5 * max_abs(before));
 }
 
 // Each thread's rows are packed on their own, for the thread count at packing: a step on
@@ -365,44 +362,44 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
 // shows there), and one on that number reads the copies again.
 TEST(PackedDecode, AStepOnOtherThreadsThanThePackReadsTheWeights) {
   auto model = test::random_model(odd_config(2), 5);
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   const std::vector<int32_t> prompt{4, 9, 1};
-  const std::vector<float> before = step_logits(*model, false, prompt, 7);
-  model->fused_cpu_decode = true;
-  std::optional<DecodePackGuard> pack;
+  const std::vector<float> before = step_logits(*model, step, false, prompt, 7);
+  std::optional<DecodeStep::PackGuard> pack;
   {
     const ThreadCount three(3);
-    pack.emplace(model->pack_for_decode());
+    pack.emplace(step.pack());
   }
   const ThreadCount two(2);
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), before), 1e-5 * max_abs(before));
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), before), 1e-5 * max_abs(before));
   Tensor w = model->blocks[0]->attn.q_proj.weight;  // changed under the guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
-  const std::vector<float> after = step_logits(*model, false, prompt, 7);
+  const std::vector<float> after = step_logits(*model, step, false, prompt, 7);
   ASSERT_GT(max_diff(after, before), 0.1);
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), after), 1e-5 * max_abs(after));
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), after), 1e-5 * max_abs(after));
   const ThreadCount three(3);
-  EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), after), 0.1);  // the copies
+  EXPECT_GT(max_diff(step_logits(*model, step, true, prompt, 7), after), 0.1);  // the copies
 }
 
-// Guards nest (a generate call inside another's callback, two engines on one model): the
-// copies are read until the last guard ends, not the first.
+// Guards nest (a generate call inside another's callback): the copies are read until the last
+// guard ends, not the first.
 TEST(PackedDecode, GuardsNest) {
   auto model = test::random_model(decode_config(2), 5);
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   const std::vector<int32_t> prompt{4, 9, 1};
-  model->fused_cpu_decode = true;
-  std::optional<DecodePackGuard> outer(model->pack_for_decode());
-  std::optional<DecodePackGuard> inner(model->pack_for_decode());
+  std::optional<DecodeStep::PackGuard> outer(step.pack());
+  std::optional<DecodeStep::PackGuard> inner(step.pack());
   inner.reset();
   Tensor w = model->blocks[0]->attn.c_proj.weight;  // changed under the outer guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
-  const std::vector<float> now = step_logits(*model, false, prompt, 7);
-  EXPECT_GT(max_diff(step_logits(*model, true, prompt, 7), now), 0.1);  // still the copies
+  const std::vector<float> now = step_logits(*model, step, false, prompt, 7);
+  EXPECT_GT(max_diff(step_logits(*model, step, true, prompt, 7), now), 0.1);  // still the copies
   outer.reset();
-  EXPECT_LE(max_diff(step_logits(*model, true, prompt, 7), now), 1e-5 * max_abs(now));
+  EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), now), 1e-5 * max_abs(now));
 }
 
 // round_matrices_to_bf16 rounds the six matrices of each block and the (tied) LM head to
@@ -413,7 +410,8 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   ASSERT_TRUE(c.tied);
   std::vector<std::vector<float>> before;
   for (const Tensor& p : model->parameters()) before.push_back(p.to_vector<float>());
-  const int64_t f32_bytes = model->decode_weight_bytes();
+  DecodeStep step(*model);
+  const int64_t f32_bytes = step.weight_bytes();
   model->round_matrices_to_bf16();
   std::vector<Tensor> matrices;
   for (const auto& b : model->blocks)
@@ -439,20 +437,19 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   EXPECT_EQ(rounded_elements, matrix_elements);           // every matrix is a parameter, once
   const int64_t rest = others - c.block_size * c.n_embd;  // the position table is not read
   EXPECT_EQ(f32_bytes, 4 * (matrix_elements + rest));
-  model->fused_cpu_decode = true;
   const bool packs = cpu::packed_weight_bf16_size(1, 1) > 0;
-  EXPECT_EQ(model->decode_weight_bytes(), (packs ? 2 : 4) * matrix_elements + 4 * rest);
-  model->fused_cpu_decode = false;  // the op path reads the f32 storage
-  EXPECT_EQ(model->decode_weight_bytes(), f32_bytes);
+  EXPECT_EQ(step.weight_bytes(), (packs ? 2 : 4) * matrix_elements + 4 * rest);
+  step.enabled = false;  // the op path reads the f32 storage
+  EXPECT_EQ(step.weight_bytes(), f32_bytes);
 }
 
-// A cache whose views the fused step cannot write or read (f64 views, from the cache's own
+// A cache whose rows the fused step cannot write or read (f64 rows, from the cache's own
 // buffers, or from another implementation in the last layer only) is an error naming them,
 // raised before anything is written: no layer's buffers change and the cache does not
 // advance.
 TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
-  // A cache whose last layer hands out f64 views: a KVCache may be any implementation.
-  struct F64LastLayer final : KVCache {
+  // A cache whose last layer's rows are f64: a DecodeKVCache may be any implementation.
+  struct F64LastLayer final : DecodeKVCache {
     ContiguousKVCache inner;
     explicit F64LastLayer(const GPTConfig& c)
         : inner(c.n_layer, 1, c.block_size, c.n_kv_head, c.head_size()) {}
@@ -460,16 +457,14 @@ TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
     int64_t capacity() const override { return inner.capacity(); }
     const std::vector<int64_t>& lengths() const override { return inner.lengths(); }
     std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
-      return widen(layer, inner.append(layer, k, v));
+      return inner.append(layer, k, v);
     }
-    std::pair<Tensor, Tensor> slots(int layer, int64_t T) override {
-      return widen(layer, inner.slots(layer, T));
+    KVRows layer_rows(int layer, int64_t T) override {
+      KVRows rows = inner.layer_rows(layer, T);
+      if (layer + 1 == inner.n_layer()) rows.dtype = DType::F64;
+      return rows;
     }
     void advance(int64_t T) override { inner.advance(T); }
-    std::pair<Tensor, Tensor> widen(int layer, std::pair<Tensor, Tensor> kv) const {
-      if (layer + 1 < inner.n_layer()) return kv;
-      return {kv.first.to(DType::F64), kv.second.to(DType::F64)};
-    }
   };
   // Every buffer of every layer still all zeros.
   auto untouched = [](const ContiguousKVCache& cache) {
@@ -483,11 +478,12 @@ TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
   const ThreadCount tc(2);
   auto model = test::random_model(decode_config(2), 5);
   const GPTConfig& c = model->config();
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   const Tensor tok = Tensor::from_vector(std::vector<int32_t>{3}, {1, 1});
   ContiguousKVCache f64(c.n_layer, 1, c.block_size, 2, c.head_size(), DType::F64);
   try {
-    model->forward(tok, &f64, true);
+    step.forward(tok, f64);
     FAIL() << "the step wrote f32 keys into an f64 cache";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("the KV cache returned k (1, 2, 1, 8) f64"),
@@ -498,30 +494,32 @@ TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
   EXPECT_TRUE(untouched(f64));
   F64LastLayer last(c);
   try {
-    model->forward(tok, &last, true);
-    FAIL() << "f64 cache views were read as f32";
+    step.forward(tok, last);
+    FAIL() << "f64 cache rows were read as f32";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("the KV cache returned"), std::string::npos) << e.what();
   }
   EXPECT_EQ(last.lengths(), std::vector<int64_t>{0});
-  EXPECT_TRUE(untouched(last.inner));  // layer 0's views were fine, and still not written
+  EXPECT_TRUE(untouched(last.inner));  // layer 0's rows were fine, and still not written
 }
 
-// The fused step runs only where it applies: with gradients on, a decode step goes op by op
-// (its graph is recorded), which shows in the allocator's count.
+// The engine runs the fused step only where it applies: with gradients on, a decode step goes
+// op by op (its graph is recorded), which shows in the allocator's count.
 TEST(FusedDecode, GradientsTakeTheOpPath) {
   auto model = test::random_model(decode_config(2), 5);
   const GPTConfig& c = model->config();
+  const Tokenizer tokenizer = synthetic_tokenizer(c.vocab_size);
+  Engine engine(*model, tokenizer);
   ContiguousKVCache cache(c.n_layer, 1, c.block_size, 2, c.head_size());
   const Tensor tok = Tensor::from_vector(std::vector<int32_t>{3}, {1, 1});
   Allocator& alloc = allocator_for(Device::CPU);
   uint64_t r0 = alloc.stats().requests;
-  const Tensor with_grad = model->forward(tok, &cache, true);
+  const Tensor with_grad = engine.forward_cached(tok, cache);
   const uint64_t op_requests = alloc.stats().requests - r0;
   EXPECT_NE(with_grad.grad_fn(), nullptr);  // a graph was recorded
   NoGradGuard no_grad;
   r0 = alloc.stats().requests;
-  model->forward(tok, &cache, true);
+  engine.forward_cached(tok, cache);
   EXPECT_LE(alloc.stats().requests - r0, 16u);
   EXPECT_GT(op_requests, 30u);
 }
@@ -530,12 +528,13 @@ TEST(FusedDecode, GradientsTakeTheOpPath) {
 TEST(FusedDecode, BadTokenIsAClearErrorAndTheCacheIsUntouched) {
   auto model = test::random_model(decode_config(2), 5);
   const GPTConfig& c = model->config();
+  DecodeStep step(*model);
   NoGradGuard no_grad;
   ContiguousKVCache cache(c.n_layer, 1, c.block_size, 2, c.head_size());
   model->forward(Tensor::from_vector(std::vector<int32_t>{1, 2, 3}, {1, 3}), &cache, true);
   const std::vector<float> before = test::cached(cache, 0, true);
   try {
-    model->forward(Tensor::from_vector(std::vector<int32_t>{67}, {1, 1}), &cache, true);
+    step.forward(Tensor::from_vector(std::vector<int32_t>{67}, {1, 1}), cache);
     FAIL() << "token 67 of a 67-symbol vocabulary was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("token id 67"), std::string::npos) << e.what();
