@@ -11,7 +11,7 @@
 #include <iostream>
 
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/threads.h"
+#include "autograd/host/threads.h"
 #include "bench/bench_util.h"
 #include "train/trainer.h"
 

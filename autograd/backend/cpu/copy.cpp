@@ -3,7 +3,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/index.h"
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/host/parallel.h"
 #include "autograd/error.h"
 
 namespace kvlab::cpu {

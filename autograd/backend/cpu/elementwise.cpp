@@ -2,7 +2,7 @@
 
 #include "autograd/backend/cpu/index.h"
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/host/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/random.h"
 

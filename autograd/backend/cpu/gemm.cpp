@@ -6,7 +6,7 @@
 
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/host/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"  // attend_rows's softmax
 #include "autograd/error.h"
 

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/host/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
 
 namespace kvlab::cpu {

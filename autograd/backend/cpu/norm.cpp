@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/host/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
 
 namespace kvlab::cpu {

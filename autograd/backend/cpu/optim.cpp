@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/host/parallel.h"
 
 namespace kvlab::cpu {
 
