@@ -159,9 +159,7 @@ void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadV
                         const AttentionShape& s);
 
 // ---- optimiser ----
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
-                  const AdamWStep& step);
-// The same over several tensors, each with its own step (one pass for all of them).
+// AdamW over several tensors, each with its own step (one pass for all of them).
 void adamw_update_many(std::span<const AdamWTensor> tensors);
 // Sum of squares in double over several tensors, for the global gradient norm, summed tensor
 // by tensor in order (one launch and one host sync for all of them on a GPU).
