@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <iostream>
 
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/host/threads.h"
 #include "bench/bench_util.h"
 #include "train/trainer.h"

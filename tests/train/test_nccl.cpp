@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "autograd/backend/cuda/collectives.h"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 #include "autograd/random.h"
 #include "train/comm.h"
 

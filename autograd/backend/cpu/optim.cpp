@@ -2,7 +2,7 @@
 #include <cmath>
 #include <vector>
 
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/host/parallel.h"
 
 namespace kvlab::cpu {

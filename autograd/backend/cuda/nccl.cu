@@ -8,7 +8,7 @@
 
 #include "autograd/backend/cuda/collectives.h"
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 
 #define NCCL_CHECK(expr)                                                                   \
   do {                                                                                     \
