@@ -12,8 +12,8 @@
 #include <string>
 #include <type_traits>
 
-#include "autograd/backend/cpu/blas_core.h"
 #include "autograd/error.h"
+#include "autograd/host/blas_core.h"
 
 namespace kvlab {
 

@@ -17,7 +17,7 @@
 #include "apps/progress.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
-#include "autograd/backend/host_cpu.h"
+#include "autograd/host/cpu.h"
 #include "checkpoints/model_io.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"

@@ -14,7 +14,7 @@
 #include "apps/cli.h"
 #include "apps/config_file.h"
 #include "apps/train_progress.h"
-#include "autograd/backend/cpu/threads.h"
+#include "autograd/host/threads.h"
 
 namespace kvlab {
 namespace {

@@ -3,7 +3,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "autograd/ops/ops.h"
+#include "autograd/backend/dispatch.h"
 
 namespace kvlab {
 
@@ -51,13 +51,29 @@ std::vector<Node*> topo_order(Node* root) {
   return order;
 }
 
+// slot = slot + g, a fresh tensor (slot may share its storage with a tensor handed out),
+// recorded nowhere: accumulation is not differentiated, whatever the grad mode. The add kernel
+// straight from the backend, so that the graph does not depend on the ops built on it: the
+// same elementwise sums, so the same bits, as the op `add` gave.
 void accumulate(Tensor& slot, const Tensor& g) {
   if (!slot.defined()) {
     slot = g;
-  } else {
-    NoGradGuard no_grad;
-    slot = add(slot, g);
+    return;
   }
+  KVLAB_ASSERT(slot.sizes() == g.sizes() && slot.dtype() == g.dtype() &&
+                   slot.device() == g.device(),
+               "backward: a gradient ", g.shape_str(), " does not match the ", slot.shape_str(),
+               " one it adds to");
+  const Tensor a = slot.contiguous(), b = g.contiguous();
+  Tensor sum = Tensor::empty(a.sizes(), a.dtype(), a.device());
+  const std::vector<int64_t> n{a.numel()};
+  const Strides one{1};
+  dispatch_float(a.dtype(), "backward", [&](auto tag) {
+    using T = decltype(tag);
+    KVLAB_KERNEL(a.device(), binary_forward<T>(BinaryOp::Add, sum.data<T>(), n, a.data<T>(), one,
+                                               b.data<T>(), one));
+  });
+  slot = sum;
 }
 
 }  // namespace

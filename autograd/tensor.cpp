@@ -5,6 +5,9 @@
 #include <sstream>
 
 #include "autograd/backend/dispatch.h"
+#ifdef KVLAB_WITH_CUDA
+#include "autograd/backend/cuda/runtime.h"
+#endif
 #include "autograd/graph.h"
 
 namespace kvlab {

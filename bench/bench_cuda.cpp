@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 #include "bench/bench_util.h"

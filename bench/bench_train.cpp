@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <iostream>
 
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/threads.h"
+#include "autograd/backend/kernels.h"
+#include "autograd/host/threads.h"
 #include "bench/bench_util.h"
 #include "train/trainer.h"
 

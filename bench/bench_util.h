@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/backend/host_cpu.h"
+#include "autograd/host/cpu.h"
 
 namespace kvlab::bench {
 

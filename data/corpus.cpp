@@ -9,8 +9,8 @@
 #include <memory>
 #include <random>
 
-#include "autograd/backend/host_memory.h"
 #include "autograd/error.h"
+#include "autograd/host/memory.h"
 
 namespace kvlab {
 namespace fs = std::filesystem;

@@ -17,7 +17,7 @@
 #include "autograd/error.h"
 #include "train/comm.h"
 #ifdef KVLAB_WITH_NCCL
-#include "autograd/backend/cuda/collectives.h"
+#include "autograd/backend/collectives.h"
 #endif
 
 namespace kvlab {
@@ -100,10 +100,10 @@ class MpiCommunicator final : public Communicator {
     KVLAB_CHECK(flat.dtype() == DType::F32 && flat.is_contiguous(), what,
                 ": all-reduce needs a contiguous f32 buffer");
     if (!nccl_) {
-      cuda::NcclId id{};
-      if (rank_ == 0) id = cuda::nccl_unique_id();
+      DeviceGroupId id{};
+      if (rank_ == 0) id = device_group_id();
       broadcast(std::as_writable_bytes(std::span<char>(id)), 0, "broadcast of the NCCL id");
-      nccl_ = std::make_unique<cuda::NcclGroup>(size_, rank_, id, timeout_);
+      nccl_ = std::make_unique<DeviceGroup>(size_, rank_, id, timeout_);
     }
     try {
       nccl_->allreduce_mean(flat.data<float>(), flat.numel(), what);
@@ -176,7 +176,7 @@ class MpiCommunicator final : public Communicator {
 
  private:
 #ifdef KVLAB_WITH_NCCL
-  std::unique_ptr<cuda::NcclGroup> nccl_;
+  std::unique_ptr<DeviceGroup> nccl_;
 #endif
   void check(int rc, std::string_view what) {
     if (rc == MPI_SUCCESS) return;

@@ -1,7 +1,7 @@
 #include "train/trainer.h"
 
 #ifdef KVLAB_WITH_NCCL
-#include "autograd/backend/cuda/collectives.h"
+#include "autograd/backend/collectives.h"
 #endif
 
 #include <cerrno>
@@ -195,7 +195,7 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
         "or corpora; start every rank with the same flags");
   }
 #ifdef KVLAB_WITH_NCCL
-  if (world > 1 && cfg_.device == Device::CUDA) cuda::select_device(comm_->local_rank());
+  if (world > 1 && cfg_.device == Device::CUDA) select_device(comm_->local_rank());
 #else
   KVLAB_CHECK(world == 1 || cfg_.device == Device::CPU,
               "train: data-parallel training on GPUs needs a build with NCCL; this one reduces "

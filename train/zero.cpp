@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/dispatch.h"
 #include "autograd/error.h"
 #include "checkpoints/model_io.h"
 
@@ -14,6 +13,15 @@ namespace kvlab {
 namespace {
 int64_t overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+}
+
+// Every parameter lives on one device; returns it (CPU when there are none).
+Device device_of(const NamedTensors& params) {
+  const Device d = params.empty() ? Device::CPU : params.front().second.device();
+  for (const auto& [name, p] : params)
+    KVLAB_CHECK(p.device() == d, "zero: parameter ", name, " is on ", device_name(p.device()),
+                ", the others on ", device_name(d));
+  return d;
 }
 }  // namespace
 
@@ -25,14 +33,18 @@ ShardedAdamW::ShardedAdamW(NamedTensors params, const AdamWConfig& cfg,
       bucket_elems_(static_cast<int64_t>(std::max<size_t>(1, bucket_bytes / sizeof(float)))) {
   offsets_.push_back(0);
   for (auto& [name, p] : params_) {
-    KVLAB_CHECK(p.dtype() == DType::F32 && p.is_contiguous() && p.device() == Device::CPU,
-                "zero: parameter ", name, " must be a contiguous CPU f32 tensor");
+    KVLAB_CHECK(p.dtype() == DType::F32 && p.is_contiguous(), "zero: parameter ", name,
+                " must be a contiguous f32 tensor");
     offsets_.push_back(offsets_.back() + p.numel());
   }
   const int64_t n = offsets_.back(), w = comm_->world_size();
   for (int64_t r = 0; r <= w; ++r) bounds_.push_back(n * r / w);
-  m_.assign(static_cast<size_t>(shard_end() - shard_begin()), 0.0f);
-  v_.assign(m_.size(), 0.0f);
+  const Device dev = device_of(params_);
+  m_ = Tensor::zeros({shard_end() - shard_begin()}, DType::F32, dev);
+  v_ = Tensor::zeros({shard_end() - shard_begin()}, DType::F32, dev);
+  const int64_t bucket = std::min(bucket_elems_, n);
+  send_ = Tensor::empty({bucket}, DType::F32, Device::CPU);
+  recv_ = Tensor::empty({bucket}, DType::F32, Device::CPU);
 }
 
 template <class F>
@@ -49,18 +61,33 @@ void ShardedAdamW::for_range(int64_t begin, int64_t end, F&& fn) const {
   }
 }
 
+Tensor ShardedAdamW::flat(size_t i, int64_t off, int64_t n) const {
+  const Tensor& p = params_[i].second;
+  return p.as_strided({n}, {1}, p.offset() + off);
+}
+
 double ShardedAdamW::step(double lr, double grad_scale) {
   ++step_;
+  const Device dev = device_of(params_);
+  m_.move_to(dev);  // the model may have moved after the optimizer was made
+  v_.move_to(dev);
+  // The shard's runs, one per parameter it overlaps, in one multi-tensor update as AdamW's.
   const int64_t s0 = shard_begin();
+  std::vector<Tensor> grads;  // keeps contiguous copies alive until the update ran
+  std::vector<AdamWTensor> runs;
   for_range(s0, shard_end(), [&](size_t i, int64_t off, int64_t pos, int64_t n) {
     Tensor& p = params_[i].second;
     const Tensor g = p.grad();
     if (!g.defined()) return;
-    const Tensor gc = g.contiguous();
-    const size_t local = static_cast<size_t>(pos - s0);
-    cpu::adamw_update(p.data<float>() + off, gc.data<float>() + off, m_.data() + local,
-                      v_.data() + local, n, adamw_step(cfg_, step_, lr, grad_scale, p.dim()));
+    grads.push_back(g.contiguous());
+    KVLAB_CHECK(grads.back().device() == dev, "zero: gradient of ", params_[i].first, " is on ",
+                device_name(grads.back().device()), ", the parameter on ", device_name(dev));
+    const int64_t local = pos - s0;
+    runs.push_back({p.data<float>() + off, grads.back().data<float>() + off,
+                    m_.data<float>() + local, v_.data<float>() + local, n,
+                    adamw_step(cfg_, step_, lr, grad_scale, p.dim())});
   });
+  KVLAB_KERNEL(dev, adamw_update_many(runs));
   // All-gather the parameters, bucket by bucket: in flat order, rank r's part of a bucket is
   // its shard's overlap with it, so the concatenation in rank order is the bucket itself.
   const auto t0 = std::chrono::steady_clock::now();
@@ -73,19 +100,18 @@ double ShardedAdamW::step(double lr, double grad_scale) {
       counts[static_cast<size_t>(r)] =
           overlap(bounds_[static_cast<size_t>(r)], bounds_[static_cast<size_t>(r) + 1], c0, c1);
     const int64_t m0 = std::max(c0, shard_begin()), m1 = std::min(c1, shard_end());
-    send_.resize(static_cast<size_t>(std::max<int64_t>(0, m1 - m0)));
+    // Through host buffers: the communicator reduces host memory. copy_from crosses devices.
     for_range(m0, m1, [&](size_t i, int64_t off, int64_t pos, int64_t n) {
-      std::memcpy(send_.data() + (pos - m0), params_[i].second.data<float>() + off,
-                  static_cast<size_t>(n) * sizeof(float));
+      send_.as_strided({n}, {1}, pos - m0).copy_from(flat(i, off, n));
     });
-    recv_.resize(static_cast<size_t>(c1 - c0));
-    comm_->allgatherv(send_, recv_, counts,
+    comm_->allgatherv(std::span<const float>(send_.data<float>(),
+                                             static_cast<size_t>(std::max<int64_t>(0, m1 - m0))),
+                      std::span<float>(recv_.data<float>(), static_cast<size_t>(c1 - c0)), counts,
                       n_buckets == 1 ? std::string("all-gather of parameters (zero 1)")
                                      : detail::cat("all-gather of parameters (zero 1, bucket ",
                                                    b + 1, " of ", n_buckets, ")"));
     for_range(c0, c1, [&](size_t i, int64_t off, int64_t pos, int64_t n) {
-      std::memcpy(params_[i].second.data<float>() + off, recv_.data() + (pos - c0),
-                  static_cast<size_t>(n) * sizeof(float));
+      flat(i, off, n).copy_from(recv_.as_strided({n}, {1}, pos - c0));
     });
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -96,6 +122,9 @@ void ShardedAdamW::gather_moments(NamedArrays& m, NamedArrays& v) {
   const int64_t total = numel(), w = comm_->world_size();
   std::vector<float> full_m(root ? static_cast<size_t>(total) : 0), full_v(full_m.size());
   std::vector<int64_t> counts(static_cast<size_t>(w));
+  const Tensor host_m = m_.to(Device::CPU), host_v = v_.to(Device::CPU);  // the shard's moments
+  const std::span<const float> my_m(host_m.data<float>(), static_cast<size_t>(host_m.numel()));
+  const std::span<const float> my_v(host_v.data<float>(), static_cast<size_t>(host_v.numel()));
   for (int64_t c0 = 0; c0 < total; c0 += bucket_elems_) {
     const int64_t c1 = std::min(total, c0 + bucket_elems_);
     for (int64_t r = 0; r < w; ++r)
@@ -106,10 +135,10 @@ void ShardedAdamW::gather_moments(NamedArrays& m, NamedArrays& v) {
     const size_t n = static_cast<size_t>(std::max<int64_t>(0, m1 - m0));
     const size_t out0 = root ? static_cast<size_t>(c0) : 0;
     const size_t out_n = root ? static_cast<size_t>(c1 - c0) : 0;
-    comm_->gatherv(std::span<const float>(m_).subspan(local, n),
+    comm_->gatherv(my_m.subspan(local, n),
                    std::span<float>(full_m).subspan(out0, out_n), counts, 0,
                    "gather of AdamW first moments (zero 1)");
-    comm_->gatherv(std::span<const float>(v_).subspan(local, n),
+    comm_->gatherv(my_v.subspan(local, n),
                    std::span<float>(full_v).subspan(out0, out_n), counts, 0,
                    "gather of AdamW second moments (zero 1)");
   }
@@ -129,12 +158,18 @@ void ShardedAdamW::load_moments(const NamedArrays& m, const NamedArrays& v, int6
                                 const std::filesystem::path& file) {
   check_arrays_fit(params_, m, "optimizer/m", file);
   check_arrays_fit(params_, v, "optimizer/v", file);
+  // Filled on the host: in place where the moments live there, else copied to their device.
+  Tensor host_m = m_.to(Device::CPU), host_v = v_.to(Device::CPU);
   const int64_t s0 = shard_begin();
   for_range(s0, shard_end(), [&](size_t i, int64_t off, int64_t pos, int64_t n) {
-    const size_t local = static_cast<size_t>(pos - s0);
-    std::copy_n(m[i].second.data.begin() + off, n, m_.begin() + static_cast<int64_t>(local));
-    std::copy_n(v[i].second.data.begin() + off, n, v_.begin() + static_cast<int64_t>(local));
+    const int64_t local = pos - s0;
+    std::copy_n(m[i].second.data.begin() + off, n, host_m.data<float>() + local);
+    std::copy_n(v[i].second.data.begin() + off, n, host_v.data<float>() + local);
   });
+  if (m_.device() != Device::CPU) {
+    m_.copy_from(host_m);
+    v_.copy_from(host_v);
+  }
   step_ = step;
 }
 

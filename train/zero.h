@@ -2,9 +2,11 @@
 // ZeRO stage 1 for data-parallel training: AdamW whose moments are sharded across the ranks.
 // The parameters are seen as one flat vector (named_parameters order); rank r owns elements
 // [N r / W, N (r + 1) / W) of it and keeps the first and second moments of those only. Each
-// step a rank updates its shard with the same kernel AdamW uses (so the result is bit-identical
-// to plain data parallelism), then the updated parameters are all-gathered in flat buckets.
-// Checkpoints gather the full moments on rank 0, in AdamW's layout, so they load anywhere.
+// step a rank updates its shard with the same kernel AdamW uses, through the same dispatch (so
+// the result is bit-identical to plain data parallelism, and the moments live on the
+// parameters' device), then the updated parameters are all-gathered in flat buckets through
+// host buffers. Checkpoints gather the full moments on rank 0, in AdamW's layout, so they load
+// anywhere.
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -42,14 +44,16 @@ class ShardedAdamW {
   // flat elements [begin, end).
   template <class F>
   void for_range(int64_t begin, int64_t end, F&& fn) const;
+  // Flat elements [pos, pos + n) of parameter i (at offset off in it), as a 1-D view.
+  Tensor flat(size_t i, int64_t off, int64_t n) const;
 
   NamedTensors params_;
   AdamWConfig cfg_;
   std::shared_ptr<Communicator> comm_;
   std::vector<int64_t> offsets_;  // (P + 1,) flat start of each parameter, then N
   std::vector<int64_t> bounds_;   // (W + 1,) shard boundaries
-  std::vector<float> m_, v_;      // (shard size,)
-  std::vector<float> send_, recv_;
+  Tensor m_, v_;                  // (shard size,) f32, on the parameters' device
+  Tensor send_, recv_;            // (bucket size,) f32 host buffers of the all-gather
   int64_t bucket_elems_;
   int64_t step_ = 0;
 };

@@ -1,5 +1,8 @@
 #include <type_traits>
 
+#ifdef KVLAB_WITH_CUDA
+#include "autograd/backend/cuda/runtime.h"
+#endif
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 

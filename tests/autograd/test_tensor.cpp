@@ -5,7 +5,7 @@
 
 #include "tests/autograd/gradcheck.h"
 #ifdef KVLAB_WITH_CUDA
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 #endif
 
 namespace {

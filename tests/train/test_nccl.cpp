@@ -6,8 +6,8 @@
 
 #include <vector>
 
-#include "autograd/backend/cuda/collectives.h"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/collectives.h"
+#include "autograd/backend/cuda/runtime.h"
 #include "autograd/random.h"
 #include "train/comm.h"
 
@@ -23,7 +23,7 @@ TEST(Nccl, OneRankAllReduceEqualsTheCpuReduction) {
   local_communicator()->allreduce_mean(std::span<float>(want), "cpu reference");
   const Tensor host = Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
   const Tensor dev = host.to(Device::CUDA);
-  cuda::NcclGroup group(1, 0, cuda::nccl_unique_id(), 60.0);
+  DeviceGroup group(1, 0, device_group_id(), 60.0);
   group.allreduce_mean(dev.data<float>(), dev.numel(), "test all-reduce");
   EXPECT_EQ(dev.to_vector<float>(), want);
 }

@@ -6,8 +6,9 @@
 #include <vector>
 
 #include "autograd/backend/cpu/bf16.h"
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/vec_math.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/random.h"
 
 namespace kvlab::cpu {
@@ -232,18 +233,11 @@ void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadVie
   });
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                   \
-  template void attention_forward<T>(T*, HeadView, const T*, HeadView, const T*, HeadView,     \
-                                     const T*, HeadView, const AttentionShape&);               \
-  template void attention_backward<T>(T*, HeadView, T*, HeadView, T*, HeadView, const T*,      \
-                                      HeadView, const T*, HeadView, const T*, HeadView,        \
-                                      const T*, HeadView, const AttentionShape&);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
-template void attention_forward<float, uint16_t>(float*, HeadView, const float*, HeadView,
-                                                 const uint16_t*, HeadView, const uint16_t*,
-                                                 HeadView, const AttentionShape&);
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, float)
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, double, double)
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, uint16_t)
+KVLAB_ATTENTION_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_ATTENTION_KERNELS(KVLAB_INSTANTIATE, double)
 template void attend_one_query<float>(float*, const float*, const float*, int64_t, const float*,
                                       int64_t, int64_t, int64_t, float, float*);
 template void attend_one_query<double>(double*, const double*, const double*, int64_t,

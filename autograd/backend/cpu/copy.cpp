@@ -2,9 +2,9 @@
 
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/index.h"
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/error.h"
+#include "autograd/host/parallel.h"
 
 namespace kvlab::cpu {
 

@@ -1,9 +1,9 @@
 #include <cmath>
 
 #include "autograd/backend/cpu/index.h"
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
+#include "autograd/backend/kernels.h"
+#include "autograd/host/parallel.h"
 #include "autograd/random.h"
 
 namespace kvlab::cpu {
@@ -198,20 +198,7 @@ void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed) 
   dropout_forward(dx, dout, n, p, seed);  // the same mask and scale
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                   \
-  template void binary_forward<T>(BinaryOp, T*, const std::vector<int64_t>&, const T*,         \
-                                  const Strides&, const T*, const Strides&);                   \
-  template void scale_forward<T>(T*, const T*, T, int64_t);                                    \
-  template void add_inplace<T>(T*, const T*, int64_t);                                         \
-  template void sum_to<T>(T*, const std::vector<int64_t>&, const T*,                           \
-                          const std::vector<int64_t>&);                                        \
-  template void sum_all<T>(T*, const T*, int64_t, T);                                         \
-  template void gelu_forward<T>(T*, const T*, int64_t);                                        \
-  template void gelu_backward<T>(T*, const T*, const T*, int64_t);                             \
-  template void dropout_forward<T>(T*, const T*, int64_t, double, uint64_t);                   \
-  template void dropout_backward<T>(T*, const T*, int64_t, double, uint64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cpu

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
+#include "autograd/backend/kernels.h"
+#include "autograd/host/parallel.h"
 
 namespace kvlab::cpu {
 
@@ -69,15 +69,7 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
   });
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                   \
-  template void embedding_forward<T>(T*, const int32_t*, const T*, int64_t, int64_t);          \
-  template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t); \
-  template void cross_entropy_forward<T>(T*, T*, const T*, const int32_t*, int64_t, int64_t,   \
-                                         int32_t, int64_t);                                    \
-  template void cross_entropy_backward<T>(T*, const T*, const T*, const int32_t*, int64_t,     \
-                                          int64_t, int32_t, const T*, int64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_LOSS_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_LOSS_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cpu

@@ -4,9 +4,9 @@
 #include <cmath>
 #include <vector>
 
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
 #include "autograd/backend/cpu/vec_math.h"
+#include "autograd/backend/kernels.h"
+#include "autograd/host/parallel.h"
 
 namespace kvlab::cpu {
 
@@ -127,15 +127,7 @@ void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C) 
   });
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                   \
-  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t,        \
-                                     int64_t, double);                                         \
-  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,      \
-                                      const T*, int64_t, int64_t);                             \
-  template void softmax_forward<T>(T*, const T*, int64_t, int64_t);                            \
-  template void softmax_backward<T>(T*, const T*, const T*, int64_t, int64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_NORM_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_NORM_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cpu

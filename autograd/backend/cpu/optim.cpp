@@ -2,8 +2,8 @@
 #include <cmath>
 #include <vector>
 
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/backend/kernels.h"
+#include "autograd/host/parallel.h"
 
 namespace kvlab::cpu {
 
@@ -31,11 +31,6 @@ void adamw_range(const AdamWTensor& t, int64_t i0, int64_t i1) {
 }
 
 }  // namespace
-
-void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWStep& s) {
-  const AdamWTensor t{p, g, m, v, n, s};
-  adamw_update_many({&t, 1});
-}
 
 // One parallel region for all tensors, each thread an equal share of their concatenated
 // elements: a model's ~50 parameters, most of them small, would otherwise cost a region (or a

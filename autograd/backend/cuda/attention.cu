@@ -17,7 +17,7 @@
 #include <type_traits>
 
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/random.h"
 
 namespace kvlab::cuda {
@@ -874,17 +874,10 @@ void attention_backward(T* dq, HeadView dq_v, T* dk, HeadView dk_v, T* dv, HeadV
   lengths.release();
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                      \
-  template void attention_forward<T>(T*, HeadView, const T*, HeadView, const T*, HeadView,        \
-                                     const T*, HeadView, const AttentionShape&);                  \
-  template void attention_backward<T>(T*, HeadView, T*, HeadView, T*, HeadView, const T*,         \
-                                      HeadView, const T*, HeadView, const T*, HeadView, const T*, \
-                                      HeadView, const AttentionShape&);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
-template void attention_forward<float, uint16_t>(float*, HeadView, const float*, HeadView,
-                                                 const uint16_t*, HeadView, const uint16_t*,
-                                                 HeadView, const AttentionShape&);
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, float)
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, double, double)
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, uint16_t)
+KVLAB_ATTENTION_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_ATTENTION_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cuda

@@ -2,7 +2,8 @@
 #include <cuda_bf16.h>
 
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
+#include "autograd/backend/kernels.h"
 
 namespace kvlab::cuda {
 

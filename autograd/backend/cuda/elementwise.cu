@@ -1,7 +1,7 @@
 // Elementwise kernels and reductions on the device. Reductions run in a fixed order (fixed
 // grids, per-block partials summed in index order), so results do not vary between runs.
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/random.h"
 
 namespace kvlab::cuda {
@@ -249,19 +249,7 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
   CUDA_CHECK(cudaFreeAsync(partial, stream()));
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                       \
-  template void binary_forward<T>(BinaryOp, T*, const std::vector<int64_t>&, const T*,             \
-                                  const Strides&, const T*, const Strides&);                       \
-  template void scale_forward<T>(T*, const T*, T, int64_t);                                        \
-  template void add_inplace<T>(T*, const T*, int64_t);                                             \
-  template void sum_to<T>(T*, const std::vector<int64_t>&, const T*, const std::vector<int64_t>&); \
-  template void sum_all<T>(T*, const T*, int64_t, T);                                              \
-  template void gelu_forward<T>(T*, const T*, int64_t);                                            \
-  template void gelu_backward<T>(T*, const T*, const T*, int64_t);                                 \
-  template void dropout_forward<T>(T*, const T*, int64_t, double, uint64_t);                       \
-  template void dropout_backward<T>(T*, const T*, int64_t, double, uint64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cuda

@@ -3,7 +3,8 @@
 #include <climits>
 
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
+#include "autograd/backend/kernels.h"
 
 namespace kvlab::cuda {
 
@@ -68,14 +69,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
       CUBLAS_GEMM_DEFAULT));
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                   \
-  template void gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, \
-                        int64_t, T, T*, int64_t);                                              \
-  template void gemm_batched<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t,   \
-                                int64_t, const T*, int64_t, int64_t, T, T*, int64_t, int64_t,  \
-                                int64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_GEMM_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_GEMM_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cuda

@@ -5,7 +5,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/kernels.h"
 
 namespace kvlab::cuda {
 namespace {
@@ -176,15 +176,7 @@ void cross_entropy_backward(T* dlogits, const T* logits, const T* lse, const int
   KVLAB_LAUNCH_CHECK();
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                    \
-  template void embedding_forward<T>(T*, const int32_t*, const T*, int64_t, int64_t);           \
-  template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t); \
-  template void cross_entropy_forward<T>(T*, T*, const T*, const int32_t*, int64_t, int64_t,    \
-                                         int32_t, int64_t);                                     \
-  template void cross_entropy_backward<T>(T*, const T*, const T*, const int32_t*, int64_t,      \
-                                          int64_t, int32_t, const T*, int64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_LOSS_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_LOSS_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cuda

@@ -6,9 +6,9 @@
 #include <string>
 #include <thread>
 
-#include "autograd/backend/cuda/collectives.h"
+#include "autograd/backend/collectives.h"
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 
 #define NCCL_CHECK(expr)                                                                   \
   do {                                                                                     \
@@ -17,23 +17,30 @@
       ::kvlab::cuda::throw_cuda(__FILE__, __LINE__, #expr, ncclGetErrorString(kvlab_nr_)); \
   } while (0)
 
-namespace kvlab::cuda {
+// The declarations are the backend-neutral ones of collectives.h, in kvlab; the definitions
+// use the CUDA backend's stream and launch helpers.
+namespace kvlab {
+
+using cuda::blocks_for;
+using cuda::device_count;
+using cuda::kThreads;
+using cuda::stream;
 
 void select_device(int index) {
   check_device_available(Device::CUDA);
   CUDA_CHECK(cudaSetDevice(index % device_count()));
 }
 
-NcclId nccl_unique_id() {
+DeviceGroupId device_group_id() {
   ncclUniqueId id;
   NCCL_CHECK(ncclGetUniqueId(&id));
-  NcclId out{};
-  static_assert(sizeof(id) == sizeof(NcclId));
+  DeviceGroupId out{};
+  static_assert(sizeof(id) == sizeof(DeviceGroupId));
   std::memcpy(out.data(), &id, sizeof(id));
   return out;
 }
 
-struct NcclGroup::Impl {
+struct DeviceGroup::Impl {
   ncclComm_t comm = nullptr;
   int world = 1;
   double timeout_s = 0;
@@ -64,7 +71,7 @@ struct NcclGroup::Impl {
   }
 };
 
-NcclGroup::NcclGroup(int world, int rank, const NcclId& id, double timeout_s)
+DeviceGroup::DeviceGroup(int world, int rank, const DeviceGroupId& id, double timeout_s)
     : impl_(std::make_unique<Impl>()) {
   impl_->world = world;
   impl_->timeout_s = timeout_s;
@@ -77,7 +84,7 @@ NcclGroup::NcclGroup(int world, int rank, const NcclId& id, double timeout_s)
   impl_->wait("communicator set-up", [] { return true; });
 }
 
-NcclGroup::~NcclGroup() {
+DeviceGroup::~DeviceGroup() {
   if (!impl_ || !impl_->comm) return;
   // Non-blocking communicators finalize before they are destroyed. Errors are ignored (this may
   // run at exit) and the wait is bounded, so a dead peer cannot hang the process.
@@ -102,7 +109,7 @@ __global__ void scale_kernel(float* x, int64_t n, float s) {
 }
 }  // namespace
 
-void NcclGroup::allreduce_mean(float* data, int64_t n, std::string_view what) {
+void DeviceGroup::allreduce_mean(float* data, int64_t n, std::string_view what) {
   KVLAB_CHECK(impl_->comm != nullptr, "nccl: ", what, ": the communicator was aborted earlier");
   if (n == 0) return;
   NCCL_CHECK(
@@ -124,4 +131,4 @@ void NcclGroup::allreduce_mean(float* data, int64_t n, std::string_view what) {
   KVLAB_LAUNCH_CHECK();
 }
 
-}  // namespace kvlab::cuda
+}  // namespace kvlab

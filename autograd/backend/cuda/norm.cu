@@ -2,7 +2,7 @@
 // the block reductions of common.cuh. dw and db of layernorm are reduced in a fixed order (per
 // row-chunk partials, then a sum over the chunks), so they are deterministic.
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/kernels.h"
 
 namespace kvlab::cuda {
 namespace {
@@ -192,15 +192,7 @@ void softmax_backward(T* dx, const T* dout, const T* out, int64_t N, int64_t C) 
   KVLAB_LAUNCH_CHECK();
 }
 
-#define KVLAB_INSTANTIATE(T)                                                                     \
-  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, \
-                                     double);                                                    \
-  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,        \
-                                      const T*, int64_t, int64_t);                               \
-  template void softmax_forward<T>(T*, const T*, int64_t, int64_t);                              \
-  template void softmax_backward<T>(T*, const T*, const T*, int64_t, int64_t);
-KVLAB_INSTANTIATE(float)
-KVLAB_INSTANTIATE(double)
-#undef KVLAB_INSTANTIATE
+KVLAB_NORM_KERNELS(KVLAB_INSTANTIATE, float)
+KVLAB_NORM_KERNELS(KVLAB_INSTANTIATE, double)
 
 }  // namespace kvlab::cuda

@@ -6,7 +6,8 @@
 #include <vector>
 
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
+#include "autograd/backend/kernels.h"
 
 namespace kvlab::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 #include "autograd/random.h"
 
 namespace kvlab::cuda {

@@ -6,7 +6,7 @@
 
 #include "autograd/backend/allocator.h"
 #include "autograd/backend/cuda/common.cuh"
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 
 namespace kvlab {
 

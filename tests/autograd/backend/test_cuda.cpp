@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 #include "tests/autograd/gradcheck.h"
 
 namespace {

@@ -12,7 +12,8 @@
 #include <vector>
 
 #include "autograd/backend/cpu/bf16.h"
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/decode_kernels.h"
+#include "autograd/backend/kernels.h"
 #include "autograd/random.h"
 
 namespace kvlab {

@@ -4,8 +4,8 @@
 #include <limits>
 #include <vector>
 
-#include "autograd/backend/cpu/kernels.h"
 #include "autograd/backend/cpu/vec_math.h"
+#include "autograd/backend/kernels.h"
 #include "tests/autograd/gradcheck.h"
 
 namespace {

@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+// In kvlab::cpu, the namespace of the CPU kernels, which call these unqualified: the threads
+// are the host CPU's, whichever layer splits its work over them.
 namespace kvlab::cpu {
 
 // A barrier for the threads of one parallel region that crosses in ~35 ns where libgomp's

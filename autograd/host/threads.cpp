@@ -1,4 +1,4 @@
-#include "autograd/backend/cpu/threads.h"
+#include "autograd/host/threads.h"
 
 #include <omp.h>
 #include <sched.h>

@@ -1,4 +1,4 @@
-#include "autograd/backend/cpu/blas_core.h"
+#include "autograd/host/blas_core.h"
 
 #include <cblas.h>
 

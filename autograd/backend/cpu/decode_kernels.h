@@ -1,0 +1,70 @@
+#pragma once
+// Kernels only the CPU backend has, for decode: products against weights packed for a few
+// rows (packed.cpp) and the attention of one query over a KV cache (attention.cpp,
+// attend_row.cpp). The fused decode step and the CPU attention call them directly; they are
+// not part of the contract both backends implement (backend/kernels.h).
+#include <cstdint>
+#include <type_traits>
+
+#include "autograd/backend/kernel_types.h"
+
+namespace kvlab::cpu {
+
+// ---- packed weights (packed.cpp) ----
+// Products of a few rows against a weight packed for them (decode). Row-major w (N, K) is
+// stored as blocks of 8 rows, each block as its column chunks of 8 x 16 floats (zero past row
+// N and column K), so that a product reads one sequential stream instead of eight rows at
+// once, and reads it once for all the rows. Each y[m, n] is summed in the order of gemm's
+// one-row path, so the two give the same bits, and a row's result does not depend on the
+// others. The bf16 form holds the values rounded to bf16 in half the bytes, two chunks to a
+// 64-byte line (the low and high halves of its words), widened exactly as they are read: on
+// a weight whose values are all bf16 it gives the same bits as the f32 form.
+// packed_weight_size is 0 where there is no kernel for it (neither AVX-512 nor AVX2 with FMA):
+// callers then keep to gemm.
+// Elements of the packed forms of a (N, K) weight: floats, and bf16 values.
+int64_t packed_weight_size(int64_t N, int64_t K);
+int64_t packed_weight_bf16_size(int64_t N, int64_t K);
+// packed (packed_weight_size(N, K)) = w (N, K), contiguous, in the packed form.
+void pack_weight(float* packed, const float* w, int64_t N, int64_t K);
+// packed (packed_weight_bf16_size(N, K)) = w rounded to bf16 (nearest even), in the bf16 form.
+void pack_weight(uint16_t* packed, const float* w, int64_t N, int64_t K);
+// y[m, n] = dot(w[n, :], a[m, :]) + beta * y[m, n] for m < M and n in [n0, n1): y (M, ldy),
+// a (M, K at stride lda), w packed by pack_weight in either form.
+void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
+                 int64_t K, int64_t n0, int64_t n1, float beta);
+void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
+                 int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
+
+// ---- decode attention (attention.cpp, attend_row.cpp) ----
+// attend_one_query's row kernel (f32, AVX-512 or AVX2, HS up to 128 or 64): false, having
+// written nothing, where there is none for this HS.
+bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t kst,
+                             const float* v, int64_t vst, int64_t n, int64_t HS, float scale,
+                             float* p);
+// Decode attention of one query over n >= 1 cached keys: out (HS) = softmax(scale q k^T) v,
+// q (HS), k and v (n, HS) at row strides kst and vst, p (n) work. Single-threaded; it opens no
+// parallel region and allocates nothing. In f32 the row kernel where there is one, otherwise
+// the probabilities and products of the general attention.
+template <class T>
+void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
+                      int64_t n, int64_t HS, T scale, T* p);
+// The decode attention (T = 1, no dropout) of part of a KV group: attention_forward uses it
+// at T = 1, as the fused decode step does, for every group size. Each KV group g of
+// row b is cut into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part,
+// of B * NKV * parts. It opens no parallel region, so a caller that already runs one (the fused
+// decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
+// than threads).
+// `work` holds attention_decode_work(s) elements, s.S bounding every row's length:
+// the task allocates nothing, so it cannot throw.
+template <class T, class KV = T>
+void attention_decode_task(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k,
+                           HeadView k_v, const KV* v, HeadView v_v, const AttentionShape& s,
+                           int64_t task, int64_t parts, T* work);
+// Its work memory: one query's probabilities and, from a bf16 cache, the group's K and V
+// widened.
+template <class T, class KV = T>
+int64_t attention_decode_work(const AttentionShape& s) {
+  return (1 + (std::is_same_v<KV, T> ? 0 : 2 * s.HS)) * s.S;
+}
+
+}  // namespace kvlab::cpu
