@@ -78,6 +78,11 @@ void accumulate(Tensor& slot, const Tensor& g) {
 
 }  // namespace
 
+// Tensor's member, defined with the graph it runs: tensor.* sits below graph.*.
+void Tensor::backward(const Tensor& grad, bool keep_graph) const {
+  run_backward(*this, grad, keep_graph);
+}
+
 void run_backward(const Tensor& root, const Tensor& grad_in, bool keep_graph) {
   KVLAB_CHECK(root.requires_grad() || root.grad_fn(),
               "backward: the tensor ", root.shape_str(), " does not require grad and has no graph");

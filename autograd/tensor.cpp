@@ -8,7 +8,6 @@
 #ifdef KVLAB_WITH_CUDA
 #include "autograd/backend/cuda/runtime.h"
 #endif
-#include "autograd/graph.h"
 
 namespace kvlab {
 
@@ -254,10 +253,6 @@ Tensor Tensor::detach() const {
 
 const std::shared_ptr<Node>& Tensor::grad_fn() const { return checked().grad_fn; }
 void Tensor::set_grad_fn(std::shared_ptr<Node> fn) { impl_->grad_fn = std::move(fn); }
-
-void Tensor::backward(const Tensor& grad, bool keep_graph) const {
-  run_backward(*this, grad, keep_graph);
-}
 
 std::string Tensor::str(int max_elems) const {
   if (!defined()) return "Tensor(undefined)";

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "autograd/backend/host_memory.h"
+#include "autograd/host/memory.h"
 #include "autograd/random.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"

@@ -41,8 +41,9 @@
 #include <utility>
 
 #include "autograd/backend/cpu/bf16.h"
-#include "autograd/backend/cpu/kernels.h"
-#include "autograd/backend/cpu/parallel.h"
+#include "autograd/backend/cpu/decode_kernels.h"
+#include "autograd/backend/kernels.h"
+#include "autograd/host/parallel.h"
 #include "autograd/graph.h"
 
 namespace kvlab {

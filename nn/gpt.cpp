@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "autograd/backend/host_memory.h"
+#include "autograd/host/memory.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 

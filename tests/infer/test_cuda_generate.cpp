@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <vector>
 
-#include "autograd/backend/cuda/kernels.h"
+#include "autograd/backend/cuda/runtime.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 #include "checkpoints/checkpoint.h"

@@ -12,7 +12,7 @@
 
 #include "autograd/backend/allocator.h"
 #include "autograd/backend/cpu/bf16.h"
-#include "autograd/backend/cpu/kernels.h"
+#include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/graph.h"
 #include "infer/bench.h"
 #include "infer/decode_step.h"
