@@ -1,18 +1,18 @@
-// DecodeStep: the Engine's decode step on the CPU, fused. Op by op (GPT::forward), a batch-1
-// step opens ~45 parallel regions of a few microseconds each (matrix-vector products of
-// 0.25-1 MB), and opening and closing them, plus the workers' wake-ups, cost as much as the
-// products themselves; the same products in one region with a barrier between them ran
-// faster (docs/benchmarks.md). So here one parallel region runs the whole step. Every thread
-// computes its own share of each product's output rows and writes its share of the new keys
-// and values straight into the cache (DecodeKVCache::layer_rows, taken before the region);
-// the small row-wise work (LayerNorm) is done by every thread on its own copy, so that the
-// only waits are the barriers where one stage needs another's complete output: four a layer
-// when the KV groups share out evenly between the threads (a thread's q, k and v rows are
-// then its groups', and it goes straight on to their attention), five otherwise
-// (cpu::SpinBarrier: cheaper to cross than libgomp's, docs/benchmarks.md). It calls the op
-// path's CPU kernels in the op path's order (the bias before the product, as `linear` does);
-// the products' rows, and with few KV groups a group's query heads, are split differently
-// between the threads, which can change the rounding (the tests bound the difference).
+// DecodeStep: the Engine's decode step on the CPU, fused. Op by op (GPT::forward), a batch-1 step
+// opens dozens of parallel regions of a few microseconds each (matrix-vector products under a
+// megabyte), and opening and closing them, plus the workers' wake-ups, cost as much as the products
+// themselves; the same products in one region with a barrier between them ran faster
+// (docs/bench-log/code-figures.md). So here one parallel region runs the whole step. Every thread
+// computes its own share of each product's output rows and writes its share of the new keys and
+// values straight into the cache (DecodeKVCache::layer_rows, taken before the region); the small
+// row-wise work (LayerNorm) is done by every thread on its own copy, so that the only waits are the
+// barriers where one stage needs another's complete output: four a layer when the KV groups share
+// out evenly between the threads (a thread's q, k and v rows are then its groups', and it goes
+// straight on to their attention), five otherwise (cpu::SpinBarrier: cheaper to cross than
+// libgomp's, docs/benchmarks.md). It calls the op path's CPU kernels in the op path's order (the
+// bias before the product, as `linear` does); the products' rows, and with few KV groups a group's
+// query heads, are split differently between the threads, which can change the rounding (the tests
+// bound the difference).
 //
 // While a PackGuard lives, the products read copies of the weights packed as one sequential
 // stream each (cpu::pack_weight), once for all the batch's rows: faster than row-major weights
@@ -255,8 +255,8 @@ std::vector<const Tensor*> decode_matrices(const GPT& m) {
   return out;
 }
 
-// The step's buffers, carved from one block that the step keeps (eleven tensors a step cost
-// ~1 us to make and free), each on 64-byte lines of its own.
+// The step's buffers, carved from one block that the step keeps (making tensors each step
+// cost time a step can measure), each on 64-byte lines of its own.
 struct StepBuffers {
   float* x;     // (B, C) the residual stream
   float* q;     // (B, C): this step's queries, (B, 1, NH, HS)
@@ -296,8 +296,8 @@ struct StepBuffers {
 
 }  // namespace
 
-// The step's pointers into the model: taking them costs ~2 us a step (some hundred calls into
-// Tensor), so pack() takes them once for all the steps of a generation. parts: the packed parts of
+// The step's pointers into the model: taking them costs some hundred calls into Tensor, so
+// pack() takes them once for all the steps of a generation. parts: the packed parts of
 // the matrices of decode_matrices, `threads` a matrix (thread t's rows, StepRows, at t), or none
 // (threads 0); a step on another number of threads reads the row-major weights.
 struct DecodeRefs {

@@ -28,16 +28,13 @@ AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double gra
           static_cast<float>(grad_scale)};
 }
 
-namespace {
-// Every parameter lives on one device; returns it (CPU when there are none).
 Device device_of(const NamedTensors& params) {
   const Device d = params.empty() ? Device::CPU : params.front().second.device();
   for (const auto& [name, p] : params)
-    KVLAB_CHECK(p.device() == d, "adamw: parameter ", name, " is on ", device_name(p.device()),
-                ", the others on ", device_name(d));
+    KVLAB_CHECK(p.device() == d, "optimizer: parameter ", name, " is on ",
+                device_name(p.device()), ", the others on ", device_name(d));
   return d;
 }
-}  // namespace
 
 void AdamW::step(double lr, double grad_scale) {
   ++step_;

@@ -17,6 +17,9 @@ struct AdamWConfig {
 // decay only for 2-D weights, bias corrections 1 - beta^step.
 AdamWStep adamw_step(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale,
                           int param_dim);
+// The one device every parameter lives on (CPU when there are none): an optimizer's step is
+// one kernel call there. Throws kvlab::Error naming a parameter on another.
+Device device_of(const NamedTensors& params);
 
 class AdamW {
  public:

@@ -14,15 +14,6 @@ namespace {
 int64_t overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
 }
-
-// Every parameter lives on one device; returns it (CPU when there are none).
-Device device_of(const NamedTensors& params) {
-  const Device d = params.empty() ? Device::CPU : params.front().second.device();
-  for (const auto& [name, p] : params)
-    KVLAB_CHECK(p.device() == d, "zero: parameter ", name, " is on ", device_name(p.device()),
-                ", the others on ", device_name(d));
-  return d;
-}
 }  // namespace
 
 ShardedAdamW::ShardedAdamW(NamedTensors params, const AdamWConfig& cfg,

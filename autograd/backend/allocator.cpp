@@ -95,8 +95,8 @@ namespace {
 // Host blocks are 64-byte aligned (AVX-512 friendly). A block of 2 MiB or more starts on a
 // 2 MiB boundary and asks for transparent huge pages over its whole 2 MiB pages: a kernel that
 // streams through megabytes (a decode step's packed weights) then misses the TLB on one page
-// in 512 and its hardware prefetch runs across 4 KiB boundaries. Reading 20 MB from the L3
-// with two threads ran 1.45x faster so (docs/benchmarks.md). Where the system has no
+// in 512 and its hardware prefetch runs across 4 KiB boundaries (docs/bench-log/code-figures.md
+// has the measurement). Where the system has no
 // transparent huge pages the advice fails and the block stays as it is.
 constexpr size_t kHugePage = size_t{2} << 20;
 void* cpu_raw_alloc(size_t n) {

@@ -7,8 +7,8 @@
 
 // OpenBLAS picks its kernels in its library's constructor, from a table of CPU models, and falls
 // back to its SSE3 (Prescott) kernels for a model it does not know: Debian 12's OpenBLAS 0.3.21
-// does so on Intel's Emerald Rapids, where sgemm then runs at 48 GFLOP/s on 2 threads against 171
-// with its AVX-512 kernels, and kvlab trains 2-3x slower. kvlab's own constructor runs after
+// does so on Intel's Emerald Rapids, where sgemm and training then run several times slower
+// (docs/bench-log/code-figures.md). kvlab's own constructor runs after
 // OpenBLAS's and before anything uses it: where OpenBLAS has fallen back, and the user has not
 // named kernels, it names those for the CPU's widest vectors in OPENBLAS_CORETYPE (the variable
 // OpenBLAS reads) and has OpenBLAS pick again.

@@ -1,7 +1,7 @@
 #pragma once
 // Splitting a loop over the OpenMP threads only when it is worth it. An inactive region
-// (`omp parallel if(false)`) still costs ~1-2 us to enter, which a decode step would pay on
-// every one of its ~100 small ops, and OpenBLAS called inside one starts a nested team. So
+// (`omp parallel if(false)`) still costs microseconds to enter, which a decode step would pay
+// on every one of its small ops, and OpenBLAS called inside one starts a nested team. So
 // small loops run inline, outside any region.
 #include <omp.h>
 
@@ -17,11 +17,11 @@
 // are the host CPU's, whichever layer splits its work over them.
 namespace kvlab::cpu {
 
-// A barrier for the threads of one parallel region that crosses in ~35 ns where libgomp's
-// `omp barrier` takes ~240 ns (two threads on this machine, docs/benchmarks.md); the fused
-// decode step crosses one 25 times a step. The last thread to arrive resets the count and
+// A barrier for the threads of one parallel region, several times cheaper to cross than
+// libgomp's `omp barrier` (docs/bench-log/code-figures.md); the fused decode step crosses one
+// four or five times a layer. The last thread to arrive resets the count and
 // advances the generation, which the others spin on. Like libgomp under the spin count kvlab
-// sets (threads.h), a waiter spins ~25 us; after that it yields its core at each further
+// sets (threads.h), a waiter spins kSpins pauses; after that it yields its core at each further
 // check, so that on a busy machine it does not burn the time slice of the thread it waits
 // for. reset() sets the number of threads: call it while no thread waits (before the region,
 // or under `omp single`).
@@ -52,7 +52,7 @@ class SpinBarrier {
   static constexpr int kSpins = 1000;
   static void relax() {
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();  // ~25 ns on this machine
+    __builtin_ia32_pause();
 #endif
   }
   alignas(64) std::atomic<int> count_{0};

@@ -10,11 +10,10 @@
 namespace kvlab {
 
 namespace {
-
-// With OMP_PROC_BIND (or OMP_PLACES) set, libgomp binds the first thread to the first place
-// when it loads, and that binding outlives execv: the program would start on the first
-// place's CPUs alone, every thread on one CPU (decode 6x slower on 2 cores with
-// OMP_PROC_BIND=true). So the process gets every place's CPUs back first; libgomp then binds
+//  With OMP_PROC_BIND (or OMP_PLACES) set, libgomp binds the first thread to the first place when
+// it loads, and that binding outlives execv: the program would start on the first place's CPUs
+// alone, every thread on one CPU (docs/bench-log/code-figures.md). So the process gets every
+// place's CPUs back first; libgomp then binds
 // afresh in the new program. Without places (no binding asked for) nothing was narrowed.
 void unbind_from_first_place() {
   const int places = omp_get_num_places();

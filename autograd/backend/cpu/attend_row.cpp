@@ -22,9 +22,8 @@ constexpr int64_t kAttendMaxVectors = 8;
 // order of dot_block's one-row product. Then the softmax, and the values weighted by the
 // unnormalised probabilities in one pass over their rows (U interleaved accumulators: one
 // chain of dependent FMAs would leave the FMA units idle), divided by the sum at the end.
-// Through the general products (two calls into gemm and a normalising pass), one query over
-// 144 keys at HS 32 took 0.36 us against 0.21 hot in cache, and a decode step's attention
-// 1.3-1.5x as long (docs/benchmarks.md).
+// The general products (two calls into gemm and a normalising pass) took a decode step's
+// attention much longer (docs/bench-log/code-figures.md).
 template <int NV>
 void attend_rows(float* out, const float* q, const float* k, int64_t kst, const float* v,
                  int64_t vst, int64_t n, int64_t last, float scale, float* p) {

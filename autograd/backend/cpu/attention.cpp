@@ -90,7 +90,7 @@ void apply_dropout(T* p, const Dropout& d, uint64_t seed, int64_t base, int64_t 
 // Runs fn(task) for every task. With at least one task per thread they run in parallel with a
 // single-threaded BLAS inside; otherwise in turn, outside any parallel region, so the BLAS
 // can use the threads itself (an inactive `parallel if(false)` region still makes OpenBLAS
-// start a nested team per call, measured 4-10x slower).
+// start a nested team per call, docs/bench-log/code-figures.md).
 template <class F>
 void for_each_task(int64_t tasks, F&& fn) {
   if (tasks >= omp_get_max_threads()) {

@@ -202,7 +202,7 @@ template <int R, bool kAllRows, class Src>
   };
   // Whole chunks c (even) and c + 1: each accumulator takes chunk c's product, then chunk
   // c + 1's, as two chunk() calls would, but a row's two chunks are read together: in bf16
-  // one load instead of two (2-3% off the products of a decode step).
+  // one load instead of two.
   auto pair = [&](int64_t c) {
     Chunk x0[R], x1[R];
     for (int r = 0; r < R; ++r) {
@@ -227,8 +227,8 @@ template <int R, bool kAllRows, class Src>
     chunk(c, even, tail);
   }
   // A block's results in one masked vector store (lanes [i0, i1) of the 8): going through
-  // memory, one result at a time, made attention's q k^T (K = HS = 32, two FMAs an
-  // accumulator) 1.7x as slow, and a vector loop over them still 2x.
+  // memory, one result at a time or in a vector loop, slowed attention's q k^T (K = HS = 32,
+  // two FMAs an accumulator) down to half its speed (docs/bench-log/code-figures.md).
   const Vec va = vbroadcast(alpha), vb = vbroadcast(beta);
   for (int r = 0; r < R; ++r) {
     const Vec dot = vmul(va, sum_lanes8(acc[r]));
@@ -267,9 +267,8 @@ void row_blocks(float* y, int64_t ldy, const float* a, int64_t lda, BlockSrc blo
     const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
     const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
     float* yb = y + nb * kRows;
-    // One row of a (batch-1 decode) calls dot_block straight: through the tile's lambda, a
-    // call a block that GCC leaves out of line, attention's one-row q k^T over 144 keys took
-    // 0.21 us instead of 0.18.
+    // One row of a (batch-1 decode) calls dot_block straight, not through the tile's lambda,
+    // which GCC leaves out of line: a call a block costs a one-row q k^T a sixth of its time.
     if (M == 1) {
       if (rows == kRows)
         dot_block<1, true>(yb, ldy, a, lda, src, rows, K, i0, i1, alpha, beta);

@@ -14,20 +14,18 @@ namespace kvlab::cpu {
 namespace {
 
 // Rows of A up to which gemm<float> runs the row kernels rather than the BLAS, for a @ w^T
-// and for a @ b. Over attention's cached keys and values (144 of them, HS 32) the first took
-// 0.39-0.79 us at 2-4 rows against OpenBLAS's sgemm's 0.95-0.99 (8 rows would take two 4-row
-// passes, against its 1.34); the second 0.11-0.39 us at 1-8 rows against 0.19-0.94
-// (docs/benchmarks.md).
+// and for a @ b: below them the row kernels beat OpenBLAS's sgemm over attention's cached
+// keys and values (docs/bench-log/code-figures.md).
 constexpr int64_t kFewRowsWt = 4, kFewRowsB = 8;
 
 // y (M, N) = alpha * a (M, K) @ w^T + beta * y for a few rows of a, w (N, K) row-major at
-// stride ldw: the rows of w split across the threads (in blocks of 8). At M = 1 it made
-// batch-1 decode 14-23% faster than OpenBLAS's sgemv did (docs/benchmarks.md).
+// stride ldw: the rows of w split across the threads (in blocks of 8). At M = 1 it is faster
+// than OpenBLAS's sgemv (docs/bench-log/code-figures.md).
 void few_rows_times_wt(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
                        const float* w, int64_t ldw, float beta, float* y, int64_t ldy) {
   // Short rows of w (attention's keys, K = HS <= 64) take one row of a at a time: a block read
-  // again from L1 costs less than a tile's registers there (0.39 us against 0.59 for two rows
-  // over 144 keys of HS 32, 0.58 against 0.76 at HS 64; at HS 128 the tiles win).
+  // again from L1 costs less than a tile's registers there; at HS 128 the tiles win
+  // (docs/bench-log/code-figures.md).
   const int64_t step = K <= 64 ? 1 : M;
   auto rows = [&](int64_t n0, int64_t n1) {
     auto src = [&](int64_t nb) { return F32Rows{w + nb * kRows * ldw, ldw, kCols}; };
@@ -117,7 +115,7 @@ void few_rows_times_b(int64_t M, int64_t N, int64_t K, float alpha, const float*
 // runs single-threaded when called from inside a parallel region. A product with a few rows
 // of A goes to our row kernels where AVX-512 or AVX2 is available (decode: a Linear's a @ W^T
 // at batch 1, attention's q k^T and p v over the cache), else one row to the BLAS's GEMV,
-// which is ~10x faster than its GEMM at M = 1.
+// which is much faster than its GEMM at M = 1.
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -148,12 +146,12 @@ void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                 lda, B, tb ? 1 : ldb, beta, C, ldc);
     return;
   }
-  // OpenBLAS's own threading shares packed panels between its threads and loses 20-50% to
-  // their synchronisation at a small model's shapes (768 x 128..512 x 128..512 on two threads:
-  // 80-155 GFLOP/s against 145-200 when each thread runs a single-threaded product on its own
-  // block of rows, see docs/benchmarks.md). So the pool splits the rows of C (or, for a few
-  // rows, its columns) and each thread calls the BLAS on its block, which inside the parallel
-  // region runs single-threaded. Every element is still one BLAS dot product in the BLAS's order.
+  // OpenBLAS's own threading shares packed panels between its threads and loses to their
+  // synchronisation at a small model's shapes, against each thread running a single-threaded
+  // product on its own block of rows (docs/bench-log/code-figures.md). So the pool splits the rows
+  // of C (or, for a few rows, its columns) and each thread calls the BLAS on its block, which
+  // inside the parallel region runs single-threaded. Every element is still one BLAS dot product in
+  // the BLAS's order.
   auto call = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                 m1 - m0, n1 - n0, K, alpha, ta ? A + m0 : A + m0 * lda, lda,

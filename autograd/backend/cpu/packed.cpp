@@ -14,11 +14,9 @@ namespace {
 
 // How far ahead of a row's pair of bf16 chunks to prefetch, in bytes (0: not at all). The bf16
 // products do twice the arithmetic of the f32 ones per line read, and on Intel's Emerald Rapids
-// the hardware prefetchers then keep too few lines in flight (a core reads its L3 at ~26 GB/s):
-// fetching 2 KB ahead made batch-1 decode with bf16 matrices 0.98-1.36x as fast on a 350 MB
-// model there (medians +11%) and 1-8% faster on a 10 MB one (docs/benchmarks.md). On AMD's
-// EPYC, prefetching weights in software slowed decode (same file), so other CPUs are left to
-// their hardware.
+// the hardware prefetchers then keep too few lines in flight, and fetching 2 KB ahead made
+// batch-1 decode with bf16 matrices faster. On AMD's EPYC, prefetching weights in software
+// slowed decode, so other CPUs are left to their hardware (docs/bench-log/code-figures.md).
 const int64_t bf16_prefetch_bytes = [] {
   __builtin_cpu_init();  // this initializer may run before libgcc's
   return __builtin_cpu_is("intel") ? int64_t{2048} : int64_t{0};

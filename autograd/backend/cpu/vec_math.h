@@ -1,9 +1,9 @@
 #pragma once
-// Vectorisable exp and tanh for f32. glibc's expf/tanhf cost 5-27 ns an element and do not
-// vectorise; these compile to a few AVX2/FMA instructions per 8 elements inside `omp simd`
-// loops (given -fno-trapping-math, which the build sets: without it GCC keeps the clamps as
-// branches and the loops stay scalar). f64 keeps the libm functions (it serves gradient checks, not speed).
-// Error bounds are tested in tests/autograd/backend/test_vec_math.cpp.
+// Vectorisable exp and tanh for f32. glibc's expf/tanhf do not vectorise
+// (docs/bench-log/code-figures.md); these compile to a few AVX2/FMA instructions per 8 elements
+// inside `omp simd` loops (given -fno-trapping-math, which the build sets: without it GCC keeps the
+// clamps as branches and the loops stay scalar). f64 keeps the libm functions (it serves gradient
+// checks, not speed). Error bounds are tested in tests/autograd/backend/test_vec_math.cpp.
 #include <bit>
 #include <cmath>
 #include <cstdint>

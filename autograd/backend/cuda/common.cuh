@@ -16,7 +16,7 @@ namespace kvlab::cuda {
 cudaStream_t stream();  // the one stream of the device this process uses
 
 // cuBLAS, opened with dlopen on first use: linking it would map and relocate libcublasLt
-// (~500 MB) into every process, CPU-only runs included (+210 MB resident at start).
+// into every process, CPU-only runs included (docs/bench-log/code-figures.md).
 struct Cublas {
   decltype(&cublasCreate_v2) create;
   decltype(&cublasSetStream_v2) set_stream;
