@@ -22,15 +22,22 @@ sealed="$work/run/last.h5"
 foreign="$work/foreign.h5"
 tail -c +513 "$sealed" > "$foreign"  # without the 512-byte user block that holds the digest
 
-# mutate SRC DST: 1-4 bytes of SRC set to random values.
+# mutate SRC DST: 1-4 bytes of SRC changed to other random values. (Another value, not any:
+# a byte set to the value it had is no mutation, and where that byte differs from run to run,
+# a time in the training state, a sealed "mutant" would load.)
+# The changes made are kept in `changes_made` (offset:old->new), for a failure to name.
 mutate() {
   cp "$1" "$2"
-  local size changes at
+  local size changes at old new
   size=$(stat -c %s "$1")
   changes=$((1 + RANDOM % 4))
+  changes_made=""
   for _ in $(seq "$changes"); do
     at=$(( (RANDOM * 32768 + RANDOM) % size ))
-    printf "\\x$(printf %02x $((RANDOM % 256)))" | dd of="$2" bs=1 seek="$at" conv=notrunc status=none
+    old=$(od -An -tu1 -j "$at" -N1 "$2")
+    new=$(( old ^ (1 + RANDOM % 255) ))
+    printf "\\x$(printf %02x "$new")" | dd of="$2" bs=1 seek="$at" conv=notrunc status=none
+    changes_made+=" $at:$((old))->$new"
   done
 }
 
@@ -44,7 +51,7 @@ run() {
   rc=$?
   outcomes["$kind rc=$rc"]=$(( ${outcomes["$kind rc=$rc"]:-0} + 1 ))
   if [ "$rc" -gt 2 ] || grep -q "Sanitizer" <<<"$out" || { [ "$kind" = sealed ] && [ "$rc" -eq 0 ]; }; then
-    echo "FAIL $kind mutant $n: rc=$rc: $*"
+    echo "FAIL $kind mutant $n (bytes changed:$changes_made of $(stat -c %s "$src")): rc=$rc: $*"
     echo "$out" | tail -12
     fails=$((fails + 1))
   else
