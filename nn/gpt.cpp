@@ -81,6 +81,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
   if (ctx.cache != nullptr) {
     auto [kc, vc] = ctx.cache->append(layer, k, v);  // (B, NKV, S, HS)
     opts.kv_lengths = ctx.kv_lengths;
+    opts.kv_blocks = ctx.cache->kv_blocks();
     k = kc;
     v = vc;
   }

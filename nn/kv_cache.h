@@ -1,11 +1,12 @@
 #pragma once
 // The interface GPT::forward uses to read and extend a KV cache. It lives here, below infer/,
 // because the model code is shared by training and inference; infer/ implements it
-// (preallocated today; a paged, block-table implementation fits the same calls).
+// (preallocated, or paged: blocks reached through block tables, which the attention reads).
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "autograd/backend/kernel_types.h"
 #include "autograd/tensor.h"
 
 namespace kvlab {
@@ -17,10 +18,14 @@ class KVCache {
   virtual int64_t capacity() const = 0;  // S_max: positions each row can hold
   // Cached positions per row before the current forward.
   virtual const std::vector<int64_t>& lengths() const = 0;
-  // Stores k, v (B, NKV, T, HS) of `layer` at each row's current length and returns views
-  // (B, NKV, S, HS) with S = max(lengths) + T that the attention op reads; row b's valid
-  // length is lengths()[b] + T.
+  // Stores k, v (B, NKV, T, HS) of `layer` at each row's current length and returns what the
+  // attention op reads: views (B, NKV, S, HS) with S = max(lengths) + T, or, where kv_blocks()
+  // is set, the layer's pools of blocks, read through it. Row b's valid length is
+  // lengths()[b] + T.
   virtual std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) = 0;
+  // Null for a cache whose append() returns (B, NKV, S, HS) views; a paged cache's block tables
+  // (AttentionOptions::kv_blocks), the same for every layer, valid until advance().
+  virtual const KVBlocks* kv_blocks() const { return nullptr; }
   // Called once every layer has appended: every row's length grows by T.
   virtual void advance(int64_t T) = 0;
 };

@@ -27,12 +27,28 @@ struct HeadView {
   int64_t sb, sh, st;
 };
 
+// K and V of a paged KV cache: a pool of blocks of block_len positions, each row reaching its
+// own through a block table. Position p of row b lies in block table[b * width + p / block_len]
+// at offset p % block_len: KV head g's keys of a block are block_len rows, so the kernels read
+// them block by block through the table, never copying a row's keys to one place. Read with
+// the operand's HeadView, whose sh and st step heads and positions within a block (its sb is
+// not used). block_len is a power of two.
+struct KVBlocks {
+  const int32_t* table;  // (B, width) block ids, host memory
+  int64_t width;         // table entries per row: a row holds up to width * block_len positions
+  int64_t block_len;     // positions per block
+  int64_t block_stride;  // elements from one block of the pool to the next
+};
+
 struct AttentionShape {
   int64_t B, NH, NKV, T, S, HS;
   const int64_t* kv_lengths;  // (B) valid keys per row, host memory, or null for S everywhere
   double scale;               // usually 1/sqrt(HS)
   double dropout;             // on the attention probabilities
   uint64_t seed;
+  // Null: K and V are (B, NKV, S, HS) operands. Otherwise their blocks, reached through these
+  // tables (forward without dropout only, on the CPU; kv_lengths then set).
+  const KVBlocks* kv_blocks = nullptr;
 };
 
 struct AdamWStep {

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 
 #include "autograd/ops/common.h"
@@ -35,6 +36,38 @@ AttentionShape attention_shape(const Tensor& q, const Tensor& k, const Attention
 
 Tensor hs_contiguous(const Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
+// The checks of a paged k and v (the pools) against q and opts; returns S, the longest row.
+// Every table entry a row's length reaches must name a block of the pool: the kernel reads
+// there unchecked.
+int64_t paged_kv_length(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const AttentionOptions& opts) {
+  const char* op = "causal_attention";
+  const KVBlocks& kb = *opts.kv_blocks;
+  const int64_t B = q.size(0), T = q.size(2), n_blocks = k.size(0);
+  KVLAB_CHECK(kb.block_len > 0 && (kb.block_len & (kb.block_len - 1)) == 0 &&
+                  k.size(2) == kb.block_len,
+              op, ": paged k ", k.shape_str(), " is not (n_blocks, NKV, ", kb.block_len,
+              ", HS) with a power-of-two block length");
+  KVLAB_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(0) == kb.block_stride,
+              op, ": paged k and v must share strides, HS contiguous, block stride ",
+              kb.block_stride);
+  KVLAB_CHECK(static_cast<int64_t>(opts.kv_lengths.size()) == B, op,
+              ": a paged k and v need kv_lengths for each of the ", B, " rows");
+  int64_t S = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = opts.kv_lengths[static_cast<size_t>(b)];
+    KVLAB_CHECK(len >= T && len <= kb.width * kb.block_len, op, ": kv_lengths[", b, "] = ", len,
+                " outside [T, width * block_len] = [", T, ", ", kb.width * kb.block_len, "]");
+    for (int64_t i = 0; i < (len + kb.block_len - 1) / kb.block_len; ++i) {
+      const int32_t id = kb.table[b * kb.width + i];
+      KVLAB_CHECK(id >= 0 && id < n_blocks, op, ": row ", b, "'s block ", i, " is ", id,
+                  ", outside the pool of ", n_blocks);
+    }
+    S = std::max(S, len);
+  }
+  return S;
+}
+
 struct AttentionNode : Node {
   Tensor q, k, v;                   // q (B, NH, T, HS); k, v (B, NKV, S, HS)
   AttentionOptions opts;            // kv_lengths points into the node's own copy:
@@ -62,6 +95,49 @@ struct AttentionNode : Node {
   void release() override { q = k = v = Tensor(); }
 };
 
+// out = the forward kernel of q over k and v, for f32 or f64 k and v like q, or bf16 k and v
+// under f32 q (cache storage, bf16_kv).
+void run_forward(Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const AttentionShape& s, bool bf16_kv) {
+  const Device dev = q.device();
+  if (bf16_kv) {
+    KVLAB_KERNEL(dev, attention_forward<float, uint16_t>(
+                          out.data<float>(), head_view(out), q.data<float>(), head_view(q),
+                          static_cast<const uint16_t*>(k.raw_data()), head_view(k),
+                          static_cast<const uint16_t*>(v.raw_data()), head_view(v), s));
+    return;
+  }
+  dispatch_float(q.dtype(), "causal_attention", [&](auto tag) {
+    using T_ = decltype(tag);
+    KVLAB_KERNEL(dev,
+                 attention_forward<T_>(out.data<T_>(), head_view(out), q.data<T_>(), head_view(q),
+                                       k.data<T_>(), head_view(k), v.data<T_>(), head_view(v), s));
+  });
+}
+
+// causal_attention over a paged k and v: forward only.
+Tensor paged_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
+                       const AttentionOptions& opts) {
+  const char* op = "causal_attention";
+  KVLAB_CHECK(q_in.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                  k.size(3) == q_in.size(3) && k.size(1) > 0 && q_in.size(1) % k.size(1) == 0,
+              op, ": q ", q_in.shape_str(), ", paged k ", k.shape_str(), ", v ", v.shape_str(),
+              ": expected q (B, NH, T, HS) and k, v (n_blocks, NKV, block_len, HS), NKV | NH");
+  KVLAB_CHECK(!needs_grad({&q_in, &k, &v}), op,
+              ": a paged KV cache is read for inference only; gradients need k and v (B, NKV, S, "
+              "HS)");
+  KVLAB_CHECK(opts.dropout == 0, op, ": no dropout over a paged KV cache (inference only)");
+  const bool bf16_kv = q_in.dtype() == DType::F32 && k.dtype() == DType::BF16;
+  if (!bf16_kv) check_same_dtype(op, q_in, k);
+  const Tensor q = hs_contiguous(q_in);
+  AttentionShape s = attention_shape(q, k, opts);
+  s.S = paged_kv_length(q, k, v, opts);
+  s.kv_blocks = opts.kv_blocks;
+  Tensor out = empty_heads_last(s.B, s.NH, s.T, s.HS, q.dtype(), q.device());
+  run_forward(out, q, k, v, s, bf16_kv);
+  return out;
+}
+
 }  // namespace
 
 Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -76,6 +152,7 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   if (!bf16_kv) check_same_dtype(op, q_in, k_in);
   check_same_device(op, q_in, k_in);
   check_same_device(op, q_in, v_in);
+  if (opts.kv_blocks != nullptr) return paged_attention(q_in, k_in, v_in, opts);
   // Built only when a check fails (decode calls this op ~100 times per token).
   const auto shapes = [&] {
     return detail::cat("q ", q_in.shape_str(), ", k ", k_in.shape_str(), ", v ", v_in.shape_str());
@@ -103,21 +180,10 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const Device dev = q.device();
   Tensor out = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
   const AttentionShape s = attention_shape(q, k, opts);
-  if (bf16_kv) {
+  if (bf16_kv)
     KVLAB_CHECK(!needs_grad({&q_in, &k_in, &v_in}), op,
                 ": bf16 keys and values are cache storage; gradients need f32 k and v");
-    KVLAB_KERNEL(dev, attention_forward<float, uint16_t>(
-                          out.data<float>(), head_view(out), q.data<float>(), head_view(q),
-                          static_cast<const uint16_t*>(k.raw_data()), head_view(k),
-                          static_cast<const uint16_t*>(v.raw_data()), head_view(v), s));
-    return out;
-  }
-  dispatch_float(q.dtype(), op, [&](auto tag) {
-    using T_ = decltype(tag);
-    KVLAB_KERNEL(dev,
-                 attention_forward<T_>(out.data<T_>(), head_view(out), q.data<T_>(), head_view(q),
-                                       k.data<T_>(), head_view(k), v.data<T_>(), head_view(v), s));
-  });
+  run_forward(out, q, k, v, s, bf16_kv);
   if (needs_grad({&q_in, &k_in, &v_in})) {
     auto node = std::make_shared<AttentionNode>();
     node->q = q.detach();

@@ -5,6 +5,7 @@
 #include <span>
 #include <vector>
 
+#include "autograd/backend/kernel_types.h"
 #include "autograd/tensor.h"
 
 namespace kvlab {
@@ -78,6 +79,11 @@ struct AttentionOptions {
   // batched decode step have different cache lengths. Read during the call only (a recorded
   // node keeps its own copy), so a decode step can pass a buffer it reuses.
   std::span<const int64_t> kv_lengths;
+  // K and V of a paged KV cache, or null. When set, k and v are the pools (n_blocks, NKV,
+  // block_len, HS) with HS contiguous and kv_blocks->block_stride their stride(0), read through
+  // the block tables (one row of width entries per batch row); kv_lengths must be given, and
+  // S is their maximum. Inference only: no gradient, no dropout, the CPU. Read during the call.
+  const KVBlocks* kv_blocks = nullptr;
 };
 // Causal attention with grouped K/V heads: q (B, NH, T, HS), k and v (B, NKV, S, HS),
 // NH % NKV == 0; query head h reads KV head h / (NH / NKV), never a repeated copy. The mask is

@@ -1,5 +1,6 @@
 // The decode attention's row kernel (attend_one_query_kernel, cpu/decode_kernels.h): one f32
-// query over a few hundred cached keys, over dot_simd.h's primitives.
+// query over a few hundred cached keys, contiguous or read through a paged cache's block table,
+// over dot_simd.h's primitives.
 #include <algorithm>
 
 #include "autograd/backend/cpu/decode_kernels.h"
@@ -16,7 +17,15 @@ namespace {
 // attention's products (attend_one_query, attention.cpp).
 constexpr int64_t kAttendMaxVectors = 8;
 
-// attend_one_query with rows of NV vectors (the last one's first `last` lanes). Scores 8 keys
+// Row j of a contiguous cache's keys or values (a BlockRows's counterpart).
+struct StridedRows {
+  const float* base;
+  int64_t st;
+  const float* operator()(int64_t j) const { return base + j * st; }
+};
+
+// attend_one_query with rows of NV vectors (the last one's first `last` lanes), key and value
+// row j at k(j) and v(j). Scores 8 keys
 // at a time: each key's product with q in its own accumulator (the first vector multiplied,
 // the rest fused in), the 8 reduced by one lane tree, scaled and stored under a mask, in the
 // order of dot_block's one-row product. Then the softmax, and the values weighted by the
@@ -24,9 +33,9 @@ constexpr int64_t kAttendMaxVectors = 8;
 // chain of dependent FMAs would leave the FMA units idle), divided by the sum at the end.
 // The general products (two calls into gemm and a normalising pass) took a decode step's
 // attention much longer (docs/bench-log/code-figures.md).
-template <int NV>
-void attend_rows(float* out, const float* q, const float* k, int64_t kst, const float* v,
-                 int64_t vst, int64_t n, int64_t last, float scale, float* p) {
+template <int NV, class Rows>
+void attend_rows(float* out, const float* q, const Rows& k, const Rows& v, int64_t n, int64_t last,
+                 float scale, float* p) {
   auto load = [&](const float* row, int h) {
     return h < NV - 1 || last == kLanes ? vload(row + h * kLanes)
                                         : vload_lanes(row + h * kLanes, 0, last);
@@ -38,7 +47,7 @@ void attend_rows(float* out, const float* q, const float* k, int64_t kst, const 
     const int64_t m = std::min(kRows, n - j);  // keys in this block
     Vec acc[kRows];
     for (int64_t i = 0; i < kRows; ++i) {
-      const float* kr = k + (j + std::min(i, m - 1)) * kst;  // past the last key: it again
+      const float* kr = k(j + std::min(i, m - 1));  // past the last key: it again
       acc[i] = vmul(load(kr, 0), qv[0]);
       for (int h = 1; h < NV; ++h) acc[i] = vfmadd(load(kr, h), qv[h], acc[i]);
     }
@@ -51,7 +60,8 @@ void attend_rows(float* out, const float* q, const float* k, int64_t kst, const 
     for (auto& x : row) x = vzero();
   auto add = [&](int u, int64_t j) {
     const Vec pj = vbroadcast(p[j]);
-    for (int h = 0; h < NV; ++h) sum[u][h] = vfmadd(pj, load(v + j * vst, h), sum[u][h]);
+    const float* vr = v(j);
+    for (int h = 0; h < NV; ++h) sum[u][h] = vfmadd(pj, load(vr, h), sum[u][h]);
   };
   int64_t j = 0;
   for (; j + U <= n; j += U)
@@ -63,21 +73,38 @@ void attend_rows(float* out, const float* q, const float* k, int64_t kst, const 
   }
 }
 
+template <class Rows>
+bool attend_with(float* out, const float* q, const Rows& k, const Rows& v, int64_t n, int64_t HS,
+                 float scale, float* p) {
+  const int64_t vectors = (HS + kLanes - 1) / kLanes;
+  if (vectors > kAttendMaxVectors) return false;
+  with_rows<kAttendMaxVectors>(vectors, [&](auto nv) {
+    attend_rows<nv()>(out, q, k, v, n, HS - (nv() - 1) * kLanes, scale, p);
+  });
+  return true;
+}
+
 }  // namespace
 
 bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t kst,
                              const float* v, int64_t vst, int64_t n, int64_t HS, float scale,
                              float* p) {
-  const int64_t vectors = (HS + kLanes - 1) / kLanes;
-  if (vectors > kAttendMaxVectors) return false;
-  with_rows<kAttendMaxVectors>(vectors, [&](auto nv) {
-    attend_rows<nv()>(out, q, k, kst, v, vst, n, HS - (nv() - 1) * kLanes, scale, p);
-  });
-  return true;
+  return attend_with(out, q, StridedRows{k, kst}, StridedRows{v, vst}, n, HS, scale, p);
+}
+
+bool attend_one_query_kernel(float* out, const float* q, const BlockRows<float>& k,
+                             const BlockRows<float>& v, int64_t n, int64_t HS, float scale,
+                             float* p) {
+  return attend_with(out, q, k, v, n, HS, scale, p);
 }
 #else
 bool attend_one_query_kernel(float*, const float*, const float*, int64_t, const float*, int64_t,
                              int64_t, int64_t, float, float*) {
+  return false;
+}
+
+bool attend_one_query_kernel(float*, const float*, const BlockRows<float>&,
+                             const BlockRows<float>&, int64_t, int64_t, float, float*) {
   return false;
 }
 #endif

@@ -1,6 +1,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -63,12 +64,10 @@ inline int64_t kv_len(const AttentionShape& s, int64_t b) {
   return s.kv_lengths ? s.kv_lengths[b] : s.S;
 }
 
-// Probabilities of query head (b, h): p (T, Sb) = softmax(scale q k^T) under the causal mask,
-// zero past each query's last visible key.
+// Scores p (Tq, Sb) turned into probabilities: softmax under the causal mask (query t sees keys
+// 0 .. Sb - Tq + t), zero past each query's last visible key.
 template <class T>
-void probabilities(T* p, const T* qh, int64_t qst, const T* kg, int64_t kst, int64_t Tq,
-                   int64_t Sb, int64_t HS, T scale) {
-  gemm<T>(false, true, Tq, Sb, HS, scale, qh, qst, kg, kst, T(0), p, Sb);
+void causal_softmax(T* p, int64_t Tq, int64_t Sb) {
   for (int64_t t = 0; t < Tq; ++t) {
     T* row = p + t * Sb;
     const int64_t n = Sb - Tq + t + 1;  // visible keys
@@ -76,6 +75,51 @@ void probabilities(T* p, const T* qh, int64_t qst, const T* kg, int64_t kst, int
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) row[j] *= inv;
     std::fill(row + n, row + Sb, T(0));
+  }
+}
+
+// Probabilities of query head (b, h): p (T, Sb) = softmax(scale q k^T) under the causal mask,
+// zero past each query's last visible key.
+template <class T>
+void probabilities(T* p, const T* qh, int64_t qst, const T* kg, int64_t kst, int64_t Tq,
+                   int64_t Sb, int64_t HS, T scale) {
+  gemm<T>(false, true, Tq, Sb, HS, scale, qh, qst, kg, kst, T(0), p, Sb);
+  causal_softmax(p, Tq, Sb);
+}
+
+// The rows of KV head g of batch row b of a paged operand (s.kv_blocks), hv its HeadView.
+template <class KV>
+BlockRows<KV> block_rows(const KV* pool, HeadView hv, const AttentionShape& s, int64_t b,
+                         int64_t g) {
+  const KVBlocks& kb = *s.kv_blocks;
+  return {pool + g * hv.sh, kb.table + b * kb.width,
+          std::countr_zero(static_cast<uint64_t>(kb.block_len)), kb.block_stride, hv.st};
+}
+
+// out (Tq, HS at row stride ost) = the causal attention of Tq queries (qh, row stride qst) over
+// the n keys and values of a paged row, block by block: each block's scores are written into
+// their columns of p (Tq, n), the softmax runs over all of them, and each block's values are
+// added into out. A bf16 block is widened into `widened` (block_len * HS) before its product.
+// The scores are the general path's; the values are summed one block at a time rather than in
+// one product over all n keys, which changes the order of that sum and with it the f32
+// rounding of out (the contiguous path's results within rounding, not its bits).
+template <class T, class KV>
+void attend_blocks(T* out, int64_t ost, const T* qh, int64_t qst, int64_t Tq,
+                   const BlockRows<KV>& k, const BlockRows<KV>& v, int64_t n, int64_t HS, T scale,
+                   T* p, T* widened) {
+  const int64_t len = k.block_len();
+  for (int64_t j = 0; j < n; j += len) {
+    const int64_t m = std::min(len, n - j);
+    int64_t kst;
+    const T* kb = kv_rows<T>(k(j), k.pos_stride, m, HS, widened, kst);
+    gemm<T>(false, true, Tq, m, HS, scale, qh, qst, kb, kst, T(0), p + j, n);
+  }
+  causal_softmax(p, Tq, n);
+  for (int64_t j = 0; j < n; j += len) {
+    const int64_t m = std::min(len, n - j);
+    int64_t vst;
+    const T* vb = kv_rows<T>(v(j), v.pos_stride, m, HS, widened, vst);
+    gemm<T>(false, false, Tq, HS, m, T(1), p + j, n, vb, vst, T(j == 0 ? 0 : 1), out, ost);
   }
 }
 
@@ -112,6 +156,14 @@ void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, i
   gemm<T>(false, false, 1, HS, n, T(1), p, n, v, vst, T(0), out, HS);
 }
 
+template <class T>
+void attend_one_query(T* out, const T* q, const BlockRows<T>& k, const BlockRows<T>& v, int64_t n,
+                      int64_t HS, T scale, T* p) {
+  if constexpr (std::is_same_v<T, float>)
+    if (attend_one_query_kernel(out, q, k, v, n, HS, scale, p)) return;
+  attend_blocks<T, T>(out, HS, q, HS, 1, k, v, n, HS, scale, p, nullptr);
+}
+
 template <class T, class KV>
 void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
                            const KV* v, HeadView vv, const AttentionShape& s, int64_t task,
@@ -128,6 +180,30 @@ void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const K
   const T scale = static_cast<T>(s.scale);
   T* p = work;  // (Sb), then K and V widened from bf16
   T* widened = std::is_same_v<KV, T> ? nullptr : work + Sb;
+  if (s.kv_blocks != nullptr) {
+    const BlockRows<KV> kr = block_rows(k, kv, s, b, g), vr = block_rows(v, vv, s, b, g);
+    if constexpr (std::is_same_v<KV, T>) {
+      for (int64_t r = h0; r < h0 + rows; ++r)
+        attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kr, vr, Sb,
+                            s.HS, scale, p);
+    } else {
+      // Widened block by block into the work memory where a contiguous row's keys and values
+      // are widened, and attended there as they are: the same bits, with the group's query
+      // heads sharing one widening.
+      T* wk = widened;
+      T* wv = widened + Sb * s.HS;
+      int64_t st;
+      for (int64_t j = 0; j < Sb; j += kr.block_len()) {
+        const int64_t m = std::min(kr.block_len(), Sb - j);
+        kv_rows<T>(kr(j), kr.pos_stride, m, s.HS, wk + j * s.HS, st);
+        kv_rows<T>(vr(j), vr.pos_stride, m, s.HS, wv + j * s.HS, st);
+      }
+      for (int64_t r = h0; r < h0 + rows; ++r)
+        attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, wk, s.HS, wv,
+                            s.HS, Sb, s.HS, scale, p);
+    }
+    return;
+  }
   int64_t kst, vst;
   const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened, kst);
   const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS,
@@ -147,10 +223,24 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
   // a group included, so that the op path gives the step's bits. (The general path below
   // normalises the probabilities before weighing the values and sums in another order: a
   // difference of f32 rounding, which a bf16 KV cache can round into a whole bf16 step.)
+  // A paged operand (forward without dropout only) takes the same task at T = 1.
   if (s.T == 1 && !drop.on) {
     const auto work = static_cast<size_t>(attention_decode_work<T, KV>(s));
     for_each_task(s.B * s.NKV, [&](int64_t task) {
       attention_decode_task<T, KV>(out, ov, q, qv, k, kv, v, vv, s, task, 1, scratch<T>(work, 0));
+    });
+    return;
+  }
+  if (s.kv_blocks != nullptr) {
+    for_each_task(tasks, [&](int64_t task) {
+      const int64_t b = task / s.NH, h = task % s.NH, g = h / group;
+      const int64_t Sb = kv_len(s, b);
+      T* widened = std::is_same_v<KV, T>
+                       ? nullptr
+                       : scratch<T>(static_cast<size_t>(s.kv_blocks->block_len * s.HS), 1);
+      attend_blocks<T, KV>(out + b * ov.sb + h * ov.sh, ov.st, q + b * qv.sb + h * qv.sh, qv.st,
+                           s.T, block_rows(k, kv, s, b, g), block_rows(v, vv, s, b, g), Sb, s.HS,
+                           scale, scratch<T>(static_cast<size_t>(s.T * Sb), 0), widened);
     });
     return;
   }
@@ -242,6 +332,11 @@ template void attend_one_query<float>(float*, const float*, const float*, int64_
                                       int64_t, int64_t, int64_t, float, float*);
 template void attend_one_query<double>(double*, const double*, const double*, int64_t,
                                        const double*, int64_t, int64_t, int64_t, double, double*);
+template void attend_one_query<float>(float*, const float*, const BlockRows<float>&,
+                                      const BlockRows<float>&, int64_t, int64_t, float, float*);
+template void attend_one_query<double>(double*, const double*, const BlockRows<double>&,
+                                       const BlockRows<double>&, int64_t, int64_t, double,
+                                       double*);
 template void attention_decode_task<float, float>(float*, HeadView, const float*, HeadView,
                                                   const float*, HeadView, const float*, HeadView,
                                                   const AttentionShape&, int64_t, int64_t, float*);

@@ -36,10 +36,29 @@ void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint1
                  int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
 
 // ---- decode attention (attention.cpp, attend_row.cpp) ----
+// The rows of one KV head of one batch row of a paged cache (KVBlocks): row j lies at
+// base + table[j / block_len] * block_stride + (j % block_len) * pos_stride, base being the
+// head's offset within a block; block_len = 2^shift.
+template <class KV>
+struct BlockRows {
+  const KV* base;
+  const int32_t* table;  // the batch row's block ids
+  int64_t shift, block_stride, pos_stride;
+  int64_t block_len() const { return int64_t{1} << shift; }
+  const KV* operator()(int64_t j) const {
+    return base + table[j >> shift] * block_stride + (j & (block_len() - 1)) * pos_stride;
+  }
+};
+
 // attend_one_query's row kernel (f32, AVX-512 or AVX2, HS up to 128 or 64): false, having
 // written nothing, where there is none for this HS.
 bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t kst,
                              const float* v, int64_t vst, int64_t n, int64_t HS, float scale,
+                             float* p);
+// The same over a paged cache's rows: the same products in the same order, row by row through
+// the block table, so it gives the bits of the contiguous one over the same keys and values.
+bool attend_one_query_kernel(float* out, const float* q, const BlockRows<float>& k,
+                             const BlockRows<float>& v, int64_t n, int64_t HS, float scale,
                              float* p);
 // Decode attention of one query over n >= 1 cached keys: out (HS) = softmax(scale q k^T) v,
 // q (HS), k and v (n, HS) at row strides kst and vst, p (n) work. Single-threaded; it opens no
@@ -48,6 +67,11 @@ bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t
 template <class T>
 void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, int64_t vst,
                       int64_t n, int64_t HS, T scale, T* p);
+// The same over a paged cache's rows. Where there is no row kernel, the general attention's
+// products run block by block (attention.cpp's attend_blocks).
+template <class T>
+void attend_one_query(T* out, const T* q, const BlockRows<T>& k, const BlockRows<T>& v, int64_t n,
+                      int64_t HS, T scale, T* p);
 // The decode attention (T = 1, no dropout) of part of a KV group: attention_forward uses it
 // at T = 1, as the fused decode step does, for every group size. Each KV group g of
 // row b is cut into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part,
@@ -55,7 +79,9 @@ void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, i
 // decode step) can split the tasks among its threads (parts > 1 when there are fewer groups
 // than threads).
 // `work` holds attention_decode_work(s) elements, s.S bounding every row's length:
-// the task allocates nothing, so it cannot throw.
+// the task allocates nothing, so it cannot throw. Over a paged cache (s.kv_blocks) f32 keys and
+// values are read through the block table; bf16 ones are widened block by block into `work`,
+// where the contiguous cache's are widened too, and read from there.
 template <class T, class KV = T>
 void attention_decode_task(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k,
                            HeadView k_v, const KV* v, HeadView v_v, const AttentionShape& s,

@@ -819,6 +819,9 @@ void decode_forward(View<T> out, View<const T> q, View<const KV> k, View<const K
 template <class T, class KV>
 void attention_forward(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k, HeadView k_v,
                        const KV* v, HeadView v_v, const AttentionShape& s) {
+  // The kernels read (B, NKV, S, HS) operands only; block tables are read on the CPU.
+  KVLAB_CHECK(s.kv_blocks == nullptr,
+              "causal_attention (cuda): paged KV cache is not supported on CUDA");
   if (s.B * s.NH * s.T == 0 || s.HS == 0) return;
   check_shape(s);
   Scratch lengths(device_lengths_bytes(s));
