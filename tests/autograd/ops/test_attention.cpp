@@ -1,7 +1,10 @@
 // ops/attention.cpp: fused causal attention with grouped K/V heads.
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <sstream>
 
+#include "autograd/backend/cpu/decode_kernels.h"
 #include "tests/autograd/gradcheck.h"
 
 namespace {
@@ -541,3 +544,112 @@ TEST(Attention, BadInputsThrow) {
 }
 
 }  // namespace
+
+// ---- paged K and V (AttentionOptions::kv_blocks) ----
+
+// k (B, NKV, S, HS) laid out as a paged cache's pool (n_blocks, NKV, block_len, HS): row b's
+// block i is table[b * width + i], the blocks handed out in a shuffled order so that no row's
+// blocks are adjacent or in order. Unused blocks hold noise the attention must not read.
+struct Paged {
+  std::vector<int32_t> table;
+  KVBlocks blocks;
+  Tensor k, v;
+};
+Paged page(const Tensor& k, const Tensor& v, int64_t block_len, Generator& gen) {
+  const int64_t B = k.size(0), NKV = k.size(1), S = k.size(2), HS = k.size(3);
+  const int64_t width = (S + block_len - 1) / block_len, n_blocks = B * width + 3;
+  std::vector<int32_t> order(static_cast<size_t>(n_blocks));
+  for (int64_t i = 0; i < n_blocks; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  std::mt19937 rng(static_cast<uint32_t>(B * 131 + S));
+  std::shuffle(order.begin(), order.end(), rng);
+  Paged r;
+  r.table.assign(order.begin(), order.begin() + B * width);
+  r.blocks = {r.table.data(), width, block_len, NKV * block_len * HS};
+  const DType dt = k.dtype();
+  Tensor kp = kvtest::randn({n_blocks, NKV, block_len, HS}, gen, dt);
+  Tensor vp = kvtest::randn({n_blocks, NKV, block_len, HS}, gen, dt);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t n = std::min(block_len, S - i * block_len);
+      const int64_t blk = r.table[static_cast<size_t>(b * width + i)];
+      for (auto [pool, src] : {std::pair{&kp, &k}, std::pair{&vp, &v}})
+        narrow(narrow(*pool, 0, blk, 1), 2, 0, n)
+            .copy_from(narrow(narrow(*src, 0, b, 1), 2, i * block_len, n));
+    }
+  r.k = kp;
+  r.v = vp;
+  return r;
+}
+
+double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
+  return d;
+}
+
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (const double x : a) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Whether this build has the decode row kernel for HS (attend_row.cpp).
+bool row_kernel(int64_t HS) {
+  std::vector<float> x(static_cast<size_t>(HS), 1.0f), out(x.size()), p(1);
+  return cpu::attend_one_query_kernel(out.data(), x.data(), x.data(), HS, x.data(), HS, 1, HS,
+                                      1.0f, p.data());
+}
+
+// Reading K and V through block tables gives the contiguous operands' results. At T = 1 the
+// decode row kernel reads the same rows in the same order, so in f32 (and from bf16, widened
+// exactly) the bits are the same. Otherwise the values are summed block by block instead of
+// in one product (attention.cpp's attend_blocks): within 1e-6 of the output's scale in f32.
+TEST(Attention, PagedKeysAndValuesEqualContiguous) {
+  Generator gen(21);
+  for (const int64_t block_len : {int64_t{1}, int64_t{4}, int64_t{16}})
+    for (const DType kv_dt : {DType::F32, DType::BF16, DType::F64})
+      for (Cfg c : {Cfg{3, 4, 4, 1, 33, 8, {33, 1, 16}}, Cfg{3, 4, 2, 1, 17, 8, {15, 17, 16}},
+                    Cfg{1, 4, 1, 1, 40, 16}, Cfg{3, 4, 1, 5, 33, 8, {33, 5, 17}},
+                    Cfg{2, 4, 2, 16, 16, 8, {16, 16}}, Cfg{2, 2, 1, 1, 20, 160, {20, 9}},
+                    Cfg{2, 2, 2, 3, 20, 160, {20, 9}}}) {
+        SCOPED_TRACE(describe(c) + " block_len=" + std::to_string(block_len) + " kv " +
+                     dtype_name(kv_dt));
+        if (c.lens.empty()) c.lens.assign(static_cast<size_t>(c.B), c.S);
+        const DType q_dt = kv_dt == DType::F64 ? DType::F64 : DType::F32;
+        QKV x = make_qkv(c, gen, q_dt, false);
+        const Tensor k = x.k.to(kv_dt), v = x.v.to(kv_dt);
+        const Paged pg = page(k, v, block_len, gen);
+        AttentionOptions po = options(c);
+        po.kv_blocks = &pg.blocks;
+        const auto want = vals(causal_attention(x.q, k, v, options(c)));
+        const auto got = vals(causal_attention(x.q, pg.k, pg.v, po));
+        if (c.T == 1 && q_dt == DType::F32 && row_kernel(c.HS))
+          EXPECT_EQ(got, want);
+        else
+          EXPECT_LE(max_diff(got, want), (q_dt == DType::F64 ? 1e-13 : 1e-6) * max_abs(want));
+      }
+}
+
+TEST(Attention, PagedKeysAndValuesAreForwardOnly) {
+  Generator gen(22);
+  Cfg c{1, 2, 1, 2, 5, 4, {5}};
+  QKV x = make_qkv(c, gen, DType::F32, true);
+  const Paged pg = page(x.k.detach(), x.v.detach(), 4, gen);
+  AttentionOptions po = options(c);
+  po.kv_blocks = &pg.blocks;
+  EXPECT_TRUE(throws_with([&] { causal_attention(x.q, pg.k, pg.v, po); },
+                          {"paged KV cache", "inference only"}));
+  const Tensor q = x.q.detach();
+  po.dropout = 0.1;
+  EXPECT_TRUE(throws_with([&] { causal_attention(q, pg.k, pg.v, po); }, {"no dropout"}));
+  po.dropout = 0;
+  std::vector<int32_t> bad = pg.table;
+  bad[1] = static_cast<int32_t>(pg.k.size(0));
+  KVBlocks bb = pg.blocks;
+  bb.table = bad.data();
+  po.kv_blocks = &bb;
+  EXPECT_TRUE(throws_with([&] { causal_attention(q, pg.k, pg.v, po); }, {"outside the pool"}));
+  po.kv_blocks = &pg.blocks;
+  po.kv_lengths = {};
+  EXPECT_TRUE(throws_with([&] { causal_attention(q, pg.k, pg.v, po); }, {"need kv_lengths"}));
+}

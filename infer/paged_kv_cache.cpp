@@ -1,0 +1,149 @@
+#include "infer/paged_kv_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+#include "autograd/backend/cpu/bf16.h"
+#include "autograd/error.h"
+
+namespace kvlab {
+
+PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head,
+                           int64_t head_size, int64_t capacity, DType dtype)
+    : blocks_(blocks),
+      n_layer_(n_layer),
+      n_kv_head_(n_kv_head),
+      head_size_(head_size),
+      capacity_(capacity),
+      block_len_(blocks.block_size()),
+      width_((capacity + blocks.block_size() - 1) / blocks.block_size()),
+      dtype_(dtype) {
+  KVLAB_CHECK(n_layer >= 1 && n_kv_head >= 1 && head_size >= 1 && capacity >= 1,
+              "paged KV cache: every size must be positive, got L = ", n_layer, ", NKV = ",
+              n_kv_head, ", HS = ", head_size, ", capacity ", capacity);
+  KVLAB_CHECK(dtype == DType::F32 || dtype == DType::BF16, "paged KV cache: dtype ",
+              dtype_name(dtype), " is not supported (f32 or bf16)");
+  const Shape shape{blocks.total_blocks(), n_kv_head, block_len_, head_size};
+  for (int64_t l = 0; l < n_layer; ++l) {
+    // Zeroed so that positions no sequence has written hold finite values (the attention
+    // never reads them).
+    k_.push_back(Tensor::zeros(shape, dtype));
+    v_.push_back(Tensor::zeros(shape, dtype));
+  }
+  view_ = {nullptr, width_, block_len_, n_kv_head * block_len_ * head_size};
+}
+
+void PagedKVCache::set_rows(std::vector<SeqId> ids) {
+  std::unordered_set<SeqId> seen;
+  for (const SeqId id : ids) {
+    KVLAB_CHECK(blocks_.contains(id), "paged KV cache: no sequence ", id);
+    KVLAB_CHECK(seen.insert(id).second, "paged KV cache: sequence ", id, " is two rows");
+  }
+  ids_ = std::move(ids);
+  lengths_.clear();
+  for (const SeqId id : ids_) lengths_.push_back(blocks_.length(id));
+  table_.clear();
+  view_.table = nullptr;
+  reserved_ = 0;
+}
+
+bool PagedKVCache::reserve(std::span<const int32_t> tokens) {
+  const int64_t B = batch(), n = static_cast<int64_t>(tokens.size());
+  KVLAB_CHECK(B > 0 && n > 0 && n % B == 0, "paged KV cache: ", n, " tokens for ", B, " rows");
+  const int64_t T = n / B;
+  int64_t needed = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const SeqId id = ids_[static_cast<size_t>(b)];
+    const int64_t len = blocks_.length(id);
+    lengths_[static_cast<size_t>(b)] = len;
+    KVLAB_CHECK(len + T <= capacity_, "paged KV cache: sequence ", id, " holds ", len,
+                " positions, ", T, " more exceed the capacity of ", capacity_);
+    needed += blocks_.blocks_needed(id, T);
+  }
+  // Rows are distinct sequences, so each reserve below takes exactly its blocks_needed: when
+  // they all fit, none fails halfway.
+  if (needed > blocks_.blocks_available()) return false;
+  table_.assign(static_cast<size_t>(B * width_), -1);
+  for (int64_t b = 0; b < B; ++b) {
+    const SeqId id = ids_[static_cast<size_t>(b)];
+    const auto copies = blocks_.reserve(id, T);
+    KVLAB_ASSERT(copies.has_value(), "paged KV cache: sequence ", id, " found no blocks");
+    for (const BlockCopy& c : *copies) copy_block(c);
+    const std::vector<BlockId>& t = blocks_.table(id);
+    std::copy(t.begin(), t.end(), table_.begin() + b * width_);
+  }
+  view_.table = table_.data();
+  tokens_.assign(tokens.begin(), tokens.end());
+  reserved_ = T;
+  return true;
+}
+
+void PagedKVCache::copy_block(const BlockCopy& c) {
+  const size_t esize = dtype_size(dtype_);
+  const int64_t head = block_len_ * head_size_, block = n_kv_head_ * head;
+  const size_t bytes = static_cast<size_t>(c.positions * head_size_) * esize;
+  for (std::vector<Tensor>* pools : {&k_, &v_})
+    for (Tensor& pool : *pools) {
+      char* base = static_cast<char*>(pool.raw_data());
+      for (int64_t h = 0; h < n_kv_head_; ++h)
+        std::memcpy(base + static_cast<size_t>(c.dst * block + h * head) * esize,
+                    base + static_cast<size_t>(c.src * block + h * head) * esize, bytes);
+    }
+}
+
+void PagedKVCache::store(Tensor& pool, const Tensor& src, int64_t T) {
+  const int64_t head = block_len_ * head_size_, block = n_kv_head_ * head;
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2), s3 = src.stride(3);
+  const float* s = src.data<float>();
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t len = lengths_[static_cast<size_t>(b)];
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = len + t;
+      const int64_t at = table_[static_cast<size_t>(b * width_ + p / block_len_)] * block +
+                         (p % block_len_) * head_size_;
+      for (int64_t h = 0; h < n_kv_head_; ++h) {
+        const float* from = s + b * s0 + h * s1 + t * s2;
+        const int64_t to = at + h * head;
+        if (dtype_ == DType::BF16) {
+          // Rounded as ContiguousKVCache rounds (strided_copy's f32 -> bf16).
+          uint16_t* d = static_cast<uint16_t*>(pool.raw_data()) + to;
+          for (int64_t i = 0; i < head_size_; ++i) d[i] = cpu::f32_to_bf16(from[i * s3]);
+        } else {
+          float* d = pool.data<float>() + to;
+          for (int64_t i = 0; i < head_size_; ++i) d[i] = from[i * s3];
+        }
+      }
+    }
+  }
+}
+
+std::pair<Tensor, Tensor> PagedKVCache::append(int layer, const Tensor& k, const Tensor& v) {
+  KVLAB_CHECK(layer >= 0 && layer < n_layer_, "paged KV cache: layer ", layer, " outside [0, ",
+              n_layer_, ")");
+  KVLAB_CHECK(reserved_ > 0, "paged KV cache: append before reserve()");
+  KVLAB_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == batch() &&
+                  k.size(1) == n_kv_head_ && k.size(2) == reserved_ && k.size(3) == head_size_,
+              "paged KV cache: k ", k.shape_str(), " and v ", v.shape_str(), " are not (",
+              batch(), ", ", n_kv_head_, ", ", reserved_, ", ", head_size_, ") as reserved");
+  KVLAB_CHECK(k.dtype() == DType::F32 && v.dtype() == DType::F32 && k.device() == Device::CPU &&
+                  v.device() == Device::CPU,
+              "paged KV cache: k and v must be f32 on the CPU");
+  Tensor& kp = k_[static_cast<size_t>(layer)];
+  Tensor& vp = v_[static_cast<size_t>(layer)];
+  store(kp, k, reserved_);
+  store(vp, v, reserved_);
+  return {kp, vp};
+}
+
+void PagedKVCache::advance(int64_t T) {
+  KVLAB_CHECK(T == reserved_, "paged KV cache: advance(", T, ") after reserving ", reserved_);
+  for (int64_t b = 0; b < batch(); ++b) {
+    blocks_.commit(ids_[static_cast<size_t>(b)],
+                   std::span(tokens_).subspan(static_cast<size_t>(b * T), static_cast<size_t>(T)));
+    lengths_[static_cast<size_t>(b)] += T;
+  }
+  reserved_ = 0;
+}
+
+}  // namespace kvlab

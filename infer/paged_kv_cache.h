@@ -1,0 +1,83 @@
+#pragma once
+// A paged KV cache: keys and values in a pool of blocks of kv_block_size positions per layer,
+// each sequence reaching its own through the block table its BlockManager keeps
+// (infer/block_manager.h). The attention op reads the pools through those tables
+// (KVCache::kv_blocks), so a sequence's positions never lie in one place and are never gathered
+// there.
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "autograd/backend/kernel_types.h"
+#include "autograd/tensor.h"
+#include "infer/block_manager.h"
+#include "nn/kv_cache.h"
+
+namespace kvlab {
+
+// The op path's KVCache over a BlockManager's blocks, on the CPU. Per layer, K and V are pools
+// (n_blocks, NKV, kv_block_size, HS) of f32 or bf16, allocated once: KV head g's positions of
+// a block are contiguous rows, so decode attention reads a block's keys of one head in one
+// stream. Row b of a forward's batch is sequence rows()[b] of the manager, which owns the
+// sequences (add, fork, free, take_prefix); this cache writes keys and values and performs the
+// copies the manager's copy-on-write asks for.
+//
+// A forward of T tokens a row: reserve(tokens) makes room in every row's blocks; then
+// GPT::forward appends every layer's keys and values and calls advance(T), which commits the
+// tokens to the manager (keying the blocks they fill, for prefix caching).
+class PagedKVCache final : public KVCache {
+ public:
+  // capacity: positions one sequence may reach (its block table's width is capacity /
+  // kv_block_size, rounded up). dtype f32 or bf16 (f32 keys and values rounded as stored).
+  PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head, int64_t head_size,
+               int64_t capacity, DType dtype = DType::F32);
+
+  // The sequences the batch's rows are, in order: distinct, each held by the manager. Call
+  // again after the manager's sequences changed outside this cache (a take_prefix, a fork).
+  void set_rows(std::vector<SeqId> ids);
+  const std::vector<SeqId>& rows() const { return ids_; }
+
+  // Before a forward of T = tokens.size() / batch() tokens a row (row-major (B, T)): makes
+  // room for them in every row's blocks, copying first, in every layer, a shared partly filled
+  // last block its row is about to write (copy-on-write), and keeps the tokens for advance().
+  // False, having changed nothing, when the pool cannot supply the blocks. Throws unless every
+  // row has room for T more positions within capacity().
+  bool reserve(std::span<const int32_t> tokens);
+
+  // ---- KVCache ----
+  int64_t batch() const override { return static_cast<int64_t>(ids_.size()); }
+  int64_t capacity() const override { return capacity_; }
+  const std::vector<int64_t>& lengths() const override { return lengths_; }
+  // k, v (B, NKV, T, HS) f32, any strides, T as reserved: written at each row's positions
+  // lengths()[b] .. + T - 1 through its block table. Returns the layer's pools.
+  std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
+  // Commits the reserved tokens: every row's length grows by T.
+  void advance(int64_t T) override;
+  const KVBlocks* kv_blocks() const override { return &view_; }
+
+  int64_t kv_block_size() const { return block_len_; }
+  // A layer's pools (n_blocks, NKV, kv_block_size, HS), for inspection and tests.
+  const Tensor& k_pool(int layer) const { return k_[static_cast<size_t>(layer)]; }
+  const Tensor& v_pool(int layer) const { return v_[static_cast<size_t>(layer)]; }
+
+ private:
+  // Copies the first c.positions positions of block c.src over block c.dst, K and V of every
+  // layer.
+  void copy_block(const BlockCopy& c);
+  // Writes src (B, NKV, T, HS) f32 into pool at each row's new positions.
+  void store(Tensor& pool, const Tensor& src, int64_t T);
+
+  BlockManager& blocks_;
+  int64_t n_layer_, n_kv_head_, head_size_, capacity_, block_len_, width_;
+  DType dtype_;
+  std::vector<Tensor> k_, v_;  // per layer (n_blocks, NKV, kv_block_size, HS)
+  std::vector<SeqId> ids_;
+  std::vector<int64_t> lengths_;  // (batch) the sequences' lengths before the current forward
+  std::vector<int32_t> table_;    // (batch, width_) the sequences' block tables, -1 past them
+  KVBlocks view_{};               // over table_
+  std::vector<int32_t> tokens_;   // the reserved forward's tokens, (batch, reserved_)
+  int64_t reserved_ = 0;          // T of the reserved forward, 0 when none is
+};
+
+}  // namespace kvlab
