@@ -193,7 +193,9 @@ void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int
 // One layer's rows of the cache for this step (DecodeKVCache::layer_rows): host memory, f32 or
 // bf16, B rows of NKV heads of HS contiguous elements with room for every row's length (which
 // counts this step's position), checked before the parallel region; the threads write their
-// new keys and values straight into them.
+// new keys and values straight into them. A paged cache's rows (KVRows::blocks) are reached
+// through their block tables: the new position's block for the stores, every block for the
+// attention, in place.
 struct CacheRef {
   KVRows rows;
   HeadView k_strides, v_strides;  // within a row (its sb unused: each row has its own pointer)
@@ -210,9 +212,30 @@ struct CacheRef {
                 " on ", device_name(r.device), ", v ", shape, " ", dtype_name(r.dtype),
                 "; the CPU decode step writes and reads host f32 or bf16 (B, NKV, S, HS) rows "
                 "with contiguous heads");
+    if (r.blocks != nullptr) {
+      // The attention reads a paged row block by block (cpu::BlockRows, block_len a power of
+      // two); the table must hold the block each row's new position lies in.
+      const KVBlocks& kb = *r.blocks;
+      const bool pow2 = kb.block_len > 0 && (kb.block_len & (kb.block_len - 1)) == 0;
+      KVLAB_CHECK(pow2 && kb.table != nullptr, "decode step: the KV cache's blocks of ",
+                  kb.block_len, " positions are not a power of two, or it has no block table");
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t block = (lengths[static_cast<size_t>(b)] - 1) / kb.block_len;
+        KVLAB_CHECK(block < kb.width && kb.table[b * kb.width + block] >= 0, "decode step: row ",
+                    b, "'s block table has no block for position ",
+                    lengths[static_cast<size_t>(b)] - 1, " (reserve the positions first)");
+      }
+    }
     k_strides = v_strides = {0, r.head_stride, r.pos_stride};
     S = r.positions;
     bf16 = r.dtype == DType::BF16;
+  }
+  // Where position p of row b lies from the row's pointer, in elements (head 0).
+  int64_t position(int64_t b, int64_t p) const {
+    if (rows.blocks == nullptr) return p * rows.pos_stride;
+    const KVBlocks& kb = *rows.blocks;
+    return kb.table[b * kb.width + p / kb.block_len] * kb.block_stride +
+           p % kb.block_len * rows.pos_stride;
   }
   // fn(tag) with tag's ::type the rows' elements: float, or uint16_t for bf16.
   template <class F>
@@ -225,15 +248,16 @@ struct CacheRef {
 };
 
 // Elements [lo, hi) of each row's new keys (or values) src (B, NKV * HS) into the cache rows
-// dst (a pointer per row) at the row's last position (length - 1); a bf16 cache rounds them
-// as append would.
+// dst (a pointer per row, laid out as kv says) at the row's last position (length - 1); a
+// bf16 cache rounds them as append would.
 template <class KV>
-void store_new(void* const* dst, HeadView view, const float* src, int64_t B, int64_t KVD,
+void store_new(void* const* dst, const CacheRef& kv, const float* src, int64_t B, int64_t KVD,
                int64_t HS, const int64_t* lengths, int64_t lo, int64_t hi) {
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t at = kv.position(b, lengths[b] - 1);
     for (int64_t j = lo; j < hi;) {  // a run of one head's elements at a time
       const int64_t head = j / HS, n = std::min(hi, (head + 1) * HS) - j;
-      KV* out = static_cast<KV*>(dst[b]) + head * view.sh + (lengths[b] - 1) * view.st + j % HS;
+      KV* out = static_cast<KV*>(dst[b]) + at + head * kv.rows.head_stride + j % HS;
       const float* in = src + b * KVD + j;
       for (int64_t i = 0; i < n; ++i) {
         if constexpr (std::is_same_v<KV, float>)
@@ -243,6 +267,7 @@ void store_new(void* const* dst, HeadView view, const float* src, int64_t B, int
       }
       j += n;
     }
+  }
 }
 
 // The matrices the step reads packed, in pack_'s order: each block's six (block_linears), then
@@ -490,6 +515,7 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     float* stats = ln + B * C;
     float* my_work = buf.work + t * work_size;
     AttentionShape shape = s;  // S set per layer, kv_lengths per row
+    KVBlocks row_blocks{};     // a paged layer's block tables, table at the row being attended
     const StepRows rows(cfg, t, nt);
     const auto [c0, c1] = rows.c;  // also this thread's columns of x
     const auto [q0, q1] = rows.q;
@@ -517,15 +543,20 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       linear_rows(buf.k, KVD, ln, B, blk.k, k0, k1, part(blk.k));
       linear_rows(buf.v, KVD, ln, B, blk.v, v0, v1, part(blk.v));
       shape.S = kv.S;
+      // A paged row is attended as a batch of 1 at its own block table.
+      const bool paged = kv.rows.blocks != nullptr;
+      if (paged) row_blocks = *kv.rows.blocks;
+      shape.kv_blocks = paged ? &row_blocks : nullptr;
       kv.typed([&](auto tag) {
         using KV = typename decltype(tag)::type;
-        store_new<KV>(kv.rows.k, kv.k_strides, buf.k, B, KVD, HS, lengths, k0, k1);
-        store_new<KV>(kv.rows.v, kv.v_strides, buf.v, B, KVD, HS, lengths, v0, v1);
+        store_new<KV>(kv.rows.k, kv, buf.k, B, KVD, HS, lengths, k0, k1);
+        store_new<KV>(kv.rows.v, kv, buf.v, B, KVD, HS, lengths, v0, v1);
         if (!own_groups) barrier.wait();
         // Task i of the batch: row b = i / (NKV * parts), and that row's task i % (NKV * parts).
         auto task = [&](int64_t i) {
           const int64_t b = i / (NKV * parts);
           shape.kv_lengths = lengths + b;
+          if (paged) row_blocks.table = kv.rows.blocks->table + b * row_blocks.width;
           cpu::attention_decode_task<float, KV>(buf.att + b * C, qv, buf.q + b * C, qv,
                                                 static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
                                                 static_cast<const KV*>(kv.rows.v[b]), kv.v_strides,

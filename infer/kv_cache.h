@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "autograd/backend/kernel_types.h"
 #include "autograd/tensor.h"
 #include "nn/kv_cache.h"
 
@@ -40,6 +41,9 @@ int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int
 // One layer of a cache where DecodeStep reads and writes it, without a Tensor: row b's keys of
 // KV head h at position p are the head_size contiguous elements of `dtype` from
 // k[b] + h * head_stride + p * pos_stride (counted in elements), its values likewise from v[b].
+// A paged cache sets `blocks`: k[b] and v[b] are then the layer's pools (block 0, head 0) and
+// position p lies in block blocks->table[b * width + p / block_len] of them, at
+// block * block_stride + h * head_stride + (p % block_len) * pos_stride.
 // The cache's own memory: what is written there is what the cache holds.
 struct KVRows {
   void* const* k = nullptr;  // (rows) each row's head 0, position 0
@@ -49,6 +53,9 @@ struct KVRows {
   int64_t head_stride = 0, pos_stride = 0;
   DType dtype = DType::F32;
   Device device = Device::CPU;
+  // Null for rows that each lie in one piece; a paged cache's block tables (every row's,
+  // covering its positions up to `positions`), the same for every layer.
+  const KVBlocks* blocks = nullptr;
 };
 
 // A KVCache whose memory its caller may write and read itself: DecodeStep's threads write the
