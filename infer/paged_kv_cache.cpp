@@ -41,6 +41,13 @@ void PagedKVCache::set_rows(std::vector<SeqId> ids) {
     KVLAB_CHECK(seen.insert(id).second, "paged KV cache: sequence ", id, " is two rows");
   }
   ids_ = std::move(ids);
+  k_rows_.clear();
+  v_rows_.clear();
+  for (int64_t l = 0; l < n_layer_; ++l)
+    for (size_t b = 0; b < ids_.size(); ++b) {
+      k_rows_.push_back(k_[static_cast<size_t>(l)].raw_data());
+      v_rows_.push_back(v_[static_cast<size_t>(l)].raw_data());
+    }
   lengths_.clear();
   for (const SeqId id : ids_) lengths_.push_back(blocks_.length(id));
   table_.clear();
@@ -134,6 +141,26 @@ std::pair<Tensor, Tensor> PagedKVCache::append(int layer, const Tensor& k, const
   store(kp, k, reserved_);
   store(vp, v, reserved_);
   return {kp, vp};
+}
+
+KVRows PagedKVCache::layer_rows(int layer, int64_t T) {
+  KVLAB_CHECK(layer >= 0 && layer < n_layer_, "paged KV cache: layer ", layer, " outside [0, ",
+              n_layer_, ")");
+  KVLAB_CHECK(reserved_ > 0 && T == reserved_, "paged KV cache: rows for ", T,
+              " positions a row, but reserve() made room for ", reserved_);
+  const int64_t longest = *std::max_element(lengths_.begin(), lengths_.end());
+  const size_t row0 = static_cast<size_t>(layer) * ids_.size();
+  return {k_rows_.data() + row0,
+          v_rows_.data() + row0,
+          batch(),
+          n_kv_head_,
+          head_size_,
+          longest + T,
+          block_len_ * head_size_,
+          head_size_,
+          dtype_,
+          Device::CPU,
+          &view_};
 }
 
 void PagedKVCache::advance(int64_t T) {

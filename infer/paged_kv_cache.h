@@ -12,7 +12,7 @@
 #include "autograd/backend/kernel_types.h"
 #include "autograd/tensor.h"
 #include "infer/block_manager.h"
-#include "nn/kv_cache.h"
+#include "infer/kv_cache.h"
 
 namespace kvlab {
 
@@ -24,9 +24,10 @@ namespace kvlab {
 // copies the manager's copy-on-write asks for.
 //
 // A forward of T tokens a row: reserve(tokens) makes room in every row's blocks; then
-// GPT::forward appends every layer's keys and values and calls advance(T), which commits the
-// tokens to the manager (keying the blocks they fill, for prefix caching).
-class PagedKVCache final : public KVCache {
+// GPT::forward appends every layer's keys and values, or DecodeStep (T = 1) writes them
+// through layer_rows' block tables, and either calls advance(T), which commits the tokens to
+// the manager (keying the blocks they fill, for prefix caching).
+class PagedKVCache final : public DecodeKVCache {
  public:
   // capacity: positions one sequence may reach (its block table's width is capacity /
   // kv_block_size, rounded up). dtype f32 or bf16 (f32 keys and values rounded as stored).
@@ -56,6 +57,11 @@ class PagedKVCache final : public KVCache {
   void advance(int64_t T) override;
   const KVBlocks* kv_blocks() const override { return &view_; }
 
+  // ---- DecodeKVCache ----
+  // The layer's pools and the rows' block tables (KVRows::blocks), for the T positions a row
+  // reserve() made room for. Throws unless T is what was reserved.
+  KVRows layer_rows(int layer, int64_t T) override;
+
   int64_t kv_block_size() const { return block_len_; }
   // A layer's pools (n_blocks, NKV, kv_block_size, HS), for inspection and tests.
   const Tensor& k_pool(int layer) const { return k_[static_cast<size_t>(layer)]; }
@@ -72,6 +78,9 @@ class PagedKVCache final : public KVCache {
   int64_t n_layer_, n_kv_head_, head_size_, capacity_, block_len_, width_;
   DType dtype_;
   std::vector<Tensor> k_, v_;  // per layer (n_blocks, NKV, kv_block_size, HS)
+  // (L, batch): every row's pointer into each layer's pools, for layer_rows: the pool itself,
+  // since a paged row is reached through its block table.
+  std::vector<void*> k_rows_, v_rows_;
   std::vector<SeqId> ids_;
   std::vector<int64_t> lengths_;  // (batch) the sequences' lengths before the current forward
   std::vector<int32_t> table_;    // (batch, width_) the sequences' block tables, -1 past them
