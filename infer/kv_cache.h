@@ -7,21 +7,18 @@
 // GenerationKVCache names those extra calls; ContiguousKVCache implements them over
 // preallocated (B, NKV, S_max, HS) buffers.
 //
-// Room for a paged cache: a block-table implementation would derive from GenerationKVCache
-// too, keep a pool of (NKV, block, HS) blocks per layer plus a (B, max_blocks) table, and
-//  - append(): write each row's new positions into its current block (taking a free block
-//    from the pool when one fills) instead of at an offset of one big buffer;
-//  - layer_rows(): rows are addressed one by one (a pointer, a head stride and a position
-//    stride per layer), so rows may already lie apart; a row spread over scattered blocks
-//    would give a pointer per block instead, and DecodeStep's stores and attention would
-//    follow its block table (a change inside infer/);
-//  - the views append() returns: the attention op reads (B, NKV, S, HS) strided views today,
-//    so a paged cache would either gather into a scratch buffer or pass its block table to a
-//    paged attention kernel (the only change outside infer/);
-//  - rows(): the same block table restricted to some rows;
+// The paged cache, PagedKVCache (infer/paged_kv_cache.h), is a DecodeKVCache beside these: per
+// layer a pool of (NKV, kv_block_size, HS) blocks that a BlockManager hands out to sequences,
+// each reaching its own through a block table. reserve() takes the blocks a forward needs
+// (copying a shared partly filled block first: copy-on-write); append() writes into them, the
+// attention op reads the pools through the tables (KVCache::kv_blocks), and DecodeStep stores
+// and attends through them too (KVRows::blocks): nothing is gathered into one place. It is not
+// a GenerationKVCache, so the Engine does not use it yet; as one it would
+//  - rows(): the same block tables restricted to some rows;
 //  - move_row(): swap block-table rows instead of copying memory;
-//  - bytes(): blocks in use times the block size, not B * S_max.
-// The engine uses only the GenerationKVCache calls, so it does not change.
+//  - reset_row(), truncate_batch(): hand the rows' blocks back to the manager;
+//  - bytes(): blocks in use times the block size, not B * S_max;
+// and the Engine would call its reserve() before each forward.
 #include <cstdint>
 #include <memory>
 #include <utility>
