@@ -7,20 +7,18 @@
 // GenerationKVCache names those extra calls; ContiguousKVCache implements them over
 // preallocated (B, NKV, S_max, HS) buffers.
 //
-// The paged cache, PagedKVCache (infer/paged_kv_cache.h), is a DecodeKVCache beside these: per
+// The paged cache, PagedKVCache (infer/paged_kv_cache.h), is the other GenerationKVCache: per
 // layer a pool of (NKV, kv_block_size, HS) blocks that a BlockManager hands out to sequences,
-// each reaching its own through a block table. reserve() takes the blocks a forward needs
+// each reaching its own through a block table. Its prepare() takes the blocks a forward needs
 // (copying a shared partly filled block first: copy-on-write); append() writes into them, the
 // attention op reads the pools through the tables (KVCache::kv_blocks), and DecodeStep stores
-// and attends through them too (KVRows::blocks): nothing is gathered into one place. It is not
-// a GenerationKVCache, so the Engine does not use it yet; as one it would
-//  - rows(): the same block tables restricted to some rows;
-//  - move_row(): swap block-table rows instead of copying memory;
-//  - reset_row(), truncate_batch(): hand the rows' blocks back to the manager;
-//  - bytes(): blocks in use times the block size, not B * S_max;
-// and the Engine would call its reserve() before each forward.
+// and attends through them too (KVRows::blocks): nothing is gathered into one place. Its rows
+// are sequences of the manager: rows() restricts the block tables to some rows, move_row()
+// swaps sequences instead of copying memory, reset_row() and truncate_batch() hand the rows'
+// blocks back, and bytes() counts blocks in use, not B * S_max.
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -66,6 +64,10 @@ class DecodeKVCache : public KVCache {
   // allocates nothing: DecodeStep takes every layer's at every step, before its parallel
   // region.
   virtual KVRows layer_rows(int layer, int64_t T) = 0;
+  // Called by the Engine before each forward of tokens (B, T) (row-major) into this cache: a
+  // cache that takes memory as it goes takes it here, so that running out is an error before
+  // anything is written. Nothing to do for a cache allocated up front.
+  virtual void prepare(std::span<const int32_t> /*tokens*/) {}
 };
 
 class GenerationKVCache : public DecodeKVCache {

@@ -10,7 +10,7 @@
 namespace kvlab {
 
 PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head,
-                           int64_t head_size, int64_t capacity, DType dtype)
+                           int64_t head_size, int64_t capacity, DType dtype, int64_t max_batch)
     : blocks_(blocks),
       n_layer_(n_layer),
       n_kv_head_(n_kv_head),
@@ -32,7 +32,31 @@ PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_h
     v_.push_back(Tensor::zeros(shape, dtype));
   }
   view_ = {nullptr, width_, block_len_, n_kv_head * block_len_ * head_size};
+  KVLAB_CHECK(max_batch >= 0, "paged KV cache: max_batch ", max_batch, " is negative");
+  max_batch_ = max_batch;
+  if (max_batch > 0) reset();
 }
+
+PagedKVCache::PagedKVCache(PagedKVCache& parent, int64_t first, int64_t count)
+    : blocks_(parent.blocks_),
+      n_layer_(parent.n_layer_),
+      n_kv_head_(parent.n_kv_head_),
+      head_size_(parent.head_size_),
+      capacity_(parent.capacity_),
+      block_len_(parent.block_len_),
+      width_(parent.width_),
+      dtype_(parent.dtype_),
+      k_(parent.k_),
+      v_(parent.v_),
+      view_(parent.view_),
+      max_batch_(count),
+      parent_(&parent),
+      first_(first) {
+  ids_.assign(parent.ids_.begin() + first, parent.ids_.begin() + first + count);
+  refresh();
+}
+
+PagedKVCache::~PagedKVCache() = default;
 
 void PagedKVCache::set_rows(std::vector<SeqId> ids) {
   std::unordered_set<SeqId> seen;
@@ -41,6 +65,11 @@ void PagedKVCache::set_rows(std::vector<SeqId> ids) {
     KVLAB_CHECK(seen.insert(id).second, "paged KV cache: sequence ", id, " is two rows");
   }
   ids_ = std::move(ids);
+  max_batch_ = batch();
+  refresh();
+}
+
+void PagedKVCache::refresh() {
   k_rows_.clear();
   v_rows_.clear();
   for (int64_t l = 0; l < n_layer_; ++l)
@@ -55,12 +84,62 @@ void PagedKVCache::set_rows(std::vector<SeqId> ids) {
   reserved_ = 0;
 }
 
-bool PagedKVCache::reserve(std::span<const int32_t> tokens) {
-  const int64_t B = batch(), n = static_cast<int64_t>(tokens.size());
-  KVLAB_CHECK(B > 0 && n > 0 && n % B == 0, "paged KV cache: ", n, " tokens for ", B, " rows");
-  const int64_t T = n / B;
+SeqId PagedKVCache::add_fresh() {
+  while (blocks_.contains(next_id_)) ++next_id_;
+  blocks_.add(next_id_);
+  return next_id_++;
+}
+
+void PagedKVCache::reset() {
+  KVLAB_CHECK(parent_ == nullptr, "paged KV cache: reset() of a rows() view");
+  for (const SeqId id : ids_) blocks_.free(id);
+  ids_.clear();
+  for (int64_t b = 0; b < max_batch_; ++b) ids_.push_back(add_fresh());
+  refresh();
+}
+
+void PagedKVCache::reset_row(int64_t b) {
+  KVLAB_CHECK(parent_ == nullptr, "paged KV cache: reset_row() of a rows() view");
+  KVLAB_CHECK(b >= 0 && b < batch(), "paged KV cache: row ", b, " outside [0, ", batch(), ")");
+  blocks_.free(ids_[static_cast<size_t>(b)]);
+  ids_[static_cast<size_t>(b)] = add_fresh();
+  refresh();
+}
+
+DecodeKVCache& PagedKVCache::rows(int64_t first, int64_t count) {
+  KVLAB_CHECK(first >= 0 && count >= 1 && first + count <= batch(), "paged KV cache: rows [",
+              first, ", ", first + count, ") outside [0, ", batch(), ")");
+  range_.reset();
+  range_.reset(new PagedKVCache(*this, first, count));
+  return *range_;
+}
+
+void PagedKVCache::move_row(int64_t src, int64_t dst) {
+  KVLAB_CHECK(src >= 0 && src < batch() && dst >= 0 && dst < batch(), "paged KV cache: move_row(",
+              src, ", ", dst, ") outside [0, ", batch(), ")");
+  // Row dst becomes src's sequence; src now holds dst's, which the caller drops or resets.
+  std::swap(ids_[static_cast<size_t>(src)], ids_[static_cast<size_t>(dst)]);
+  refresh();
+}
+
+void PagedKVCache::truncate_batch(int64_t count) {
+  KVLAB_CHECK(count >= 0 && count <= batch(), "paged KV cache: truncate_batch(", count,
+              ") outside [0, ", batch(), "]");
+  for (size_t b = static_cast<size_t>(count); b < ids_.size(); ++b) blocks_.free(ids_[b]);
+  ids_.resize(static_cast<size_t>(count));
+  refresh();
+}
+
+int64_t PagedKVCache::bytes() const {
+  int64_t pools = 0;
+  for (const std::vector<Tensor>* p : {&k_, &v_})
+    for (const Tensor& pool : *p) pools += static_cast<int64_t>(pool.storage()->nbytes());
+  return blocks_.stats().in_use * (pools / blocks_.total_blocks());
+}
+
+int64_t PagedKVCache::blocks_needed(int64_t T) {
   int64_t needed = 0;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < batch(); ++b) {
     const SeqId id = ids_[static_cast<size_t>(b)];
     const int64_t len = blocks_.length(id);
     lengths_[static_cast<size_t>(b)] = len;
@@ -68,9 +147,25 @@ bool PagedKVCache::reserve(std::span<const int32_t> tokens) {
                 " positions, ", T, " more exceed the capacity of ", capacity_);
     needed += blocks_.blocks_needed(id, T);
   }
+  return needed;
+}
+
+void PagedKVCache::prepare(std::span<const int32_t> tokens) {
+  if (reserve(tokens)) return;
+  const int64_t B = batch(), T = static_cast<int64_t>(tokens.size()) / B;
+  KVLAB_CHECK(false, "paged KV cache: out of blocks: a forward of ", T, " token(s) on ", B,
+              " row(s) needs ", blocks_needed(T), " more blocks of ", block_len_,
+              " positions, but the pool of ", blocks_.total_blocks(), " blocks has ",
+              blocks_.blocks_available(), " available (give the cache a larger pool)");
+}
+
+bool PagedKVCache::reserve(std::span<const int32_t> tokens) {
+  const int64_t B = batch(), n = static_cast<int64_t>(tokens.size());
+  KVLAB_CHECK(B > 0 && n > 0 && n % B == 0, "paged KV cache: ", n, " tokens for ", B, " rows");
+  const int64_t T = n / B;
   // Rows are distinct sequences, so each reserve below takes exactly its blocks_needed: when
   // they all fit, none fails halfway.
-  if (needed > blocks_.blocks_available()) return false;
+  if (blocks_needed(T) > blocks_.blocks_available()) return false;
   table_.assign(static_cast<size_t>(B * width_), -1);
   for (int64_t b = 0; b < B; ++b) {
     const SeqId id = ids_[static_cast<size_t>(b)];
@@ -169,6 +264,7 @@ void PagedKVCache::advance(int64_t T) {
     blocks_.commit(ids_[static_cast<size_t>(b)],
                    std::span(tokens_).subspan(static_cast<size_t>(b * T), static_cast<size_t>(T)));
     lengths_[static_cast<size_t>(b)] += T;
+    if (parent_ != nullptr) parent_->lengths_[static_cast<size_t>(first_ + b)] += T;
   }
   reserved_ = 0;
 }

@@ -5,6 +5,7 @@
 // (KVCache::kv_blocks), so a sequence's positions never lie in one place and are never gathered
 // there.
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <utility>
 #include <vector>
@@ -23,21 +24,31 @@ namespace kvlab {
 // sequences (add, fork, free, take_prefix); this cache writes keys and values and performs the
 // copies the manager's copy-on-write asks for.
 //
-// A forward of T tokens a row: reserve(tokens) makes room in every row's blocks; then
-// GPT::forward appends every layer's keys and values, or DecodeStep (T = 1) writes them
-// through layer_rows' block tables, and either calls advance(T), which commits the tokens to
-// the manager (keying the blocks they fill, for prefix caching).
-class PagedKVCache final : public DecodeKVCache {
+// A forward of T tokens a row: reserve(tokens) (or prepare(), which throws instead of
+// returning false) makes room in every row's blocks; then GPT::forward appends every layer's
+// keys and values, or DecodeStep (T = 1) writes them through layer_rows' block tables, and
+// either calls advance(T), which commits the tokens to the manager (keying the blocks they
+// fill, for prefix caching).
+//
+// As a GenerationKVCache, the Engine's rows are sequences of the manager: reset() and
+// reset_row() free the rows' sequences and add fresh, empty ones; move_row() swaps two rows'
+// sequences (no keys or values move); truncate_batch() frees the dropped rows' sequences.
+// These free whatever sequences the rows are, including ones given to set_rows().
+class PagedKVCache final : public GenerationKVCache {
  public:
   // capacity: positions one sequence may reach (its block table's width is capacity /
   // kv_block_size, rounded up). dtype f32 or bf16 (f32 keys and values rounded as stored).
+  // max_batch > 0 makes that many fresh sequences the rows (as reset() does); 0 leaves the
+  // rows to set_rows().
   PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head, int64_t head_size,
-               int64_t capacity, DType dtype = DType::F32);
+               int64_t capacity, DType dtype = DType::F32, int64_t max_batch = 0);
+  ~PagedKVCache() override;
 
-  // The sequences the batch's rows are, in order: distinct, each held by the manager. Call
-  // again after the manager's sequences changed outside this cache (a take_prefix, a fork).
+  // The sequences the batch's rows are, in order: distinct, each held by the manager; they
+  // are then all max_batch() rows. Call again after the manager's sequences changed outside
+  // this cache (a take_prefix, a fork).
   void set_rows(std::vector<SeqId> ids);
-  const std::vector<SeqId>& rows() const { return ids_; }
+  const std::vector<SeqId>& row_ids() const { return ids_; }
 
   // Before a forward of T = tokens.size() / batch() tokens a row (row-major (B, T)): makes
   // room for them in every row's blocks, copying first, in every layer, a shared partly filled
@@ -45,6 +56,9 @@ class PagedKVCache final : public DecodeKVCache {
   // False, having changed nothing, when the pool cannot supply the blocks. Throws unless every
   // row has room for T more positions within capacity().
   bool reserve(std::span<const int32_t> tokens);
+  // reserve(), throwing kvlab::Error (having changed nothing) that names the pool's size and
+  // the blocks the forward asked for when the pool cannot supply them.
+  void prepare(std::span<const int32_t> tokens) override;
 
   // ---- KVCache ----
   int64_t batch() const override { return static_cast<int64_t>(ids_.size()); }
@@ -62,12 +76,33 @@ class PagedKVCache final : public DecodeKVCache {
   // reserve() made room for. Throws unless T is what was reserved.
   KVRows layer_rows(int layer, int64_t T) override;
 
+  // ---- GenerationKVCache ----
+  int64_t max_batch() const override { return max_batch_; }
+  void reset() override;
+  void reset_row(int64_t b) override;
+  // A cache over the same pools whose rows are rows [first, first + count) of this one; its
+  // advance() moves this one's lengths too.
+  DecodeKVCache& rows(int64_t first, int64_t count) override;
+  void move_row(int64_t src, int64_t dst) override;
+  void truncate_batch(int64_t count) override;
+  // The manager's blocks in use times the bytes one block takes in every layer's pools.
+  int64_t bytes() const override;
+
   int64_t kv_block_size() const { return block_len_; }
   // A layer's pools (n_blocks, NKV, kv_block_size, HS), for inspection and tests.
   const Tensor& k_pool(int layer) const { return k_[static_cast<size_t>(layer)]; }
   const Tensor& v_pool(int layer) const { return v_[static_cast<size_t>(layer)]; }
 
  private:
+  // A view of rows [first, first + count) of parent, sharing its pools.
+  PagedKVCache(PagedKVCache& parent, int64_t first, int64_t count);
+  // Rebuilds what follows from ids_ (row pointers, lengths) and forgets any reservation.
+  void refresh();
+  // An id the manager does not hold, added to it as an empty sequence.
+  SeqId add_fresh();
+  // Blocks a forward of T positions a row needs; throws unless every row has room within
+  // capacity().
+  int64_t blocks_needed(int64_t T);
   // Copies the first c.positions positions of block c.src over block c.dst, K and V of every
   // layer.
   void copy_block(const BlockCopy& c);
@@ -87,6 +122,12 @@ class PagedKVCache final : public DecodeKVCache {
   KVBlocks view_{};               // over table_
   std::vector<int32_t> tokens_;   // the reserved forward's tokens, (batch, reserved_)
   int64_t reserved_ = 0;          // T of the reserved forward, 0 when none is
+  int64_t max_batch_ = 0;
+  SeqId next_id_ = 0;  // where add_fresh() starts looking
+  // A rows() view: the cache it is a view of, and the first of that cache's rows it covers.
+  PagedKVCache* parent_ = nullptr;
+  int64_t first_ = 0;
+  std::unique_ptr<PagedKVCache> range_;  // the last rows() view
 };
 
 }  // namespace kvlab
