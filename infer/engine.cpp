@@ -152,13 +152,25 @@ class Engine::Generation {
   Clock::time_point t_start_;
 };
 
-Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype)
-    : model_(model), tokenizer_(tokenizer), cache_dtype_(cache_dtype), step_(model) {
+Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype,
+               std::optional<PagedCacheOptions> paged)
+    : model_(model), tokenizer_(tokenizer), cache_dtype_(cache_dtype), paged_(paged),
+      step_(model) {
   KVLAB_CHECK(tokenizer.vocab_size() == model.config().vocab_size, "engine: tokenizer has ",
               tokenizer.vocab_size(), " symbols, the model's vocab_size is ",
               model.config().vocab_size);
   KVLAB_CHECK(cache_dtype == DType::F32 || cache_dtype == DType::BF16, "engine: KV cache dtype ",
               dtype_name(cache_dtype), " is not supported (f32 or bf16)");
+  if (paged) {
+    const int64_t n = paged->kv_block_size, context = model.config().block_size;
+    KVLAB_CHECK(n >= 1 && (n & (n - 1)) == 0, "engine: kv_block_size ", n,
+                " is not a power of two");
+    KVLAB_CHECK(n <= context, "engine: kv_block_size ", n, " is larger than the context (",
+                context, ")");
+    KVLAB_CHECK(paged->pool_blocks >= 0 && paged->pool_bytes >= 0,
+                "engine: the paged cache's pool size must not be negative");
+    KVLAB_CHECK(model.device() == Device::CPU, "engine: the paged KV cache runs on the CPU only");
+  }
 }
 
 Engine::~Engine() = default;
@@ -169,6 +181,8 @@ std::vector<int32_t> Engine::encode(std::string_view text, std::string_view what
 }
 
 Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache) {
+  const Tensor host = tokens.to(Device::CPU).contiguous();
+  cache.prepare({host.data<int32_t>(), static_cast<size_t>(host.numel())});
   return step_.applies(tokens) ? step_.forward(tokens, cache)
                                : model_.forward(tokens, &cache, true);
 }
@@ -177,8 +191,24 @@ GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   const GPTConfig& c = model_.config();  // fixed for the engine's life: only B and S vary
   if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity) {
     cache_.reset();  // free first: the allocator can hand the same blocks back
-    cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
-                                                 c.head_size(), cache_dtype_, model_.device());
+    blocks_.reset();
+    if (paged_) {
+      const int64_t bs = paged_->kv_block_size;
+      const int64_t block_bytes = 2 * c.n_layer * c.n_kv_head * bs * c.head_size() *
+                                  static_cast<int64_t>(dtype_size(cache_dtype_));
+      const int64_t n_blocks = paged_->pool_blocks > 0 ? paged_->pool_blocks
+                               : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes
+                                                        : batch * ((capacity + bs - 1) / bs);
+      KVLAB_CHECK(n_blocks >= 1, "engine: a paged cache pool of ", paged_->pool_bytes,
+                  " bytes holds no block of ", block_bytes, " bytes");
+      // No prefix caching: the engine's rows never share a prompt's blocks.
+      blocks_ = std::make_unique<BlockManager>(n_blocks, bs, 0, false);
+      cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
+                                              capacity, cache_dtype_, batch);
+    } else {
+      cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
+                                                   c.head_size(), cache_dtype_, model_.device());
+    }
     cache_batch_ = batch;
     cache_capacity_ = capacity;
   }
@@ -300,6 +330,7 @@ void Engine::Generation::prefill_cached(GenerationKVCache& cache) {
     for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V_);
     r0 = r1;
   }
+  stats().cache_bytes = std::max(stats().cache_bytes, cache.bytes());
   stats().prefill_s = stats().ttft_s = seconds(t_start_, Clock::now());
 }
 
@@ -355,6 +386,7 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
     const Tensor logits = engine_.forward_cached(tokens, cache).to(Device::CPU);  // (n, 1, V)
     const float* lp = logits.data<float>();
     for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V_);
+    stats().cache_bytes = std::max(stats().cache_bytes, cache.bytes());
     record_step(step, t0, n);
     compact();
   }
@@ -429,7 +461,6 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
         cache_for(static_cast<int64_t>(prompts.size()), std::max<int64_t>(capacity, max_window));
     // Inside the timed call: its first token waits for the packing.
     const DecodeStep::PackGuard pack = step_.pack();
-    gen.stats().cache_bytes = cache.bytes();
     gen.stats().cache_capacity = cache.capacity();
     gen.prefill_cached(cache);
     gen.decode_cached(cache);

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -45,6 +46,7 @@
 #include "data/tokenizer.h"
 #include "infer/decode_step.h"
 #include "infer/kv_cache.h"
+#include "infer/paged_kv_cache.h"
 #include "infer/sampler.h"
 #include "nn/gpt.h"
 
@@ -103,7 +105,9 @@ struct GenerationStats {
   std::vector<int64_t> step_rows;  // rows each decode step advanced
   double total_s = 0;
   int64_t new_tokens = 0;      // over all rows
-  int64_t cache_bytes = 0;     // measured from the cache's allocations (0 without cache)
+  // The most the cache held at once, measured from its allocations (0 without cache): all of
+  // a contiguous cache, a paged cache's blocks in use at its fullest.
+  int64_t cache_bytes = 0;
   int64_t cache_capacity = 0;  // S_max of the cache
 
   double decode_s() const;
@@ -121,12 +125,25 @@ struct GenerationResult {
   GenerationStats stats;
 };
 
+// The paged KV cache (infer/paged_kv_cache.h) instead of the contiguous one: blocks of
+// kv_block_size positions from a pool, taken as rows grow and handed back as they finish. CPU
+// only. The pool: pool_blocks blocks, else as many as fit in pool_bytes, else (both 0) enough
+// for every row to reach the generation's capacity, so that generation never runs out and
+// behaves as with the contiguous cache. A smaller pool makes running out a kvlab::Error.
+struct PagedCacheOptions {
+  int64_t kv_block_size = 16;  // a power of two, at most the model's block_size
+  int64_t pool_blocks = 0;
+  int64_t pool_bytes = 0;
+};
+
 class Engine {
  public:
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
   // cache_dtype: f32, or bf16 (keys and values rounded to bf16 as they are stored: half the
-  // cache memory and the bytes each decode step reads), on either device.
-  Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32);
+  // cache memory and the bytes each decode step reads), on either device. paged: use the
+  // paged cache with these options (the model must be on the CPU); none: the contiguous one.
+  Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32,
+         std::optional<PagedCacheOptions> paged = std::nullopt);
   ~Engine();
 
   // Encodes a prompt; errors name it ("prompt") and list characters outside the vocabulary.
@@ -152,20 +169,22 @@ class Engine {
   DecodeStep& decode_step() { return step_; }
   const DecodeStep& decode_step() const { return step_; }
   // One cached forward of tokens (B, T) -> the last position's logits (B, 1, V), as generate
-  // runs each: through the decode step where it applies (DecodeStep::applies), else through
-  // the model.
+  // runs each: the cache's prepare(), then through the decode step where it applies
+  // (DecodeStep::applies), else through the model.
   Tensor forward_cached(const Tensor& tokens, DecodeKVCache& cache);
 
  private:
   class Generation;
   // The one place that picks the cache implementation: the decode loop only uses the
-  // GenerationKVCache calls, so a paged cache would be constructed here instead.
+  // GenerationKVCache calls.
   GenerationKVCache& cache_for(int64_t batch, int64_t capacity);
 
   GPT& model_;
   const Tokenizer& tokenizer_;
   DType cache_dtype_;
+  std::optional<PagedCacheOptions> paged_;
   DecodeStep step_;
+  std::unique_ptr<BlockManager> blocks_;  // the paged cache's; declared first, freed last
   std::unique_ptr<GenerationKVCache> cache_;
   int64_t cache_batch_ = 0, cache_capacity_ = 0;
 };

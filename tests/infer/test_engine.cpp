@@ -111,6 +111,111 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::vector<int64_t>{15}, std::vector<int64_t>{1, 7, 15},
                                          std::vector<int64_t>{15, 1, 7, 7})));
 
+// ---- paged cache equals contiguous ------------------------------------------------------
+
+// Every row's logits at every step (row, then step order).
+struct PagedRun {
+  GenerationResult result;
+  std::vector<std::vector<float>> logits;
+};
+
+PagedRun run_engine(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+               GenerateOptions o) {
+  PagedRun run;
+  std::vector<std::vector<std::vector<float>>> per_row(prompts.size());
+  o.on_logits = [&](int64_t r, std::span<const int32_t>, std::span<const float> l) {
+    per_row[static_cast<size_t>(r)].emplace_back(l.begin(), l.end());
+  };
+  run.result = engine.generate_ids(prompts, o);
+  for (auto& row : per_row)
+    for (auto& l : row) run.logits.push_back(std::move(l));
+  return run;
+}
+
+void expect_same_generation(const PagedRun& paged, const PagedRun& contiguous, double tol) {
+  ASSERT_EQ(paged.result.rows.size(), contiguous.result.rows.size());
+  for (size_t b = 0; b < paged.result.rows.size(); ++b) {
+    EXPECT_EQ(paged.result.rows[b].tokens, contiguous.result.rows[b].tokens) << "row " << b;
+    EXPECT_EQ(paged.result.rows[b].text, contiguous.result.rows[b].text) << "row " << b;
+    EXPECT_EQ(paged.result.rows[b].stop_reason, contiguous.result.rows[b].stop_reason);
+    EXPECT_EQ(paged.result.rows[b].slides, contiguous.result.rows[b].slides);
+  }
+  ASSERT_EQ(paged.logits.size(), contiguous.logits.size());
+  double worst = 0;
+  for (size_t i = 0; i < paged.logits.size(); ++i)
+    for (size_t j = 0; j < paged.logits[i].size(); ++j)
+      worst = std::max(worst, static_cast<double>(
+                                  std::fabs(paged.logits[i][j] - contiguous.logits[i][j])));
+  EXPECT_LE(worst, tol);
+}
+
+// (n_kv_head, prompt lengths, cache dtype); blocks of 4 positions, so prompts and decoding
+// cross block boundaries.
+using PagedCase = std::tuple<int64_t, std::vector<int64_t>, DType>;
+class PagedEqualsContiguous : public ::testing::TestWithParam<PagedCase> {};
+
+TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
+  const auto& [nkv, lengths, dtype] = GetParam();
+  auto model = tiny_model(nkv);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine contiguous(*model, tok, dtype);
+  Engine paged(*model, tok, dtype, PagedCacheOptions{.kv_block_size = 4});
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t b = 0; b < lengths.size(); ++b) prompts.push_back(random_ids(lengths[b], 30 + b));
+  const PagedRun c = run_engine(contiguous, prompts, greedy(16));
+  const PagedRun p = run_engine(paged, prompts, greedy(16));
+  expect_same_generation(p, c, 1e-5);
+  // Rows leave the batch as they finish: the paged cache then holds fewer blocks than all of
+  // the contiguous one at its fullest, never more.
+  EXPECT_GT(p.result.stats.cache_bytes, 0);
+  EXPECT_LE(p.result.stats.cache_bytes, c.result.stats.cache_bytes);
+  // Reused for a second generation: its rows start empty again.
+  expect_same_generation(run_engine(paged, prompts, greedy(5)),
+                         run_engine(contiguous, prompts, greedy(5)), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    NkvBatchDtype, PagedEqualsContiguous,
+    ::testing::Combine(::testing::Values(4, 2, 1),
+                       ::testing::Values(std::vector<int64_t>{7}, std::vector<int64_t>{1, 7, 15},
+                                         std::vector<int64_t>{9, 9, 4}),
+                       ::testing::Values(DType::F32, DType::BF16)));
+
+TEST(Engine, PagedCacheSlidesLikeTheContiguousOne) {
+  for (const int64_t nkv : {4, 1}) {
+    auto model = tiny_model(nkv);
+    const Tokenizer tok = tiny_tokenizer();
+    Engine contiguous(*model, tok);
+    Engine paged(*model, tok, DType::F32, PagedCacheOptions{.kv_block_size = 8});
+    GenerateOptions o = greedy(30);
+    o.slide = true;
+    const std::vector<std::vector<int32_t>> prompts = {random_ids(7, 1), random_ids(2, 2),
+                                                       random_ids(20, 3)};
+    const PagedRun p = run_engine(paged, prompts, o);
+    expect_same_generation(p, run_engine(contiguous, prompts, o), 1e-5);
+    EXPECT_GT(p.result.rows[0].slides, 0);
+  }
+}
+
+TEST(Engine, PagedCacheOutOfBlocksIsAClearError) {
+  auto model = tiny_model(2);
+  const Tokenizer tok = tiny_tokenizer();
+  // Two blocks of 4 positions: a prompt of 9 needs three.
+  Engine small(*model, tok, DType::F32, PagedCacheOptions{.kv_block_size = 4, .pool_blocks = 2});
+  expect_error([&] { small.generate_ids({random_ids(9, 4)}, greedy(4)); }, "pool of 2 blocks");
+  expect_error([&] { small.generate_ids({random_ids(9, 4)}, greedy(4)); }, "needs 3 more blocks");
+  // Recoverable: the engine generates what fits.
+  Engine contiguous(*model, tok);
+  expect_same_generation(run_engine(small, {random_ids(5, 5)}, greedy(3)),
+                         run_engine(contiguous, {random_ids(5, 5)}, greedy(3)), 1e-5);
+  expect_error(
+      [&] { Engine(*model, tok, DType::F32, PagedCacheOptions{.kv_block_size = 12}); },
+      "kv_block_size 12 is not a power of two");
+  expect_error(
+      [&] { Engine(*model, tok, DType::F32, PagedCacheOptions{.kv_block_size = 32}); },
+      "kv_block_size 32 is larger than the context (16)");
+}
+
 // A bf16 cache rounds every cached key and value to 8 mantissa bits: at every step its logits
 // stay within a bf16-sized distance of the f32 recompute, and they do differ from it (the
 // cache really holds bf16). Its memory is half the f32 cache's.
