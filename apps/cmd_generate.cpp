@@ -25,6 +25,8 @@ struct GenerateArgs {
   std::string device = "cpu";
   std::string dtype = "f32";
   std::string kv_dtype = "f32";
+  std::string kv_cache = "contiguous";
+  int64_t kv_block_size = 16;
   std::string weight_dtype = "f32";
   std::string prompt;
   std::string prompt_file;
@@ -107,7 +109,8 @@ void run_generate(const GenerateArgs& a) {
   GPT& model = *loaded.model;
   model.to(device);
   if (parse_storage_dtype(a.weight_dtype) == DType::BF16) model.round_matrices_to_bf16();
-  Engine engine(model, loaded.tokenizer, kv_dtype);
+  Engine engine(model, loaded.tokenizer, kv_dtype,
+                parse_kv_cache(a.kv_cache, a.kv_block_size, model.config().block_size));
 
   GenerateOptions o;
   o.max_new_tokens = a.max_new;
@@ -177,6 +180,7 @@ void run_generate(const GenerateArgs& a) {
                    {"cache",
                     {{"enabled", !a.no_cache},
                      {"dtype", a.kv_dtype},
+                     {"layout", a.kv_cache},
                      {"bytes", st.cache_bytes},
                      {"positions", st.cache_capacity}}},
                    {"sampling",
@@ -229,6 +233,7 @@ void add_generate_command(CLI::App& root) {
       ->required();
   add_device_flags(cmd, args->device, args->dtype);
   add_kv_dtype_flag(cmd, args->kv_dtype);
+  add_kv_cache_flags(cmd, args->kv_cache, args->kv_block_size);
   add_weight_dtype_flag(cmd, args->weight_dtype);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =

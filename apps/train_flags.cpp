@@ -90,6 +90,28 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {
       ->capture_default_str();
 }
 
+void add_kv_cache_flags(CLI::App* cmd, std::string& kv_cache, int64_t& kv_block_size) {
+  cmd->add_option("--kv-cache", kv_cache,
+                  "KV cache layout: contiguous (every row's whole context allocated up front), "
+                  "or paged (blocks of --kv-block-size positions taken as rows grow and handed "
+                  "back as they finish; CPU only)")
+      ->check(CLI::IsMember({"contiguous", "paged"}))
+      ->capture_default_str();
+  add_number(cmd, "--kv-block-size", kv_block_size,
+             "Positions per block of the paged cache: a power of two, at most the model's "
+             "block_size");
+}
+
+std::optional<PagedCacheOptions> parse_kv_cache(const std::string& kv_cache,
+                                                int64_t kv_block_size, int64_t context) {
+  KVLAB_USAGE_CHECK(kv_block_size >= 1 && (kv_block_size & (kv_block_size - 1)) == 0,
+                    "--kv-block-size must be a power of two, got ", kv_block_size);
+  KVLAB_USAGE_CHECK(kv_block_size <= context, "--kv-block-size ", kv_block_size,
+                    " is larger than the model's context (block_size ", context, ")");
+  if (kv_cache != "paged") return std::nullopt;
+  return PagedCacheOptions{.kv_block_size = kv_block_size};
+}
+
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
   cmd->add_option("--weight-dtype", weight_dtype,
                   "The products' matrices: f32, or bf16 (rounded to bf16 once, at load, on "

@@ -1,8 +1,10 @@
 #pragma once
 // The training flags shared by `kvlab train` and `kvlab ablate`.
 #include <CLI/CLI.hpp>
+#include <optional>
 #include <string>
 
+#include "infer/engine.h"
 #include "train/trainer.h"
 
 namespace kvlab {
@@ -29,6 +31,13 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
+// --kv-cache contiguous|paged and --kv-block-size N (generate, bench generate).
+void add_kv_cache_flags(CLI::App* cmd, std::string& kv_cache, int64_t& kv_block_size);
+// The Engine's paged cache options for those flags' values (none for contiguous), for a model
+// of this context: usage errors name the value of a block size that is not a power of two or
+// is larger than the context.
+std::optional<PagedCacheOptions> parse_kv_cache(const std::string& kv_cache,
+                                                int64_t kv_block_size, int64_t context);
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

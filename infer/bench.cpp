@@ -254,7 +254,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
     if (std::find(lengths.begin(), lengths.end(), m) == lengths.end()) lengths.push_back(m);
   }
   if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
-  Engine engine(model, tokenizer, o.cache_dtype);
+  Engine engine(model, tokenizer, o.cache_dtype, o.paged);
   engine.decode_step().enabled = o.fused_decode;
   const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
   const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c);
@@ -352,7 +352,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     model.set_training(false);
     model.to(o.device);
     if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
-    Engine engine(model, tok, o.cache_dtype);
+    Engine engine(model, tok, o.cache_dtype, o.paged);
     engine.decode_step().enabled = o.fused_decode;
     GenerateOptions g;
     g.max_new_tokens = n;

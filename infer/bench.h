@@ -4,11 +4,13 @@
 // Timing lives here and in bench/, never in unit tests.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "data/tokenizer.h"
+#include "infer/engine.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
@@ -26,6 +28,7 @@ struct BenchGenerateOptions {
   uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
   Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
   DType cache_dtype = DType::F32;                    // of the KV cache: f32 or bf16
+  std::optional<PagedCacheOptions> paged;  // the engines' paged cache; none: contiguous
   // Of the products' matrices: bf16 rounds those of every model measured, the one passed to
   // bench_generate included (GPT::round_matrices_to_bf16).
   DType weight_dtype = DType::F32;
