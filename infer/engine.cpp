@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "autograd/graph.h"
@@ -51,6 +52,7 @@ const char* stop_reason_name(StopReason r) {
 
 void GenerateOptions::validate() const {
   KVLAB_CHECK(max_new_tokens >= 1, "max-new must be >= 1, got ", max_new_tokens);
+  KVLAB_CHECK(n >= 1, "n (samples per prompt) must be >= 1, got ", n);
   sampling.validate();
   for (const auto& s : stop) KVLAB_CHECK(!s.empty(), "stop strings must not be empty");
 }
@@ -59,6 +61,12 @@ void GenerateOptions::validate() const {
 
 double GenerationStats::decode_s() const {
   return std::accumulate(step_s.begin(), step_s.end(), 0.0);
+}
+
+double GenerationStats::utilisation_mean() const {
+  return utilisation.empty() ? 0.0
+                             : std::accumulate(utilisation.begin(), utilisation.end(), 0.0) /
+                                   static_cast<double>(utilisation.size());
 }
 
 double GenerationStats::decode_tokens_per_s() const {
@@ -141,6 +149,8 @@ class Engine::Generation {
   // (1, T) of row's seq[from:].
   Tensor window_tensor(const Row& row, int64_t from) const;
   void record_step(int64_t step, Clock::time_point t0, int64_t rows);
+  // Samples the cache's utilisation and keeps its most bytes (and a paged cache's counts then).
+  void observe(const GenerationKVCache& cache);
 
   Engine& engine_;
   const GenerateOptions& opts_;
@@ -188,32 +198,75 @@ Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache) {
 }
 
 GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
+  if (paged_) return paged_cache_for(batch, capacity);
   const GPTConfig& c = model_.config();  // fixed for the engine's life: only B and S vary
   if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity) {
-    cache_.reset();  // free first: the allocator can hand the same blocks back
-    blocks_.reset();
-    if (paged_) {
-      const int64_t bs = paged_->kv_block_size;
-      const int64_t block_bytes = 2 * c.n_layer * c.n_kv_head * bs * c.head_size() *
-                                  static_cast<int64_t>(dtype_size(cache_dtype_));
-      const int64_t n_blocks = paged_->pool_blocks > 0 ? paged_->pool_blocks
-                               : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes
-                                                        : batch * ((capacity + bs - 1) / bs);
-      KVLAB_CHECK(n_blocks >= 1, "engine: a paged cache pool of ", paged_->pool_bytes,
-                  " bytes holds no block of ", block_bytes, " bytes");
-      // No prefix caching: the engine's rows never share a prompt's blocks.
-      blocks_ = std::make_unique<BlockManager>(n_blocks, bs, 0, false);
-      cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
-                                              capacity, cache_dtype_, batch);
-    } else {
-      cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
-                                                   c.head_size(), cache_dtype_, model_.device());
-    }
+    cache_.reset();  // free first
+    cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
+                                                 c.head_size(), cache_dtype_, model_.device());
     cache_batch_ = batch;
     cache_capacity_ = capacity;
   }
   cache_->reset();
   return *cache_;
+}
+
+namespace {
+// The model's identity for prefix keys: its shapes and every parameter's bytes.
+uint64_t model_key(const GPT& model) {
+  const GPTConfig& c = model.config();
+  uint64_t h = 0;
+  for (const int64_t v : {c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size, c.vocab_size})
+    h = hash64(h, static_cast<uint64_t>(v));
+  for (const Tensor& p : model.parameters()) {
+    const Tensor t = p.to(Device::CPU).contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(t.raw_data());
+    const size_t n = static_cast<size_t>(t.numel()) * dtype_size(t.dtype());
+    h = hash64(h, n);
+    for (size_t i = 0; i < n; i += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, bytes + i, std::min<size_t>(8, n - i));
+      h = hash64(h, word);
+    }
+  }
+  return h;
+}
+}  // namespace
+
+GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
+  const GPTConfig& c = model_.config();
+  const int64_t bs = paged_->kv_block_size, per_row = (capacity + bs - 1) / bs;
+  const int64_t block_bytes = 2 * c.n_layer * c.n_kv_head * bs * c.head_size() *
+                              static_cast<int64_t>(dtype_size(cache_dtype_));
+  const bool sized_by_call = paged_->pool_blocks == 0 && paged_->pool_bytes == 0;
+  const int64_t n_blocks = paged_->pool_blocks > 0  ? paged_->pool_blocks
+                           : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes
+                                                    : batch * per_row;
+  KVLAB_CHECK(n_blocks >= per_row, "engine: a paged KV cache of ", n_blocks, " blocks (",
+              n_blocks * block_bytes, " bytes) cannot hold one sequence of ", capacity,
+              " positions, which takes ", per_row, " blocks of ", bs, " positions (",
+              block_bytes, " bytes each)");
+  const uint64_t key = paged_->prefix_caching ? model_key(model_) : 0;
+  if (!blocks_ || key != model_key_ ||
+      (sized_by_call ? blocks_->total_blocks() < n_blocks : blocks_->total_blocks() != n_blocks)) {
+    cache_.reset();  // free first: the new pools may take the same memory
+    paged_cache_ = nullptr;
+    blocks_.reset();
+    blocks_ = std::make_unique<BlockManager>(n_blocks, bs, key, paged_->prefix_caching);
+    // Its capacity is the context: the pool, not the cache, bounds what rows take.
+    auto cache = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
+                                                c.block_size, cache_dtype_);
+    paged_cache_ = cache.get();
+    cache_ = std::move(cache);
+    model_key_ = key;
+  }
+  paged_cache_->reset_rows(batch);
+  return *cache_;
+}
+
+std::optional<BlockStats> Engine::block_stats() const {
+  if (!blocks_) return std::nullopt;
+  return blocks_->stats();
 }
 
 GenerationResult Engine::generate(const std::vector<std::string>& prompts,
@@ -253,12 +306,12 @@ Engine::Generation::Generation(Engine& engine, const std::vector<std::vector<int
       V_(engine.model_.config().vocab_size),
       keep_(block_ - 1) {
   const int64_t prompt_keep = std::max<int64_t>(1, keep_);  // of a prompt longer than block
-  const int64_t B = static_cast<int64_t>(prompts.size());
-  rows_.reserve(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    const auto& p = prompts[static_cast<size_t>(b)];
+  const int64_t R = static_cast<int64_t>(prompts.size()) * opts.n;
+  rows_.reserve(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const auto& p = prompts[static_cast<size_t>(r / opts.n)];
     const int64_t P = static_cast<int64_t>(p.size());
-    Row& row = rows_.emplace_back(opts, hash64(opts.sampling.seed, static_cast<uint64_t>(b)));
+    Row& row = rows_.emplace_back(opts, hash64(opts.sampling.seed, static_cast<uint64_t>(r)));
     row.prompt_len = P;
     row.window_start = P > block_ ? P - prompt_keep : 0;
     const int64_t room = reachable(P - row.window_start);
@@ -313,25 +366,52 @@ void Engine::Generation::record_step(int64_t step, Clock::time_point t0, int64_t
   if (opts_.on_decode_step) opts_.on_decode_step(step);
 }
 
-// Runs of equal-length rows go through the model in one forward each.
+// Each prompt is prefilled once, into the row of its first sample, after whatever prefix the
+// cache already holds for it; its other samples are forks of that row and sample their first
+// token from the same logits. Runs of adjacent prefilled rows (so only when n = 1) with the
+// same prefix and prompt lengths go through the model in one forward each.
 void Engine::Generation::prefill_cached(GenerationKVCache& cache) {
-  const int64_t B = static_cast<int64_t>(rows_.size());
-  for (int64_t r0 = 0; r0 < B;) {
-    const int64_t P = row(r0).window_len();
+  const int64_t R = static_cast<int64_t>(rows_.size()), N = opts_.n;
+  std::vector<int64_t> hit(rows_.size(), 0);
+  for (int64_t r = 0; r < R; r += N) {
+    hit[static_cast<size_t>(r)] = cache.reuse_prefix(r, row(r).window());
+    stats().prefix_hit_positions += hit[static_cast<size_t>(r)];
+  }
+  for (int64_t r0 = 0; r0 < R;) {
+    const int64_t h = hit[static_cast<size_t>(r0)], P = row(r0).window_len(), T = P - h;
     int64_t r1 = r0 + 1;
-    while (r1 < B && row(r1).window_len() == P) ++r1;
-    Tensor tokens = Tensor::empty({r1 - r0, P}, DType::I32);
+    while (N == 1 && r1 < R && row(r1).window_len() == P && hit[static_cast<size_t>(r1)] == h)
+      ++r1;
+    Tensor tokens = Tensor::empty({r1 - r0, T}, DType::I32);
     for (int64_t r = r0; r < r1; ++r) {
-      const auto w = row(r).window();
-      std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * P);
+      const auto w = row(r).window().subspan(static_cast<size_t>(h));
+      std::copy(w.begin(), w.end(), tokens.data<int32_t>() + (r - r0) * T);
     }
     const Tensor logits =
         engine_.forward_cached(tokens, cache.rows(r0, r1 - r0)).to(Device::CPU);  // (n, 1, V)
-    for (int64_t r = r0; r < r1; ++r) take(r, logits.data<float>() + (r - r0) * V_);
-    r0 = r1;
+    stats().prefill_positions += (r1 - r0) * T;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* l = logits.data<float>() + (r - r0) * V_;
+      take(r, l);
+      for (int64_t i = 1; i < N; ++i) {
+        cache.fork_row(r, r + i);
+        take(r + i, l);
+      }
+    }
+    r0 = r1 + N - 1;
   }
-  stats().cache_bytes = std::max(stats().cache_bytes, cache.bytes());
+  observe(cache);
   stats().prefill_s = stats().ttft_s = seconds(t_start_, Clock::now());
+}
+
+void Engine::Generation::observe(const GenerationKVCache& cache) {
+  const int64_t held = cache.positions_held(), bytes = cache.bytes();
+  stats().utilisation.push_back(
+      held > 0 ? static_cast<double>(cache.positions_stored()) / static_cast<double>(held) : 0.0);
+  if (bytes > stats().cache_bytes || !stats().blocks) {
+    stats().cache_bytes = std::max(stats().cache_bytes, bytes);
+    stats().blocks = engine_.block_stats();
+  }
 }
 
 // Cache row s holds row slot_row[s]; finished rows leave the batch.
@@ -386,7 +466,7 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
     const Tensor logits = engine_.forward_cached(tokens, cache).to(Device::CPU);  // (n, 1, V)
     const float* lp = logits.data<float>();
     for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V_);
-    stats().cache_bytes = std::max(stats().cache_bytes, cache.bytes());
+    observe(cache);
     record_step(step, t0, n);
     compact();
   }
@@ -435,7 +515,7 @@ GenerationResult Engine::Generation::result(const std::vector<std::vector<int32_
   for (size_t b = 0; b < rows_.size(); ++b) {
     Row& rw = rows_[b];
     RowResult& out = result_.rows[b];
-    out.prompt = prompts[b];
+    out.prompt = prompts[b / static_cast<size_t>(opts_.n)];
     out.tokens.assign(rw.seq.begin() + rw.prompt_len, rw.seq.end());
     out.text = std::move(rw.text);
     out.stop_reason = rw.reason;
@@ -457,8 +537,8 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
     // whole context when sliding.
     const int64_t capacity =
         opts.slide ? block : std::min(block, max_window + std::min(opts.max_new_tokens, block) - 1);
-    GenerationKVCache& cache =
-        cache_for(static_cast<int64_t>(prompts.size()), std::max<int64_t>(capacity, max_window));
+    GenerationKVCache& cache = cache_for(static_cast<int64_t>(prompts.size()) * opts.n,
+                                         std::max<int64_t>(capacity, max_window));
     // Inside the timed call: its first token waits for the packing.
     const DecodeStep::PackGuard pack = step_.pack();
     gen.stats().cache_capacity = cache.capacity();

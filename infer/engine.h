@@ -66,7 +66,11 @@ std::string prompt_problem(std::span<const int32_t> ids, int64_t vocab_size, int
 
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
-  SamplingOptions sampling;  // row b draws from a Generator seeded hash64(seed, b)
+  // Samples per prompt: prompt b's are rows b * n .. b * n + n - 1 of the result, each its
+  // own row as if the prompt were given n times. The prompt is prefilled once and the other
+  // samples are forks of that row (a paged cache shares its blocks, copy-on-write).
+  int64_t n = 1;
+  SamplingOptions sampling;  // row r draws from a Generator seeded hash64(seed, r)
   bool use_cache = true;
   bool slide = false;
   // A row stops once its text contains one of these; the stop string is not part of the text
@@ -85,12 +89,13 @@ struct GenerateOptions {
   // Called after each decode step (step = 0, 1, ...) once its tokens are sampled.
   std::function<void(int64_t step)> on_decode_step;
 
-  // Throws kvlab::Error naming the setting (max_new_tokens <= 0, sampling, empty stop string).
+  // Throws kvlab::Error naming the setting (max_new_tokens or n < 1, sampling, empty stop
+  // string).
   void validate() const;
 };
 
 struct RowResult {
-  std::vector<int32_t> prompt;  // the prompt's token ids, all of them
+  std::vector<int32_t> prompt;  // the prompt's token ids, all of them (the same for its samples)
   std::vector<int32_t> tokens;  // generated token ids (including any that form a stop string)
   std::string text;             // decoded generated text, cut before a stop string
   StopReason stop_reason = StopReason::MaxNewTokens;
@@ -109,6 +114,14 @@ struct GenerationStats {
   // a contiguous cache, a paged cache's blocks in use at its fullest.
   int64_t cache_bytes = 0;
   int64_t cache_capacity = 0;  // S_max of the cache
+  // The cache's utilisation (positions_stored / positions_held), sampled after the prefill
+  // and after every decode step, and its mean over those samples.
+  std::vector<double> utilisation;
+  double utilisation_mean() const;
+  int64_t prefill_positions = 0;     // prompt positions the prefill computed
+  int64_t prefix_hit_positions = 0;  // prompt positions taken from the prefix cache instead
+  // A paged cache's allocator counts when it held the most blocks.
+  std::optional<BlockStats> blocks;
 
   double decode_s() const;
   // Tokens made by decode steps per second of decode time (excludes prefill).
@@ -128,12 +141,21 @@ struct GenerationResult {
 // The paged KV cache (infer/paged_kv_cache.h) instead of the contiguous one: blocks of
 // kv_block_size positions from a pool, taken as rows grow and handed back as they finish. CPU
 // only. The pool: pool_blocks blocks, else as many as fit in pool_bytes, else (both 0) enough
-// for every row to reach the generation's capacity, so that generation never runs out and
-// behaves as with the contiguous cache. A smaller pool makes running out a kvlab::Error.
+// for every row of the call to reach its capacity, so that generation never runs out and
+// behaves as with the contiguous cache (a pool sized so is kept while later calls fit in it).
+// A pool too small for one sequence of the call is a kvlab::Error before anything runs;
+// running out during a call is a kvlab::Error that names the pool, and the engine stays usable.
+//
+// The pool lives as long as the engine, and with prefix_caching the full blocks of ended
+// sequences stay there (until their blocks are needed), so a later prompt that begins with
+// the same tokens, in this call or a later one, takes them instead of computing them. Their
+// key begins with a hash of the model's configuration and weights, taken at each call: a
+// model whose weights changed never reads another's keys and values.
 struct PagedCacheOptions {
   int64_t kv_block_size = 16;  // a power of two, at most the model's block_size
   int64_t pool_blocks = 0;
   int64_t pool_bytes = 0;
+  bool prefix_caching = true;
 };
 
 class Engine {
@@ -162,6 +184,9 @@ class Engine {
   // The cache of the last cached generate (kept and reused while batch and capacity fit);
   // null before one.
   const GenerationKVCache* cache() const { return cache_.get(); }
+  // The paged cache's allocator: its counts now, between or during calls (none before the
+  // first call, or with the contiguous cache).
+  std::optional<BlockStats> block_stats() const;
   GPT& model() { return model_; }
   const GPT& model() const { return model_; }
   const Tokenizer& tokenizer() const { return tokenizer_; }
@@ -178,6 +203,7 @@ class Engine {
   // The one place that picks the cache implementation: the decode loop only uses the
   // GenerationKVCache calls.
   GenerationKVCache& cache_for(int64_t batch, int64_t capacity);
+  GenerationKVCache& paged_cache_for(int64_t batch, int64_t capacity);
 
   GPT& model_;
   const Tokenizer& tokenizer_;
@@ -186,7 +212,9 @@ class Engine {
   DecodeStep step_;
   std::unique_ptr<BlockManager> blocks_;  // the paged cache's; declared first, freed last
   std::unique_ptr<GenerationKVCache> cache_;
+  PagedKVCache* paged_cache_ = nullptr;  // cache_, when it is the paged one
   int64_t cache_batch_ = 0, cache_capacity_ = 0;
+  uint64_t model_key_ = 0;  // of the model the paged pool's blocks were computed by
 };
 
 }  // namespace kvlab

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 namespace kvlab {
 
@@ -210,6 +211,12 @@ void ContiguousKVCache::move_row(int64_t src, int64_t dst) {
     for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]})
       view(*buf, dst, 1, len).copy_from(view(*buf, src, 1, len));  // the valid positions only
   lengths_[static_cast<size_t>(dst)] = len;
+}
+
+void ContiguousKVCache::fork_row(int64_t src, int64_t dst) { move_row(src, dst); }
+
+int64_t ContiguousKVCache::positions_stored() const {
+  return std::accumulate(lengths_.begin(), lengths_.end(), int64_t{0});
 }
 
 void ContiguousKVCache::truncate_batch(int64_t count) {

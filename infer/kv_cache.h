@@ -82,12 +82,26 @@ class GenerationKVCache : public DecodeKVCache {
   // just those rows (prefilling one prompt, re-prefilling one row after a slide) appends into
   // them. The view stays valid until the next rows() call.
   virtual DecodeKVCache& rows(int64_t first, int64_t count) = 0;
-  // Copies row src's cached positions (and length) over row dst (both active).
+  // Row dst takes row src's cached positions (and length), both active; what becomes of src
+  // is the cache's (a contiguous cache leaves it as it was, a paged one gives it dst's old
+  // sequence): the caller drops or resets it.
   virtual void move_row(int64_t src, int64_t dst) = 0;
+  // Row dst becomes a copy of row src (its positions and length; both active) and src is kept:
+  // a paged cache shares src's blocks (copy-on-write), a contiguous one copies the positions.
+  virtual void fork_row(int64_t src, int64_t dst) = 0;
+  // Prefix caching, for active row `row` while it is empty, before a prefill of `tokens`: takes
+  // what the cache already holds for the tokens' first whole blocks (never the last token,
+  // whose logits the prefill is for) and returns the positions taken, the row's length now.
+  // A cache without prefix caching takes none.
+  virtual int64_t reuse_prefix(int64_t /*row*/, std::span<const int32_t> /*tokens*/) { return 0; }
   // Keeps active rows [0, count) and drops the rest (count <= batch()).
   virtual void truncate_batch(int64_t count) = 0;
   // The memory this cache holds, measured from its allocations (not computed from a formula).
   virtual int64_t bytes() const = 0;
+  // Positions the active rows store (one held by several rows counted once), and positions
+  // the memory counted by bytes() can store: their ratio is the cache's utilisation.
+  virtual int64_t positions_stored() const = 0;
+  virtual int64_t positions_held() const = 0;
 };
 
 // Per layer, K and V as (B_max, NKV, S_max, HS) buffers allocated once; row b's positions
@@ -115,9 +129,13 @@ class ContiguousKVCache final : public GenerationKVCache {
   void reset() override;
   void reset_row(int64_t b) override;
   DecodeKVCache& rows(int64_t first, int64_t count) override;
-  void move_row(int64_t src, int64_t dst) override;
+  void move_row(int64_t src, int64_t dst) override;  // copies
+  void fork_row(int64_t src, int64_t dst) override;  // copies, as move_row does
   void truncate_batch(int64_t count) override;
   int64_t bytes() const override;
+  // Every active row's length; held: the whole allocation, max_batch * capacity.
+  int64_t positions_stored() const override;
+  int64_t positions_held() const override { return max_batch_ * capacity_; }
 
   int64_t n_layer() const { return n_layer_; }
   int64_t n_kv_head() const { return n_kv_head_; }

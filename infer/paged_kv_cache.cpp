@@ -84,10 +84,23 @@ void PagedKVCache::refresh() {
   reserved_ = 0;
 }
 
-SeqId PagedKVCache::add_fresh() {
+SeqId PagedKVCache::unused_id() {
   while (blocks_.contains(next_id_)) ++next_id_;
-  blocks_.add(next_id_);
   return next_id_++;
+}
+
+SeqId PagedKVCache::add_fresh() {
+  const SeqId id = unused_id();
+  blocks_.add(id);
+  return id;
+}
+
+void PagedKVCache::reset_rows(int64_t max_batch) {
+  KVLAB_CHECK(max_batch >= 1, "paged KV cache: max_batch ", max_batch, " is not positive");
+  for (const SeqId id : ids_) blocks_.free(id);
+  ids_.clear();
+  max_batch_ = max_batch;
+  reset();
 }
 
 void PagedKVCache::reset() {
@@ -121,6 +134,31 @@ void PagedKVCache::move_row(int64_t src, int64_t dst) {
   std::swap(ids_[static_cast<size_t>(src)], ids_[static_cast<size_t>(dst)]);
   refresh();
 }
+
+void PagedKVCache::fork_row(int64_t src, int64_t dst) {
+  KVLAB_CHECK(parent_ == nullptr, "paged KV cache: fork_row() of a rows() view");
+  KVLAB_CHECK(src >= 0 && src < batch() && dst >= 0 && dst < batch() && src != dst,
+              "paged KV cache: fork_row(", src, ", ", dst, ") needs two rows of [0, ", batch(),
+              ")");
+  blocks_.free(ids_[static_cast<size_t>(dst)]);
+  const SeqId child = unused_id();
+  blocks_.fork(ids_[static_cast<size_t>(src)], child);
+  ids_[static_cast<size_t>(dst)] = child;
+  refresh();
+}
+
+int64_t PagedKVCache::reuse_prefix(int64_t row, std::span<const int32_t> tokens) {
+  KVLAB_CHECK(parent_ == nullptr, "paged KV cache: reuse_prefix() of a rows() view");
+  KVLAB_CHECK(row >= 0 && row < batch(), "paged KV cache: row ", row, " outside [0, ", batch(),
+              ")");
+  const int64_t taken = blocks_.take_prefix(ids_[static_cast<size_t>(row)], tokens);
+  refresh();
+  return taken;
+}
+
+int64_t PagedKVCache::positions_stored() const { return blocks_.stats().positions; }
+
+int64_t PagedKVCache::positions_held() const { return blocks_.stats().in_use * block_len_; }
 
 void PagedKVCache::truncate_batch(int64_t count) {
   KVLAB_CHECK(count >= 0 && count <= batch(), "paged KV cache: truncate_batch(", count,

@@ -83,10 +83,20 @@ class PagedKVCache final : public GenerationKVCache {
   // A cache over the same pools whose rows are rows [first, first + count) of this one; its
   // advance() moves this one's lengths too.
   DecodeKVCache& rows(int64_t first, int64_t count) override;
-  void move_row(int64_t src, int64_t dst) override;
+  void move_row(int64_t src, int64_t dst) override;  // swaps the two rows' sequences
+  // Row dst's sequence is freed and dst becomes a fork of src's (BlockManager::fork).
+  void fork_row(int64_t src, int64_t dst) override;
+  // BlockManager::take_prefix for the row's sequence.
+  int64_t reuse_prefix(int64_t row, std::span<const int32_t> tokens) override;
   void truncate_batch(int64_t count) override;
   // The manager's blocks in use times the bytes one block takes in every layer's pools.
   int64_t bytes() const override;
+  // The manager's: positions in the blocks in use, and those blocks' positions.
+  int64_t positions_stored() const override;
+  int64_t positions_held() const override;
+
+  // Forgets every row, as reset() does, and makes max_batch fresh rows.
+  void reset_rows(int64_t max_batch);
 
   int64_t kv_block_size() const { return block_len_; }
   // A layer's pools (n_blocks, NKV, kv_block_size, HS), for inspection and tests.
@@ -98,6 +108,8 @@ class PagedKVCache final : public GenerationKVCache {
   PagedKVCache(PagedKVCache& parent, int64_t first, int64_t count);
   // Rebuilds what follows from ids_ (row pointers, lengths) and forgets any reservation.
   void refresh();
+  // An id the manager does not hold.
+  SeqId unused_id();
   // An id the manager does not hold, added to it as an empty sequence.
   SeqId add_fresh();
   // Blocks a forward of T positions a row needs; throws unless every row has room within
@@ -123,7 +135,7 @@ class PagedKVCache final : public GenerationKVCache {
   std::vector<int32_t> tokens_;   // the reserved forward's tokens, (batch, reserved_)
   int64_t reserved_ = 0;          // T of the reserved forward, 0 when none is
   int64_t max_batch_ = 0;
-  SeqId next_id_ = 0;  // where add_fresh() starts looking
+  SeqId next_id_ = 0;  // where unused_id() starts looking
   // A rows() view: the cache it is a view of, and the first of that cache's rows it covers.
   PagedKVCache* parent_ = nullptr;
   int64_t first_ = 0;
