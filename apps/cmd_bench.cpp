@@ -48,8 +48,7 @@ struct BenchArgs {
   bool skip_no_cache = false;
   bool op_by_op = false;
   std::string device = "cpu", dtype = "f32", kv_dtype = "f32", weight_dtype = "f32";
-  std::string kv_cache = "contiguous";
-  int64_t kv_block_size = 16;
+  KVCacheFlags kv;
   uint64_t seed = 0;
   std::string json_path;
   bool n_kv_head_given = false;
@@ -231,7 +230,9 @@ void run_bench_generate(BenchArgs& a) {
   o.seed = a.seed;
   o.device = device;
   o.cache_dtype = kv_dtype;
-  o.paged = parse_kv_cache(a.kv_cache, a.kv_block_size, a.cfg.block_size);
+  o.paged = parse_kv_cache(a.kv, a.cfg.block_size, device);
+  // Each run feeds the same prompts: with prefix caching the later ones would skip prefill.
+  if (o.paged) o.paged->prefix_caching = false;
   o.weight_dtype = parse_storage_dtype(a.weight_dtype);
   o.fused_decode = !a.op_by_op;
   // A bar for the setting being measured (a cache-off setting of a large model takes minutes),
@@ -303,7 +304,7 @@ void add_bench_command(CLI::App& root) {
                 "Decode on the CPU op by op instead of the fused step (its baseline)");
   add_device_flags(gen, args->device, args->dtype);
   add_kv_dtype_flag(gen, args->kv_dtype);
-  add_kv_cache_flags(gen, args->kv_cache, args->kv_block_size);
+  add_kv_cache_flags(gen, args->kv);
   add_weight_dtype_flag(gen, args->weight_dtype);
   add_number(gen, "--seed", args->seed, "Seed of the random weights and prompt");
   gen->add_option("--json", args->json_path, "Write the results as JSON to this file")

@@ -25,8 +25,7 @@ struct GenerateArgs {
   std::string device = "cpu";
   std::string dtype = "f32";
   std::string kv_dtype = "f32";
-  std::string kv_cache = "contiguous";
-  int64_t kv_block_size = 16;
+  KVCacheFlags kv;
   std::string weight_dtype = "f32";
   std::string prompt;
   std::string prompt_file;
@@ -37,6 +36,7 @@ struct GenerateArgs {
   double top_p = 1.0;
   uint64_t seed = 0;
   int64_t batch = 1;
+  int64_t n = 1;
   bool no_cache = false;
   bool slide = false;
   std::vector<std::string> stop;
@@ -96,7 +96,27 @@ void check_args(const GenerateArgs& a) {
   KVLAB_USAGE_CHECK(std::isfinite(a.top_p) && a.top_p > 0 && a.top_p <= 1,
                     "--top-p must be in (0, 1], got ", a.top_p);
   KVLAB_USAGE_CHECK(a.batch >= 1, "--batch must be >= 1, got ", a.batch);
+  KVLAB_USAGE_CHECK(a.n >= 1, "--n must be >= 1 (samples per prompt), got ", a.n);
   for (const auto& s : a.stop) KVLAB_USAGE_CHECK(!s.empty(), "--stop must not be empty");
+}
+
+// The cache's figures, from its allocations: the most it held, the mean of its utilisation
+// (positions stored / positions the memory held holds), prompt positions prefilled and taken
+// from the prefix cache, and a paged cache's block counts when it held the most.
+nlohmann::json cache_json(const GenerateArgs& a, const GenerationStats& st, Device device) {
+  nlohmann::json c{{"enabled", !a.no_cache},
+                   {"dtype", a.kv_dtype},
+                   {"layout", a.no_cache ? "none" : kv_cache_layout(a.kv, device)},
+                   {"bytes", st.cache_bytes},
+                   {"positions", st.cache_capacity},
+                   {"utilisation_mean", st.utilisation_mean()},
+                   {"prefill_positions", st.prefill_positions},
+                   {"prefix_hit_positions", st.prefix_hit_positions}};
+  if (st.blocks)
+    c["blocks"] = {{"kv_block_size", a.kv.block_size}, {"total", st.blocks->total},
+                   {"in_use", st.blocks->in_use},      {"cached", st.blocks->cached},
+                   {"free", st.blocks->free},          {"positions", st.blocks->positions}};
+  return c;
 }
 
 void run_generate(const GenerateArgs& a) {
@@ -110,10 +130,11 @@ void run_generate(const GenerateArgs& a) {
   model.to(device);
   if (parse_storage_dtype(a.weight_dtype) == DType::BF16) model.round_matrices_to_bf16();
   Engine engine(model, loaded.tokenizer, kv_dtype,
-                parse_kv_cache(a.kv_cache, a.kv_block_size, model.config().block_size));
+                parse_kv_cache(a.kv, model.config().block_size, device));
 
   GenerateOptions o;
   o.max_new_tokens = a.max_new;
+  o.n = a.n;
   o.sampling.temperature = a.temperature;
   o.sampling.top_k = a.top_k;
   o.sampling.top_p = a.top_p;
@@ -121,7 +142,11 @@ void run_generate(const GenerateArgs& a) {
   o.use_cache = !a.no_cache;
   o.slide = a.slide;
   o.stop = a.stop;
-  const bool stream = !a.json && prompts.size() == 1;
+  const bool stream = !a.json && prompts.size() == 1 && a.n == 1;
+  // Result row r is sample r % n of prompt r / n.
+  auto prompt_of = [&](size_t row) -> const std::string& {
+    return prompts[row / static_cast<size_t>(a.n)];
+  };
   if (stream) {
     o.on_text = [](int64_t, std::string_view piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
@@ -129,8 +154,12 @@ void run_generate(const GenerateArgs& a) {
     };
   } else if (!a.json) {
     o.on_finish = [&](int64_t row, std::string_view text, StopReason why) {
-      std::printf("--- row %lld (%s) ---\n%s", static_cast<long long>(row + 1),
-                  stop_reason_name(why), prompts[static_cast<size_t>(row)].c_str());
+      const std::string which =
+          a.n == 1 ? detail::cat("row ", row + 1)
+                   : detail::cat("row ", row + 1, ": prompt ", row / a.n + 1, ", sample ",
+                                 row % a.n + 1);
+      std::printf("--- %s (%s) ---\n%s", which.c_str(), stop_reason_name(why),
+                  prompt_of(static_cast<size_t>(row)).c_str());
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::printf("\n");
       std::fflush(stdout);
@@ -157,7 +186,8 @@ void run_generate(const GenerateArgs& a) {
     for (size_t b = 0; b < res.rows.size(); ++b) {
       const RowResult& r = res.rows[b];
       texts.push_back(r.text);
-      rows.push_back(json{{"prompt", prompts[b]},
+      rows.push_back(json{{"prompt", prompt_of(b)},
+                          {"sample", b % static_cast<size_t>(a.n)},
                           {"text", r.text},
                           {"prompt_tokens", r.prompt.size()},
                           {"new_tokens", r.tokens.size()},
@@ -177,12 +207,7 @@ void run_generate(const GenerateArgs& a) {
                      {"tpot_mean_ms", st.tpot_mean_s() * 1e3},
                      {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
                      {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
-                   {"cache",
-                    {{"enabled", !a.no_cache},
-                     {"dtype", a.kv_dtype},
-                     {"layout", a.kv_cache},
-                     {"bytes", st.cache_bytes},
-                     {"positions", st.cache_capacity}}},
+                   {"cache", cache_json(a, st, device)},
                    {"sampling",
                     {{"temperature", a.temperature},
                      {"top_k", a.top_k},
@@ -218,9 +243,16 @@ void run_generate(const GenerateArgs& a) {
                   "%.1f tok/s decode (%.1f overall), TPOT mean %.3f ms p50 %.3f p99 %.3f",
                   st.decode_tokens_per_s(), st.tokens_per_s(), st.tpot_mean_s() * 1e3,
                   st.tpot_quantile_s(0.5) * 1e3, st.tpot_quantile_s(0.99) * 1e3);
+  std::string cache = "off";
+  if (!a.no_cache)
+    cache = detail::cat(kv_cache_layout(a.kv, device), " ", a.kv_dtype, ", at most ", st.cache_bytes, " bytes",
+                        st.blocks ? detail::cat(" (", st.blocks->in_use, " of ", st.blocks->total,
+                                                " blocks)")
+                                  : std::string(),
+                        ", ", static_cast<int>(std::lround(100 * st.utilisation_mean())),
+                        "% utilised");
   std::fprintf(stderr, "kvlab: %lld tokens, TTFT %.2f ms, %s, cache %s\n",
-               static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, decode,
-               a.no_cache ? "off" : detail::cat(st.cache_bytes, " bytes, ", a.kv_dtype).c_str());
+               static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, decode, cache.c_str());
 }
 
 }  // namespace
@@ -233,7 +265,7 @@ void add_generate_command(CLI::App& root) {
       ->required();
   add_device_flags(cmd, args->device, args->dtype);
   add_kv_dtype_flag(cmd, args->kv_dtype);
-  add_kv_cache_flags(cmd, args->kv_cache, args->kv_block_size);
+  add_kv_cache_flags(cmd, args->kv);
   add_weight_dtype_flag(cmd, args->weight_dtype);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =
@@ -251,6 +283,9 @@ void add_generate_command(CLI::App& root) {
   add_number(cmd, "--batch", args->batch,
              "Rows generated together: the prompt repeated N times, or N lines of "
              "--prompt-file");
+  add_number(cmd, "--n", args->n,
+             "Samples per prompt: the prompt is prefilled once and the samples share its "
+             "keys and values (with the paged cache, until they write)");
   cmd->add_flag("--no-cache", args->no_cache,
                 "Recompute the whole sequence at every step (no KV cache), for comparison");
   cmd->add_flag("--slide", args->slide,

@@ -1,6 +1,8 @@
 #include "apps/train_flags.h"
 
+#include <cmath>
 #include <filesystem>
+#include <utility>
 
 #include "apps/cli.h"
 #include "apps/config_file.h"
@@ -90,26 +92,67 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {
       ->capture_default_str();
 }
 
-void add_kv_cache_flags(CLI::App* cmd, std::string& kv_cache, int64_t& kv_block_size) {
-  cmd->add_option("--kv-cache", kv_cache,
-                  "KV cache layout: contiguous (every row's whole context allocated up front), "
-                  "or paged (blocks of --kv-block-size positions taken as rows grow and handed "
-                  "back as they finish; CPU only)")
-      ->check(CLI::IsMember({"contiguous", "paged"}))
-      ->capture_default_str();
-  add_number(cmd, "--kv-block-size", kv_block_size,
+void add_kv_cache_flags(CLI::App* cmd, KVCacheFlags& flags) {
+  cmd->add_option("--cache", flags.layout,
+                  "KV cache layout: paged (blocks of --kv-block-size positions taken as rows "
+                  "grow, shared by samples of one prompt and by prompts that begin alike, handed "
+                  "back as rows finish; CPU only) or contiguous (every row's whole generation "
+                  "allocated up front). Default: paged on the CPU, contiguous on CUDA")
+      ->check(CLI::IsMember({"paged", "contiguous"}));
+  add_number(cmd, "--kv-block-size", flags.block_size,
              "Positions per block of the paged cache: a power of two, at most the model's "
              "block_size");
+  cmd->add_option("--kv-memory", flags.memory,
+                  "The paged cache's pool, e.g. 64MiB (running out is an error that says so); "
+                  "default: room for every row's whole generation");
 }
 
-std::optional<PagedCacheOptions> parse_kv_cache(const std::string& kv_cache,
-                                                int64_t kv_block_size, int64_t context) {
-  KVLAB_USAGE_CHECK(kv_block_size >= 1 && (kv_block_size & (kv_block_size - 1)) == 0,
-                    "--kv-block-size must be a power of two, got ", kv_block_size);
-  KVLAB_USAGE_CHECK(kv_block_size <= context, "--kv-block-size ", kv_block_size,
+int64_t parse_bytes(const std::string& text, const std::string& flag) {
+  static const std::pair<const char*, double> kUnits[] = {
+      {"KiB", 1024.0}, {"MiB", 1024.0 * 1024}, {"GiB", 1024.0 * 1024 * 1024},
+      {"kB", 1e3},     {"MB", 1e6},            {"GB", 1e9},
+      {"B", 1.0},      {"", 1.0}};
+  size_t end = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &end);
+  } catch (const std::exception&) {
+    end = 0;
+  }
+  const std::string unit = text.substr(end);
+  double scale = 0;
+  for (const auto& [name, s] : kUnits)
+    if (unit == name) scale = s;
+  const double bytes = number * scale;
+  KVLAB_USAGE_CHECK(end > 0 && scale > 0 && std::isfinite(bytes) && bytes >= 1 && bytes < 9e18,
+                    flag, " must be a size such as 64MiB, 1GiB or 4096 (bytes), got '", text,
+                    "'");
+  return static_cast<int64_t>(bytes);
+}
+
+std::string kv_cache_layout(const KVCacheFlags& flags, Device device) {
+  if (!flags.layout.empty()) return flags.layout;
+  return device == Device::CPU ? "paged" : "contiguous";
+}
+
+std::optional<PagedCacheOptions> parse_kv_cache(const KVCacheFlags& flags, int64_t context,
+                                                Device device) {
+  const int64_t n = flags.block_size;
+  KVLAB_USAGE_CHECK(n >= 1 && (n & (n - 1)) == 0, "--kv-block-size must be a power of two, got ",
+                    n);
+  KVLAB_USAGE_CHECK(n <= context, "--kv-block-size ", n,
                     " is larger than the model's context (block_size ", context, ")");
-  if (kv_cache != "paged") return std::nullopt;
-  return PagedCacheOptions{.kv_block_size = kv_block_size};
+  if (kv_cache_layout(flags, device) != "paged") {
+    KVLAB_USAGE_CHECK(flags.memory.empty(),
+                      "--kv-memory sizes the paged cache's pool; the contiguous cache takes "
+                      "every row's whole generation (drop --kv-memory or use --cache paged)");
+    return std::nullopt;
+  }
+  KVLAB_USAGE_CHECK(device == Device::CPU,
+                    "the paged KV cache runs on the CPU only: use --cache contiguous on CUDA");
+  PagedCacheOptions o{.kv_block_size = n};
+  if (!flags.memory.empty()) o.pool_bytes = parse_bytes(flags.memory, "--kv-memory");
+  return o;
 }
 
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {

@@ -31,13 +31,25 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
-// --kv-cache contiguous|paged and --kv-block-size N (generate, bench generate).
-void add_kv_cache_flags(CLI::App* cmd, std::string& kv_cache, int64_t& kv_block_size);
-// The Engine's paged cache options for those flags' values (none for contiguous), for a model
-// of this context: usage errors name the value of a block size that is not a power of two or
-// is larger than the context.
-std::optional<PagedCacheOptions> parse_kv_cache(const std::string& kv_cache,
-                                                int64_t kv_block_size, int64_t context);
+// --cache paged|contiguous, --kv-block-size N and --kv-memory SIZE (generate, bench
+// generate): the KV cache's layout and the paged cache's pool.
+struct KVCacheFlags {
+  std::string layout;  // empty: paged on the CPU, contiguous on CUDA
+  int64_t block_size = 16;
+  std::string memory;  // empty: a pool for every row's whole generation
+};
+void add_kv_cache_flags(CLI::App* cmd, KVCacheFlags& flags);
+// The Engine's paged cache options for those flags (none for contiguous), for a model of this
+// context on this device: usage errors name a block size that is not a power of two or is
+// larger than the context, a size that is not one, --kv-memory with the contiguous cache, and
+// --cache paged on CUDA.
+std::optional<PagedCacheOptions> parse_kv_cache(const KVCacheFlags& flags, int64_t context,
+                                                Device device);
+// The layout those flags choose on this device: "paged" or "contiguous".
+std::string kv_cache_layout(const KVCacheFlags& flags, Device device);
+// "64MiB", "1.5GiB", "512KiB", "4096" (bytes; KiB, MiB and GiB are powers of 1024; kB, MB and
+// GB of 1000) as bytes, > 0; a usage error names `flag` and the value otherwise.
+int64_t parse_bytes(const std::string& text, const std::string& flag);
 
 // Registers every training flag on `cmd` (defaults: nanoGPT's CPU "baby" shakespeare config),
 // plus --config FILE (expanded before parsing: apps/config_file.h).

@@ -144,7 +144,7 @@ int run(int argc, char** argv) {
     for (const auto& [batch, kv_dtype] : {std::pair{int64_t{1}, DType::F32},
                                           std::pair{int64_t{64}, DType::F32},
                                           std::pair{int64_t{64}, DType::BF16}}) {
-      Engine engine(model, tok, kv_dtype);
+      Engine engine(model, tok, kv_dtype, std::nullopt);  // CUDA: the contiguous cache
       Generator gen(11);
       std::vector<std::vector<int32_t>> prompts;
       for (int64_t b = 0; b < batch; ++b) {

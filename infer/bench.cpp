@@ -286,8 +286,12 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
       if (use_cache) {
         side["cache_bytes"] = m.last.cache_bytes;
         side["cache_positions"] = positions;
-        side["cache_bytes_formula"] = kv_cache_formula_bytes(c.n_layer, o.batch, positions,
-                                                             c.n_kv_head, c.head_size(), kv_elem);
+        // A paged cache holds whole blocks: each row's positions rounded up to them.
+        const int64_t bs = o.paged ? o.paged->kv_block_size : 1;
+        side["cache_layout"] = o.paged ? "paged" : "contiguous";
+        side["cache_bytes_formula"] =
+            kv_cache_formula_bytes(c.n_layer, o.batch, (positions + bs - 1) / bs * bs,
+                                   c.n_kv_head, c.head_size(), kv_elem);
         add_bandwidth(side, engine, kv_elem,
                       static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
         curve_cache = median_steps(m.runs);

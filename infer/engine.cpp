@@ -179,7 +179,8 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype,
                 context, ")");
     KVLAB_CHECK(paged->pool_blocks >= 0 && paged->pool_bytes >= 0,
                 "engine: the paged cache's pool size must not be negative");
-    KVLAB_CHECK(model.device() == Device::CPU, "engine: the paged KV cache runs on the CPU only");
+    KVLAB_CHECK(model.device() == Device::CPU,
+                "engine: the paged KV cache runs on the CPU only (the contiguous one on CUDA)");
   }
 }
 
@@ -537,11 +538,11 @@ GenerationResult Engine::generate_ids(const std::vector<std::vector<int32_t>>& p
     // whole context when sliding.
     const int64_t capacity =
         opts.slide ? block : std::min(block, max_window + std::min(opts.max_new_tokens, block) - 1);
-    GenerationKVCache& cache = cache_for(static_cast<int64_t>(prompts.size()) * opts.n,
-                                         std::max<int64_t>(capacity, max_window));
+    const int64_t positions = std::max<int64_t>(capacity, max_window);
+    GenerationKVCache& cache = cache_for(static_cast<int64_t>(prompts.size()) * opts.n, positions);
     // Inside the timed call: its first token waits for the packing.
     const DecodeStep::PackGuard pack = step_.pack();
-    gen.stats().cache_capacity = cache.capacity();
+    gen.stats().cache_capacity = positions;
     gen.prefill_cached(cache);
     gen.decode_cached(cache);
   } else {

@@ -113,7 +113,7 @@ struct GenerationStats {
   // The most the cache held at once, measured from its allocations (0 without cache): all of
   // a contiguous cache, a paged cache's blocks in use at its fullest.
   int64_t cache_bytes = 0;
-  int64_t cache_capacity = 0;  // S_max of the cache
+  int64_t cache_capacity = 0;  // positions a row may reach in this call (a contiguous cache's S)
   // The cache's utilisation (positions_stored / positions_held), sampled after the prefill
   // and after every decode step, and its mean over those samples.
   std::vector<double> utilisation;
@@ -162,10 +162,11 @@ class Engine {
  public:
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
   // cache_dtype: f32, or bf16 (keys and values rounded to bf16 as they are stored: half the
-  // cache memory and the bytes each decode step reads), on either device. paged: use the
-  // paged cache with these options (the model must be on the CPU); none: the contiguous one.
+  // cache memory and the bytes each decode step reads), on either device. paged: the paged
+  // cache with these options, the default (the model must be on the CPU); none: the
+  // contiguous one, which CUDA needs.
   Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32,
-         std::optional<PagedCacheOptions> paged = std::nullopt);
+         std::optional<PagedCacheOptions> paged = PagedCacheOptions{});
   ~Engine();
 
   // Encodes a prompt; errors name it ("prompt") and list characters outside the vocabulary.

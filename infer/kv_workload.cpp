@@ -282,6 +282,8 @@ KVSimResult simulate_kv_cache(std::span<const KVRequest> requests, KVLayout layo
           KVLAB_ASSERT(running.size() > 1, "request ", r, " cannot grow even alone");
           running.pop_back();
           mem->release(victim, req(victim));
+          // One admitted this step may have made all its tokens: it ends now, not later.
+          if (made[static_cast<size_t>(victim)] >= req(victim).output_tokens) continue;
           queue.push_front(victim);
           ++res.preemptions;
           if (victim == r) {

@@ -22,6 +22,7 @@
 #include "infer/bench.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
+#include "infer/kv_workload.h"
 #include "train/output_dir.h"
 
 namespace kvlab {
@@ -213,6 +214,31 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
   }
 
 }
+// What n_kv_head buys a server: the serving workload (infer/kv_workload.h; 256 requests,
+// lengths scaled to the context) at one KV memory for every variant, that of 16 full-context
+// sequences of the multi-head model, through the paged and the contiguous layouts. Blocks of
+// 16 positions, fewer for a short context (at most a sixteenth of it): a sequence's last
+// block is its only waste, so blocks must be small beside the sequences.
+void record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_position) {
+  KVSimOptions so;
+  so.budget_bytes = 16 * bytes_per_position / mc.n_kv_head * mc.n_head * mc.block_size;
+  so.bytes_per_position = bytes_per_position;
+  so.context = mc.block_size;
+  so.kv_block_size = 1;
+  while (so.kv_block_size < 16 && so.kv_block_size * 32 <= mc.block_size) so.kv_block_size *= 2;
+  const std::vector<KVRequest> requests =
+      make_kv_workload({.context = mc.block_size, .vocab_size = mc.vocab_size});
+  const KVLayoutComparison cmp = compare_kv_layouts(requests, so);
+  v["kv_workload_budget_bytes"] = so.budget_bytes;
+  v["kv_block_size"] = so.kv_block_size;
+  v["kv_workload_peak_sequences_paged"] = cmp.paged.peak_resident;
+  v["kv_workload_peak_sequences_contiguous"] = cmp.contiguous.peak_resident;
+  v["kv_workload_utilisation_paged"] = cmp.paged.utilisation_mean;
+  v["kv_workload_utilisation_contiguous"] = cmp.contiguous.utilisation_mean;
+  v["kv_workload_steps_paged"] = cmp.paged.steps;
+  v["kv_workload_steps_contiguous"] = cmp.contiguous.steps;
+}
+
 
 // One variant's figures: its runs' validation curves and losses, then, from its first seed's
 // final checkpoint, parameters, cache bytes, decode speed and sample continuations.
@@ -249,6 +275,9 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
   lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
   const MatmulPrecisionGuard precision(cfg.base.precision);
   const GPTConfig& mc = lm.model->config();
+  // Generation's cache: paged on the CPU, contiguous on CUDA (where the paged one is not).
+  const std::optional<PagedCacheOptions> paged =
+      cfg.base.device == Device::CPU ? std::optional(PagedCacheOptions{}) : std::nullopt;
   v["params"] = lm.model->num_parameters();
   v["mlp_hidden"] = mc.hidden();
   {
@@ -263,6 +292,7 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
     v["cache_bytes_context_formula"] = formula;
     v["cache_bytes_per_token"] = measured / mc.block_size;
     v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
+    record_kv_workload(v, mc, measured / mc.block_size);
   }
   {
     BenchGenerateOptions bo;
@@ -271,6 +301,8 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
     bo.runs = cfg.bench_runs;
     bo.position_points = 0;
     bo.cache_dtype = cfg.kv_dtype;
+    bo.paged = paged;
+    if (bo.paged) bo.paged->prefix_caching = false;  // each run feeds the same prompts
     TaskBars bars(detail::cat("n_kv_head=", kv, " decode: "), "tok");
     bo.on_tokens = std::bind_front(&TaskBars::update, &bars);
     const json b = bench_generate(*lm.model, lm.tokenizer, bo);
@@ -283,7 +315,7 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
     v["bench_new_tokens"] = r["new_tokens"];
   }
   {
-    Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype);
+    Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype, paged);
     std::vector<std::string> prompts = cfg.prompts;
     if (prompts.empty()) {
       const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),

@@ -188,6 +188,38 @@ Table detail_table(const Parsed& p, Bytes style) {
   return t;
 }
 
+// Under the serving workload at one KV memory for every variant (results without it, from
+// before it was measured, leave the table out).
+std::optional<Table> memory_table(const Parsed& p, Bytes style) {
+  if (!p.variants.front().get("kv_workload_peak_sequences_paged")) return std::nullopt;
+  Table t{{"n_kv_head", "KV memory", "peak sequences paged", "contiguous", "paged / contiguous",
+           "utilisation paged", "contiguous", "steps paged", "contiguous"},
+          {}};
+  for (const Variant& v : p.variants) {
+    const auto paged = v.get("kv_workload_peak_sequences_paged");
+    const auto contiguous = v.get("kv_workload_peak_sequences_contiguous");
+    t.rows.push_back(
+        {std::to_string(v.n_kv), bytes(v.get("kv_workload_budget_bytes"), style),
+         figure(paged, "%.0f"), figure(contiguous, "%.0f"),
+         figure(paged && contiguous && *contiguous > 0
+                    ? std::optional<double>(*paged / *contiguous)
+                    : std::nullopt,
+                "%.2fx"),
+         figure(v.get("kv_workload_utilisation_paged"), "%.3f"),
+         figure(v.get("kv_workload_utilisation_contiguous"), "%.3f"),
+         figure(v.get("kv_workload_steps_paged"), "%.0f"),
+         figure(v.get("kv_workload_steps_contiguous"), "%.0f")});
+  }
+  return t;
+}
+
+// What the memory table's figures are, in a sentence for every format.
+constexpr const char* kMemoryNote =
+    "Serving workload: 256 requests with log-normal prompt and output lengths scaled to the "
+    "context, at one KV memory for every n_kv_head (16 full-context multi-head sequences), "
+    "through the paged cache's allocator and through contiguous max-length slots. "
+    "Utilisation: positions stored / positions the held memory holds, mean over steps.";
+
 // Terminal columns count code points, not bytes ("±" is two bytes).
 std::size_t display_width(const std::string& s) {
   return std::count_if(s.begin(), s.end(),
@@ -558,6 +590,9 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
   md << "\n## Results\n\n"
      << render_markdown(record_table(p, Bytes::exact)) << '\n'
      << render_markdown(detail_table(p, Bytes::exact)) << "\nCache bytes are exact bytes.\n";
+  if (const auto m = memory_table(p, Bytes::exact))
+    md << "\n## KV memory under a serving workload\n\n" << render_markdown(*m) << '\n'
+       << kMemoryNote << '\n';
   md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
   for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
   md << "\n## Plots\n\n";
@@ -611,7 +646,11 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
   for (const auto& [k, v] : run_facts(r)) h << "<dt>" << e(k) << "</dt><dd>" << e(v) << "</dd>\n";
   h << "</dl>\n<h2>Results</h2>\n"
     << render_html(record_table(p, Bytes::exact)) << render_html(detail_table(p, Bytes::exact))
-    << "<p>Cache bytes are exact bytes.</p>\n"
+    << "<p>Cache bytes are exact bytes.</p>\n";
+  if (const auto m = memory_table(p, Bytes::exact))
+    h << "<h2>KV memory under a serving workload</h2>\n" << render_html(*m) << "<p>" << kMemoryNote
+      << "</p>\n";
+  h
     << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
   for (const Verdict& v : vs) h << "<li>" << e(v.text) << "</li>\n";
   h << "</ul>\n<h2>Plots</h2>\n<div class=\"plots\">\n";
@@ -679,8 +718,10 @@ std::vector<Verdict> compare_variants(const nlohmann::json& results) {
 std::string format_table(const nlohmann::json& results) {
   const Parsed p = parse(results);
   std::string out = render_text(record_table(p, Bytes::human)) + '\n' +
-                    render_text(detail_table(p, Bytes::human)) +
-                    "\nverdicts (val loss, mean ± std over seeds):\n";
+                    render_text(detail_table(p, Bytes::human));
+  if (const auto m = memory_table(p, Bytes::human))
+    out += "\nKV memory under a serving workload:\n" + render_text(*m);
+  out += "\nverdicts (val loss, mean ± std over seeds):\n";
   for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
   return out;
 }

@@ -196,7 +196,8 @@ TEST(CudaGpt, GpuTrainedWeightsGenerateTheSameGreedyTextOnTheCpu) {
   GenerateOptions o;
   o.max_new_tokens = 24;
   o.sampling.temperature = 0;
-  Engine gpu_engine(model, chars), cpu_engine(*on_cpu.model, on_cpu.tokenizer);
+  Engine gpu_engine(model, chars, DType::F32, std::nullopt);  // CUDA: the contiguous cache
+  Engine cpu_engine(*on_cpu.model, on_cpu.tokenizer);
   const GenerationResult g = gpu_engine.generate({"abc", "hello"}, o);
   const GenerationResult c = cpu_engine.generate({"abc", "hello"}, o);
   for (size_t r = 0; r < 2; ++r) EXPECT_EQ(g.rows[r].tokens, c.rows[r].tokens) << "row " << r;

@@ -167,7 +167,7 @@ TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
   const auto& [nkv, lengths, dtype] = GetParam();
   auto model = tiny_model(nkv, 7, 64);
   const Tokenizer tok = tiny_tokenizer();
-  Engine contiguous(*model, tok, dtype);
+  Engine contiguous(*model, tok, dtype, std::nullopt);
   // Prefix caching off: the second generation below must compute what the first did.
   Engine paged(*model, tok, dtype, PagedCacheOptions{.prefix_caching = false});
   std::vector<std::vector<int32_t>> prompts;
@@ -201,7 +201,7 @@ TEST(Engine, PagedCacheSlidesLikeTheContiguousOne) {
   for (const int64_t nkv : {4, 1}) {
     auto model = tiny_model(nkv);
     const Tokenizer tok = tiny_tokenizer();
-    Engine contiguous(*model, tok);
+    Engine contiguous(*model, tok, DType::F32, std::nullopt);
     Engine paged(*model, tok, DType::F32,
                  PagedCacheOptions{.kv_block_size = 8, .prefix_caching = false});
     GenerateOptions o = greedy(30);
@@ -223,7 +223,7 @@ TEST(Engine, ForkedSamplesEqualIndependentRowsAndShareThePromptsBlocks) {
     auto model = tiny_model(nkv);
     const Tokenizer tok = tiny_tokenizer();
     Engine paged(*model, tok, DType::F32, PagedCacheOptions{.kv_block_size = 4});
-    Engine contiguous(*model, tok);
+    Engine contiguous(*model, tok, DType::F32, std::nullopt);
     const std::vector<int32_t> prompt = random_ids(9, 8);
     const int64_t N = 4, P = 9, bs = 4, shared = P / bs;
     GenerateOptions o;
@@ -311,7 +311,7 @@ TEST(Engine, PagedCacheOutOfBlocksIsAClearError) {
   expect_error([&] { small.generate_ids({random_ids(5, 4), random_ids(5, 6)}, greedy(8)); },
                "needs 2 more blocks of 4 positions, but the pool of 4 blocks has 0 available");
   // Recoverable: the engine generates what fits, and hands every block back.
-  Engine contiguous(*model, tok);
+  Engine contiguous(*model, tok, DType::F32, std::nullopt);
   const PagedRun c = run_engine(contiguous, {random_ids(5, 5)}, greedy(8));
   expect_same_generation(run_engine(small, {random_ids(5, 5)}, greedy(8)), c,
                          1e-6 * logit_scale(c));
@@ -336,7 +336,7 @@ TEST(Engine, Bf16CacheStaysCloseToRecomputeAtHalfTheBytes) {
     SCOPED_TRACE(nkv);
     auto model = tiny_model(nkv);
     const Tokenizer tok = tiny_tokenizer();
-    Engine engine(*model, tok, DType::BF16);
+    Engine engine(*model, tok, DType::BF16, std::nullopt);  // bytes: the contiguous cache's
     GenerateOptions o = greedy(12);
     double worst = 0, scale = 0;
     int64_t checks = 0;
@@ -355,7 +355,7 @@ TEST(Engine, Bf16CacheStaysCloseToRecomputeAtHalfTheBytes) {
     // Rounding K and V to bf16 moves them by <= 2^-9 relative; measured 0.4-0.6% of the logits'
     // scale on this model, so 2% leaves room without letting an f32-sized error through unseen.
     EXPECT_LT(worst, 2e-2 * scale) << "worst " << worst << " at logit scale " << scale;
-    Engine f32(*model, tok);
+    Engine f32(*model, tok, DType::F32, std::nullopt);
     f32.generate_ids({random_ids(5, 3), random_ids(2, 4)}, greedy(12));
     EXPECT_EQ(2 * engine.cache()->bytes(), f32.cache()->bytes());
     EXPECT_EQ(r.stats.cache_bytes, engine.cache()->bytes());
@@ -561,7 +561,7 @@ TEST(Engine, StopStringEndsARowAndIsNotStreamed) {
 TEST(Engine, StreamsEveryTokenAsItIsMade) {
   auto model = tiny_model(2);
   const Tokenizer tok = tiny_tokenizer();
-  Engine engine(*model, tok);
+  Engine engine(*model, tok, DType::F32, std::nullopt);  // bytes: the contiguous cache's
   GenerateOptions o = greedy(9);
   std::vector<std::vector<std::string>> pieces(2);
   o.on_text = [&](int64_t row, std::string_view p) {

@@ -334,5 +334,23 @@ TEST(KVWorkload, EverySampleReachesItsFullLengthDespitePreemption) {
           << "request " << r << " sample " << s;
 }
 
+// Preemption reaching a request admitted this step whose one output token the prefill made
+// ends it rather than queueing it again (found with blocks of one position over a small
+// vocabulary, where prefixes are shared and the pool is tight).
+TEST(KVWorkload, PreemptionEndsARequestThatHasMadeAllItsTokens) {
+  for (const int64_t bs : {1, 2, 4}) {
+    SCOPED_TRACE(bs);
+    const std::vector<KVRequest> reqs = make_kv_workload({.context = 16, .vocab_size = 5});
+    KVSimOptions o;
+    o.budget_bytes = 256;
+    o.bytes_per_position = 1;
+    o.context = 16;
+    o.kv_block_size = bs;
+    const KVSimResult res = simulate_kv_cache(reqs, KVLayout::Paged, o);
+    EXPECT_GT(res.preemptions, 0);
+    EXPECT_EQ(res.blocks_at_end.in_use, 0);
+  }
+}
+
 }  // namespace
 }  // namespace kvlab

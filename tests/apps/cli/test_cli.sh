@@ -57,34 +57,45 @@ check "generate" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt 
 check "generate --json" 0 "\"ttft_ms\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
 check "generate --kv-dtype bf16" 0 "\"dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-dtype bf16
 check "unknown --kv-dtype" 2 "kv-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-dtype f16
-# The paged cache generates the same text as the contiguous one (blocks of 4: the prompt and
-# the new tokens cross block boundaries; two rows of different lengths leave the batch apart).
+# The paged cache (the default) generates the same text as the contiguous one (blocks of 4:
+# the prompt and the new tokens cross block boundaries; two rows of different lengths leave
+# the batch apart).
 printf 'the lord is my\nthe\n' > "$work/two_prompts.txt"
 gen_text() { "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt-file "$work/two_prompts.txt" --batch 2 --max-new 12 --temperature 0 "$@" 2>/dev/null; }
-contiguous_text=$(gen_text)
-paged_text=$(gen_text --kv-cache paged --kv-block-size 4)
+contiguous_text=$(gen_text --cache contiguous)
+paged_text=$(gen_text --kv-block-size 4)
 if [ -n "$contiguous_text" ] && [ "$contiguous_text" = "$paged_text" ]; then
   pass=$((pass + 1))
 else
-  echo "FAIL generate --kv-cache paged: text differs from contiguous:"
+  echo "FAIL generate (paged): text differs from --cache contiguous:"
   echo "$contiguous_text"
   echo "vs"
   echo "$paged_text"
   fails=$((fails + 1))
 fi
-check "generate --kv-cache paged --json" 0 "\"layout\": \"paged\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-cache paged
-check "unknown --kv-cache" 2 "kv-cache" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-cache blocks
-check "--kv-block-size not a power of two" 2 "--kv-block-size must be a power of two, got 12" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-cache paged --kv-block-size 12
-check "--kv-block-size 0" 2 "--kv-block-size must be a power of two, got 0" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-cache paged --kv-block-size 0
-check "--kv-block-size past the context" 2 "--kv-block-size 32 is larger than the model's context (block_size 16)" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-cache paged --kv-block-size 32
-check "bench generate --kv-cache paged" 0 "tok/s" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --kv-cache paged --kv-block-size 8
-check "bench generate bad --kv-block-size" 2 "--kv-block-size must be a power of two, got 6" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-cache paged --kv-block-size 6
+check "generate --json: paged by default" 0 "\"layout\": \"paged\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
+check "generate --cache contiguous --json" 0 "\"layout\": \"contiguous\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --cache contiguous
+check "unknown --cache" 2 "cache" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --cache blocks
+check "--kv-block-size not a power of two" 2 "--kv-block-size must be a power of two, got 12" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-block-size 12
+check "--kv-block-size 0" 2 "--kv-block-size must be a power of two, got 0" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-block-size 0
+check "--kv-block-size past the context" 2 "--kv-block-size 32 is larger than the model's context (block_size 16)" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-block-size 32
+# --n: samples of one prompt share its blocks; the JSON counts them from the allocator.
+check "generate --n 4" 0 "\"sample\": 3" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my" --max-new 6 --n 4 --kv-block-size 4 --json
+check "generate --n 0" 2 "--n must be >= 1 (samples per prompt), got 0" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --n 0
+check "generate --kv-memory" 0 "\"total\": 6" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-block-size 4 --kv-memory 1.5KiB
+check "--kv-memory not a size" 2 "--kv-memory must be a size such as 64MiB, 1GiB or 4096 (bytes), got '64 apples'" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-memory "64 apples"
+check "--kv-memory too small for a sequence" 1 "cannot hold one sequence of" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my" --max-new 8 --kv-block-size 4 --kv-memory 512
+check "--kv-memory runs out" 1 "out of blocks" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord is my" --n 2 --max-new 4 --kv-block-size 4 --kv-memory 1KiB
+check "--kv-memory with --cache contiguous" 2 "--kv-memory sizes the paged cache's pool" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --cache contiguous --kv-memory 1MiB
+check "bench generate (paged)" 0 "tok/s" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --kv-block-size 8
+check "bench generate --cache contiguous" 0 "tok/s" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --cache contiguous
+check "bench generate bad --kv-block-size" 2 "--kv-block-size must be a power of two, got 6" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-block-size 6
 check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype bf16
 check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16
 check "bench generate --weight-dtype bf16" 0 "bf16 matrices" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype bf16
 # The bf16 cache holds the same positions in half the bytes, and greedy text is unchanged here.
 cache_bytes() { "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --temperature 0 "$@" |
-  tr -d ' \n' | grep -o '"cache":{[^}]*}' | grep -o '"bytes":[0-9]*' | cut -d: -f2; }
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["cache"]["bytes"])'; }
 b32=$(cache_bytes --kv-dtype f32); b16=$(cache_bytes --kv-dtype bf16)
 if [ -n "$b32" ] && [ -n "$b16" ] && [ "$b32" -gt 0 ] && [ "$b32" -eq $((2 * b16)) ]; then
   pass=$((pass + 1))
