@@ -9,6 +9,7 @@
 #include "autograd/random.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
+#include "infer/kv_workload.h"
 
 namespace kvlab {
 
@@ -377,6 +378,207 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
       o.progress(detail::cat(setting, ": ", static_cast<int64_t>(e["tokens_per_s"].get<double>()),
                              " tok/s"));
   }
+  return out;
+}
+
+// ---- kv-memory ---------------------------------------------------------------------------
+
+namespace {
+
+json sim_json(const KVSimResult& r) {
+  return json{{"steps", r.steps},
+              {"utilisation_mean", r.utilisation_mean},
+              {"utilisation_min", r.utilisation_min},
+              {"peak_sequences", r.peak_resident},
+              {"mean_sequences", r.mean_resident},
+              {"peak_bytes", r.peak_bytes},
+              {"preemptions", r.preemptions},
+              {"prefill_positions", r.prefill_positions},
+              {"prefix_hit_positions", r.prefix_hit_positions},
+              {"prompt_copies", r.prompt_positions > 0
+                                    ? static_cast<double>(r.prompt_positions_stored) /
+                                          static_cast<double>(r.prompt_positions)
+                                    : 0.0}};
+}
+
+json spread(const std::vector<double>& v) {
+  return json{{"median", median(v)},
+              {"min", *std::min_element(v.begin(), v.end())},
+              {"max", *std::max_element(v.begin(), v.end())}};
+}
+
+// The memory part for one n_kv_head: the three workloads through both layouts.
+json kv_memory_for(const GPTConfig& c, int64_t nkv, const BenchKVMemoryOptions& o,
+                   int64_t budget, int64_t system_prompt) {
+  KVSimOptions so;
+  so.budget_bytes = budget;
+  so.bytes_per_position =
+      2 * c.n_layer * nkv * c.head_size() * static_cast<int64_t>(dtype_size(o.cache_dtype));
+  so.context = c.block_size;
+  so.kv_block_size = o.kv_block_size;
+  const KVWorkloadOptions base{.requests = o.requests,
+                               .context = c.block_size,
+                               .vocab_size = c.vocab_size,
+                               .seed = o.seed};
+  auto both = [&](const KVWorkloadOptions& w) {
+    const std::vector<KVRequest> reqs = make_kv_workload(w);
+    const KVLayoutComparison cmp = compare_kv_layouts(reqs, so);
+    return std::pair{json{{"paged", sim_json(cmp.paged)}, {"contiguous", sim_json(cmp.contiguous)}},
+                     reqs};
+  };
+  KVWorkloadOptions sampled = base, shared = base;
+  sampled.samples = o.samples;
+  shared.system_prompt = system_prompt;
+  json out{{"n_kv_head", nkv},
+           {"bytes_per_position", so.bytes_per_position},
+           {"blocks", so.blocks()},
+           {"slots", so.slots()},
+           {"plain", both(base).first},
+           {"samples", both(sampled).first}};
+  auto [sys, reqs] = both(shared);
+  KVSimOptions off = so;
+  off.prefix_caching = false;
+  sys["paged_no_prefix_caching"] = sim_json(simulate_kv_cache(reqs, KVLayout::Paged, off));
+  out["system_prompt"] = sys;
+  return out;
+}
+
+}  // namespace
+
+json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemoryOptions& o) {
+  const GPTConfig& c = model.config();
+  KVLAB_CHECK(model.device() == Device::CPU, "bench kv-memory: the paged cache runs on the CPU");
+  KVLAB_CHECK(o.rounds >= 1, "bench kv-memory: rounds must be >= 1, got ", o.rounds);
+  KVLAB_CHECK(!o.kv_heads.empty(), "bench kv-memory: no n_kv_head settings");
+  KVLAB_CHECK(o.decode_prompt >= 1 && o.decode_new_tokens >= 2 &&
+                  o.decode_prompt + o.decode_new_tokens <= c.block_size,
+              "bench kv-memory: a decode prompt of ", o.decode_prompt, " and ",
+              o.decode_new_tokens, " new tokens (at least 2) must fit in block_size ",
+              c.block_size);
+  const int64_t elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
+  const int64_t budget =
+      o.budget_bytes > 0
+          ? o.budget_bytes
+          : kv_cache_formula_bytes(c.n_layer, 16, c.block_size, c.n_head, c.head_size(), elem);
+  const int64_t system_prompt = o.system_prompt > 0 ? o.system_prompt : c.block_size / 4;
+  auto say = [&](const std::string& line) {
+    if (o.progress) o.progress(line);
+  };
+
+  json out{{"model", json{{"n_layer", c.n_layer},
+                          {"n_head", c.n_head},
+                          {"n_kv_head", c.n_kv_head},
+                          {"n_embd", c.n_embd},
+                          {"block_size", c.block_size},
+                          {"vocab_size", c.vocab_size},
+                          {"parameters", model.num_parameters()}}},
+           {"threads", omp_get_max_threads()},
+           {"kv_block_size", o.kv_block_size},
+           {"cache_dtype", dtype_name(o.cache_dtype)},
+           {"budget_bytes", budget},
+           {"workload",
+            json{{"requests", o.requests},
+                 {"context", c.block_size},
+                 {"distribution",
+                  "prompt u ~ round(exp(N(ln(c/8), 1))) and output o ~ round(exp(N(ln(c/6), 1))) "
+                  "tokens, clipped to prompt + output <= c (infer/kv_workload.h)"},
+                 {"samples", o.samples},
+                 {"system_prompt", system_prompt}}},
+           {"memory", json::array()}};
+  for (const int64_t nkv : o.kv_heads) {
+    out["memory"].push_back(kv_memory_for(c, nkv, o, budget, system_prompt));
+    say(detail::cat("n_kv_head ", nkv, ": workload simulated"));
+  }
+
+  // Decode speed, paged against contiguous, in alternating rounds after a warm-up of each.
+  PagedCacheOptions paged{.kv_block_size = o.kv_block_size, .prefix_caching = false};
+  Engine on_pages(model, tokenizer, o.cache_dtype, paged);
+  Engine contiguous(model, tokenizer, o.cache_dtype, std::nullopt);
+  GenerateOptions greedy;
+  greedy.sampling.temperature = 0;
+  greedy.max_new_tokens = o.decode_new_tokens;
+  out["decode"] = json::array();
+  for (const int64_t batch : o.decode_batches) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int64_t b = 0; b < batch; ++b)
+      prompts.push_back(random_prompt(o.decode_prompt, c.vocab_size, o.seed + 100 + b));
+    on_pages.generate_ids(prompts, greedy);
+    contiguous.generate_ids(prompts, greedy);
+    // Each round runs both, the one going first alternating: neither side always follows
+    // the other.
+    std::vector<double> p, q, ratio;
+    auto rate = [&](Engine& e) { return e.generate_ids(prompts, greedy).stats.decode_tokens_per_s(); };
+    for (int r = 0; r < o.rounds; ++r) {
+      if (r % 2 == 0) {
+        p.push_back(rate(on_pages));
+        q.push_back(rate(contiguous));
+      } else {
+        q.push_back(rate(contiguous));
+        p.push_back(rate(on_pages));
+      }
+      ratio.push_back(p.back() / q.back());
+    }
+    out["decode"].push_back(json{{"batch", batch},
+                                 {"paged_tokens_per_s", spread(p)},
+                                 {"contiguous_tokens_per_s", spread(q)},
+                                 {"ratio", spread(ratio)}});
+    say(detail::cat("decode at batch ", batch, ": paged / contiguous ", median(ratio)));
+  }
+
+  // Time to first token of a request whose system prompt an earlier one left in the prefix
+  // cache, against the same request without prefix caching. Each request has its own user
+  // part, so only the system prompt's whole blocks can be taken.
+  const int64_t user = std::min<int64_t>(32, c.block_size - system_prompt - 1);
+  KVLAB_CHECK(user >= 1, "bench kv-memory: a system prompt of ", system_prompt,
+              " tokens leaves no room for a user part in block_size ", c.block_size);
+  const std::vector<int32_t> system = random_prompt(system_prompt, c.vocab_size, o.seed + 7);
+  auto request = [&](int64_t i) {
+    std::vector<int32_t> r = system;
+    const std::vector<int32_t> u = random_prompt(user, c.vocab_size, o.seed + 1000 + i);
+    r.insert(r.end(), u.begin(), u.end());
+    return std::vector<std::vector<int32_t>>{r};
+  };
+  Engine cached(model, tokenizer, o.cache_dtype,
+                PagedCacheOptions{.kv_block_size = o.kv_block_size});
+  GenerateOptions first = greedy;
+  first.max_new_tokens = 1;
+  cached.generate_ids(request(0), first);  // leaves the system prompt's blocks cached
+  on_pages.generate_ids(request(0), first);
+  std::vector<double> ttft_on, ttft_off;
+  int64_t prefill_on = 0, prefill_off = 0;
+  for (int r = 0; r < o.rounds; ++r) {
+    const bool on_first = r % 2 == 0;
+    const GenerationStats b0 = on_first ? GenerationStats{} : on_pages.generate_ids(request(r + 1), first).stats;
+    const GenerationStats a = cached.generate_ids(request(r + 1), first).stats;
+    const GenerationStats b = on_first ? on_pages.generate_ids(request(r + 1), first).stats : b0;
+    ttft_on.push_back(a.ttft_s * 1e3);
+    ttft_off.push_back(b.ttft_s * 1e3);
+    prefill_on = a.prefill_positions;
+    prefill_off = b.prefill_positions;
+  }
+  out["prefix_caching"] = json{{"system_prompt", system_prompt},
+                               {"user_tokens", user},
+                               {"ttft_ms", json{{"on", spread(ttft_on)}, {"off", spread(ttft_off)}}},
+                               {"prefill_positions", json{{"on", prefill_on}, {"off", prefill_off}}}};
+  say(detail::cat("prefix caching: TTFT ", median(ttft_on), " ms against ", median(ttft_off),
+                  " ms"));
+
+  // n samples of one prompt: forked from its prefill, against the prompt given n times.
+  GenerateOptions sampled = greedy;
+  sampled.sampling.temperature = 1;
+  const std::vector<int32_t> prompt = random_prompt(o.decode_prompt, c.vocab_size, o.seed + 9);
+  GenerateOptions forked = sampled;
+  forked.n = o.samples;
+  const std::vector<std::vector<int32_t>> repeated(static_cast<size_t>(o.samples), prompt);
+  out["samples"] = json{
+      {"prompt_tokens", o.decode_prompt},
+      {"samples", o.samples},
+      {"new_tokens", o.decode_new_tokens},
+      {"forked_bytes", on_pages.generate_ids({prompt}, forked).stats.cache_bytes},
+      {"independent_bytes", on_pages.generate_ids(repeated, sampled).stats.cache_bytes},
+      {"contiguous_bytes", contiguous.generate_ids(repeated, sampled).stats.cache_bytes},
+      {"prompt_blocks_shared", o.decode_prompt / o.kv_block_size},
+      {"block_bytes", 2 * c.n_layer * c.n_kv_head * c.head_size() * elem * o.kv_block_size}};
   return out;
 }
 

@@ -73,6 +73,42 @@ nlohmann::json bench_decode_by_kv_heads(const GPTConfig& config,
                                         const std::vector<int64_t>& kv_heads, int64_t new_tokens,
                                         const BenchGenerateOptions& options);
 
+// `kvlab bench kv-memory`: what the paged cache does with a fixed KV memory, against
+// contiguous max-length allocation.
+struct BenchKVMemoryOptions {
+  // n_kv_head settings of the memory part (the workload needs only the shapes).
+  std::vector<int64_t> kv_heads;
+  int64_t budget_bytes = 0;  // the KV memory; 0: that of 16 full-context multi-head sequences
+  int64_t kv_block_size = 16;
+  int64_t requests = 256;
+  int64_t samples = 4;        // the parallel-sampling case
+  int64_t system_prompt = 0;  // the shared-system-prompt case; 0: a quarter of the context
+  uint64_t seed = 0;
+  DType cache_dtype = DType::F32;
+  // The timed part, on the model given: rounds alternate paged and contiguous (or prefix
+  // caching on and off), medians and spreads reported.
+  int rounds = 5;
+  std::vector<int64_t> decode_batches = {1, 8};
+  int64_t decode_prompt = 64, decode_new_tokens = 128;
+  std::function<void(const std::string&)> progress;  // a line per measured part
+};
+
+// JSON:
+//   model {...}, threads, kv_block_size, cache_dtype, budget_bytes,
+//   workload {requests, context, distribution, samples, system_prompt},
+//   memory [{n_kv_head, bytes_per_position, blocks, slots, plain {paged, contiguous},
+//            samples {paged, contiguous}, system_prompt {paged, paged_no_prefix_caching,
+//            contiguous}}] where each side holds the simulation's figures (infer/kv_workload.h),
+//   decode [{batch, paged_tokens_per_s, contiguous_tokens_per_s, ratio: {median, min, max}}]
+//            where ratio is each round's paged / contiguous (on a shared host the rounds'
+//            ratios vary less than either side's rate),
+//   prefix_caching {system_prompt, user_tokens, ttft_ms {on, off: {median, min, max}},
+//                   prefill_positions {on, off}},
+//   samples {prompt_tokens, samples, forked_bytes, independent_bytes, contiguous_bytes,
+//            prompt_blocks_shared} from the engine's allocator.
+nlohmann::json bench_kv_memory(GPT& model, const Tokenizer& tokenizer,
+                               const BenchKVMemoryOptions& options);
+
 // A char tokenizer of `vocab_size` printable symbols, for random-weight models.
 Tokenizer synthetic_tokenizer(int64_t vocab_size);
 

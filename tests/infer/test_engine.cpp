@@ -729,6 +729,54 @@ TEST(Bench, ReportsEachSettingsTokensUpToItsTotal) {
   EXPECT_EQ(i, calls.size());
 }
 
+// bench kv-memory's figures on a tiny model: what the workload, the engine's allocator and
+// the prefix cache must show whatever the timings.
+TEST(Bench, KVMemoryComparesTheLayoutsAtOneBudget) {
+  GPTConfig cfg = test::tiny_config(4, 128);
+  auto model = test::random_model(cfg, 7);
+  const Tokenizer tok = tiny_tokenizer();
+  BenchKVMemoryOptions o;
+  o.kv_heads = {4, 1};
+  o.kv_block_size = 8;
+  o.requests = 64;
+  o.rounds = 1;
+  o.decode_batches = {2};
+  o.decode_prompt = 20;
+  o.decode_new_tokens = 12;
+  const nlohmann::json j = bench_kv_memory(*model, tok, o);
+  // The default budget: 16 full-context sequences of the multi-head model.
+  EXPECT_EQ(j["budget_bytes"], kv_cache_formula_bytes(2, 16, 128, 4, 8, 4));
+  EXPECT_EQ(j["workload"]["system_prompt"], 32);
+  ASSERT_EQ(j["memory"].size(), 2u);
+  for (const auto& m : j["memory"]) {
+    SCOPED_TRACE(m["n_kv_head"].get<int64_t>());
+    EXPECT_EQ(m["slots"], 16 * 4 / m["n_kv_head"].get<int64_t>());
+    for (const char* name : {"plain", "samples", "system_prompt"}) {
+      const auto& p = m[name]["paged"];
+      const auto& c = m[name]["contiguous"];
+      EXPECT_GE(p["peak_sequences"].get<int64_t>(), c["peak_sequences"].get<int64_t>()) << name;
+      EXPECT_GT(p["utilisation_mean"].get<double>(), c["utilisation_mean"].get<double>()) << name;
+      EXPECT_LE(c["peak_sequences"].get<int64_t>(), m["slots"].get<int64_t>());
+    }
+    EXPECT_DOUBLE_EQ(m["samples"]["contiguous"]["prompt_copies"].get<double>(), 4.0);
+    EXPECT_LE(m["samples"]["paged"]["prompt_copies"].get<double>(), 1.0);
+    EXPECT_LT(m["system_prompt"]["paged"]["prefill_positions"].get<int64_t>(),
+              m["system_prompt"]["paged_no_prefix_caching"]["prefill_positions"].get<int64_t>());
+  }
+  // The engine's prefix cache: the system prompt's whole blocks (32 positions) are taken.
+  EXPECT_EQ(j["prefix_caching"]["prefill_positions"]["off"], 32 + 32);
+  EXPECT_EQ(j["prefix_caching"]["prefill_positions"]["on"], 32);
+  // 4 samples of a 20-token prompt with 12 new tokens each feed 31 positions: forked, the
+  // prompt's 2 whole blocks once and each sample's own 2; as independent rows, 4 x 4 blocks.
+  const auto& s = j["samples"];
+  const int64_t block = s["block_bytes"].get<int64_t>();
+  EXPECT_EQ(s["forked_bytes"].get<int64_t>(), (2 + 4 * 2) * block);
+  EXPECT_EQ(s["independent_bytes"].get<int64_t>(), 4 * 4 * block);
+  EXPECT_EQ(s["contiguous_bytes"].get<int64_t>(), kv_cache_formula_bytes(2, 4, 31, 4, 8, 4));
+  ASSERT_EQ(j["decode"].size(), 1u);
+  EXPECT_GT(j["decode"][0]["ratio"]["median"].get<double>(), 0);
+}
+
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
   for (const auto& [tied, batch] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 3}}) {
     SCOPED_TRACE(detail::cat(tied ? "tied" : "untied", " LM head, batch ", batch));

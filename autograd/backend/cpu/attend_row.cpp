@@ -2,6 +2,7 @@
 // query over a few hundred cached keys, contiguous or read through a paged cache's block table,
 // over dot_simd.h's primitives.
 #include <algorithm>
+#include <cstdint>
 
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/dot_simd.h"
@@ -22,6 +23,8 @@ struct StridedRows {
   const float* base;
   int64_t st;
   const float* operator()(int64_t j) const { return base + j * st; }
+  int64_t run() const { return INT64_MAX; }
+  int64_t stride() const { return st; }
 };
 
 // attend_one_query with rows of NV vectors (the last one's first `last` lanes), key and value
@@ -43,11 +46,16 @@ void attend_rows(float* out, const float* q, const Rows& k, const Rows& v, int64
   Vec qv[NV];
   for (int h = 0; h < NV; ++h) qv[h] = load(q, h);
   const Vec vscale = vbroadcast(scale);
+  // Groups of rows that lie in one run (a paged cache's block) are reached from the group's
+  // first row, not each through the block table.
+  const bool k_runs = k.run() >= kRows, v_runs = v.run() >= 8;
   for (int64_t j = 0; j < n; j += kRows) {
     const int64_t m = std::min(kRows, n - j);  // keys in this block
+    const float* k0 = k(j);
     Vec acc[kRows];
     for (int64_t i = 0; i < kRows; ++i) {
-      const float* kr = k(j + std::min(i, m - 1));  // past the last key: it again
+      const int64_t r = std::min(i, m - 1);  // past the last key: it again
+      const float* kr = k_runs ? k0 + r * k.stride() : k(j + r);
       acc[i] = vmul(load(kr, 0), qv[0]);
       for (int h = 1; h < NV; ++h) acc[i] = vfmadd(load(kr, h), qv[h], acc[i]);
     }
@@ -58,15 +66,16 @@ void attend_rows(float* out, const float* q, const Rows& k, const Rows& v, int64
   Vec sum[U][NV];
   for (auto& row : sum)
     for (auto& x : row) x = vzero();
-  auto add = [&](int u, int64_t j) {
+  auto add = [&](int u, int64_t j, const float* vr) {
     const Vec pj = vbroadcast(p[j]);
-    const float* vr = v(j);
     for (int h = 0; h < NV; ++h) sum[u][h] = vfmadd(pj, load(vr, h), sum[u][h]);
   };
   int64_t j = 0;
-  for (; j + U <= n; j += U)
-    for (int u = 0; u < U; ++u) add(u, j + u);
-  for (; j < n; ++j) add(0, j);
+  for (; j + U <= n; j += U) {
+    const float* v0 = v(j);  // U <= 8 rows from a multiple of U: one run when v_runs
+    for (int u = 0; u < U; ++u) add(u, j + u, v_runs ? v0 + u * v.stride() : v(j + u));
+  }
+  for (; j < n; ++j) add(0, j, v(j));
   for (int h = 0; h < NV; ++h) {
     for (int u = 1; u < U; ++u) sum[0][h] = vadd(sum[0][h], sum[u][h]);
     vstore_lanes(out + h * kLanes, vmul(vbroadcast(inv), sum[0][h]), 0, h < NV - 1 ? kLanes : last);

@@ -48,6 +48,9 @@ struct BlockRows {
   const KV* operator()(int64_t j) const {
     return base + table[j >> shift] * block_stride + (j & (block_len() - 1)) * pos_stride;
   }
+  // Rows j .. j + run() - 1 from a j that is a multiple of run() lie at stride() apart.
+  int64_t run() const { return block_len(); }
+  int64_t stride() const { return pos_stride; }
 };
 
 // attend_one_query's row kernel (f32, AVX-512 or AVX2, HS up to 128 or 64): false, having
