@@ -49,9 +49,17 @@ void attend_rows(float* out, const float* q, const Rows& k, const Rows& v, int64
   // Groups of rows that lie in one run (a paged cache's block) are reached from the group's
   // first row, not each through the block table.
   const bool k_runs = k.run() >= kRows, v_runs = v.run() >= 8;
+  // A run's rows are contiguous but the next run lies elsewhere, where the hardware's
+  // prefetcher has not followed: entering a run, fetch the next one's rows.
+  const int64_t run_bytes = k.run() < n ? k.run() * k.stride() * 4 : 0;
+  auto prefetch_run = [&](const float* first) {
+    for (int64_t b = 0; b < run_bytes; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(first) + b);
+  };
   for (int64_t j = 0; j < n; j += kRows) {
     const int64_t m = std::min(kRows, n - j);  // keys in this block
     const float* k0 = k(j);
+    if (run_bytes > 0 && (j & (k.run() - 1)) == 0 && j + k.run() < n) prefetch_run(k(j + k.run()));
     Vec acc[kRows];
     for (int64_t i = 0; i < kRows; ++i) {
       const int64_t r = std::min(i, m - 1);  // past the last key: it again
@@ -73,6 +81,7 @@ void attend_rows(float* out, const float* q, const Rows& k, const Rows& v, int64
   int64_t j = 0;
   for (; j + U <= n; j += U) {
     const float* v0 = v(j);  // U <= 8 rows from a multiple of U: one run when v_runs
+    if (run_bytes > 0 && (j & (v.run() - 1)) == 0 && j + v.run() < n) prefetch_run(v(j + v.run()));
     for (int u = 0; u < U; ++u) add(u, j + u, v_runs ? v0 + u * v.stride() : v(j + u));
   }
   for (; j < n; ++j) add(0, j, v(j));
