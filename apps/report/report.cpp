@@ -217,8 +217,9 @@ std::optional<Table> memory_table(const Parsed& p, Bytes style) {
 constexpr const char* kMemoryNote =
     "Serving workload: 256 requests with log-normal prompt and output lengths scaled to the "
     "context, at one KV memory for every n_kv_head (16 full-context multi-head sequences), "
-    "through the paged cache's allocator and through contiguous max-length slots. "
-    "Utilisation: positions stored / positions the held memory holds, mean over steps.";
+    "through the paged cache's allocator (blocks of at most 16 positions and a sixteenth of "
+    "the context) and through contiguous max-length slots. Utilisation: positions stored / "
+    "positions the held memory holds, mean over steps.";
 
 // Terminal columns count code points, not bytes ("±" is two bytes).
 std::size_t display_width(const std::string& s) {
