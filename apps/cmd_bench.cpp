@@ -1,6 +1,7 @@
 // kvlab bench generate: decode speed with and without the KV cache, time per token against
 // position, and the cache's memory for several n_kv_head settings. kvlab bench kv-memory: the
-// paged cache against contiguous allocation at one KV memory. Tables plus JSON.
+// paged cache against contiguous allocation at one KV memory. kvlab bench serve: continuous
+// against static batching of a request stream. Tables plus JSON.
 #include <cblas.h>
 #include <omp.h>
 
@@ -54,6 +55,7 @@ struct BenchArgs {
   std::string json_path;
   bool n_kv_head_given = false;
   BenchKVMemoryOptions kv_memory;  // kv-memory's own settings
+  BenchServeOptions serve;         // serve's own settings
 };
 
 std::string mib(double bytes) {
@@ -386,6 +388,72 @@ void run_bench_kv_memory(BenchArgs& a) {
   }
 }
 
+void print_serve(const json& r) {
+  const json& m = r["model"];
+  std::printf(
+      "\nkvlab bench serve: %lld layers, %lld heads, %lld kv heads, n_embd %lld, context %lld; "
+      "%lld requests, KV memory %s for both (static batches of up to %lld full-context rows; "
+      "paged blocks of %lld, at most %lld tokens a step); %d threads, greedy\n\n",
+      m["n_layer"].get<long long>(), m["n_head"].get<long long>(), m["n_kv_head"].get<long long>(),
+      m["n_embd"].get<long long>(), m["block_size"].get<long long>(),
+      r["requests"].get<long long>(), mib(r["budget_bytes"].get<double>()).c_str(),
+      r["static_slots"].get<long long>(), r["kv_block_size"].get<long long>(),
+      r["max_batch_tokens"].get<long long>(), r["threads"].get<int>());
+  std::printf("%-14s%-12s%10s%12s%22s%22s%8s%10s\n", "arrivals", "batching", "req/s", "tok/s",
+              "TTFT ms p50 / p99", "TPOT ms p50 / p99", "peak", "preempt");
+  for (const json& run : r["runs"]) {
+    const std::string rate = run["rate"].is_string()
+                                 ? run["rate"].get<std::string>()
+                                 : detail::cat(run["rate"].get<double>(), " req/s");
+    for (const char* side : {"static_contiguous", "continuous_paged"}) {
+      const json& x = run[side];
+      char ttft[32], tpot[32];
+      std::snprintf(ttft, sizeof ttft, "%.1f / %.1f", x["ttft_ms"]["p50"].get<double>(),
+                    x["ttft_ms"]["p99"].get<double>());
+      std::snprintf(tpot, sizeof tpot, "%.2f / %.2f", x["tpot_ms"]["p50"].get<double>(),
+                    x["tpot_ms"]["p99"].get<double>());
+      std::printf("%-14s%-12s%10.2f%12.0f%22s%22s%8lld%10s\n", rate.c_str(),
+                  std::string(side) == "static_contiguous" ? "static" : "continuous",
+                  x["requests_per_s"].get<double>(), x["output_tokens_per_s"].get<double>(), ttft,
+                  tpot, x["peak_sequences"].get<long long>(),
+                  x.contains("preemptions") ? std::to_string(x["preemptions"].get<long long>()).c_str()
+                                            : "-");
+    }
+    std::printf("%-14s%-12s%9.2fx\n", "", "ratio", run["throughput_ratio"].get<double>());
+  }
+}
+
+void run_bench_serve(BenchArgs& a) {
+  check_json_path(a);
+  BenchServeOptions& o = a.serve;
+  KVLAB_USAGE_CHECK(o.requests >= 1, "--requests must be >= 1, got ", o.requests);
+  for (const double r : o.rates)
+    KVLAB_USAGE_CHECK(std::isfinite(r) && r > 0, "--rates must be > 0 requests/s, got ", r);
+  KVLAB_USAGE_CHECK(o.max_batch_tokens >= 1, "--max-batch-tokens must be >= 1, got ",
+                    o.max_batch_tokens);
+  auto [model, tok] = bench_model(a);
+  o.seed = a.seed;
+  o.cache_dtype = parse_storage_dtype(a.kv_dtype);
+  const std::optional<PagedCacheOptions> paged =
+      parse_kv_cache(a.kv, a.cfg.block_size, Device::CPU);
+  KVLAB_USAGE_CHECK(paged.has_value(), "bench serve compares continuous batching over the paged "
+                                       "cache with static batching over contiguous ones: --cache "
+                                       "does not apply");
+  o.kv_block_size = paged->kv_block_size;
+  o.budget_bytes = paged->pool_bytes;
+  o.progress = [](const std::string& line) {
+    std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
+  };
+  json r = bench_serve(*model, tok, o);
+  print_serve(r);
+  if (!a.json_path.empty()) {
+    r["checkpoint"] = a.ckpt;
+    r["machine"] = machine_json();
+    write_file_atomic(a.json_path, r.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+    std::printf("\nwrote %s\n", a.json_path.c_str());
+  }
+}
+
 // The random model's shape flags (a checkpoint brings its own); returns --n-kv-head.
 CLI::Option* add_shape_flags(CLI::App* cmd, BenchArgs& a, CLI::Option* ckpt) {
   auto shape = [&](const char* name, int64_t& value, const char* help) {
@@ -445,6 +513,39 @@ void add_kv_memory_command(CLI::App* bench) {
   });
 }
 
+void add_serve_command(CLI::App* bench) {
+  auto args = std::make_shared<BenchArgs>();
+  args->cfg.n_layer = 4;
+  args->cfg.block_size = 1024;
+  CLI::App* cmd = bench->add_subcommand(
+      "serve",
+      "A stream of requests served by continuous batching over the paged KV cache and by "
+      "static batching over contiguous caches, at the same KV memory: throughput, TTFT, TPOT");
+  CLI::Option* ckpt =
+      cmd->add_option("--ckpt", args->ckpt, "Checkpoint to serve (default: random weights)");
+  CLI::Option* n_kv_head = add_shape_flags(cmd, *args, ckpt);
+  add_number(cmd, "--requests", args->serve.requests,
+             "Requests of the workload (kv-memory's lengths, one sample each)");
+  cmd->add_option("--rates", args->serve.rates,
+                  "Poisson arrival rates in requests/s, one run each (default: every request "
+                  "at once)")
+      ->delimiter(',');
+  add_number(cmd, "--max-batch-tokens", args->serve.max_batch_tokens,
+             "Positions a continuous-batching step computes (decodes, then prefill chunks)");
+  add_number(cmd, "--kv-block-size", args->kv.block_size,
+             "Positions per block of the paged cache: a power of two, at most the context");
+  cmd->add_option("--kv-memory", args->kv.memory,
+                  "The KV memory both sides get, e.g. 64MiB (default: 16 full-context "
+                  "sequences)");
+  add_kv_dtype_flag(cmd, args->kv_dtype);
+  add_number(cmd, "--seed", args->seed, "Seed of the workload and the random weights");
+  add_json_flag(cmd, args->json_path);
+  cmd->callback([args, n_kv_head] {
+    args->n_kv_head_given = n_kv_head->count() > 0;
+    run_bench_serve(*args);
+  });
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& root) {
@@ -487,6 +588,7 @@ void add_bench_command(CLI::App& root) {
     run_bench_generate(*args);
   });
   add_kv_memory_command(bench);
+  add_serve_command(bench);
 }
 
 }  // namespace kvlab

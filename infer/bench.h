@@ -109,6 +109,30 @@ struct BenchKVMemoryOptions {
 nlohmann::json bench_kv_memory(GPT& model, const Tokenizer& tokenizer,
                                const BenchKVMemoryOptions& options);
 
+// `kvlab bench serve`: the serving workload (infer/kv_workload.h, one sample a request, greedy)
+// as a request stream, served by static batching over contiguous caches (the arrived requests,
+// up to as many as the KV memory holds at full context, run as one batch until its longest
+// output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at the
+// same KV memory.
+struct BenchServeOptions {
+  int64_t requests = 256;
+  // Poisson arrival rates (requests/s), one run each; empty: every request at once.
+  std::vector<double> rates;
+  int64_t budget_bytes = 0;  // 0: 16 full-context sequences of the model
+  int64_t kv_block_size = 16;
+  int64_t max_batch_tokens = 512;
+  uint64_t seed = 0;
+  DType cache_dtype = DType::F32;
+  std::function<void(const std::string&)> progress;  // a line per served run
+};
+
+// JSON: model, threads, budget_bytes, static_slots, kv_block_size, max_batch_tokens, max_seqs,
+// requests, runs [{rate, static_contiguous, continuous_paged, throughput_ratio (continuous /
+// static requests/s)}] where each side holds duration_s, requests_per_s, output_tokens_per_s,
+// ttft_ms and tpot_ms {p50, p90, p99}, peak_sequences, and preemptions (continuous).
+nlohmann::json bench_serve(GPT& model, const Tokenizer& tokenizer,
+                           const BenchServeOptions& options);
+
 // A char tokenizer of `vocab_size` printable symbols, for random-weight models.
 Tokenizer synthetic_tokenizer(int64_t vocab_size);
 

@@ -213,11 +213,9 @@ GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   return *cache_;
 }
 
-namespace {
-// The model's identity for prefix keys: its shapes and a CRC-32 of every parameter's bytes (a
-// CRC sees any change of a few bytes; the parameters are summed in parallel, about a
-// millisecond per 10 MB of weights here, taken once per call as DecodeStep::pack reads them).
-uint64_t model_key(const GPT& model) {
+// The parameters are summed in parallel: about a millisecond per 10 MB of weights here, taken
+// once per generate call as DecodeStep::pack reads them.
+uint64_t model_cache_key(const GPT& model) {
   const GPTConfig& c = model.config();
   uint64_t h = 0;
   for (const int64_t v : {c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size, c.vocab_size})
@@ -236,7 +234,6 @@ uint64_t model_key(const GPT& model) {
   for (const uint64_t v : crc) h = hash64(h, v);
   return h;
 }
-}  // namespace
 
 GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
   const GPTConfig& c = model_.config();
@@ -251,7 +248,7 @@ GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
               n_blocks * block_bytes, " bytes) cannot hold one sequence of ", capacity,
               " positions, which takes ", per_row, " blocks of ", bs, " positions (",
               block_bytes, " bytes each)");
-  const uint64_t key = paged_->prefix_caching ? model_key(model_) : 0;
+  const uint64_t key = paged_->prefix_caching ? model_cache_key(model_) : 0;
   if (!blocks_ || key != model_key_ ||
       (sized_by_call ? blocks_->total_blocks() < n_blocks : blocks_->total_blocks() != n_blocks)) {
     cache_.reset();  // free first: the new pools may take the same memory

@@ -158,6 +158,10 @@ struct PagedCacheOptions {
   bool prefix_caching = true;
 };
 
+// The model's identity for prefix-cache keys: its shapes and a CRC-32 of every parameter's
+// bytes (a CRC sees any change of a few bytes).
+uint64_t model_cache_key(const GPT& model);
+
 class Engine {
  public:
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
@@ -191,6 +195,7 @@ class Engine {
   GPT& model() { return model_; }
   const GPT& model() const { return model_; }
   const Tokenizer& tokenizer() const { return tokenizer_; }
+  DType cache_dtype() const { return cache_dtype_; }
   // The fused CPU decode step; decode_step().enabled = false runs every step op by op.
   DecodeStep& decode_step() { return step_; }
   const DecodeStep& decode_step() const { return step_; }

@@ -777,6 +777,37 @@ TEST(Bench, KVMemoryComparesTheLayoutsAtOneBudget) {
   EXPECT_GT(j["decode"][0]["ratio"]["median"].get<double>(), 0);
 }
 
+// bench serve's figures on a tiny model: both batchings serve every request at one memory.
+TEST(Bench, ServeRunsBothBatchingsAtOneMemory) {
+  GPTConfig cfg = test::tiny_config(2, 64);
+  auto model = test::random_model(cfg, 7);
+  const Tokenizer tok = tiny_tokenizer();
+  BenchServeOptions o;
+  o.requests = 24;
+  o.rates = {2000.0};
+  o.kv_block_size = 8;
+  o.max_batch_tokens = 32;
+  const nlohmann::json j = bench_serve(*model, tok, o);
+  EXPECT_EQ(j["budget_bytes"], kv_cache_formula_bytes(2, 16, 64, 2, 8, 4));
+  EXPECT_EQ(j["static_slots"], 16);
+  EXPECT_EQ(j["max_seqs"], 24);
+  ASSERT_EQ(j["runs"].size(), 1u);
+  const auto& run = j["runs"][0];
+  EXPECT_EQ(run["rate"], 2000.0);
+  for (const char* side : {"static_contiguous", "continuous_paged"}) {
+    SCOPED_TRACE(side);
+    const auto& x = run[side];
+    EXPECT_GT(x["requests_per_s"].get<double>(), 0);
+    EXPECT_GT(x["output_tokens_per_s"].get<double>(), x["requests_per_s"].get<double>());
+    EXPECT_GE(x["ttft_ms"]["p99"].get<double>(), x["ttft_ms"]["p50"].get<double>());
+    EXPECT_GE(x["peak_sequences"].get<int64_t>(), 1);
+  }
+  EXPECT_LE(run["static_contiguous"]["peak_sequences"].get<int64_t>(), 16);
+  EXPECT_DOUBLE_EQ(run["throughput_ratio"].get<double>(),
+                   run["continuous_paged"]["requests_per_s"].get<double>() /
+                       run["static_contiguous"]["requests_per_s"].get<double>());
+}
+
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
   for (const auto& [tied, batch] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 3}}) {
     SCOPED_TRACE(detail::cat(tied ? "tied" : "untied", " LM head, batch ", batch));

@@ -93,6 +93,9 @@ check "bench kv-memory" 0 "peak seqs p/c" -- "$KVLAB" bench kv-memory --n-layer 
 check "bench kv-memory --kv-memory too small" 1 "holds no block of 8 positions" -- "$KVLAB" bench kv-memory --n-layer 1 --n-head 2 --n-embd 32 --block-size 128 --requests 32 --rounds 1 --kv-block-size 8 --kv-memory 100
 check "bench kv-memory --cache" 2 "--cache" -- "$KVLAB" bench kv-memory --n-layer 1 --n-head 2 --n-embd 32 --block-size 128 --cache contiguous
 check "bench kv-memory --samples 0" 2 "--samples must be >= 1, got 0" -- "$KVLAB" bench kv-memory --n-layer 1 --n-head 2 --n-embd 32 --block-size 128 --samples 0
+check "bench serve" 0 "continuous" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 16 --rates 500 --kv-block-size 8 --json "$work/serve.json"
+check "bench serve --rates 0" 2 "--rates must be > 0 requests/s, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --rates 0
+check "bench serve --requests 0" 2 "--requests must be >= 1, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 0
 check "bench generate bad --kv-block-size" 2 "--kv-block-size must be a power of two, got 6" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-block-size 6
 check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype bf16
 check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16
@@ -315,8 +318,8 @@ check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "
 check "ablate.sh passes the user's --out alone" 0 "kvlab ablate --quick --out mine" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick --out mine
 check "unknown command" 2 "unknown command 'nosuch' (commands: train, generate" -- "$KVLAB" nosuch
 check "no command" 2 "'kvlab' needs a command (commands: train, generate" -- "$KVLAB"
-check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate, kv-memory)" -- "$KVLAB" bench nosuch
-check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate, kv-memory)" -- "$KVLAB" bench
+check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate, kv-memory, serve)" -- "$KVLAB" bench nosuch
+check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate, kv-memory, serve)" -- "$KVLAB" bench
 check "bench --help" 0 "Usage: kvlab bench" -- "$KVLAB" bench --help
 check "unexpected arguments in order" 2 "unexpected arguments: foo bar baz" -- "$KVLAB" train foo bar baz
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help

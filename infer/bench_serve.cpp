@@ -1,0 +1,209 @@
+// kvlab bench serve: a request stream served by static batching over contiguous caches and by
+// continuous batching (infer/scheduler.h) over the paged cache, at the same KV memory.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "autograd/error.h"
+#include "autograd/random.h"
+#include "infer/bench.h"
+#include "infer/kv_cache.h"
+#include "infer/kv_workload.h"
+#include "infer/scheduler.h"
+
+namespace kvlab {
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Nearest rank: the smallest value with at least q of the samples at or below it.
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double rank = std::ceil(q * static_cast<double>(v.size()));
+  return v[static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1];
+}
+
+json quantiles_ms(const std::vector<double>& seconds) {
+  std::vector<double> ms;
+  for (const double s : seconds) ms.push_back(s * 1e3);
+  return json{{"p50", quantile(ms, 0.5)}, {"p90", quantile(ms, 0.9)}, {"p99", quantile(ms, 0.99)}};
+}
+
+// When each request arrived, made its first token and its last, relative to the start.
+struct Timeline {
+  std::vector<double> arrival, first, last;
+  explicit Timeline(const std::vector<double>& arrivals)
+      : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
+};
+
+json summary(const Timeline& t, const std::vector<KVRequest>& reqs, double duration,
+             int64_t peak_sequences) {
+  std::vector<double> ttft, tpot;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ttft.push_back(t.first[i] - t.arrival[i]);
+    const int64_t o = reqs[i].output_tokens;
+    tokens += o;
+    if (o > 1) tpot.push_back((t.last[i] - t.first[i]) / static_cast<double>(o - 1));
+  }
+  return json{{"duration_s", duration},
+              {"requests_per_s", static_cast<double>(reqs.size()) / duration},
+              {"output_tokens_per_s", static_cast<double>(tokens) / duration},
+              {"ttft_ms", quantiles_ms(ttft)},
+              {"tpot_ms", quantiles_ms(tpot)},
+              {"peak_sequences", peak_sequences}};
+}
+
+// Waits until the next request not yet taken has arrived, if none has.
+void wait_for(const Timeline& t, size_t next, Clock::time_point t0) {
+  if (next < t.arrival.size() && t.arrival[next] > since(t0))
+    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(t.arrival[next])));
+}
+
+// Static batching: the arrived requests, up to `slots` of them, run as one batch until its
+// longest output is made (every row generates that long, as a batch of fixed shape does);
+// then the next batch. Each request's tokens are its first output_tokens.
+json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t, int64_t slots) {
+  const auto t0 = Clock::now();
+  int64_t peak = 0;
+  for (size_t next = 0; next < reqs.size();) {
+    wait_for(t, next, t0);
+    std::vector<size_t> batch;
+    while (next < reqs.size() && static_cast<int64_t>(batch.size()) < slots &&
+           t.arrival[next] <= since(t0))
+      batch.push_back(next++);
+    std::vector<std::vector<int32_t>> prompts;
+    GenerateOptions g;
+    g.sampling.temperature = 0;
+    g.max_new_tokens = 1;
+    for (const size_t i : batch) {
+      prompts.push_back(reqs[i].prompt);
+      g.max_new_tokens = std::max(g.max_new_tokens, reqs[i].output_tokens);
+    }
+    // Step k makes every row's token k + 2 (the prefill makes the first).
+    std::vector<double> step_end;
+    g.on_decode_step = [&](int64_t) { step_end.push_back(since(t0)); };
+    const double start = since(t0);
+    const GenerationResult res = engine.generate_ids(prompts, g);
+    for (size_t b = 0; b < batch.size(); ++b) {
+      const size_t i = batch[b];
+      t.first[i] = start + res.rows[b].ttft_s;
+      const int64_t o = reqs[i].output_tokens;
+      t.last[i] = o == 1 ? t.first[i] : step_end[static_cast<size_t>(o - 2)];
+    }
+    peak = std::max(peak, static_cast<int64_t>(batch.size()));
+  }
+  return summary(t, reqs, since(t0), peak);
+}
+
+json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t,
+                      const SchedulerOptions& so) {
+  Scheduler s(engine, so);
+  const auto t0 = Clock::now();
+  std::vector<size_t> of;  // request index of each RequestId
+  int64_t peak = 0;
+  size_t next = 0;
+  while (next < reqs.size() || !s.idle()) {
+    if (s.idle()) wait_for(t, next, t0);
+    for (; next < reqs.size() && t.arrival[next] <= since(t0); ++next) {
+      GenerateOptions g;
+      g.sampling.temperature = 0;
+      g.max_new_tokens = reqs[next].output_tokens;
+      const RequestId id = s.add(reqs[next].prompt, g);
+      if (static_cast<size_t>(id) >= of.size()) of.resize(static_cast<size_t>(id) + 1);
+      of[static_cast<size_t>(id)] = next;
+    }
+    const std::vector<SchedulerEvent> events = s.step();
+    const double now = since(t0);
+    for (const SchedulerEvent& e : events) {
+      const size_t i = of[static_cast<size_t>(e.request)];
+      if (e.token >= 0 && t.first[i] < 0) t.first[i] = now;
+      if (e.finished) t.last[i] = now;
+    }
+    peak = std::max(peak, s.last_step().admitted);
+  }
+  json out = summary(t, reqs, since(t0), peak);
+  out["preemptions"] = s.preemptions();
+  return out;
+}
+
+}  // namespace
+
+json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions& o) {
+  const GPTConfig& c = model.config();
+  KVLAB_CHECK(model.device() == Device::CPU, "bench serve: the paged cache runs on the CPU");
+  for (const double r : o.rates)
+    KVLAB_CHECK(std::isfinite(r) && r > 0, "bench serve: request rates must be > 0, got ", r);
+  const int64_t bytes_per_position =
+      2 * c.n_layer * c.n_kv_head * c.head_size() * static_cast<int64_t>(dtype_size(o.cache_dtype));
+  const int64_t budget = o.budget_bytes > 0 ? o.budget_bytes
+                                            : 16 * c.block_size * bytes_per_position;
+  const int64_t slots = budget / (c.block_size * bytes_per_position);
+  KVLAB_CHECK(slots >= 1, "bench serve: a KV memory of ", budget,
+              " bytes holds no full-context sequence (", c.block_size * bytes_per_position,
+              " bytes)");
+  const std::vector<KVRequest> reqs = make_kv_workload(
+      {.requests = o.requests, .context = c.block_size, .vocab_size = c.vocab_size,
+       .seed = o.seed});
+  // Static batching generates over the engine's contiguous cache; the scheduler keeps a
+  // paged one of its own.
+  Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);
+  SchedulerOptions so;
+  so.max_batch_tokens = o.max_batch_tokens;
+  so.max_seqs = std::min<int64_t>(o.requests, o.max_batch_tokens);
+  so.cache.kv_block_size = o.kv_block_size;
+  so.cache.pool_bytes = budget;
+
+  json out{{"model", json{{"n_layer", c.n_layer},
+                          {"n_head", c.n_head},
+                          {"n_kv_head", c.n_kv_head},
+                          {"n_embd", c.n_embd},
+                          {"block_size", c.block_size},
+                          {"vocab_size", c.vocab_size}}},
+           {"threads", omp_get_max_threads()},
+           {"budget_bytes", budget},
+           {"static_slots", slots},
+           {"kv_block_size", o.kv_block_size},
+           {"max_batch_tokens", o.max_batch_tokens},
+           {"max_seqs", so.max_seqs},
+           {"requests", o.requests},
+           {"runs", json::array()}};
+  std::vector<double> rates = o.rates;
+  if (rates.empty()) rates.push_back(0);  // every request at once
+  for (const double rate : rates) {
+    // Poisson arrivals: exponential gaps of mean 1 / rate, drawn from the seed.
+    std::vector<double> arrivals(reqs.size(), 0.0);
+    Generator gen(o.seed + 17);
+    double at = 0;
+    for (double& a : arrivals) {
+      if (rate > 0) at += -std::log(1.0 - gen.uniform()) / rate;
+      a = at;
+    }
+    const Timeline t(arrivals);
+    const std::string label = rate > 0 ? detail::cat(rate, " requests/s") : "all at once";
+    json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
+    run["static_contiguous"] = serve_static(engine, reqs, t, slots);
+    if (o.progress) o.progress(label + ": static batching done");
+    run["continuous_paged"] = serve_continuous(engine, reqs, t, so);
+    run["throughput_ratio"] = run["continuous_paged"]["requests_per_s"].get<double>() /
+                              run["static_contiguous"]["requests_per_s"].get<double>();
+    if (o.progress)
+      o.progress(detail::cat(label, ": continuous / static requests/s ",
+                             run["throughput_ratio"].get<double>()));
+    out["runs"].push_back(run);
+  }
+  return out;
+}
+
+}  // namespace kvlab

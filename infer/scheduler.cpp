@@ -1,0 +1,244 @@
+#include "infer/scheduler.h"
+
+#include <algorithm>
+#include <span>
+
+#include "autograd/graph.h"
+#include "autograd/random.h"
+
+namespace kvlab {
+
+// A request and its one sequence. tokens: the prompt, then every token made. While it
+// decodes, the cache holds positions [0, tokens.size() - 1): the last token made is fed by
+// the next decode. A prefill computes up to `target()` positions.
+struct Scheduler::Request {
+  RequestId id;
+  GenerateOptions options;
+  std::vector<int32_t> tokens;
+  int64_t prompt_len;
+  int64_t made = 0;
+  SeqId seq = -1;         // its sequence while admitted, else -1
+  bool decoding = false;  // admitted and prefilled
+  Sampler sampler;
+  StopStringFilter stop;
+
+  Request(RequestId i, std::vector<int32_t> prompt, const GenerateOptions& o)
+      : id(i),
+        options(o),
+        tokens(std::move(prompt)),
+        prompt_len(static_cast<int64_t>(tokens.size())),
+        sampler(o.sampling, hash64(o.sampling.seed, 0)),
+        stop(options.stop) {}
+  // Positions the prefill computes: the whole prompt, or after a preemption everything but
+  // the last token made.
+  int64_t target() const { return static_cast<int64_t>(tokens.size()) - (made > 0 ? 1 : 0); }
+};
+
+Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
+    : engine_(engine), options_(options), pack_(engine.decode_step().pack()) {
+  const GPTConfig& c = engine.model().config();
+  const PagedCacheOptions& p = options.cache;
+  KVLAB_CHECK(options.max_seqs >= 1, "scheduler: max_seqs must be >= 1, got ", options.max_seqs);
+  KVLAB_CHECK(options.max_batch_tokens >= options.max_seqs,
+              "scheduler: max_batch_tokens (", options.max_batch_tokens,
+              ") must be at least max_seqs (", options.max_seqs,
+              "): every admitted sequence decodes one token a step");
+  KVLAB_CHECK(engine.model().device() == Device::CPU,
+              "scheduler: the paged KV cache runs on the CPU only");
+  const int64_t bs = p.kv_block_size;
+  KVLAB_CHECK(bs >= 1 && (bs & (bs - 1)) == 0 && bs <= c.block_size, "scheduler: kv_block_size ",
+              bs, " must be a power of two of at most the context (", c.block_size, ")");
+  const int64_t per_seq = (c.block_size + bs - 1) / bs;
+  const int64_t block_bytes = 2 * c.n_layer * c.n_kv_head * bs * c.head_size() *
+                              static_cast<int64_t>(dtype_size(engine.cache_dtype()));
+  const int64_t n_blocks = p.pool_blocks > 0  ? p.pool_blocks
+                           : p.pool_bytes > 0 ? p.pool_bytes / block_bytes
+                                              : options.max_seqs * per_seq;
+  KVLAB_CHECK(n_blocks >= per_seq, "scheduler: a KV pool of ", n_blocks, " blocks (",
+              n_blocks * block_bytes, " bytes) cannot hold one sequence of the whole context (",
+              c.block_size, " positions, ", per_seq, " blocks)");
+  blocks_ = std::make_unique<BlockManager>(
+      n_blocks, bs, p.prefix_caching ? model_cache_key(engine.model()) : 0, p.prefix_caching);
+  cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
+                                          c.block_size, engine.cache_dtype());
+}
+
+Scheduler::~Scheduler() = default;
+
+RequestId Scheduler::add(std::vector<int32_t> prompt, const GenerateOptions& options) {
+  engine_.validate({prompt}, options);
+  KVLAB_CHECK(options.n == 1 && !options.slide && options.use_cache,
+              "scheduler: a request is one sequence with the cache and without sliding (n ",
+              options.n, ", slide ", options.slide, ", cache ", options.use_cache, ")");
+  const RequestId id = next_id_++;
+  waiting_.push_back(std::make_unique<Request>(id, std::move(prompt), options));
+  return id;
+}
+
+bool Scheduler::idle() const { return admitted_.empty() && waiting_.empty(); }
+
+Scheduler::Request* Scheduler::find(RequestId id) {
+  for (auto& r : admitted_)
+    if (r->id == id) return r.get();
+  for (auto& r : waiting_)
+    if (r->id == id) return r.get();
+  return nullptr;
+}
+
+void Scheduler::abort(RequestId id) {
+  Request* r = find(id);
+  if (r == nullptr) return;
+  if (r->seq >= 0) blocks_->free(r->seq);
+  aborted_.push_back({id, -1, std::string(), true, StopReason::MaxNewTokens});
+  std::erase_if(admitted_, [&](const auto& q) { return q->id == id; });
+  std::erase_if(waiting_, [&](const auto& q) { return q->id == id; });
+}
+
+void Scheduler::preempt(Request& r) {
+  blocks_->free(r.seq);
+  r.seq = -1;
+  r.decoding = false;
+  ++preemptions_;
+  ++last_.preempted;
+}
+
+void Scheduler::finish(Request& r, StopReason why, std::vector<SchedulerEvent>& events) {
+  SchedulerEvent e{r.id, -1, std::string(r.stop.flush()), true, why};
+  if (!events.empty() && events.back().request == r.id && !events.back().finished) {
+    events.back().text += e.text;
+    events.back().finished = true;
+    events.back().reason = why;
+  } else {
+    events.push_back(std::move(e));
+  }
+  blocks_->free(r.seq);
+  r.seq = -1;
+}
+
+void Scheduler::take(Request& r, const float* logits, std::vector<SchedulerEvent>& events) {
+  const GPTConfig& c = engine_.model().config();
+  const int32_t tok =
+      r.sampler.sample(std::span<const float>(logits, static_cast<size_t>(c.vocab_size)));
+  r.tokens.push_back(tok);
+  ++r.made;
+  events.push_back({r.id, tok, std::string(r.stop.push(engine_.tokenizer().decode_one(tok))),
+                    false, StopReason::MaxNewTokens});
+  // As the engine: a stop string, then max_new_tokens, then the context (the cache would
+  // need a position past block_size for the token just made).
+  if (r.stop.stopped())
+    finish(r, StopReason::StopString, events);
+  else if (r.made >= r.options.max_new_tokens)
+    finish(r, StopReason::MaxNewTokens, events);
+  else if (static_cast<int64_t>(r.tokens.size()) - 1 >= c.block_size)
+    finish(r, StopReason::ContextLimit, events);
+}
+
+void Scheduler::decode(std::vector<SchedulerEvent>& events) {
+  std::vector<Request*> rows;
+  std::vector<int32_t> ids;
+  for (;;) {
+    rows.clear();
+    for (auto& r : admitted_)
+      if (r->decoding) rows.push_back(r.get());
+    if (rows.empty()) return;
+    std::vector<SeqId> seqs;
+    ids.clear();
+    for (Request* r : rows) {
+      seqs.push_back(r->seq);
+      ids.push_back(r->tokens.back());
+    }
+    cache_->set_rows(seqs);
+    if (cache_->reserve(ids)) break;
+    // The most recently admitted request gives its blocks back (it may be prefilling). One
+    // sequence alone always fits: the pool holds the whole context.
+    KVLAB_ASSERT(admitted_.size() > 1, "scheduler: a sequence alone found no block");
+    auto& youngest = admitted_.back();
+    preempt(*youngest);
+    waiting_.push_front(std::move(youngest));
+    admitted_.pop_back();
+  }
+  Tensor tokens = Tensor::empty({static_cast<int64_t>(rows.size()), 1}, DType::I32);
+  std::copy(ids.begin(), ids.end(), tokens.data<int32_t>());
+  const Tensor logits = engine_.forward_cached(tokens, *cache_).to(Device::CPU);
+  const int64_t V = engine_.model().config().vocab_size;
+  for (size_t i = 0; i < rows.size(); ++i) take(*rows[i], logits.data<float>() + i * V, events);
+  last_.decode_rows = static_cast<int64_t>(rows.size());
+}
+
+void Scheduler::prefill(int64_t budget, std::vector<SchedulerEvent>& events) {
+  // Admitted requests still prefilling first (in admission order), then the queue's head.
+  while (budget > 0) {
+    Request* r = nullptr;
+    bool fresh = false;
+    for (auto& q : admitted_)
+      if (!q->decoding) {
+        r = q.get();
+        break;
+      }
+    if (r == nullptr) {
+      if (waiting_.empty() || static_cast<int64_t>(admitted_.size()) >= options_.max_seqs) return;
+      r = waiting_.front().get();
+      fresh = true;
+      r->seq = r->id;
+      blocks_->add(r->seq);
+      blocks_->take_prefix(r->seq, r->tokens);
+    }
+    const int64_t done = blocks_->length(r->seq);
+    if (done == r->target()) {
+      // A preempted request whose every computed position the prefix cache still held: it
+      // decodes from the next step (a prompt's last position is never taken from the cache).
+      if (fresh) {
+        admitted_.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+      }
+      r->decoding = true;
+      continue;
+    }
+    const int64_t chunk = std::min(budget, r->target() - done);
+    const std::span<const int32_t> part(r->tokens.data() + done, static_cast<size_t>(chunk));
+    cache_->set_rows({r->seq});
+    if (!cache_->reserve(part)) {
+      if (fresh) {  // not admitted after all: it waits for blocks at the queue's head
+        blocks_->free(r->seq);
+        r->seq = -1;
+        return;
+      }
+      // Admitted requests that all wait for blocks would wait for ever: the youngest gives
+      // its blocks back (it may be r itself, which then waits at the queue's head).
+      preempt(*admitted_.back());
+      waiting_.push_front(std::move(admitted_.back()));
+      admitted_.pop_back();
+      continue;
+    }
+    if (fresh) {
+      admitted_.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+    }
+    Tensor tokens = Tensor::empty({1, chunk}, DType::I32);
+    std::copy(part.begin(), part.end(), tokens.data<int32_t>());
+    const Tensor logits = engine_.forward_cached(tokens, *cache_).to(Device::CPU);
+    budget -= chunk;
+    last_.prefill_tokens += chunk;
+    if (done + chunk < r->target()) continue;  // more chunks in later steps
+    r->decoding = true;
+    if (r->made == 0) take(*r, logits.data<float>(), events);
+  }
+}
+
+std::vector<SchedulerEvent> Scheduler::step() {
+  last_ = {};
+  std::vector<SchedulerEvent> events = std::move(aborted_);
+  aborted_.clear();
+  NoGradGuard no_grad;
+  // Requests that ended leave before the prefill, which may preempt the youngest admitted.
+  auto drop_ended = [&] { std::erase_if(admitted_, [](const auto& r) { return r->seq < 0; }); };
+  decode(events);
+  drop_ended();
+  prefill(options_.max_batch_tokens - last_.decode_rows, events);
+  drop_ended();
+  last_.admitted = static_cast<int64_t>(admitted_.size());
+  last_.waiting = static_cast<int64_t>(waiting_.size());
+  return events;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,112 @@
+#pragma once
+// Continuous batching: requests join the running batch at any step and leave it as they end
+// (iteration-level scheduling, as in Orca), over the engine's model and a paged KV cache of
+// the scheduler's own. Each step() runs, in this order:
+//  1. decode: one batched forward (T = 1; on the CPU the fused DecodeStep) of every running
+//     sequence, each sampling its next token. When the pool cannot give the sequences the
+//     blocks for their next position, the most recently admitted request is preempted: its
+//     blocks are freed and it returns to the front of the queue, keeping its tokens and its
+//     sampler's state, so that prefilling it again (prompt and tokens made) continues with
+//     the same output;
+//  2. prefill: with what the step's token budget (max_batch_tokens) leaves after the decodes,
+//     chunks of the waiting prompts, first come first served; a prompt longer than the budget
+//     is prefilled over several steps (chunked prefill). A request is admitted while fewer
+//     than max_seqs are admitted and the pool has the blocks of its chunk; it first takes the
+//     whole blocks the prefix cache holds of its tokens. Its last chunk's logits give its
+//     first token, and it decodes from the next step.
+// A request is one sequence: n samples of a prompt are n requests, and all but the first to
+// be prefilled take the prompt's whole blocks from the prefix cache.
+//
+// The engine's weights must not change while a scheduler lives: it holds the decode step's
+// packed weights (DecodeStep::pack) and keys the prefix cache by the weights it began with.
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "infer/block_manager.h"
+#include "infer/engine.h"
+#include "infer/paged_kv_cache.h"
+#include "infer/sampler.h"
+#include "infer/stop_filter.h"
+
+namespace kvlab {
+
+using RequestId = int64_t;
+
+struct SchedulerOptions {
+  int64_t max_seqs = 64;            // requests admitted at once (prefilling or decoding)
+  int64_t max_batch_tokens = 512;   // positions a step computes: 1 a decode, a chunk's length
+  // The pool (kv_block_size, pool_blocks or pool_bytes; prefix_caching). With neither size
+  // given: room for max_seqs sequences of the whole context.
+  PagedCacheOptions cache;
+};
+
+// What a step did to one request: its new text (may be empty: a token can end inside a
+// character, or begin a stop string), and whether it ended.
+struct SchedulerEvent {
+  RequestId request = 0;
+  int32_t token = -1;  // the token made, or -1 when none was (an abort)
+  std::string text;
+  bool finished = false;
+  StopReason reason = StopReason::MaxNewTokens;
+};
+
+struct SchedulerStepStats {
+  int64_t decode_rows = 0;     // sequences the decode forward advanced
+  int64_t prefill_tokens = 0;  // prompt positions the prefill chunks computed
+  int64_t preempted = 0;       // requests preempted in this step
+  int64_t admitted = 0;        // requests admitted (prefilling or decoding) after the step
+  int64_t waiting = 0;         // requests queued after the step
+};
+
+class Scheduler {
+ public:
+  // Borrows the engine (its model, tokenizer, cache dtype and decode step) for its life.
+  // Throws kvlab::Error naming a bad option or a pool too small for one sequence of the
+  // whole context.
+  Scheduler(Engine& engine, SchedulerOptions options);
+  ~Scheduler();
+
+  // Queues a request. Its options: max_new_tokens, sampling (seeded hash64(seed, 0), as the
+  // engine's first row), stop strings; n must be 1, slide off and the cache on. Throws
+  // kvlab::Error as Engine::validate does, and for those.
+  RequestId add(std::vector<int32_t> prompt, const GenerateOptions& options);
+  // Ends a request wherever it is, freeing its blocks; an event says so at the next step. A
+  // request that already ended is ignored.
+  void abort(RequestId id);
+  // True when no request is queued or admitted (events of aborts may still be pending).
+  bool idle() const;
+  // One iteration (above). The events of every request it advanced or ended.
+  std::vector<SchedulerEvent> step();
+
+  const SchedulerStepStats& last_step() const { return last_; }
+  BlockStats block_stats() const { return blocks_->stats(); }
+  int64_t preemptions() const { return preemptions_; }
+
+ private:
+  struct Request;
+  void preempt(Request& r);
+  void finish(Request& r, StopReason why, std::vector<SchedulerEvent>& events);
+  // Samples r's next token from logits (V) and reports it; ends r when it is done.
+  void take(Request& r, const float* logits, std::vector<SchedulerEvent>& events);
+  void decode(std::vector<SchedulerEvent>& events);
+  void prefill(int64_t budget, std::vector<SchedulerEvent>& events);
+  Request* find(RequestId id);
+
+  Engine& engine_;
+  SchedulerOptions options_;
+  std::unique_ptr<BlockManager> blocks_;
+  std::unique_ptr<PagedKVCache> cache_;
+  DecodeStep::PackGuard pack_;
+  std::vector<std::unique_ptr<Request>> admitted_;  // in admission order
+  std::deque<std::unique_ptr<Request>> waiting_;
+  std::vector<SchedulerEvent> aborted_;  // reported by the next step
+  RequestId next_id_ = 0;
+  int64_t preemptions_ = 0;
+  SchedulerStepStats last_;
+};
+
+}  // namespace kvlab

@@ -1,0 +1,232 @@
+// Scheduler (infer/scheduler.h): continuous batching gives each request what the engine gives
+// it alone, under a token budget and a sequence cap, through chunked prefill and preemption.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "autograd/random.h"
+#include "infer/engine.h"
+#include "infer/scheduler.h"
+#include "infer_test_util.h"
+
+namespace kvlab {
+namespace {
+
+using test::tiny_model;
+using test::tiny_tokenizer;
+
+std::vector<int32_t> random_ids(int64_t n, uint64_t seed) {
+  Generator g(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& t : ids) t = static_cast<int32_t>(g.below(11));
+  return ids;
+}
+
+GenerateOptions options(int64_t max_new, double temperature, uint64_t seed) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new;
+  o.sampling.temperature = temperature;
+  o.sampling.seed = seed;
+  return o;
+}
+
+struct Outcome {
+  std::vector<int32_t> tokens;
+  std::string text;
+  bool finished = false;
+  StopReason reason = StopReason::MaxNewTokens;
+};
+
+// Runs the scheduler until idle; check(stats, decoding before the step) sees every step.
+std::map<RequestId, Outcome> run(
+    Scheduler& s, const std::function<void(const SchedulerStepStats&, int64_t)>& check = {}) {
+  std::map<RequestId, Outcome> out;
+  int64_t decoding = 0;  // requests that have made a token and not ended
+  for (int steps = 0; !s.idle(); ++steps) {
+    EXPECT_LT(steps, 10000) << "the scheduler does not drain";
+    if (steps >= 10000) break;
+    const std::vector<SchedulerEvent> events = s.step();
+    if (check) check(s.last_step(), decoding);
+    for (const SchedulerEvent& e : events) {
+      Outcome& o = out[e.request];
+      EXPECT_FALSE(o.finished) << "request " << e.request << " went on after it ended";
+      if (e.token >= 0) {
+        if (o.tokens.empty()) ++decoding;
+        o.tokens.push_back(e.token);
+      }
+      o.text += e.text;
+      if (e.finished) {
+        o.finished = true;
+        o.reason = e.reason;
+        if (!o.tokens.empty()) --decoding;
+      }
+    }
+  }
+  return out;
+}
+
+struct Case {
+  std::vector<int32_t> prompt;
+  GenerateOptions options;
+};
+
+std::vector<Case> cases(double temperature) {
+  std::vector<Case> c;
+  const int64_t lengths[] = {1, 15, 17, 33, 9, 40, 2};
+  for (size_t i = 0; i < std::size(lengths); ++i)
+    c.push_back({random_ids(lengths[i], 50 + i),
+                 options(static_cast<int64_t>(6 + 3 * i), temperature, 9 + i)});
+  c[5].options.max_new_tokens = 100;  // reaches the context (64) first
+  return c;
+}
+
+// What the engine makes of each request alone (its contiguous cache: another layout, the same
+// tokens).
+std::vector<GenerationResult> alone(Engine& engine, const std::vector<Case>& cs) {
+  std::vector<GenerationResult> r;
+  for (const Case& c : cs) r.push_back(engine.generate_ids({c.prompt}, c.options));
+  return r;
+}
+
+void expect_same(const std::map<RequestId, Outcome>& got, const std::vector<RequestId>& ids,
+                 const std::vector<GenerationResult>& want) {
+  ASSERT_EQ(got.size(), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Outcome& o = got.at(ids[i]);
+    const RowResult& w = want[i].rows[0];
+    EXPECT_TRUE(o.finished) << "request " << i;
+    EXPECT_EQ(o.tokens, w.tokens) << "request " << i;
+    EXPECT_EQ(o.text, w.text) << "request " << i;
+    EXPECT_EQ(o.reason, w.stop_reason) << "request " << i;
+  }
+}
+
+// Small budgets: prompts of 33 and 40 prefill over several steps, beside other requests'
+// decodes; three requests at most are admitted, so the rest wait their turn.
+TEST(Scheduler, EachRequestGetsWhatTheEngineGivesItAlone) {
+  for (const int64_t nkv : {4, 2, 1}) {
+    for (const double temperature : {0.0, 1.0}) {
+      SCOPED_TRACE(testing::Message() << "n_kv_head " << nkv << ", temperature " << temperature);
+      auto model = tiny_model(nkv, 7, 64);
+      const Tokenizer tok = tiny_tokenizer();
+      Engine engine(*model, tok, DType::F32, std::nullopt);
+      const std::vector<Case> cs = cases(temperature);
+      const std::vector<GenerationResult> want = alone(engine, cs);
+      Scheduler s(engine, {.max_seqs = 3, .max_batch_tokens = 8, .cache = {.kv_block_size = 8}});
+      std::vector<RequestId> ids;
+      for (const Case& c : cs) ids.push_back(s.add(c.prompt, c.options));
+      int64_t chunked_steps = 0;
+      const auto got = run(s, [&](const SchedulerStepStats& st, int64_t decoding) {
+        EXPECT_LE(st.decode_rows + st.prefill_tokens, 8);
+        EXPECT_LE(st.admitted, 3);
+        // Decodes first: every request that had made a token and not ended advanced.
+        EXPECT_EQ(st.decode_rows, decoding);
+        if (st.decode_rows > 0 && st.prefill_tokens > 0) ++chunked_steps;
+      });
+      expect_same(got, ids, want);
+      EXPECT_GT(chunked_steps, 0) << "no step mixed decodes with a prefill chunk";
+      EXPECT_EQ(got.at(ids[5]).reason, StopReason::ContextLimit);
+      EXPECT_EQ(s.preemptions(), 0);
+      const BlockStats end = s.block_stats();
+      EXPECT_EQ(end.in_use, 0);
+      EXPECT_EQ(end.free + end.cached, end.total);
+    }
+  }
+}
+
+// A pool of the context plus a few blocks cannot hold the running requests' growth: the most
+// recently admitted ones are preempted, prefilled again later, and still make what they make
+// alone, draws included.
+TEST(Scheduler, PreemptionLeavesEveryOutputAsItWas) {
+  for (const double temperature : {0.0, 1.0}) {
+    SCOPED_TRACE(temperature);
+    auto model = tiny_model(2, 7, 64);
+    const Tokenizer tok = tiny_tokenizer();
+    Engine engine(*model, tok, DType::F32, std::nullopt);
+    const std::vector<Case> cs = cases(temperature);
+    const std::vector<GenerationResult> want = alone(engine, cs);
+    Scheduler s(engine, {.max_seqs = 6,
+                         .max_batch_tokens = 32,
+                         .cache = {.kv_block_size = 8, .pool_blocks = 11}});
+    std::vector<RequestId> ids;
+    for (const Case& c : cs) ids.push_back(s.add(c.prompt, c.options));
+    expect_same(run(s), ids, want);
+    EXPECT_GT(s.preemptions(), 0);
+    EXPECT_EQ(s.block_stats().in_use, 0);
+  }
+}
+
+// The second request with a prompt takes its whole blocks from the first's prefill.
+TEST(Scheduler, ALaterRequestTakesACachedPromptsBlocks) {
+  auto model = tiny_model(2, 7, 64);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok, DType::F32, std::nullopt);
+  Scheduler s(engine, {.max_seqs = 4, .max_batch_tokens = 64, .cache = {.kv_block_size = 8}});
+  const std::vector<int32_t> prompt = random_ids(30, 3);
+  const RequestId a = s.add(prompt, options(4, 0, 0));
+  s.step();  // a's prompt prefilled, its blocks keyed
+  const RequestId b = s.add(prompt, options(4, 0, 0));
+  s.step();
+  EXPECT_EQ(s.last_step().prefill_tokens, 30 - 24);  // 3 whole blocks taken
+  EXPECT_EQ(s.block_stats().prefix_hit_positions, 24);
+  const auto got = run(s);
+  EXPECT_TRUE(got.at(a).finished);
+  EXPECT_TRUE(got.at(b).finished);
+  EXPECT_EQ(s.block_stats().in_use, 0);
+}
+
+TEST(Scheduler, AnAbortedRequestEndsAndGivesItsBlocksBack) {
+  auto model = tiny_model(2, 7, 64);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok, DType::F32, std::nullopt);
+  Scheduler s(engine, {.max_seqs = 4, .max_batch_tokens = 64, .cache = {.kv_block_size = 8}});
+  const RequestId a = s.add(random_ids(20, 1), options(40, 0, 0));
+  const RequestId b = s.add(random_ids(20, 2), options(40, 0, 0));
+  s.step();
+  s.step();
+  EXPECT_GT(s.block_stats().in_use, 0);
+  s.abort(a);
+  const std::vector<SchedulerEvent> events = s.step();
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.front().request, a);
+  EXPECT_TRUE(events.front().finished);
+  EXPECT_EQ(events.front().token, -1);
+  s.abort(b);
+  s.abort(b);  // already ended: nothing happens
+  s.step();
+  EXPECT_TRUE(s.idle());
+  EXPECT_EQ(s.block_stats().in_use, 0);
+}
+
+TEST(Scheduler, BadOptionsAndRequestsAreClearErrors) {
+  auto model = tiny_model(2, 7, 64);
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok, DType::F32, std::nullopt);
+  auto error_of = [](auto f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of([&] { Scheduler(engine, {.max_seqs = 0, .cache = {}}); }).find("max_seqs must be >= 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { Scheduler(engine, {.max_seqs = 8, .max_batch_tokens = 4, .cache = {}}); })
+                .find("max_batch_tokens (4) must be at least max_seqs (8)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              Scheduler(engine, {.cache = {.kv_block_size = 8, .pool_blocks = 7}});
+            }).find("cannot hold one sequence of the whole context (64 positions, 8 blocks)"),
+            std::string::npos);
+  Scheduler s(engine, {});
+  GenerateOptions two = options(4, 0, 0);
+  two.n = 2;
+  EXPECT_NE(error_of([&] { s.add(random_ids(3, 1), two); }).find("one sequence"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { s.add({}, options(4, 0, 0)); }).find("is empty"), std::string::npos);
+  EXPECT_TRUE(s.idle());
+}
+
+}  // namespace
+}  // namespace kvlab
