@@ -214,12 +214,14 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
   }
 
 }
+
 // What n_kv_head buys a server: the serving workload (infer/kv_workload.h; 256 requests,
 // lengths scaled to the context) at one KV memory for every variant, that of 16 full-context
 // sequences of the multi-head model, through the paged and the contiguous layouts. Blocks of
 // 16 positions, fewer for a short context (at most a sixteenth of it): a sequence's last
 // block is its only waste, so blocks must be small beside the sequences.
-void record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_position) {
+// Returns the memory and block size it used.
+KVSimOptions record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_position) {
   KVSimOptions so;
   so.budget_bytes = 16 * bytes_per_position / mc.n_kv_head * mc.n_head * mc.block_size;
   so.bytes_per_position = bytes_per_position;
@@ -237,6 +239,28 @@ void record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_position
   v["kv_workload_utilisation_contiguous"] = cmp.contiguous.utilisation_mean;
   v["kv_workload_steps_paged"] = cmp.paged.steps;
   v["kv_workload_steps_contiguous"] = cmp.contiguous.steps;
+  return so;
+}
+
+// And what continuous batching makes of that memory with the trained model itself: the
+// workload's first 64 requests, all at once, served by the scheduler over the paged cache and
+// by static batching over contiguous caches (bench_serve; one run each, so its rates move with
+// the host while its peak concurrency does not).
+void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSimOptions& so,
+                    DType kv_dtype) {
+  BenchServeOptions o;
+  o.requests = 64;
+  o.budget_bytes = so.budget_bytes;
+  o.kv_block_size = so.kv_block_size;
+  o.cache_dtype = kv_dtype;
+  const json r = bench_serve(model, tokenizer, o)["runs"][0];
+  for (const auto& [side, name] : {std::pair{"continuous_paged", "continuous"},
+                                   std::pair{"static_contiguous", "static"}}) {
+    const json& x = r[side];
+    v[detail::cat("serve_requests_per_s_", name)] = x["requests_per_s"];
+    v[detail::cat("serve_peak_sequences_", name)] = x["peak_sequences"];
+    v[detail::cat("serve_ttft_p99_ms_", name)] = x["ttft_ms"]["p99"];
+  }
 }
 
 
@@ -275,6 +299,7 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
   lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
   const MatmulPrecisionGuard precision(cfg.base.precision);
   const GPTConfig& mc = lm.model->config();
+  KVSimOptions workload;
   // Generation's cache: paged on the CPU, contiguous on CUDA (where the paged one is not).
   const std::optional<PagedCacheOptions> paged =
       cfg.base.device == Device::CPU ? std::optional(PagedCacheOptions{}) : std::nullopt;
@@ -292,8 +317,11 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
     v["cache_bytes_context_formula"] = formula;
     v["cache_bytes_per_token"] = measured / mc.block_size;
     v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
-    record_kv_workload(v, mc, measured / mc.block_size);
+    workload = record_kv_workload(v, mc, measured / mc.block_size);
   }
+  // The scheduler's paged cache runs on the CPU only.
+  if (cfg.base.device == Device::CPU)
+    record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype);
   {
     BenchGenerateOptions bo;
     bo.prompt_tokens = prompt_len;

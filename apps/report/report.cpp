@@ -213,6 +213,33 @@ std::optional<Table> memory_table(const Parsed& p, Bytes style) {
   return t;
 }
 
+// Serving the workload with the trained model at that memory (results measured on a GPU, or
+// before it was measured, leave the table out).
+std::optional<Table> serving_table(const Parsed& p) {
+  if (!p.variants.front().get("serve_requests_per_s_continuous")) return std::nullopt;
+  Table t{{"n_kv_head", "requests/s continuous", "static", "continuous / static",
+           "peak sequences continuous", "static", "p99 TTFT ms continuous", "static"},
+          {}};
+  for (const Variant& v : p.variants) {
+    const auto c = v.get("serve_requests_per_s_continuous");
+    const auto s = v.get("serve_requests_per_s_static");
+    t.rows.push_back(
+        {std::to_string(v.n_kv), figure(c, "%.1f"), figure(s, "%.1f"),
+         figure(c && s && *s > 0 ? std::optional<double>(*c / *s) : std::nullopt, "%.2fx"),
+         figure(v.get("serve_peak_sequences_continuous"), "%.0f"),
+         figure(v.get("serve_peak_sequences_static"), "%.0f"),
+         figure(v.get("serve_ttft_p99_ms_continuous"), "%.0f"),
+         figure(v.get("serve_ttft_p99_ms_static"), "%.0f")});
+  }
+  return t;
+}
+
+constexpr const char* kServingNote =
+    "The workload's first 64 requests, all at once, served with the trained model at the same "
+    "KV memory by continuous batching over the paged cache and by static batching over "
+    "contiguous caches (kvlab bench serve), one run each: its rates move with the host, its "
+    "peak sequences do not.";
+
 // What the memory table's figures are, in a sentence for every format.
 constexpr const char* kMemoryNote =
     "Serving workload: 256 requests with log-normal prompt and output lengths scaled to the "
@@ -594,6 +621,8 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
   if (const auto m = memory_table(p, Bytes::exact))
     md << "\n## KV memory under a serving workload\n\n" << render_markdown(*m) << '\n'
        << kMemoryNote << '\n';
+  if (const auto t = serving_table(p))
+    md << "\n## Serving it\n\n" << render_markdown(*t) << '\n' << kServingNote << '\n';
   md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
   for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
   md << "\n## Plots\n\n";
@@ -651,6 +680,8 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
   if (const auto m = memory_table(p, Bytes::exact))
     h << "<h2>KV memory under a serving workload</h2>\n" << render_html(*m) << "<p>" << kMemoryNote
       << "</p>\n";
+  if (const auto t = serving_table(p))
+    h << "<h2>Serving it</h2>\n" << render_html(*t) << "<p>" << kServingNote << "</p>\n";
   h
     << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
   for (const Verdict& v : vs) h << "<li>" << e(v.text) << "</li>\n";
@@ -722,6 +753,7 @@ std::string format_table(const nlohmann::json& results) {
                     render_text(detail_table(p, Bytes::human));
   if (const auto m = memory_table(p, Bytes::human))
     out += "\nKV memory under a serving workload:\n" + render_text(*m);
+  if (const auto t = serving_table(p)) out += "\nserving it:\n" + render_text(*t);
   out += "\nverdicts (val loss, mean ± std over seeds):\n";
   for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
   return out;
