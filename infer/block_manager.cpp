@@ -1,6 +1,7 @@
 #include "infer/block_manager.h"
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "autograd/error.h"
 
@@ -149,6 +150,22 @@ int64_t BlockManager::blocks_needed(SeqId id, int64_t n) const {
   if (n > 0 && s.length % block_size_ != 0 &&
       blocks_[static_cast<size_t>(s.table[static_cast<size_t>(at)])].ref > 1)
     ++need;  // the shared last block is copied before it is written
+  return need;
+}
+
+int64_t BlockManager::blocks_needed(std::span<const SeqId> ids, int64_t n) const {
+  int64_t need = 0;
+  std::unordered_map<BlockId, int> shared;  // shared last blocks: holders among ids
+  for (const SeqId id : ids) {
+    need += blocks_needed(id, n);
+    const Sequence& s = seq(id);
+    if (n > 0 && s.length % block_size_ != 0) {
+      const BlockId b = s.table[static_cast<size_t>(s.length / block_size_)];
+      if (blocks_[static_cast<size_t>(b)].ref > 1) ++shared[b];
+    }
+  }
+  for (const auto& [b, holders] : shared)
+    if (holders == blocks_[static_cast<size_t>(b)].ref) --need;
   return need;
 }
 

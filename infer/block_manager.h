@@ -75,6 +75,10 @@ class BlockManager {
   // Blocks needed for `n` more positions of `id` beyond what it holds, counting the copy of a
   // shared last block.
   int64_t blocks_needed(SeqId id, int64_t n) const;
+  // The same for every sequence of `ids` (distinct) reserving n more positions one after the
+  // other: a shared last block that only these sequences hold is copied for all but the last
+  // of them, which then writes it in place (n forks of one prompt decoding together).
+  int64_t blocks_needed(std::span<const SeqId> ids, int64_t n) const;
   // Blocks that can be had now: free ones and cached ones (which are then reclaimed).
   int64_t blocks_available() const;
   // Makes room for positions [length, length + n) of `id`: the copies the cache must make

@@ -176,16 +176,14 @@ int64_t PagedKVCache::bytes() const {
 }
 
 int64_t PagedKVCache::blocks_needed(int64_t T) {
-  int64_t needed = 0;
   for (int64_t b = 0; b < batch(); ++b) {
     const SeqId id = ids_[static_cast<size_t>(b)];
     const int64_t len = blocks_.length(id);
     lengths_[static_cast<size_t>(b)] = len;
     KVLAB_CHECK(len + T <= capacity_, "paged KV cache: sequence ", id, " holds ", len,
                 " positions, ", T, " more exceed the capacity of ", capacity_);
-    needed += blocks_.blocks_needed(id, T);
   }
-  return needed;
+  return blocks_.blocks_needed(ids_, T);
 }
 
 void PagedKVCache::prepare(std::span<const int32_t> tokens) {
@@ -201,8 +199,8 @@ bool PagedKVCache::reserve(std::span<const int32_t> tokens) {
   const int64_t B = batch(), n = static_cast<int64_t>(tokens.size());
   KVLAB_CHECK(B > 0 && n > 0 && n % B == 0, "paged KV cache: ", n, " tokens for ", B, " rows");
   const int64_t T = n / B;
-  // Rows are distinct sequences, so each reserve below takes exactly its blocks_needed: when
-  // they all fit, none fails halfway.
+  // Rows are distinct sequences, reserved in order: blocks_needed(ids, T) counts exactly what
+  // the reserves below take, so when they all fit, none fails halfway.
   if (blocks_needed(T) > blocks_.blocks_available()) return false;
   table_.assign(static_cast<size_t>(B * width_), -1);
   for (int64_t b = 0; b < B; ++b) {

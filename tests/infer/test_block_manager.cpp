@@ -70,6 +70,23 @@ TEST(BlockManager, ForkSharesBlocksAndCopiesOnlyASharedPartBlockOnWrite) {
   EXPECT_TRUE(parent_copies->empty());
 }
 
+// Forks decoding together need one copy fewer than the sum of their own needs: the last of
+// them to reserve finds the shared block its own. With a pool of exactly that, both fit.
+TEST(BlockManager, ForksReservingTogetherCountTheSharedBlockOnce) {
+  BlockManager m(3, kBS, 1, true);
+  add_prompt(m, 0, iota_tokens(4, 0));  // one part-filled block
+  m.fork(0, 1);
+  m.fork(0, 2);
+  const std::vector<SeqId> all = {0, 1, 2}, two = {1, 2};
+  EXPECT_EQ(m.blocks_needed(all, 1), 2);  // three holders, two copies
+  EXPECT_EQ(m.blocks_needed(two, 1), 2);  // a holder outside: both copy
+  for (const SeqId id : all) ASSERT_TRUE(m.reserve(id, 1).has_value()) << "sequence " << id;
+  EXPECT_EQ(m.stats().free, 0);
+  EXPECT_NE(m.table(0)[0], m.table(1)[0]);
+  EXPECT_NE(m.table(1)[0], m.table(2)[0]);
+  EXPECT_NE(m.table(0)[0], m.table(2)[0]);
+}
+
 TEST(BlockManager, AForkOfWholeBlocksCopiesNothing) {
   BlockManager m(8, kBS, 1, true);
   add_prompt(m, 0, iota_tokens(32, 0));
