@@ -192,9 +192,10 @@ std::vector<int32_t> Engine::encode(std::string_view text, std::string_view what
   return tokenizer_.encode(text, what);
 }
 
-Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache) {
+Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache, bool all_positions) {
   const Tensor host = tokens.to(Device::CPU).contiguous();
   cache.prepare({host.data<int32_t>(), static_cast<size_t>(host.numel())});
+  if (all_positions) return model_.forward(tokens, &cache, false);
   return step_.applies(tokens) ? step_.forward(tokens, cache)
                                : model_.forward(tokens, &cache, true);
 }

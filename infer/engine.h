@@ -201,8 +201,9 @@ class Engine {
   const DecodeStep& decode_step() const { return step_; }
   // One cached forward of tokens (B, T) -> the last position's logits (B, 1, V), as generate
   // runs each: the cache's prepare(), then through the decode step where it applies
-  // (DecodeStep::applies), else through the model.
-  Tensor forward_cached(const Tensor& tokens, DecodeKVCache& cache);
+  // (DecodeStep::applies), else through the model. all_positions: every position's logits
+  // (B, T, V), through the model.
+  Tensor forward_cached(const Tensor& tokens, DecodeKVCache& cache, bool all_positions = false);
 
  private:
   class Generation;

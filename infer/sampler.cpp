@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "autograd/error.h"
 
@@ -36,6 +37,27 @@ int32_t argmax(std::span<const float> logits) {
   for (size_t i = 1; i < logits.size(); ++i)
     if (logits[i] > logits[best]) best = i;
   return static_cast<int32_t>(best);
+}
+
+TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int64_t top) {
+  check_finite(logits);
+  const float m = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (const float l : logits) sum += std::exp(static_cast<double>(l - m));
+  const double log_z = static_cast<double>(m) + std::log(sum);
+  auto lp = [&](size_t i) { return static_cast<float>(logits[i] - log_z); };
+  TokenLogprob out{token, lp(static_cast<size_t>(token)), {}};
+  const size_t k = std::min(logits.size(), static_cast<size_t>(std::max<int64_t>(top, 0)));
+  std::vector<int32_t> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(),
+                    [&](int32_t a, int32_t b) {
+                      return logits[static_cast<size_t>(a)] != logits[static_cast<size_t>(b)]
+                                 ? logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)]
+                                 : a < b;
+                    });
+  for (size_t i = 0; i < k; ++i) out.top.emplace_back(ids[i], lp(static_cast<size_t>(ids[i])));
+  return out;
 }
 
 Sampler::Sampler(const SamplingOptions& options, uint64_t stream_seed)

@@ -3,6 +3,7 @@
 // seeded by kvlab::Generator so that the same seed gives the same tokens.
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "autograd/random.h"
@@ -50,5 +51,15 @@ class Sampler {
 };
 
 int32_t argmax(std::span<const float> logits);
+
+// A token's log-probability under the model: the log-softmax of its logits, before
+// temperature, top-k and top-p (what the OpenAI completions API's logprobs report).
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // the most probable tokens, most probable first
+};
+// token's log-probability under logits (V), with the `top` most probable tokens (ties by id).
+TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int64_t top);
 
 }  // namespace kvlab

@@ -14,6 +14,7 @@ namespace kvlab {
 struct Scheduler::Request {
   RequestId id;
   GenerateOptions options;
+  RequestExtras extras;
   std::vector<int32_t> tokens;
   int64_t prompt_len;
   int64_t made = 0;
@@ -21,14 +22,19 @@ struct Scheduler::Request {
   bool decoding = false;  // admitted and prefilled
   Sampler sampler;
   StopStringFilter stop;
+  std::vector<TokenLogprob> prompt_logprobs;  // gathered over the prefill's chunks
 
-  Request(RequestId i, std::vector<int32_t> prompt, const GenerateOptions& o)
+  Request(RequestId i, std::vector<int32_t> prompt, const GenerateOptions& o,
+          const RequestExtras& x)
       : id(i),
         options(o),
+        extras(x),
         tokens(std::move(prompt)),
         prompt_len(static_cast<int64_t>(tokens.size())),
-        sampler(o.sampling, hash64(o.sampling.seed, 0)),
+        sampler(o.sampling, hash64(o.sampling.seed, static_cast<uint64_t>(x.sample))),
         stop(options.stop) {}
+  // Its first prefill computes every prompt position's logits.
+  bool wants_prompt_logits() const { return extras.prompt_logprobs && made == 0; }
   // Positions the prefill computes: the whole prompt, or after a preemption everything but
   // the last token made.
   int64_t target() const { return static_cast<int64_t>(tokens.size()) - (made > 0 ? 1 : 0); }
@@ -65,13 +71,19 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
 
 Scheduler::~Scheduler() = default;
 
-RequestId Scheduler::add(std::vector<int32_t> prompt, const GenerateOptions& options) {
-  engine_.validate({prompt}, options);
+RequestId Scheduler::add(std::vector<int32_t> prompt, const GenerateOptions& options,
+                         const RequestExtras& extras) {
+  KVLAB_CHECK(options.max_new_tokens >= 0, "max_new_tokens must be >= 0, got ",
+              options.max_new_tokens);
+  GenerateOptions checked = options;  // the engine's checks, which want a token made
+  checked.max_new_tokens = std::max<int64_t>(options.max_new_tokens, 1);
+  engine_.validate({prompt}, checked);
   KVLAB_CHECK(options.n == 1 && !options.slide && options.use_cache,
               "scheduler: a request is one sequence with the cache and without sliding (n ",
               options.n, ", slide ", options.slide, ", cache ", options.use_cache, ")");
+  KVLAB_CHECK(extras.sample >= 0, "scheduler: sample must be >= 0, got ", extras.sample);
   const RequestId id = next_id_++;
-  waiting_.push_back(std::make_unique<Request>(id, std::move(prompt), options));
+  waiting_.push_back(std::make_unique<Request>(id, std::move(prompt), options, extras));
   return id;
 }
 
@@ -89,13 +101,17 @@ void Scheduler::abort(RequestId id) {
   Request* r = find(id);
   if (r == nullptr) return;
   if (r->seq >= 0) blocks_->free(r->seq);
-  aborted_.push_back({id, -1, std::string(), true, StopReason::MaxNewTokens});
+  SchedulerEvent e;
+  e.request = id;
+  e.finished = true;
+  aborted_.push_back(std::move(e));
   std::erase_if(admitted_, [&](const auto& q) { return q->id == id; });
   std::erase_if(waiting_, [&](const auto& q) { return q->id == id; });
 }
 
 void Scheduler::preempt(Request& r) {
   blocks_->free(r.seq);
+  r.prompt_logprobs.clear();  // a prefill cut short computes them again
   r.seq = -1;
   r.decoding = false;
   ++preemptions_;
@@ -103,7 +119,11 @@ void Scheduler::preempt(Request& r) {
 }
 
 void Scheduler::finish(Request& r, StopReason why, std::vector<SchedulerEvent>& events) {
-  SchedulerEvent e{r.id, -1, std::string(r.stop.flush()), true, why};
+  SchedulerEvent e;
+  e.request = r.id;
+  e.text = r.stop.flush();
+  e.finished = true;
+  e.reason = why;
   if (!events.empty() && events.back().request == r.id && !events.back().finished) {
     events.back().text += e.text;
     events.back().finished = true;
@@ -115,14 +135,33 @@ void Scheduler::finish(Request& r, StopReason why, std::vector<SchedulerEvent>& 
   r.seq = -1;
 }
 
+void Scheduler::note_prompt(Request& r, const float* logits, int64_t done, int64_t chunk) {
+  const int64_t V = engine_.model().config().vocab_size;
+  for (int64_t i = 0; i < chunk && done + i + 1 < r.prompt_len; ++i)
+    r.prompt_logprobs.push_back(token_logprob(
+        std::span<const float>(logits + i * V, static_cast<size_t>(V)),
+        r.tokens[static_cast<size_t>(done + i + 1)], r.extras.top_logprobs));
+}
+
 void Scheduler::take(Request& r, const float* logits, std::vector<SchedulerEvent>& events) {
   const GPTConfig& c = engine_.model().config();
-  const int32_t tok =
-      r.sampler.sample(std::span<const float>(logits, static_cast<size_t>(c.vocab_size)));
+  SchedulerEvent e;
+  e.request = r.id;
+  e.prompt_logprobs = std::move(r.prompt_logprobs);
+  r.prompt_logprobs.clear();
+  if (r.options.max_new_tokens == 0) {  // the prefill was all it asked for
+    events.push_back(std::move(e));
+    finish(r, StopReason::MaxNewTokens, events);
+    return;
+  }
+  const std::span<const float> row(logits, static_cast<size_t>(c.vocab_size));
+  const int32_t tok = r.sampler.sample(row);
   r.tokens.push_back(tok);
   ++r.made;
-  events.push_back({r.id, tok, std::string(r.stop.push(engine_.tokenizer().decode_one(tok))),
-                    false, StopReason::MaxNewTokens});
+  e.token = tok;
+  e.text = std::string(r.stop.push(engine_.tokenizer().decode_one(tok)));
+  if (r.extras.top_logprobs >= 0) e.logprob = token_logprob(row, tok, r.extras.top_logprobs);
+  events.push_back(std::move(e));
   // As the engine: a stop string, then max_new_tokens, then the context (the cache would
   // need a position past block_size for the token just made).
   if (r.stop.stopped())
@@ -181,7 +220,7 @@ void Scheduler::prefill(int64_t budget, std::vector<SchedulerEvent>& events) {
       fresh = true;
       r->seq = r->id;
       blocks_->add(r->seq);
-      blocks_->take_prefix(r->seq, r->tokens);
+      if (!r->wants_prompt_logits()) blocks_->take_prefix(r->seq, r->tokens);
     }
     const int64_t done = blocks_->length(r->seq);
     if (done == r->target()) {
@@ -216,12 +255,15 @@ void Scheduler::prefill(int64_t budget, std::vector<SchedulerEvent>& events) {
     }
     Tensor tokens = Tensor::empty({1, chunk}, DType::I32);
     std::copy(part.begin(), part.end(), tokens.data<int32_t>());
-    const Tensor logits = engine_.forward_cached(tokens, *cache_).to(Device::CPU);
+    const bool all = r->wants_prompt_logits();
+    const Tensor logits = engine_.forward_cached(tokens, *cache_, all).to(Device::CPU);
+    if (all) note_prompt(*r, logits.data<float>(), done, chunk);
     budget -= chunk;
     last_.prefill_tokens += chunk;
     if (done + chunk < r->target()) continue;  // more chunks in later steps
     r->decoding = true;
-    if (r->made == 0) take(*r, logits.data<float>(), events);
+    const int64_t V = engine_.model().config().vocab_size;
+    if (r->made == 0) take(*r, logits.data<float>() + (all ? (chunk - 1) * V : 0), events);
   }
 }
 

@@ -15,7 +15,9 @@
 //     whole blocks the prefix cache holds of its tokens. Its last chunk's logits give its
 //     first token, and it decodes from the next step.
 // A request is one sequence: n samples of a prompt are n requests, and all but the first to
-// be prefilled take the prompt's whole blocks from the prefix cache.
+// be prefilled take the prompt's whole blocks from the prefix cache. A request may also ask
+// for log-probabilities (the OpenAI completions API's logprobs and echo), or for no token at
+// all (max_new_tokens 0: the prompt's log-probabilities alone).
 //
 // The engine's weights must not change while a scheduler lives: it holds the decode step's
 // packed weights (DecodeStep::pack) and keys the prefix cache by the weights it began with.
@@ -44,6 +46,19 @@ struct SchedulerOptions {
   PagedCacheOptions cache;
 };
 
+// What a request asks beyond its GenerateOptions.
+struct RequestExtras {
+  // Its sampler draws the stream hash64(seed, sample): sample i equals row i of
+  // Engine::generate given this prompt alone with n > i.
+  int64_t sample = 0;
+  // >= 0: each token made comes with its log-probability and the top_logprobs most probable.
+  int64_t top_logprobs = -1;
+  // Every prompt position after the first comes with its log-probability (and top_logprobs
+  // alternatives, when >= 0). The prompt is then prefilled whole: the prefix cache's blocks
+  // hold keys and values, not the logits these need.
+  bool prompt_logprobs = false;
+};
+
 // What a step did to one request: its new text (may be empty: a token can end inside a
 // character, or begin a stop string), and whether it ended.
 struct SchedulerEvent {
@@ -52,6 +67,9 @@ struct SchedulerEvent {
   std::string text;
   bool finished = false;
   StopReason reason = StopReason::MaxNewTokens;
+  std::optional<TokenLogprob> logprob;  // of `token`, when the request asked (top_logprobs >= 0)
+  // With prompt_logprobs: positions 1 .. prompt length - 1, in the request's first event.
+  std::vector<TokenLogprob> prompt_logprobs;
 };
 
 struct SchedulerStepStats {
@@ -70,10 +88,11 @@ class Scheduler {
   Scheduler(Engine& engine, SchedulerOptions options);
   ~Scheduler();
 
-  // Queues a request. Its options: max_new_tokens, sampling (seeded hash64(seed, 0), as the
-  // engine's first row), stop strings; n must be 1, slide off and the cache on. Throws
-  // kvlab::Error as Engine::validate does, and for those.
-  RequestId add(std::vector<int32_t> prompt, const GenerateOptions& options);
+  // Queues a request. Its options: max_new_tokens (0: the prefill alone, which ends it),
+  // sampling, stop strings; n must be 1, slide off and the cache on. Throws kvlab::Error as
+  // Engine::validate does, and for those.
+  RequestId add(std::vector<int32_t> prompt, const GenerateOptions& options,
+                const RequestExtras& extras = {});
   // Ends a request wherever it is, freeing its blocks; an event says so at the next step. A
   // request that already ended is ignored.
   void abort(RequestId id);
@@ -83,6 +102,8 @@ class Scheduler {
   std::vector<SchedulerEvent> step();
 
   const SchedulerStepStats& last_step() const { return last_; }
+  int64_t admitted() const { return static_cast<int64_t>(admitted_.size()); }
+  int64_t waiting() const { return static_cast<int64_t>(waiting_.size()); }
   BlockStats block_stats() const { return blocks_->stats(); }
   int64_t preemptions() const { return preemptions_; }
 
@@ -92,6 +113,9 @@ class Scheduler {
   void finish(Request& r, StopReason why, std::vector<SchedulerEvent>& events);
   // Samples r's next token from logits (V) and reports it; ends r when it is done.
   void take(Request& r, const float* logits, std::vector<SchedulerEvent>& events);
+  // Keeps the prompt log-probabilities that a prefill chunk's logits (chunk, V) give: those
+  // of positions done + 1 .. done + chunk that lie in the prompt.
+  void note_prompt(Request& r, const float* logits, int64_t done, int64_t chunk);
   void decode(std::vector<SchedulerEvent>& events);
   void prefill(int64_t budget, std::vector<SchedulerEvent>& events);
   Request* find(RequestId id);
