@@ -105,5 +105,6 @@ void add_generate_command(CLI::App& root);
 void add_bench_command(CLI::App& root);
 void add_ablate_command(CLI::App& root);
 void add_inspect_command(CLI::App& root);
+void add_serve_command(CLI::App& root);
 
 }  // namespace kvlab

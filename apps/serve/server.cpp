@@ -1,0 +1,534 @@
+#include "apps/serve/server.h"
+
+#include <httplib.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+namespace kvlab {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// A Prometheus histogram over fixed upper bounds (seconds).
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<int64_t> counts = std::vector<int64_t>(bounds.size(), 0);
+  double sum = 0;
+  int64_t n = 0;
+
+  void observe(double v) {
+    for (size_t i = 0; i < bounds.size(); ++i)
+      if (v <= bounds[i]) ++counts[i];
+    sum += v;
+    ++n;
+  }
+  void write(std::string& out, const char* name, const char* help) const {
+    out += detail::cat("# HELP ", name, " ", help, "\n# TYPE ", name, " histogram\n");
+    for (size_t i = 0; i < bounds.size(); ++i)
+      out += detail::cat(name, "_bucket{le=\"", bounds[i], "\"} ", counts[i], "\n");
+    out += detail::cat(name, "_bucket{le=\"+Inf\"} ", n, "\n", name, "_sum ", sum, "\n", name,
+                       "_count ", n, "\n");
+  }
+};
+
+void metric(std::string& out, const char* name, const char* type, const char* help,
+            const std::string& samples) {
+  out += detail::cat("# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n", samples);
+}
+
+std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+void reply_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(dump(error_json(e)), "application/json");
+}
+
+// A random completion id, as OpenAI's "cmpl-..." ones.
+std::string completion_id() {
+  static std::atomic<uint64_t> counter{std::random_device{}()};
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "cmpl-%016llx",
+                static_cast<unsigned long long>(hash64(counter.fetch_add(1), 0x6b766c6162)));
+  return buf;
+}
+
+// httplib 0.11 listens with a backlog of 5: a burst of clients overflows it and connections
+// are dropped. Listening again on the bound socket raises the backlog (Linux allows it).
+class HttpServer : public httplib::Server {
+ public:
+  void raise_backlog() { ::listen(svr_sock_, SOMAXCONN); }
+};
+
+}  // namespace
+
+// One HTTP completion request: its choices, each one scheduler request. The scheduler thread
+// writes the choices and pieces under the server's mutex; the HTTP thread reads them there,
+// and once done() the choices no longer change.
+struct Call {
+  struct Piece {  // what a stream sends next for one choice
+    int64_t choice;
+    std::string text;
+    std::vector<TokenLogprob> logprobs;
+    bool first;  // the choice's first piece: with echo it carries the prompt
+    std::optional<StopReason> finished;
+  };
+  CompletionRequest req;
+  std::string id = completion_id();
+  int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
+  Clock::time_point arrival = Clock::now();
+  std::vector<ChoiceState> choices;
+  std::vector<std::optional<Clock::time_point>> first_token;
+  std::deque<Piece> pieces;  // with stream
+  int64_t unfinished = 0;
+  bool cancelled = false;   // its client went away
+  std::string failure;      // set when it cannot finish (the server stops)
+  std::vector<size_t> streamed;  // bytes of text each choice has streamed (the HTTP thread's)
+
+  bool done() const { return unfinished == 0 || !failure.empty(); }
+};
+
+struct Server::Impl {
+  Engine& engine;
+  ServeOptions options;
+  Scheduler scheduler;  // the scheduler thread's alone
+  HttpServer http;
+
+  std::mutex m;
+  std::condition_variable work_cv;  // the scheduler thread waits for work
+  std::condition_variable done_cv;  // HTTP threads wait for their calls
+  bool stopping = false;
+  bool listening = false;  // run() is in (or about to enter) httplib's listen loop
+  std::vector<std::shared_ptr<Call>> incoming, cancels;
+
+  // The scheduler thread's: which call and choice each scheduler request belongs to.
+  struct Owner {
+    std::shared_ptr<Call> call;
+    int64_t choice;
+  };
+  std::unordered_map<RequestId, Owner> owners;
+
+  // Metrics, under m.
+  int64_t running = 0, waiting = 0, preemptions = 0;
+  BlockStats blocks;
+  int64_t prompt_tokens = 0, tokens = 0, finished = 0, aborted = 0, rejected = 0;
+  std::deque<std::pair<Clock::time_point, int64_t>> recent;  // (time, tokens) of recent steps
+  Histogram ttft{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
+  Histogram tpot{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
+
+  Impl(Engine& e, ServeOptions o) : engine(e), options(std::move(o)), scheduler(e, options.scheduler) {
+    KVLAB_CHECK(options.max_connections >= 1, "serve: max_connections must be >= 1, got ",
+                options.max_connections);
+    KVLAB_CHECK(options.max_body_bytes >= 1, "serve: max_body_bytes must be >= 1");
+    routes();
+  }
+
+  void routes();
+  void loop();
+  void dispatch(const std::vector<SchedulerEvent>& events);
+  void completions(const httplib::Request& hreq, httplib::Response& res);
+  bool stream_some(Call& call, httplib::DataSink& sink);
+  std::string metrics_text();
+
+  void cancel(const std::shared_ptr<Call>& call) {
+    std::lock_guard lk(m);
+    if (call->done() || call->cancelled) return;
+    call->cancelled = true;
+    cancels.push_back(call);
+    work_cv.notify_one();
+  }
+};
+
+void Server::Impl::routes() {
+  const size_t threads = static_cast<size_t>(options.max_connections);
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http.set_payload_max_length(options.max_body_bytes);
+  http.set_keep_alive_max_count(1000);
+  http.set_tcp_nodelay(true);
+
+  http.Post("/v1/completions",
+            [this](const httplib::Request& q, httplib::Response& r) { completions(q, r); });
+  http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    const json model{{"id", options.model_name},
+                     {"object", "model"},
+                     {"created", 0},
+                     {"owned_by", "kvlab"},
+                     {"max_model_len", engine.model().config().block_size}};
+    res.set_content(dump({{"object", "list"}, {"data", json::array({model})}}), "application/json");
+  });
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    std::lock_guard lk(m);
+    res.status = stopping ? 503 : 200;
+    res.set_content(dump({{"status", stopping ? "stopping" : "ok"}}), "application/json");
+  });
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  // Errors httplib answers itself (no route, a body over the limit) get OpenAI's error object.
+  http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 413)
+      reply_error(res, ApiError(413, detail::cat("the request body is larger than the limit of ",
+                                                 options.max_body_bytes, " bytes")));
+    else if (res.status == 404)
+      reply_error(res, ApiError(404, detail::cat("no route for ", req.method, " ", req.path),
+                                "", "not_found_error"));
+    else
+      reply_error(res, ApiError(res.status, detail::cat("HTTP ", res.status)));
+  });
+  http.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown error";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        reply_error(res, ApiError(500, what, "", "server_error"));
+      });
+}
+
+void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& res) {
+  auto call = std::make_shared<Call>();
+  try {
+    call->req = parse_completion_request(hreq.body, options.limits, options.model_name,
+                                         engine.tokenizer(), engine.model().config().block_size);
+  } catch (const ApiError& e) {
+    {
+      std::lock_guard lk(m);
+      ++rejected;
+    }
+    reply_error(res, e);
+    return;
+  }
+  const size_t n_choices = call->req.prompts.size() * static_cast<size_t>(call->req.n);
+  call->choices.resize(n_choices);
+  call->first_token.resize(n_choices);
+  call->streamed.resize(n_choices, 0);
+  call->unfinished = static_cast<int64_t>(n_choices);
+  {
+    std::lock_guard lk(m);
+    if (stopping) {
+      reply_error(res, ApiError(503, "the server is stopping", "", "server_error"));
+      return;
+    }
+    incoming.push_back(call);
+    work_cv.notify_one();
+  }
+  if (!call->req.stream) {
+    std::unique_lock lk(m);
+    done_cv.wait(lk, [&] { return call->done() || stopping; });
+    if (!call->done() || !call->failure.empty()) {
+      reply_error(res, ApiError(503, call->failure.empty() ? "the server is stopping" : call->failure,
+                                "", "server_error"));
+      return;
+    }
+    lk.unlock();
+    res.set_content(dump(completion_json(call->req, call->choices, engine.tokenizer(), call->id,
+                                         options.model_name, call->created)),
+                    "application/json");
+    return;
+  }
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, call](size_t, httplib::DataSink& sink) { return stream_some(*call, sink); },
+      [this, call](bool) { cancel(call); });  // a no-op once the call is done
+}
+
+bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
+  std::deque<Call::Piece> pieces;
+  bool done, stop;
+  {
+    std::unique_lock lk(m);
+    done_cv.wait_for(lk, std::chrono::milliseconds(200),
+                     [&] { return !call.pieces.empty() || call.done() || stopping; });
+    pieces.swap(call.pieces);
+    done = call.done();
+    stop = stopping && !done;
+  }
+  const CompletionRequest& req = call.req;
+  std::string out;
+  for (Call::Piece& p : pieces) {
+    const size_t b = static_cast<size_t>(p.choice / req.n);
+    const bool echo = req.echo && p.first;
+    std::string text = echo ? req.prompt_texts[b] + p.text : p.text;
+    json lp = nullptr;
+    if (req.logprobs >= 0) {
+      const ChoiceState& c = call.choices[static_cast<size_t>(p.choice)];
+      // The prompt's log-probabilities arrive with the first event and no longer change.
+      std::vector<TokenLogprob> none;
+      lp = logprobs_json(engine.tokenizer(), echo ? &req.prompts[b] : nullptr,
+                         echo ? c.prompt_logprobs : none, p.logprobs,
+                         call.streamed[static_cast<size_t>(p.choice)]);
+    }
+    call.streamed[static_cast<size_t>(p.choice)] += text.size();
+    out += sse(chunk_json(call.id, options.model_name, call.created, p.choice, text, lp, p.finished));
+  }
+  if (done || stop) {
+    if (!call.failure.empty() || stop) {
+      out += sse(error_json(ApiError(503, stop ? "the server is stopping" : call.failure, "",
+                                     "server_error")));
+    } else if (req.include_usage) {
+      out += sse({{"id", call.id},
+                  {"object", "text_completion"},
+                  {"created", call.created},
+                  {"model", options.model_name},
+                  {"choices", json::array()},
+                  {"usage", usage_json(req, call.choices)}});
+    }
+    out += "data: [DONE]\n\n";
+  }
+  if (!out.empty() && !sink.write(out.data(), out.size())) return false;  // the client left
+  if (done || stop) sink.done();
+  return true;
+}
+
+void Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
+  const Clock::time_point now = Clock::now();
+  int64_t made = 0;
+  for (const SchedulerEvent& e : events) {
+    const auto it = owners.find(e.request);
+    if (it == owners.end()) continue;  // an abort's event: the call already let it go
+    Call& call = *it->second.call;
+    const int64_t i = it->second.choice;
+    ChoiceState& c = call.choices[static_cast<size_t>(i)];
+    const bool first = c.tokens.empty() && c.prompt_logprobs.empty() && !c.finished &&
+                       !call.first_token[static_cast<size_t>(i)];
+    if (!e.prompt_logprobs.empty()) c.prompt_logprobs = e.prompt_logprobs;
+    std::vector<TokenLogprob> lps;
+    if (e.token >= 0) {
+      ++made;
+      c.tokens.push_back(e.token);
+      if (e.logprob) {
+        c.logprobs.push_back(*e.logprob);
+        lps.push_back(*e.logprob);
+      }
+    }
+    if (!call.first_token[static_cast<size_t>(i)]) {
+      call.first_token[static_cast<size_t>(i)] = now;
+      ttft.observe(seconds(call.arrival, now));
+    }
+    c.text += e.text;
+    if (e.finished) {
+      c.finished = true;
+      c.reason = e.reason;
+      --call.unfinished;
+      ++finished;
+      if (c.tokens.size() > 1)
+        tpot.observe(seconds(*call.first_token[static_cast<size_t>(i)], now) /
+                     static_cast<double>(c.tokens.size() - 1));
+      owners.erase(it);
+    }
+    // A stream sends what changes what the client sees (text, a token's log-probability,
+    // the echoed prompt, the end).
+    if (call.req.stream && (!e.text.empty() || !lps.empty() || e.finished || (first && call.req.echo)))
+      call.pieces.push_back({i, e.text, std::move(lps), first,
+                             e.finished ? std::optional<StopReason>(e.reason) : std::nullopt});
+  }
+  tokens += made;
+  recent.emplace_back(now, made);
+  while (!recent.empty() && seconds(recent.front().first, now) > 10) recent.pop_front();
+}
+
+void Server::Impl::loop() {
+  std::unique_lock lk(m);
+  for (;;) {
+    work_cv.wait(lk, [&] {
+      return stopping || !incoming.empty() || !cancels.empty() || !scheduler.idle();
+    });
+    if (stopping) break;
+    std::vector<std::shared_ptr<Call>> in, out;
+    in.swap(incoming);
+    out.swap(cancels);
+    lk.unlock();
+    int64_t added_tokens = 0;
+    for (const auto& call : in) {
+      const CompletionRequest& q = call->req;
+      GenerateOptions g;
+      g.max_new_tokens = q.max_tokens;
+      g.sampling = q.sampling;
+      g.stop = q.stop;
+      RequestExtras x;
+      x.top_logprobs = q.logprobs;
+      x.prompt_logprobs = q.echo && q.logprobs >= 0;
+      for (size_t b = 0; b < q.prompts.size(); ++b)
+        for (int64_t s = 0; s < q.n; ++s) {
+          x.sample = s;
+          const RequestId id = scheduler.add(q.prompts[b], g, x);
+          owners[id] = {call, static_cast<int64_t>(b) * q.n + s};
+          added_tokens += static_cast<int64_t>(q.prompts[b].size());
+        }
+    }
+    int64_t n_aborted = 0;
+    for (const auto& call : out)
+      for (auto it = owners.begin(); it != owners.end();)
+        if (it->second.call == call) {
+          scheduler.abort(it->first);
+          ++n_aborted;
+          it = owners.erase(it);
+        } else {
+          ++it;
+        }
+    std::vector<SchedulerEvent> events;
+    if (!scheduler.idle()) events = scheduler.step();
+    lk.lock();
+    prompt_tokens += added_tokens;
+    aborted += n_aborted;
+    dispatch(events);
+    running = scheduler.admitted();
+    waiting = scheduler.waiting();
+    preemptions = scheduler.preemptions();
+    blocks = scheduler.block_stats();
+    done_cv.notify_all();
+  }
+  // Stopping: what is still running or queued ends here.
+  for (auto& [id, owner] : owners) {
+    scheduler.abort(id);
+    owner.call->failure = "the server stopped before this completion ended";
+  }
+  for (auto& call : incoming) call->failure = "the server stopped before this completion began";
+  owners.clear();
+  incoming.clear();
+  running = waiting = 0;
+  blocks = scheduler.block_stats();
+  done_cv.notify_all();
+}
+
+std::string Server::Impl::metrics_text() {
+  std::lock_guard lk(m);
+  std::string out;
+  const int64_t bs = options.scheduler.cache.kv_block_size;
+  metric(out, "kvlab_requests_running", "gauge",
+         "Sequences the scheduler has admitted (prefilling or decoding); a choice is one.",
+         detail::cat("kvlab_requests_running ", running, "\n"));
+  metric(out, "kvlab_requests_waiting", "gauge", "Sequences queued for admission.",
+         detail::cat("kvlab_requests_waiting ", waiting, "\n"));
+  metric(out, "kvlab_kv_blocks", "gauge",
+         "KV cache blocks by state: used (held by a sequence), cached (kept for prefix hits), free.",
+         detail::cat("kvlab_kv_blocks{state=\"used\"} ", blocks.in_use, "\n",
+                     "kvlab_kv_blocks{state=\"cached\"} ", blocks.cached, "\n",
+                     "kvlab_kv_blocks{state=\"free\"} ", blocks.free, "\n"));
+  metric(out, "kvlab_kv_block_size", "gauge", "Positions per KV cache block.",
+         detail::cat("kvlab_kv_block_size ", bs, "\n"));
+  metric(out, "kvlab_kv_utilisation", "gauge",
+         "Positions stored over positions the blocks in use hold.",
+         detail::cat("kvlab_kv_utilisation ",
+                     blocks.in_use > 0 ? static_cast<double>(blocks.positions) /
+                                             static_cast<double>(blocks.in_use * bs)
+                                       : 0.0,
+                     "\n"));
+  metric(out, "kvlab_prompt_tokens_total", "counter", "Prompt tokens of every sequence admitted.",
+         detail::cat("kvlab_prompt_tokens_total ", prompt_tokens, "\n"));
+  metric(out, "kvlab_prefix_cache_hit_tokens_total", "counter",
+         "Prompt positions taken from the prefix cache instead of prefilled.",
+         detail::cat("kvlab_prefix_cache_hit_tokens_total ", blocks.prefix_hit_positions, "\n"));
+  metric(out, "kvlab_prefix_cache_hit_rate", "gauge",
+         "Prefix cache hit positions over prompt tokens, since the start.",
+         detail::cat("kvlab_prefix_cache_hit_rate ",
+                     prompt_tokens > 0 ? static_cast<double>(blocks.prefix_hit_positions) /
+                                             static_cast<double>(prompt_tokens)
+                                       : 0.0,
+                     "\n"));
+  metric(out, "kvlab_preemptions_total", "counter",
+         "Sequences preempted (blocks freed, recomputed later) when the pool ran dry.",
+         detail::cat("kvlab_preemptions_total ", preemptions, "\n"));
+  metric(out, "kvlab_generation_tokens_total", "counter", "Tokens generated.",
+         detail::cat("kvlab_generation_tokens_total ", tokens, "\n"));
+  double rate = 0;
+  if (recent.size() > 1) {
+    int64_t sum = 0;
+    for (size_t i = 1; i < recent.size(); ++i) sum += recent[i].second;
+    const double span = seconds(recent.front().first, recent.back().first);
+    rate = span > 0 ? static_cast<double>(sum) / span : 0.0;
+  }
+  metric(out, "kvlab_generation_tokens_per_second", "gauge",
+         "Tokens generated per second over the last 10 seconds of steps.",
+         detail::cat("kvlab_generation_tokens_per_second ", rate, "\n"));
+  metric(out, "kvlab_sequences_total", "counter",
+         "Sequences by how they ended: finished, aborted (their client left).",
+         detail::cat("kvlab_sequences_total{outcome=\"finished\"} ", finished, "\n",
+                     "kvlab_sequences_total{outcome=\"aborted\"} ", aborted, "\n"));
+  metric(out, "kvlab_requests_rejected_total", "counter", "Requests answered with a 4xx.",
+         detail::cat("kvlab_requests_rejected_total ", rejected, "\n"));
+  ttft.write(out, "kvlab_time_to_first_token_seconds",
+             "Arrival of a request until its sequence's first token (or first event).");
+  tpot.write(out, "kvlab_time_per_output_token_seconds",
+             "A sequence's time from its first to its last token over the tokens in between.");
+  return out;
+}
+
+Server::Server(Engine& engine, ServeOptions options)
+    : impl_(std::make_unique<Impl>(engine, std::move(options))) {}
+
+Server::~Server() { stop(); }
+
+int Server::bind() {
+  Impl& s = *impl_;
+  errno = 0;
+  const int port = s.options.port == 0 ? s.http.bind_to_any_port(s.options.host)
+                                       : (s.http.bind_to_port(s.options.host, s.options.port)
+                                              ? s.options.port
+                                              : -1);
+  KVLAB_CHECK(port > 0, "cannot listen on ", s.options.host, ":", s.options.port,
+              errno != 0 ? detail::cat(": ", std::strerror(errno)) : std::string());
+  s.http.raise_backlog();
+  return port;
+}
+
+void Server::run() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lk(s.m);
+    if (s.stopping) return;
+    s.listening = true;
+  }
+  std::thread scheduler_thread([&] { s.loop(); });
+  s.http.listen_after_bind();
+  {
+    std::lock_guard lk(s.m);
+    s.listening = false;
+  }
+  stop();
+  scheduler_thread.join();
+}
+
+void Server::stop() {
+  Impl& s = *impl_;
+  bool listening;
+  {
+    std::lock_guard lk(s.m);
+    s.stopping = true;
+    listening = s.listening;
+  }
+  s.work_cv.notify_all();
+  s.done_cv.notify_all();
+  // httplib's stop() does nothing until its listen loop runs: a stop that comes just after
+  // run() began waits for it (a moment), or it would listen for ever.
+  while (listening && !s.http.is_running()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::lock_guard lk(s.m);
+    listening = s.listening;
+  }
+  s.http.stop();
+}
+
+}  // namespace kvlab

@@ -1,0 +1,75 @@
+// Drives `kvlab serve` with the official openai client: model listing, a greedy completion
+// (plain and streamed) that must match `kvlab generate`, and a rejected bad request.
+// Env: KVLAB_BASE_URL (http://127.0.0.1:PORT/v1), KVLAB_EXPECTED_TEXT.
+import assert from "node:assert/strict";
+import OpenAI from "openai";
+
+const baseURL = process.env.KVLAB_BASE_URL;
+const expected = process.env.KVLAB_EXPECTED_TEXT;
+if (!baseURL || expected === undefined) {
+  console.error("completions.mjs: set KVLAB_BASE_URL and KVLAB_EXPECTED_TEXT");
+  process.exit(2);
+}
+
+const client = new OpenAI({ baseURL, apiKey: "unused", maxRetries: 0, timeout: 60_000 });
+let current = "setup";
+
+async function check(name, fn) {
+  current = name;
+  await fn();
+  console.log(`ok: ${name}`);
+}
+
+try {
+  let model;
+  await check("models.list", async () => {
+    const page = await client.models.list();
+    assert.ok(page.data.length > 0, "no models listed");
+    model = page.data[0].id;
+    assert.equal(typeof model, "string");
+    assert.ok(model.length > 0, "empty model id");
+  });
+
+  const args = { model, prompt: "the lord", max_tokens: 8, temperature: 1, seed: 7 };
+
+  await check("completions.create", async () => {
+    const res = await client.completions.create(args);
+    assert.ok(res.choices.length > 0, "no choices");
+    assert.equal(res.choices[0].text, expected, "text differs from kvlab generate");
+    assert.equal(res.choices[0].finish_reason, "length", "finish_reason");
+    assert.ok(res.usage, "no usage");
+    assert.equal(res.usage.prompt_tokens, 8, "usage.prompt_tokens");
+    assert.equal(res.usage.completion_tokens, 8, "usage.completion_tokens");
+    assert.equal(res.usage.total_tokens, 16, "usage.total_tokens");
+  });
+
+  await check("completions.create stream", async () => {
+    const stream = await client.completions.create({ ...args, stream: true });
+    let text = "";
+    let last = null;
+    for await (const chunk of stream) {
+      // A usage-only chunk may carry no choices.
+      if (!chunk.choices || chunk.choices.length === 0) continue;
+      text += chunk.choices[0].text ?? "";
+      last = chunk.choices[0];
+    }
+    assert.ok(last, "stream had no choice chunks");
+    assert.equal(text, expected, "streamed text differs from kvlab generate");
+    assert.equal(last.finish_reason, "length", "finish_reason of the last choice chunk");
+  });
+
+  await check("bad request rejected with 400", async () => {
+    await assert.rejects(
+      client.completions.create({ ...args, max_tokens: -1 }),
+      (err) => {
+        assert.ok(err instanceof OpenAI.APIError, `not an APIError: ${err}`);
+        assert.equal(err.status, 400, "HTTP status");
+        return true;
+      },
+    );
+  });
+} catch (err) {
+  console.error(`FAIL: ${current}: ${err?.message ?? err}`);
+  process.exit(1);
+}
+console.log("openai client: all checks passed");

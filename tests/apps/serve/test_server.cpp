@@ -1,0 +1,443 @@
+// kvlab serve on loopback: a real HTTP client (cpp-httplib's) against the real server, in
+// process, over a tiny random model. Completions must equal the engine's with the same
+// options and seed; log-probabilities must equal the model's log-softmax; bad requests get
+// their 4xx and the server keeps answering; a client that leaves gives its blocks back.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "apps/serve/server.h"
+#include "autograd/graph.h"
+#include "infer/engine.h"
+#include "tests/infer/infer_test_util.h"
+
+namespace kvlab {
+namespace {
+
+using nlohmann::json;
+
+// A server over its own model and engine, running on a thread; the client is fresh per call.
+class Running {
+ public:
+  explicit Running(ServeOptions o = {}, int64_t block_size = 16)
+      : model_(test::tiny_model(2, 11, block_size)), tok_(test::tiny_tokenizer()),
+        engine_(*model_, tok_) {
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.model_name = "tiny";
+    server_ = std::make_unique<Server>(engine_, o);
+    port_ = server_->bind();
+    thread_ = std::thread([this] { server_->run(); });
+  }
+  ~Running() {
+    server_->stop();
+    thread_.join();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(60, 0);
+    return c;
+  }
+  httplib::Result post(const json& body) const {
+    return client().Post("/v1/completions", body.dump(), "application/json");
+  }
+  int port() const { return port_; }
+  GPT& model() { return *model_; }
+  const Tokenizer& tokenizer() const { return tok_; }
+  // The reference: a separate engine over the same model (the server's is busy).
+  GenerationResult generate(const std::vector<std::string>& prompts, const GenerateOptions& o) {
+    Engine e(*model_, tok_);
+    return e.generate(prompts, o);
+  }
+  // A metric's value from /metrics (the first sample whose line starts with `name`).
+  double metric(const std::string& name) const {
+    const auto r = client().Get("/metrics");
+    EXPECT_TRUE(r) << "no /metrics";
+    std::istringstream in(r->body);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+    ADD_FAILURE() << "no metric " << name;
+    return -1;
+  }
+
+ private:
+  std::unique_ptr<GPT> model_;
+  Tokenizer tok_;
+  Engine engine_;
+  std::unique_ptr<Server> server_;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+GenerateOptions sampled(int64_t max_new, uint64_t seed, int64_t n = 1) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new;
+  o.n = n;
+  o.sampling.temperature = 0.9;
+  o.sampling.top_k = 6;
+  o.sampling.top_p = 0.95;
+  o.sampling.seed = seed;
+  return o;
+}
+
+json sampled_body(const std::string& prompt, int64_t max_tokens, uint64_t seed) {
+  return {{"model", "tiny"}, {"prompt", prompt},  {"max_tokens", max_tokens}, {"temperature", 0.9},
+          {"top_k", 6},      {"top_p", 0.95},     {"seed", seed}};
+}
+
+// The data lines of a server-sent event stream: each chunk's JSON, and whether [DONE] ended it.
+std::vector<json> events_of(const std::string& body, bool& done) {
+  std::vector<json> out;
+  done = false;
+  std::istringstream in(body);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("data: ", 0) != 0) continue;
+    EXPECT_FALSE(done) << "data after [DONE]";
+    const std::string data = line.substr(6);
+    if (data == "[DONE]")
+      done = true;
+    else
+      out.push_back(json::parse(data));
+  }
+  return out;
+}
+
+TEST(Serve, CompletionEqualsTheEngineStreamedOrNot) {
+  Running s;
+  const GenerationResult ref = s.generate({"abc a"}, sampled(9, 41));
+  const auto r = s.post(sampled_body("abc a", 9, 41));
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "tiny");
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_EQ(j["choices"][0]["text"], ref.rows[0].text);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 9);
+  EXPECT_EQ(j["usage"]["total_tokens"], 14);
+
+  json body = sampled_body("abc a", 9, 41);
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  const auto st = s.post(body);
+  ASSERT_TRUE(st);
+  ASSERT_EQ(st->status, 200) << st->body;
+  EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
+  bool done = false;
+  const std::vector<json> chunks = events_of(st->body, done);
+  EXPECT_TRUE(done);
+  std::string text;
+  json last_choice, usage;
+  for (const json& c : chunks) {
+    if (c["choices"].empty()) {
+      usage = c["usage"];
+      continue;
+    }
+    text += c["choices"][0]["text"].get<std::string>();
+    last_choice = c["choices"][0];
+  }
+  EXPECT_EQ(text, ref.rows[0].text);
+  EXPECT_EQ(last_choice["finish_reason"], "length");
+  EXPECT_EQ(usage["completion_tokens"], 9);
+  EXPECT_GE(chunks.size(), 3u) << "the text came in one piece, not streamed";
+}
+
+TEST(Serve, NSamplesAndPromptListsAreTheEnginesRows) {
+  Running s;
+  const GenerationResult ref = s.generate({"ab"}, sampled(7, 5, 2));
+  json body = sampled_body("ab", 7, 5);
+  body["n"] = 2;
+  const auto r = s.post(body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  ASSERT_EQ(j["choices"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], ref.rows[static_cast<size_t>(i)].text) << "sample " << i;
+  }
+  EXPECT_NE(ref.rows[0].text, ref.rows[1].text) << "the samples should differ to test anything";
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 2);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 14);
+
+  // Two prompts: choice b * n + i is prompt b's sample i; each prompt alone seeds from 0.
+  body["prompt"] = {"ab", "j i"};
+  const auto two = s.post(body);
+  ASSERT_TRUE(two);
+  ASSERT_EQ(two->status, 200) << two->body;
+  const json t = json::parse(two->body);
+  ASSERT_EQ(t["choices"].size(), 4u);
+  const GenerationResult second = s.generate({"j i"}, sampled(7, 5, 2));
+  EXPECT_EQ(t["choices"][1]["text"], ref.rows[1].text);
+  EXPECT_EQ(t["choices"][2]["text"], second.rows[0].text);
+  EXPECT_EQ(t["choices"][3]["text"], second.rows[1].text);
+}
+
+TEST(Serve, StopStringsEndTheChoiceAsTheEngineDoes) {
+  Running s;
+  const std::string free_text = s.generate({"hij"}, sampled(12, 9)).rows[0].text;
+  ASSERT_GE(free_text.size(), 6u);
+  const std::string stop = free_text.substr(3, 2);
+  GenerateOptions o = sampled(12, 9);
+  o.stop = {stop};
+  const GenerationResult ref = s.generate({"hij"}, o);
+  ASSERT_EQ(ref.rows[0].stop_reason, StopReason::StopString);
+  for (const bool stream : {false, true}) {
+    json body = sampled_body("hij", 12, 9);
+    body["stop"] = {stop, "zz"};
+    body["stream"] = stream;
+    const auto r = s.post(body);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    std::string text, reason;
+    if (stream) {
+      bool done = false;
+      for (const json& c : events_of(r->body, done)) {
+        text += c["choices"][0]["text"].get<std::string>();
+        if (!c["choices"][0]["finish_reason"].is_null()) reason = c["choices"][0]["finish_reason"];
+      }
+      EXPECT_TRUE(done);
+    } else {
+      const json j = json::parse(r->body);
+      text = j["choices"][0]["text"];
+      reason = j["choices"][0]["finish_reason"];
+    }
+    EXPECT_EQ(text, ref.rows[0].text) << "stream " << stream;
+    EXPECT_EQ(text.find(stop), std::string::npos);
+    EXPECT_EQ(reason, "stop");
+  }
+}
+
+// What evaluation harnesses ask for log-likelihoods: echo, logprobs and max_tokens 0 give
+// the log-probability of every prompt token after the first under the model.
+TEST(Serve, EchoedPromptLogprobsAreTheModelsLogSoftmax) {
+  Running s;
+  const std::string prompt = "abcjihgfed a";
+  const auto r = s.post(json{{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 0},
+                             {"echo", true},    {"logprobs", 3}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  const json& c = j["choices"][0];
+  EXPECT_EQ(c["text"], prompt);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 0);
+  const json& lp = c["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), prompt.size());
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+
+  const std::vector<int32_t> ids = s.tokenizer().encode(prompt);
+  Tensor logits;
+  {
+    NoGradGuard g;
+    Tensor x = Tensor::empty({1, static_cast<int64_t>(ids.size())}, DType::I32);
+    std::copy(ids.begin(), ids.end(), x.data<int32_t>());
+    logits = s.model().forward(x).contiguous();
+  }
+  const int64_t V = s.tokenizer().vocab_size();
+  for (size_t i = 1; i < ids.size(); ++i) {
+    const float* row = logits.data<float>() + (i - 1) * static_cast<size_t>(V);
+    double z = 0, m = row[0];
+    for (int64_t v = 0; v < V; ++v) m = std::max<double>(m, row[v]);
+    for (int64_t v = 0; v < V; ++v) z += std::exp(row[v] - m);
+    auto logp = [&](int64_t v) { return row[v] - m - std::log(z); };
+    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), logp(ids[i]), 1e-4) << "position " << i;
+    EXPECT_EQ(lp["tokens"][i], s.tokenizer().decode_one(ids[i]));
+    EXPECT_EQ(lp["text_offset"][i], i);
+    // The 3 most probable tokens, with their log-probabilities.
+    const json& top = lp["top_logprobs"][i];
+    ASSERT_EQ(top.size(), 3u);
+    std::vector<int64_t> order(static_cast<size_t>(V));
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row[a] > row[b]; });
+    for (int k = 0; k < 3; ++k) {
+      const std::string piece = s.tokenizer().decode_one(static_cast<int32_t>(order[k]));
+      ASSERT_TRUE(top.contains(piece)) << "position " << i << " lacks top token '" << piece << "'";
+      EXPECT_NEAR(top[piece].get<double>(), logp(order[k]), 1e-4);
+    }
+  }
+  // Generated tokens' log-probabilities: the same as the sampled token's under the model
+  // (greedy: the largest).
+  const auto g = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 4},
+                             {"temperature", 0}, {"logprobs", 1}});
+  ASSERT_TRUE(g);
+  ASSERT_EQ(g->status, 200) << g->body;
+  const json gl = json::parse(g->body)["choices"][0]["logprobs"];
+  ASSERT_EQ(gl["tokens"].size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const json& top = gl["top_logprobs"][i];
+    ASSERT_EQ(top.size(), 1u);
+    EXPECT_EQ(top.begin().key(), gl["tokens"][i]) << "greedy takes the most probable token";
+    EXPECT_NEAR(top.begin().value().get<double>(), gl["token_logprobs"][i].get<double>(), 1e-6);
+  }
+}
+
+// 64 clients at once, through a scheduler that admits 8 sequences at a time from a pool
+// smaller than their sum (queueing and preemption): each gets its own completion, equal to
+// the engine's for its prompt alone.
+TEST(Serve, SixtyFourConcurrentClientsEachGetTheirOwnCompletion) {
+  ServeOptions o;
+  o.scheduler.max_seqs = 8;
+  o.scheduler.max_batch_tokens = 24;
+  o.scheduler.cache.kv_block_size = 4;
+  o.scheduler.cache.pool_blocks = 12;
+  Running s(o);
+  constexpr int kClients = 64;
+  std::vector<std::string> prompts;
+  Generator gen(99);
+  const std::string symbols = "abcdefghij ";
+  for (int i = 0; i < kClients; ++i) {
+    std::string p;
+    const int len = 1 + static_cast<int>(gen.next_u64() % 8);
+    for (int k = 0; k < len; ++k) p += symbols[gen.next_u64() % symbols.size()];
+    prompts.push_back(p);
+  }
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 8;
+  greedy.sampling.temperature = 0;
+  std::vector<std::string> want;
+  for (const std::string& p : prompts) want.push_back(s.generate({p}, greedy).rows[0].text);
+
+  std::vector<std::string> got(kClients);
+  std::vector<int> status(kClients, 0);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i)
+    clients.emplace_back([&, i] {
+      json body{{"model", "tiny"}, {"prompt", prompts[static_cast<size_t>(i)]},
+                {"max_tokens", 8}, {"temperature", 0}, {"stream", i % 2 == 1}};
+      const auto r = s.post(body);
+      if (!r) {
+        got[static_cast<size_t>(i)] = "no response: " + httplib::to_string(r.error());
+        return;
+      }
+      status[static_cast<size_t>(i)] = r->status;
+      if (i % 2 == 0) {
+        got[static_cast<size_t>(i)] = json::parse(r->body)["choices"][0]["text"];
+      } else {
+        bool done = false;
+        for (const json& c : events_of(r->body, done))
+          got[static_cast<size_t>(i)] += c["choices"][0]["text"].get<std::string>();
+      }
+    });
+  for (auto& t : clients) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_EQ(status[static_cast<size_t>(i)], 200) << "client " << i;
+    EXPECT_EQ(got[static_cast<size_t>(i)], want[static_cast<size_t>(i)]) << "client " << i;
+  }
+  EXPECT_GT(s.metric("kvlab_preemptions_total"), 0) << "the pool should have run dry";
+  EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
+  EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(s.metric("kvlab_generation_tokens_total"), kClients * 8);
+}
+
+TEST(Serve, BadRequestsGetTheir4xxAndTheServerKeepsAnswering) {
+  ServeOptions o;
+  o.max_body_bytes = 4096;
+  Running s(o);
+  const json ok{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 2}};
+  auto with = [&](const char* key, json value) {
+    json b = ok;
+    b[key] = std::move(value);
+    return b.dump();
+  };
+  struct Case {
+    const char* name;
+    std::string body;
+    int status;
+    const char* param;  // "" for none
+  };
+  const std::vector<Case> cases = {
+      {"malformed JSON", "{\"prompt\": \"ab\",", 400, ""},
+      {"not an object", "[1, 2]", 400, ""},
+      {"no prompt", json{{"model", "tiny"}}.dump(), 400, "prompt"},
+      {"prompt of the wrong type", with("prompt", 12), 400, "prompt"},
+      {"empty prompt", with("prompt", ""), 400, "prompt"},
+      {"empty prompt list", with("prompt", json::array()), 400, "prompt"},
+      {"characters outside the vocabulary", with("prompt", "abZ"), 400, "prompt"},
+      {"token id outside the vocabulary", with("prompt", json::array({1, 11})), 400, "prompt"},
+      {"prompt beyond the context", with("prompt", std::string(17, 'a')), 400, "prompt"},
+      {"max_tokens of the wrong type", with("max_tokens", "2"), 400, "max_tokens"},
+      {"negative max_tokens", with("max_tokens", -1), 400, "max_tokens"},
+      {"huge max_tokens", with("max_tokens", 1000000), 400, "max_tokens"},
+      {"max_tokens 0 without echo", with("max_tokens", 0), 400, "max_tokens"},
+      {"fractional max_tokens", with("max_tokens", 2.5), 400, "max_tokens"},
+      {"unknown model", with("model", "gpt-4"), 404, "model"},
+      {"negative temperature", with("temperature", -1), 400, "temperature"},
+      {"top_p 0", with("top_p", 0), 400, "top_p"},
+      {"n 0", with("n", 0), 400, "n"},
+      {"too many logprobs", with("logprobs", 100), 400, "logprobs"},
+      {"empty stop string", with("stop", ""), 400, "stop"},
+      {"too many stop strings", with("stop", json::array({"a", "b", "c", "d", "e"})), 400, "stop"},
+      {"stream not a boolean", with("stream", "yes"), 400, "stream"},
+      {"best_of", with("best_of", 3), 400, "best_of"},
+      {"logit_bias", with("logit_bias", json{{"1", 5}}), 400, "logit_bias"},
+      {"body over the limit", with("prompt", std::string(5000, 'a')), 413, ""},
+  };
+  for (const Case& c : cases) {
+    const auto r = s.client().Post("/v1/completions", c.body, "application/json");
+    ASSERT_TRUE(r) << c.name << ": no response";
+    EXPECT_EQ(r->status, c.status) << c.name << ": " << r->body;
+    const json e = json::parse(r->body, nullptr, false);
+    ASSERT_TRUE(e.is_object() && e.contains("error")) << c.name << ": " << r->body;
+    EXPECT_FALSE(e["error"]["message"].get<std::string>().empty()) << c.name;
+    if (*c.param != '\0') {
+      EXPECT_EQ(e["error"]["param"], c.param) << c.name;
+    }
+  }
+  const auto nowhere = s.client().Get("/v1/chat");
+  ASSERT_TRUE(nowhere);
+  EXPECT_EQ(nowhere->status, 404);
+  EXPECT_TRUE(json::parse(nowhere->body).contains("error"));
+
+  const auto health = s.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  const auto good = s.post(ok);
+  ASSERT_TRUE(good);
+  EXPECT_EQ(good->status, 200) << good->body;
+  EXPECT_EQ(s.metric("kvlab_requests_rejected_total"), static_cast<double>(cases.size() - 1))
+      << "every case but the body over the limit reached the handler";
+  const auto models = s.client().Get("/v1/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "tiny");
+}
+
+// A client that closes its connection mid-stream: the next write fails, the server aborts its
+// sequence and the blocks return.
+TEST(Serve, AClientLeavingMidStreamGivesItsBlocksBack) {
+  Running s({}, /*block_size=*/1024);
+  json body{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 1000}, {"stream", true}};
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  int chunks = 0;
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 2; };
+  httplib::Client c = s.client();
+  const auto r = c.send(req);
+  EXPECT_EQ(chunks, 2) << "the stream should have begun";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (s.metric("kvlab_sequences_total{outcome=\"aborted\"}") < 1 &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(s.metric("kvlab_sequences_total{outcome=\"aborted\"}"), 1);
+  EXPECT_EQ(s.metric("kvlab_sequences_total{outcome=\"finished\"}"), 0)
+      << "it should have been aborted before its 1000 tokens";
+  EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
+  EXPECT_EQ(s.metric("kvlab_requests_waiting"), 0);
+  EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+  // And it still serves.
+  const auto again = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200);
+}
+
+}  // namespace
+}  // namespace kvlab
