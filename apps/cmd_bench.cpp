@@ -12,12 +12,15 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "apps/ablate/ablate.h"
 #include "apps/cli.h"
 #include "apps/progress.h"
 #include "apps/report/report.h"
+#include "apps/serve/http_bench.h"
+#include "apps/serve/server.h"
 #include "apps/train_flags.h"
 #include "autograd/host/cpu.h"
 #include "checkpoints/model_io.h"
@@ -56,6 +59,8 @@ struct BenchArgs {
   bool n_kv_head_given = false;
   BenchKVMemoryOptions kv_memory;  // kv-memory's own settings
   BenchServeOptions serve;         // serve's own settings
+  bool http = false;               // serve: also over HTTP, through an in-process kvlab serve
+  std::string url;                 // serve: only over HTTP, against a running kvlab serve
 };
 
 std::string mib(double bytes) {
@@ -388,6 +393,26 @@ void run_bench_kv_memory(BenchArgs& a) {
   }
 }
 
+const char* const kServeHeader = "%-14s%-12s%10s%12s%22s%22s%8s%10s\n";
+
+// One row of a served run: a side's figures.
+void print_served_row(const json& run, const char* side, const char* label) {
+  const json& x = run[side];
+  const std::string rate = run["rate"].is_string()
+                               ? run["rate"].get<std::string>()
+                               : detail::cat(run["rate"].get<double>(), " req/s");
+  char ttft[32], tpot[32];
+  std::snprintf(ttft, sizeof ttft, "%.1f / %.1f", x["ttft_ms"]["p50"].get<double>(),
+                x["ttft_ms"]["p99"].get<double>());
+  std::snprintf(tpot, sizeof tpot, "%.2f / %.2f", x["tpot_ms"]["p50"].get<double>(),
+                x["tpot_ms"]["p99"].get<double>());
+  std::printf("%-14s%-12s%10.2f%12.0f%22s%22s%8lld%10s\n", rate.c_str(), label,
+              x["requests_per_s"].get<double>(), x["output_tokens_per_s"].get<double>(), ttft,
+              tpot, x["peak_sequences"].get<long long>(),
+              x.contains("preemptions") ? std::to_string(x["preemptions"].get<long long>()).c_str()
+                                        : "-");
+}
+
 void print_serve(const json& r) {
   const json& m = r["model"];
   std::printf(
@@ -399,27 +424,55 @@ void print_serve(const json& r) {
       r["requests"].get<long long>(), mib(r["budget_bytes"].get<double>()).c_str(),
       r["static_slots"].get<long long>(), r["kv_block_size"].get<long long>(),
       r["max_batch_tokens"].get<long long>(), r["threads"].get<int>());
-  std::printf("%-14s%-12s%10s%12s%22s%22s%8s%10s\n", "arrivals", "batching", "req/s", "tok/s",
-              "TTFT ms p50 / p99", "TPOT ms p50 / p99", "peak", "preempt");
+  std::printf(kServeHeader, "arrivals", "batching", "req/s", "tok/s", "TTFT ms p50 / p99",
+              "TPOT ms p50 / p99", "peak", "preempt");
   for (const json& run : r["runs"]) {
-    const std::string rate = run["rate"].is_string()
-                                 ? run["rate"].get<std::string>()
-                                 : detail::cat(run["rate"].get<double>(), " req/s");
-    for (const char* side : {"static_contiguous", "continuous_paged"}) {
-      const json& x = run[side];
-      char ttft[32], tpot[32];
-      std::snprintf(ttft, sizeof ttft, "%.1f / %.1f", x["ttft_ms"]["p50"].get<double>(),
-                    x["ttft_ms"]["p99"].get<double>());
-      std::snprintf(tpot, sizeof tpot, "%.2f / %.2f", x["tpot_ms"]["p50"].get<double>(),
-                    x["tpot_ms"]["p99"].get<double>());
-      std::printf("%-14s%-12s%10.2f%12.0f%22s%22s%8lld%10s\n", rate.c_str(),
-                  std::string(side) == "static_contiguous" ? "static" : "continuous",
-                  x["requests_per_s"].get<double>(), x["output_tokens_per_s"].get<double>(), ttft,
-                  tpot, x["peak_sequences"].get<long long>(),
-                  x.contains("preemptions") ? std::to_string(x["preemptions"].get<long long>()).c_str()
-                                            : "-");
-    }
+    print_served_row(run, "static_contiguous", "static");
+    print_served_row(run, "continuous_paged", "continuous");
+    if (run.contains("continuous_http")) print_served_row(run, "continuous_http", "HTTP");
     std::printf("%-14s%-12s%9.2fx\n", "", "ratio", run["throughput_ratio"].get<double>());
+  }
+  if (r.contains("http_overhead")) {
+    const json& h = r["http_overhead"];
+    std::printf("\none stream of %lld + %lld tokens, %lld rounds: in process %.1f tok/s "
+                "(through the scheduler %.1f), over HTTP %.1f tok/s, HTTP / in process %.3f "
+                "(min %.3f, max %.3f)\n",
+                h["prompt_tokens"].get<long long>(), h["new_tokens"].get<long long>(),
+                h["rounds"].get<long long>(), h["in_process_tokens_per_s"].get<double>(),
+                h["scheduler_tokens_per_s"].get<double>(), h["http_tokens_per_s"].get<double>(),
+                h["ratio"]["median"].get<double>(),
+                h["ratio"]["min"].get<double>(), h["ratio"]["max"].get<double>());
+  }
+}
+
+// bench serve --url: the workload against a running kvlab serve, over HTTP only.
+void run_bench_serve_url(BenchArgs& a) {
+  const BenchServeOptions& o = a.serve;
+  const ServedModel m = served_model(a.url);
+  const std::vector<KVRequest> reqs = make_kv_workload(
+      {.requests = o.requests, .context = m.context, .vocab_size = m.vocab_size, .seed = a.seed});
+  json r{{"url", a.url}, {"model", m.id}, {"context", m.context}, {"requests", o.requests},
+         {"runs", json::array()}};
+  std::vector<double> rates = o.rates;
+  if (rates.empty()) rates.push_back(0);
+  for (const double rate : rates) {
+    json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
+    run["continuous_http"] =
+        replay_over_http(a.url, m.id, reqs, ServeTimeline(poisson_arrivals(reqs.size(), rate, a.seed)));
+    std::fprintf(stderr, "kvlab bench: %s done\n", run["rate"].dump().c_str());
+    r["runs"].push_back(run);
+  }
+  std::printf("\nkvlab bench serve --url %s: model %s, context %lld, %lld requests, greedy, "
+              "one streamed connection each\n\n",
+              a.url.c_str(), m.id.c_str(), static_cast<long long>(m.context),
+              static_cast<long long>(o.requests));
+  std::printf(kServeHeader, "arrivals", "batching", "req/s", "tok/s", "TTFT ms p50 / p99",
+              "TPOT ms p50 / p99", "peak", "preempt");
+  for (const json& run : r["runs"]) print_served_row(run, "continuous_http", "HTTP");
+  if (!a.json_path.empty()) {
+    r["machine"] = machine_json();
+    write_file_atomic(a.json_path, r.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+    std::printf("\nwrote %s\n", a.json_path.c_str());
   }
 }
 
@@ -429,6 +482,14 @@ void run_bench_serve(BenchArgs& a) {
   KVLAB_USAGE_CHECK(o.requests >= 1, "--requests must be >= 1, got ", o.requests);
   for (const double r : o.rates)
     KVLAB_USAGE_CHECK(std::isfinite(r) && r > 0, "--rates must be > 0 requests/s, got ", r);
+  if (!a.url.empty()) {
+    KVLAB_USAGE_CHECK(a.url.rfind("http://", 0) == 0, "--url must be http://HOST:PORT, got '",
+                      a.url, "'");
+    KVLAB_USAGE_CHECK(!a.http && a.ckpt.empty(), "--url replays against a running server: "
+                                                 "--http and --ckpt do not apply");
+    run_bench_serve_url(a);
+    return;
+  }
   KVLAB_USAGE_CHECK(o.max_batch_tokens >= 1, "--max-batch-tokens must be >= 1, got ",
                     o.max_batch_tokens);
   auto [model, tok] = bench_model(a);
@@ -444,7 +505,36 @@ void run_bench_serve(BenchArgs& a) {
   o.progress = [](const std::string& line) {
     std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
   };
+  if (a.http) {
+    o.over_http = [&](const std::vector<KVRequest>& reqs, ServeTimeline t,
+                      const SchedulerOptions& scheduler) {
+      Engine engine(*model, tok, o.cache_dtype);
+      ServeOptions so;
+      so.port = 0;
+      so.model_name = "bench";
+      so.scheduler = scheduler;
+      so.max_connections = o.requests + 8;  // every request may be in flight at once
+      Server server(engine, so);
+      const std::string url = detail::cat("http://127.0.0.1:", server.bind());
+      std::thread serving([&] { server.run(); });
+      json side;
+      try {
+        side = replay_over_http(url, "bench", reqs, std::move(t));
+      } catch (...) {
+        server.stop();
+        serving.join();
+        throw;
+      }
+      server.stop();
+      serving.join();
+      return side;
+    };
+  }
   json r = bench_serve(*model, tok, o);
+  if (a.http) {
+    const int64_t context = model->config().block_size;
+    r["http_overhead"] = http_overhead(*model, tok, 16, std::min<int64_t>(1000, context - 16), 9);
+  }
   print_serve(r);
   if (!a.json_path.empty()) {
     r["checkpoint"] = a.ckpt;
@@ -539,6 +629,13 @@ void add_serve_command(CLI::App* bench) {
                   "sequences)");
   add_kv_dtype_flag(cmd, args->kv_dtype);
   add_number(cmd, "--seed", args->seed, "Seed of the workload and the random weights");
+  cmd->add_flag("--http", args->http,
+                "Also serve the workload through kvlab serve on loopback, one streamed HTTP "
+                "connection per request, and measure one stream's tokens/s over HTTP against "
+                "in process");
+  cmd->add_option("--url", args->url,
+                  "Replay the workload against a running kvlab serve at this URL "
+                  "(http://HOST:PORT) instead, over HTTP only");
   add_json_flag(cmd, args->json_path);
   cmd->callback([args, n_kv_head] {
     args->n_kv_head_given = n_kv_head->count() > 0;

@@ -11,6 +11,8 @@
 
 #include "data/tokenizer.h"
 #include "infer/engine.h"
+#include "infer/kv_workload.h"
+#include "infer/scheduler.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
@@ -114,6 +116,24 @@ nlohmann::json bench_kv_memory(GPT& model, const Tokenizer& tokenizer,
 // up to as many as the KV memory holds at full context, run as one batch until its longest
 // output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at the
 // same KV memory.
+// When each request arrived, made its first token and its last, in seconds from the start.
+struct ServeTimeline {
+  std::vector<double> arrival, first, last;
+  explicit ServeTimeline(const std::vector<double>& arrivals)
+      : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
+};
+// Arrival times of n requests at `rate` requests/s (exponential gaps drawn from the seed);
+// rate 0: all at 0.
+std::vector<double> poisson_arrivals(size_t n, double rate, uint64_t seed);
+// A served run's figures (below): duration_s, requests_per_s, output_tokens_per_s, ttft_ms and
+// tpot_ms {p50, p90, p99}, peak_sequences.
+nlohmann::json serve_summary(const ServeTimeline& t, const std::vector<KVRequest>& reqs,
+                             double duration, int64_t peak_sequences);
+// A side served elsewhere (over HTTP: apps/serve/http_bench.h) with the continuous side's
+// scheduler settings: the requests at the timeline's arrivals; returns serve_summary's figures.
+using ServeSide = std::function<nlohmann::json(const std::vector<KVRequest>&, ServeTimeline,
+                                               const SchedulerOptions&)>;
+
 struct BenchServeOptions {
   int64_t requests = 256;
   // Poisson arrival rates (requests/s), one run each; empty: every request at once.
@@ -124,11 +144,13 @@ struct BenchServeOptions {
   uint64_t seed = 0;
   DType cache_dtype = DType::F32;
   std::function<void(const std::string&)> progress;  // a line per served run
+  // A third side, "continuous_http": the same requests through kvlab serve over HTTP.
+  ServeSide over_http;
 };
 
 // JSON: model, threads, budget_bytes, static_slots, kv_block_size, max_batch_tokens, max_seqs,
 // requests, runs [{rate, static_contiguous, continuous_paged, throughput_ratio (continuous /
-// static requests/s)}] where each side holds duration_s, requests_per_s, output_tokens_per_s,
+// static requests/s), and continuous_http with over_http}] where each side holds duration_s, requests_per_s, output_tokens_per_s,
 // ttft_ms and tpot_ms {p50, p90, p99}, peak_sequences, and preemptions (continuous).
 nlohmann::json bench_serve(GPT& model, const Tokenizer& tokenizer,
                            const BenchServeOptions& options);

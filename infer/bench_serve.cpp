@@ -39,15 +39,23 @@ json quantiles_ms(const std::vector<double>& seconds) {
   return json{{"p50", quantile(ms, 0.5)}, {"p90", quantile(ms, 0.9)}, {"p99", quantile(ms, 0.99)}};
 }
 
-// When each request arrived, made its first token and its last, relative to the start.
-struct Timeline {
-  std::vector<double> arrival, first, last;
-  explicit Timeline(const std::vector<double>& arrivals)
-      : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
-};
+using Timeline = ServeTimeline;
 
-json summary(const Timeline& t, const std::vector<KVRequest>& reqs, double duration,
-             int64_t peak_sequences) {
+}  // namespace
+
+std::vector<double> poisson_arrivals(size_t n, double rate, uint64_t seed) {
+  std::vector<double> arrivals(n, 0.0);
+  Generator gen(seed + 17);
+  double at = 0;
+  for (double& a : arrivals) {
+    if (rate > 0) at += -std::log(1.0 - gen.uniform()) / rate;
+    a = at;
+  }
+  return arrivals;
+}
+
+json serve_summary(const ServeTimeline& t, const std::vector<KVRequest>& reqs, double duration,
+                   int64_t peak_sequences) {
   std::vector<double> ttft, tpot;
   int64_t tokens = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
@@ -63,6 +71,8 @@ json summary(const Timeline& t, const std::vector<KVRequest>& reqs, double durat
               {"tpot_ms", quantiles_ms(tpot)},
               {"peak_sequences", peak_sequences}};
 }
+
+namespace {
 
 // Waits until the next request not yet taken has arrived, if none has.
 void wait_for(const Timeline& t, size_t next, Clock::time_point t0) {
@@ -104,7 +114,7 @@ json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
     }
     peak = std::max(peak, static_cast<int64_t>(batch.size()));
   }
-  return summary(t, reqs, since(t0), peak);
+  return serve_summary(t, reqs, since(t0), peak);
 }
 
 json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t,
@@ -133,7 +143,7 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
     }
     peak = std::max(peak, s.last_step().admitted);
   }
-  json out = summary(t, reqs, since(t0), peak);
+  json out = serve_summary(t, reqs, since(t0), peak);
   out["preemptions"] = s.preemptions();
   return out;
 }
@@ -182,15 +192,7 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   std::vector<double> rates = o.rates;
   if (rates.empty()) rates.push_back(0);  // every request at once
   for (const double rate : rates) {
-    // Poisson arrivals: exponential gaps of mean 1 / rate, drawn from the seed.
-    std::vector<double> arrivals(reqs.size(), 0.0);
-    Generator gen(o.seed + 17);
-    double at = 0;
-    for (double& a : arrivals) {
-      if (rate > 0) at += -std::log(1.0 - gen.uniform()) / rate;
-      a = at;
-    }
-    const Timeline t(arrivals);
+    const Timeline t(poisson_arrivals(reqs.size(), rate, o.seed));
     const std::string label = rate > 0 ? detail::cat(rate, " requests/s") : "all at once";
     json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
     run["static_contiguous"] = serve_static(engine, reqs, t, slots);
@@ -198,6 +200,10 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
     run["continuous_paged"] = serve_continuous(engine, reqs, t, so);
     run["throughput_ratio"] = run["continuous_paged"]["requests_per_s"].get<double>() /
                               run["static_contiguous"]["requests_per_s"].get<double>();
+    if (o.over_http) {
+      run["continuous_http"] = o.over_http(reqs, t, so);
+      if (o.progress) o.progress(label + ": over HTTP done");
+    }
     if (o.progress)
       o.progress(detail::cat(label, ": continuous / static requests/s ",
                              run["throughput_ratio"].get<double>()));

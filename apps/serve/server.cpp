@@ -170,7 +170,8 @@ void Server::Impl::routes() {
                      {"object", "model"},
                      {"created", 0},
                      {"owned_by", "kvlab"},
-                     {"max_model_len", engine.model().config().block_size}};
+                     {"max_model_len", engine.model().config().block_size},
+                     {"vocab_size", engine.tokenizer().vocab_size()}};
     res.set_content(dump({{"object", "list"}, {"data", json::array({model})}}), "application/json");
   });
   http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {

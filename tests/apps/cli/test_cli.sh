@@ -96,6 +96,15 @@ check "bench kv-memory --samples 0" 2 "--samples must be >= 1, got 0" -- "$KVLAB
 check "bench serve" 0 "continuous" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 16 --rates 500 --kv-block-size 8 --json "$work/serve.json"
 check "bench serve --rates 0" 2 "--rates must be > 0 requests/s, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --rates 0
 check "bench serve --requests 0" 2 "--requests must be >= 1, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 0
+check "bench serve --http" 0 "HTTP / in process" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 8 --kv-block-size 8 --http
+check "bench serve --url not http" 2 "--url must be http://HOST:PORT, got 'localhost:1'" -- "$KVLAB" bench serve --url localhost:1
+check "bench serve --url with --ckpt" 2 "--http and --ckpt do not apply" -- "$KVLAB" bench serve --url http://127.0.0.1:1 --ckpt "$work/run/final.h5"
+check "bench serve --url, nobody there" 1 "cannot reach http://127.0.0.1:1" -- "$KVLAB" bench serve --url http://127.0.0.1:1
+check "serve --port out of range" 2 "--port must be in [0, 65535], got 70000" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --port 70000
+check "serve --max-batch-tokens below --max-seqs" 2 "--max-batch-tokens (4) must be at least --max-seqs (8)" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --max-seqs 8 --max-batch-tokens 4
+check "serve --kv-memory too small" 1 "cannot hold one sequence" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --kv-memory 100 --port 0
+check "serve --max-body not a size" 2 "--max-body must be a size" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --max-body lots
+check "serve without --ckpt" 2 "--ckpt is required" -- "$KVLAB" serve
 check "bench generate bad --kv-block-size" 2 "--kv-block-size must be a power of two, got 6" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-block-size 6
 check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype bf16
 check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "apps/serve/http_bench.h"
 #include "apps/serve/server.h"
 #include "autograd/graph.h"
 #include "infer/engine.h"
@@ -437,6 +438,29 @@ TEST(Serve, AClientLeavingMidStreamGivesItsBlocksBack) {
   const auto again = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
   ASSERT_TRUE(again);
   EXPECT_EQ(again->status, 200);
+}
+
+// bench serve's HTTP side: a small workload replayed by real clients at once; every request
+// gets its whole output, the figures count every token, and the server drains.
+TEST(Serve, AWorkloadReplayedOverHttpGetsEveryToken) {
+  Running s({}, /*block_size=*/64);
+  const ServedModel m = served_model(detail::cat("http://127.0.0.1:", s.port()));
+  EXPECT_EQ(m.id, "tiny");
+  EXPECT_EQ(m.context, 64);
+  EXPECT_EQ(m.vocab_size, 11);
+  const std::vector<KVRequest> reqs = make_kv_workload(
+      {.requests = 12, .context = m.context, .vocab_size = m.vocab_size, .seed = 3});
+  int64_t tokens = 0;
+  for (const KVRequest& r : reqs) tokens += r.output_tokens;
+  const json out = replay_over_http(detail::cat("http://127.0.0.1:", s.port()), m.id, reqs,
+                                    ServeTimeline(poisson_arrivals(reqs.size(), 0, 3)));
+  EXPECT_NEAR(out["output_tokens_per_s"].get<double>() * out["duration_s"].get<double>(),
+              static_cast<double>(tokens), 1e-6 * static_cast<double>(tokens));
+  EXPECT_GT(out["ttft_ms"]["p50"].get<double>(), 0);
+  EXPECT_GE(out["peak_sequences"].get<int64_t>(), 0);
+  EXPECT_EQ(s.metric("kvlab_generation_tokens_total"), static_cast<double>(tokens))
+      << "the server made exactly the tokens asked";
+  EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
 }
 
 }  // namespace

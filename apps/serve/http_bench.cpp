@@ -1,0 +1,222 @@
+#include "apps/serve/http_bench.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "apps/serve/server.h"
+#include "autograd/error.h"
+
+namespace kvlab {
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+httplib::Client client_for(const std::string& url) {
+  httplib::Client c(url);
+  c.set_read_timeout(600, 0);
+  c.set_connection_timeout(10, 0);
+  return c;
+}
+
+// A sample of the server's /metrics (0 when absent).
+double metric(httplib::Client& c, const std::string& name) {
+  const auto r = c.Get("/metrics");
+  if (!r || r->status != 200) return 0;
+  std::istringstream in(r->body);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+  return 0;
+}
+
+// Streams one completion; calls on_text at each chunk that carries a choice. Returns the
+// tokens made (the usage chunk's count), or throws kvlab::Error.
+int64_t stream_completion(const std::string& url, const json& body,
+                          const std::function<void()>& on_text) {
+  httplib::Client c = client_for(url);
+  std::string buffer;
+  int64_t made = -1;
+  std::string error;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    buffer.append(data, n);
+    for (size_t end; (end = buffer.find("\n\n")) != std::string::npos;) {
+      const std::string event = buffer.substr(0, end);
+      buffer.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+      const json j = json::parse(event.substr(6), nullptr, false);
+      if (j.contains("error")) error = j["error"].value("message", "error");
+      if (j.contains("usage") && j["usage"].is_object())
+        made = j["usage"]["completion_tokens"].get<int64_t>();
+      if (j.contains("choices") && !j["choices"].empty()) on_text();
+    }
+    return true;
+  };
+  const auto res = c.send(req);
+  KVLAB_CHECK(res, "bench serve: ", url, " did not answer: ", httplib::to_string(res.error()));
+  KVLAB_CHECK(res->status == 200, "bench serve: ", url, " answered ", res->status, ": ",
+              res->body.substr(0, 200));
+  KVLAB_CHECK(error.empty(), "bench serve: ", url, ": ", error);
+  KVLAB_CHECK(made >= 0, "bench serve: ", url, " sent no usage");
+  return made;
+}
+
+json completion_body(const std::string& model, const std::vector<int32_t>& prompt,
+                     int64_t max_tokens) {
+  return {{"model", model},
+          {"prompt", prompt},
+          {"max_tokens", max_tokens},
+          {"temperature", 0},
+          {"stream", true},
+          {"stream_options", {{"include_usage", true}}}};
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+ServedModel served_model(const std::string& url) {
+  httplib::Client c = client_for(url);
+  const auto r = c.Get("/v1/models");
+  KVLAB_CHECK(r, "cannot reach ", url, ": ", httplib::to_string(r.error()));
+  KVLAB_CHECK(r->status == 200, url, "/v1/models answered ", r->status);
+  const json j = json::parse(r->body, nullptr, false);
+  KVLAB_CHECK(j.is_object() && j.contains("data") && !j["data"].empty(), url,
+              "/v1/models lists no model");
+  const json& m = j["data"][0];
+  KVLAB_CHECK(m.contains("max_model_len") && m.contains("vocab_size"), url,
+              "/v1/models does not give max_model_len and vocab_size: is it kvlab serve?");
+  return {m["id"].get<std::string>(), m["max_model_len"].get<int64_t>(),
+          m["vocab_size"].get<int64_t>()};
+}
+
+nlohmann::json replay_over_http(const std::string& url, const std::string& model,
+                                const std::vector<KVRequest>& reqs, ServeTimeline t) {
+  httplib::Client metrics = client_for(url);
+  const double preempted_before = metric(metrics, "kvlab_preemptions_total");
+  std::atomic<bool> running{true};
+  std::atomic<int64_t> peak{0};
+  std::thread sampler([&] {
+    while (running) {
+      peak = std::max<int64_t>(peak, static_cast<int64_t>(metric(metrics, "kvlab_requests_running")));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  std::mutex m;
+  std::string failure;
+  const auto t0 = Clock::now();
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(t.arrival[i])));
+    clients.emplace_back([&, i] {
+      try {
+        stream_completion(url, completion_body(model, reqs[i].prompt, reqs[i].output_tokens),
+                          [&] {
+                            const double now = since(t0);
+                            if (t.first[i] < 0) t.first[i] = now;
+                            t.last[i] = now;
+                          });
+      } catch (const Error& e) {
+        std::lock_guard lk(m);
+        if (failure.empty()) failure = e.what();
+      }
+    });
+  }
+  for (std::thread& c : clients) c.join();
+  const double duration = since(t0);
+  running = false;
+  sampler.join();
+  KVLAB_CHECK(failure.empty(), failure);
+  json out = serve_summary(t, reqs, duration, peak);
+  out["preemptions"] =
+      static_cast<int64_t>(metric(metrics, "kvlab_preemptions_total") - preempted_before);
+  return out;
+}
+
+nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
+                             int64_t new_tokens, int rounds) {
+  const GPTConfig& c = model.config();
+  KVLAB_CHECK(prompt_tokens >= 1 && new_tokens >= 1 && prompt_tokens + new_tokens <= c.block_size,
+              "bench serve: a prompt of ", prompt_tokens, " and ", new_tokens,
+              " new tokens must fit the context of ", c.block_size);
+  std::vector<int32_t> prompt;
+  for (int64_t i = 0; i < prompt_tokens; ++i)
+    prompt.push_back(static_cast<int32_t>((i * 7 + 3) % c.vocab_size));
+  Engine local(model, tokenizer);
+  GenerateOptions g;
+  g.max_new_tokens = new_tokens;
+  g.sampling.temperature = 0;
+
+  // The server's path without HTTP: the same request through a scheduler in process.
+  Engine scheduled(model, tokenizer);
+  SchedulerOptions sched;
+  sched.max_seqs = 1;
+  sched.max_batch_tokens = std::max<int64_t>(512, prompt_tokens);
+  Scheduler scheduler(scheduled, sched);
+
+  Engine served(model, tokenizer);
+  ServeOptions so;
+  so.port = 0;
+  so.model_name = "bench";
+  so.scheduler = sched;
+  Server server(served, so);
+  const std::string url = detail::cat("http://127.0.0.1:", server.bind());
+  std::thread serving([&] { server.run(); });
+
+  std::vector<double> local_rate, sched_rate, http_rate, ratio;
+  std::string failure;
+  try {
+    for (int r = 0; r < rounds; ++r) {
+      auto t0 = Clock::now();
+      const GenerationResult res = local.generate_ids({prompt}, g);
+      local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / since(t0));
+      t0 = Clock::now();
+      scheduler.add(prompt, g);
+      int64_t n = 0;
+      while (!scheduler.idle())
+        for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
+      sched_rate.push_back(static_cast<double>(n) / since(t0));
+      t0 = Clock::now();
+      const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens), [] {});
+      http_rate.push_back(static_cast<double>(made) / since(t0));
+      ratio.push_back(http_rate.back() / local_rate.back());
+    }
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  server.stop();
+  serving.join();
+  KVLAB_CHECK(failure.empty(), failure);
+  return {{"prompt_tokens", prompt_tokens},
+          {"new_tokens", new_tokens},
+          {"rounds", rounds},
+          {"in_process_tokens_per_s", median(local_rate)},
+          {"scheduler_tokens_per_s", median(sched_rate)},
+          {"http_tokens_per_s", median(http_rate)},
+          {"ratio",
+           {{"median", median(ratio)},
+            {"min", *std::min_element(ratio.begin(), ratio.end())},
+            {"max", *std::max_element(ratio.begin(), ratio.end())}}}};
+}
+
+}  // namespace kvlab
