@@ -61,6 +61,7 @@ struct BenchArgs {
   BenchServeOptions serve;         // serve's own settings
   bool http = false;               // serve: also over HTTP, through an in-process kvlab serve
   std::string url;                 // serve: only over HTTP, against a running kvlab serve
+  double stream_interval_ms = 0;   // serve --http: the server's
 };
 
 std::string mib(double bytes) {
@@ -435,11 +436,12 @@ void print_serve(const json& r) {
   if (r.contains("http_overhead")) {
     const json& h = r["http_overhead"];
     std::printf("\none stream of %lld + %lld tokens, %lld rounds: in process %.1f tok/s "
-                "(through the scheduler %.1f), over HTTP %.1f tok/s, HTTP / in process %.3f "
-                "(min %.3f, max %.3f)\n",
+                "(through the scheduler %.1f), over HTTP (stream interval %g ms) %.1f tok/s, "
+                "HTTP / in process %.3f (min %.3f, max %.3f)\n",
                 h["prompt_tokens"].get<long long>(), h["new_tokens"].get<long long>(),
                 h["rounds"].get<long long>(), h["in_process_tokens_per_s"].get<double>(),
-                h["scheduler_tokens_per_s"].get<double>(), h["http_tokens_per_s"].get<double>(),
+                h["scheduler_tokens_per_s"].get<double>(), h["stream_interval_ms"].get<double>(),
+                h["http_tokens_per_s"].get<double>(),
                 h["ratio"]["median"].get<double>(),
                 h["ratio"]["min"].get<double>(), h["ratio"]["max"].get<double>());
   }
@@ -514,6 +516,7 @@ void run_bench_serve(BenchArgs& a) {
       so.model_name = "bench";
       so.scheduler = scheduler;
       so.max_connections = o.requests + 8;  // every request may be in flight at once
+      so.stream_interval_s = a.stream_interval_ms / 1e3;
       Server server(engine, so);
       const std::string url = detail::cat("http://127.0.0.1:", server.bind());
       std::thread serving([&] { server.run(); });
@@ -533,7 +536,8 @@ void run_bench_serve(BenchArgs& a) {
   json r = bench_serve(*model, tok, o);
   if (a.http) {
     const int64_t context = model->config().block_size;
-    r["http_overhead"] = http_overhead(*model, tok, 16, std::min<int64_t>(1000, context - 16), 9);
+    r["http_overhead"] = http_overhead(*model, tok, 16, std::min<int64_t>(1000, context - 16), 9,
+                                       a.stream_interval_ms / 1e3);
   }
   print_serve(r);
   if (!a.json_path.empty()) {
@@ -636,6 +640,8 @@ void add_serve_command(CLI::App* bench) {
   cmd->add_option("--url", args->url,
                   "Replay the workload against a running kvlab serve at this URL "
                   "(http://HOST:PORT) instead, over HTTP only");
+  add_number(cmd, "--stream-interval", args->stream_interval_ms,
+             "With --http: the server's --stream-interval (ms)");
   add_json_flag(cmd, args->json_path);
   cmd->callback([args, n_kv_head] {
     args->n_kv_head_given = n_kv_head->count() > 0;

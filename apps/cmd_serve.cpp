@@ -29,6 +29,7 @@ struct ServeArgs {
   int64_t max_tokens = 0;
   std::string max_body = "1MiB";
   int64_t max_connections = 128;
+  double stream_interval_ms = 0;
 };
 
 void run_serve(const ServeArgs& a) {
@@ -40,6 +41,8 @@ void run_serve(const ServeArgs& a) {
   KVLAB_USAGE_CHECK(a.max_tokens >= 0, "--max-tokens must be >= 0, got ", a.max_tokens);
   KVLAB_USAGE_CHECK(a.max_connections >= 1, "--max-connections must be >= 1, got ",
                     a.max_connections);
+  KVLAB_USAGE_CHECK(a.stream_interval_ms >= 0, "--stream-interval must be >= 0 ms, got ",
+                    a.stream_interval_ms);
   const int64_t max_body = parse_bytes(a.max_body, "--max-body");
   KVLAB_USAGE_CHECK(max_body >= 1, "--max-body must be at least 1 byte");
 
@@ -70,6 +73,7 @@ void run_serve(const ServeArgs& a) {
   o.limits.max_tokens = a.max_tokens;
   o.max_body_bytes = static_cast<size_t>(max_body);
   o.max_connections = a.max_connections;
+  o.stream_interval_s = a.stream_interval_ms / 1e3;
   Server server(engine, o);
   const int port = server.bind();
 
@@ -123,6 +127,10 @@ void add_serve_command(CLI::App& root) {
       ->capture_default_str();
   add_number(cmd, "--max-connections", args->max_connections,
              "Connections served at once (a thread each); more wait to be accepted");
+  add_number(cmd, "--stream-interval", args->stream_interval_ms,
+             "Milliseconds a stream gathers tokens before it sends them (its first at once); "
+             "0 sends each as it is made. A few ms spare the model's steps the cost of a send "
+             "per token where the server's cores all compute");
   cmd->callback([args] { run_serve(*args); });
 }
 

@@ -154,7 +154,7 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
 }
 
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
-                             int64_t new_tokens, int rounds) {
+                             int64_t new_tokens, int rounds, double stream_interval_s) {
   const GPTConfig& c = model.config();
   KVLAB_CHECK(prompt_tokens >= 1 && new_tokens >= 1 && prompt_tokens + new_tokens <= c.block_size,
               "bench serve: a prompt of ", prompt_tokens, " and ", new_tokens,
@@ -179,6 +179,7 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   so.port = 0;
   so.model_name = "bench";
   so.scheduler = sched;
+  so.stream_interval_s = stream_interval_s;
   Server server(served, so);
   const std::string url = detail::cat("http://127.0.0.1:", server.bind());
   std::thread serving([&] { server.run(); });
@@ -208,6 +209,7 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   serving.join();
   KVLAB_CHECK(failure.empty(), failure);
   return {{"prompt_tokens", prompt_tokens},
+          {"stream_interval_ms", stream_interval_s * 1e3},
           {"new_tokens", new_tokens},
           {"rounds", rounds},
           {"in_process_tokens_per_s", median(local_rate)},

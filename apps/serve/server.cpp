@@ -97,6 +97,9 @@ struct Call {
   std::vector<ChoiceState> choices;
   std::vector<std::optional<Clock::time_point>> first_token;
   std::deque<Piece> pieces;  // with stream
+  std::optional<Clock::time_point> pending_since;  // when the oldest of pieces was made
+  bool sent_first = false;  // a piece has been released to the stream
+  bool ready = false;       // pieces are released: the stream may send them
   int64_t unfinished = 0;
   bool cancelled = false;   // its client went away
   std::string failure;      // set when it cannot finish (the server stops)
@@ -124,6 +127,7 @@ struct Server::Impl {
     int64_t choice;
   };
   std::unordered_map<RequestId, Owner> owners;
+  std::vector<std::shared_ptr<Call>> held;  // streams with pieces not yet released
 
   // Metrics, under m.
   int64_t running = 0, waiting = 0, preemptions = 0;
@@ -142,7 +146,9 @@ struct Server::Impl {
 
   void routes();
   void loop();
-  void dispatch(const std::vector<SchedulerEvent>& events);
+  // Hands a step's events to their calls; true when an HTTP thread has something to do (a
+  // call ended, or a stream's pieces were released).
+  bool dispatch(const std::vector<SchedulerEvent>& events);
   void completions(const httplib::Request& hreq, httplib::Response& res);
   bool stream_some(Call& call, httplib::DataSink& sink);
   std::string metrics_text();
@@ -261,14 +267,28 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
   {
     std::unique_lock lk(m);
     done_cv.wait_for(lk, std::chrono::milliseconds(200),
-                     [&] { return !call.pieces.empty() || call.done() || stopping; });
+                     [&] { return call.ready || call.done() || stopping; });
     pieces.swap(call.pieces);
+    call.ready = false;
+    call.pending_since.reset();
     done = call.done();
     stop = stopping && !done;
   }
+  // Pieces of one choice sent together make one chunk: its text, its tokens' log-probabilities.
+  std::deque<Call::Piece> merged;
+  for (Call::Piece& p : pieces) {
+    if (!merged.empty() && merged.back().choice == p.choice && !merged.back().finished) {
+      Call::Piece& m = merged.back();
+      m.text += p.text;
+      m.logprobs.insert(m.logprobs.end(), p.logprobs.begin(), p.logprobs.end());
+      m.finished = p.finished;
+    } else {
+      merged.push_back(std::move(p));
+    }
+  }
   const CompletionRequest& req = call.req;
   std::string out;
-  for (Call::Piece& p : pieces) {
+  for (Call::Piece& p : merged) {
     const size_t b = static_cast<size_t>(p.choice / req.n);
     const bool echo = req.echo && p.first;
     std::string text = echo ? req.prompt_texts[b] + p.text : p.text;
@@ -303,9 +323,10 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
   return true;
 }
 
-void Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
+bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
   const Clock::time_point now = Clock::now();
   int64_t made = 0;
+  bool wake = false;
   for (const SchedulerEvent& e : events) {
     const auto it = owners.find(e.request);
     if (it == owners.end()) continue;  // an abort's event: the call already let it go
@@ -334,20 +355,38 @@ void Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
       c.reason = e.reason;
       --call.unfinished;
       ++finished;
+      wake = true;
       if (c.tokens.size() > 1)
         tpot.observe(seconds(*call.first_token[static_cast<size_t>(i)], now) /
                      static_cast<double>(c.tokens.size() - 1));
-      owners.erase(it);
     }
     // A stream sends what changes what the client sees (text, a token's log-probability,
     // the echoed prompt, the end).
-    if (call.req.stream && (!e.text.empty() || !lps.empty() || e.finished || (first && call.req.echo)))
+    if (call.req.stream && (!e.text.empty() || !lps.empty() || e.finished || (first && call.req.echo))) {
+      if (call.pieces.empty()) {
+        call.pending_since = now;
+        held.push_back(it->second.call);
+      }
       call.pieces.push_back({i, e.text, std::move(lps), first,
                              e.finished ? std::optional<StopReason>(e.reason) : std::nullopt});
+    }
+    if (e.finished) owners.erase(it);
   }
+  // Streams whose pieces are due (stream_interval_s) are released; the rest wait for a later
+  // step. A finished or failed call is always due.
+  std::erase_if(held, [&](const std::shared_ptr<Call>& c) {
+    if (c->pieces.empty()) return true;
+    if (!c->done() && c->sent_first &&
+        seconds(*c->pending_since, now) < options.stream_interval_s)
+      return false;
+    c->ready = c->sent_first = true;
+    wake = true;
+    return true;
+  });
   tokens += made;
   recent.emplace_back(now, made);
   while (!recent.empty() && seconds(recent.front().first, now) > 10) recent.pop_front();
+  return wake;
 }
 
 void Server::Impl::loop() {
@@ -394,12 +433,12 @@ void Server::Impl::loop() {
     lk.lock();
     prompt_tokens += added_tokens;
     aborted += n_aborted;
-    dispatch(events);
+    const bool wake = dispatch(events);
     running = scheduler.admitted();
     waiting = scheduler.waiting();
     preemptions = scheduler.preemptions();
     blocks = scheduler.block_stats();
-    done_cv.notify_all();
+    if (wake) done_cv.notify_all();
   }
   // Stopping: what is still running or queued ends here.
   for (auto& [id, owner] : owners) {

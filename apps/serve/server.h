@@ -23,6 +23,12 @@ struct ServeOptions {
   size_t max_body_bytes = 1 << 20;
   // Connections served at once (one thread each); more wait to be accepted.
   int64_t max_connections = 128;
+  // A stream sends its first piece at once, then what has accumulated once its oldest
+  // unsent piece is this old (and at the end): 0 sends every token as it is made. Each send
+  // wakes an HTTP thread and its client, which on a machine whose cores all compute take
+  // their time from the model's steps; a few milliseconds cut that cost by the tokens each
+  // send then carries.
+  double stream_interval_s = 0;
 };
 
 class Server {

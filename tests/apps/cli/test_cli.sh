@@ -105,6 +105,7 @@ check "serve --max-batch-tokens below --max-seqs" 2 "--max-batch-tokens (4) must
 check "serve --kv-memory too small" 1 "cannot hold one sequence" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --kv-memory 100 --port 0
 check "serve --max-body not a size" 2 "--max-body must be a size" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --max-body lots
 check "serve without --ckpt" 2 "--ckpt is required" -- "$KVLAB" serve
+check "serve --stream-interval negative" 2 "--stream-interval must be >= 0 ms, got -1" -- "$KVLAB" serve --ckpt "$work/run/final.h5" --stream-interval -1
 check "bench generate bad --kv-block-size" 2 "--kv-block-size must be a power of two, got 6" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-block-size 6
 check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype bf16
 check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16

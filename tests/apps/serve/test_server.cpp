@@ -149,6 +149,27 @@ TEST(Serve, CompletionEqualsTheEngineStreamedOrNot) {
   EXPECT_GE(chunks.size(), 3u) << "the text came in one piece, not streamed";
 }
 
+// With a stream interval, tokens made within it travel together: the same text, in fewer
+// chunks than tokens (the tiny model makes its 15 tokens well within 200 ms).
+TEST(Serve, AStreamIntervalGathersTokensIntoFewerChunks) {
+  ServeOptions o;
+  o.stream_interval_s = 0.2;
+  Running s(o);
+  const GenerationResult ref = s.generate({"abc"}, sampled(13, 2));
+  json body = sampled_body("abc", 13, 2);
+  body["stream"] = true;
+  const auto r = s.post(body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  bool done = false;
+  const std::vector<json> chunks = events_of(r->body, done);
+  EXPECT_TRUE(done);
+  std::string text;
+  for (const json& c : chunks) text += c["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(text, ref.rows[0].text);
+  EXPECT_LE(chunks.size(), 3u) << "the first token, then the rest together";
+}
+
 TEST(Serve, NSamplesAndPromptListsAreTheEnginesRows) {
   Running s;
   const GenerationResult ref = s.generate({"ab"}, sampled(7, 5, 2));
