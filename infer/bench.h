@@ -2,6 +2,7 @@
 // Generation benchmarks behind `kvlab bench generate`: decode speed with and without the KV
 // cache, time per token against position, and the cache's memory against the formula.
 // Timing lives here and in bench/, never in unit tests.
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -122,6 +123,9 @@ struct ServeTimeline {
   explicit ServeTimeline(const std::vector<double>& arrivals)
       : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
 };
+// Seconds of the steady clock since t0 (the benchmarks' timer).
+double seconds_since(std::chrono::steady_clock::time_point t0);
+
 // Arrival times of n requests at `rate` requests/s (exponential gaps drawn from the seed);
 // rate 0: all at 0.
 std::vector<double> poisson_arrivals(size_t n, double rate, uint64_t seed);

@@ -21,9 +21,6 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Nearest rank: the smallest value with at least q of the samples at or below it.
 double quantile(std::vector<double> v, double q) {
@@ -42,6 +39,10 @@ json quantiles_ms(const std::vector<double>& seconds) {
 using Timeline = ServeTimeline;
 
 }  // namespace
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 std::vector<double> poisson_arrivals(size_t n, double rate, uint64_t seed) {
   std::vector<double> arrivals(n, 0.0);
@@ -76,7 +77,7 @@ namespace {
 
 // Waits until the next request not yet taken has arrived, if none has.
 void wait_for(const Timeline& t, size_t next, Clock::time_point t0) {
-  if (next < t.arrival.size() && t.arrival[next] > since(t0))
+  if (next < t.arrival.size() && t.arrival[next] > seconds_since(t0))
     std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(t.arrival[next])));
 }
@@ -91,7 +92,7 @@ json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
     wait_for(t, next, t0);
     std::vector<size_t> batch;
     while (next < reqs.size() && static_cast<int64_t>(batch.size()) < slots &&
-           t.arrival[next] <= since(t0))
+           t.arrival[next] <= seconds_since(t0))
       batch.push_back(next++);
     std::vector<std::vector<int32_t>> prompts;
     GenerateOptions g;
@@ -103,8 +104,8 @@ json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
     }
     // Step k makes every row's token k + 2 (the prefill makes the first).
     std::vector<double> step_end;
-    g.on_decode_step = [&](int64_t) { step_end.push_back(since(t0)); };
-    const double start = since(t0);
+    g.on_decode_step = [&](int64_t) { step_end.push_back(seconds_since(t0)); };
+    const double start = seconds_since(t0);
     const GenerationResult res = engine.generate_ids(prompts, g);
     for (size_t b = 0; b < batch.size(); ++b) {
       const size_t i = batch[b];
@@ -114,7 +115,7 @@ json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
     }
     peak = std::max(peak, static_cast<int64_t>(batch.size()));
   }
-  return serve_summary(t, reqs, since(t0), peak);
+  return serve_summary(t, reqs, seconds_since(t0), peak);
 }
 
 json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t,
@@ -126,7 +127,7 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
   size_t next = 0;
   while (next < reqs.size() || !s.idle()) {
     if (s.idle()) wait_for(t, next, t0);
-    for (; next < reqs.size() && t.arrival[next] <= since(t0); ++next) {
+    for (; next < reqs.size() && t.arrival[next] <= seconds_since(t0); ++next) {
       GenerateOptions g;
       g.sampling.temperature = 0;
       g.max_new_tokens = reqs[next].output_tokens;
@@ -135,7 +136,7 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
       of[static_cast<size_t>(id)] = next;
     }
     const std::vector<SchedulerEvent> events = s.step();
-    const double now = since(t0);
+    const double now = seconds_since(t0);
     for (const SchedulerEvent& e : events) {
       const size_t i = of[static_cast<size_t>(e.request)];
       if (e.token >= 0 && t.first[i] < 0) t.first[i] = now;
@@ -143,7 +144,7 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
     }
     peak = std::max(peak, s.last_step().admitted);
   }
-  json out = serve_summary(t, reqs, since(t0), peak);
+  json out = serve_summary(t, reqs, seconds_since(t0), peak);
   out["preemptions"] = s.preemptions();
   return out;
 }

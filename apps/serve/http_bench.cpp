@@ -20,9 +20,6 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 httplib::Client client_for(const std::string& url) {
   httplib::Client c(url);
@@ -132,7 +129,7 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
       try {
         stream_completion(url, completion_body(model, reqs[i].prompt, reqs[i].output_tokens),
                           [&] {
-                            const double now = since(t0);
+                            const double now = seconds_since(t0);
                             if (t.first[i] < 0) t.first[i] = now;
                             t.last[i] = now;
                           });
@@ -143,7 +140,7 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
     });
   }
   for (std::thread& c : clients) c.join();
-  const double duration = since(t0);
+  const double duration = seconds_since(t0);
   running = false;
   sampler.join();
   KVLAB_CHECK(failure.empty(), failure);
@@ -190,16 +187,16 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
     for (int r = 0; r < rounds; ++r) {
       auto t0 = Clock::now();
       const GenerationResult res = local.generate_ids({prompt}, g);
-      local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / since(t0));
+      local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / seconds_since(t0));
       t0 = Clock::now();
       scheduler.add(prompt, g);
       int64_t n = 0;
       while (!scheduler.idle())
         for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
-      sched_rate.push_back(static_cast<double>(n) / since(t0));
+      sched_rate.push_back(static_cast<double>(n) / seconds_since(t0));
       t0 = Clock::now();
       const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens), [] {});
-      http_rate.push_back(static_cast<double>(made) / since(t0));
+      http_rate.push_back(static_cast<double>(made) / seconds_since(t0));
       ratio.push_back(http_rate.back() / local_rate.back());
     }
   } catch (const Error& e) {
