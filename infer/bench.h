@@ -150,12 +150,14 @@ struct BenchServeOptions {
   std::function<void(const std::string&)> progress;  // a line per served run
   // A third side, "continuous_http": the same requests through kvlab serve over HTTP.
   ServeSide over_http;
+  bool with_static = true;  // false: the continuous side alone (a rate sweep's cheaper runs)
 };
 
 // JSON: model, threads, budget_bytes, static_slots, kv_block_size, max_batch_tokens, max_seqs,
-// requests, runs [{rate, static_contiguous, continuous_paged, throughput_ratio (continuous /
-// static requests/s), and continuous_http with over_http}] where each side holds duration_s, requests_per_s, output_tokens_per_s,
-// ttft_ms and tpot_ms {p50, p90, p99}, peak_sequences, and preemptions (continuous).
+// requests, runs [{rate, continuous_paged, static_contiguous and throughput_ratio (continuous /
+// static requests/s) with with_static, and continuous_http with over_http}] where each side
+// holds duration_s, requests_per_s, output_tokens_per_s, ttft_ms and tpot_ms {p50, p90, p99},
+// peak_sequences, and preemptions (continuous).
 nlohmann::json bench_serve(GPT& model, const Tokenizer& tokenizer,
                            const BenchServeOptions& options);
 

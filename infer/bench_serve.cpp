@@ -196,18 +196,21 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
     const Timeline t(poisson_arrivals(reqs.size(), rate, o.seed));
     const std::string label = rate > 0 ? detail::cat(rate, " requests/s") : "all at once";
     json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
-    run["static_contiguous"] = serve_static(engine, reqs, t, slots);
-    if (o.progress) o.progress(label + ": static batching done");
     run["continuous_paged"] = serve_continuous(engine, reqs, t, so);
-    run["throughput_ratio"] = run["continuous_paged"]["requests_per_s"].get<double>() /
-                              run["static_contiguous"]["requests_per_s"].get<double>();
+    if (o.with_static) {
+      run["static_contiguous"] = serve_static(engine, reqs, t, slots);
+      run["throughput_ratio"] = run["continuous_paged"]["requests_per_s"].get<double>() /
+                                run["static_contiguous"]["requests_per_s"].get<double>();
+      if (o.progress)
+        o.progress(detail::cat(label, ": continuous / static requests/s ",
+                               run["throughput_ratio"].get<double>()));
+    } else if (o.progress) {
+      o.progress(label + ": continuous batching done");
+    }
     if (o.over_http) {
       run["continuous_http"] = o.over_http(reqs, t, so);
       if (o.progress) o.progress(label + ": over HTTP done");
     }
-    if (o.progress)
-      o.progress(detail::cat(label, ": continuous / static requests/s ",
-                             run["throughput_ratio"].get<double>()));
     out["runs"].push_back(run);
   }
   return out;

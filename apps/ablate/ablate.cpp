@@ -242,12 +242,23 @@ KVSimOptions record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_
   return so;
 }
 
+// The serving sweep's arrival rates are these multiples of the first variant's all-at-once
+// throughput (the same rates for every variant), each served kServeSweepRuns times so that the
+// report can tell a difference from the host's run-to-run spread. A rate is sustained when the
+// requests/s served keep up with it (kServeKeepUp of it) and the p99 TTFT stays within
+// kServeTtftBoundMs, both as means over the runs.
+constexpr double kServeRateFactors[] = {0.4, 0.8, 1.2, 1.6, 2.0};
+constexpr int kServeSweepRuns = 2;
+constexpr double kServeKeepUp = 0.9;
+constexpr double kServeTtftBoundMs = 1000;
+
 // And what continuous batching makes of that memory with the trained model itself: the
 // workload's first 64 requests, all at once, served by the scheduler over the paged cache and
 // by static batching over contiguous caches (bench_serve; one run each, so its rates move with
-// the host while its peak concurrency does not).
+// the host while its peak concurrency does not); then the continuous side alone at the sweep's
+// Poisson rates (set by the first variant measured, in `rates`).
 void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSimOptions& so,
-                    DType kv_dtype) {
+                    DType kv_dtype, std::vector<double>& rates) {
   BenchServeOptions o;
   o.requests = 64;
   o.budget_bytes = so.budget_bytes;
@@ -261,12 +272,41 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
     v[detail::cat("serve_peak_sequences_", name)] = x["peak_sequences"];
     v[detail::cat("serve_ttft_p99_ms_", name)] = x["ttft_ms"]["p99"];
   }
+  if (rates.empty())
+    for (const double f : kServeRateFactors)
+      rates.push_back(f * r["continuous_paged"]["requests_per_s"].get<double>());
+  o.rates = rates;
+  o.with_static = false;
+  std::vector<json> runs;
+  for (int i = 0; i < kServeSweepRuns; ++i) runs.push_back(bench_serve(model, tokenizer, o)["runs"]);
+  json sweep = json::array();
+  double sustained = 0;
+  for (size_t k = 0; k < rates.size(); ++k) {
+    json point{{"rate", rates[k]}, {"requests_per_s", json::array()},
+               {"ttft_p99_ms", json::array()}, {"peak_sequences", json::array()}};
+    double served = 0, ttft = 0;
+    for (const json& run : runs) {
+      const json& x = run[k]["continuous_paged"];
+      point["requests_per_s"].push_back(x["requests_per_s"]);
+      point["ttft_p99_ms"].push_back(x["ttft_ms"]["p99"]);
+      point["peak_sequences"].push_back(x["peak_sequences"]);
+      served += x["requests_per_s"].get<double>() / kServeSweepRuns;
+      ttft += x["ttft_ms"]["p99"].get<double>() / kServeSweepRuns;
+    }
+    if (served >= kServeKeepUp * rates[k] && ttft <= kServeTtftBoundMs)
+      sustained = std::max(sustained, rates[k]);
+    sweep.push_back(point);
+  }
+  v["serve_sweep"] = sweep;
+  v["serve_sustained_rate"] = sustained;
+  v["serve_ttft_bound_ms"] = kServeTtftBoundMs;
 }
 
 
 // One variant's figures: its runs' validation curves and losses, then, from its first seed's
 // final checkpoint, parameters, cache bytes, decode speed and sample continuations.
-json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
+json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
+                     std::vector<double>& serve_rates) {
   json v;
   v["n_kv_head"] = kv;
   json val_losses = json::array();
@@ -321,7 +361,7 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len) {
   }
   // The scheduler's paged cache runs on the CPU only.
   if (cfg.base.device == Device::CPU)
-    record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype);
+    record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype, serve_rates);
   {
     BenchGenerateOptions bo;
     bo.prompt_tokens = prompt_len;
@@ -423,7 +463,9 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   json variants = json::array();
   const int64_t prompt_len =
       std::max<int64_t>(1, std::min<int64_t>(16, cfg.base.model.block_size / 4));
-  for (int64_t kv : cfg.kv_heads) variants.push_back(measure_variant(cfg, kv, prompt_len));
+  std::vector<double> serve_rates;  // the serving sweep's, set by the first variant
+  for (int64_t kv : cfg.kv_heads)
+    variants.push_back(measure_variant(cfg, kv, prompt_len, serve_rates));
   const json results = assemble_results(cfg, std::move(variants), stats, started,
                                         std::chrono::duration<double>(Clock::now() - t_start).count());
   write_report(results, cfg.out_dir);

@@ -218,7 +218,8 @@ std::optional<Table> memory_table(const Parsed& p, Bytes style) {
 std::optional<Table> serving_table(const Parsed& p) {
   if (!p.variants.front().get("serve_requests_per_s_continuous")) return std::nullopt;
   Table t{{"n_kv_head", "requests/s continuous", "static", "continuous / static",
-           "peak sequences continuous", "static", "p99 TTFT ms continuous", "static"},
+           "peak sequences continuous", "static", "p99 TTFT ms continuous", "static",
+           "sustained requests/s"},
           {}};
   for (const Variant& v : p.variants) {
     const auto c = v.get("serve_requests_per_s_continuous");
@@ -229,16 +230,67 @@ std::optional<Table> serving_table(const Parsed& p) {
          figure(v.get("serve_peak_sequences_continuous"), "%.0f"),
          figure(v.get("serve_peak_sequences_static"), "%.0f"),
          figure(v.get("serve_ttft_p99_ms_continuous"), "%.0f"),
-         figure(v.get("serve_ttft_p99_ms_static"), "%.0f")});
+         figure(v.get("serve_ttft_p99_ms_static"), "%.0f"),
+         figure(v.get("serve_sustained_rate"), "%.2f")});
   }
   return t;
+}
+
+// The serving sweep of a variant: each rate's figures over its runs (empty without a sweep).
+struct SweepPoint {
+  double rate = 0;
+  std::vector<double> served, ttft_p99;
+};
+std::vector<SweepPoint> sweep_of(const Variant& v) {
+  std::vector<SweepPoint> out;
+  for (const json& pt : v.j->value("serve_sweep", json::array())) {
+    if (!pt.is_object() || !number(pt, "rate")) continue;
+    SweepPoint s{*number(pt, "rate"), {}, {}};
+    for (const json& x : pt.value("requests_per_s", json::array()))
+      if (x.is_number()) s.served.push_back(x.get<double>());
+    for (const json& x : pt.value("ttft_p99_ms", json::array()))
+      if (x.is_number()) s.ttft_p99.push_back(x.get<double>());
+    if (!s.served.empty() && s.served.size() == s.ttft_p99.size()) out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// What the sweep shows: each variant's sustained rate, and at the highest rate whether its
+// requests/s differ from the multi-head model's beyond the spread of their runs (their ranges
+// do not overlap).
+std::vector<std::string> serving_findings(const Parsed& p) {
+  std::vector<std::string> out;
+  const auto mha = std::find_if(p.variants.begin(), p.variants.end(),
+                                [&](const Variant& v) { return v.n_kv == p.n_head; });
+  if (mha == p.variants.end() || sweep_of(*mha).empty()) return out;
+  const SweepPoint top = sweep_of(*mha).back();
+  const auto [mlo, mhi] = std::minmax_element(top.served.begin(), top.served.end());
+  for (const Variant& v : p.variants) {
+    const std::vector<SweepPoint> sw = sweep_of(v);
+    if (sw.empty()) continue;
+    std::string line = v.label() + " sustains " +
+                       fmt("%.2f", v.get("serve_sustained_rate").value_or(0)) + " requests/s";
+    if (&v != &*mha && sw.back().rate == top.rate) {
+      const auto [lo, hi] = std::minmax_element(sw.back().served.begin(), sw.back().served.end());
+      const bool apart = *lo > *mhi || *hi < *mlo;
+      line += "; at " + fmt("%.2f", top.rate) + " requests/s offered it serves " +
+              fmt("%.2f", *lo) + "-" + fmt("%.2f", *hi) + " against MHA's " + fmt("%.2f", *mlo) +
+              "-" + fmt("%.2f", *mhi) + ": " +
+              (apart ? "beyond the run-to-run spread" : "within the run-to-run spread");
+    }
+    out.push_back(line + ".");
+  }
+  return out;
 }
 
 constexpr const char* kServingNote =
     "The workload's first 64 requests, all at once, served with the trained model at the same "
     "KV memory by continuous batching over the paged cache and by static batching over "
     "contiguous caches (kvlab bench serve), one run each: its rates move with the host, its "
-    "peak sequences do not.";
+    "peak sequences do not. Then continuous batching alone at Poisson arrival rates (multiples "
+    "of the first variant's all-at-once throughput), two runs each: a rate is sustained when "
+    "the requests/s served reach 90% of it and the p99 TTFT stays within 1 s (means of the "
+    "runs).";
 
 // What the memory table's figures are, in a sentence for every format.
 constexpr const char* kMemoryNote =
@@ -393,8 +445,16 @@ std::string make_csv(const Parsed& p) {
 
 // --- plots -------------------------------------------------------------------------------
 
-const std::string kPlotNames[] = {"val_loss_curves", "val_loss_vs_kv", "cache_bytes_vs_kv",
-                                  "tokens_per_s_vs_kv"};
+// The report's plots, by file name; the serving plots where the results hold a sweep.
+std::vector<std::string> plot_names(const Parsed& p) {
+  std::vector<std::string> names = {"val_loss_curves", "val_loss_vs_kv", "cache_bytes_vs_kv",
+                                    "tokens_per_s_vs_kv"};
+  if (!sweep_of(p.variants.front()).empty()) {
+    names.push_back("served_vs_rate");
+    names.push_back("ttft_p99_vs_rate");
+  }
+  return names;
+}
 
 std::vector<double> kv_axis(const Parsed& p) {
   std::vector<double> x;
@@ -528,6 +588,44 @@ svg::Plot speed_plot(const Parsed& p) {
   return plot;
 }
 
+// Served requests/s (rate_plot) or p99 TTFT against the offered rate, a line per variant,
+// error bars spanning the runs.
+svg::Plot serving_plot(const Parsed& p, bool ttft) {
+  svg::Plot plot;
+  plot.title = ttft ? "p99 time to first token vs request rate" : "Requests served vs request rate";
+  plot.note = "continuous batching over the paged cache, one KV memory for all; bars: the runs' range";
+  plot.x_label = "offered requests/s (Poisson arrivals)";
+  plot.y_label = ttft ? "p99 TTFT (ms)" : "served requests/s";
+  plot.y_from_zero = true;
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    svg::Series s;
+    s.label = p.variants[i].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    for (const SweepPoint& pt : sweep_of(p.variants[i])) {
+      const std::vector<double>& y = ttft ? pt.ttft_p99 : pt.served;
+      const auto [lo, hi] = std::minmax_element(y.begin(), y.end());
+      s.x.push_back(pt.rate);
+      s.y.push_back((*lo + *hi) / 2);
+      s.y_err.push_back((*hi - *lo) / 2);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  if (!ttft) {  // served = offered: what keeping up looks like
+    svg::Series diag;
+    diag.label = "offered";
+    diag.color = "#999999";
+    diag.dashed = true;
+    diag.line_width = 1.0;
+    for (const SweepPoint& pt : sweep_of(p.variants.front())) {
+      diag.x.push_back(pt.rate);
+      diag.y.push_back(pt.rate);
+    }
+    plot.series.push_back(std::move(diag));
+  }
+  return plot;
+}
+
 std::string text_of(const json& v) {
   return v.is_string() ? v.get<std::string>()
                        : v.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -621,13 +719,16 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
   if (const auto m = memory_table(p, Bytes::exact))
     md << "\n## KV memory under a serving workload\n\n" << render_markdown(*m) << '\n'
        << kMemoryNote << '\n';
-  if (const auto t = serving_table(p))
+  if (const auto t = serving_table(p)) {
     md << "\n## Serving it\n\n" << render_markdown(*t) << '\n' << kServingNote << '\n';
+    for (const std::string& f : serving_findings(p)) md << "\n- " << md_escape(f);
+    md << '\n';
+  }
   md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
   for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
   md << "\n## Plots\n\n";
-  for (const std::string& name : kPlotNames) {
-    md << "![" << name << "](" << name << ".svg)\n\n[" << name << ".svg](" << name << ".svg)";
+  for (const std::string& name : plot_names(p)) {
+    md << "![" << name << name << "](" << name << ".svg)\n\n[" << name << ".svg](" << name << ".svg)";
     if (with_png) md << " · [" << name << ".png](" << name << ".png)";
     md << "\n\n";
   }
@@ -680,8 +781,11 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
   if (const auto m = memory_table(p, Bytes::exact))
     h << "<h2>KV memory under a serving workload</h2>\n" << render_html(*m) << "<p>" << kMemoryNote
       << "</p>\n";
-  if (const auto t = serving_table(p))
-    h << "<h2>Serving it</h2>\n" << render_html(*t) << "<p>" << kServingNote << "</p>\n";
+  if (const auto t = serving_table(p)) {
+    h << "<h2>Serving it</h2>\n" << render_html(*t) << "<p>" << kServingNote << "</p>\n<ul>\n";
+    for (const std::string& f : serving_findings(p)) h << "<li>" << e(f) << "</li>\n";
+    h << "</ul>\n";
+  }
   h
     << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
   for (const Verdict& v : vs) h << "<li>" << e(v.text) << "</li>\n";
@@ -753,7 +857,10 @@ std::string format_table(const nlohmann::json& results) {
                     render_text(detail_table(p, Bytes::human));
   if (const auto m = memory_table(p, Bytes::human))
     out += "\nKV memory under a serving workload:\n" + render_text(*m);
-  if (const auto t = serving_table(p)) out += "\nserving it:\n" + render_text(*t);
+  if (const auto t = serving_table(p)) {
+    out += "\nserving it:\n" + render_text(*t);
+    for (const std::string& f : serving_findings(p)) out += "  " + f + "\n";
+  }
   out += "\nverdicts (val loss, mean ± std over seeds):\n";
   for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
   return out;
@@ -772,15 +879,20 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
   write_file_atomic(out_dir / "results.json",
                     results.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
   write_file_atomic(out_dir / "results.csv", make_csv(p));
-  const std::vector<std::string> svgs = {
+  const std::vector<std::string> names = plot_names(p);
+  std::vector<std::string> svgs = {
       svg::render(curves_plot(p)), svg::render(loss_vs_kv_plot(p)),
       svg::render(cache_plot(p, results)), svg::render(speed_plot(p))};
+  if (names.size() > svgs.size()) {
+    svgs.push_back(svg::render(serving_plot(p, false)));
+    svgs.push_back(svg::render(serving_plot(p, true)));
+  }
   for (std::size_t i = 0; i < svgs.size(); ++i)
-    write_file_atomic(out_dir / (kPlotNames[i] + ".svg"), svgs[i]);
+    write_file_atomic(out_dir / (names[i] + ".svg"), svgs[i]);
   write_file_atomic(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));
   write_file_atomic(out_dir / "report.html", make_html(results, p, vs, svgs));
   if (rsvg)
-    for (const std::string& name : kPlotNames)
+    for (const std::string& name : names)
       svg_to_png(*rsvg, out_dir / (name + ".svg"), out_dir / (name + ".png"));
 }
 

@@ -29,7 +29,8 @@ std::string format_table(const nlohmann::json& results);
 
 // Writes into out_dir (created if needed): results.json, results.csv, report.md, report.html
 // (self-contained, readable offline), val_loss_curves.svg, val_loss_vs_kv.svg,
-// cache_bytes_vs_kv.svg, tokens_per_s_vs_kv.svg, and a PNG of each plot when rsvg-convert is on
+// cache_bytes_vs_kv.svg, tokens_per_s_vs_kv.svg (and served_vs_rate.svg, ttft_p99_vs_rate.svg
+// when the results hold a serving sweep), and a PNG of each plot when rsvg-convert is on
 // PATH. Each file is written to a temporary name and renamed into place. Throws kvlab::Error
 // naming the path when out_dir cannot be created or written, and when rsvg-convert fails
 // (after every other file is in place).

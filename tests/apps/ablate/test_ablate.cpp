@@ -67,10 +67,23 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
       EXPECT_FALSE(s["sampled"].get<std::string>().empty());
     }
     EXPECT_GT(v["decode_tokens_per_s_cache"].get<double>(), 0.0);
+    // The serving sweep: the first variant's rates for every variant, two runs at each, and
+    // the sustained rate one of them (or 0).
+    const auto& sweep = v["serve_sweep"];
+    ASSERT_EQ(sweep.size(), 5u);
+    bool sustained_is_a_rate = v["serve_sustained_rate"].get<double>() == 0;
+    for (size_t k = 0; k < sweep.size(); ++k) {
+      EXPECT_EQ(sweep[k]["rate"], mha["serve_sweep"][k]["rate"]);
+      ASSERT_EQ(sweep[k]["requests_per_s"].size(), 2u);
+      ASSERT_EQ(sweep[k]["ttft_p99_ms"].size(), 2u);
+      for (const auto& x : sweep[k]["requests_per_s"]) EXPECT_GT(x.get<double>(), 0.0);
+      sustained_is_a_rate |= sweep[k]["rate"] == v["serve_sustained_rate"];
+    }
+    EXPECT_TRUE(sustained_is_a_rate) << v["serve_sustained_rate"];
   }
   for (const char* f : {"results.json", "results.csv", "report.md", "report.html",
                         "val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
-                        "tokens_per_s_vs_kv.svg"})
+                        "tokens_per_s_vs_kv.svg", "served_vs_rate.svg", "ttft_p99_vs_rate.svg"})
     EXPECT_TRUE(fs::exists(dir_ / "out" / f)) << f;
 }
 

@@ -300,6 +300,35 @@ TEST(FormatTable, OneRowPerVariantInOrderWithTheExactHeader) {
   EXPECT_EQ(out.size(), 16u);  // three verdict lines
 }
 
+// The serving sweep's findings: a variant whose runs' range at the top rate stays clear of
+// MHA's is beyond the run-to-run spread; one whose range overlaps it is within.
+TEST(FormatTable, ServingSweepFindingsSayWhatIsBeyondTheSpread) {
+  json r = fixture();
+  auto sweep = [](double lo, double hi, double sustained, json& v) {
+    v["serve_requests_per_s_continuous"] = 10;
+    v["serve_requests_per_s_static"] = 4;
+    v["serve_sustained_rate"] = sustained;
+    v["serve_sweep"] = json::array({{{"rate", 5}, {"requests_per_s", {5, 5}}, {"ttft_p99_ms", {9, 11}}},
+                                    {{"rate", 20}, {"requests_per_s", {lo, hi}}, {"ttft_p99_ms", {900, 950}}}});
+  };
+  for (json& v : r["variants"]) {
+    const int kv = v["n_kv_head"];
+    if (kv == 4) sweep(10, 11, 5, v);   // MHA
+    if (kv == 2) sweep(10.5, 12, 5, v);  // overlaps MHA's 10-11
+    if (kv == 1) sweep(14, 15, 20, v);   // clear of it
+  }
+  const std::string out = format_table(r);
+  EXPECT_NE(out.find("n_kv_head=4 (MHA) sustains 5.00 requests/s."), std::string::npos) << out;
+  EXPECT_NE(out.find("n_kv_head=2 (GQA) sustains 5.00 requests/s; at 20.00 requests/s offered it "
+                     "serves 10.50-12.00 against MHA's 10.00-11.00: within the run-to-run spread."),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("n_kv_head=1 (MQA) sustains 20.00 requests/s; at 20.00 requests/s offered it "
+                     "serves 14.00-15.00 against MHA's 10.00-11.00: beyond the run-to-run spread."),
+            std::string::npos)
+      << out;
+}
+
 TEST(FormatTable, ColumnsLineUp) {
   const auto out = lines(format_table(fixture()));
   // "±" is one column wide: every line of the first table has the same number of code points.
