@@ -253,14 +253,14 @@ constexpr double kServeKeepUp = 0.9;
 constexpr double kServeTtftBoundMs = 1000;
 
 // And what continuous batching makes of that memory with the trained model itself: the
-// workload's first 64 requests, all at once, served by the scheduler over the paged cache and
+// workload's 256 requests, all at once, served by the scheduler over the paged cache and
 // by static batching over contiguous caches (bench_serve; one run each, so its rates move with
 // the host while its peak concurrency does not); then the continuous side alone at the sweep's
 // Poisson rates (set by the first variant measured, in `rates`).
 void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSimOptions& so,
                     DType kv_dtype, std::vector<double>& rates) {
   BenchServeOptions o;
-  o.requests = 64;
+  o.requests = 256;
   o.budget_bytes = so.budget_bytes;
   o.kv_block_size = so.kv_block_size;
   o.cache_dtype = kv_dtype;

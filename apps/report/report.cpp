@@ -284,7 +284,7 @@ std::vector<std::string> serving_findings(const Parsed& p) {
 }
 
 constexpr const char* kServingNote =
-    "The workload's first 64 requests, all at once, served with the trained model at the same "
+    "The workload's 256 requests, all at once, served with the trained model at the same "
     "KV memory by continuous batching over the paged cache and by static batching over "
     "contiguous caches (kvlab bench serve), one run each: its rates move with the host, its "
     "peak sequences do not. Then continuous batching alone at Poisson arrival rates (multiples "
