@@ -394,7 +394,7 @@ void run_bench_kv_memory(BenchArgs& a) {
   }
 }
 
-const char* const kServeHeader = "%-14s%-12s%10s%12s%22s%22s%8s%10s\n";
+const char* const kServeHeader = "%-14s%-12s%10s%12s%22s%22s%20s%8s%8s%10s\n";
 
 // One row of a served run: a side's figures.
 void print_served_row(const json& run, const char* side, const char* label) {
@@ -402,14 +402,16 @@ void print_served_row(const json& run, const char* side, const char* label) {
   const std::string rate = run["rate"].is_string()
                                ? run["rate"].get<std::string>()
                                : detail::cat(run["rate"].get<double>(), " req/s");
-  char ttft[32], tpot[32];
+  char ttft[32], tpot[32], itl[32];
   std::snprintf(ttft, sizeof ttft, "%.1f / %.1f", x["ttft_ms"]["p50"].get<double>(),
                 x["ttft_ms"]["p99"].get<double>());
   std::snprintf(tpot, sizeof tpot, "%.2f / %.2f", x["tpot_ms"]["p50"].get<double>(),
                 x["tpot_ms"]["p99"].get<double>());
-  std::printf("%-14s%-12s%10.2f%12.0f%22s%22s%8lld%10s\n", rate.c_str(), label,
+  std::snprintf(itl, sizeof itl, "%.2f / %.2f", x["itl_ms"]["p50"].get<double>(),
+                x["itl_ms"]["p99"].get<double>());
+  std::printf("%-14s%-12s%10.2f%12.0f%22s%22s%20s%8.3f%8lld%10s\n", rate.c_str(), label,
               x["requests_per_s"].get<double>(), x["output_tokens_per_s"].get<double>(), ttft,
-              tpot, x["peak_sequences"].get<long long>(),
+              tpot, itl, x["kv_utilisation"].get<double>(), x["peak_sequences"].get<long long>(),
               x.contains("preemptions") ? std::to_string(x["preemptions"].get<long long>()).c_str()
                                         : "-");
 }
@@ -426,7 +428,7 @@ void print_serve(const json& r) {
       r["static_slots"].get<long long>(), r["kv_block_size"].get<long long>(),
       r["max_batch_tokens"].get<long long>(), r["threads"].get<int>());
   std::printf(kServeHeader, "arrivals", "batching", "req/s", "tok/s", "TTFT ms p50 / p99",
-              "TPOT ms p50 / p99", "peak", "preempt");
+              "TPOT ms p50 / p99", "ITL ms p50 / p99", "KV use", "peak", "preempt");
   for (const json& run : r["runs"]) {
     print_served_row(run, "static_contiguous", "static");
     print_served_row(run, "continuous_paged", "continuous");
@@ -452,7 +454,8 @@ void run_bench_serve_url(BenchArgs& a) {
   const BenchServeOptions& o = a.serve;
   const ServedModel m = served_model(a.url);
   const std::vector<KVRequest> reqs = make_kv_workload(
-      {.requests = o.requests, .context = m.context, .vocab_size = m.vocab_size, .seed = a.seed});
+      {.requests = o.requests, .context = m.context, .system_prompt = o.system_prompt,
+       .vocab_size = m.vocab_size, .seed = a.seed});
   json r{{"url", a.url}, {"model", m.id}, {"context", m.context}, {"requests", o.requests},
          {"runs", json::array()}};
   std::vector<double> rates = o.rates;
@@ -469,7 +472,7 @@ void run_bench_serve_url(BenchArgs& a) {
               a.url.c_str(), m.id.c_str(), static_cast<long long>(m.context),
               static_cast<long long>(o.requests));
   std::printf(kServeHeader, "arrivals", "batching", "req/s", "tok/s", "TTFT ms p50 / p99",
-              "TPOT ms p50 / p99", "peak", "preempt");
+              "TPOT ms p50 / p99", "ITL ms p50 / p99", "KV use", "peak", "preempt");
   for (const json& run : r["runs"]) print_served_row(run, "continuous_http", "HTTP");
   if (!a.json_path.empty()) {
     r["machine"] = machine_json();
@@ -504,9 +507,11 @@ void run_bench_serve(BenchArgs& a) {
                                        "does not apply");
   o.kv_block_size = paged->kv_block_size;
   o.budget_bytes = paged->pool_bytes;
-  o.progress = [](const std::string& line) {
-    std::fprintf(stderr, "kvlab bench: %s\n", line.c_str());
+  auto bars = std::make_shared<TaskBars>("kvlab bench: serving, ", "req");
+  o.on_requests = [bars](const std::string& side, int64_t done, int64_t total) {
+    bars->update(side, done, total);
   };
+  o.progress = [bars](const std::string& line) { bars->line("kvlab bench: " + line); };
   if (a.http) {
     o.over_http = [&](const std::vector<KVRequest>& reqs, ServeTimeline t,
                       const SchedulerOptions& scheduler) {
@@ -642,6 +647,9 @@ void add_serve_command(CLI::App* bench) {
                   "(http://HOST:PORT) instead, over HTTP only");
   add_number(cmd, "--stream-interval", args->stream_interval_ms,
              "With --http: the server's --stream-interval (ms)");
+  add_number(cmd, "--system-prompt", args->serve.system_prompt,
+             "Tokens every prompt starts with: a prefix shared by all requests, which the "
+             "paged side's prefix cache holds once");
   add_json_flag(cmd, args->json_path);
   cmd->callback([args, n_kv_head] {
     args->n_kv_head_given = n_kv_head->count() > 0;

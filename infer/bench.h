@@ -112,25 +112,31 @@ struct BenchKVMemoryOptions {
 nlohmann::json bench_kv_memory(GPT& model, const Tokenizer& tokenizer,
                                const BenchKVMemoryOptions& options);
 
-// `kvlab bench serve`: the serving workload (infer/kv_workload.h, one sample a request, greedy)
-// as a request stream, served by static batching over contiguous caches (the arrived requests,
-// up to as many as the KV memory holds at full context, run as one batch until its longest
-// output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at the
-// same KV memory.
-// When each request arrived, made its first token and its last, in seconds from the start.
-struct ServeTimeline {
-  std::vector<double> arrival, first, last;
-  explicit ServeTimeline(const std::vector<double>& arrivals)
-      : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
-};
 // Seconds of the steady clock since t0 (the benchmarks' timer).
 double seconds_since(std::chrono::steady_clock::time_point t0);
 
 // Arrival times of n requests at `rate` requests/s (exponential gaps drawn from the seed);
 // rate 0: all at 0.
 std::vector<double> poisson_arrivals(size_t n, double rate, uint64_t seed);
-// A served run's figures (below): duration_s, requests_per_s, output_tokens_per_s, ttft_ms and
-// tpot_ms {p50, p90, p99}, peak_sequences.
+
+// When each request arrived, made its first token and its last, in seconds from the start;
+// and every gap between two of a request's consecutive tokens (as its client saw them).
+struct ServeTimeline {
+  std::vector<double> arrival, first, last;
+  std::vector<double> gaps;
+  explicit ServeTimeline(const std::vector<double>& arrivals)
+      : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
+  // Request i's token (or chunk of tokens) arrived at `now`.
+  void token(size_t i, double now) {
+    if (first[i] < 0)
+      first[i] = now;
+    else
+      gaps.push_back(now - last[i]);
+    last[i] = now;
+  }
+};
+// A served run's figures (below): duration_s, requests_per_s, output_tokens_per_s, ttft_ms,
+// tpot_ms and itl_ms (inter-token latency) {p50, p90, p99}, peak_sequences.
 nlohmann::json serve_summary(const ServeTimeline& t, const std::vector<KVRequest>& reqs,
                              double duration, int64_t peak_sequences);
 // A side served elsewhere (over HTTP: apps/serve/http_bench.h) with the continuous side's
@@ -138,6 +144,11 @@ nlohmann::json serve_summary(const ServeTimeline& t, const std::vector<KVRequest
 using ServeSide = std::function<nlohmann::json(const std::vector<KVRequest>&, ServeTimeline,
                                                const SchedulerOptions&)>;
 
+// `kvlab bench serve`: the serving workload (infer/kv_workload.h, one sample a request, greedy)
+// as a request stream, served by static batching over contiguous caches (the arrived requests,
+// up to as many as the KV memory holds at full context, run as one batch until its longest
+// output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at the
+// same KV memory.
 struct BenchServeOptions {
   int64_t requests = 256;
   // Poisson arrival rates (requests/s), one run each; empty: every request at once.
@@ -145,9 +156,12 @@ struct BenchServeOptions {
   int64_t budget_bytes = 0;  // 0: 16 full-context sequences of the model
   int64_t kv_block_size = 16;
   int64_t max_batch_tokens = 512;
+  int64_t system_prompt = 0;  // tokens every prompt starts with (a shared prefix)
   uint64_t seed = 0;
   DType cache_dtype = DType::F32;
   std::function<void(const std::string&)> progress;  // a line per served run
+  // Requests finished of the run's total, as they finish, per side ("static", "continuous").
+  std::function<void(const std::string& side, int64_t done, int64_t total)> on_requests;
   // A third side, "continuous_http": the same requests through kvlab serve over HTTP.
   ServeSide over_http;
   bool with_static = true;  // false: the continuous side alone (a rate sweep's cheaper runs)

@@ -70,6 +70,7 @@ json serve_summary(const ServeTimeline& t, const std::vector<KVRequest>& reqs, d
               {"output_tokens_per_s", static_cast<double>(tokens) / duration},
               {"ttft_ms", quantiles_ms(ttft)},
               {"tpot_ms", quantiles_ms(tpot)},
+              {"itl_ms", quantiles_ms(t.gaps)},
               {"peak_sequences", peak_sequences}};
 }
 
@@ -85,9 +86,11 @@ void wait_for(const Timeline& t, size_t next, Clock::time_point t0) {
 // Static batching: the arrived requests, up to `slots` of them, run as one batch until its
 // longest output is made (every row generates that long, as a batch of fixed shape does);
 // then the next batch. Each request's tokens are its first output_tokens.
-json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t, int64_t slots) {
+json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t, int64_t slots,
+                  const BenchServeOptions& o) {
   const auto t0 = Clock::now();
   int64_t peak = 0;
+  double utilisation = 0, weight = 0;  // each batch's mean, weighted by its steps
   for (size_t next = 0; next < reqs.size();) {
     wait_for(t, next, t0);
     std::vector<size_t> batch;
@@ -109,21 +112,28 @@ json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
     const GenerationResult res = engine.generate_ids(prompts, g);
     for (size_t b = 0; b < batch.size(); ++b) {
       const size_t i = batch[b];
-      t.first[i] = start + res.rows[b].ttft_s;
-      const int64_t o = reqs[i].output_tokens;
-      t.last[i] = o == 1 ? t.first[i] : step_end[static_cast<size_t>(o - 2)];
+      t.token(i, start + res.rows[b].ttft_s);
+      for (int64_t k = 0; k + 1 < reqs[i].output_tokens; ++k)
+        t.token(i, step_end[static_cast<size_t>(k)]);
     }
     peak = std::max(peak, static_cast<int64_t>(batch.size()));
+    if (o.on_requests) o.on_requests("static", static_cast<int64_t>(next), static_cast<int64_t>(reqs.size()));
+    const auto steps = static_cast<double>(std::max<size_t>(step_end.size(), 1));
+    utilisation += res.stats.utilisation_mean() * steps;
+    weight += steps;
   }
-  return serve_summary(t, reqs, seconds_since(t0), peak);
+  json out = serve_summary(t, reqs, seconds_since(t0), peak);
+  out["kv_utilisation"] = weight > 0 ? utilisation / weight : 0.0;
+  return out;
 }
 
 json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t,
-                      const SchedulerOptions& so) {
+                      const SchedulerOptions& so, const BenchServeOptions& o) {
   Scheduler s(engine, so);
   const auto t0 = Clock::now();
   std::vector<size_t> of;  // request index of each RequestId
-  int64_t peak = 0;
+  int64_t peak = 0, steps = 0, finished = 0;
+  double utilisation = 0;  // positions stored / held by the blocks in use, summed over steps
   size_t next = 0;
   while (next < reqs.size() || !s.idle()) {
     if (s.idle()) wait_for(t, next, t0);
@@ -138,14 +148,21 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
     const std::vector<SchedulerEvent> events = s.step();
     const double now = seconds_since(t0);
     for (const SchedulerEvent& e : events) {
-      const size_t i = of[static_cast<size_t>(e.request)];
-      if (e.token >= 0 && t.first[i] < 0) t.first[i] = now;
-      if (e.finished) t.last[i] = now;
+      if (e.token >= 0) t.token(of[static_cast<size_t>(e.request)], now);
+      finished += e.finished;
     }
+    if (o.on_requests) o.on_requests("continuous", finished, static_cast<int64_t>(reqs.size()));
     peak = std::max(peak, s.last_step().admitted);
+    const BlockStats b = s.block_stats();
+    if (b.in_use > 0) {
+      utilisation += static_cast<double>(b.positions) /
+                     static_cast<double>(b.in_use * so.cache.kv_block_size);
+      ++steps;
+    }
   }
   json out = serve_summary(t, reqs, seconds_since(t0), peak);
   out["preemptions"] = s.preemptions();
+  out["kv_utilisation"] = steps > 0 ? utilisation / static_cast<double>(steps) : 0.0;
   return out;
 }
 
@@ -165,8 +182,8 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
               " bytes holds no full-context sequence (", c.block_size * bytes_per_position,
               " bytes)");
   const std::vector<KVRequest> reqs = make_kv_workload(
-      {.requests = o.requests, .context = c.block_size, .vocab_size = c.vocab_size,
-       .seed = o.seed});
+      {.requests = o.requests, .context = c.block_size, .system_prompt = o.system_prompt,
+       .vocab_size = c.vocab_size, .seed = o.seed});
   // Static batching generates over the engine's contiguous cache; the scheduler keeps a
   // paged one of its own.
   Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);
@@ -196,9 +213,9 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
     const Timeline t(poisson_arrivals(reqs.size(), rate, o.seed));
     const std::string label = rate > 0 ? detail::cat(rate, " requests/s") : "all at once";
     json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
-    run["continuous_paged"] = serve_continuous(engine, reqs, t, so);
+    run["continuous_paged"] = serve_continuous(engine, reqs, t, so, o);
     if (o.with_static) {
-      run["static_contiguous"] = serve_static(engine, reqs, t, slots);
+      run["static_contiguous"] = serve_static(engine, reqs, t, slots, o);
       run["throughput_ratio"] = run["continuous_paged"]["requests_per_s"].get<double>() /
                                 run["static_contiguous"]["requests_per_s"].get<double>();
       if (o.progress)

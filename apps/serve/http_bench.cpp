@@ -111,10 +111,16 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
   httplib::Client metrics = client_for(url);
   const double preempted_before = metric(metrics, "kvlab_preemptions_total");
   std::atomic<bool> running{true};
-  std::atomic<int64_t> peak{0};
+  int64_t peak = 0, samples = 0;
+  double utilisation = 0;  // summed over the samples taken while sequences ran
   std::thread sampler([&] {
     while (running) {
-      peak = std::max<int64_t>(peak, static_cast<int64_t>(metric(metrics, "kvlab_requests_running")));
+      const auto r = static_cast<int64_t>(metric(metrics, "kvlab_requests_running"));
+      peak = std::max(peak, r);
+      if (r > 0) {
+        utilisation += metric(metrics, "kvlab_kv_utilisation");
+        ++samples;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   });
@@ -130,8 +136,8 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
         stream_completion(url, completion_body(model, reqs[i].prompt, reqs[i].output_tokens),
                           [&] {
                             const double now = seconds_since(t0);
-                            if (t.first[i] < 0) t.first[i] = now;
-                            t.last[i] = now;
+                            std::lock_guard lk(m);
+                            t.token(i, now);
                           });
       } catch (const Error& e) {
         std::lock_guard lk(m);
@@ -147,6 +153,7 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
   json out = serve_summary(t, reqs, duration, peak);
   out["preemptions"] =
       static_cast<int64_t>(metric(metrics, "kvlab_preemptions_total") - preempted_before);
+  out["kv_utilisation"] = samples > 0 ? utilisation / static_cast<double>(samples) : 0.0;
   return out;
 }
 

@@ -800,12 +800,36 @@ TEST(Bench, ServeRunsBothBatchingsAtOneMemory) {
     EXPECT_GT(x["requests_per_s"].get<double>(), 0);
     EXPECT_GT(x["output_tokens_per_s"].get<double>(), x["requests_per_s"].get<double>());
     EXPECT_GE(x["ttft_ms"]["p99"].get<double>(), x["ttft_ms"]["p50"].get<double>());
+    EXPECT_GE(x["itl_ms"]["p99"].get<double>(), x["itl_ms"]["p50"].get<double>());
+    EXPECT_GT(x["itl_ms"]["p50"].get<double>(), 0);
+    EXPECT_GT(x["kv_utilisation"].get<double>(), 0);
+    EXPECT_LE(x["kv_utilisation"].get<double>(), 1);
     EXPECT_GE(x["peak_sequences"].get<int64_t>(), 1);
   }
+  // Paged blocks hold what is stored but a last block's tail; contiguous rows hold the batch's
+  // longest generation.
+  EXPECT_GT(run["continuous_paged"]["kv_utilisation"].get<double>(),
+            run["static_contiguous"]["kv_utilisation"].get<double>());
   EXPECT_LE(run["static_contiguous"]["peak_sequences"].get<int64_t>(), 16);
   EXPECT_DOUBLE_EQ(run["throughput_ratio"].get<double>(),
                    run["continuous_paged"]["requests_per_s"].get<double>() /
                        run["static_contiguous"]["requests_per_s"].get<double>());
+
+  // The continuous side alone; a shared system prompt, and a progress count per side.
+  o.with_static = false;
+  o.system_prompt = 8;
+  int64_t last_done = -1;
+  o.on_requests = [&](const std::string& side, int64_t done, int64_t total) {
+    EXPECT_EQ(side, "continuous");
+    EXPECT_EQ(total, 24);
+    EXPECT_GE(done, last_done);
+    last_done = done;
+  };
+  const nlohmann::json alone = bench_serve(*model, tok, o)["runs"][0];
+  EXPECT_FALSE(alone.contains("static_contiguous"));
+  EXPECT_FALSE(alone.contains("throughput_ratio"));
+  EXPECT_GT(alone["continuous_paged"]["requests_per_s"].get<double>(), 0);
+  EXPECT_EQ(last_done, 24);
 }
 
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {
