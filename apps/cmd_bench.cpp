@@ -454,16 +454,16 @@ void run_bench_serve_url(BenchArgs& a) {
   const BenchServeOptions& o = a.serve;
   const ServedModel m = served_model(a.url);
   const std::vector<KVRequest> reqs = make_kv_workload(
-      {.requests = o.requests, .context = m.context, .system_prompt = o.system_prompt,
-       .vocab_size = m.vocab_size, .seed = a.seed});
+      {.requests = o.requests, .context = m.context, .samples = o.samples,
+       .system_prompt = o.system_prompt, .vocab_size = m.vocab_size, .seed = a.seed});
   json r{{"url", a.url}, {"model", m.id}, {"context", m.context}, {"requests", o.requests},
          {"runs", json::array()}};
   std::vector<double> rates = o.rates;
   if (rates.empty()) rates.push_back(0);
   for (const double rate : rates) {
     json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
-    run["continuous_http"] =
-        replay_over_http(a.url, m.id, reqs, ServeTimeline(poisson_arrivals(reqs.size(), rate, a.seed)));
+    run["continuous_http"] = replay_over_http(
+        a.url, m.id, reqs, ServeTimeline(poisson_arrivals(reqs.size(), rate, a.seed), o.samples));
     std::fprintf(stderr, "kvlab bench: %s done\n", run["rate"].dump().c_str());
     r["runs"].push_back(run);
   }
@@ -647,6 +647,8 @@ void add_serve_command(CLI::App* bench) {
                   "(http://HOST:PORT) instead, over HTTP only");
   add_number(cmd, "--stream-interval", args->stream_interval_ms,
              "With --http: the server's --stream-interval (ms)");
+  add_number(cmd, "--samples", args->serve.samples,
+             "Samples a request asks for (n): sequences that share its prompt");
   add_number(cmd, "--system-prompt", args->serve.system_prompt,
              "Tokens every prompt starts with: a prefix shared by all requests, which the "
              "paged side's prefix cache holds once");

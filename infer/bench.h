@@ -119,21 +119,30 @@ double seconds_since(std::chrono::steady_clock::time_point t0);
 // rate 0: all at 0.
 std::vector<double> poisson_arrivals(size_t n, double rate, uint64_t seed);
 
-// When each request arrived, made its first token and its last, in seconds from the start;
-// and every gap between two of a request's consecutive tokens (as its client saw them).
+// When each request arrived, made its first token and its last (over its samples), in
+// seconds from the start; and every gap between two consecutive tokens of one sample (as its
+// client saw them).
 struct ServeTimeline {
   std::vector<double> arrival, first, last;
   std::vector<double> gaps;
-  explicit ServeTimeline(const std::vector<double>& arrivals)
-      : arrival(arrivals), first(arrivals.size(), -1), last(arrivals.size(), -1) {}
-  // Request i's token (or chunk of tokens) arrived at `now`.
-  void token(size_t i, double now) {
-    if (first[i] < 0)
-      first[i] = now;
-    else
-      gaps.push_back(now - last[i]);
-    last[i] = now;
+  ServeTimeline(const std::vector<double>& arrivals, int64_t samples)
+      : arrival(arrivals),
+        first(arrivals.size(), -1),
+        last(arrivals.size(), -1),
+        samples_(samples),
+        sample_last_(arrivals.size() * static_cast<size_t>(samples), -1) {}
+  // Sample s of request i made a token (or a chunk of them) at `now`.
+  void token(size_t i, int64_t s, double now) {
+    if (first[i] < 0) first[i] = now;
+    double& prev = sample_last_[i * static_cast<size_t>(samples_) + static_cast<size_t>(s)];
+    if (prev >= 0) gaps.push_back(now - prev);
+    prev = now;
+    last[i] = std::max(last[i], now);
   }
+
+ private:
+  int64_t samples_;
+  std::vector<double> sample_last_;
 };
 // A served run's figures (below): duration_s, requests_per_s, output_tokens_per_s, ttft_ms,
 // tpot_ms and itl_ms (inter-token latency) {p50, p90, p99}, peak_sequences.
@@ -144,7 +153,7 @@ nlohmann::json serve_summary(const ServeTimeline& t, const std::vector<KVRequest
 using ServeSide = std::function<nlohmann::json(const std::vector<KVRequest>&, ServeTimeline,
                                                const SchedulerOptions&)>;
 
-// `kvlab bench serve`: the serving workload (infer/kv_workload.h, one sample a request, greedy)
+// `kvlab bench serve`: the serving workload (infer/kv_workload.h, `samples` a request, greedy)
 // as a request stream, served by static batching over contiguous caches (the arrived requests,
 // up to as many as the KV memory holds at full context, run as one batch until its longest
 // output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at the
@@ -157,10 +166,12 @@ struct BenchServeOptions {
   int64_t kv_block_size = 16;
   int64_t max_batch_tokens = 512;
   int64_t system_prompt = 0;  // tokens every prompt starts with (a shared prefix)
+  int64_t samples = 1;        // sequences per request (n), which share its prompt
   uint64_t seed = 0;
   DType cache_dtype = DType::F32;
   std::function<void(const std::string&)> progress;  // a line per served run
-  // Requests finished of the run's total, as they finish, per side ("static", "continuous").
+  // Sequences (samples) finished of the run's total, as they finish, per side ("static",
+  // "continuous").
   std::function<void(const std::string& side, int64_t done, int64_t total)> on_requests;
   // A third side, "continuous_http": the same requests through kvlab serve over HTTP.
   ServeSide over_http;

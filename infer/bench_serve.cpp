@@ -62,7 +62,7 @@ json serve_summary(const ServeTimeline& t, const std::vector<KVRequest>& reqs, d
   for (size_t i = 0; i < reqs.size(); ++i) {
     ttft.push_back(t.first[i] - t.arrival[i]);
     const int64_t o = reqs[i].output_tokens;
-    tokens += o;
+    tokens += o * reqs[i].samples;
     if (o > 1) tpot.push_back((t.last[i] - t.first[i]) / static_cast<double>(o - 1));
   }
   return json{{"duration_s", duration},
@@ -83,26 +83,30 @@ void wait_for(const Timeline& t, size_t next, Clock::time_point t0) {
                                            std::chrono::duration<double>(t.arrival[next])));
 }
 
-// Static batching: the arrived requests, up to `slots` of them, run as one batch until its
-// longest output is made (every row generates that long, as a batch of fixed shape does);
-// then the next batch. Each request's tokens are its first output_tokens.
+// Static batching: the arrived requests, up to `slots` rows of them (a row per sample), run as
+// one batch until its longest output is made (every row generates that long, as a batch of
+// fixed shape does); then the next batch. Each request's tokens are its first output_tokens.
 json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t, int64_t slots,
                   const BenchServeOptions& o) {
   const auto t0 = Clock::now();
-  int64_t peak = 0;
+  int64_t peak = 0, done = 0, sequences = 0;
+  for (const KVRequest& r : reqs) sequences += r.samples;
   double utilisation = 0, weight = 0;  // each batch's mean, weighted by its steps
   for (size_t next = 0; next < reqs.size();) {
     wait_for(t, next, t0);
     std::vector<size_t> batch;
-    while (next < reqs.size() && static_cast<int64_t>(batch.size()) < slots &&
-           t.arrival[next] <= seconds_since(t0))
+    int64_t rows = 0;
+    while (next < reqs.size() && rows + reqs[next].samples <= slots &&
+           t.arrival[next] <= seconds_since(t0)) {
+      rows += reqs[next].samples;
       batch.push_back(next++);
+    }
     std::vector<std::vector<int32_t>> prompts;
     GenerateOptions g;
     g.sampling.temperature = 0;
     g.max_new_tokens = 1;
     for (const size_t i : batch) {
-      prompts.push_back(reqs[i].prompt);
+      for (int64_t s = 0; s < reqs[i].samples; ++s) prompts.push_back(reqs[i].prompt);
       g.max_new_tokens = std::max(g.max_new_tokens, reqs[i].output_tokens);
     }
     // Step k makes every row's token k + 2 (the prefill makes the first).
@@ -110,14 +114,16 @@ json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
     g.on_decode_step = [&](int64_t) { step_end.push_back(seconds_since(t0)); };
     const double start = seconds_since(t0);
     const GenerationResult res = engine.generate_ids(prompts, g);
-    for (size_t b = 0; b < batch.size(); ++b) {
-      const size_t i = batch[b];
-      t.token(i, start + res.rows[b].ttft_s);
-      for (int64_t k = 0; k + 1 < reqs[i].output_tokens; ++k)
-        t.token(i, step_end[static_cast<size_t>(k)]);
-    }
-    peak = std::max(peak, static_cast<int64_t>(batch.size()));
-    if (o.on_requests) o.on_requests("static", static_cast<int64_t>(next), static_cast<int64_t>(reqs.size()));
+    size_t row = 0;
+    for (const size_t i : batch)
+      for (int64_t s = 0; s < reqs[i].samples; ++s, ++row) {
+        t.token(i, s, start + res.rows[row].ttft_s);
+        for (int64_t k = 0; k + 1 < reqs[i].output_tokens; ++k)
+          t.token(i, s, step_end[static_cast<size_t>(k)]);
+      }
+    peak = std::max(peak, rows);
+    done += rows;
+    if (o.on_requests) o.on_requests("static", done, sequences);
     const auto steps = static_cast<double>(std::max<size_t>(step_end.size(), 1));
     utilisation += res.stats.utilisation_mean() * steps;
     weight += steps;
@@ -131,8 +137,9 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
                       const SchedulerOptions& so, const BenchServeOptions& o) {
   Scheduler s(engine, so);
   const auto t0 = Clock::now();
-  std::vector<size_t> of;  // request index of each RequestId
-  int64_t peak = 0, steps = 0, finished = 0;
+  std::vector<std::pair<size_t, int64_t>> of;  // request and sample of each RequestId
+  int64_t peak = 0, steps = 0, finished = 0, sequences = 0;
+  for (const KVRequest& r : reqs) sequences += r.samples;
   double utilisation = 0;  // positions stored / held by the blocks in use, summed over steps
   size_t next = 0;
   while (next < reqs.size() || !s.idle()) {
@@ -141,17 +148,20 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
       GenerateOptions g;
       g.sampling.temperature = 0;
       g.max_new_tokens = reqs[next].output_tokens;
-      const RequestId id = s.add(reqs[next].prompt, g);
-      if (static_cast<size_t>(id) >= of.size()) of.resize(static_cast<size_t>(id) + 1);
-      of[static_cast<size_t>(id)] = next;
+      for (int64_t k = 0; k < reqs[next].samples; ++k) {
+        const RequestId id = s.add(reqs[next].prompt, g, {.sample = k});
+        if (static_cast<size_t>(id) >= of.size()) of.resize(static_cast<size_t>(id) + 1);
+        of[static_cast<size_t>(id)] = {next, k};
+      }
     }
     const std::vector<SchedulerEvent> events = s.step();
     const double now = seconds_since(t0);
     for (const SchedulerEvent& e : events) {
-      if (e.token >= 0) t.token(of[static_cast<size_t>(e.request)], now);
+      const auto [i, k] = of[static_cast<size_t>(e.request)];
+      if (e.token >= 0) t.token(i, k, now);
       finished += e.finished;
     }
-    if (o.on_requests) o.on_requests("continuous", finished, static_cast<int64_t>(reqs.size()));
+    if (o.on_requests) o.on_requests("continuous", finished, sequences);
     peak = std::max(peak, s.last_step().admitted);
     const BlockStats b = s.block_stats();
     if (b.in_use > 0) {
@@ -181,9 +191,12 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   KVLAB_CHECK(slots >= 1, "bench serve: a KV memory of ", budget,
               " bytes holds no full-context sequence (", c.block_size * bytes_per_position,
               " bytes)");
+  KVLAB_CHECK(o.samples <= slots, "bench serve: ", o.samples,
+              " samples a request need as many rows of static batching, but its KV memory holds ",
+              slots);
   const std::vector<KVRequest> reqs = make_kv_workload(
-      {.requests = o.requests, .context = c.block_size, .system_prompt = o.system_prompt,
-       .vocab_size = c.vocab_size, .seed = o.seed});
+      {.requests = o.requests, .context = c.block_size, .samples = o.samples,
+       .system_prompt = o.system_prompt, .vocab_size = c.vocab_size, .seed = o.seed});
   // Static batching generates over the engine's contiguous cache; the scheduler keeps a
   // paged one of its own.
   Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);
@@ -210,7 +223,7 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   std::vector<double> rates = o.rates;
   if (rates.empty()) rates.push_back(0);  // every request at once
   for (const double rate : rates) {
-    const Timeline t(poisson_arrivals(reqs.size(), rate, o.seed));
+    const Timeline t(poisson_arrivals(reqs.size(), rate, o.seed), o.samples);
     const std::string label = rate > 0 ? detail::cat(rate, " requests/s") : "all at once";
     json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
     run["continuous_paged"] = serve_continuous(engine, reqs, t, so, o);

@@ -38,10 +38,10 @@ double metric(httplib::Client& c, const std::string& name) {
   return 0;
 }
 
-// Streams one completion; calls on_text at each chunk that carries a choice. Returns the
-// tokens made (the usage chunk's count), or throws kvlab::Error.
+// Streams one completion; calls on_text with the choice of each chunk that carries one.
+// Returns the tokens made (the usage chunk's count), or throws kvlab::Error.
 int64_t stream_completion(const std::string& url, const json& body,
-                          const std::function<void()>& on_text) {
+                          const std::function<void(int64_t choice)>& on_text) {
   httplib::Client c = client_for(url);
   std::string buffer;
   int64_t made = -1;
@@ -61,7 +61,8 @@ int64_t stream_completion(const std::string& url, const json& body,
       if (j.contains("error")) error = j["error"].value("message", "error");
       if (j.contains("usage") && j["usage"].is_object())
         made = j["usage"]["completion_tokens"].get<int64_t>();
-      if (j.contains("choices") && !j["choices"].empty()) on_text();
+      if (j.contains("choices") && !j["choices"].empty())
+        on_text(j["choices"][0].value("index", int64_t{0}));
     }
     return true;
   };
@@ -75,10 +76,11 @@ int64_t stream_completion(const std::string& url, const json& body,
 }
 
 json completion_body(const std::string& model, const std::vector<int32_t>& prompt,
-                     int64_t max_tokens) {
+                     int64_t max_tokens, int64_t n = 1) {
   return {{"model", model},
           {"prompt", prompt},
           {"max_tokens", max_tokens},
+          {"n", n},
           {"temperature", 0},
           {"stream", true},
           {"stream_options", {{"include_usage", true}}}};
@@ -133,11 +135,13 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
                                            std::chrono::duration<double>(t.arrival[i])));
     clients.emplace_back([&, i] {
       try {
-        stream_completion(url, completion_body(model, reqs[i].prompt, reqs[i].output_tokens),
-                          [&] {
+        stream_completion(url,
+                          completion_body(model, reqs[i].prompt, reqs[i].output_tokens,
+                                          reqs[i].samples),
+                          [&](int64_t choice) {
                             const double now = seconds_since(t0);
                             std::lock_guard lk(m);
-                            t.token(i, now);
+                            t.token(i, choice, now);
                           });
       } catch (const Error& e) {
         std::lock_guard lk(m);
@@ -202,7 +206,7 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
         for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
       sched_rate.push_back(static_cast<double>(n) / seconds_since(t0));
       t0 = Clock::now();
-      const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens), [] {});
+      const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens), [](int64_t) {});
       http_rate.push_back(static_cast<double>(made) / seconds_since(t0));
       ratio.push_back(http_rate.back() / local_rate.back());
     }

@@ -815,21 +815,29 @@ TEST(Bench, ServeRunsBothBatchingsAtOneMemory) {
                    run["continuous_paged"]["requests_per_s"].get<double>() /
                        run["static_contiguous"]["requests_per_s"].get<double>());
 
-  // The continuous side alone; a shared system prompt, and a progress count per side.
+  // The continuous side alone; two samples a request sharing a system prompt, and a count of
+  // the sequences finished.
   o.with_static = false;
   o.system_prompt = 8;
+  o.samples = 2;
   int64_t last_done = -1;
   o.on_requests = [&](const std::string& side, int64_t done, int64_t total) {
     EXPECT_EQ(side, "continuous");
-    EXPECT_EQ(total, 24);
+    EXPECT_EQ(total, 48);
     EXPECT_GE(done, last_done);
     last_done = done;
   };
   const nlohmann::json alone = bench_serve(*model, tok, o)["runs"][0];
   EXPECT_FALSE(alone.contains("static_contiguous"));
   EXPECT_FALSE(alone.contains("throughput_ratio"));
-  EXPECT_GT(alone["continuous_paged"]["requests_per_s"].get<double>(), 0);
-  EXPECT_EQ(last_done, 24);
+  EXPECT_EQ(last_done, 48);
+  int64_t tokens = 0;
+  for (const KVRequest& r : make_kv_workload({.requests = 24, .context = 64, .samples = 2,
+                                              .system_prompt = 8, .vocab_size = 11}))
+    tokens += 2 * r.output_tokens;
+  const auto& x = alone["continuous_paged"];
+  EXPECT_NEAR(x["output_tokens_per_s"].get<double>() * x["duration_s"].get<double>(),
+              static_cast<double>(tokens), 1e-6 * static_cast<double>(tokens));
 }
 
 TEST(Bench, ReportsBothModesAndTheCacheFormula) {

@@ -474,7 +474,7 @@ TEST(Serve, AWorkloadReplayedOverHttpGetsEveryToken) {
   int64_t tokens = 0;
   for (const KVRequest& r : reqs) tokens += r.output_tokens;
   const json out = replay_over_http(detail::cat("http://127.0.0.1:", s.port()), m.id, reqs,
-                                    ServeTimeline(poisson_arrivals(reqs.size(), 0, 3)));
+                                    ServeTimeline(poisson_arrivals(reqs.size(), 0, 3), 1));
   EXPECT_NEAR(out["output_tokens_per_s"].get<double>() * out["duration_s"].get<double>(),
               static_cast<double>(tokens), 1e-6 * static_cast<double>(tokens));
   EXPECT_GT(out["ttft_ms"]["p50"].get<double>(), 0);
