@@ -69,6 +69,8 @@ void BlockManager::release(BlockId b) {
   Block& blk = blocks_[static_cast<size_t>(b)];
   KVLAB_ASSERT(blk.ref > 0, "block ", b, " released with no holder");
   if (--blk.ref > 0) return;
+  --in_use_;
+  positions_ -= blk.filled;
   if (blk.key) {
     blk.lru = lru_.insert(lru_.end(), b);
   } else {
@@ -97,6 +99,7 @@ BlockId BlockManager::allocate() {
   blk.ref = 1;
   blk.filled = 0;
   blk.free = false;
+  ++in_use_;
   return b;
 }
 
@@ -130,7 +133,11 @@ int64_t BlockManager::take_prefix(SeqId id, std::span<const int32_t> prompt) {
     const std::optional<BlockId> b = find(key, s.last_key, tokens);
     if (!b) break;
     Block& blk = blocks_[static_cast<size_t>(*b)];
-    if (blk.ref == 0) lru_.erase(blk.lru);
+    if (blk.ref == 0) {
+      lru_.erase(blk.lru);
+      ++in_use_;
+      positions_ += blk.filled;
+    }
     ++blk.ref;
     s.table.push_back(*b);
     s.length += block_size_;
@@ -183,6 +190,7 @@ std::optional<std::vector<BlockCopy>> BlockManager::reserve(SeqId id, int64_t n)
     if (blocks_[static_cast<size_t>(last)].ref > 1) {
       const BlockId copy = allocate();
       blocks_[static_cast<size_t>(copy)].filled = within;
+      positions_ += within;
       copies.push_back({last, copy, within});
       release(last);
       last = copy;
@@ -203,6 +211,7 @@ void BlockManager::commit(SeqId id, std::span<const int32_t> tokens) {
     const BlockId b = s.table[static_cast<size_t>(s.length / block_size_)];
     Block& blk = blocks_[static_cast<size_t>(b)];
     KVLAB_ASSERT(blk.ref == 1, "block ", b, " written while shared");
+    positions_ += s.length % block_size_ + 1 - blk.filled;
     blk.filled = s.length % block_size_ + 1;
     ++s.length;
     s.pending.push_back(t);
@@ -245,11 +254,8 @@ BlockStats BlockManager::stats() const {
   st.total = total_blocks();
   st.free = static_cast<int64_t>(free_.size());
   st.cached = static_cast<int64_t>(lru_.size());
-  for (const Block& blk : blocks_) {
-    if (blk.ref == 0) continue;
-    ++st.in_use;
-    st.positions += blk.filled;
-  }
+  st.in_use = in_use_;
+  st.positions = positions_;
   st.prefix_hit_blocks = hit_blocks_;
   st.prefix_hit_positions = hit_positions_;
   st.evicted = evicted_;

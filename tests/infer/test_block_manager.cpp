@@ -228,8 +228,19 @@ void random_operations(bool prefix_caching, uint32_t seed) {
                   tokens[id][static_cast<size_t>(p)])
             << "op " << op << ": sequence " << id << " position " << p;
     }
-    int64_t in_use = 0;
+    // A block's written positions are its holders' reach into it (a shared block is written
+    // only before it is shared; a reserved block beyond a length holds none).
+    std::vector<int64_t> filled(kBlocks, 0);
+    for (const SeqId id : m.sequences()) {
+      const auto& table = m.table(id);
+      for (size_t i = 0; i < table.size(); ++i)
+        filled[static_cast<size_t>(table[i])] =
+            std::max(filled[static_cast<size_t>(table[i])],
+                     std::clamp<int64_t>(m.length(id) - static_cast<int64_t>(i) * kBS, 0, kBS));
+    }
+    int64_t in_use = 0, positions = 0;
     for (BlockId b = 0; b < kBlocks; ++b) {
+      positions += filled[static_cast<size_t>(b)];
       ASSERT_EQ(m.ref_count(b), refs[static_cast<size_t>(b)]) << "op " << op << " block " << b;
       const int states = int(m.is_free(b)) + int(m.ref_count(b) > 0) + int(m.is_cached(b));
       ASSERT_EQ(states, 1) << "op " << op << " block " << b;
@@ -237,6 +248,7 @@ void random_operations(bool prefix_caching, uint32_t seed) {
     }
     const BlockStats st = m.stats();
     ASSERT_EQ(st.in_use, in_use);
+    ASSERT_EQ(st.positions, positions) << "op " << op;
     ASSERT_EQ(st.free + st.in_use + st.cached, kBlocks);
     if (!prefix_caching) {
       ASSERT_EQ(st.cached, 0);
