@@ -455,7 +455,8 @@ void run_bench_serve_url(BenchArgs& a) {
   const ServedModel m = served_model(a.url);
   const std::vector<KVRequest> reqs = make_kv_workload(
       {.requests = o.requests, .context = m.context, .samples = o.samples,
-       .system_prompt = o.system_prompt, .vocab_size = m.vocab_size, .seed = a.seed});
+       .system_prompt = o.system_prompt, .shared_fraction = o.shared_fraction,
+       .vocab_size = m.vocab_size, .seed = a.seed});
   json r{{"url", a.url}, {"model", m.id}, {"context", m.context}, {"requests", o.requests},
          {"runs", json::array()}};
   std::vector<double> rates = o.rates;
@@ -485,6 +486,9 @@ void run_bench_serve(BenchArgs& a) {
   check_json_path(a);
   BenchServeOptions& o = a.serve;
   KVLAB_USAGE_CHECK(o.requests >= 1, "--requests must be >= 1, got ", o.requests);
+  KVLAB_USAGE_CHECK(o.samples >= 1, "--samples must be >= 1, got ", o.samples);
+  KVLAB_USAGE_CHECK(o.shared_fraction >= 0 && o.shared_fraction <= 1,
+                    "--shared-fraction must be in [0, 1], got ", o.shared_fraction);
   for (const double r : o.rates)
     KVLAB_USAGE_CHECK(std::isfinite(r) && r > 0, "--rates must be > 0 requests/s, got ", r);
   if (!a.url.empty()) {
@@ -650,8 +654,10 @@ void add_serve_command(CLI::App* bench) {
   add_number(cmd, "--samples", args->serve.samples,
              "Samples a request asks for (n): sequences that share its prompt");
   add_number(cmd, "--system-prompt", args->serve.system_prompt,
-             "Tokens every prompt starts with: a prefix shared by all requests, which the "
-             "paged side's prefix cache holds once");
+             "Tokens a shared prefix has: the prompts of --shared-fraction of the requests "
+             "start with it, and the paged side's prefix cache holds it once");
+  add_number(cmd, "--shared-fraction", args->serve.shared_fraction,
+             "The fraction of requests whose prompts start with the --system-prompt prefix");
   add_json_flag(cmd, args->json_path);
   cmd->callback([args, n_kv_head] {
     args->n_kv_head_given = n_kv_head->count() > 0;

@@ -165,7 +165,8 @@ struct BenchServeOptions {
   int64_t budget_bytes = 0;  // 0: 16 full-context sequences of the model
   int64_t kv_block_size = 16;
   int64_t max_batch_tokens = 512;
-  int64_t system_prompt = 0;  // tokens every prompt starts with (a shared prefix)
+  int64_t system_prompt = 0;  // tokens the shared prompts start with (a shared prefix)
+  double shared_fraction = 1.0;  // of requests whose prompts start with it
   int64_t samples = 1;        // sequences per request (n), which share its prompt
   uint64_t seed = 0;
   DType cache_dtype = DType::F32;

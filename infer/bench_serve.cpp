@@ -196,7 +196,8 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
               slots);
   const std::vector<KVRequest> reqs = make_kv_workload(
       {.requests = o.requests, .context = c.block_size, .samples = o.samples,
-       .system_prompt = o.system_prompt, .vocab_size = c.vocab_size, .seed = o.seed});
+       .system_prompt = o.system_prompt, .shared_fraction = o.shared_fraction,
+       .vocab_size = c.vocab_size, .seed = o.seed});
   // Static batching generates over the engine's contiguous cache; the scheduler keeps a
   // paged one of its own.
   Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);

@@ -164,6 +164,8 @@ void KVWorkloadOptions::validate() const {
   KVLAB_CHECK(system_prompt >= 0 && system_prompt <= context - 2,
               "kv workload: the system prompt must be 0 to context - 2 = ", context - 2,
               " tokens (room for a user token and an output token), not ", system_prompt);
+  KVLAB_CHECK(shared_fraction >= 0 && shared_fraction <= 1,
+              "kv workload: the shared-prefix fraction must be in [0, 1], not ", shared_fraction);
   KVLAB_CHECK(vocab_size >= 1 && vocab_size <= INT32_MAX,
               "kv workload: the vocabulary must have 1 to 2^31 - 1 tokens, not ", vocab_size);
 }
@@ -181,7 +183,9 @@ std::vector<KVRequest> make_kv_workload(const KVWorkloadOptions& options) {
     const int64_t u = log_normal_length(gen, std::log(c / 8), 1, room - 1);
     q.output_tokens = log_normal_length(gen, std::log(c / 6), 1, room - u);
     q.samples = options.samples;
-    q.prompt = system;
+    // Drawn only for a fraction below 1, so that other workloads keep their lengths.
+    const bool shared = options.shared_fraction >= 1 || gen.uniform() < options.shared_fraction;
+    q.prompt = shared ? system : std::vector<int32_t>();
     for (int64_t i = 0; i < u; ++i) q.prompt.push_back(static_cast<int32_t>(gen.below(vocab)));
   }
   return requests;

@@ -59,6 +59,9 @@ struct KVWorkloadOptions {
   int64_t context = 0;        // the model's block_size: lengths are scaled to it
   int64_t samples = 1;        // parallel samples per request; they share the prompt
   int64_t system_prompt = 0;  // tokens every prompt starts with, the same in every request
+  // The fraction of requests whose prompt starts with the system prompt; the others' prompts
+  // are their user tokens alone.
+  double shared_fraction = 1.0;
   int64_t vocab_size = 65;
   uint64_t seed = 0;
   // Throws kvlab::Error naming the bad value.

@@ -106,6 +106,26 @@ TEST(KVWorkload, EveryPromptStartsWithTheSameSystemPrompt) {
   }
 }
 
+// A shared fraction of 0.25: about a quarter of the prompts start with the system prompt; the
+// others hold their user tokens alone (and never the whole system prompt by chance).
+TEST(KVWorkload, ASharedFractionOfThePromptsStartWithTheSystemPrompt) {
+  const int64_t ctx = 256, sys = 100;
+  KVWorkloadOptions o = workload(400, ctx, 1, sys);
+  const auto all = make_kv_workload(o);
+  const std::vector<int32_t> system(all[0].prompt.begin(), all[0].prompt.begin() + sys);
+  o.shared_fraction = 0.25;
+  int64_t shared = 0;
+  for (const KVRequest& q : make_kv_workload(o)) {
+    const bool starts = static_cast<int64_t>(q.prompt.size()) > sys &&
+                        std::equal(system.begin(), system.end(), q.prompt.begin());
+    shared += starts;
+    if (!starts) {
+      EXPECT_LE(static_cast<int64_t>(q.prompt.size()), ctx - sys - 1);
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(shared) / 400, 0.25, 0.07);  // binomial sd 0.022
+}
+
 TEST(KVWorkload, BadOptionsThrowNamingTheValue) {
   auto bad = [](auto edit, const std::string& value) {
     KVWorkloadOptions o = workload(8, 64);
@@ -118,6 +138,7 @@ TEST(KVWorkload, BadOptionsThrowNamingTheValue) {
   bad([](KVWorkloadOptions& o) { o.system_prompt = 63; }, "not 63");
   bad([](KVWorkloadOptions& o) { o.system_prompt = -1; }, "not -1");
   bad([](KVWorkloadOptions& o) { o.vocab_size = 0; }, "not 0");
+  bad([](KVWorkloadOptions& o) { o.shared_fraction = 1.5; }, "not 1.5");
 }
 
 TEST(KVWorkload, BadSimulationOptionsAndRequestsThrow) {

@@ -99,6 +99,8 @@ check "bench serve --requests 0" 2 "--requests must be >= 1, got 0" -- "$KVLAB" 
 check "bench serve --http" 0 "HTTP / in process" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 8 --kv-block-size 8 --http
 check "bench serve --samples past static's rows" 1 "20 samples a request need as many rows of static batching, but its KV memory holds 16" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 4 --samples 20
 check "bench serve --samples --system-prompt" 0 "continuous" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 8 --kv-block-size 8 --samples 2 --system-prompt 8
+check "bench serve --shared-fraction 2" 2 "--shared-fraction must be in [0, 1], got 2" -- "$KVLAB" bench serve --shared-fraction 2
+check "bench serve --samples 0" 2 "--samples must be >= 1, got 0" -- "$KVLAB" bench serve --samples 0
 check "bench serve --url not http" 2 "--url must be http://HOST:PORT, got 'localhost:1'" -- "$KVLAB" bench serve --url localhost:1
 check "bench serve --url with --ckpt" 2 "--http and --ckpt do not apply" -- "$KVLAB" bench serve --url http://127.0.0.1:1 --ckpt "$work/run/final.h5"
 check "bench serve --url, nobody there" 1 "cannot reach http://127.0.0.1:1" -- "$KVLAB" bench serve --url http://127.0.0.1:1
