@@ -143,7 +143,7 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
                             std::lock_guard lk(m);
                             t.token(i, choice, now);
                           });
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {  // a malformed chunk's JSON, too
         std::lock_guard lk(m);
         if (failure.empty()) failure = e.what();
       }

@@ -89,7 +89,18 @@ std::vector<int32_t> token_ids(const json& list, const Tokenizer& tok, const std
 CompletionRequest parse_completion_request(std::string_view body_text, const ApiLimits& limits,
                                            const std::string& model_name,
                                            const Tokenizer& tokenizer, int64_t block_size) {
-  const json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
+  // Values nested deeper than any field needs are refused while parsing: copying or printing
+  // one recurses, and a body of brackets could exhaust the stack.
+  constexpr int kMaxDepth = 16;
+  bool deep = false;
+  const json body = json::parse(
+      body_text,
+      [&](int depth, json::parse_event_t, json&) {
+        if (depth > kMaxDepth) deep = true;
+        return !deep;
+      },
+      /*allow_exceptions=*/false);
+  if (deep) bad("", detail::cat("the request body nests deeper than ", kMaxDepth, " levels"));
   if (body.is_discarded()) bad("", "the request body is not valid JSON");
   if (!body.is_object()) bad("", "the request body must be a JSON object");
   CompletionRequest r;

@@ -264,15 +264,19 @@ void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& 
 bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
   std::deque<Call::Piece> pieces;
   bool done, stop;
+  std::string failure;
   {
     std::unique_lock lk(m);
-    done_cv.wait_for(lk, std::chrono::milliseconds(200),
-                     [&] { return call.ready || call.done() || stopping; });
+    // The timeout only lets httplib see a server shutting down between waits.
+    if (!done_cv.wait_for(lk, std::chrono::milliseconds(200),
+                          [&] { return call.ready || call.done() || stopping; }))
+      return true;
     pieces.swap(call.pieces);
     call.ready = false;
     call.pending_since.reset();
     done = call.done();
     stop = stopping && !done;
+    failure = call.failure;
   }
   // Pieces of one choice sent together make one chunk: its text, its tokens' log-probabilities.
   std::deque<Call::Piece> merged;
@@ -305,8 +309,8 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
     out += sse(chunk_json(call.id, options.model_name, call.created, p.choice, text, lp, p.finished));
   }
   if (done || stop) {
-    if (!call.failure.empty() || stop) {
-      out += sse(error_json(ApiError(503, stop ? "the server is stopping" : call.failure, "",
+    if (!failure.empty() || stop) {
+      out += sse(error_json(ApiError(503, stop ? "the server is stopping" : failure, "",
                                      "server_error")));
     } else if (req.include_usage) {
       out += sse({{"id", call.id},
@@ -401,6 +405,9 @@ void Server::Impl::loop() {
     out.swap(cancels);
     lk.unlock();
     int64_t added_tokens = 0;
+    // A call the scheduler refuses (or a step that throws) fails alone, with the reason; the
+    // server goes on.
+    std::vector<std::pair<std::shared_ptr<Call>, std::string>> failed;
     for (const auto& call : in) {
       const CompletionRequest& q = call->req;
       GenerateOptions g;
@@ -410,13 +417,18 @@ void Server::Impl::loop() {
       RequestExtras x;
       x.top_logprobs = q.logprobs;
       x.prompt_logprobs = q.echo && q.logprobs >= 0;
-      for (size_t b = 0; b < q.prompts.size(); ++b)
-        for (int64_t s = 0; s < q.n; ++s) {
-          x.sample = s;
-          const RequestId id = scheduler.add(q.prompts[b], g, x);
-          owners[id] = {call, static_cast<int64_t>(b) * q.n + s};
-          added_tokens += static_cast<int64_t>(q.prompts[b].size());
-        }
+      try {
+        for (size_t b = 0; b < q.prompts.size(); ++b)
+          for (int64_t s = 0; s < q.n; ++s) {
+            x.sample = s;
+            const RequestId id = scheduler.add(q.prompts[b], g, x);
+            owners[id] = {call, static_cast<int64_t>(b) * q.n + s};
+            added_tokens += static_cast<int64_t>(q.prompts[b].size());
+          }
+      } catch (const std::exception& e) {
+        failed.emplace_back(call, e.what());
+        out.push_back(call);  // its sequences already added are aborted below
+      }
     }
     int64_t n_aborted = 0;
     for (const auto& call : out)
@@ -429,11 +441,25 @@ void Server::Impl::loop() {
           ++it;
         }
     std::vector<SchedulerEvent> events;
-    if (!scheduler.idle()) events = scheduler.step();
+    try {
+      if (!scheduler.idle()) events = scheduler.step();
+    } catch (const std::exception& e) {
+      for (const auto& [id, owner] : owners) {
+        scheduler.abort(id);
+        failed.emplace_back(owner.call, detail::cat("the model's step failed: ", e.what()));
+      }
+      owners.clear();
+      events.clear();
+    }
     lk.lock();
     prompt_tokens += added_tokens;
     aborted += n_aborted;
-    const bool wake = dispatch(events);
+    for (const auto& call : out) {  // nothing of theirs is sent any more
+      call->pieces.clear();
+      std::erase(held, call);
+    }
+    for (const auto& [call, why] : failed) call->failure = why;
+    bool wake = dispatch(events) || !failed.empty();
     running = scheduler.admitted();
     waiting = scheduler.waiting();
     preemptions = scheduler.preemptions();
@@ -542,13 +568,19 @@ void Server::run() {
     s.listening = true;
   }
   std::thread scheduler_thread([&] { s.loop(); });
-  s.http.listen_after_bind();
+  std::exception_ptr error;
+  try {
+    s.http.listen_after_bind();  // its thread pool may fail to start
+  } catch (...) {
+    error = std::current_exception();
+  }
   {
     std::lock_guard lk(s.m);
     s.listening = false;
   }
   stop();
   scheduler_thread.join();
+  if (error) std::rethrow_exception(error);
 }
 
 void Server::stop() {

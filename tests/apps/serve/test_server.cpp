@@ -400,6 +400,8 @@ TEST(Serve, BadRequestsGetTheir4xxAndTheServerKeepsAnswering) {
       {"best_of", with("best_of", 3), 400, "best_of"},
       {"logit_bias", with("logit_bias", json{{"1", 5}}), 400, "logit_bias"},
       {"body over the limit", with("prompt", std::string(5000, 'a')), 413, ""},
+      {"nested a thousand deep (copying it would recurse)",
+       "{\"prompt\": " + std::string(1000, '[') + std::string(1000, ']') + "}", 400, ""},
   };
   for (const Case& c : cases) {
     const auto r = s.client().Post("/v1/completions", c.body, "application/json");
@@ -425,6 +427,11 @@ TEST(Serve, BadRequestsGetTheir4xxAndTheServerKeepsAnswering) {
   EXPECT_EQ(good->status, 200) << good->body;
   EXPECT_EQ(s.metric("kvlab_requests_rejected_total"), static_cast<double>(cases.size() - 1))
       << "every case but the body over the limit reached the handler";
+  const auto deep = s.client().Post(
+      "/v1/completions", "{\"prompt\": " + std::string(1000, '[') + std::string(1000, ']') + "}",
+      "application/json");
+  ASSERT_TRUE(deep);
+  EXPECT_NE(deep->body.find("nests deeper than 16 levels"), std::string::npos) << deep->body;
   const auto models = s.client().Get("/v1/models");
   ASSERT_TRUE(models);
   EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "tiny");
