@@ -13,8 +13,6 @@
 
 namespace kvlab {
 
-namespace {
-
 using nlohmann::json;
 
 double median(std::vector<double> v) {
@@ -23,6 +21,14 @@ double median(std::vector<double> v) {
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
+
+json spread(const std::vector<double>& v) {
+  return json{{"median", median(v)},
+              {"min", *std::min_element(v.begin(), v.end())},
+              {"max", *std::max_element(v.begin(), v.end())}};
+}
+
+namespace {
 
 struct RunFigures {
   double tokens_per_s, e2e_tokens_per_s, ttft_ms, tpot_mean_ms, tpot_p50_ms, tpot_p99_ms;
@@ -399,12 +405,6 @@ json sim_json(const KVSimResult& r) {
                                     ? static_cast<double>(r.prompt_positions_stored) /
                                           static_cast<double>(r.prompt_positions)
                                     : 0.0}};
-}
-
-json spread(const std::vector<double>& v) {
-  return json{{"median", median(v)},
-              {"min", *std::min_element(v.begin(), v.end())},
-              {"max", *std::max_element(v.begin(), v.end())}};
 }
 
 // The memory part for one n_kv_head: the three workloads through both layouts.

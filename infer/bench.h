@@ -112,6 +112,11 @@ struct BenchKVMemoryOptions {
 nlohmann::json bench_kv_memory(GPT& model, const Tokenizer& tokenizer,
                                const BenchKVMemoryOptions& options);
 
+// The median of v (0 when empty; the mean of the middle two for an even count).
+double median(std::vector<double> v);
+// {median, min, max} of v (not empty): a benchmark's rounds.
+nlohmann::json spread(const std::vector<double>& v);
+
 // Seconds of the steady clock since t0 (the benchmarks' timer).
 double seconds_since(std::chrono::steady_clock::time_point t0);
 

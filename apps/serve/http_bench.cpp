@@ -86,11 +86,6 @@ json completion_body(const std::string& model, const std::vector<int32_t>& promp
           {"stream_options", {{"include_usage", true}}}};
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 }  // namespace
 
 ServedModel served_model(const std::string& url) {
@@ -223,10 +218,7 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
           {"in_process_tokens_per_s", median(local_rate)},
           {"scheduler_tokens_per_s", median(sched_rate)},
           {"http_tokens_per_s", median(http_rate)},
-          {"ratio",
-           {{"median", median(ratio)},
-            {"min", *std::min_element(ratio.begin(), ratio.end())},
-            {"max", *std::max_element(ratio.begin(), ratio.end())}}}};
+          {"ratio", spread(ratio)}};
 }
 
 }  // namespace kvlab

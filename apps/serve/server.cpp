@@ -337,8 +337,7 @@ bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
     Call& call = *it->second.call;
     const int64_t i = it->second.choice;
     ChoiceState& c = call.choices[static_cast<size_t>(i)];
-    const bool first = c.tokens.empty() && c.prompt_logprobs.empty() && !c.finished &&
-                       !call.first_token[static_cast<size_t>(i)];
+    const bool first = !call.first_token[static_cast<size_t>(i)];  // its first event
     if (!e.prompt_logprobs.empty()) c.prompt_logprobs = e.prompt_logprobs;
     std::vector<TokenLogprob> lps;
     if (e.token >= 0) {
