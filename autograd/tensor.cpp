@@ -128,9 +128,12 @@ double Tensor::item() const {
     case DType::I32:
       return *data<int32_t>();
     case DType::BF16:
+    case DType::FP8:
+    case DType::INT8:
+    case DType::INT4:
       break;
   }
-  KVLAB_CHECK(false, "item: bf16 tensors are not readable on the CPU");
+  KVLAB_CHECK(false, "item: ", dtype_name(dtype()), " tensors are storage, not readable as numbers");
   return 0;
 }
 

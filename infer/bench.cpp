@@ -138,11 +138,14 @@ double cpu_read_bandwidth(double bytes) {
 }
 
 // Bytes a decode step of `batch` rows reads: the weights (DecodeStep::weight_bytes) once for
-// all the rows, plus each row's cached K and V of every layer at position `pos`.
-double step_read_bytes(const Engine& engine, int64_t kv_elem, double pos, int64_t batch) {
+// all the rows, plus each row's cached K and V of every layer at position `pos` (quantised
+// rows with their scales).
+double step_read_bytes(const Engine& engine, double pos, int64_t batch) {
   const GPTConfig& c = engine.model().config();
   return static_cast<double>(engine.decode_step().weight_bytes()) +
-         2.0 * static_cast<double>(batch * c.n_layer * c.n_kv_head * c.head_size() * kv_elem) * pos;
+         static_cast<double>(
+             batch * kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), engine.cache_dtype())) *
+             pos;
 }
 
 // A decode side's memory traffic: bytes_read_per_step and read_GB_per_s, and on the CPU the
@@ -150,9 +153,8 @@ double step_read_bytes(const Engine& engine, int64_t kv_elem, double pos, int64_
 // includes entering the parallel region, <1% of a pass at a real model's size; on a GPU,
 // bench_cuda measures its own): read_bandwidth_GB_per_s, ceiling_tokens_per_s and
 // fraction_of_ceiling.
-void add_bandwidth(json& side, const Engine& engine, int64_t kv_elem, double mean_pos,
-                   int64_t batch) {
-  const double bytes = step_read_bytes(engine, kv_elem, mean_pos, batch);
+void add_bandwidth(json& side, const Engine& engine, double mean_pos, int64_t batch) {
+  const double bytes = step_read_bytes(engine, mean_pos, batch);
   const double tps = side["tokens_per_s"].get<double>(), steps = tps / static_cast<double>(batch);
   side["bytes_read_per_step"] = bytes;
   side["read_GB_per_s"] = bytes * steps / 1e9;
@@ -169,9 +171,9 @@ void add_bandwidth(json& side, const Engine& engine, int64_t kv_elem, double mea
 std::vector<std::vector<int32_t>> random_prompts(const BenchGenerateOptions& o,
                                                  const GPTConfig& c) {
   KVLAB_CHECK(o.batch >= 1, "bench: batch must be >= 1, got ", o.batch);
-  const double row_bytes = 2.0 * static_cast<double>(c.n_layer) * static_cast<double>(c.n_embd) *
-                           static_cast<double>(c.block_size) *
-                           static_cast<double>(dtype_size(o.cache_dtype));
+  const double row_bytes =
+      static_cast<double>(kv_bytes_per_token(c.n_layer, c.n_head, c.head_size(), o.cache_dtype)) *
+      static_cast<double>(c.block_size);
   const double memory = host_memory_bytes();
   KVLAB_CHECK(memory <= 0 || static_cast<double>(o.batch) * row_bytes <= memory,
               "bench: a batch of ", o.batch, " rows would need up to ",
@@ -263,7 +265,6 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
   if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
   Engine engine(model, tokenizer, o.cache_dtype, o.paged);
   engine.decode_step().enabled = o.fused_decode;
-  const int64_t kv_elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
   const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c);
 
   json out{{"model", model_json(engine)},
@@ -298,9 +299,8 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
         side["cache_layout"] = o.paged ? "paged" : "contiguous";
         side["cache_bytes_formula"] =
             kv_cache_formula_bytes(c.n_layer, o.batch, (positions + bs - 1) / bs * bs,
-                                   c.n_kv_head, c.head_size(), kv_elem);
-        add_bandwidth(side, engine, kv_elem,
-                      static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
+                                   c.n_kv_head, c.head_size(), o.cache_dtype);
+        add_bandwidth(side, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
         curve_cache = median_steps(m.runs);
       } else {
         curve_nocache = median_steps(m.runs);
@@ -327,13 +327,14 @@ json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_hea
                      DType dtype) {
   json out = json::array();
   const int64_t L = config.n_layer, S = config.block_size, HS = config.head_size();
-  const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
-  const int64_t mha = kv_cache_formula_bytes(L, batch, S, config.n_head, HS, elem);
+  const int64_t mha = kv_cache_formula_bytes(L, batch, S, config.n_head, HS, dtype);
   for (int64_t nkv : kv_heads) {
     GPTConfig c = config;
     c.n_kv_head = nkv;
     c.validate();
-    const ContiguousKVCache cache(L, batch, S, nkv, HS, dtype);
+    // fp8's scales are the cache's to check, not to measure: ones of the right count.
+    const ContiguousKVCache cache(L, batch, S, nkv, HS, dtype, Device::CPU,
+                                  std::vector<float>(dtype == DType::FP8 ? 2 * L * nkv : 0, 1.0f));
     const int64_t measured = cache.bytes();
     out.push_back(
         json{{"n_kv_head", nkv},
@@ -341,7 +342,7 @@ json kv_cache_report(const GPTConfig& config, const std::vector<int64_t>& kv_hea
              {"batch", batch},
              {"positions", S},
              {"measured_bytes", measured},
-             {"formula_bytes", kv_cache_formula_bytes(L, batch, S, nkv, HS, elem)},
+             {"formula_bytes", kv_cache_formula_bytes(L, batch, S, nkv, HS, dtype)},
              {"ratio_to_mha", static_cast<double>(measured) / static_cast<double>(mha)},
              {"expected_ratio", static_cast<double>(nkv) / static_cast<double>(config.n_head)}});
   }
@@ -377,8 +378,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["weights"] = "random";
     e["weight_dtype"] = dtype_name(o.weight_dtype);
     e["batch"] = o.batch;
-    add_bandwidth(e, engine, static_cast<int64_t>(dtype_size(o.cache_dtype)),
-                  static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
+    add_bandwidth(e, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
     out.push_back(e);
     if (o.progress)
       o.progress(detail::cat(setting, ": ", static_cast<int64_t>(e["tokens_per_s"].get<double>()),
@@ -412,8 +412,7 @@ json kv_memory_for(const GPTConfig& c, int64_t nkv, const BenchKVMemoryOptions& 
                    int64_t budget, int64_t system_prompt) {
   KVSimOptions so;
   so.budget_bytes = budget;
-  so.bytes_per_position =
-      2 * c.n_layer * nkv * c.head_size() * static_cast<int64_t>(dtype_size(o.cache_dtype));
+  so.bytes_per_position = kv_bytes_per_token(c.n_layer, nkv, c.head_size(), o.cache_dtype);
   so.context = c.block_size;
   so.kv_block_size = o.kv_block_size;
   const KVWorkloadOptions base{.requests = o.requests,
@@ -455,11 +454,10 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
               "bench kv-memory: a decode prompt of ", o.decode_prompt, " and ",
               o.decode_new_tokens, " new tokens (at least 2) must fit in block_size ",
               c.block_size);
-  const int64_t elem = static_cast<int64_t>(dtype_size(o.cache_dtype));
-  const int64_t budget =
-      o.budget_bytes > 0
-          ? o.budget_bytes
-          : kv_cache_formula_bytes(c.n_layer, 16, c.block_size, c.n_head, c.head_size(), elem);
+  const int64_t budget = o.budget_bytes > 0 ? o.budget_bytes
+                                            : kv_cache_formula_bytes(c.n_layer, 16, c.block_size,
+                                                                     c.n_head, c.head_size(),
+                                                                     o.cache_dtype);
   const int64_t system_prompt = o.system_prompt > 0 ? o.system_prompt : c.block_size / 4;
   auto say = [&](const std::string& line) {
     if (o.progress) o.progress(line);
@@ -578,7 +576,8 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
       {"independent_bytes", on_pages.generate_ids(repeated, sampled).stats.cache_bytes},
       {"contiguous_bytes", contiguous.generate_ids(repeated, sampled).stats.cache_bytes},
       {"prompt_blocks_shared", o.decode_prompt / o.kv_block_size},
-      {"block_bytes", 2 * c.n_layer * c.n_kv_head * c.head_size() * elem * o.kv_block_size}};
+      {"block_bytes",
+       kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), o.cache_dtype) * o.kv_block_size}};
   return out;
 }
 

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <span>
@@ -43,6 +44,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kernels.h"
+#include "autograd/backend/kv_format.h"
 #include "autograd/host/parallel.h"
 #include "autograd/graph.h"
 
@@ -190,8 +192,8 @@ void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int
   cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.w, ln.b, B, C, ln.eps);
 }
 
-// One layer's rows of the cache for this step (DecodeKVCache::layer_rows): host memory, f32 or
-// bf16, B rows of NKV heads of HS contiguous elements with room for every row's length (which
+// One layer's rows of the cache for this step (DecodeKVCache::layer_rows): host memory, f32,
+// bf16 or quantised (kv_format.h), B rows of NKV heads of HS contiguous elements with room for every row's length (which
 // counts this step's position), checked before the parallel region; the threads write their
 // new keys and values straight into them. A paged cache's rows (KVRows::blocks) are reached
 // through their block tables: the new position's block for the stores, every block for the
@@ -200,18 +202,19 @@ struct CacheRef {
   KVRows rows;
   HeadView k_strides, v_strides;  // within a row (its sb unused: each row has its own pointer)
   int64_t S;
-  bool bf16;
+  bool bf16, quantised;
   CacheRef(const KVRows& r, int64_t B, int64_t NKV, int64_t HS, std::span<const int64_t> lengths)
       : rows(r) {
     const bool ok =
-        r.device == Device::CPU && (r.dtype == DType::F32 || r.dtype == DType::BF16) &&
+        r.device == Device::CPU && kv_dtype_problem(r.dtype, HS).empty() &&
+        (r.dtype != DType::FP8 || r.scales != nullptr) &&
         r.rows == B && r.n_kv_head == NKV && r.head_size == HS &&
         std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n <= r.positions; });
     const std::string shape = shape_str(Shape{r.rows, r.n_kv_head, r.positions, r.head_size});
     KVLAB_CHECK(ok, "decode step: the KV cache returned k ", shape, " ", dtype_name(r.dtype),
                 " on ", device_name(r.device), ", v ", shape, " ", dtype_name(r.dtype),
-                "; the CPU decode step writes and reads host f32 or bf16 (B, NKV, S, HS) rows "
-                "with contiguous heads");
+                "; the CPU decode step writes and reads host (B, NKV, S, HS) rows of f32, bf16, "
+                "fp8 (with its scales), int8 or int4 with contiguous heads");
     if (r.blocks != nullptr) {
       // The attention reads a paged row block by block (cpu::BlockRows, block_len a power of
       // two); the table must hold the block each row's new position lies in.
@@ -229,6 +232,7 @@ struct CacheRef {
     k_strides = v_strides = {0, r.head_stride, r.pos_stride};
     S = r.positions;
     bf16 = r.dtype == DType::BF16;
+    quantised = is_quantised(r.dtype);
   }
   // Where position p of row b lies from the row's pointer, in elements (head 0).
   int64_t position(int64_t b, int64_t p) const {
@@ -237,15 +241,29 @@ struct CacheRef {
     return kb.table[b * kb.width + p / kb.block_len] * kb.block_stride +
            p % kb.block_len * rows.pos_stride;
   }
-  // fn(tag) with tag's ::type the rows' elements: float, or uint16_t for bf16.
+  // fn(tag) with tag's ::type the rows' elements: float, uint16_t for bf16, or uint8_t for a
+  // quantised row's bytes.
   template <class F>
   void typed(F&& fn) const {
     if (bf16)
       fn(std::type_identity<uint16_t>{});
+    else if (quantised)
+      fn(std::type_identity<uint8_t>{});
     else
       fn(std::type_identity<float>{});
   }
 };
+
+// Row b's new keys (which 0) or values (1) of KV head h, src (B, NKV * HS), quantised into
+// the cache at the row's last position (length - 1). False where they are not finite.
+bool store_new_quantised(const CacheRef& kv, int which, const float* src, int64_t b, int64_t h,
+                         int64_t KVD, int64_t HS, const int64_t* lengths) {
+  const KVRows& r = kv.rows;
+  auto* row = static_cast<uint8_t*>((which == 0 ? r.k : r.v)[b]) +
+              kv.position(b, lengths[b] - 1) + h * r.head_stride;
+  const float scale = r.scales != nullptr ? r.scales[which * r.n_kv_head + h] : 0.0f;
+  return store_kv_row(r.dtype, row, src + b * KVD + h * HS, 1, HS, scale);
+}
 
 // Elements [lo, hi) of each row's new keys (or values) src (B, NKV * HS) into the cache rows
 // dst (a pointer per row, laid out as kv says) at the row's last position (length - 1); a
@@ -490,13 +508,17 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   // buffers fit the same block.
   AttentionShape longest = s;
   longest.S = cache.capacity();
-  bool any_bf16 = false;
+  bool any_widened = false;  // bf16 or quantised rows, which may be widened into work memory
   for (const CacheRef& c : caches) {
     longest.S = std::max(longest.S, c.S);
-    any_bf16 = any_bf16 || c.bf16;
+    any_widened = any_widened || c.bf16 || c.quantised;
   }
-  const int64_t work_size = any_bf16 ? cpu::attention_decode_work<float, uint16_t>(longest)
-                                     : cpu::attention_decode_work<float>(longest);
+  const int64_t work_size = any_widened ? cpu::attention_decode_work<float, uint16_t>(longest)
+                                        : cpu::attention_decode_work<float>(longest);
+  // The first (layer, row, KV head) whose new key or value a quantised cache could not store,
+  // as l * B * NKV + b * NKV + h, or -1: nothing inside the region may throw, so the step
+  // reports it after the region, before the cache advances.
+  std::atomic<int64_t> nonfinite{-1};
   const int64_t own_size = B * C + 2 * B;
   const auto sizes = StepBuffers::sizes(B, C, KVD, H, threads, own_size, work_size);
   int64_t words = 0;
@@ -547,11 +569,36 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       const bool paged = kv.rows.blocks != nullptr;
       if (paged) row_blocks = *kv.rows.blocks;
       shape.kv_blocks = paged ? &row_blocks : nullptr;
+      shape.kv_dtype = kv.rows.dtype;
+      shape.kv_scales = kv.rows.scales;
       kv.typed([&](auto tag) {
         using KV = typename decltype(tag)::type;
-        store_new<KV>(kv.rows.k, kv, buf.k, B, KVD, HS, lengths, k0, k1);
-        store_new<KV>(kv.rows.v, kv, buf.v, B, KVD, HS, lengths, v0, v1);
-        if (!own_groups) barrier.wait();
+        if constexpr (std::is_same_v<KV, uint8_t>) {
+          // A quantised row takes its head's whole key or value at once: with own groups this
+          // thread computed its groups' heads; otherwise the heads are dealt out once every
+          // thread's rows are computed, and stored before anyone attends.
+          auto store_head = [&](int64_t b, int64_t h) {
+            for (int which = 0; which < 2; ++which)
+              if (!store_new_quantised(kv, which, which == 0 ? buf.k : buf.v, b, h, KVD, HS,
+                                       lengths)) {
+                int64_t none = -1;
+                nonfinite.compare_exchange_strong(
+                    none, (static_cast<int64_t>(l) * B + b) * NKV + h);
+              }
+          };
+          if (own_groups) {
+            for (int64_t b = 0; b < B; ++b)
+              for (int64_t h = g0; h < g1; ++h) store_head(b, h);
+          } else {
+            barrier.wait();
+            for (int64_t i = t; i < B * NKV; i += nt) store_head(i / NKV, i % NKV);
+            barrier.wait();
+          }
+        } else {
+          store_new<KV>(kv.rows.k, kv, buf.k, B, KVD, HS, lengths, k0, k1);
+          store_new<KV>(kv.rows.v, kv, buf.v, B, KVD, HS, lengths, v0, v1);
+          if (!own_groups) barrier.wait();
+        }
         // Task i of the batch: row b = i / (NKV * parts), and that row's task i % (NKV * parts).
         auto task = [&](int64_t i) {
           const int64_t b = i / (NKV * parts);
@@ -583,6 +630,11 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     }
     layer_norm(ln, stats, buf.x, final_norm, B, C);
     linear_rows(out, V, ln, B, head, rows.o.first, rows.o.second, part(head));
+  }
+  if (const int64_t at = nonfinite.load(); at >= 0) {
+    const int64_t b = at / NKV % B;
+    kv_nonfinite_error(caches[0].rows.dtype, static_cast<int>(at / NKV / B), b, at % NKV,
+                       lengths[b] - 1);
   }
   cache.advance(1);
   return logits;

@@ -7,8 +7,10 @@
 
 #include <zlib.h>
 
+#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "autograd/random.h"
+#include "infer/kv_quality.h"
 #include "infer/stop_filter.h"
 
 namespace kvlab {
@@ -170,8 +172,10 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype,
   KVLAB_CHECK(tokenizer.vocab_size() == model.config().vocab_size, "engine: tokenizer has ",
               tokenizer.vocab_size(), " symbols, the model's vocab_size is ",
               model.config().vocab_size);
-  KVLAB_CHECK(cache_dtype == DType::F32 || cache_dtype == DType::BF16, "engine: KV cache dtype ",
-              dtype_name(cache_dtype), " is not supported (f32 or bf16)");
+  const std::string problem = kv_dtype_problem(cache_dtype, model.config().head_size());
+  KVLAB_CHECK(problem.empty(), "engine: ", problem);
+  KVLAB_CHECK(!is_quantised(cache_dtype) || model.device() == Device::CPU, "engine: a ",
+              dtype_name(cache_dtype), " KV cache is on the CPU only (on CUDA, f32 or bf16)");
   if (paged) {
     const int64_t n = paged->kv_block_size, context = model.config().block_size;
     KVLAB_CHECK(n >= 1 && (n & (n - 1)) == 0, "engine: kv_block_size ", n,
@@ -200,15 +204,22 @@ Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache, bool a
                                : model_.forward(tokens, &cache, true);
 }
 
+std::vector<float> Engine::cache_scales() const {
+  return cache_dtype_ == DType::FP8 ? fp8_kv_scales(model_) : std::vector<float>{};
+}
+
 GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   if (paged_) return paged_cache_for(batch, capacity);
   const GPTConfig& c = model_.config();  // fixed for the engine's life: only B and S vary
-  if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity) {
+  std::vector<float> scales = cache_scales();
+  if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity || scales != cache_scales_) {
     cache_.reset();  // free first
     cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
-                                                 c.head_size(), cache_dtype_, model_.device());
+                                                 c.head_size(), cache_dtype_, model_.device(),
+                                                 scales);
     cache_batch_ = batch;
     cache_capacity_ = capacity;
+    cache_scales_ = std::move(scales);
   }
   cache_->reset();
   return *cache_;
@@ -239,8 +250,8 @@ uint64_t model_cache_key(const GPT& model) {
 GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
   const GPTConfig& c = model_.config();
   const int64_t bs = paged_->kv_block_size, per_row = (capacity + bs - 1) / bs;
-  const int64_t block_bytes = 2 * c.n_layer * c.n_kv_head * bs * c.head_size() *
-                              static_cast<int64_t>(dtype_size(cache_dtype_));
+  const int64_t block_bytes =
+      2 * c.n_layer * c.n_kv_head * bs * kv_row_bytes(cache_dtype_, c.head_size());
   const bool sized_by_call = paged_->pool_blocks == 0 && paged_->pool_bytes == 0;
   const int64_t n_blocks = paged_->pool_blocks > 0  ? paged_->pool_blocks
                            : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes
@@ -250,7 +261,8 @@ GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
               " positions, which takes ", per_row, " blocks of ", bs, " positions (",
               block_bytes, " bytes each)");
   const uint64_t key = paged_->prefix_caching ? model_cache_key(model_) : 0;
-  if (!blocks_ || key != model_key_ ||
+  std::vector<float> scales = cache_scales();
+  if (!blocks_ || key != model_key_ || scales != cache_scales_ ||
       (sized_by_call ? blocks_->total_blocks() < n_blocks : blocks_->total_blocks() != n_blocks)) {
     cache_.reset();  // free first: the new pools may take the same memory
     paged_cache_ = nullptr;
@@ -258,10 +270,11 @@ GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
     blocks_ = std::make_unique<BlockManager>(n_blocks, bs, key, paged_->prefix_caching);
     // Its capacity is the context: the pool, not the cache, bounds what rows take.
     auto cache = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
-                                                c.block_size, cache_dtype_);
+                                                c.block_size, cache_dtype_, 0, scales);
     paged_cache_ = cache.get();
     cache_ = std::move(cache);
     model_key_ = key;
+    cache_scales_ = std::move(scales);
   }
   paged_cache_->reset_rows(batch);
   return *cache_;

@@ -166,7 +166,8 @@ class Engine {
  public:
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
   // cache_dtype: f32, or bf16 (keys and values rounded to bf16 as they are stored: half the
-  // cache memory and the bytes each decode step reads), on either device. paged: the paged
+  // cache memory and the bytes each decode step reads), on either device; or on the CPU fp8,
+  // int8 or int4 (quantised as stored, kv_format.h; fp8 with fp8_kv_scales). paged: the paged
   // cache with these options, the default (the model must be on the CPU); none: the
   // contiguous one, which CUDA needs.
   Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32,
@@ -196,6 +197,9 @@ class Engine {
   const GPT& model() const { return model_; }
   const Tokenizer& tokenizer() const { return tokenizer_; }
   DType cache_dtype() const { return cache_dtype_; }
+  // The scales a cache of cache_dtype() takes from the model now: fp8_kv_scales for fp8,
+  // none otherwise.
+  std::vector<float> cache_scales() const;
   // The fused CPU decode step; decode_step().enabled = false runs every step op by op.
   DecodeStep& decode_step() { return step_; }
   const DecodeStep& decode_step() const { return step_; }
@@ -221,6 +225,7 @@ class Engine {
   std::unique_ptr<GenerationKVCache> cache_;
   PagedKVCache* paged_cache_ = nullptr;  // cache_, when it is the paged one
   int64_t cache_batch_ = 0, cache_capacity_ = 0;
+  std::vector<float> cache_scales_;  // cache_'s fp8 scales: a cache is rebuilt when they change
   uint64_t model_key_ = 0;  // of the model the paged pool's blocks were computed by
 };
 

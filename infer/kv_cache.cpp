@@ -1,14 +1,58 @@
 #include "infer/kv_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
+
+#include "autograd/backend/cpu/bf16.h"
+#include "autograd/backend/cpu/kv_quant.h"
+#include "autograd/backend/kv_format.h"
 
 namespace kvlab {
 
 int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int64_t HS,
-                               int64_t bytes_per_elem) {
-  return 2 * L * B * S * NKV * HS * bytes_per_elem;
+                               DType dtype) {
+  const int64_t scales = dtype == DType::FP8 ? 2 * L * NKV * 4 : 0;
+  return B * S * kv_bytes_per_token(L, NKV, HS, dtype) + scales;
+}
+
+int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype) {
+  return 2 * L * NKV * kv_row_bytes(dtype, HS);
+}
+
+bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int64_t HS,
+                  float fp8_scale) {
+  if (dtype == DType::F32) {
+    auto* d = static_cast<float*>(dst);
+    for (int64_t i = 0; i < HS; ++i) d[i] = src[i * stride];
+  } else if (dtype == DType::BF16) {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < HS; ++i) d[i] = cpu::f32_to_bf16(src[i * stride]);
+  } else {
+    KVLAB_ASSERT(stride == 1, "store_kv_row: a quantised row is read contiguous");
+    return cpu::quantise_kv_row(dtype, static_cast<uint8_t*>(dst), src, HS, fp8_scale);
+  }
+  return true;
+}
+
+void kv_nonfinite_error(DType dtype, int layer, int64_t row, int64_t head, int64_t position) {
+  detail::throw_error(detail::cat("KV cache (", dtype_name(dtype), "): layer ", layer, ", row ",
+                                  row, ", KV head ", head, ", position ", position,
+                                  ": a key or value is infinite or NaN, which a quantised cache "
+                                  "cannot store"));
+}
+
+void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV) {
+  if (dtype != DType::FP8) {
+    KVLAB_CHECK(scales.empty(), "kv cache: scales are for an fp8 cache, not ", dtype_name(dtype));
+    return;
+  }
+  KVLAB_CHECK(static_cast<int64_t>(scales.size()) == 2 * L * NKV,
+              "kv cache: an fp8 cache takes 2 * L * NKV = ", 2 * L * NKV, " scales, got ",
+              scales.size());
+  for (const float s : scales)
+    KVLAB_CHECK(std::isfinite(s) && s > 0, "kv cache: fp8 scale ", s, " is not positive and finite");
 }
 
 // Active rows [first, first + count) of a ContiguousKVCache seen as a cache of their own.
@@ -28,6 +72,7 @@ class ContiguousKVCache::RowRange final : public DecodeKVCache {
   KVRows layer_rows(int layer, int64_t T) override {
     return parent_.layer_rows_of(layer, first_, batch(), T);
   }
+  std::span<const float> kv_scales(int layer) const override { return parent_.kv_scales(layer); }
   void advance(int64_t T) override {
     for (size_t i = 0; i < lengths_.size(); ++i) {
       lengths_[i] += T;
@@ -43,28 +88,32 @@ class ContiguousKVCache::RowRange final : public DecodeKVCache {
 
 ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity,
                                      int64_t n_kv_head, int64_t head_size, DType dtype,
-                                     Device device)
+                                     Device device, std::vector<float> fp8_scales)
     : n_layer_(n_layer),
       max_batch_(max_batch),
       capacity_(capacity),
       n_kv_head_(n_kv_head),
       head_size_(head_size),
       dtype_(dtype),
+      row_(kv_row_bytes(dtype, head_size) / static_cast<int64_t>(dtype_size(dtype))),
+      scales_(std::move(fp8_scales)),
       batch_(max_batch) {
   KVLAB_CHECK(n_layer >= 1 && max_batch >= 1 && capacity >= 1 && n_kv_head >= 1 && head_size >= 1,
               "kv cache: every size must be positive, got L = ", n_layer, ", B = ", max_batch,
               ", S = ", capacity, ", NKV = ", n_kv_head, ", HS = ", head_size);
-  KVLAB_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16,
-              "kv cache: dtype ", dtype_name(dtype), " is not supported (f32, f64 or bf16)");
-  const Shape shape{max_batch, n_kv_head, capacity, head_size};
+  const std::string problem = dtype == DType::F64 ? "" : kv_dtype_problem(dtype, head_size);
+  KVLAB_CHECK(problem.empty(), "kv cache: ", problem);
+  KVLAB_CHECK(!is_quantised(dtype) || device == Device::CPU, "kv cache: a ", dtype_name(dtype),
+              " cache is on the CPU only");
+  check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
+  const Shape shape{max_batch, n_kv_head, capacity, row_};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions past a row's length hold finite values (the attention op never
     // reads them, but a debugger or a test dumping the buffer should not see garbage).
     k_.push_back(Tensor::zeros(shape, dtype, device));
     v_.push_back(Tensor::zeros(shape, dtype, device));
   }
-  const size_t row_bytes =
-      static_cast<size_t>(n_kv_head * capacity * head_size) * dtype_size(dtype);
+  const size_t row_bytes = static_cast<size_t>(n_kv_head * capacity * row_) * dtype_size(dtype);
   for (int64_t l = 0; l < n_layer; ++l)
     for (int64_t b = 0; b < max_batch; ++b) {
       const size_t at = static_cast<size_t>(b) * row_bytes;
@@ -78,8 +127,14 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
 ContiguousKVCache::~ContiguousKVCache() = default;
 
 Tensor ContiguousKVCache::view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
-  const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
-  return buf.as_strided({n, n_kv_head_, S, head_size_}, {sb, sh, head_size_, 1}, first * sb);
+  const int64_t sh = capacity_ * row_, sb = n_kv_head_ * sh;
+  return buf.as_strided({n, n_kv_head_, S, row_}, {sb, sh, row_, 1}, first * sb);
+}
+
+std::span<const float> ContiguousKVCache::kv_scales(int layer) const {
+  if (scales_.empty()) return {};
+  return std::span<const float>(scales_).subspan(static_cast<size_t>(layer * 2 * n_kv_head_),
+                                                 static_cast<size_t>(2 * n_kv_head_));
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append(int layer, const Tensor& k, const Tensor& v) {
@@ -122,10 +177,11 @@ KVRows ContiguousKVCache::layer_rows_of(int layer, int64_t first, int64_t n, int
           n_kv_head_,
           head_size_,
           S,
-          capacity_ * head_size_,
-          head_size_,
+          capacity_ * row_,
+          row_,
           dtype_,
-          k_[static_cast<size_t>(layer)].device()};
+          k_[static_cast<size_t>(layer)].device(),
+          scales_.empty() ? nullptr : kv_scales(layer).data()};
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t first, const Tensor& k,
@@ -137,13 +193,34 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
       first >= 0 && first + n <= batch_ && k.size(1) == n_kv_head_ && k.size(3) == head_size_,
       "kv cache: k ", k.shape_str(), " does not fit rows [", first, ", ", first + n,
       ") of a cache of ", batch_, " active rows with NKV = ", n_kv_head_, ", HS = ", head_size_);
-  // A bf16 cache stores f32 keys and values rounded to bf16.
-  const DType input = dtype_ == DType::BF16 ? DType::F32 : dtype_;
+  // A bf16 or quantised cache stores f32 keys and values, rounded or quantised.
+  const DType input = dtype_ == DType::F64 ? dtype_ : DType::F32;
   KVLAB_CHECK(k.dtype() == input && v.dtype() == input, "kv cache: k/v dtype ",
               dtype_name(k.dtype()), " does not fit the cache's ", dtype_name(dtype_));
   auto views = views_rows(layer, first, n, T);
   const Tensor& kb = k_[static_cast<size_t>(layer)];
   const Tensor& vb = v_[static_cast<size_t>(layer)];
+  if (is_quantised(dtype_)) {
+    const std::span<const float> scales = kv_scales(layer);
+    const int64_t rb = row_, sh = capacity_ * rb, sb = n_kv_head_ * sh;
+    auto quantise = [&](const Tensor& buf, const Tensor& src_in, int64_t which) {
+      const Tensor src = src_in.stride(3) == 1 ? src_in : src_in.contiguous();
+      const float* s = src.data<float>();
+      auto* dst = static_cast<uint8_t*>(buf.raw_data());
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t b = first + i, len = lengths_[static_cast<size_t>(b)];
+        for (int64_t h = 0; h < n_kv_head_; ++h)
+          for (int64_t t = 0; t < T; ++t)
+            if (!store_kv_row(dtype_, dst + b * sb + h * sh + (len + t) * rb,
+                              s + i * src.stride(0) + h * src.stride(1) + t * src.stride(2), 1,
+                              head_size_, scales.empty() ? 0.0f : scales[which * n_kv_head_ + h]))
+              kv_nonfinite_error(dtype_, layer, b, h, len + t);
+      }
+    };
+    quantise(kb, k, 0);
+    quantise(vb, v, 1);
+    return views;
+  }
   const size_t esize = dtype_size(dtype_);
   const size_t row_bytes = static_cast<size_t>(head_size_) * esize;
   const int64_t sh = capacity_ * head_size_, sb = n_kv_head_ * sh;
@@ -227,7 +304,7 @@ void ContiguousKVCache::truncate_batch(int64_t count) {
 }
 
 int64_t ContiguousKVCache::bytes() const {
-  int64_t total = 0;
+  auto total = static_cast<int64_t>(scales_.size() * sizeof(float));
   for (size_t l = 0; l < k_.size(); ++l)
     total += static_cast<int64_t>(k_[l].storage()->nbytes() + v_[l].storage()->nbytes());
   return total;

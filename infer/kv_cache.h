@@ -28,10 +28,26 @@
 
 namespace kvlab {
 
-// 2 (K and V) * L * B * S * NKV * HS * bytes_per_elem: what a (B, NKV, S, HS) cache per layer
-// for K and for V must take.
+// 2 (K and V) * L * B * S * NKV * kv_row_bytes(dtype, HS): what a (B, NKV, S, HS) cache per
+// layer for K and for V must take, a quantised row's scales included (kv_format.h). An fp8
+// cache also holds its 2 * L * NKV f32 scales, which this counts too.
 int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int64_t HS,
-                               int64_t bytes_per_elem);
+                               DType dtype);
+// 2 * L * NKV * kv_row_bytes(dtype, HS): the bytes one position takes in every layer's K and V.
+int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype);
+
+// Writes one (position, KV head) row of HS f32 values (src, at element stride `stride`) into a
+// cache's row of dtype at dst: f32 as they are, bf16 rounded to nearest even, fp8, int8 and
+// int4 quantised (cpu/kv_quant.h; fp8 with its head's scale; src then contiguous). False,
+// having written a zeroed row, where a quantised row meets an infinity or a NaN: the caller
+// refuses it, naming where (kv_nonfinite_error).
+bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int64_t HS,
+                  float fp8_scale);
+// Checks an fp8 cache's scales, (L, 2 NKV) positive and finite, or that a cache of another
+// dtype was given none.
+void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV);
+[[noreturn]] void kv_nonfinite_error(DType dtype, int layer, int64_t row, int64_t head,
+                                     int64_t position);
 
 // One layer of a cache where DecodeStep reads and writes it, without a Tensor: row b's keys of
 // KV head h at position p are the head_size contiguous elements of `dtype` from
@@ -46,8 +62,12 @@ struct KVRows {
   int64_t rows = 0, n_kv_head = 0, head_size = 0;
   int64_t positions = 0;  // S = max(lengths) + T: the positions a step's rows reach
   int64_t head_stride = 0, pos_stride = 0;
+  // f32, bf16, or quantised (kv_format.h): then strides count bytes, and a row is
+  // kv_row_bytes(dtype, head_size) of them.
   DType dtype = DType::F32;
   Device device = Device::CPU;
+  // An fp8 cache's scales of this layer (2 NKV: every KV head's keys', then its values'), or null.
+  const float* scales = nullptr;
   // Null for rows that each lie in one piece; a paged cache's block tables (every row's,
   // covering its positions up to `positions`), the same for every layer.
   const KVBlocks* blocks = nullptr;
@@ -106,10 +126,13 @@ class GenerationKVCache : public DecodeKVCache {
 
 // Per layer, K and V as (B_max, NKV, S_max, HS) buffers allocated once; row b's positions
 // 0 .. lengths()[b] - 1 are valid. Only NKV heads are stored, never repeated per query head.
+// dtype f32, f64 or bf16, or on the CPU fp8, int8 or int4, whose buffers' last dim is a row's
+// bytes (kv_format.h); fp8 takes its scales, (L, 2 NKV) as KVRows::scales reads them.
 class ContiguousKVCache final : public GenerationKVCache {
  public:
   ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity, int64_t n_kv_head,
-                    int64_t head_size, DType dtype = DType::F32, Device device = Device::CPU);
+                    int64_t head_size, DType dtype = DType::F32, Device device = Device::CPU,
+                    std::vector<float> fp8_scales = {});
   ~ContiguousKVCache() override;
 
   // ---- KVCache ----
@@ -120,6 +143,7 @@ class ContiguousKVCache final : public GenerationKVCache {
   // views (B, NKV, max(lengths) + T, HS) of the buffers (row b valid up to lengths[b] + T).
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
   void advance(int64_t T) override;
+  std::span<const float> kv_scales(int layer) const override;
 
   // ---- DecodeKVCache ----
   KVRows layer_rows(int layer, int64_t T) override;
@@ -162,6 +186,8 @@ class ContiguousKVCache final : public GenerationKVCache {
 
   int64_t n_layer_, max_batch_, capacity_, n_kv_head_, head_size_;
   DType dtype_;
+  int64_t row_;  // elements of dtype_ a (position, head) row: head_size_, or a quantised row's bytes
+  std::vector<float> scales_;  // fp8: (L, 2 NKV)
   int64_t batch_;
   std::vector<Tensor> k_, v_;  // per layer (B_max, NKV, S_max, HS)
   // (L, B_max): where each row of each layer's buffers starts, for layer_rows.

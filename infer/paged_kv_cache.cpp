@@ -4,13 +4,15 @@
 #include <cstring>
 #include <unordered_set>
 
-#include "autograd/backend/cpu/bf16.h"
+#include "autograd/backend/kv_format.h"
 #include "autograd/error.h"
+#include "infer/kv_cache.h"
 
 namespace kvlab {
 
 PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head,
-                           int64_t head_size, int64_t capacity, DType dtype, int64_t max_batch)
+                           int64_t head_size, int64_t capacity, DType dtype, int64_t max_batch,
+                           std::vector<float> fp8_scales)
     : blocks_(blocks),
       n_layer_(n_layer),
       n_kv_head_(n_kv_head),
@@ -18,20 +20,23 @@ PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_h
       capacity_(capacity),
       block_len_(blocks.block_size()),
       width_((capacity + blocks.block_size() - 1) / blocks.block_size()),
-      dtype_(dtype) {
+      dtype_(dtype),
+      row_(kv_row_bytes(dtype, head_size) / static_cast<int64_t>(dtype_size(dtype))),
+      scales_(std::move(fp8_scales)) {
   KVLAB_CHECK(n_layer >= 1 && n_kv_head >= 1 && head_size >= 1 && capacity >= 1,
               "paged KV cache: every size must be positive, got L = ", n_layer, ", NKV = ",
               n_kv_head, ", HS = ", head_size, ", capacity ", capacity);
-  KVLAB_CHECK(dtype == DType::F32 || dtype == DType::BF16, "paged KV cache: dtype ",
-              dtype_name(dtype), " is not supported (f32 or bf16)");
-  const Shape shape{blocks.total_blocks(), n_kv_head, block_len_, head_size};
+  const std::string problem = kv_dtype_problem(dtype, head_size);
+  KVLAB_CHECK(problem.empty(), "paged KV cache: ", problem);
+  check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
+  const Shape shape{blocks.total_blocks(), n_kv_head, block_len_, row_};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions no sequence has written hold finite values (the attention
     // never reads them).
     k_.push_back(Tensor::zeros(shape, dtype));
     v_.push_back(Tensor::zeros(shape, dtype));
   }
-  view_ = {nullptr, width_, block_len_, n_kv_head * block_len_ * head_size};
+  view_ = {nullptr, width_, block_len_, n_kv_head * block_len_ * row_};
   KVLAB_CHECK(max_batch >= 0, "paged KV cache: max_batch ", max_batch, " is negative");
   max_batch_ = max_batch;
   if (max_batch > 0) reset();
@@ -46,6 +51,8 @@ PagedKVCache::PagedKVCache(PagedKVCache& parent, int64_t first, int64_t count)
       block_len_(parent.block_len_),
       width_(parent.width_),
       dtype_(parent.dtype_),
+      row_(parent.row_),
+      scales_(parent.scales_),
       k_(parent.k_),
       v_(parent.v_),
       view_(parent.view_),
@@ -172,7 +179,14 @@ int64_t PagedKVCache::bytes() const {
   int64_t pools = 0;
   for (const std::vector<Tensor>* p : {&k_, &v_})
     for (const Tensor& pool : *p) pools += static_cast<int64_t>(pool.storage()->nbytes());
-  return blocks_.stats().in_use * (pools / blocks_.total_blocks());
+  return blocks_.stats().in_use * (pools / blocks_.total_blocks()) +
+         static_cast<int64_t>(scales_.size() * sizeof(float));
+}
+
+std::span<const float> PagedKVCache::kv_scales(int layer) const {
+  if (scales_.empty()) return {};
+  return std::span<const float>(scales_).subspan(static_cast<size_t>(layer * 2 * n_kv_head_),
+                                                 static_cast<size_t>(2 * n_kv_head_));
 }
 
 int64_t PagedKVCache::blocks_needed(int64_t T) {
@@ -219,8 +233,8 @@ bool PagedKVCache::reserve(std::span<const int32_t> tokens) {
 
 void PagedKVCache::copy_block(const BlockCopy& c) {
   const size_t esize = dtype_size(dtype_);
-  const int64_t head = block_len_ * head_size_, block = n_kv_head_ * head;
-  const size_t bytes = static_cast<size_t>(c.positions * head_size_) * esize;
+  const int64_t head = block_len_ * row_, block = n_kv_head_ * head;
+  const size_t bytes = static_cast<size_t>(c.positions * row_) * esize;
   for (std::vector<Tensor>* pools : {&k_, &v_})
     for (Tensor& pool : *pools) {
       char* base = static_cast<char*>(pool.raw_data());
@@ -230,28 +244,26 @@ void PagedKVCache::copy_block(const BlockCopy& c) {
     }
 }
 
-void PagedKVCache::store(Tensor& pool, const Tensor& src, int64_t T) {
-  const int64_t head = block_len_ * head_size_, block = n_kv_head_ * head;
+void PagedKVCache::store(int layer, int which, const Tensor& src_in, int64_t T) {
+  // A quantised row is quantised from contiguous values.
+  const Tensor src = is_quantised(dtype_) && src_in.stride(3) != 1 ? src_in.contiguous() : src_in;
+  Tensor& pool = (which == 0 ? k_ : v_)[static_cast<size_t>(layer)];
+  const std::span<const float> scales = kv_scales(layer);
+  const int64_t head = block_len_ * row_, block = n_kv_head_ * head;
   const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2), s3 = src.stride(3);
   const float* s = src.data<float>();
+  auto* base = static_cast<char*>(pool.raw_data());
+  const auto esize = static_cast<int64_t>(dtype_size(dtype_));
   for (int64_t b = 0; b < batch(); ++b) {
     const int64_t len = lengths_[static_cast<size_t>(b)];
     for (int64_t t = 0; t < T; ++t) {
       const int64_t p = len + t;
       const int64_t at = table_[static_cast<size_t>(b * width_ + p / block_len_)] * block +
-                         (p % block_len_) * head_size_;
-      for (int64_t h = 0; h < n_kv_head_; ++h) {
-        const float* from = s + b * s0 + h * s1 + t * s2;
-        const int64_t to = at + h * head;
-        if (dtype_ == DType::BF16) {
-          // Rounded as ContiguousKVCache rounds (strided_copy's f32 -> bf16).
-          uint16_t* d = static_cast<uint16_t*>(pool.raw_data()) + to;
-          for (int64_t i = 0; i < head_size_; ++i) d[i] = cpu::f32_to_bf16(from[i * s3]);
-        } else {
-          float* d = pool.data<float>() + to;
-          for (int64_t i = 0; i < head_size_; ++i) d[i] = from[i * s3];
-        }
-      }
+                         (p % block_len_) * row_;
+      for (int64_t h = 0; h < n_kv_head_; ++h)
+        if (!store_kv_row(dtype_, base + (at + h * head) * esize, s + b * s0 + h * s1 + t * s2, s3,
+                          head_size_, scales.empty() ? 0.0f : scales[which * n_kv_head_ + h]))
+          kv_nonfinite_error(dtype_, layer, b, h, p);
     }
   }
 }
@@ -267,11 +279,9 @@ std::pair<Tensor, Tensor> PagedKVCache::append(int layer, const Tensor& k, const
   KVLAB_CHECK(k.dtype() == DType::F32 && v.dtype() == DType::F32 && k.device() == Device::CPU &&
                   v.device() == Device::CPU,
               "paged KV cache: k and v must be f32 on the CPU");
-  Tensor& kp = k_[static_cast<size_t>(layer)];
-  Tensor& vp = v_[static_cast<size_t>(layer)];
-  store(kp, k, reserved_);
-  store(vp, v, reserved_);
-  return {kp, vp};
+  store(layer, 0, k, reserved_);
+  store(layer, 1, v, reserved_);
+  return {k_[static_cast<size_t>(layer)], v_[static_cast<size_t>(layer)]};
 }
 
 KVRows PagedKVCache::layer_rows(int layer, int64_t T) {
@@ -287,10 +297,11 @@ KVRows PagedKVCache::layer_rows(int layer, int64_t T) {
           n_kv_head_,
           head_size_,
           longest + T,
-          block_len_ * head_size_,
-          head_size_,
+          block_len_ * row_,
+          row_,
           dtype_,
           Device::CPU,
+          scales_.empty() ? nullptr : kv_scales(layer).data(),
           &view_};
 }
 

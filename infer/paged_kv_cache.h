@@ -37,11 +37,14 @@ namespace kvlab {
 class PagedKVCache final : public GenerationKVCache {
  public:
   // capacity: positions one sequence may reach (its block table's width is capacity /
-  // kv_block_size, rounded up). dtype f32 or bf16 (f32 keys and values rounded as stored).
+  // kv_block_size, rounded up). dtype f32 or bf16 (f32 keys and values rounded as stored), or
+  // fp8, int8 or int4 (quantised as stored; a pool's last dim is then a row's bytes,
+  // kv_format.h), fp8 with its scales, (L, 2 NKV) as KVRows::scales reads them.
   // max_batch > 0 makes that many fresh sequences the rows (as reset() does); 0 leaves the
   // rows to set_rows().
   PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head, int64_t head_size,
-               int64_t capacity, DType dtype = DType::F32, int64_t max_batch = 0);
+               int64_t capacity, DType dtype = DType::F32, int64_t max_batch = 0,
+               std::vector<float> fp8_scales = {});
   ~PagedKVCache() override;
 
   // The sequences the batch's rows are, in order: distinct, each held by the manager; they
@@ -70,6 +73,7 @@ class PagedKVCache final : public GenerationKVCache {
   // Commits the reserved tokens: every row's length grows by T.
   void advance(int64_t T) override;
   const KVBlocks* kv_blocks() const override { return &view_; }
+  std::span<const float> kv_scales(int layer) const override;
 
   // ---- DecodeKVCache ----
   // The layer's pools and the rows' block tables (KVRows::blocks), for the T positions a row
@@ -89,7 +93,8 @@ class PagedKVCache final : public GenerationKVCache {
   // BlockManager::take_prefix for the row's sequence.
   int64_t reuse_prefix(int64_t row, std::span<const int32_t> tokens) override;
   void truncate_batch(int64_t count) override;
-  // The manager's blocks in use times the bytes one block takes in every layer's pools.
+  // The manager's blocks in use times the bytes one block takes in every layer's pools (and an
+  // fp8 cache's scales).
   int64_t bytes() const override;
   // The manager's: positions in the blocks in use, and those blocks' positions.
   int64_t positions_stored() const override;
@@ -99,7 +104,8 @@ class PagedKVCache final : public GenerationKVCache {
   void reset_rows(int64_t max_batch);
 
   int64_t kv_block_size() const { return block_len_; }
-  // A layer's pools (n_blocks, NKV, kv_block_size, HS), for inspection and tests.
+  // A layer's pools (n_blocks, NKV, kv_block_size, HS, or a quantised row's bytes), for
+  // inspection and tests.
   const Tensor& k_pool(int layer) const { return k_[static_cast<size_t>(layer)]; }
   const Tensor& v_pool(int layer) const { return v_[static_cast<size_t>(layer)]; }
 
@@ -118,13 +124,16 @@ class PagedKVCache final : public GenerationKVCache {
   // Copies the first c.positions positions of block c.src over block c.dst, K and V of every
   // layer.
   void copy_block(const BlockCopy& c);
-  // Writes src (B, NKV, T, HS) f32 into pool at each row's new positions.
-  void store(Tensor& pool, const Tensor& src, int64_t T);
+  // Writes src (B, NKV, T, HS) f32 into layer's pool of K (which 0) or V (1) at each row's new
+  // positions.
+  void store(int layer, int which, const Tensor& src, int64_t T);
 
   BlockManager& blocks_;
   int64_t n_layer_, n_kv_head_, head_size_, capacity_, block_len_, width_;
   DType dtype_;
-  std::vector<Tensor> k_, v_;  // per layer (n_blocks, NKV, kv_block_size, HS)
+  int64_t row_;                // elements of dtype_ a (position, head) row (kv_format.h)
+  std::vector<float> scales_;  // fp8: (L, 2 NKV)
+  std::vector<Tensor> k_, v_;  // per layer (n_blocks, NKV, kv_block_size, row_)
   // (L, batch): every row's pointer into each layer's pools, for layer_rows: the pool itself,
   // since a paged row is reached through its block table.
   std::vector<void*> k_rows_, v_rows_;

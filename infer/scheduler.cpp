@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <span>
 
+#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "autograd/random.h"
 
@@ -55,8 +56,8 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
   KVLAB_CHECK(bs >= 1 && (bs & (bs - 1)) == 0 && bs <= c.block_size, "scheduler: kv_block_size ",
               bs, " must be a power of two of at most the context (", c.block_size, ")");
   const int64_t per_seq = (c.block_size + bs - 1) / bs;
-  const int64_t block_bytes = 2 * c.n_layer * c.n_kv_head * bs * c.head_size() *
-                              static_cast<int64_t>(dtype_size(engine.cache_dtype()));
+  const int64_t block_bytes =
+      2 * c.n_layer * c.n_kv_head * bs * kv_row_bytes(engine.cache_dtype(), c.head_size());
   const int64_t n_blocks = p.pool_blocks > 0  ? p.pool_blocks
                            : p.pool_bytes > 0 ? p.pool_bytes / block_bytes
                                               : options.max_seqs * per_seq;
@@ -66,7 +67,8 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
   blocks_ = std::make_unique<BlockManager>(
       n_blocks, bs, p.prefix_caching ? model_cache_key(engine.model()) : 0, p.prefix_caching);
   cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
-                                          c.block_size, engine.cache_dtype());
+                                          c.block_size, engine.cache_dtype(), 0,
+                                          engine.cache_scales());
 }
 
 Scheduler::~Scheduler() = default;

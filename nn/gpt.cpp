@@ -82,6 +82,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
     auto [kc, vc] = ctx.cache->append(layer, k, v);  // (B, NKV, S, HS)
     opts.kv_lengths = ctx.kv_lengths;
     opts.kv_blocks = ctx.cache->kv_blocks();
+    opts.kv_scales = ctx.cache->kv_scales(layer);
     k = kc;
     v = vc;
   }

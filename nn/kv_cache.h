@@ -3,6 +3,7 @@
 // because the model code is shared by training and inference; infer/ implements it
 // (preallocated, or paged: blocks reached through block tables, which the attention reads).
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -20,12 +21,15 @@ class KVCache {
   virtual const std::vector<int64_t>& lengths() const = 0;
   // Stores k, v (B, NKV, T, HS) of `layer` at each row's current length and returns what the
   // attention op reads: views (B, NKV, S, HS) with S = max(lengths) + T, or, where kv_blocks()
-  // is set, the layer's pools of blocks, read through it. Row b's valid length is
+  // is set, the layer's pools of blocks, read through it. A quantised cache's views hold its
+  // rows' bytes, not HS values (kv_format.h). Row b's valid length is
   // lengths()[b] + T.
   virtual std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) = 0;
   // Null for a cache whose append() returns (B, NKV, S, HS) views; a paged cache's block tables
   // (AttentionOptions::kv_blocks), the same for every layer, valid until advance().
   virtual const KVBlocks* kv_blocks() const { return nullptr; }
+  // An fp8 cache's scales of `layer` (AttentionOptions::kv_scales); empty for other dtypes.
+  virtual std::span<const float> kv_scales(int /*layer*/) const { return {}; }
   // Called once every layer has appended: every row's length grows by T.
   virtual void advance(int64_t T) = 0;
 };

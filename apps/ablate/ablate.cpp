@@ -352,7 +352,7 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
     const int64_t measured = cache.bytes();
     const int64_t formula =
         kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
-                               static_cast<int64_t>(dtype_size(cfg.kv_dtype)));
+                               cfg.kv_dtype);
     v["cache_bytes_context_measured"] = measured;
     v["cache_bytes_context_formula"] = formula;
     v["cache_bytes_per_token"] = measured / mc.block_size;

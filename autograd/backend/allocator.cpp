@@ -19,6 +19,12 @@ const char* dtype_name(DType t) {
       return "i32";
     case DType::BF16:
       return "bf16";
+    case DType::FP8:
+      return "fp8";
+    case DType::INT8:
+      return "int8";
+    case DType::INT4:
+      return "int4";
   }
   return "?";
 }

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "autograd/backend/device.h"
+
 namespace kvlab {
 
 using Strides = std::vector<int64_t>;
@@ -49,6 +51,11 @@ struct AttentionShape {
   // Null: K and V are (B, NKV, S, HS) operands. Otherwise their blocks, reached through these
   // tables (forward without dropout only, on the CPU; kv_lengths then set).
   const KVBlocks* kv_blocks = nullptr;
+  // K and V's storage when it is a quantised KV cache's (fp8, int8 or int4, forward on the CPU
+  // only): their last dim then counts kv_row_bytes(kv_dtype, HS) bytes. fp8 reads kv_scales:
+  // the layer's (2 NKV) scales, every KV head's keys', then its values'.
+  DType kv_dtype = DType::F32;
+  const float* kv_scales = nullptr;
 };
 
 struct AdamWStep {

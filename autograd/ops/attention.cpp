@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "autograd/backend/kv_format.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -31,7 +32,33 @@ AttentionShape attention_shape(const Tensor& q, const Tensor& k, const Attention
           opts.kv_lengths.empty() ? nullptr : opts.kv_lengths.data(),
           1.0 / std::sqrt(static_cast<double>(HS)),
           opts.dropout,
-          opts.seed};
+          opts.seed,
+          opts.kv_blocks,
+          k.dtype(),
+          opts.kv_scales.empty() ? nullptr : opts.kv_scales.data()};
+}
+
+// What k and v are, under f32 q: like q, or KV-cache storage (bf16, or quantised rows of
+// kv_row_bytes(dtype, HS) bytes), read for inference only. Checks storage's dtype, last dim,
+// device and scales.
+enum class KVStorage { LikeQ, BF16, Quantised };
+KVStorage kv_storage(const char* op, const Tensor& q, const Tensor& k,
+                     const AttentionOptions& opts) {
+  if (q.dtype() != DType::F32 || (k.dtype() != DType::BF16 && !is_quantised(k.dtype()))) {
+    check_same_dtype(op, q, k);
+    return KVStorage::LikeQ;
+  }
+  if (k.dtype() == DType::BF16) return KVStorage::BF16;
+  const int64_t HS = q.size(-1), NKV = k.dim() == 4 ? k.size(1) : 0;
+  KVLAB_CHECK(k.size(-1) == kv_row_bytes(k.dtype(), HS), op, ": ", dtype_name(k.dtype()),
+              " keys and values of head size ", HS, " are rows of ",
+              kv_row_bytes(k.dtype(), HS), " bytes, got ", k.size(-1));
+  KVLAB_CHECK(q.device() == Device::CPU, op, ": a ", dtype_name(k.dtype()),
+              " KV cache is read on the CPU only");
+  KVLAB_CHECK(k.dtype() != DType::FP8 || static_cast<int64_t>(opts.kv_scales.size()) == 2 * NKV,
+              op, ": fp8 keys and values need their ", 2 * NKV, " scales, got ",
+              opts.kv_scales.size());
+  return KVStorage::Quantised;
 }
 
 Tensor hs_contiguous(const Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
@@ -95,12 +122,19 @@ struct AttentionNode : Node {
   void release() override { q = k = v = Tensor(); }
 };
 
-// out = the forward kernel of q over k and v, for f32 or f64 k and v like q, or bf16 k and v
-// under f32 q (cache storage, bf16_kv).
+// out = the forward kernel of q over k and v, for f32 or f64 k and v like q, or cache storage
+// under f32 q (bf16, or quantised rows, on the CPU only: there is no CUDA kernel for them).
 void run_forward(Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-                 const AttentionShape& s, bool bf16_kv) {
+                 const AttentionShape& s, KVStorage storage) {
   const Device dev = q.device();
-  if (bf16_kv) {
+  if (storage == KVStorage::Quantised) {
+    cpu::attention_forward<float, uint8_t>(out.data<float>(), head_view(out), q.data<float>(),
+                                           head_view(q), static_cast<const uint8_t*>(k.raw_data()),
+                                           head_view(k), static_cast<const uint8_t*>(v.raw_data()),
+                                           head_view(v), s);
+    return;
+  }
+  if (storage == KVStorage::BF16) {
     KVLAB_KERNEL(dev, attention_forward<float, uint16_t>(
                           out.data<float>(), head_view(out), q.data<float>(), head_view(q),
                           static_cast<const uint16_t*>(k.raw_data()), head_view(k),
@@ -120,21 +154,20 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
                        const AttentionOptions& opts) {
   const char* op = "causal_attention";
   KVLAB_CHECK(q_in.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
-                  k.size(3) == q_in.size(3) && k.size(1) > 0 && q_in.size(1) % k.size(1) == 0,
+                  (k.size(3) == q_in.size(3) || is_quantised(k.dtype())) && k.size(1) > 0 &&
+                  q_in.size(1) % k.size(1) == 0,
               op, ": q ", q_in.shape_str(), ", paged k ", k.shape_str(), ", v ", v.shape_str(),
               ": expected q (B, NH, T, HS) and k, v (n_blocks, NKV, block_len, HS), NKV | NH");
   KVLAB_CHECK(!needs_grad({&q_in, &k, &v}), op,
               ": a paged KV cache is read for inference only; gradients need k and v (B, NKV, S, "
               "HS)");
   KVLAB_CHECK(opts.dropout == 0, op, ": no dropout over a paged KV cache (inference only)");
-  const bool bf16_kv = q_in.dtype() == DType::F32 && k.dtype() == DType::BF16;
-  if (!bf16_kv) check_same_dtype(op, q_in, k);
+  const KVStorage storage = kv_storage(op, q_in, k, opts);
   const Tensor q = hs_contiguous(q_in);
   AttentionShape s = attention_shape(q, k, opts);
   s.S = paged_kv_length(q, k, v, opts);
-  s.kv_blocks = opts.kv_blocks;
   Tensor out = empty_heads_last(s.B, s.NH, s.T, s.HS, q.dtype(), q.device());
-  run_forward(out, q, k, v, s, bf16_kv);
+  run_forward(out, q, k, v, s, storage);
   return out;
 }
 
@@ -147,9 +180,6 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   check_defined(op, k_in);
   check_defined(op, v_in);
   check_same_dtype(op, k_in, v_in);
-  // K and V may be bf16 storage under f32 queries (a bf16 KV cache): inference only.
-  const bool bf16_kv = q_in.dtype() == DType::F32 && k_in.dtype() == DType::BF16;
-  if (!bf16_kv) check_same_dtype(op, q_in, k_in);
   check_same_device(op, q_in, k_in);
   check_same_device(op, q_in, v_in);
   if (opts.kv_blocks != nullptr) return paged_attention(q_in, k_in, v_in, opts);
@@ -159,11 +189,13 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   };
   KVLAB_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, op, ": ", shapes(),
               ": expected q (B, NH, T, HS) and k, v (B, NKV, S, HS)");
+  // K and V may be KV-cache storage under f32 queries (bf16 or quantised): inference only.
+  const KVStorage storage = kv_storage(op, q_in, k_in, opts);
   const int64_t B = q_in.size(0), NH = q_in.size(1), T = q_in.size(2), HS = q_in.size(3);
   const int64_t NKV = k_in.size(1), S = k_in.size(2);
   KVLAB_CHECK(k_in.sizes() == v_in.sizes(), op, ": ", shapes(), ": k and v differ");
-  KVLAB_CHECK(k_in.size(0) == B && k_in.size(3) == HS, op, ": ", shapes(),
-              ": B and HS must match between q and k");
+  KVLAB_CHECK(k_in.size(0) == B && (k_in.size(3) == HS || storage == KVStorage::Quantised), op,
+              ": ", shapes(), ": B and HS must match between q and k");
   KVLAB_CHECK(NKV > 0 && NH % NKV == 0, op, ": ", shapes(), ": NH = ", NH,
               " is not divisible by NKV = ", NKV);
   KVLAB_CHECK(T <= S, op, ": ", shapes(), ": T = ", T, " queries but only S = ", S, " keys");
@@ -180,10 +212,10 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   const Device dev = q.device();
   Tensor out = empty_heads_last(B, NH, T, HS, q.dtype(), dev);
   const AttentionShape s = attention_shape(q, k, opts);
-  if (bf16_kv)
-    KVLAB_CHECK(!needs_grad({&q_in, &k_in, &v_in}), op,
-                ": bf16 keys and values are cache storage; gradients need f32 k and v");
-  run_forward(out, q, k, v, s, bf16_kv);
+  if (storage != KVStorage::LikeQ)
+    KVLAB_CHECK(!needs_grad({&q_in, &k_in, &v_in}), op, ": ", dtype_name(k_in.dtype()),
+                " keys and values are cache storage; gradients need f32 k and v");
+  run_forward(out, q, k, v, s, storage);
   if (needs_grad({&q_in, &k_in, &v_in})) {
     auto node = std::make_shared<AttentionNode>();
     node->q = q.detach();

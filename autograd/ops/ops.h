@@ -84,8 +84,12 @@ struct AttentionOptions {
   // the block tables (one row of width entries per batch row); kv_lengths must be given, and
   // S is their maximum. Inference only: no gradient, no dropout, the CPU. Read during the call.
   const KVBlocks* kv_blocks = nullptr;
+  // An fp8 KV cache's scales of this layer (2 NKV: each KV head's keys', then its values'),
+  // for k and v of dtype fp8; read during the call.
+  std::span<const float> kv_scales;
 };
-// Causal attention with grouped K/V heads: q (B, NH, T, HS), k and v (B, NKV, S, HS),
+// Causal attention with grouped K/V heads: q (B, NH, T, HS), k and v (B, NKV, S, HS) (for a
+// quantised KV cache's k and v, fp8, int8 or int4, HS is its rows' bytes, kv_format.h),
 // NH % NKV == 0; query head h reads KV head h / (NH / NKV), never a repeated copy. The mask is
 // bottom-right aligned: the T queries sit at positions S-T .. S-1. Any strides are accepted as
 // long as HS is contiguous, so q can be a transposed view of a (B, T, NH, HS) buffer.

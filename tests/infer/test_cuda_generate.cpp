@@ -124,7 +124,7 @@ TEST(CudaGpt, CachedDecodeEqualsRecomputeOnTheGpu) {
       const std::vector<float> b = narrow(full, 1, t, 1).to_vector<float>();
       for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << "NKV " << nkv;
     }
-    EXPECT_EQ(cache.bytes(), kv_cache_formula_bytes(2, 3, 32, nkv, 16, 4));
+    EXPECT_EQ(cache.bytes(), kv_cache_formula_bytes(2, 3, 32, nkv, 16, DType::F32));
   }
 }
 
@@ -160,7 +160,7 @@ TEST(CudaGpt, Bf16CacheDecodeOnTheGpu) {
       EXPECT_LE(to_ref, 2e-2 * scale) << "NKV " << nkv << " step " << t;
       EXPECT_LE(to_cpu, 1e-3 * scale) << "NKV " << nkv << " step " << t;
     }
-    EXPECT_EQ(gc.bytes(), kv_cache_formula_bytes(2, 3, 32, nkv, 16, 2));
+    EXPECT_EQ(gc.bytes(), kv_cache_formula_bytes(2, 3, 32, nkv, 16, DType::BF16));
   }
 }
 

@@ -1,6 +1,6 @@
 // The fused CPU decode step (infer/decode_step.cpp) against the op path it replaces
 // (GPT::forward with a cache): the same logits and the same cache contents at every step, for
-// every n_kv_head, both cache dtypes and thread counts that split the products unevenly.
+// every n_kv_head, every cache dtype and thread counts that split the products unevenly.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -13,11 +13,13 @@
 #include "autograd/backend/allocator.h"
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
+#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "infer/bench.h"
 #include "infer/decode_step.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
+#include "infer/kv_quality.h"
 #include "infer_test_util.h"
 
 namespace kvlab {
@@ -114,8 +116,12 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   // Rows of different lengths: each prefilled on its own, the same way in both caches. With
   // one row and fewer KV groups than threads, the threads share a group's query heads.
   const int64_t B = static_cast<int64_t>(prompt_len.size()), V = c.vocab_size;
-  ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
-  ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype);
+  const std::vector<float> scales =
+      dtype == DType::FP8 ? fp8_kv_scales(*model) : std::vector<float>{};
+  ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype, Device::CPU,
+                          scales);
+  ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype, Device::CPU,
+                          scales);
   Generator gen(17);
   prefill_rows(*model, fused, plain, prompt_len, gen);
 
@@ -146,8 +152,10 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   EXPECT_EQ(fused.lengths(), plain.lengths());
   for (int64_t b = 0; b < B; ++b)
     EXPECT_EQ(fused.lengths()[static_cast<size_t>(b)], prompt_len[static_cast<size_t>(b)] + steps);
-  // Same keys and values in the caches (a bf16 cache may round a value the other way).
-  expect_same_cache(fused, plain, c.n_layer, dtype == DType::BF16 ? 1.0 / 128 : 1e-5);
+  // Same keys and values in the caches (a bf16 cache may round a value the other way; a
+  // quantised one holds the same bytes, compared as numbers).
+  expect_same_cache(fused, plain, c.n_layer,
+                    dtype == DType::BF16 ? 1.0 / 128 : is_quantised(dtype) ? 0.0 : 1e-5);
   // The fused step really ran: it asks the allocator for its own few buffers, where the
   // op-by-op step makes a tensor per op.
   EXPECT_LE(fused_requests, 16u * steps);
@@ -156,7 +164,9 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
 
 INSTANTIATE_TEST_SUITE_P(
     NkvDtypeThreads, FusedDecode,
-    ::testing::Combine(::testing::Values(8, 2, 1), ::testing::Values(DType::F32, DType::BF16),
+    ::testing::Combine(::testing::Values(8, 2, 1),
+                       ::testing::Values(DType::F32, DType::BF16, DType::FP8, DType::INT8,
+                                         DType::INT4),
                        ::testing::Values(1, 2, 3),
                        ::testing::Values(std::vector<int64_t>{1, 6, 3}, std::vector<int64_t>{5})),
     [](const auto& info) {

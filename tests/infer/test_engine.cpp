@@ -580,7 +580,7 @@ TEST(Engine, StreamsEveryTokenAsItIsMade) {
   EXPECT_GT(st.ttft_s, 0);
   EXPECT_GE(st.total_s, st.ttft_s);
   EXPECT_LE(st.tpot_quantile_s(0.5), st.tpot_quantile_s(0.99));
-  EXPECT_EQ(st.cache_bytes, kv_cache_formula_bytes(2, 2, st.cache_capacity, 2, 8, 4));
+  EXPECT_EQ(st.cache_bytes, kv_cache_formula_bytes(2, 2, st.cache_capacity, 2, 8, DType::F32));
   EXPECT_EQ(st.cache_capacity, 6 + 9 - 1);  // the longest prompt plus the tokens it feeds
   EXPECT_EQ(engine.cache()->bytes(), st.cache_bytes);
 }
@@ -745,7 +745,7 @@ TEST(Bench, KVMemoryComparesTheLayoutsAtOneBudget) {
   o.decode_new_tokens = 12;
   const nlohmann::json j = bench_kv_memory(*model, tok, o);
   // The default budget: 16 full-context sequences of the multi-head model.
-  EXPECT_EQ(j["budget_bytes"], kv_cache_formula_bytes(2, 16, 128, 4, 8, 4));
+  EXPECT_EQ(j["budget_bytes"], kv_cache_formula_bytes(2, 16, 128, 4, 8, DType::F32));
   EXPECT_EQ(j["workload"]["system_prompt"], 32);
   ASSERT_EQ(j["memory"].size(), 2u);
   for (const auto& m : j["memory"]) {
@@ -772,7 +772,7 @@ TEST(Bench, KVMemoryComparesTheLayoutsAtOneBudget) {
   const int64_t block = s["block_bytes"].get<int64_t>();
   EXPECT_EQ(s["forked_bytes"].get<int64_t>(), (2 + 4 * 2) * block);
   EXPECT_EQ(s["independent_bytes"].get<int64_t>(), 4 * 4 * block);
-  EXPECT_EQ(s["contiguous_bytes"].get<int64_t>(), kv_cache_formula_bytes(2, 4, 31, 4, 8, 4));
+  EXPECT_EQ(s["contiguous_bytes"].get<int64_t>(), kv_cache_formula_bytes(2, 4, 31, 4, 8, DType::F32));
   ASSERT_EQ(j["decode"].size(), 1u);
   EXPECT_GT(j["decode"][0]["ratio"]["median"].get<double>(), 0);
 }
@@ -788,7 +788,7 @@ TEST(Bench, ServeRunsBothBatchingsAtOneMemory) {
   o.kv_block_size = 8;
   o.max_batch_tokens = 32;
   const nlohmann::json j = bench_serve(*model, tok, o);
-  EXPECT_EQ(j["budget_bytes"], kv_cache_formula_bytes(2, 16, 64, 2, 8, 4));
+  EXPECT_EQ(j["budget_bytes"], kv_cache_formula_bytes(2, 16, 64, 2, 8, DType::F32));
   EXPECT_EQ(j["static_slots"], 16);
   EXPECT_EQ(j["max_seqs"], 24);
   ASSERT_EQ(j["runs"].size(), 1u);
@@ -887,7 +887,7 @@ TEST(Bench, ReportsBothModesAndTheCacheFormula) {
       // The cache holds every row: the formula at B = batch.
       EXPECT_EQ(c["cache_bytes"].get<int64_t>(),
                 kv_cache_formula_bytes(cfg.n_layer, batch, c["cache_positions"].get<int64_t>(),
-                                       cfg.n_kv_head, cfg.head_size(), 4));
+                                       cfg.n_kv_head, cfg.head_size(), DType::F32));
       EXPECT_NEAR(c["fraction_of_ceiling"].get<double>(),
                   c["tokens_per_s"].get<double>() / c["ceiling_tokens_per_s"].get<double>(), 1e-12);
     }

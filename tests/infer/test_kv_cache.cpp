@@ -29,7 +29,7 @@ TEST(KVCache, BytesEqualTheFormulaForEveryNkv) {
   for (int64_t nkv : {8, 4, 2, 1})
     for (int64_t B : {1, 3}) {
       const ContiguousKVCache cache(6, B, 512, nkv, 32);
-      EXPECT_EQ(cache.bytes(), kv_cache_formula_bytes(6, B, 512, nkv, 32, 4)) << "NKV " << nkv;
+      EXPECT_EQ(cache.bytes(), kv_cache_formula_bytes(6, B, 512, nkv, 32, DType::F32)) << "NKV " << nkv;
       EXPECT_EQ(cache.bytes(), 2 * 6 * B * 512 * nkv * 32 * 4);
       // Only NKV heads are stored, never repeated to NH.
       EXPECT_EQ(cache.k_buffer(0).sizes(), (Shape{B, nkv, 512, 32}));
@@ -39,14 +39,14 @@ TEST(KVCache, BytesEqualTheFormulaForEveryNkv) {
   EXPECT_EQ(ContiguousKVCache(2, 1, 64, 8, 16).bytes(),
             8 * ContiguousKVCache(2, 1, 64, 1, 16).bytes());
   const ContiguousKVCache f64(2, 2, 10, 2, 4, DType::F64);
-  EXPECT_EQ(f64.bytes(), kv_cache_formula_bytes(2, 2, 10, 2, 4, 8));
+  EXPECT_EQ(f64.bytes(), kv_cache_formula_bytes(2, 2, 10, 2, 4, DType::F64));
 }
 
 // A bf16 cache takes half the bytes and stores f32 keys and values rounded to bf16.
 TEST(KVCache, Bf16HalvesTheBytesAndRoundsOnStore) {
   for (int64_t nkv : {4, 1}) {
     const ContiguousKVCache c16(6, 2, 512, nkv, 32, DType::BF16);
-    EXPECT_EQ(c16.bytes(), kv_cache_formula_bytes(6, 2, 512, nkv, 32, 2));
+    EXPECT_EQ(c16.bytes(), kv_cache_formula_bytes(6, 2, 512, nkv, 32, DType::BF16));
     EXPECT_EQ(2 * c16.bytes(), ContiguousKVCache(6, 2, 512, nkv, 32).bytes());
   }
   ContiguousKVCache cache(1, 2, 4, 2, 3, DType::BF16);

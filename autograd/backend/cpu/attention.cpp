@@ -8,6 +8,7 @@
 
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
+#include "autograd/backend/cpu/kv_quant.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/backend/kernels.h"
 #include "autograd/random.h"
@@ -42,13 +43,32 @@ struct Dropout {
   }
 };
 
+// How KV group g's rows read: for quantised storage its dtype and fp8 scales (KVQuant).
+KVQuant kv_quant(const AttentionShape& s, int64_t g) {
+  KVQuant q{s.kv_dtype};
+  if (s.kv_scales != nullptr) {
+    q.k_scale = s.kv_scales[g];
+    q.v_scale = s.kv_scales[s.NKV + g];
+  }
+  return q;
+}
+
 // K or V rows [0, rows) of one KV head, read as T: the stored rows themselves (row stride
-// `st`), or for bf16 storage a widened copy in `widened` (rows * HS, row stride HS).
+// `st`), or for bf16 or quantised storage a widened copy in `widened` (rows * HS, row stride
+// HS). `fmt` says how a quantised row reads; `value` picks its value scale over its key one.
 template <class T, class KV>
-const T* kv_rows(const KV* src, int64_t st, int64_t rows, int64_t HS, T* widened, int64_t& out_st) {
+const T* kv_rows(const KV* src, int64_t st, int64_t rows, int64_t HS, T* widened, int64_t& out_st,
+                 const KVQuant& fmt, bool value) {
   if constexpr (std::is_same_v<KV, T>) {
     out_st = st;
     return src;
+  } else if constexpr (std::is_same_v<KV, uint8_t>) {
+    static_assert(std::is_same_v<T, float>);
+    for (int64_t r = 0; r < rows; ++r)
+      dequantise_kv_row(fmt.dtype, widened + r * HS, src + r * st, HS,
+                        value ? fmt.v_scale : fmt.k_scale);
+    out_st = HS;
+    return widened;
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<KV, uint16_t>);
     float* dst = widened;
@@ -99,26 +119,27 @@ BlockRows<KV> block_rows(const KV* pool, HeadView hv, const AttentionShape& s, i
 // out (Tq, HS at row stride ost) = the causal attention of Tq queries (qh, row stride qst) over
 // the n keys and values of a paged row, block by block: each block's scores are written into
 // their columns of p (Tq, n), the softmax runs over all of them, and each block's values are
-// added into out. A bf16 block is widened into `widened` (block_len * HS) before its product.
+// added into out. A bf16 or quantised block is widened into `widened` (block_len * HS) before
+// its product.
 // The scores are the general path's; the values are summed one block at a time rather than in
 // one product over all n keys, which changes the order of that sum and with it the f32
 // rounding of out (the contiguous path's results within rounding, not its bits).
 template <class T, class KV>
 void attend_blocks(T* out, int64_t ost, const T* qh, int64_t qst, int64_t Tq,
                    const BlockRows<KV>& k, const BlockRows<KV>& v, int64_t n, int64_t HS, T scale,
-                   T* p, T* widened) {
+                   T* p, T* widened, const KVQuant& fmt) {
   const int64_t len = k.block_len();
   for (int64_t j = 0; j < n; j += len) {
     const int64_t m = std::min(len, n - j);
     int64_t kst;
-    const T* kb = kv_rows<T>(k(j), k.pos_stride, m, HS, widened, kst);
+    const T* kb = kv_rows<T>(k(j), k.pos_stride, m, HS, widened, kst, fmt, false);
     gemm<T>(false, true, Tq, m, HS, scale, qh, qst, kb, kst, T(0), p + j, n);
   }
   causal_softmax(p, Tq, n);
   for (int64_t j = 0; j < n; j += len) {
     const int64_t m = std::min(len, n - j);
     int64_t vst;
-    const T* vb = kv_rows<T>(v(j), v.pos_stride, m, HS, widened, vst);
+    const T* vb = kv_rows<T>(v(j), v.pos_stride, m, HS, widened, vst, fmt, true);
     gemm<T>(false, false, Tq, HS, m, T(1), p + j, n, vb, vst, T(j == 0 ? 0 : 1), out, ost);
   }
 }
@@ -161,7 +182,7 @@ void attend_one_query(T* out, const T* q, const BlockRows<T>& k, const BlockRows
                       int64_t HS, T scale, T* p) {
   if constexpr (std::is_same_v<T, float>)
     if (attend_one_query_kernel(out, q, k, v, n, HS, scale, p)) return;
-  attend_blocks<T, T>(out, HS, q, HS, 1, k, v, n, HS, scale, p, nullptr);
+  attend_blocks<T, T>(out, HS, q, HS, 1, k, v, n, HS, scale, p, nullptr, KVQuant{DType::F32});
 }
 
 template <class T, class KV>
@@ -178,38 +199,56 @@ void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const K
   if (rows == 0) return;
   const int64_t h0 = g * group + r0;  // first query head of this part
   const T scale = static_cast<T>(s.scale);
-  T* p = work;  // (Sb), then K and V widened from bf16
+  T* p = work;  // (Sb), then K and V widened from bf16 or quantised rows
   T* widened = std::is_same_v<KV, T> ? nullptr : work + Sb;
+  const KVQuant fmt = kv_quant(s, g);
+  T* wk = widened;
+  T* wv = widened ? widened + Sb * s.HS : nullptr;
   if (s.kv_blocks != nullptr) {
     const BlockRows<KV> kr = block_rows(k, kv, s, b, g), vr = block_rows(v, vv, s, b, g);
     if constexpr (std::is_same_v<KV, T>) {
       for (int64_t r = h0; r < h0 + rows; ++r)
         attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kr, vr, Sb,
                             s.HS, scale, p);
+      return;
     } else {
+      if constexpr (std::is_same_v<KV, uint8_t>) {
+        bool done = true;
+        for (int64_t r = h0; r < h0 + rows && done; ++r)
+          done = attend_one_query_kernel(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh,
+                                         kr, vr, Sb, s.HS, scale, p, fmt);
+        if (done) return;
+      }
       // Widened block by block into the work memory where a contiguous row's keys and values
       // are widened, and attended there as they are: the same bits, with the group's query
       // heads sharing one widening.
-      T* wk = widened;
-      T* wv = widened + Sb * s.HS;
       int64_t st;
       for (int64_t j = 0; j < Sb; j += kr.block_len()) {
         const int64_t m = std::min(kr.block_len(), Sb - j);
-        kv_rows<T>(kr(j), kr.pos_stride, m, s.HS, wk + j * s.HS, st);
-        kv_rows<T>(vr(j), vr.pos_stride, m, s.HS, wv + j * s.HS, st);
+        kv_rows<T>(kr(j), kr.pos_stride, m, s.HS, wk + j * s.HS, st, fmt, false);
+        kv_rows<T>(vr(j), vr.pos_stride, m, s.HS, wv + j * s.HS, st, fmt, true);
       }
       for (int64_t r = h0; r < h0 + rows; ++r)
         attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, wk, s.HS, wv,
                             s.HS, Sb, s.HS, scale, p);
+      return;
     }
-    return;
+  }
+  const KV* kg = k + b * kv.sb + g * kv.sh;
+  const KV* vg = v + b * vv.sb + g * vv.sh;
+  if constexpr (std::is_same_v<KV, uint8_t>) {
+    // The row kernel has a form for every query head or for none (it depends on HS alone).
+    bool done = true;
+    for (int64_t r = h0; r < h0 + rows && done; ++r)
+      done = attend_one_query_kernel(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kg,
+                                     kv.st, vg, vv.st, Sb, s.HS, scale, p, fmt);
+    if (done) return;
   }
   int64_t kst, vst;
-  const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened, kst);
-  const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS,
-                           widened ? widened + Sb * s.HS : nullptr, vst);
+  const T* kw = kv_rows<T>(kg, kv.st, Sb, s.HS, wk, kst, fmt, false);
+  const T* vw = kv_rows<T>(vg, vv.st, Sb, s.HS, wv, vst, fmt, true);
   for (int64_t r = h0; r < h0 + rows; ++r)
-    attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kg, kst, vg, vst,
+    attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kw, kst, vw, vst,
                         Sb, s.HS, scale, p);
 }
 
@@ -240,7 +279,8 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
                        : scratch<T>(static_cast<size_t>(s.kv_blocks->block_len * s.HS), 1);
       attend_blocks<T, KV>(out + b * ov.sb + h * ov.sh, ov.st, q + b * qv.sb + h * qv.sh, qv.st,
                            s.T, block_rows(k, kv, s, b, g), block_rows(v, vv, s, b, g), Sb, s.HS,
-                           scale, scratch<T>(static_cast<size_t>(s.T * Sb), 0), widened);
+                           scale, scratch<T>(static_cast<size_t>(s.T * Sb), 0), widened,
+                           kv_quant(s, g));
     });
     return;
   }
@@ -253,8 +293,9 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
     const auto widened = [&](int slot) {
       return std::is_same_v<KV, T> ? nullptr : scratch<T>(static_cast<size_t>(Sb * s.HS), slot);
     };
-    const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened(1), kst);
-    const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, widened(2), vst);
+    const KVQuant fmt = kv_quant(s, g);
+    const T* kg = kv_rows<T>(k + b * kv.sb + g * kv.sh, kv.st, Sb, s.HS, widened(1), kst, fmt, false);
+    const T* vg = kv_rows<T>(v + b * vv.sb + g * vv.sh, vv.st, Sb, s.HS, widened(2), vst, fmt, true);
     probabilities(p, qh, qv.st, kg, kst, s.T, Sb, s.HS, scale);
     if (drop.on) apply_dropout(p, drop, s.seed, task * s.T, s.T, Sb, s.S);
     gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, vst, T(0), out + b * ov.sb + h * ov.sh,
@@ -326,6 +367,7 @@ void attention_backward(T* dq, HeadView dqv, T* dk, HeadView dkv, T* dv, HeadVie
 KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, float)
 KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, double, double)
 KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, uint16_t)
+KVLAB_ATTENTION_FORWARD_KERNELS(KVLAB_INSTANTIATE, float, uint8_t)  // quantised: the CPU only
 KVLAB_ATTENTION_KERNELS(KVLAB_INSTANTIATE, float)
 KVLAB_ATTENTION_KERNELS(KVLAB_INSTANTIATE, double)
 template void attend_one_query<float>(float*, const float*, const float*, int64_t, const float*,
@@ -344,5 +386,9 @@ template void attention_decode_task<float, uint16_t>(float*, HeadView, const flo
                                                      const uint16_t*, HeadView, const uint16_t*,
                                                      HeadView, const AttentionShape&, int64_t,
                                                      int64_t, float*);
+template void attention_decode_task<float, uint8_t>(float*, HeadView, const float*, HeadView,
+                                                    const uint8_t*, HeadView, const uint8_t*,
+                                                    HeadView, const AttentionShape&, int64_t,
+                                                    int64_t, float*);
 
 }  // namespace kvlab::cpu

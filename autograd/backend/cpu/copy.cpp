@@ -16,6 +16,9 @@ double load(const void* p, DType t, int64_t i) {
     case DType::F64: return static_cast<const double*>(p)[i];
     case DType::I32: return static_cast<const int32_t*>(p)[i];
     case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::FP8:  // quantised KV-cache storage: its bytes, copied as they are
+    case DType::INT8:
+    case DType::INT4: return static_cast<const uint8_t*>(p)[i];
   }
   return 0;
 }
@@ -26,6 +29,9 @@ void store(void* p, DType t, int64_t i, double v) {
     case DType::F64: static_cast<double*>(p)[i] = v; break;
     case DType::I32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
     case DType::BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(static_cast<float>(v)); break;
+    case DType::FP8:
+    case DType::INT8:
+    case DType::INT4: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
   }
 }
 

@@ -53,8 +53,17 @@ struct BlockRows {
   int64_t stride() const { return pos_stride; }
 };
 
+// How a quantised cache's rows read (backend/kv_format.h): the dtype (fp8, int8 or int4) and,
+// for fp8, the scales of the KV head's keys and values.
+struct KVQuant {
+  DType dtype;
+  float k_scale = 0, v_scale = 0;
+};
+
 // attend_one_query's row kernel (f32, AVX-512 or AVX2, HS up to 128 or 64): false, having
-// written nothing, where there is none for this HS.
+// written nothing, where there is none for this HS. The uint8_t forms read quantised rows
+// (row strides in bytes), each dequantised in registers as it is read, never copied; they need
+// HS a whole number of vectors (and an int4 group too).
 bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t kst,
                              const float* v, int64_t vst, int64_t n, int64_t HS, float scale,
                              float* p);
@@ -63,6 +72,12 @@ bool attend_one_query_kernel(float* out, const float* q, const float* k, int64_t
 bool attend_one_query_kernel(float* out, const float* q, const BlockRows<float>& k,
                              const BlockRows<float>& v, int64_t n, int64_t HS, float scale,
                              float* p);
+bool attend_one_query_kernel(float* out, const float* q, const uint8_t* k, int64_t kst,
+                             const uint8_t* v, int64_t vst, int64_t n, int64_t HS, float scale,
+                             float* p, const KVQuant& fmt);
+bool attend_one_query_kernel(float* out, const float* q, const BlockRows<uint8_t>& k,
+                             const BlockRows<uint8_t>& v, int64_t n, int64_t HS, float scale,
+                             float* p, const KVQuant& fmt);
 // Decode attention of one query over n >= 1 cached keys: out (HS) = softmax(scale q k^T) v,
 // q (HS), k and v (n, HS) at row strides kst and vst, p (n) work. Single-threaded; it opens no
 // parallel region and allocates nothing. In f32 the row kernel where there is one, otherwise
@@ -84,13 +99,15 @@ void attend_one_query(T* out, const T* q, const BlockRows<T>& k, const BlockRows
 // `work` holds attention_decode_work(s) elements, s.S bounding every row's length:
 // the task allocates nothing, so it cannot throw. Over a paged cache (s.kv_blocks) f32 keys and
 // values are read through the block table; bf16 ones are widened block by block into `work`,
-// where the contiguous cache's are widened too, and read from there.
+// where the contiguous cache's are widened too, and read from there. Quantised ones (KV =
+// uint8_t, s.kv_dtype fp8, int8 or int4) are read in place by the row kernel, dequantised in
+// registers; where it has no form for HS they are widened as bf16 ones are.
 template <class T, class KV = T>
 void attention_decode_task(T* out, HeadView out_v, const T* q, HeadView q_v, const KV* k,
                            HeadView k_v, const KV* v, HeadView v_v, const AttentionShape& s,
                            int64_t task, int64_t parts, T* work);
-// Its work memory: one query's probabilities and, from a bf16 cache, the group's K and V
-// widened.
+// Its work memory: one query's probabilities and, from a bf16 or quantised cache, the group's
+// K and V widened.
 template <class T, class KV = T>
 int64_t attention_decode_work(const AttentionShape& s) {
   return (1 + (std::is_same_v<KV, T> ? 0 : 2 * s.HS)) * s.S;

@@ -44,6 +44,10 @@ __device__ double load(const void* p, DType t, int64_t i) {
       return static_cast<const int32_t*>(p)[i];
     case DType::BF16:
       return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::FP8:  // quantised KV-cache storage: its bytes, copied as they are
+    case DType::INT8:
+    case DType::INT4:
+      return static_cast<const uint8_t*>(p)[i];
   }
   return 0;
 }
@@ -61,6 +65,11 @@ __device__ void store(void* p, DType t, int64_t i, double v) {
       break;
     case DType::BF16:  // round to nearest even, as the CPU conversion does
       static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
+      break;
+    case DType::FP8:
+    case DType::INT8:
+    case DType::INT4:
+      static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v);
       break;
   }
 }

@@ -1,0 +1,126 @@
+#include "infer/kv_quality.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "autograd/backend/kv_format.h"
+#include "autograd/error.h"
+#include "autograd/graph.h"
+#include "infer/kv_cache.h"
+
+namespace kvlab {
+
+std::vector<float> fp8_kv_scales(const GPT& model) {
+  const GPTConfig& c = model.config();
+  const int64_t C = c.n_embd, HS = c.head_size(), NKV = c.n_kv_head;
+  std::vector<float> scales;
+  for (const auto& blk : model.blocks) {
+    const Tensor gamma = blk->ln_1.weight.to(Device::CPU).contiguous();
+    const Tensor beta = blk->ln_1.bias.to(Device::CPU).contiguous();
+    for (const Linear* proj : {&blk->attn.k_proj, &blk->attn.v_proj}) {
+      const Tensor w = proj->weight.to(Device::CPU).contiguous();  // (NKV * HS, C)
+      const Tensor b = proj->bias.defined() ? proj->bias.to(Device::CPU).contiguous() : Tensor();
+      for (int64_t h = 0; h < NKV; ++h) {
+        double bound = 0;
+        for (int64_t j = h * HS; j < (h + 1) * HS; ++j) {
+          const float* wj = w.data<float>() + j * C;
+          double gain2 = 0, shift = b.defined() ? b.data<float>()[j] : 0.0;
+          for (int64_t i = 0; i < C; ++i) {
+            const double g = double(wj[i]) * gamma.data<float>()[i];
+            gain2 += g * g;
+            shift += double(wj[i]) * beta.data<float>()[i];
+          }
+          bound = std::max(bound, std::sqrt(double(C) * gain2) + std::fabs(shift));
+        }
+        // A head whose outputs are all zero: any positive scale stores them exactly.
+        scales.push_back(bound > 0 ? static_cast<float>(bound / 448.0) : 1.0f);
+      }
+    }
+  }
+  return scales;
+}
+
+Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
+  const GPTConfig& c = model.config();
+  KVLAB_CHECK(tokens.dim() == 2, "kv cache quality: tokens must be (B, T), got ", tokens.shape_str());
+  const NoGradGuard no_grad;
+  ContiguousKVCache cache(c.n_layer, tokens.size(0), tokens.size(1), c.n_kv_head, c.head_size(),
+                          dtype, Device::CPU,
+                          dtype == DType::FP8 ? fp8_kv_scales(model) : std::vector<float>{});
+  return model.forward(tokens, &cache).contiguous();
+}
+
+namespace {
+
+// log-softmax of one row of V logits into out (double).
+void log_softmax(const float* logits, int64_t V, std::vector<double>& out) {
+  out.resize(static_cast<size_t>(V));
+  const float mx = *std::max_element(logits, logits + V);
+  double sum = 0;
+  for (int64_t i = 0; i < V; ++i) sum += std::exp(double(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  for (int64_t i = 0; i < V; ++i) out[static_cast<size_t>(i)] = logits[i] - lse;
+}
+
+}  // namespace
+
+std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
+                                        std::span<const int32_t> y, int64_t T,
+                                        std::span<const DType> dtypes, int64_t batch) {
+  const GPTConfig& c = model.config();
+  KVLAB_CHECK(model.wte.weight.device() == Device::CPU,
+              "kv cache quality: the model must be on the CPU, where the quantised caches are");
+  KVLAB_CHECK(T >= 1 && T <= c.block_size && x.size() == y.size() && !x.empty() &&
+                  x.size() % static_cast<size_t>(T) == 0 && batch >= 1,
+              "kv cache quality: ", x.size(), " inputs and ", y.size(),
+              " targets are not (N, T) windows of T = ", T, " <= block_size ", c.block_size);
+  for (const DType d : dtypes) {
+    const std::string problem = kv_dtype_problem(d, c.head_size());
+    KVLAB_CHECK(problem.empty(), "kv cache quality: ", problem);
+  }
+  const int64_t N = static_cast<int64_t>(x.size()) / T, V = c.vocab_size;
+  std::vector<KVQuality> out(dtypes.size());
+  double ref_loss = 0;
+  std::vector<double> ref, lp;
+  for (int64_t n0 = 0; n0 < N; n0 += batch) {
+    const int64_t b = std::min(batch, N - n0);
+    const Tensor tokens = Tensor::from_vector(
+        std::vector<int32_t>(x.begin() + n0 * T, x.begin() + (n0 + b) * T), {b, T});
+    const Tensor f32 = cached_prefill_logits(model, tokens, DType::F32);  // (b, T, V)
+    std::vector<Tensor> quant;
+    for (const DType d : dtypes) quant.push_back(cached_prefill_logits(model, tokens, d));
+    for (int64_t r = 0; r < b * T; ++r) {
+      const int32_t target = y[static_cast<size_t>(n0 * T + r)];
+      const float* fl = f32.data<float>() + r * V;
+      log_softmax(fl, V, ref);
+      ref_loss -= ref[static_cast<size_t>(target)];
+      const int64_t ref_top = std::max_element(fl, fl + V) - fl;
+      for (size_t i = 0; i < dtypes.size(); ++i) {
+        const float* ql = quant[i].data<float>() + r * V;
+        log_softmax(ql, V, lp);
+        double kl = 0;
+        for (int64_t v = 0; v < V; ++v) {
+          const auto vi = static_cast<size_t>(v);
+          kl += std::exp(ref[vi]) * (ref[vi] - lp[vi]);
+        }
+        out[i].loss -= lp[static_cast<size_t>(target)];
+        out[i].kl += kl;
+        out[i].top1 += (std::max_element(ql, ql + V) - ql) == ref_top ? 1 : 0;
+      }
+    }
+  }
+  const double positions = static_cast<double>(N * T);
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    KVQuality& q = out[i];
+    q.dtype = dtypes[i];
+    q.bytes_per_token = 2 * c.n_layer * c.n_kv_head * kv_row_bytes(q.dtype, c.head_size());
+    q.loss /= positions;
+    q.delta_loss = q.loss - ref_loss / positions;
+    q.kl /= positions;
+    q.top1 /= positions;
+    q.positions = N * T;
+  }
+  return out;
+}
+
+}  // namespace kvlab

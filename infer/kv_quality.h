@@ -1,0 +1,48 @@
+#pragma once
+// What a KV cache's element type costs in quality. The cache type is an inference choice, so
+// a trained model is evaluated at each: every validation window is prefilled into a fresh
+// cache of that dtype and its next-token distributions are read from that cached forward, so
+// its keys and values pass through the cache's quantisation exactly as a cached decoder reads
+// them (tests/infer/test_kv_quality.cpp checks that token-by-token cached decoding gives the
+// same logits). Each dtype is compared with the f32 cache on the same windows.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "autograd/backend/device.h"
+#include "nn/gpt.h"
+
+namespace kvlab {
+
+// fp8 scales of a model's KV cache, (L, 2 NKV) as KVRows::scales reads them: per layer and KV
+// head, a bound on every key (value) the head can produce over 448, E4M3's largest value, so
+// that no cached value saturates. The bound follows from the block: ln_1's output has norm at
+// most sqrt(C) before its gain, so |k_j| <= sqrt(C) * ||W_k[j] * gamma|| + |W_k[j] . beta +
+// b_k[j]| (Cauchy-Schwarz), the maximum over the head's rows taken. Computed from the weights
+// alone: the same model always gets the same scales, whatever it is fed.
+std::vector<float> fp8_kv_scales(const GPT& model);
+
+// The evaluation mode's forward: tokens (B, T) prefilled into a fresh contiguous cache of
+// `dtype` (fp8 with fp8_kv_scales), returning every position's logits (B, T, V), without
+// gradients. Keys and values reach the attention as the cache holds them.
+Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype);
+
+struct KVQuality {
+  DType dtype = DType::F32;
+  int64_t bytes_per_token = 0;  // 2 L NKV kv_row_bytes(dtype, HS): K and V of every layer
+  double loss = 0;              // mean next-token cross-entropy (nats) with this cache
+  double delta_loss = 0;        // loss minus the f32 cache's, on the same windows
+  double kl = 0;                // mean KL(p_f32 || p_dtype) of the next-token distributions
+  double top1 = 0;              // fraction of positions whose argmax is the f32 cache's
+  int64_t positions = 0;        // predictions compared
+};
+
+// x and y (N, T) row-major, y the next tokens (data/sampler.h's fill_windows), on a CPU model
+// with T <= block_size: one KVQuality per dtype, in order, each against the f32 cache. Forwards
+// `batch` windows at a time, without gradients. Throws where a dtype cannot hold the model's
+// keys and values (kv_dtype_problem) or a quantised cache meets a non-finite value.
+std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
+                                        std::span<const int32_t> y, int64_t T,
+                                        std::span<const DType> dtypes, int64_t batch = 16);
+
+}  // namespace kvlab

@@ -1,0 +1,190 @@
+// The quantised caches through the model: cached decoding, token by token, gives the
+// evaluation mode's logits (infer/kv_quality.h: the window prefilled into a fresh cache of
+// that dtype), so the loss the quality report gives is the loss a user gets; greedy text with
+// an int8 cache is f32's on a trained model; the report's figures are what they say.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "autograd/graph.h"
+#include "autograd/ops/ops.h"
+#include "autograd/random.h"
+#include "infer/block_manager.h"
+#include "infer/decode_step.h"
+#include "infer/engine.h"
+#include "infer/kv_quality.h"
+#include "infer/paged_kv_cache.h"
+#include "infer_test_util.h"
+#include "nn/adamw.h"
+
+namespace kvlab {
+namespace {
+
+// HS 16: the row kernel's reach on AVX2 and AVX-512 alike.
+GPTConfig quality_config(int64_t n_kv_head) {
+  GPTConfig c = test::tiny_config(n_kv_head, 24);
+  c.n_embd = 64;
+  c.vocab_size = 29;
+  return c;
+}
+
+Tensor random_tokens(Generator& gen, int64_t vocab, int64_t rows, int64_t T) {
+  std::vector<int32_t> ids(static_cast<size_t>(rows * T));
+  for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
+  return Tensor::from_vector(ids, {rows, T});
+}
+
+// (n_kv_head, dtype, batch)
+class DecodeEqualsEvaluation
+    : public ::testing::TestWithParam<std::tuple<int64_t, DType, int64_t>> {};
+
+// At every step, each of the three cached decoders (the fused step over a contiguous cache,
+// the op path over one, the fused step over a paged cache of 4-position blocks) gives the
+// evaluation forward's logits for that position. Both read the same quantised keys and values,
+// so what differs is f32 rounding (at most 1.8e-6 of the logits' scale in these cases). A key
+// whose f32 value the one-row product rounded differently from the prefill's many-row one
+// could move a code by a step and exceed the bound: none did here, and the loss agrees.
+TEST_P(DecodeEqualsEvaluation, AtEveryStep) {
+  const auto [nkv, dtype, B] = GetParam();
+  auto model = test::random_model(quality_config(nkv), 23);
+  const GPTConfig& c = model->config();
+  NoGradGuard no_grad;
+  const int64_t T = 20, V = c.vocab_size;
+  Generator gen(5);
+  const Tensor tokens = random_tokens(gen, V, B, T);
+  const std::vector<float> eval = cached_prefill_logits(*model, tokens, dtype).to_vector<float>();
+  const std::vector<float> scales =
+      dtype == DType::FP8 ? fp8_kv_scales(*model) : std::vector<float>{};
+  ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype, Device::CPU,
+                          scales);
+  ContiguousKVCache op(c.n_layer, B, c.block_size, nkv, c.head_size(), dtype, Device::CPU, scales);
+  BlockManager blocks(B * c.block_size / 4, 4, 0, false);
+  PagedKVCache paged(blocks, c.n_layer, nkv, c.head_size(), c.block_size, dtype, B, scales);
+  DecodeStep step(*model);
+  const std::vector<int32_t> ids = tokens.to_vector<int32_t>();
+  double worst = 0, scale = 0, loss_eval = 0, loss_decoded = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> col(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) col[b] = ids[b * T + t];
+    const Tensor tok = Tensor::from_vector(col, {B, 1});
+    paged.prepare(col);
+    const std::vector<std::vector<float>> got = {step.forward(tok, fused).to_vector<float>(),
+                                                 model->forward(tok, &op, true).to_vector<float>(),
+                                                 step.forward(tok, paged).to_vector<float>()};
+    for (int64_t b = 0; b < B; ++b) {
+      const float* want = eval.data() + (b * T + t) * V;
+      for (const auto& g : got)
+        for (int64_t v = 0; v < V; ++v) {
+          worst = std::max(worst, double(std::fabs(g[b * V + v] - want[v])));
+          scale = std::max(scale, double(std::fabs(want[v])));
+        }
+      if (t + 1 < T) {  // the next token's log-likelihood, as the report computes it
+        const int32_t next = ids[b * T + t + 1];
+        auto nll = [&](const float* l) {
+          double mx = *std::max_element(l, l + V), s = 0;
+          for (int64_t v = 0; v < V; ++v) s += std::exp(l[v] - mx);
+          return mx + std::log(s) - l[next];
+        };
+        loss_eval += nll(want);
+        loss_decoded += nll(got[0].data() + b * V);
+      }
+    }
+  }
+  EXPECT_GT(scale, 1.0);
+  EXPECT_LE(worst, 1e-5 * scale) << dtype_name(dtype) << " logit scale " << scale;
+  EXPECT_NEAR(loss_eval, loss_decoded, 1e-5 * double(B * (T - 1)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    NkvDtypeBatch, DecodeEqualsEvaluation,
+    ::testing::Combine(::testing::Values(4, 2, 1),
+                       ::testing::Values(DType::FP8, DType::INT8, DType::INT4),
+                       ::testing::Values(1, 3)),
+    [](const auto& info) {
+      return "nkv" + std::to_string(std::get<0>(info.param)) + "_" +
+             dtype_name(std::get<1>(info.param)) + "_batch" +
+             std::to_string(std::get<2>(info.param));
+    });
+
+// The report's figures: the f32 cache against itself is exact; every dtype's KL is a KL
+// (non-negative) and grows as the cache keeps fewer bits; the f32 loss is the model's own
+// loss on those windows; bytes per token are the formula's.
+TEST(KVQuality, ReportsWhatItSays) {
+  auto model = test::random_model(quality_config(2), 31);
+  const GPTConfig& c = model->config();
+  Generator gen(9);
+  const int64_t N = 6, T = 16;
+  const std::vector<int32_t> x = random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<int32_t> y = random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<DType> dtypes{DType::F32, DType::BF16, DType::FP8, DType::INT8, DType::INT4};
+  const std::vector<KVQuality> q = kv_cache_quality(*model, x, y, T, dtypes, 4);
+  ASSERT_EQ(q.size(), dtypes.size());
+  EXPECT_EQ(q[0].delta_loss, 0.0);
+  EXPECT_EQ(q[0].kl, 0.0);
+  EXPECT_EQ(q[0].top1, 1.0);
+  double plain;
+  {
+    NoGradGuard no_grad;
+    plain = model->loss(Tensor::from_vector(x, {N, T}), Tensor::from_vector(y, {N, T})).item();
+  }
+  EXPECT_NEAR(q[0].loss, plain, 1e-5 * plain);
+  for (const KVQuality& r : q) {
+    EXPECT_GE(r.kl, 0.0) << dtype_name(r.dtype);
+    EXPECT_EQ(r.positions, N * T);
+    EXPECT_EQ(r.bytes_per_token, kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), r.dtype));
+  }
+  EXPECT_LT(q[1].kl, q[3].kl);  // bf16 keeps more bits than int8
+  EXPECT_LT(q[3].kl, q[4].kl);  // int8 than int4
+  EXPECT_GT(q[4].kl, 0.0);
+  EXPECT_THROW(kv_cache_quality(*model, x, y, T + 1, dtypes), Error);
+}
+
+// A model trained briefly on text with structure: greedy decoding with an int8 cache gives the
+// f32 cache's tokens for the first 32 (the paged cache, prompts of several lengths, batched).
+TEST(KVQuality, GreedyTextWithAnInt8CacheIsF32s) {
+  GPTConfig c = test::tiny_config(2, 64);
+  c.n_embd = 64;
+  auto model = std::make_unique<GPT>(c, 3);
+  const Tokenizer tok = test::tiny_tokenizer();
+  // "abc defg hij" patterns with a counter's digits spelled as letters: predictable, not
+  // periodic in a few characters.
+  std::string text;
+  for (int i = 0; text.size() < 6000; ++i)
+    text += std::string("abc ") + char('a' + i % 10) + char('a' + (i / 10) % 10) + " defg hij ";
+  const std::vector<int32_t> ids = tok.encode(text);
+  AdamW opt(model->named_parameters(), AdamWConfig{});
+  Generator gen(1);
+  const int64_t B = 8, T = c.block_size;
+  model->set_training(true);
+  for (int step = 0; step < 250; ++step) {
+    std::vector<int32_t> xs, ys;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto at = static_cast<int64_t>(gen.below(ids.size() - T - 1));
+      xs.insert(xs.end(), ids.begin() + at, ids.begin() + at + T);
+      ys.insert(ys.end(), ids.begin() + at + 1, ids.begin() + at + T + 1);
+    }
+    model->zero_grad();
+    Tensor loss = model->loss(Tensor::from_vector(xs, {B, T}), Tensor::from_vector(ys, {B, T}));
+    loss.backward();
+    opt.step(3e-3);
+  }
+  model->set_training(false);
+  const std::vector<std::string> prompts{"abc ba defg", "hij abc c", "defg hij abc dd defg h"};
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 32;
+  greedy.sampling.temperature = 0;
+  Engine f32(*model, tok, DType::F32);
+  Engine int8(*model, tok, DType::INT8);
+  const GenerationResult a = f32.generate(prompts, greedy), b = int8.generate(prompts, greedy);
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    ASSERT_EQ(a.rows[p].tokens.size(), 32u);
+    EXPECT_EQ(b.rows[p].tokens, a.rows[p].tokens) << prompts[p] << ": " << a.rows[p].text
+                                                  << " | " << b.rows[p].text;
+  }
+}
+
+}  // namespace
+}  // namespace kvlab
