@@ -24,8 +24,10 @@
 #include "apps/train_flags.h"
 #include "autograd/host/cpu.h"
 #include "checkpoints/model_io.h"
+#include "data/corpus.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"
+#include "infer/kv_quality.h"
 
 namespace kvlab {
 
@@ -62,6 +64,10 @@ struct BenchArgs {
   bool http = false;               // serve: also over HTTP, through an in-process kvlab serve
   std::string url;                 // serve: only over HTTP, against a running kvlab serve
   double stream_interval_ms = 0;   // serve --http: the server's
+  // kv-quality's own settings
+  std::string data;                                       // corpus (default: the checkpoint's)
+  std::string kv_dtypes = "f32,bf16,fp8,int8,int4";
+  int windows = 256;
 };
 
 std::string mib(double bytes) {
@@ -151,10 +157,10 @@ void print_generate_table(const json& g) {
 
 void print_cache_report(const json& rep, const json& speed, DType dtype, int64_t batch) {
   std::printf(
-      "\nKV cache (%s) at batch %lld, S = block_size (2 * L * B * S * NKV * HS * %zu bytes), and "
-      "decode speed with the cache (ceiling: batch tokens per time to read a step's bytes at "
-      "this run's peak read rate):\n%-10s%16s%16s%8s%12s%10s%12s%12s%14s%12s\n",
-      dtype_name(dtype), static_cast<long long>(batch), dtype_size(dtype), "n_kv_head",
+      "\nKV cache (%s) at batch %lld, S = block_size (2 * L * B * S * NKV rows of HS values and "
+      "their scales), and decode speed with the cache (ceiling: batch tokens per time to read a "
+      "step's bytes at this run's peak read rate):\n%-10s%16s%16s%8s%12s%10s%12s%12s%14s%12s\n",
+      dtype_name(dtype), static_cast<long long>(batch), "n_kv_head",
       "measured B", "formula B", "equal", "vs MHA", "expected", "tok/s", "TPOT ms", "ceiling tok/s",
       "of ceiling");
   for (size_t i = 0; i < rep.size(); ++i) {
@@ -665,6 +671,98 @@ void add_serve_command(CLI::App* bench) {
   });
 }
 
+json kv_quality_json(const std::vector<KVQuality>& q) {
+  json out = json::array();
+  for (const KVQuality& r : q)
+    out.push_back({{"dtype", dtype_name(r.dtype)},
+                   {"bytes_per_token", r.bytes_per_token},
+                   {"loss", r.loss},
+                   {"delta_loss", r.delta_loss},
+                   {"kl", r.kl},
+                   {"top1", r.top1},
+                   {"positions", r.positions}});
+  return out;
+}
+
+void run_bench_kv_quality(BenchArgs& a) {
+  check_json_path(a);
+  KVLAB_USAGE_CHECK(a.windows >= 1, "--windows must be >= 1, got ", a.windows);
+  const std::vector<DType> dtypes = parse_kv_dtypes(a.kv_dtypes);
+  LoadedModel loaded = load_model(a.ckpt);
+  GPT& model = *loaded.model;
+  const Attrs& config = loaded.checkpoint.config;
+  auto attr = [&](const char* key) -> const AttrValue* {
+    const auto it = config.find(key);
+    return it == config.end() ? nullptr : &it->second;
+  };
+  std::string data = a.data;
+  if (data.empty()) {
+    const AttrValue* corpus = attr("corpus");
+    KVLAB_USAGE_CHECK(corpus != nullptr && std::holds_alternative<std::string>(*corpus),
+                      a.ckpt, " records no corpus: give --data FILE");
+    data = std::get<std::string>(*corpus);
+  }
+  const AttrValue* vf = attr("val_fraction");
+  const double val_fraction =
+      vf != nullptr && std::holds_alternative<double>(*vf) ? std::get<double>(*vf) : 0.1;
+  const AttrValue* kind = attr("tokenizer");
+  const Corpus corpus = load_corpus(
+      data,
+      Tokenizer::parse_kind(kind != nullptr && std::holds_alternative<std::string>(*kind)
+                                ? std::get<std::string>(*kind)
+                                : "char"),
+      val_fraction);
+  // The validation text in the checkpoint's own symbols: characters it never saw are an error
+  // that lists them.
+  const std::vector<int32_t> val =
+      loaded.tokenizer.encode(corpus.tokenizer.decode(corpus.val), "--data's validation text");
+  std::fprintf(stderr, "kvlab bench kv-quality: %d windows of %lld tokens, %zu cache dtypes\n",
+               a.windows, static_cast<long long>(model.config().block_size), dtypes.size());
+  const std::vector<KVQuality> q = kv_cache_quality_on(model, val, dtypes, a.windows);
+  const GPTConfig& c = model.config();
+  std::printf(
+      "\nKV cache quality of %s (%lld layers, %lld heads, n_kv_head %lld, head size %lld) on "
+      "%lld validation positions of %s, each dtype against the f32 cache:\n%-6s%12s%10s%10s%12s"
+      "%12s%10s\n",
+      a.ckpt.c_str(), static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head),
+      static_cast<long long>(c.n_kv_head), static_cast<long long>(c.head_size()),
+      static_cast<long long>(q.front().positions), data.c_str(), "dtype", "bytes/token",
+      "vs f32", "loss", "delta", "mean KL", "top-1");
+  const double f32_bytes = static_cast<double>(
+      kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), DType::F32));
+  for (const KVQuality& r : q)
+    std::printf("%-6s%12lld%10.3f%10.4f%+12.5f%12.2e%10.4f\n", dtype_name(r.dtype),
+                static_cast<long long>(r.bytes_per_token),
+                static_cast<double>(r.bytes_per_token) / f32_bytes, r.loss, r.delta_loss, r.kl,
+                r.top1);
+  if (!a.json_path.empty()) {
+    const json out{{"checkpoint", a.ckpt},   {"data", data},
+                   {"windows", a.windows},   {"block_size", c.block_size},
+                   {"n_kv_head", c.n_kv_head}, {"quality", kv_quality_json(q)},
+                   {"machine", machine_json()}};
+    write_file_atomic(a.json_path, out.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+    std::printf("\nwrote %s\n", a.json_path.c_str());
+  }
+}
+
+void add_kv_quality_command(CLI::App* bench, const std::shared_ptr<BenchArgs>& args) {
+  CLI::App* cmd = bench->add_subcommand(
+      "kv-quality",
+      "What each KV cache dtype costs a trained model: validation loss, KL divergence and top-1 "
+      "agreement against the f32 cache, and bytes per token");
+  cmd->add_option("--ckpt", args->ckpt, "Checkpoint to evaluate")->required();
+  cmd->add_option("--data", args->data,
+                  "Corpus whose validation split is evaluated (default: the checkpoint's "
+                  "training corpus, split as it was)");
+  cmd->add_option("--kv-dtypes", args->kv_dtypes,
+                  "Cache dtypes to evaluate, comma-separated (f32, bf16, fp8, int8, int4)")
+      ->capture_default_str();
+  add_number(cmd, "--windows", args->windows,
+             "Validation windows of block_size tokens, drawn at fixed places");
+  add_json_flag(cmd, args->json_path);
+  cmd->callback([args] { run_bench_kv_quality(*args); });
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& root) {
@@ -708,6 +806,7 @@ void add_bench_command(CLI::App& root) {
   });
   add_kv_memory_command(bench);
   add_serve_command(bench);
+  add_kv_quality_command(bench, args);
 }
 
 }  // namespace kvlab

@@ -1,8 +1,11 @@
 #include "apps/train_flags.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <sstream>
 #include <utility>
+#include <vector>
 
 #include "apps/cli.h"
 #include "apps/config_file.h"
@@ -86,9 +89,12 @@ MatmulPrecision parse_dtype(const std::string& dtype, Device device) {
 
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {
   cmd->add_option("--kv-dtype", kv_dtype,
-                  "KV cache element type: f32, or bf16 (keys and values rounded to bf16 as they "
-                  "are cached: half the cache memory and the bytes a decode step reads)")
-      ->check(CLI::IsMember({"f32", "bf16"}))
+                  "KV cache element type: f32; bf16 (keys and values rounded as they are cached: "
+                  "half the memory and the bytes a decode step reads); or, on the CPU, quantised "
+                  "as cached: fp8 (E4M3, a scale per layer and KV head), int8 (a scale per "
+                  "position and KV head) or int4 (a scale and minimum per group of up to 32 "
+                  "channels). `kvlab bench kv-quality` measures what each costs a model")
+      ->check(CLI::IsMember({"f32", "bf16", "fp8", "int8", "int4"}))
       ->capture_default_str();
 }
 
@@ -165,7 +171,26 @@ void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
 }
 
 DType parse_storage_dtype(const std::string& dtype) {
-  return dtype == "bf16" ? DType::BF16 : DType::F32;
+  for (const DType d : {DType::BF16, DType::FP8, DType::INT8, DType::INT4})
+    if (dtype == dtype_name(d)) return d;
+  return DType::F32;  // the flags' checks admit no other name
+}
+
+std::vector<DType> parse_kv_dtypes(const std::string& list) {
+  std::vector<DType> out;
+  std::stringstream in(list);
+  for (std::string name; std::getline(in, name, ',');) {
+    const std::vector<std::string> known{"f32", "bf16", "fp8", "int8", "int4"};
+    KVLAB_USAGE_CHECK(std::find(known.begin(), known.end(), name) != known.end(),
+                      "--kv-dtypes: '", name, "' is not a KV cache dtype (f32, bf16, fp8, int8, "
+                      "int4)");
+    const DType d = parse_storage_dtype(name);
+    KVLAB_USAGE_CHECK(std::find(out.begin(), out.end(), d) == out.end(), "--kv-dtypes: ", name,
+                      " is listed twice");
+    out.push_back(d);
+  }
+  KVLAB_USAGE_CHECK(!out.empty(), "--kv-dtypes: the list is empty");
+  return out;
 }
 
 TrainConfig finish_train_flags(const TrainFlags& f) {

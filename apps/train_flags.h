@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "infer/engine.h"
 #include "train/trainer.h"
@@ -24,13 +25,16 @@ void add_device_flags(CLI::App* cmd, std::string& device, std::string& dtype);
 Device parse_device(const std::string& device);
 // The parsed --dtype for `device`: bf16 (GEMMs in bf16 with f32 accumulation) needs cuda.
 MatmulPrecision parse_dtype(const std::string& dtype, Device device);
-// --kv-dtype f32|bf16 (generate, bench generate, ablate): the KV cache's element type.
+// --kv-dtype f32|bf16|fp8|int8|int4 (generate, bench, serve, ablate): the KV cache's element
+// type.
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 // --weight-dtype f32|bf16 (generate, bench generate): the products' matrices, rounded to bf16
 // (GPT::round_matrices_to_bf16) when bf16.
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
+// A comma-separated list of KV cache dtypes (--kv-dtypes), each known and listed once.
+std::vector<DType> parse_kv_dtypes(const std::string& list);
 // --cache paged|contiguous, --kv-block-size N and --kv-memory SIZE (generate, bench
 // generate): the KV cache's layout and the paged cache's pool.
 struct KVCacheFlags {

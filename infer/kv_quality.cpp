@@ -6,6 +6,7 @@
 #include "autograd/backend/kv_format.h"
 #include "autograd/error.h"
 #include "autograd/graph.h"
+#include "data/sampler.h"
 #include "infer/kv_cache.h"
 
 namespace kvlab {
@@ -121,6 +122,20 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
     q.positions = N * T;
   }
   return out;
+}
+
+std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
+                                           std::span<const DType> dtypes, int windows,
+                                           uint64_t seed) {
+  const auto T = static_cast<int>(model.config().block_size);
+  KVLAB_CHECK(windows >= 1, "kv cache quality: windows must be >= 1, got ", windows);
+  KVLAB_CHECK(static_cast<int64_t>(ids.size()) > T + 1, "kv cache quality: ", ids.size(),
+              " validation tokens hold no window of block_size ", T, " and its targets");
+  const std::vector<int64_t> starts =
+      fixed_windows(static_cast<int64_t>(ids.size()), T, windows, seed);
+  std::vector<int32_t> x, y;
+  fill_windows(ids, starts, T, x, y);
+  return kv_cache_quality(model, x, y, T, dtypes);
 }
 
 }  // namespace kvlab

@@ -45,4 +45,10 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
                                         std::span<const int32_t> y, int64_t T,
                                         std::span<const DType> dtypes, int64_t batch = 16);
 
+// kv_cache_quality over `windows` fixed windows of block_size + 1 tokens of `ids` (a corpus's
+// validation split; data/sampler.h's fixed_windows with `seed`, the same for every model).
+std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
+                                           std::span<const DType> dtypes, int windows,
+                                           uint64_t seed = 4321);
+
 }  // namespace kvlab

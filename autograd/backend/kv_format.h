@@ -8,8 +8,10 @@
 //              beside its pools (KVRows::scales), not in the row.
 //   int8       an f32 scale, then head_size int8 codes in [-127, 127]: x = code * scale.
 //   int4       per group of kv_int4_group(head_size) channels a bf16 scale and a bf16 minimum
-//              (all groups' pairs first), then the codes in [0, 15], two a byte (channel 2i in
-//              the low nibble of byte i, 2i + 1 in the high one): x = code * scale + min.
+//              (all groups' pairs first), then the codes in [0, 15], two a byte: in a group of
+//              G, byte i holds channel i in its low nibble and channel i + G / 2 in its high
+//              one, so that a vector of a half's channels is one load and one shift:
+//              x = code * scale + min.
 #include <cstdint>
 #include <string>
 

@@ -44,6 +44,11 @@ inline float int8_row_scale(const uint8_t* row) {
   return s;
 }
 
+// Where channel i of an int4 row's codes lies: in its group of G, byte i % G % (G / 2) of the
+// group's G / 2, the low nibble for the group's first half, the high one for its second.
+inline int64_t int4_byte(int64_t i, int64_t G) { return i / G * (G / 2) + i % G % (G / 2); }
+inline int int4_shift(int64_t i, int64_t G) { return static_cast<int>(i % G / (G / 2) * 4); }
+
 // Group g's (scale, min) of an int4 row.
 inline float int4_scale(const uint8_t* row, int64_t g) {
   uint16_t h;
@@ -91,7 +96,7 @@ inline bool quantise_kv_row(DType t, uint8_t* dst, const float* x, int64_t HS, f
       for (int64_t i = 0; i < G; ++i) {
         const float c = scale > 0 ? std::clamp(std::nearbyint((xg[i] - mn) / scale), 0.0f, 15.0f) : 0.0f;
         const int64_t ch = g * G + i;
-        codes[ch / 2] |= static_cast<uint8_t>(static_cast<uint32_t>(c) << (ch % 2 * 4));
+        codes[int4_byte(ch, G)] |= static_cast<uint8_t>(static_cast<uint32_t>(c) << int4_shift(ch, G));
       }
     }
   }
@@ -110,7 +115,7 @@ inline void dequantise_kv_row(DType t, float* x, const uint8_t* row, int64_t HS,
     const int64_t G = kv_int4_group(HS), groups = HS / G;
     const uint8_t* codes = row + 4 * groups;
     for (int64_t i = 0; i < HS; ++i) {
-      const auto c = static_cast<float>(codes[i / 2] >> (i % 2 * 4) & 0xF);
+      const auto c = static_cast<float>(codes[int4_byte(i, G)] >> int4_shift(i, G) & 0xF);
       x[i] = std::fma(c, int4_scale(row, i / G), int4_min(row, i / G));
     }
   }
