@@ -7,6 +7,7 @@
 #include "apps/cli.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
+#include "autograd/backend/kv_format.h"
 
 namespace kvlab {
 
@@ -19,6 +20,7 @@ struct AblateArgs {
   bool param_matched = false;
   int64_t kv_budget = int64_t{1} << 30;
   std::string kv_dtype = "f32";
+  std::string kv_dtypes = "f32,bf16,fp8,int8,int4";
   std::vector<std::string> prompts;
   int64_t sample_tokens = 160;
   int bench_runs = 3;
@@ -101,6 +103,9 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.param_matched = a.param_matched;
   cfg.kv_budget_bytes = a.kv_budget;
   cfg.kv_dtype = parse_storage_dtype(a.kv_dtype);
+  cfg.kv_dtypes = a.kv_dtypes == "none" ? std::vector<DType>{} : parse_kv_dtypes(a.kv_dtypes);
+  KVLAB_USAGE_CHECK(cfg.base.device == Device::CPU || !is_quantised(cfg.kv_dtype),
+                    "--kv-dtype ", a.kv_dtype, " is a CPU cache; on CUDA, f32 or bf16");
   cfg.prompts = a.prompts;
   cfg.sample_tokens = a.sample_tokens;
   cfg.bench_runs = a.bench_runs;
@@ -135,6 +140,11 @@ void add_ablate_command(CLI::App& root) {
       ->check(integer_of<int64_t>())
       ->capture_default_str();
   add_kv_dtype_flag(cmd, args->kv_dtype);
+  cmd->add_option("--kv-dtypes", args->kv_dtypes,
+                  "Cache dtypes every trained model's quality is measured at (val loss, KL and "
+                  "top-1 against the f32 cache, every seed), for the report's memory-quality "
+                  "frontier; comma separated, or none. CPU only")
+      ->capture_default_str();
   cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
                                               "the start of two fixed validation windows)");
   add_number(cmd, "--sample-tokens", args->sample_tokens, "New tokens per sample");

@@ -22,6 +22,7 @@
 #include "infer/bench.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
+#include "infer/kv_quality.h"
 #include "infer/kv_workload.h"
 #include "train/output_dir.h"
 
@@ -303,8 +304,54 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
 }
 
 
+// What each cache dtype of cfg.kv_dtypes costs the variant's every seed (kv_cache_quality on
+// fixed validation windows): per dtype, bytes per token and the seeds' mean and standard
+// deviation of the loss, its delta to the f32 cache, the mean KL and top-1 agreement.
+json record_kv_quality(const AblateConfig& cfg, int64_t kv) {
+  const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
+                                    cfg.base.val_fraction);
+  std::vector<std::vector<KVQuality>> seeds;
+  for (int s = 0; s < cfg.seeds; ++s) {
+    std::fprintf(stderr, "n_kv_head=%lld seed %d: cache quality at %zu dtypes\n",
+                 static_cast<long long>(kv), s, cfg.kv_dtypes.size());
+    LoadedModel lm = load_model(run_dir(cfg, kv, s) / "final.h5");
+    seeds.push_back(
+        kv_cache_quality_on(*lm.model, corpus.val, cfg.kv_dtypes, cfg.quality_windows));
+  }
+  auto stats = [&](size_t d, double KVQuality::*field) {
+    double sum = 0, sum2 = 0;
+    json per_seed = json::array();
+    for (const auto& q : seeds) {
+      sum += q[d].*field;
+      sum2 += q[d].*field * (q[d].*field);
+      per_seed.push_back(q[d].*field);
+    }
+    const double n = static_cast<double>(seeds.size()), mean = sum / n;
+    const double sd = n > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
+    return std::tuple{mean, sd, per_seed};
+  };
+  json out = json::array();
+  for (size_t d = 0; d < cfg.kv_dtypes.size(); ++d) {
+    json e{{"dtype", dtype_name(cfg.kv_dtypes[d])},
+           {"bytes_per_token", seeds[0][d].bytes_per_token},
+           {"positions", seeds[0][d].positions}};
+    for (const auto& [name, field] : {std::pair{"loss", &KVQuality::loss},
+                                      std::pair{"delta_loss", &KVQuality::delta_loss},
+                                      std::pair{"kl", &KVQuality::kl},
+                                      std::pair{"top1", &KVQuality::top1}}) {
+      const auto [mean, sd, per_seed] = stats(d, field);
+      e[std::string(name) + "_mean"] = mean;
+      e[std::string(name) + "_std"] = sd;
+      e[std::string(name) + "_seeds"] = per_seed;
+    }
+    out.push_back(e);
+  }
+  return out;
+}
+
 // One variant's figures: its runs' validation curves and losses, then, from its first seed's
-// final checkpoint, parameters, cache bytes, decode speed and sample continuations.
+// final checkpoint, parameters, cache bytes, decode speed and sample continuations, and from
+// every seed's, the cost of each cache dtype.
 json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
                      std::vector<double>& serve_rates) {
   json v;
@@ -359,9 +406,11 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
     v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
     workload = record_kv_workload(v, mc, measured / mc.block_size);
   }
-  // The scheduler's paged cache runs on the CPU only.
+  // The scheduler's paged cache and the quantised caches run on the CPU only.
   if (cfg.base.device == Device::CPU)
     record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype, serve_rates);
+  if (cfg.base.device == Device::CPU && !cfg.kv_dtypes.empty())
+    v["kv_quality"] = record_kv_quality(cfg, kv);
   {
     BenchGenerateOptions bo;
     bo.prompt_tokens = prompt_len;
@@ -439,6 +488,7 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   results["kv_budget_bytes"] = cfg.kv_budget_bytes;
   results["kv_dtype"] = dtype_name(cfg.kv_dtype);
   results["dtype_bytes"] = dtype_size(cfg.kv_dtype);
+  results["quality_windows"] = cfg.quality_windows;
   results["param_matched"] = cfg.param_matched;
   results["variants"] = variants;
   results["sweep"] = {{"runs", stats.runs_total}, {"reused", stats.runs_reused},

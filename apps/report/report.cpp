@@ -236,6 +236,111 @@ std::optional<Table> serving_table(const Parsed& p) {
   return t;
 }
 
+std::string text_field(const json& obj, const char* key);
+
+// One point of the memory-quality frontier: a variant's model read through one cache dtype
+// (kv_quality: every seed's figures on the same validation windows).
+struct QualityPoint {
+  const Variant* v = nullptr;
+  std::string dtype;
+  double bytes = 0;  // per token
+  double loss = 0, loss_std = 0, delta = 0, delta_std = 0, kl = 0, kl_std = 0, top1 = 0;
+  bool front = false;  // no other point holds fewer or equal bytes at a lower loss
+};
+
+std::vector<QualityPoint> quality_points(const Parsed& p) {
+  std::vector<QualityPoint> out;
+  for (const Variant& v : p.variants)
+    for (const json& e : v.j->value("kv_quality", json::array())) {
+      if (!e.is_object() || !number(e, "bytes_per_token") || !number(e, "loss_mean")) continue;
+      QualityPoint q;
+      q.v = &v;
+      q.dtype = text_field(e, "dtype");
+      q.bytes = *number(e, "bytes_per_token");
+      q.loss = *number(e, "loss_mean");
+      q.loss_std = number(e, "loss_std").value_or(0);
+      q.delta = number(e, "delta_loss_mean").value_or(0);
+      q.delta_std = number(e, "delta_loss_std").value_or(0);
+      q.kl = number(e, "kl_mean").value_or(0);
+      q.kl_std = number(e, "kl_std").value_or(0);
+      q.top1 = number(e, "top1_mean").value_or(0);
+      out.push_back(q);
+    }
+  for (QualityPoint& q : out)
+    q.front = std::none_of(out.begin(), out.end(), [&](const QualityPoint& o) {
+      return (o.bytes <= q.bytes && o.loss < q.loss) || (o.bytes < q.bytes && o.loss <= q.loss);
+    });
+  return out;
+}
+
+// mean ± sd, the sd without a sign (a format's "+" flag is for the mean).
+std::string pm(double mean, double sd, const char* format) {
+  std::string sd_format = format;
+  sd_format.erase(std::remove(sd_format.begin(), sd_format.end(), '+'), sd_format.end());
+  return fmt(format, mean) + " ± " + fmt(sd_format.c_str(), sd);
+}
+
+// Every (n_kv_head, cache dtype) point (results without kv_quality leave it out).
+std::optional<Table> quality_table(const Parsed& p) {
+  const std::vector<QualityPoint> pts = quality_points(p);
+  if (pts.empty()) return std::nullopt;
+  Table t{{"n_kv_head", "cache dtype", "bytes/token", "val loss", "Δ vs f32 cache", "mean KL",
+           "top-1 agreement", "frontier"},
+          {}};
+  for (const QualityPoint& q : pts)
+    t.rows.push_back({std::to_string(q.v->n_kv), q.dtype, fmt("%.0f", q.bytes),
+                      pm(q.loss, q.loss_std, "%.4f"), pm(q.delta, q.delta_std, "%+.5f"),
+                      pm(q.kl, q.kl_std, "%.2e"), fmt("%.4f", q.top1), q.front ? "yes" : ""});
+  return t;
+}
+
+// The frontier in words: within each budget of bytes per token, which (n_kv_head, dtype) has
+// the lowest val loss; then, per quantised dtype, whether fewer KV heads make it costlier
+// (its loss delta at the fewest KV heads against multi-head's, beyond their seeds' spread).
+std::vector<std::string> quality_findings(const Parsed& p) {
+  std::vector<QualityPoint> pts = quality_points(p);
+  std::vector<std::string> out;
+  if (pts.empty()) return out;
+  std::sort(pts.begin(), pts.end(),
+            [](const QualityPoint& a, const QualityPoint& b) { return a.bytes < b.bytes; });
+  for (const QualityPoint& q : pts)
+    if (q.front)
+      out.push_back("Within " + fmt("%.0f", q.bytes) + " bytes per token the lowest val loss is " +
+                    q.v->label() + " with " + q.dtype + " keys and values: " +
+                    pm(q.loss, q.loss_std, "%.4f") + ".");
+  const Variant& many = p.variants.front();
+  const Variant& few = p.variants.back();
+  if (&many == &few) return out;
+  for (const char* dtype : {"bf16", "fp8", "int8", "int4"}) {
+    const auto at = [&](const Variant& v) {
+      return std::find_if(pts.begin(), pts.end(), [&](const QualityPoint& q) {
+        return q.v == &v && q.dtype == dtype;
+      });
+    };
+    const auto a = at(many), b = at(few);
+    if (a == pts.end() || b == pts.end()) continue;
+    const double diff = b->delta - a->delta, spread = a->delta_std + b->delta_std;
+    const bool one_seed = std::min(many.seeds, few.seeds) < 2;
+    out.push_back(std::string(dtype) + " costs " + pm(a->delta, a->delta_std, "%+.5f") +
+                  " nats at " + many.label() + " and " + pm(b->delta, b->delta_std, "%+.5f") +
+                  " at " + few.label() + ": " +
+                  (one_seed              ? "1 seed, so no spread to judge by"
+                   : std::abs(diff) <= spread ? "fewer KV heads make no difference beyond the "
+                                                "seeds' spread"
+                   : diff > 0 ? "fewer KV heads make it costlier, by " + fmt("%.5f", diff)
+                              : "fewer KV heads make it cheaper, by " + fmt("%.5f", -diff)) +
+                  ".");
+  }
+  return out;
+}
+
+constexpr const char* kQualityNote =
+    "Each trained model (every seed) evaluated on the same fixed validation windows with its "
+    "keys and values read through a cache of each dtype, exactly as a cached decoder reads "
+    "them (kvlab bench kv-quality), against the f32 cache: mean ± std over seeds. Bytes per "
+    "token: K and V of every layer, a quantised row's scales included. Frontier: no other "
+    "point has as few bytes at a lower loss.";
+
 // The serving sweep of a variant: each rate's figures over its runs (empty without a sweep).
 struct SweepPoint {
   double rate = 0;
@@ -453,6 +558,10 @@ std::vector<std::string> plot_names(const Parsed& p) {
     names.push_back("served_vs_rate");
     names.push_back("ttft_p99_vs_rate");
   }
+  if (!quality_points(p).empty()) {
+    names.push_back("val_loss_vs_cache_bytes");
+    names.push_back("kl_vs_cache_bytes");
+  }
   return names;
 }
 
@@ -626,6 +735,61 @@ svg::Plot serving_plot(const Parsed& p, bool ttft) {
   return plot;
 }
 
+// Val loss (or log10 of the mean KL) against cache bytes per token: a line per variant through
+// its cache dtypes, bars the seeds' std, and the frontier dashed.
+svg::Plot quality_plot(const Parsed& p, bool kl) {
+  const std::vector<QualityPoint> pts = quality_points(p);
+  svg::Plot plot;
+  plot.title = kl ? "KL divergence from the f32 cache vs cache bytes per token"
+                  : "Validation loss vs KV-cache bytes per token";
+  plot.note = kl ? "a line per n_kv_head: int4, fp8, int8, bf16 (f32's KL is 0); bars: seed std"
+                 : "a line per n_kv_head: int4, fp8, int8, bf16, f32; bars: seed std; dashed: frontier";
+  plot.x_label = "KV-cache bytes per token (log2 axis)";
+  plot.y_label = kl ? "log10 mean KL (nats)" : "val loss (nats/token)";
+  plot.x_log2 = true;
+  auto y_of = [&](const QualityPoint& q) { return kl ? std::log10(q.kl) : q.loss; };
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    std::vector<QualityPoint> mine;
+    for (const QualityPoint& q : pts)
+      if (q.v == &p.variants[i]) mine.push_back(q);
+    if (mine.empty()) continue;
+    std::sort(mine.begin(), mine.end(),
+              [](const QualityPoint& a, const QualityPoint& b) { return a.bytes < b.bytes; });
+    svg::Series s;
+    s.label = p.variants[i].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    s.line_width = 1.5;
+    for (const QualityPoint& q : mine) {
+      s.x.push_back(q.bytes);
+      s.y.push_back(y_of(q));
+      // On a log axis a std is a ratio: the bar spans log10(kl +- std) around the point.
+      s.y_err.push_back(kl ? (q.kl > q.kl_std ? std::log10(q.kl) - std::log10(q.kl - q.kl_std)
+                                              : 0.0)
+                           : q.loss_std);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  if (!kl) {
+    std::vector<QualityPoint> front;
+    for (const QualityPoint& q : pts)
+      if (q.front) front.push_back(q);
+    std::sort(front.begin(), front.end(),
+              [](const QualityPoint& a, const QualityPoint& b) { return a.bytes < b.bytes; });
+    svg::Series f;
+    f.label = "frontier";
+    f.color = "#999999";
+    f.dashed = true;
+    f.line_width = 1.0;
+    for (const QualityPoint& q : front) {
+      f.x.push_back(q.bytes);
+      f.y.push_back(q.loss);
+    }
+    plot.series.push_back(std::move(f));
+  }
+  return plot;
+}
+
 std::string text_of(const json& v) {
   return v.is_string() ? v.get<std::string>()
                        : v.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -724,6 +888,12 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
     for (const std::string& f : serving_findings(p)) md << "\n- " << md_escape(f);
     md << '\n';
   }
+  if (const auto t = quality_table(p)) {
+    md << "\n## What each cache dtype costs: the memory-quality frontier\n\n"
+       << render_markdown(*t) << '\n' << kQualityNote << '\n';
+    for (const std::string& f : quality_findings(p)) md << "\n- " << md_escape(f);
+    md << '\n';
+  }
   md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
   for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
   md << "\n## Plots\n\n";
@@ -786,8 +956,13 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
     for (const std::string& f : serving_findings(p)) h << "<li>" << e(f) << "</li>\n";
     h << "</ul>\n";
   }
-  h
-    << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
+  if (const auto t = quality_table(p)) {
+    h << "<h2>What each cache dtype costs: the memory-quality frontier</h2>\n" << render_html(*t)
+      << "<p>" << kQualityNote << "</p>\n<ul>\n";
+    for (const std::string& f : quality_findings(p)) h << "<li>" << e(f) << "</li>\n";
+    h << "</ul>\n";
+  }
+  h << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
   for (const Verdict& v : vs) h << "<li>" << e(v.text) << "</li>\n";
   h << "</ul>\n<h2>Plots</h2>\n<div class=\"plots\">\n";
   for (const std::string& s : svgs) h << "<figure>\n" << s << "</figure>\n";
@@ -861,6 +1036,11 @@ std::string format_table(const nlohmann::json& results) {
     out += "\nserving it:\n" + render_text(*t);
     for (const std::string& f : serving_findings(p)) out += "  " + f + "\n";
   }
+  if (const auto t = quality_table(p)) {
+    out += "\nwhat each cache dtype costs (against the f32 cache, mean ± std over seeds):\n" +
+           render_text(*t);
+    for (const std::string& f : quality_findings(p)) out += "  " + f + "\n";
+  }
   out += "\nverdicts (val loss, mean ± std over seeds):\n";
   for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
   return out;
@@ -883,9 +1063,13 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
   std::vector<std::string> svgs = {
       svg::render(curves_plot(p)), svg::render(loss_vs_kv_plot(p)),
       svg::render(cache_plot(p, results)), svg::render(speed_plot(p))};
-  if (names.size() > svgs.size()) {
+  if (!sweep_of(p.variants.front()).empty()) {
     svgs.push_back(svg::render(serving_plot(p, false)));
     svgs.push_back(svg::render(serving_plot(p, true)));
+  }
+  if (!quality_points(p).empty()) {
+    svgs.push_back(svg::render(quality_plot(p, false)));
+    svgs.push_back(svg::render(quality_plot(p, true)));
   }
   for (std::size_t i = 0; i < svgs.size(); ++i)
     write_file_atomic(out_dir / (names[i] + ".svg"), svgs[i]);

@@ -80,10 +80,27 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
       sustained_is_a_rate |= sweep[k]["rate"] == v["serve_sustained_rate"];
     }
     EXPECT_TRUE(sustained_is_a_rate) << v["serve_sustained_rate"];
+    // Every cache dtype of the default list, every seed: the f32 cache against itself is
+    // exact, the others cost something, and bytes per token are the formula's (HS 4: int4
+    // rows are one group, 2 bytes of codes and 4 of scale and minimum).
+    const auto& quality = v["kv_quality"];
+    ASSERT_EQ(quality.size(), 5u);
+    const std::vector<std::pair<std::string, int64_t>> row{
+        {"f32", 16}, {"bf16", 8}, {"fp8", 4}, {"int8", 8}, {"int4", 6}};
+    for (size_t d = 0; d < row.size(); ++d) {
+      EXPECT_EQ(quality[d]["dtype"], row[d].first);
+      EXPECT_EQ(quality[d]["bytes_per_token"].get<int64_t>(), 2 * 1 * nkv * row[d].second);
+      EXPECT_EQ(quality[d]["kl_seeds"].size(), 2u);
+      EXPECT_GE(quality[d]["kl_mean"].get<double>(), 0.0);
+    }
+    EXPECT_EQ(quality[0]["kl_mean"].get<double>(), 0.0);
+    EXPECT_EQ(quality[0]["top1_mean"].get<double>(), 1.0);
+    EXPECT_GT(quality[4]["kl_mean"].get<double>(), quality[3]["kl_mean"].get<double>());
   }
   for (const char* f : {"results.json", "results.csv", "report.md", "report.html",
                         "val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
-                        "tokens_per_s_vs_kv.svg", "served_vs_rate.svg", "ttft_p99_vs_rate.svg"})
+                        "tokens_per_s_vs_kv.svg", "served_vs_rate.svg", "ttft_p99_vs_rate.svg",
+                        "val_loss_vs_cache_bytes.svg", "kl_vs_cache_bytes.svg"})
     EXPECT_TRUE(fs::exists(dir_ / "out" / f)) << f;
 }
 

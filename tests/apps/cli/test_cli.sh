@@ -56,6 +56,13 @@ check "inspect" 0 "blocks.0.attn.k_proj.weight" -- "$KVLAB" inspect "$work/run/f
 check "generate" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord" --max-new 8
 check "generate --json" 0 "\"ttft_ms\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json
 check "generate --kv-dtype bf16" 0 "\"dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-dtype bf16
+check "generate --kv-dtype int8" 0 "\"dtype\": \"int8\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-dtype int8
+check "generate --kv-dtype int4, contiguous" 0 "\"dtype\": \"int4\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --kv-dtype int4 --cache contiguous
+check "bench kv-quality" 0 "int4" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --windows 8 --json "$work/kvq.json"
+check "bench kv-quality: an unknown dtype" 2 "--kv-dtypes: 'int3' is not a KV cache dtype" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --kv-dtypes f32,int3
+check "bench kv-quality: a dtype twice" 2 "--kv-dtypes: int8 is listed twice" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --kv-dtypes int8,int8
+check "bench kv-quality needs --ckpt" 2 "--ckpt is required" -- "$KVLAB" bench kv-quality
+check "bench kv-quality: --windows 0" 2 "--windows must be >= 1, got 0" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --windows 0
 check "unknown --kv-dtype" 2 "kv-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-dtype f16
 # The paged cache (the default) generates the same text as the contiguous one (blocks of 4:
 # the prompt and the new tokens cross block boundaries; two rows of different lengths leave
@@ -332,8 +339,8 @@ check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "
 check "ablate.sh passes the user's --out alone" 0 "kvlab ablate --quick --out mine" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick --out mine
 check "unknown command" 2 "unknown command 'nosuch' (commands: train, generate" -- "$KVLAB" nosuch
 check "no command" 2 "'kvlab' needs a command (commands: train, generate" -- "$KVLAB"
-check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate, kv-memory, serve)" -- "$KVLAB" bench nosuch
-check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate, kv-memory, serve)" -- "$KVLAB" bench
+check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate, kv-memory, serve, kv-quality)" -- "$KVLAB" bench nosuch
+check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate, kv-memory, serve, kv-quality)" -- "$KVLAB" bench
 check "bench --help" 0 "Usage: kvlab bench" -- "$KVLAB" bench --help
 check "unexpected arguments in order" 2 "unexpected arguments: foo bar baz" -- "$KVLAB" train foo bar baz
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help

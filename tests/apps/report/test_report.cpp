@@ -329,6 +329,53 @@ TEST(FormatTable, ServingSweepFindingsSayWhatIsBeyondTheSpread) {
       << out;
 }
 
+// The memory-quality frontier: a point is on it when no other has as few bytes at a lower
+// loss; the findings name the best point within each budget and say whether fewer KV heads
+// make a dtype costlier beyond the seeds' spread.
+TEST(FormatTable, QualityFrontierAndItsFindings) {
+  json r = fixture();
+  auto point = [](const char* dtype, double bytes, double loss, double delta, double delta_std) {
+    return json{{"dtype", dtype},          {"bytes_per_token", bytes}, {"loss_mean", loss},
+                {"loss_std", 0.001},       {"delta_loss_mean", delta}, {"delta_loss_std", delta_std},
+                {"kl_mean", delta / 10},   {"kl_std", 0.0},            {"top1_mean", 0.99}};
+  };
+  for (json& v : r["variants"]) {
+    const int kv = v["n_kv_head"];
+    const double base = kv == 4 ? 2.0 : kv == 2 ? 2.01 : 2.05;
+    const double int4 = kv == 1 ? 0.02 : 0.001;  // MQA pays far more for int4
+    v["kv_quality"] = json::array({point("f32", 64.0 * kv, base, 0, 0),
+                                   point("int4", 12.0 * kv, base + int4, int4, 0.001)});
+  }
+  const std::string out = format_table(r);
+  // Frontier, by bytes: MQA int4 (12), GQA int4 (24), MHA int4 (48, below MQA f32's 64 and
+  // GQA f32's 128) and MHA f32 (256, the lowest loss).
+  EXPECT_NE(out.find("Within 12 bytes per token the lowest val loss is n_kv_head=1 (MQA) with "
+                     "int4 keys and values: 2.0700 ± 0.0010."),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("Within 24 bytes per token the lowest val loss is n_kv_head=2 (GQA)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("Within 48 bytes per token the lowest val loss is n_kv_head=4 (MHA)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("Within 64 bytes"), std::string::npos) << out;  // MQA f32: dominated
+  EXPECT_NE(out.find("int4 costs +0.00100 ± 0.00100 nats at n_kv_head=4 (MHA) and +0.02000 ± "
+                     "0.00100 at n_kv_head=1 (MQA): fewer KV heads make it costlier, by 0.01900."),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("Within 256 bytes per token the lowest val loss is n_kv_head=4 (MHA) with "
+                     "f32"),
+            std::string::npos)
+      << out;
+  // The table: a row per point, the frontier marked.
+  EXPECT_NE(out.find("what each cache dtype costs"), std::string::npos);
+  const auto rows = lines(out);
+  EXPECT_EQ(std::count_if(rows.begin(), rows.end(),
+                          [](const std::string& l) { return l.ends_with(" yes"); }),
+            4);
+}
+
 TEST(FormatTable, ColumnsLineUp) {
   const auto out = lines(format_table(fixture()));
   // "±" is one column wide: every line of the first table has the same number of code points.
