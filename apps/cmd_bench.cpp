@@ -24,7 +24,6 @@
 #include "apps/train_flags.h"
 #include "autograd/host/cpu.h"
 #include "checkpoints/model_io.h"
-#include "data/corpus.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"
 #include "infer/kv_quality.h"
@@ -690,32 +689,8 @@ void run_bench_kv_quality(BenchArgs& a) {
   const std::vector<DType> dtypes = parse_kv_dtypes(a.kv_dtypes);
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
-  const Attrs& config = loaded.checkpoint.config;
-  auto attr = [&](const char* key) -> const AttrValue* {
-    const auto it = config.find(key);
-    return it == config.end() ? nullptr : &it->second;
-  };
-  std::string data = a.data;
-  if (data.empty()) {
-    const AttrValue* corpus = attr("corpus");
-    KVLAB_USAGE_CHECK(corpus != nullptr && std::holds_alternative<std::string>(*corpus),
-                      a.ckpt, " records no corpus: give --data FILE");
-    data = std::get<std::string>(*corpus);
-  }
-  const AttrValue* vf = attr("val_fraction");
-  const double val_fraction =
-      vf != nullptr && std::holds_alternative<double>(*vf) ? std::get<double>(*vf) : 0.1;
-  const AttrValue* kind = attr("tokenizer");
-  const Corpus corpus = load_corpus(
-      data,
-      Tokenizer::parse_kind(kind != nullptr && std::holds_alternative<std::string>(*kind)
-                                ? std::get<std::string>(*kind)
-                                : "char"),
-      val_fraction);
-  // The validation text in the checkpoint's own symbols: characters it never saw are an error
-  // that lists them.
-  const std::vector<int32_t> val =
-      loaded.tokenizer.encode(corpus.tokenizer.decode(corpus.val), "--data's validation text");
+  std::string data;
+  const std::vector<int32_t> val = checkpoint_validation_ids(loaded, a.data, &data);
   std::fprintf(stderr, "kvlab bench kv-quality: %d windows of %lld tokens, %zu cache dtypes\n",
                a.windows, static_cast<long long>(model.config().block_size), dtypes.size());
   const std::vector<KVQuality> q = kv_cache_quality_on(model, val, dtypes, a.windows);

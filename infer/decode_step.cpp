@@ -276,13 +276,7 @@ void store_new(void* const* dst, const CacheRef& kv, const float* src, int64_t B
     for (int64_t j = lo; j < hi;) {  // a run of one head's elements at a time
       const int64_t head = j / HS, n = std::min(hi, (head + 1) * HS) - j;
       KV* out = static_cast<KV*>(dst[b]) + at + head * kv.rows.head_stride + j % HS;
-      const float* in = src + b * KVD + j;
-      for (int64_t i = 0; i < n; ++i) {
-        if constexpr (std::is_same_v<KV, float>)
-          out[i] = in[i];
-        else
-          out[i] = cpu::f32_to_bf16(in[i]);
-      }
+      store_kv_row(kv.rows.dtype, out, src + b * KVD + j, 1, n, 0.0f);  // f32 or bf16: any run
       j += n;
     }
   }

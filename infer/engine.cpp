@@ -174,8 +174,8 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype,
               model.config().vocab_size);
   const std::string problem = kv_dtype_problem(cache_dtype, model.config().head_size());
   KVLAB_CHECK(problem.empty(), "engine: ", problem);
-  KVLAB_CHECK(!is_quantised(cache_dtype) || model.device() == Device::CPU, "engine: a ",
-              dtype_name(cache_dtype), " KV cache is on the CPU only (on CUDA, f32 or bf16)");
+  KVLAB_CHECK(!is_quantised(cache_dtype) || model.device() == Device::CPU, "engine: KV cache dtype ",
+              dtype_name(cache_dtype), " is CPU-only (on CUDA: f32 or bf16)");
   if (paged) {
     const int64_t n = paged->kv_block_size, context = model.config().block_size;
     KVLAB_CHECK(n >= 1 && (n & (n - 1)) == 0, "engine: kv_block_size ", n,

@@ -103,8 +103,8 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
               ", S = ", capacity, ", NKV = ", n_kv_head, ", HS = ", head_size);
   const std::string problem = dtype == DType::F64 ? "" : kv_dtype_problem(dtype, head_size);
   KVLAB_CHECK(problem.empty(), "kv cache: ", problem);
-  KVLAB_CHECK(!is_quantised(dtype) || device == Device::CPU, "kv cache: a ", dtype_name(dtype),
-              " cache is on the CPU only");
+  KVLAB_CHECK(!is_quantised(dtype) || device == Device::CPU, "kv cache: dtype ", dtype_name(dtype),
+              " is CPU-only");
   check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
   const Shape shape{max_batch, n_kv_head, capacity, row_};
   for (int64_t l = 0; l < n_layer; ++l) {

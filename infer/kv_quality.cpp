@@ -6,6 +6,7 @@
 #include "autograd/backend/kv_format.h"
 #include "autograd/error.h"
 #include "autograd/graph.h"
+#include "data/corpus.h"
 #include "data/sampler.h"
 #include "infer/kv_cache.h"
 
@@ -136,6 +137,28 @@ std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t
   std::vector<int32_t> x, y;
   fill_windows(ids, starts, T, x, y);
   return kv_cache_quality(model, x, y, T, dtypes);
+}
+
+std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,
+                                               std::string* used) {
+  const Attrs& config = loaded.checkpoint.config;
+  auto text = [&](const char* key) -> std::string {
+    const auto it = config.find(key);
+    return it != config.end() && std::holds_alternative<std::string>(it->second)
+               ? std::get<std::string>(it->second)
+               : "";
+  };
+  const std::string file = data.empty() ? text("corpus") : data;
+  KVLAB_CHECK(!file.empty(), "the checkpoint records no corpus: give its data file (--data)");
+  const auto vf = config.find("val_fraction");
+  const double val_fraction = vf != config.end() && std::holds_alternative<double>(vf->second)
+                                  ? std::get<double>(vf->second)
+                                  : 0.1;
+  const std::string kind = text("tokenizer");
+  const Corpus corpus =
+      load_corpus(file, Tokenizer::parse_kind(kind.empty() ? "char" : kind), val_fraction);
+  if (used != nullptr) *used = file;
+  return loaded.tokenizer.encode(corpus.tokenizer.decode(corpus.val), "the validation text");
 }
 
 }  // namespace kvlab

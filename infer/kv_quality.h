@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "autograd/backend/device.h"
+#include "checkpoints/model_io.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
@@ -50,5 +51,12 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
 std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
                                            std::span<const DType> dtypes, int windows,
                                            uint64_t seed = 4321);
+
+// The validation split a checkpoint was trained against, in its own tokenizer's ids: `data`,
+// else the corpus its /config names, split by its val_fraction (0.1 if it records none) and
+// tokenized by its tokenizer kind. Characters the checkpoint never saw are an error that lists
+// them. Sets *used to the corpus file read.
+std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,
+                                               std::string* used = nullptr);
 
 }  // namespace kvlab

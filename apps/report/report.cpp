@@ -295,8 +295,8 @@ std::optional<Table> quality_table(const Parsed& p) {
 }
 
 // The frontier in words: within each budget of bytes per token, which (n_kv_head, dtype) has
-// the lowest val loss; then, per quantised dtype, whether fewer KV heads make it costlier
-// (its loss delta at the fewest KV heads against multi-head's, beyond their seeds' spread).
+// the lowest val loss; then, per quantised dtype, whether fewer KV heads make it costlier (its
+// loss delta and mean KL at the fewest KV heads against multi-head's, beyond the seeds' spread).
 std::vector<std::string> quality_findings(const Parsed& p) {
   std::vector<QualityPoint> pts = quality_points(p);
   std::vector<std::string> out;
@@ -319,17 +319,23 @@ std::vector<std::string> quality_findings(const Parsed& p) {
     };
     const auto a = at(many), b = at(few);
     if (a == pts.end() || b == pts.end()) continue;
-    const double diff = b->delta - a->delta, spread = a->delta_std + b->delta_std;
     const bool one_seed = std::min(many.seeds, few.seeds) < 2;
+    // "costlier by X" / "cheaper by X" / "no difference" for a figure at MHA (x) and at the
+    // fewest KV heads (y), judged against the seeds' spread.
+    auto judge = [&](double x, double sx, double y, double sy, const char* format) {
+      if (one_seed) return std::string("1 seed, so no spread to judge by");
+      if (std::abs(y - x) <= sx + sy) return std::string("no difference beyond the seeds' spread");
+      return std::string(y > x ? "costlier" : "cheaper") + ", by " + fmt(format, std::abs(y - x)) +
+             (x > 0 && y > 0 ? " (" + fmt("%.2f", y / x) + "x)" : "") +
+             ", beyond the seeds' spread";
+    };
     out.push_back(std::string(dtype) + " costs " + pm(a->delta, a->delta_std, "%+.5f") +
                   " nats at " + many.label() + " and " + pm(b->delta, b->delta_std, "%+.5f") +
-                  " at " + few.label() + ": " +
-                  (one_seed              ? "1 seed, so no spread to judge by"
-                   : std::abs(diff) <= spread ? "fewer KV heads make no difference beyond the "
-                                                "seeds' spread"
-                   : diff > 0 ? "fewer KV heads make it costlier, by " + fmt("%.5f", diff)
-                              : "fewer KV heads make it cheaper, by " + fmt("%.5f", -diff)) +
-                  ".");
+                  " at " + few.label() + " (" +
+                  judge(a->delta, a->delta_std, b->delta, b->delta_std, "%.5f") +
+                  "); its mean KL " + pm(a->kl, a->kl_std, "%.2e") + " and " +
+                  pm(b->kl, b->kl_std, "%.2e") + " (" +
+                  judge(a->kl, a->kl_std, b->kl, b->kl_std, "%.2e") + ").");
   }
   return out;
 }

@@ -53,8 +53,8 @@ KVStorage kv_storage(const char* op, const Tensor& q, const Tensor& k,
   KVLAB_CHECK(k.size(-1) == kv_row_bytes(k.dtype(), HS), op, ": ", dtype_name(k.dtype()),
               " keys and values of head size ", HS, " are rows of ",
               kv_row_bytes(k.dtype(), HS), " bytes, got ", k.size(-1));
-  KVLAB_CHECK(q.device() == Device::CPU, op, ": a ", dtype_name(k.dtype()),
-              " KV cache is read on the CPU only");
+  KVLAB_CHECK(q.device() == Device::CPU, op, ": ", dtype_name(k.dtype()),
+              " keys and values are read on the CPU only");
   KVLAB_CHECK(k.dtype() != DType::FP8 || static_cast<int64_t>(opts.kv_scales.size()) == 2 * NKV,
               op, ": fp8 keys and values need their ", 2 * NKV, " scales, got ",
               opts.kv_scales.size());

@@ -361,7 +361,9 @@ TEST(FormatTable, QualityFrontierAndItsFindings) {
       << out;
   EXPECT_EQ(out.find("Within 64 bytes"), std::string::npos) << out;  // MQA f32: dominated
   EXPECT_NE(out.find("int4 costs +0.00100 ± 0.00100 nats at n_kv_head=4 (MHA) and +0.02000 ± "
-                     "0.00100 at n_kv_head=1 (MQA): fewer KV heads make it costlier, by 0.01900."),
+                     "0.00100 at n_kv_head=1 (MQA) (costlier, by 0.01900 (20.00x), beyond the "
+                     "seeds' spread); its mean KL 1.00e-04 ± 0.00e+00 and 2.00e-03 ± 0.00e+00 "
+                     "(costlier, by 1.90e-03 (20.00x), beyond the seeds' spread)."),
             std::string::npos)
       << out;
   EXPECT_NE(out.find("Within 256 bytes per token the lowest val loss is n_kv_head=4 (MHA) with "
