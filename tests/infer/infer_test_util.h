@@ -4,6 +4,7 @@
 // uniform and positions matter: a cache that misplaces a key changes the logits visibly.
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "autograd/random.h"
 #include "data/tokenizer.h"
@@ -47,6 +48,13 @@ inline std::unique_ptr<GPT> random_model(const GPTConfig& c, uint64_t seed) {
 inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
                                        int64_t block_size = 16) {
   return random_model(tiny_config(n_kv_head, block_size), seed);
+}
+
+// A (rows, T) batch of token ids drawn from gen.
+inline Tensor random_tokens(Generator& gen, int64_t vocab, int64_t rows, int64_t T = 1) {
+  std::vector<int32_t> ids(static_cast<size_t>(rows * T));
+  for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
+  return Tensor::from_vector(ids, {rows, T});
 }
 
 // 11 symbols: "a".."j" and space.

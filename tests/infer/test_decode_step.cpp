@@ -84,19 +84,12 @@ void expect_same_cache(const ContiguousKVCache& fused, const ContiguousKVCache& 
     }
 }
 
-// A (rows, T) batch of token ids drawn from gen.
-Tensor random_tokens(Generator& gen, int64_t vocab, int64_t rows, int64_t T = 1) {
-  std::vector<int32_t> ids(static_cast<size_t>(rows * T));
-  for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
-  return Tensor::from_vector(ids, {rows, T});
-}
-
 // Row b of both caches prefilled op by op, in one pass, with its own random prompt of
 // lengths[b] tokens.
 void prefill_rows(GPT& model, ContiguousKVCache& fused, ContiguousKVCache& plain,
                   const std::vector<int64_t>& lengths, Generator& gen) {
   for (size_t b = 0; b < lengths.size(); ++b) {
-    const Tensor p = random_tokens(gen, model.config().vocab_size, 1, lengths[b]);
+    const Tensor p = test::random_tokens(gen, model.config().vocab_size, 1, lengths[b]);
     model.forward(p, &fused.rows(static_cast<int64_t>(b), 1), true);
     model.forward(p, &plain.rows(static_cast<int64_t>(b), 1), true);
   }
@@ -129,7 +122,7 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   uint64_t fused_requests = 0, plain_requests = 0;
   const int steps = 12;
   for (int i = 0; i < steps; ++i) {
-    const Tensor tokens = random_tokens(gen, V, B);
+    const Tensor tokens = test::random_tokens(gen, V, B);
     Allocator& alloc = allocator_for(Device::CPU);
     uint64_t r0 = alloc.stats().requests;
     const std::vector<float> a = step.forward(tokens, fused).to_vector<float>();
@@ -194,7 +187,7 @@ TEST(FusedDecode, ThreeThreadsEachWithAGroupOfTheirOwn) {
     Generator gen(29);
     prefill_rows(*model, fused, plain, {2, 3, 4}, gen);
     std::vector<Tensor> tokens;
-    for (int i = 0; i < 8; ++i) tokens.push_back(random_tokens(gen, c.vocab_size, B));
+    for (int i = 0; i < 8; ++i) tokens.push_back(test::random_tokens(gen, c.vocab_size, B));
     const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
     EXPECT_GT(d.scale, 1.0);
     EXPECT_LE(d.worst, 1e-5 * d.scale) << dtype_name(dtype);
@@ -253,7 +246,7 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
   ContiguousKVCache plain(c.n_layer, 1, c.block_size, 1, c.head_size());
   Generator gen(4);
   std::vector<Tensor> tokens;
-  for (int i = 0; i < 10; ++i) tokens.push_back(random_tokens(gen, c.vocab_size, 1));
+  for (int i = 0; i < 10; ++i) tokens.push_back(test::random_tokens(gen, c.vocab_size, 1));
   const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
   EXPECT_GT(d.scale, 1.0);
   EXPECT_LE(d.worst, 1e-5 * d.scale);
@@ -301,13 +294,13 @@ class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, i
     Generator gen(23);
     for (int64_t b = 0; b < B; ++b)  // op by op into both caches
       for (int64_t i = 0; i < 3 + b; ++i) {
-        const Tensor t = random_tokens(gen, c.vocab_size, 1);
+        const Tensor t = test::random_tokens(gen, c.vocab_size, 1);
         model->forward(t, &fused.rows(b, 1), true);
         model->forward(t, &plain.rows(b, 1), true);
       }
     const DecodeStep::PackGuard pack = step.pack();
     std::vector<Tensor> tokens;
-    for (int i = 0; i < 12; ++i) tokens.push_back(random_tokens(gen, c.vocab_size, B));
+    for (int i = 0; i < 12; ++i) tokens.push_back(test::random_tokens(gen, c.vocab_size, B));
     const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
     EXPECT_GT(d.scale, 1.0);
     EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;

@@ -31,12 +31,6 @@ GPTConfig quality_config(int64_t n_kv_head) {
   return c;
 }
 
-Tensor random_tokens(Generator& gen, int64_t vocab, int64_t rows, int64_t T) {
-  std::vector<int32_t> ids(static_cast<size_t>(rows * T));
-  for (auto& t : ids) t = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
-  return Tensor::from_vector(ids, {rows, T});
-}
-
 // (n_kv_head, dtype, batch)
 class DecodeEqualsEvaluation
     : public ::testing::TestWithParam<std::tuple<int64_t, DType, int64_t>> {};
@@ -54,7 +48,7 @@ TEST_P(DecodeEqualsEvaluation, AtEveryStep) {
   NoGradGuard no_grad;
   const int64_t T = 20, V = c.vocab_size;
   Generator gen(5);
-  const Tensor tokens = random_tokens(gen, V, B, T);
+  const Tensor tokens = test::random_tokens(gen, V, B, T);
   const std::vector<float> eval = cached_prefill_logits(*model, tokens, dtype).to_vector<float>();
   const std::vector<float> scales =
       dtype == DType::FP8 ? fp8_kv_scales(*model) : std::vector<float>{};
@@ -117,8 +111,8 @@ TEST(KVQuality, ReportsWhatItSays) {
   const GPTConfig& c = model->config();
   Generator gen(9);
   const int64_t N = 6, T = 16;
-  const std::vector<int32_t> x = random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
-  const std::vector<int32_t> y = random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<int32_t> x = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<int32_t> y = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
   const std::vector<DType> dtypes{DType::F32, DType::BF16, DType::FP8, DType::INT8, DType::INT4};
   const std::vector<KVQuality> q = kv_cache_quality(*model, x, y, T, dtypes, 4);
   ASSERT_EQ(q.size(), dtypes.size());
