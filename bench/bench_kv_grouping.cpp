@@ -24,7 +24,6 @@
 #include <string>
 #include <vector>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/kv_quant.h"
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
@@ -40,18 +39,15 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // positions a per-channel group spans (KIVI's residual length)
 
-// x (n values at stride st) quantised to 4 bits with a bf16 scale and minimum, as the cache's
-// int4 groups are, and dequantised in place.
+// x (n <= 32 values at stride st) quantised and dequantised in place as one int4 row of n
+// channels: a single group, by the cache's own quantiser.
 void fake_int4(float* x, int64_t n, int64_t st) {
-  float lo = x[0], hi = x[0];
-  for (int64_t i = 1; i < n; ++i) lo = std::min(lo, x[i * st]), hi = std::max(hi, x[i * st]);
-  const float mn = cpu::bf16_to_f32(cpu::f32_to_bf16(lo));
-  const float scale = cpu::bf16_to_f32(cpu::f32_to_bf16((hi - mn) / 15.0f));
-  for (int64_t i = 0; i < n; ++i) {
-    const float c =
-        scale > 0 ? std::clamp(std::nearbyint((x[i * st] - mn) / scale), 0.0f, 15.0f) : 0.0f;
-    x[i * st] = std::fma(c, scale, mn);
-  }
+  float column[32];
+  uint8_t row[64];
+  for (int64_t i = 0; i < n; ++i) column[i] = x[i * st];
+  cpu::quantise_kv_row(DType::INT4, row, column, n, 0.0f);
+  cpu::dequantise_kv_row(DType::INT4, column, row, n, 0.0f);
+  for (int64_t i = 0; i < n; ++i) x[i * st] = column[i];
 }
 
 // How keys are grouped: per position over every position, per channel over each whole block of

@@ -43,6 +43,12 @@ void kv_nonfinite_error(DType dtype, int layer, int64_t row, int64_t head, int64
                                   "cannot store"));
 }
 
+std::span<const float> layer_fp8_scales(const std::vector<float>& scales, int layer, int64_t NKV) {
+  if (scales.empty()) return {};
+  return std::span<const float>(scales).subspan(static_cast<size_t>(layer * 2 * NKV),
+                                                static_cast<size_t>(2 * NKV));
+}
+
 void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV) {
   if (dtype != DType::FP8) {
     KVLAB_CHECK(scales.empty(), "kv cache: scales are for an fp8 cache, not ", dtype_name(dtype));
@@ -132,9 +138,7 @@ Tensor ContiguousKVCache::view(const Tensor& buf, int64_t first, int64_t n, int6
 }
 
 std::span<const float> ContiguousKVCache::kv_scales(int layer) const {
-  if (scales_.empty()) return {};
-  return std::span<const float>(scales_).subspan(static_cast<size_t>(layer * 2 * n_kv_head_),
-                                                 static_cast<size_t>(2 * n_kv_head_));
+  return layer_fp8_scales(scales_, layer, n_kv_head_);
 }
 
 std::pair<Tensor, Tensor> ContiguousKVCache::append(int layer, const Tensor& k, const Tensor& v) {

@@ -46,6 +46,8 @@ bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int6
 // Checks an fp8 cache's scales, (L, 2 NKV) positive and finite, or that a cache of another
 // dtype was given none.
 void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV);
+// Layer `layer`'s 2 NKV scales of an fp8 cache's (L, 2 NKV) scales; empty for none.
+std::span<const float> layer_fp8_scales(const std::vector<float>& scales, int layer, int64_t NKV);
 [[noreturn]] void kv_nonfinite_error(DType dtype, int layer, int64_t row, int64_t head,
                                      int64_t position);
 

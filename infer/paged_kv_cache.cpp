@@ -184,9 +184,7 @@ int64_t PagedKVCache::bytes() const {
 }
 
 std::span<const float> PagedKVCache::kv_scales(int layer) const {
-  if (scales_.empty()) return {};
-  return std::span<const float>(scales_).subspan(static_cast<size_t>(layer * 2 * n_kv_head_),
-                                                 static_cast<size_t>(2 * n_kv_head_));
+  return layer_fp8_scales(scales_, layer, n_kv_head_);
 }
 
 int64_t PagedKVCache::blocks_needed(int64_t T) {

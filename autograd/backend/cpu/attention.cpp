@@ -211,28 +211,27 @@ void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const K
         attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kr, vr, Sb,
                             s.HS, scale, p);
       return;
-    } else {
-      if constexpr (std::is_same_v<KV, uint8_t>) {
-        bool done = true;
-        for (int64_t r = h0; r < h0 + rows && done; ++r)
-          done = attend_one_query_kernel(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh,
-                                         kr, vr, Sb, s.HS, scale, p, fmt);
-        if (done) return;
-      }
-      // Widened block by block into the work memory where a contiguous row's keys and values
-      // are widened, and attended there as they are: the same bits, with the group's query
-      // heads sharing one widening.
-      int64_t st;
-      for (int64_t j = 0; j < Sb; j += kr.block_len()) {
-        const int64_t m = std::min(kr.block_len(), Sb - j);
-        kv_rows<T>(kr(j), kr.pos_stride, m, s.HS, wk + j * s.HS, st, fmt, false);
-        kv_rows<T>(vr(j), vr.pos_stride, m, s.HS, wv + j * s.HS, st, fmt, true);
-      }
-      for (int64_t r = h0; r < h0 + rows; ++r)
-        attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, wk, s.HS, wv,
-                            s.HS, Sb, s.HS, scale, p);
-      return;
     }
+    if constexpr (std::is_same_v<KV, uint8_t>) {
+      bool done = true;
+      for (int64_t r = h0; r < h0 + rows && done; ++r)
+        done = attend_one_query_kernel(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, kr,
+                                       vr, Sb, s.HS, scale, p, fmt);
+      if (done) return;
+    }
+    // Widened block by block into the work memory where a contiguous row's keys and values
+    // are widened, and attended there as they are: the same bits, with the group's query
+    // heads sharing one widening.
+    int64_t st;
+    for (int64_t j = 0; j < Sb; j += kr.block_len()) {
+      const int64_t m = std::min(kr.block_len(), Sb - j);
+      kv_rows<T>(kr(j), kr.pos_stride, m, s.HS, wk + j * s.HS, st, fmt, false);
+      kv_rows<T>(vr(j), vr.pos_stride, m, s.HS, wv + j * s.HS, st, fmt, true);
+    }
+    for (int64_t r = h0; r < h0 + rows; ++r)
+      attend_one_query<T>(out + b * ov.sb + r * ov.sh, q + b * qv.sb + r * qv.sh, wk, s.HS, wv,
+                          s.HS, Sb, s.HS, scale, p);
+    return;
   }
   const KV* kg = k + b * kv.sb + g * kv.sh;
   const KV* vg = v + b * vv.sb + g * vv.sh;
