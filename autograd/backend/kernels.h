@@ -60,11 +60,23 @@
   X(void, gelu_backward, (T* dx, const T* dout, const T* x, int64_t n))                       \
   /* Dropout with a stateless mask: element i is dropped when hash(seed, i) < p. */           \
   X(void, dropout_forward, (T* out, const T* x, int64_t n, double p, uint64_t seed))          \
-  X(void, dropout_backward, (T* dx, const T* dout, int64_t n, double p, uint64_t seed))
+  X(void, dropout_backward, (T* dx, const T* dout, int64_t n, double p, uint64_t seed))      \
+  /* SwiGLU over rows of x (N, 2H), the gate's H columns then the up projection's: out (N, H) \
+     = silu(gate) * up; dx (N, 2H). */                                                        \
+  X(void, swiglu_forward, (T* out, const T* x, int64_t N, int64_t H))                         \
+  X(void, swiglu_backward, (T* dx, const T* dout, const T* x, int64_t N, int64_t H))          \
+  /* Rotary position embedding, halves form: x, out (N, H, HS) with HS even, row i at         \
+     position pos[i]; table (P, HS) holds each position's HS/2 cosines then HS/2 sines, and   \
+     pos[i] < P. out[.., j] = x_j cos - x_(j+HS/2) sin, out[.., j + HS/2] = x_(j+HS/2) cos +  \
+     x_j sin; `inverse` rotates by the opposite angle (the backward). out may be x. */        \
+  X(void, rope_forward,                                                                       \
+    (T* out, const T* x, const int32_t* pos, const T* table, int64_t N, int64_t H, int64_t HS, \
+     bool inverse))
 
 // ---- normalisation (norm.*) ----
 #define KVLAB_NORM_KERNELS(X, T)                                                              \
-  /* x, out (N, C); mean, rstd (N) */                                                         \
+  /* x, out (N, C); mean, rstd (N). mean null: RMSNorm (nothing subtracted, rstd of the     \
+     mean square); b null: no bias (then db null too in the backward). */                     \
   X(void, layernorm_forward,                                                                  \
     (T* out, T* mean, T* rstd, const T* x, const T* w, const T* b, int64_t N, int64_t C,      \
      double eps))                                                                             \

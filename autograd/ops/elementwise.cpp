@@ -1,3 +1,5 @@
+#include <cmath>
+
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
 
@@ -135,6 +137,47 @@ struct GeluNode : Node {
   void release() override { x = Tensor(); }
 };
 
+struct SwigluNode : Node {
+  Tensor x;  // (N, 2H) contiguous
+  const char* name() const override { return "swiglu"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    const Tensor gc = g.contiguous();
+    const int64_t H = gc.size(-1), N = H ? gc.numel() / H : 0;
+    Tensor dx = Tensor::empty(x.sizes(), x.dtype(), x.device());
+    dispatch_float(x.dtype(), "swiglu", [&](auto tag) {
+      using T = decltype(tag);
+      KVLAB_KERNEL(x.device(),
+                   swiglu_backward<T>(dx.data<T>(), gc.data<T>(), x.data<T>(), N, H));
+    });
+    return {dx};
+  }
+  void release() override { x = Tensor(); }
+};
+
+// Rotates x (N, H, HS) by each row's angles; the backward rotates the gradient back.
+void rope_apply(Tensor& out, const Tensor& x, const Tensor& positions, const Tensor& table,
+                bool inverse) {
+  const int64_t HS = x.size(-1), H = x.size(-2), N = HS * H != 0 ? x.numel() / (H * HS) : 0;
+  dispatch_float(x.dtype(), "rope", [&](auto tag) {
+    using T = decltype(tag);
+    KVLAB_KERNEL(x.device(), rope_forward<T>(out.data<T>(), x.data<T>(),
+                                             positions.data<int32_t>(), table.data<T>(), N, H,
+                                             HS, inverse));
+  });
+}
+
+struct RopeNode : Node {
+  Tensor positions, table;
+  const char* name() const override { return "rope"; }
+  std::vector<Tensor> backward(const Tensor& g) override {
+    const Tensor gc = g.contiguous();
+    Tensor dx = Tensor::empty(gc.sizes(), gc.dtype(), gc.device());
+    rope_apply(dx, gc, positions, table, true);
+    return {dx};
+  }
+  void release() override { positions = table = Tensor(); }
+};
+
 struct DropoutNode : Node {
   double p;
   uint64_t seed;
@@ -189,6 +232,77 @@ Tensor gelu(const Tensor& x) {
     record(out, node, {&x});
   }
   return out;
+}
+
+Tensor swiglu(const Tensor& x) {
+  check_defined("swiglu", x);
+  KVLAB_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "swiglu: input ", x.shape_str(),
+              " needs an even last dim (gate and up halves)");
+  const Tensor xc = x.contiguous();
+  const int64_t H = x.size(-1) / 2, N = H ? x.numel() / (2 * H) : 0;
+  Shape shape = x.sizes();
+  shape.back() = H;
+  Tensor out = Tensor::empty(shape, x.dtype(), x.device());
+  dispatch_float(x.dtype(), "swiglu", [&](auto tag) {
+    using T = decltype(tag);
+    KVLAB_KERNEL(x.device(), swiglu_forward<T>(out.data<T>(), xc.data<T>(), N, H));
+  });
+  if (needs_grad({&x})) {
+    auto node = std::make_shared<SwigluNode>();
+    node->x = xc.detach();
+    record(out, node, {&x});
+  }
+  return out;
+}
+
+Tensor rope(const Tensor& x, const Tensor& positions, const Tensor& table) {
+  check_defined("rope", x);
+  check_defined("rope", positions);
+  check_defined("rope", table);
+  check_same_dtype("rope", x, table);
+  check_same_device("rope", x, table);
+  check_same_device("rope", x, positions);
+  KVLAB_CHECK(x.dim() >= 2 && x.size(-1) % 2 == 0, "rope: input ", x.shape_str(),
+              " must be (..., H, HS) with HS even");
+  const int64_t HS = x.size(-1), slices = x.numel() / (HS * x.size(-2));
+  KVLAB_CHECK(positions.dtype() == DType::I32 && positions.numel() == slices,
+              "rope: positions ", positions.shape_str(), " ", dtype_name(positions.dtype()),
+              " must be i32 with one entry per (H, HS) slice of ", x.shape_str());
+  KVLAB_CHECK(table.dim() == 2 && table.size(1) == HS, "rope: table ", table.shape_str(),
+              " does not fit head size ", HS);
+  const Tensor pc = positions.contiguous();
+  if (pc.device() == Device::CPU)  // a device's positions were checked where they were made
+    for (int64_t i = 0; i < slices; ++i) {
+      const int32_t p = pc.data<int32_t>()[i];
+      KVLAB_CHECK(p >= 0 && p < table.size(0), "rope: position ", p, " outside the table's ",
+                  table.size(0));
+    }
+  const Tensor xc = x.contiguous();
+  Tensor out = Tensor::empty(x.sizes(), x.dtype(), x.device());
+  rope_apply(out, xc, pc, table.contiguous(), false);
+  if (needs_grad({&x})) {
+    auto node = std::make_shared<RopeNode>();
+    node->positions = pc;
+    node->table = table.contiguous();
+    record(out, node, {&x});
+  }
+  return out;
+}
+
+Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device device) {
+  KVLAB_CHECK(P >= 1 && HS >= 2 && HS % 2 == 0 && theta > 1, "rope_table: ", P,
+              " positions, head size ", HS, ", theta ", theta,
+              ": needs P >= 1, an even head size and theta > 1");
+  const int64_t half = HS / 2;
+  std::vector<double> t(static_cast<size_t>(P * HS));
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t j = 0; j < half; ++j) {
+      const double angle = static_cast<double>(p) *
+                           std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(HS));
+      t[static_cast<size_t>(p * HS + j)] = std::cos(angle);
+      t[static_cast<size_t>(p * HS + half + j)] = std::sin(angle);
+    }
+  return Tensor::from_vector(t, {P, HS}).to(dtype).to(device);
 }
 
 Tensor dropout(const Tensor& x, double p, uint64_t seed) {

@@ -16,6 +16,16 @@ Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor scale(const Tensor& x, double s);
 Tensor gelu(const Tensor& x);  // tanh form, as GPT-2
+// x (..., 2H): its first H columns the gate, the last H the up projection -> (..., H) =
+// silu(gate) * up, silu(a) = a * sigmoid(a).
+Tensor swiglu(const Tensor& x);
+// Rotary position embedding (halves form: channel j pairs with j + HS/2) of x (..., H, HS),
+// HS even, each (H, HS) slice at its position: positions (i32, on x's device) has one entry
+// per slice, in order, each in [0, P) of table (P, HS) from rope_table.
+Tensor rope(const Tensor& x, const Tensor& positions, const Tensor& table);
+// Each position's HS/2 cosines then HS/2 sines of p * theta^(-2j/HS), p in [0, P), computed
+// in double and stored in `dtype` on `device`.
+Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device device);
 // Zeroes each element with probability p and scales the rest by 1/(1-p). The mask is a pure
 // function of (seed, element index): the same seed gives the same mask. Identity when p == 0.
 Tensor dropout(const Tensor& x, double p, uint64_t seed);
@@ -59,7 +69,10 @@ Tensor concat(const std::vector<Tensor>& xs, int dim);
 std::vector<Tensor> split(const Tensor& x, int64_t chunk, int dim);
 
 // ---- norm.cpp ----
+// Over the last dim. bias may be undefined: no bias.
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+// x / sqrt(mean(x^2) + eps) * weight, over the last dim (no centring, no bias).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-5);
 Tensor softmax(const Tensor& x);  // over the last dim
 
 // ---- embedding.cpp ----

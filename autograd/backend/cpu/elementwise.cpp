@@ -198,6 +198,68 @@ void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed) 
   dropout_forward(dx, dout, n, p, seed);  // the same mask and scale
 }
 
+// silu(a) = a * sigmoid(a), the sigmoid as (1 + tanh(a / 2)) / 2: tanh_t vectorises.
+template <class T>
+void swiglu_forward(T* out, const T* x, int64_t N, int64_t H) {
+  parallel_range(N, N * H * 4, [&](int64_t i0, int64_t i1) {
+    const int64_t Hl = H;  // a local (see gelu_forward)
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* gate = x + i * 2 * Hl;
+      const T* up = gate + Hl;
+      T* oi = out + i * Hl;
+#pragma omp simd
+      for (int64_t j = 0; j < Hl; ++j) {
+        const T a = gate[j];
+        oi[j] = a * (T(0.5) + T(0.5) * tanh_t(T(0.5) * a)) * up[j];
+      }
+    }
+  });
+}
+
+template <class T>
+void swiglu_backward(T* dx, const T* dout, const T* x, int64_t N, int64_t H) {
+  parallel_range(N, N * H * 4, [&](int64_t i0, int64_t i1) {
+    const int64_t Hl = H;
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* gate = x + i * 2 * Hl;
+      const T* up = gate + Hl;
+      const T* gi = dout + i * Hl;
+      T* dgate = dx + i * 2 * Hl;
+      T* dup = dgate + Hl;
+#pragma omp simd
+      for (int64_t j = 0; j < Hl; ++j) {
+        const T a = gate[j];
+        const T sg = T(0.5) + T(0.5) * tanh_t(T(0.5) * a);
+        dup[j] = gi[j] * a * sg;
+        dgate[j] = gi[j] * up[j] * sg * (T(1) + a * (T(1) - sg));
+      }
+    }
+  });
+}
+
+template <class T>
+void rope_forward(T* out, const T* x, const int32_t* pos, const T* table, int64_t N, int64_t H,
+                  int64_t HS, bool inverse) {
+  parallel_range(N, N * H * HS, [&](int64_t i0, int64_t i1) {
+    const int64_t half = HS / 2, Hl = H, HSl = HS;
+    const T sign = inverse ? T(-1) : T(1);
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* c = table + static_cast<int64_t>(pos[i]) * HSl;
+      const T* sn = c + half;
+      for (int64_t h = 0; h < Hl; ++h) {
+        const T* xi = x + (i * Hl + h) * HSl;
+        T* oi = out + (i * Hl + h) * HSl;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const T x1 = xi[j], x2 = xi[j + half], s = sign * sn[j];
+          oi[j] = x1 * c[j] - x2 * s;
+          oi[j + half] = x2 * c[j] + x1 * s;
+        }
+      }
+    }
+  });
+}
+
 KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, float)
 KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, double)
 

@@ -20,24 +20,33 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* x, const T* w, const T
     for (int64_t i = i0; i < i1; ++i) {
       const T* xi = x + i * Cl;
       // Sums in double: f32 rounding over a long row would otherwise show at the 1e-6 level.
-      double s = 0;
+      T m = 0;  // RMSNorm (no mean) subtracts nothing
+      if (mean != nullptr) {
+        double s = 0;
 #pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < Cl; ++j) s += xi[j];
-      const T m = static_cast<T>(s / static_cast<double>(Cl));
+        for (int64_t j = 0; j < Cl; ++j) s += xi[j];
+        m = static_cast<T>(s / static_cast<double>(Cl));
+        mean[i] = m;
+      }
       double v = 0;
 #pragma omp simd reduction(+ : v)
       for (int64_t j = 0; j < Cl; ++j) v += static_cast<double>((xi[j] - m) * (xi[j] - m));
       const T r = static_cast<T>(1.0 / std::sqrt(v / static_cast<double>(Cl) + eps));
       T* oi = out + i * Cl;
+      if (bl != nullptr) {
 #pragma omp simd
-      for (int64_t j = 0; j < Cl; ++j) oi[j] = (xi[j] - m) * r * wl[j] + bl[j];
-      mean[i] = m;
+        for (int64_t j = 0; j < Cl; ++j) oi[j] = (xi[j] - m) * r * wl[j] + bl[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < Cl; ++j) oi[j] = (xi[j] - m) * r * wl[j];
+      }
       rstd[i] = r;
     }
   });
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w. dw and db are reduced over
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w, without the mean(g) term for
+// RMSNorm (whose forward subtracted nothing). dw and db are reduced over
 // rows into one partial buffer per thread, summed in thread order: deterministic for a fixed
 // thread count.
 template <class T>
@@ -56,7 +65,7 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
       const T* xi = x + i * Cl;
       const T* gi = dout + i * Cl;
       T* di = dx + i * Cl;
-      const T m = mean[i], r = rstd[i];
+      const T m = mean != nullptr ? mean[i] : T(0), r = rstd[i];
       double sum_g = 0, sum_gx = 0;
 #pragma omp simd reduction(+ : sum_g, sum_gx)
       for (int64_t j = 0; j < Cl; ++j) {
@@ -67,7 +76,7 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
         pdw[j] += gi[j] * xhat;
         pdb[j] += gi[j];
       }
-      const T mg = static_cast<T>(sum_g / static_cast<double>(Cl));
+      const T mg = mean != nullptr ? static_cast<T>(sum_g / static_cast<double>(Cl)) : T(0);
       const T mgx = static_cast<T>(sum_gx / static_cast<double>(Cl));
 #pragma omp simd
       for (int64_t j = 0; j < Cl; ++j) {
@@ -92,7 +101,7 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
       sb += partial[static_cast<size_t>(t) * 2 * C + C + j];
     }
     dw[j] = sw;
-    db[j] = sb;
+    if (db != nullptr) db[j] = sb;
   }
 }
 

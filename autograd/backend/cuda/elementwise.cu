@@ -67,6 +67,43 @@ __global__ void gelu_backward_kernel(T* dx, const T* dout, const T* x, int64_t n
   }
 }
 
+// SwiGLU over rows of x (N, 2H): element i of out (N, H) is row i / H, column i % H.
+template <class T>
+__global__ void swiglu_forward_kernel(T* out, const T* x, int64_t N, int64_t H) {
+  KVLAB_GRID_LOOP(i, N * H) {
+    const int64_t r = i / H, j = i - r * H;
+    const T a = x[r * 2 * H + j];
+    const T sg = T(0.5) + T(0.5) * tanh_of(T(0.5) * a);
+    out[i] = a * sg * x[r * 2 * H + H + j];
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(T* dx, const T* dout, const T* x, int64_t N, int64_t H) {
+  KVLAB_GRID_LOOP(i, N * H) {
+    const int64_t r = i / H, j = i - r * H;
+    const T a = x[r * 2 * H + j], up = x[r * 2 * H + H + j];
+    const T sg = T(0.5) + T(0.5) * tanh_of(T(0.5) * a);
+    dx[r * 2 * H + H + j] = dout[i] * a * sg;
+    dx[r * 2 * H + j] = dout[i] * up * sg * (T(1) + a * (T(1) - sg));
+  }
+}
+
+// One thread per rotated pair: element i of the (N, H, HS / 2) pairs.
+template <class T>
+__global__ void rope_kernel(T* out, const T* x, const int32_t* pos, const T* table, int64_t N,
+                            int64_t H, int64_t HS, T sign) {
+  const int64_t half = HS / 2;
+  KVLAB_GRID_LOOP(i, N * H * half) {
+    const int64_t j = i % half, head = i / half, row = head / H;
+    const T* c = table + static_cast<int64_t>(pos[row]) * HS;
+    const T cs = c[j], s = sign * c[half + j];
+    const T x1 = x[head * HS + j], x2 = x[head * HS + half + j];
+    out[head * HS + j] = x1 * cs - x2 * s;
+    out[head * HS + half + j] = x2 * cs + x1 * s;
+  }
+}
+
 // The CPU's mask: element i is dropped when hash64(seed, i) < threshold.
 template <class T>
 __global__ void dropout_kernel(T* out, const T* x, int64_t n, uint64_t threshold, T keep,
@@ -247,6 +284,30 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
                                                                   static_cast<int>(chunks));
   KVLAB_LAUNCH_CHECK();
   CUDA_CHECK(cudaFreeAsync(partial, stream()));
+}
+
+template <class T>
+void swiglu_forward(T* out, const T* x, int64_t N, int64_t H) {
+  if (N * H == 0) return;
+  swiglu_forward_kernel<<<blocks_for(N * H), kThreads, 0, stream()>>>(out, x, N, H);
+  KVLAB_LAUNCH_CHECK();
+}
+
+template <class T>
+void swiglu_backward(T* dx, const T* dout, const T* x, int64_t N, int64_t H) {
+  if (N * H == 0) return;
+  swiglu_backward_kernel<<<blocks_for(N * H), kThreads, 0, stream()>>>(dx, dout, x, N, H);
+  KVLAB_LAUNCH_CHECK();
+}
+
+template <class T>
+void rope_forward(T* out, const T* x, const int32_t* pos, const T* table, int64_t N, int64_t H,
+                  int64_t HS, bool inverse) {
+  const int64_t pairs = N * H * (HS / 2);
+  if (pairs == 0) return;
+  rope_kernel<<<blocks_for(pairs), kThreads, 0, stream()>>>(out, x, pos, table, N, H, HS,
+                                                             inverse ? T(-1) : T(1));
+  KVLAB_LAUNCH_CHECK();
 }
 
 KVLAB_ELEMENTWISE_KERNELS(KVLAB_INSTANTIATE, float)

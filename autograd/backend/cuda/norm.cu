@@ -18,9 +18,12 @@ __global__ void layernorm_forward_kernel(T* out, T* mean, T* rstd, const T* x, c
   __shared__ T shared[32];
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const T* xi = x + i * C;
-    T s = 0;
-    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += xi[j];
-    const T m = block_sum(s, shared) / static_cast<T>(C);
+    T m = 0;  // RMSNorm (no mean) subtracts nothing
+    if (mean != nullptr) {
+      T s = 0;
+      for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += xi[j];
+      m = block_sum(s, shared) / static_cast<T>(C);
+    }
     T v = 0;
     for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
       const T d = xi[j] - m;
@@ -30,15 +33,17 @@ __global__ void layernorm_forward_kernel(T* out, T* mean, T* rstd, const T* x, c
     const double var = static_cast<double>(block_sum(v, shared)) / static_cast<double>(C);
     const T r = static_cast<T>(1.0 / sqrt(var + eps));
     T* oi = out + i * C;
-    for (int64_t j = threadIdx.x; j < C; j += blockDim.x) oi[j] = (xi[j] - m) * r * w[j] + b[j];
+    for (int64_t j = threadIdx.x; j < C; j += blockDim.x)
+      oi[j] = (xi[j] - m) * r * w[j] + (b != nullptr ? b[j] : T(0));
     if (threadIdx.x == 0) {
-      mean[i] = m;
+      if (mean != nullptr) mean[i] = m;
       rstd[i] = r;
     }
   }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w; one block per row.
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w (no mean(g) term for
+// RMSNorm, mean null); one block per row.
 template <class T>
 __global__ void layernorm_backward_dx_kernel(T* dx, const T* dout, const T* x, const T* w,
                                              const T* mean, const T* rstd, int64_t N, int64_t C) {
@@ -46,7 +51,7 @@ __global__ void layernorm_backward_dx_kernel(T* dx, const T* dout, const T* x, c
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const T* xi = x + i * C;
     const T* gi = dout + i * C;
-    const T m = mean[i], r = rstd[i];
+    const T m = mean != nullptr ? mean[i] : T(0), r = rstd[i];
     T sum_g = 0, sum_gx = 0;
     for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
       const T xhat = (xi[j] - m) * r;
@@ -54,7 +59,7 @@ __global__ void layernorm_backward_dx_kernel(T* dx, const T* dout, const T* x, c
       sum_g += g;
       sum_gx += g * xhat;
     }
-    const T mg = block_sum(sum_g, shared) / static_cast<T>(C);
+    const T mg = mean != nullptr ? block_sum(sum_g, shared) / static_cast<T>(C) : T(0);
     const T mgx = block_sum(sum_gx, shared) / static_cast<T>(C);
     T* di = dx + i * C;
     for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
@@ -77,7 +82,7 @@ __global__ void layernorm_dwdb_partial_kernel(T* pdw, T* pdb, const T* dout, con
   T sw = 0, sb = 0;
   for (int64_t i = i0; i < i1; ++i) {
     const T g = dout[i * C + j];
-    const T xhat = (x[i * C + j] - mean[i]) * rstd[i];
+    const T xhat = (x[i * C + j] - (mean != nullptr ? mean[i] : T(0))) * rstd[i];
     sw += g * xhat;
     sb += g;
   }
@@ -97,7 +102,7 @@ __global__ void layernorm_dwdb_final_kernel(T* dw, T* db, const T* pdw, const T*
       sb += pdb[k * C + j];
     }
     dw[j] = sw;
-    db[j] = sb;
+    if (db != nullptr) db[j] = sb;
   }
 }
 
@@ -148,7 +153,8 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dout, const T* x, const T*
   if (C == 0) return;
   if (N == 0) {  // sums over no rows
     CUDA_CHECK(cudaMemsetAsync(dw, 0, static_cast<size_t>(C) * sizeof(T), stream()));
-    CUDA_CHECK(cudaMemsetAsync(db, 0, static_cast<size_t>(C) * sizeof(T), stream()));
+    if (db != nullptr)
+      CUDA_CHECK(cudaMemsetAsync(db, 0, static_cast<size_t>(C) * sizeof(T), stream()));
     return;
   }
   const int threads = row_threads(C, kRowThreads);

@@ -154,6 +154,24 @@ TEST(Cuda, NormSoftmaxEmbeddingLoss) {
   expect_cuda_matches_cpu("layer_norm 600 x 768",
                           [](auto& x) { return std::vector<Tensor>{layer_norm(x[0], x[1], x[2])}; },
                           {rnd({600, 768}, gen), rnd({768}, gen), rnd({768}, gen)});
+  expect_cuda_matches_cpu("rms_norm 600 x 768",
+                          [](auto& x) { return std::vector<Tensor>{rms_norm(x[0], x[1])}; },
+                          {rnd({600, 768}, gen, 2.0), rnd({768}, gen)});
+  expect_cuda_matches_cpu("layer_norm without bias",
+                          [](auto& x) { return std::vector<Tensor>{layer_norm(x[0], x[1], Tensor())}; },
+                          {rnd({5, 7, 33}, gen, 2.0), rnd({33}, gen)});
+  expect_cuda_matches_cpu("swiglu", [](auto& x) { return std::vector<Tensor>{swiglu(x[0])}; },
+                          {rnd({7, 3, 88}, gen, 3.0)});
+  const Tensor positions =
+      Tensor::from_vector(std::vector<int32_t>{0, 5, 63, 17, 2, 40}, {2, 3});
+  expect_cuda_matches_cpu(
+      "rope",
+      [&](auto& x) {
+        const Device d = x[0].device();
+        return std::vector<Tensor>{
+            rope(x[0], positions.to(d), rope_table(64, 32, 10000.0, DType::F32, d))};
+      },
+      {rnd({2, 3, 4, 32}, gen)});
   expect_cuda_matches_cpu("softmax", [](auto& x) { return std::vector<Tensor>{softmax(x[0])}; },
                           {rnd({6, 37}, gen, 3.0)});
   const Tensor ids = kvtest::ids_tensor({1, 3, 3, 0, 10, 3, 7, 1, 1, 5, 0, 2}, {3, 4});

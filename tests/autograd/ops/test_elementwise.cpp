@@ -243,6 +243,100 @@ TEST(OpsElementwise, DropoutZeroIsIdentityAndBackwardUsesSameMask) {
   for (size_t i = 0; i < yv.size(); ++i) EXPECT_EQ(gv[i], yv[i] == 0 ? 0.0 : 2.0) << i;
 }
 
+TEST(OpsElementwise, SwigluMatchesNaiveAndGradcheck) {
+  Generator gen(21);
+  for (DType dt : {DType::F64, DType::F32}) {
+    Tensor x = kvtest::randn({3, 2, 10}, gen, dt, 3.0);
+    const auto xv = vals(x);
+    std::vector<double> want;
+    for (int64_t r = 0; r < 6; ++r)
+      for (int64_t j = 0; j < 5; ++j) {
+        const double a = xv[r * 10 + j], up = xv[r * 10 + 5 + j];
+        want.push_back(a / (1 + std::exp(-a)) * up);
+      }
+    Tensor y = swiglu(x);
+    EXPECT_EQ(y.sizes(), (Shape{3, 2, 5}));
+    EXPECT_TRUE(all_close(y, want, dt == DType::F64 ? 1e-14 : 2e-6)) << dtype_name(dt);
+  }
+  Tensor x = param({4, 12}, gen, DType::F64, 2.0);
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return swiglu(in[0]); }, {x}));
+  // Large enough for the threaded kernels: each row as computed alone (one thread).
+  Tensor big = param({64, 512}, gen, DType::F64, 2.0);
+  Tensor g = kvtest::randn({64, 256}, gen);
+  Tensor y = swiglu(big);
+  y.backward(g);
+  for (int64_t r : {0, 31, 63}) {
+    Tensor row = narrow(big, 0, r, 1).detach().contiguous().set_requires_grad();
+    Tensor yr = swiglu(row);
+    yr.backward(narrow(g, 0, r, 1).contiguous());
+    EXPECT_EQ(vals(yr), vals(narrow(y, 0, r, 1))) << r;
+    EXPECT_EQ(vals(row.grad()), vals(narrow(big.grad(), 0, r, 1))) << r;
+  }
+}
+
+// Position p's angle for channel pair j: p * theta^(-2j / HS).
+std::vector<double> naive_rope(const std::vector<double>& x, const std::vector<int32_t>& pos,
+                               int64_t H, int64_t HS, double theta) {
+  std::vector<double> out(x.size());
+  const int64_t half = HS / 2;
+  for (size_t r = 0; r < pos.size(); ++r)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < half; ++j) {
+        const double a = pos[r] * std::pow(theta, -2.0 * static_cast<double>(j) / HS);
+        const size_t o = (r * H + h) * HS + j;
+        out[o] = x[o] * std::cos(a) - x[o + half] * std::sin(a);
+        out[o + half] = x[o + half] * std::cos(a) + x[o] * std::sin(a);
+      }
+  return out;
+}
+
+TEST(OpsElementwise, RopeMatchesNaiveRotation) {
+  Generator gen(22);
+  const int64_t B = 2, T = 5, H = 3, HS = 8, P = 40;
+  std::vector<int32_t> pos(B * T);
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>((i * 7 + 3) % P);
+  const Tensor positions = Tensor::from_vector(pos, {B, T});
+  for (double theta : {10000.0, 500.0})
+    for (DType dt : {DType::F64, DType::F32}) {
+      Tensor x = kvtest::randn({B, T, H, HS}, gen, dt);
+      Tensor y = rope(x, positions, rope_table(P, HS, theta, dt, Device::CPU));
+      EXPECT_TRUE(all_close(y, naive_rope(vals(x), pos, H, HS, theta),
+                            dt == DType::F64 ? 1e-14 : 1e-6))
+          << dtype_name(dt) << " theta " << theta;
+    }
+}
+
+TEST(OpsElementwise, RopeScoresDependOnlyOnRelativePosition) {
+  // The property RoPE exists for: q at p rotated against k at s scores the same as at p + d and
+  // s + d, and position 0 is the identity.
+  Generator gen(23);
+  const int64_t HS = 16;
+  const Tensor table = rope_table(64, HS, 10000.0, DType::F64, Device::CPU);
+  Tensor q = kvtest::randn({1, 1, HS}, gen), k = kvtest::randn({1, 1, HS}, gen);
+  const auto at = [&](const Tensor& x, int32_t p) {
+    return vals(rope(x, Tensor::from_vector(std::vector<int32_t>{p}, {1}), table));
+  };
+  const auto dot = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+    return s;
+  };
+  EXPECT_EQ(at(q, 0), vals(q));
+  const double base = dot(at(q, 9), at(k, 4));
+  for (int32_t d : {1, 7, 30}) EXPECT_NEAR(dot(at(q, 9 + d), at(k, 4 + d)), base, 1e-12) << d;
+  EXPECT_GT(std::abs(dot(at(q, 9), at(k, 5)) - base), 1e-6);  // and it does depend on it
+}
+
+TEST(OpsElementwise, RopeGradcheck) {
+  Generator gen(24);
+  const Tensor table = rope_table(16, 6, 100.0, DType::F64, Device::CPU);
+  Tensor x = param({2, 3, 2, 6}, gen);
+  const Tensor positions =
+      Tensor::from_vector(std::vector<int32_t>{0, 3, 15, 2, 2, 9}, {2, 3});
+  EXPECT_TRUE(gradcheck(
+      [&](const std::vector<Tensor>& in) { return rope(in[0], positions, table); }, {x}));
+}
+
 TEST(OpsElementwise, BadInputsThrow) {
   Tensor a = Tensor::zeros({3, 4}), b = Tensor::zeros({5});
   EXPECT_TRUE(throws_with([&] { add(a, b); }, {"add", "(3, 4)", "(5)"}));
@@ -259,6 +353,17 @@ TEST(OpsElementwise, BadInputsThrow) {
   EXPECT_TRUE(throws_with([&] { dropout(a, 1.0, 0); }, {"dropout", "1"}));
   EXPECT_TRUE(throws_with([&] { dropout(a, -0.1, 0); }, {"dropout"}));
   EXPECT_TRUE(throws_with([&] { add(a, Tensor()); }, {"add"}));
+  EXPECT_TRUE(throws_with([&] { swiglu(Tensor::zeros({2, 3})); }, {"swiglu", "(2, 3)", "even"}));
+  const Tensor table = rope_table(4, 4, 10000.0, DType::F32, Device::CPU);
+  const Tensor pos2 = Tensor::from_vector(std::vector<int32_t>{0, 4}, {2});
+  EXPECT_TRUE(throws_with([&] { rope(Tensor::zeros({2, 1, 4}), pos2, table); },
+                          {"rope", "position 4", "4"}));
+  EXPECT_TRUE(throws_with(
+      [&] { rope(Tensor::zeros({3, 1, 4}), pos2, table); }, {"rope", "positions", "(3, 1, 4)"}));
+  EXPECT_TRUE(throws_with([&] { rope(Tensor::zeros({2, 1, 6}), pos2, table); },
+                          {"rope", "table", "6"}));
+  EXPECT_TRUE(throws_with([&] { rope_table(4, 5, 10000.0, DType::F32, Device::CPU); },
+                          {"rope_table", "even"}));
 }
 
 }  // namespace

@@ -208,6 +208,57 @@ TEST(OpsNorm, SoftmaxGradcheck) {
       [](const std::vector<Tensor>& in) { return softmax(transpose(in[0], 0, 1)); }, {x}));
 }
 
+std::vector<double> naive_rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  const auto xv = vals(x), wv = vals(w);
+  const int64_t C = x.size(-1), N = x.numel() / C;
+  std::vector<double> out(xv.size());
+  for (int64_t n = 0; n < N; ++n) {
+    double ms = 0;
+    for (int64_t c = 0; c < C; ++c) ms += xv[n * C + c] * xv[n * C + c];
+    ms /= static_cast<double>(C);
+    for (int64_t c = 0; c < C; ++c) out[n * C + c] = xv[n * C + c] / std::sqrt(ms + eps) * wv[c];
+  }
+  return out;
+}
+
+TEST(OpsNorm, RmsNormForwardMatchesNaive) {
+  Generator gen(11);
+  for (Shape xs : {Shape{3, 17}, Shape{2, 3, 5}, Shape{17}, Shape{4, 1}, Shape{5, 300}})
+    for (DType dt : {DType::F64, DType::F32}) {
+      SCOPED_TRACE(testing::Message() << shape_str(xs) << " " << dtype_name(dt));
+      const int64_t C = xs.back();
+      // A non-zero mean: RMSNorm must not subtract it.
+      Tensor x = add(kvtest::randn(xs, gen, dt, 3.0), Tensor::full({1}, 2.0, dt));
+      Tensor w = kvtest::randn({C}, gen, dt);
+      const double tol = dt == DType::F64 ? 1e-12 : 1e-5;
+      EXPECT_TRUE(all_close(rms_norm(x, w), naive_rms_norm(x, w, 1e-5), tol));
+      EXPECT_TRUE(all_close(rms_norm(x, w, 0.5), naive_rms_norm(x, w, 0.5), tol));
+    }
+}
+
+TEST(OpsNorm, RmsNormGradcheck) {
+  Generator gen(12);
+  for (Shape xs : {Shape{3, 17}, Shape{2, 3, 5}, Shape{1, 3}, Shape{3}}) {
+    SCOPED_TRACE(shape_str(xs));
+    Tensor x = param(xs, gen), w = param({xs.back()}, gen);
+    EXPECT_TRUE(
+        gradcheck([](const std::vector<Tensor>& in) { return rms_norm(in[0], in[1]); }, {x, w}));
+  }
+  // The threaded backward (N * C above the threshold) against f64 differences too.
+  Tensor x = param({64, 96}, gen), w = param({96}, gen);
+  EXPECT_TRUE(
+      gradcheck([](const std::vector<Tensor>& in) { return rms_norm(in[0], in[1], 0.1); }, {x, w}));
+}
+
+TEST(OpsNorm, LayerNormWithoutBiasIsTheBiasFreeFormula) {
+  Generator gen(13);
+  Tensor x = param({4, 9}, gen), w = param({9}, gen);
+  EXPECT_TRUE(all_close(layer_norm(x, w, Tensor()),
+                        naive_layer_norm(x, w, Tensor::zeros({9}, DType::F64), 1e-5), 1e-12));
+  EXPECT_TRUE(gradcheck(
+      [](const std::vector<Tensor>& in) { return layer_norm(in[0], in[1], Tensor()); }, {x, w}));
+}
+
 TEST(OpsNorm, BadInputsThrow) {
   Tensor x = Tensor::zeros({3, 5});
   EXPECT_TRUE(throws_with([&] { layer_norm(x, Tensor::zeros({4}), Tensor::zeros({5})); },
@@ -224,7 +275,9 @@ TEST(OpsNorm, BadInputsThrow) {
                   {"layer_norm", "f64"}));
   EXPECT_TRUE(throws_with([&] { layer_norm(x, Tensor::zeros({5}), Tensor::zeros({5}), 0.0); },
                           {"layer_norm", "eps"}));
-  EXPECT_TRUE(throws_with([&] { layer_norm(x, Tensor::zeros({5}), Tensor()); }, {"layer_norm"}));
+  EXPECT_TRUE(throws_with([&] { layer_norm(x, Tensor(), Tensor::zeros({5})); }, {"layer_norm"}));
+  EXPECT_TRUE(throws_with([&] { rms_norm(x, Tensor::zeros({4})); }, {"rms_norm", "(3, 5)", "(4)"}));
+  EXPECT_TRUE(throws_with([&] { rms_norm(x, Tensor::zeros({5}), -1.0); }, {"rms_norm", "eps"}));
   EXPECT_TRUE(throws_with([&] { softmax(Tensor::zeros({3, 0})); }, {"softmax", "(3, 0)"}));
   EXPECT_TRUE(throws_with([&] { softmax(Tensor::zeros({3}, DType::I32)); }, {"softmax", "i32"}));
 }
