@@ -61,10 +61,10 @@
   /* Dropout with a stateless mask: element i is dropped when hash(seed, i) < p. */           \
   X(void, dropout_forward, (T* out, const T* x, int64_t n, double p, uint64_t seed))          \
   X(void, dropout_backward, (T* dx, const T* dout, int64_t n, double p, uint64_t seed))      \
-  /* SwiGLU over rows of x (N, 2H), the gate's H columns then the up projection's: out (N, H) \
-     = silu(gate) * up; dx (N, 2H). */                                                        \
-  X(void, swiglu_forward, (T* out, const T* x, int64_t N, int64_t H))                         \
-  X(void, swiglu_backward, (T* dx, const T* dout, const T* x, int64_t N, int64_t H))          \
+  /* SwiGLU: out = silu(gate) * up elementwise, silu(a) = a * sigmoid(a); out may be gate. */ \
+  X(void, swiglu_forward, (T* out, const T* gate, const T* up, int64_t n))                    \
+  X(void, swiglu_backward,                                                                    \
+    (T* dgate, T* dup, const T* dout, const T* gate, const T* up, int64_t n))                 \
   /* Rotary position embedding, halves form: x, out (N, H, HS) with HS even, row i at         \
      position pos[i]; table (P, HS) holds each position's HS/2 cosines then HS/2 sines, and   \
      pos[i] < P. out[.., j] = x_j cos - x_(j+HS/2) sin, out[.., j + HS/2] = x_(j+HS/2) cos +  \

@@ -138,20 +138,21 @@ struct GeluNode : Node {
 };
 
 struct SwigluNode : Node {
-  Tensor x;  // (N, 2H) contiguous
+  Tensor gate, up;  // contiguous, of one shape
   const char* name() const override { return "swiglu"; }
   std::vector<Tensor> backward(const Tensor& g) override {
     const Tensor gc = g.contiguous();
-    const int64_t H = gc.size(-1), N = H ? gc.numel() / H : 0;
-    Tensor dx = Tensor::empty(x.sizes(), x.dtype(), x.device());
-    dispatch_float(x.dtype(), "swiglu", [&](auto tag) {
+    Tensor dgate = Tensor::empty(gate.sizes(), gate.dtype(), gate.device());
+    Tensor dup = Tensor::empty(gate.sizes(), gate.dtype(), gate.device());
+    dispatch_float(gate.dtype(), "swiglu", [&](auto tag) {
       using T = decltype(tag);
-      KVLAB_KERNEL(x.device(),
-                   swiglu_backward<T>(dx.data<T>(), gc.data<T>(), x.data<T>(), N, H));
+      KVLAB_KERNEL(gate.device(),
+                   swiglu_backward<T>(dgate.data<T>(), dup.data<T>(), gc.data<T>(),
+                                      gate.data<T>(), up.data<T>(), gate.numel()));
     });
-    return {dx};
+    return {dgate, dup};
   }
-  void release() override { x = Tensor(); }
+  void release() override { gate = up = Tensor(); }
 };
 
 // Rotates x (N, H, HS) by each row's angles; the backward rotates the gradient back.
@@ -234,23 +235,25 @@ Tensor gelu(const Tensor& x) {
   return out;
 }
 
-Tensor swiglu(const Tensor& x) {
-  check_defined("swiglu", x);
-  KVLAB_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "swiglu: input ", x.shape_str(),
-              " needs an even last dim (gate and up halves)");
-  const Tensor xc = x.contiguous();
-  const int64_t H = x.size(-1) / 2, N = H ? x.numel() / (2 * H) : 0;
-  Shape shape = x.sizes();
-  shape.back() = H;
-  Tensor out = Tensor::empty(shape, x.dtype(), x.device());
-  dispatch_float(x.dtype(), "swiglu", [&](auto tag) {
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  check_defined("swiglu", gate);
+  check_defined("swiglu", up);
+  check_same_dtype("swiglu", gate, up);
+  check_same_device("swiglu", gate, up);
+  KVLAB_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.shape_str(), " and up ",
+              up.shape_str(), " must have one shape");
+  const Tensor gc = gate.contiguous(), uc = up.contiguous();
+  Tensor out = Tensor::empty(gate.sizes(), gate.dtype(), gate.device());
+  dispatch_float(gate.dtype(), "swiglu", [&](auto tag) {
     using T = decltype(tag);
-    KVLAB_KERNEL(x.device(), swiglu_forward<T>(out.data<T>(), xc.data<T>(), N, H));
+    KVLAB_KERNEL(gate.device(), swiglu_forward<T>(out.data<T>(), gc.data<T>(), uc.data<T>(),
+                                                  gate.numel()));
   });
-  if (needs_grad({&x})) {
+  if (needs_grad({&gate, &up})) {
     auto node = std::make_shared<SwigluNode>();
-    node->x = xc.detach();
-    record(out, node, {&x});
+    node->gate = gc.detach();
+    node->up = uc.detach();
+    record(out, node, {&gate, &up});
   }
   return out;
 }

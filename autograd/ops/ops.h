@@ -16,9 +16,8 @@ Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor scale(const Tensor& x, double s);
 Tensor gelu(const Tensor& x);  // tanh form, as GPT-2
-// x (..., 2H): its first H columns the gate, the last H the up projection -> (..., H) =
-// silu(gate) * up, silu(a) = a * sigmoid(a).
-Tensor swiglu(const Tensor& x);
+// silu(gate) * up elementwise (one shape, no broadcasting), silu(a) = a * sigmoid(a).
+Tensor swiglu(const Tensor& gate, const Tensor& up);
 // Rotary position embedding (halves form: channel j pairs with j + HS/2) of x (..., H, HS),
 // HS even, each (H, HS) slice at its position: positions (i32, on x's device) has one entry
 // per slice, in order, each in [0, P) of table (P, HS) from rope_table.

@@ -198,41 +198,22 @@ void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed) 
   dropout_forward(dx, dout, n, p, seed);  // the same mask and scale
 }
 
-// silu(a) = a * sigmoid(a), the sigmoid as (1 + tanh(a / 2)) / 2: tanh_t vectorises.
 template <class T>
-void swiglu_forward(T* out, const T* x, int64_t N, int64_t H) {
-  parallel_range(N, N * H * 4, [&](int64_t i0, int64_t i1) {
-    const int64_t Hl = H;  // a local (see gelu_forward)
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* gate = x + i * 2 * Hl;
-      const T* up = gate + Hl;
-      T* oi = out + i * Hl;
+void swiglu_forward(T* out, const T* gate, const T* up, int64_t n) {
+  parallel_range(n, n * 4, [&](int64_t i0, int64_t i1) {
 #pragma omp simd
-      for (int64_t j = 0; j < Hl; ++j) {
-        const T a = gate[j];
-        oi[j] = a * (T(0.5) + T(0.5) * tanh_t(T(0.5) * a)) * up[j];
-      }
-    }
+    for (int64_t i = i0; i < i1; ++i) out[i] = gate[i] * sigmoid_t(gate[i]) * up[i];
   });
 }
 
 template <class T>
-void swiglu_backward(T* dx, const T* dout, const T* x, int64_t N, int64_t H) {
-  parallel_range(N, N * H * 4, [&](int64_t i0, int64_t i1) {
-    const int64_t Hl = H;
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* gate = x + i * 2 * Hl;
-      const T* up = gate + Hl;
-      const T* gi = dout + i * Hl;
-      T* dgate = dx + i * 2 * Hl;
-      T* dup = dgate + Hl;
+void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, int64_t n) {
+  parallel_range(n, n * 4, [&](int64_t i0, int64_t i1) {
 #pragma omp simd
-      for (int64_t j = 0; j < Hl; ++j) {
-        const T a = gate[j];
-        const T sg = T(0.5) + T(0.5) * tanh_t(T(0.5) * a);
-        dup[j] = gi[j] * a * sg;
-        dgate[j] = gi[j] * up[j] * sg * (T(1) + a * (T(1) - sg));
-      }
+    for (int64_t i = i0; i < i1; ++i) {
+      const T a = gate[i], sg = sigmoid_t(a);
+      dup[i] = dout[i] * a * sg;
+      dgate[i] = dout[i] * up[i] * sg * (T(1) + a * (T(1) - sg));
     }
   });
 }

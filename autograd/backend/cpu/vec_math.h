@@ -44,6 +44,12 @@ inline T tanh_t(T x) {
   if constexpr (sizeof(T) == 4) return fast_tanh(x); else return std::tanh(x);
 }
 
+// sigmoid(a) as (1 + tanh(a / 2)) / 2: tanh_t vectorises. SwiGLU's silu(a) = a * sigmoid(a).
+template <class T>
+inline T sigmoid_t(T a) {
+  return T(0.5) + T(0.5) * tanh_t(T(0.5) * a);
+}
+
 // Largest of x[0 .. n), n >= 1 (the ternary form vectorises; std::max does not).
 template <class T>
 inline T row_max(const T* x, int64_t n) {

@@ -67,25 +67,21 @@ __global__ void gelu_backward_kernel(T* dx, const T* dout, const T* x, int64_t n
   }
 }
 
-// SwiGLU over rows of x (N, 2H): element i of out (N, H) is row i / H, column i % H.
 template <class T>
-__global__ void swiglu_forward_kernel(T* out, const T* x, int64_t N, int64_t H) {
-  KVLAB_GRID_LOOP(i, N * H) {
-    const int64_t r = i / H, j = i - r * H;
-    const T a = x[r * 2 * H + j];
-    const T sg = T(0.5) + T(0.5) * tanh_of(T(0.5) * a);
-    out[i] = a * sg * x[r * 2 * H + H + j];
+__global__ void swiglu_forward_kernel(T* out, const T* gate, const T* up, int64_t n) {
+  KVLAB_GRID_LOOP(i, n) {
+    const T a = gate[i];
+    out[i] = a * (T(0.5) + T(0.5) * tanh_of(T(0.5) * a)) * up[i];
   }
 }
 
 template <class T>
-__global__ void swiglu_backward_kernel(T* dx, const T* dout, const T* x, int64_t N, int64_t H) {
-  KVLAB_GRID_LOOP(i, N * H) {
-    const int64_t r = i / H, j = i - r * H;
-    const T a = x[r * 2 * H + j], up = x[r * 2 * H + H + j];
-    const T sg = T(0.5) + T(0.5) * tanh_of(T(0.5) * a);
-    dx[r * 2 * H + H + j] = dout[i] * a * sg;
-    dx[r * 2 * H + j] = dout[i] * up * sg * (T(1) + a * (T(1) - sg));
+__global__ void swiglu_backward_kernel(T* dgate, T* dup, const T* dout, const T* gate,
+                                       const T* up, int64_t n) {
+  KVLAB_GRID_LOOP(i, n) {
+    const T a = gate[i], sg = T(0.5) + T(0.5) * tanh_of(T(0.5) * a);
+    dup[i] = dout[i] * a * sg;
+    dgate[i] = dout[i] * up[i] * sg * (T(1) + a * (T(1) - sg));
   }
 }
 
@@ -287,16 +283,16 @@ void sum_to(T* out, const std::vector<int64_t>& out_sizes, const T* x,
 }
 
 template <class T>
-void swiglu_forward(T* out, const T* x, int64_t N, int64_t H) {
-  if (N * H == 0) return;
-  swiglu_forward_kernel<<<blocks_for(N * H), kThreads, 0, stream()>>>(out, x, N, H);
+void swiglu_forward(T* out, const T* gate, const T* up, int64_t n) {
+  if (n == 0) return;
+  swiglu_forward_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(out, gate, up, n);
   KVLAB_LAUNCH_CHECK();
 }
 
 template <class T>
-void swiglu_backward(T* dx, const T* dout, const T* x, int64_t N, int64_t H) {
-  if (N * H == 0) return;
-  swiglu_backward_kernel<<<blocks_for(N * H), kThreads, 0, stream()>>>(dx, dout, x, N, H);
+void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, int64_t n) {
+  if (n == 0) return;
+  swiglu_backward_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(dgate, dup, dout, gate, up, n);
   KVLAB_LAUNCH_CHECK();
 }
 

@@ -160,8 +160,8 @@ TEST(Cuda, NormSoftmaxEmbeddingLoss) {
   expect_cuda_matches_cpu("layer_norm without bias",
                           [](auto& x) { return std::vector<Tensor>{layer_norm(x[0], x[1], Tensor())}; },
                           {rnd({5, 7, 33}, gen, 2.0), rnd({33}, gen)});
-  expect_cuda_matches_cpu("swiglu", [](auto& x) { return std::vector<Tensor>{swiglu(x[0])}; },
-                          {rnd({7, 3, 88}, gen, 3.0)});
+  expect_cuda_matches_cpu("swiglu", [](auto& x) { return std::vector<Tensor>{swiglu(x[0], x[1])}; },
+                          {rnd({7, 3, 88}, gen, 3.0), rnd({7, 3, 88}, gen)});
   const Tensor positions =
       Tensor::from_vector(std::vector<int32_t>{0, 5, 63, 17, 2, 40}, {2, 3});
   expect_cuda_matches_cpu(

@@ -246,31 +246,29 @@ TEST(OpsElementwise, DropoutZeroIsIdentityAndBackwardUsesSameMask) {
 TEST(OpsElementwise, SwigluMatchesNaiveAndGradcheck) {
   Generator gen(21);
   for (DType dt : {DType::F64, DType::F32}) {
-    Tensor x = kvtest::randn({3, 2, 10}, gen, dt, 3.0);
-    const auto xv = vals(x);
+    Tensor gate = kvtest::randn({3, 2, 5}, gen, dt, 3.0), up = kvtest::randn({3, 2, 5}, gen, dt);
+    const auto gv = vals(gate), uv = vals(up);
     std::vector<double> want;
-    for (int64_t r = 0; r < 6; ++r)
-      for (int64_t j = 0; j < 5; ++j) {
-        const double a = xv[r * 10 + j], up = xv[r * 10 + 5 + j];
-        want.push_back(a / (1 + std::exp(-a)) * up);
-      }
-    Tensor y = swiglu(x);
-    EXPECT_EQ(y.sizes(), (Shape{3, 2, 5}));
-    EXPECT_TRUE(all_close(y, want, dt == DType::F64 ? 1e-14 : 2e-6)) << dtype_name(dt);
+    for (size_t i = 0; i < gv.size(); ++i) want.push_back(gv[i] / (1 + std::exp(-gv[i])) * uv[i]);
+    EXPECT_TRUE(all_close(swiglu(gate, up), want, dt == DType::F64 ? 1e-14 : 2e-6))
+        << dtype_name(dt);
   }
-  Tensor x = param({4, 12}, gen, DType::F64, 2.0);
-  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return swiglu(in[0]); }, {x}));
+  Tensor gate = param({4, 6}, gen, DType::F64, 2.0), up = param({4, 6}, gen);
+  EXPECT_TRUE(gradcheck([](const std::vector<Tensor>& in) { return swiglu(in[0], in[1]); },
+                        {gate, up}));
   // Large enough for the threaded kernels: each row as computed alone (one thread).
-  Tensor big = param({64, 512}, gen, DType::F64, 2.0);
+  Tensor big_gate = param({64, 256}, gen, DType::F64, 2.0), big_up = param({64, 256}, gen);
   Tensor g = kvtest::randn({64, 256}, gen);
-  Tensor y = swiglu(big);
+  Tensor y = swiglu(big_gate, big_up);
   y.backward(g);
   for (int64_t r : {0, 31, 63}) {
-    Tensor row = narrow(big, 0, r, 1).detach().contiguous().set_requires_grad();
-    Tensor yr = swiglu(row);
+    Tensor rg = narrow(big_gate, 0, r, 1).detach().contiguous().set_requires_grad();
+    Tensor ru = narrow(big_up, 0, r, 1).detach().contiguous().set_requires_grad();
+    Tensor yr = swiglu(rg, ru);
     yr.backward(narrow(g, 0, r, 1).contiguous());
     EXPECT_EQ(vals(yr), vals(narrow(y, 0, r, 1))) << r;
-    EXPECT_EQ(vals(row.grad()), vals(narrow(big.grad(), 0, r, 1))) << r;
+    EXPECT_EQ(vals(rg.grad()), vals(narrow(big_gate.grad(), 0, r, 1))) << r;
+    EXPECT_EQ(vals(ru.grad()), vals(narrow(big_up.grad(), 0, r, 1))) << r;
   }
 }
 
@@ -353,7 +351,8 @@ TEST(OpsElementwise, BadInputsThrow) {
   EXPECT_TRUE(throws_with([&] { dropout(a, 1.0, 0); }, {"dropout", "1"}));
   EXPECT_TRUE(throws_with([&] { dropout(a, -0.1, 0); }, {"dropout"}));
   EXPECT_TRUE(throws_with([&] { add(a, Tensor()); }, {"add"}));
-  EXPECT_TRUE(throws_with([&] { swiglu(Tensor::zeros({2, 3})); }, {"swiglu", "(2, 3)", "even"}));
+  EXPECT_TRUE(throws_with([&] { swiglu(Tensor::zeros({2, 3}), Tensor::zeros({3, 2})); },
+                          {"swiglu", "(2, 3)", "(3, 2)"}));
   const Tensor table = rope_table(4, 4, 10000.0, DType::F32, Device::CPU);
   const Tensor pos2 = Tensor::from_vector(std::vector<int32_t>{0, 4}, {2});
   EXPECT_TRUE(throws_with([&] { rope(Tensor::zeros({2, 1, 4}), pos2, table); },
