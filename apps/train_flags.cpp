@@ -39,7 +39,28 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
         ->check(integer_of<int64_t>())
         ->each([&f](const std::string&) { f.n_kv_head_given = true; });
   add_number(cmd, "--n-embd", c.model.n_embd, "Channels (n_embd)");
-  add_number(cmd, "--mlp-hidden", c.model.mlp_hidden, "MLP width; 0 means 4 * n-embd");
+  add_number(cmd, "--mlp-hidden", c.model.mlp_hidden,
+             "MLP width; 0 means 4 * n-embd for GELU and, for SwiGLU's three matrices, 8/3 * "
+             "n-embd rounded to a multiple of 8 (GELU's parameter count within a few)");
+  cmd->add_option("--arch", f.arch,
+                  "Block preset: gpt2 (learned positions, LayerNorm, GELU, biases) or llama "
+                  "(rope, rmsnorm, swiglu, no biases); the four flags below override a part")
+      ->check(CLI::IsMember({"gpt2", "llama"}))
+      ->capture_default_str();
+  cmd->add_option("--pos", f.pos,
+                  "Positions: learned (a table added to the token embeddings) or rope (rotary: "
+                  "each head's queries and keys turned by their position)")
+      ->check(CLI::IsMember({"learned", "rope"}));
+  add_number(cmd, "--rope-theta", c.model.rope_theta,
+             "RoPE's base: channel pair j turns at theta^(-2j / head size) per position");
+  cmd->add_option("--norm", f.norm, "Normalisation: layernorm or rmsnorm")
+      ->check(CLI::IsMember({"layernorm", "rmsnorm"}));
+  cmd->add_option("--mlp", f.mlp,
+                  "MLP: gelu (c_proj(gelu(c_fc x))) or swiglu (c_proj(silu(c_fc x) * c_up x))")
+      ->check(CLI::IsMember({"gelu", "swiglu"}));
+  cmd->add_flag_function(
+      "--bias,!--no-bias", [&f](int64_t n) { f.bias = n > 0 ? 1 : 0; },
+      "Biases in every Linear and LayerNorm (--no-bias: none; RMSNorm never has one)");
   add_number(cmd, "--block-size", c.model.block_size, "Context length in tokens");
   add_number(cmd, "--dropout", c.model.dropout, "Dropout on attention and residual paths");
   cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");
@@ -202,6 +223,11 @@ TrainConfig finish_train_flags(const TrainFlags& f) {
                     f.n_kv_head);
   c.model.n_kv_head = f.n_kv_head_given ? f.n_kv_head : c.model.n_head;
   c.model.tied = !f.untied;
+  const bool llama = f.arch == "llama";
+  c.model.pos = !f.pos.empty() ? f.pos : llama ? "rope" : "learned";
+  c.model.norm = !f.norm.empty() ? f.norm : llama ? "rmsnorm" : "layernorm";
+  c.model.mlp = !f.mlp.empty() ? f.mlp : llama ? "swiglu" : "gelu";
+  c.model.bias = f.bias >= 0 ? f.bias == 1 : !llama;
   c.device = parse_device(f.device);
   c.precision = parse_dtype(f.dtype, c.device);
   KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,

@@ -15,6 +15,10 @@ struct TrainFlags {
   int64_t n_kv_head = 0;         // used when n_kv_head_given; otherwise n_head (MHA)
   bool n_kv_head_given = false;  // --n-kv-head appeared (on the command line or in --config)
   bool untied = false;
+  // --arch's preset of the block; --pos, --norm, --mlp and --bias / --no-bias override it.
+  std::string arch = "gpt2";
+  std::string pos, norm, mlp;  // empty: the preset's
+  int bias = -1;               // -1: the preset's; 0 --no-bias; 1 --bias
   std::string device = "cpu";
   std::string dtype = "f32";
 };

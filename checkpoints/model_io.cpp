@@ -18,6 +18,12 @@ const T& attr(const Attrs& attrs, const std::string& key, const std::filesystem:
               "' has the wrong type");
   return *v;
 }
+// A key files written before it existed lack: absent means the default (GPT-2's block).
+template <class T>
+T attr_or(const Attrs& attrs, const std::string& key, const T& fallback,
+          const std::filesystem::path& file) {
+  return attrs.count(key) != 0 ? attr<T>(attrs, key, file) : fallback;
+}
 }  // namespace
 
 void put_gpt_config(Attrs& a, const GPTConfig& c) {
@@ -30,6 +36,11 @@ void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["mlp_hidden"] = c.hidden();
   a["dropout"] = c.dropout;
   a["tied"] = static_cast<int64_t>(c.tied ? 1 : 0);
+  a["pos"] = c.pos;
+  a["rope_theta"] = c.rope_theta;
+  a["norm"] = c.norm;
+  a["mlp"] = c.mlp;
+  a["bias"] = static_cast<int64_t>(c.bias ? 1 : 0);
 }
 
 GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
@@ -43,6 +54,11 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   c.mlp_hidden = attr<int64_t>(a, "mlp_hidden", file);
   c.dropout = attr<double>(a, "dropout", file);
   c.tied = attr<int64_t>(a, "tied", file) != 0;
+  c.pos = attr_or<std::string>(a, "pos", c.pos, file);
+  c.rope_theta = attr_or<double>(a, "rope_theta", c.rope_theta, file);
+  c.norm = attr_or<std::string>(a, "norm", c.norm, file);
+  c.mlp = attr_or<std::string>(a, "mlp", c.mlp, file);
+  c.bias = attr_or<int64_t>(a, "bias", 1, file) != 0;
   try {
     c.validate();
   } catch (const Error& e) {

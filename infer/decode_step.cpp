@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -74,32 +75,40 @@ struct LinearRef {
   LinearRef(const Linear& l, const PackRef* parts) : LinearRef(l.weight, &l.bias, parts) {}
 };
 
+// A LayerNorm's or RMSNorm's weight, bias (or null) and eps.
 struct NormRef {
   const float* w;
   const float* b;
   double eps;
+  bool rms;
   explicit NormRef(const LayerNorm& n)
-      : w(n.weight.data<float>()), b(n.bias.data<float>()), eps(n.eps) {}
+      : w(n.weight.data<float>()),
+        b(n.bias.defined() ? n.bias.data<float>() : nullptr),
+        eps(n.eps),
+        rms(n.rms) {}
 };
 
-// The block's six matrices in the order they are packed (decode_matrices).
-constexpr size_t kPackedPerBlock = 6;
-std::array<const Linear*, kPackedPerBlock> block_linears(const Block& b) {
-  return {&b.attn.q_proj, &b.attn.k_proj, &b.attn.v_proj,
-          &b.attn.c_proj, &b.mlp.c_fc,    &b.mlp.c_proj};
+// A block's matrices in the order they are packed (decode_matrices): q, k, v, the attention's
+// c_proj, c_fc, the MLP's c_proj, then SwiGLU's c_up where there is one.
+std::vector<const Linear*> block_linears(const Block& b) {
+  std::vector<const Linear*> l{&b.attn.q_proj, &b.attn.k_proj, &b.attn.v_proj,
+                               &b.attn.c_proj, &b.mlp.c_fc,    &b.mlp.c_proj};
+  if (b.mlp.c_up) l.push_back(b.mlp.c_up.get());
+  return l;
 }
+size_t matrices_per_block(const GPTConfig& cfg) { return cfg.swiglu() ? 7 : 6; }
 
-// parts: the parts of the block's kPackedPerBlock matrices in block_linears's order, `threads`
-// a matrix, or null.
+// parts: the parts of the block's matrices in block_linears's order, `threads` a matrix, or
+// null.
 struct BlockRef {
   NormRef ln_1, ln_2;
   LinearRef q, k, v, proj, fc, fc_proj;
+  std::optional<LinearRef> up;  // SwiGLU's
   BlockRef(const Block& b, const PackRef* parts, int threads)
       : BlockRef(b, block_linears(b), parts, threads) {}
 
  private:
-  BlockRef(const Block& b, const std::array<const Linear*, kPackedPerBlock>& l, const PackRef* p,
-           int n)
+  BlockRef(const Block& b, const std::vector<const Linear*>& l, const PackRef* p, int n)
       : ln_1(b.ln_1),
         ln_2(b.ln_2),
         q(*l[0], p),
@@ -107,7 +116,9 @@ struct BlockRef {
         v(*l[2], p ? p + 2 * n : nullptr),
         proj(*l[3], p ? p + 3 * n : nullptr),
         fc(*l[4], p ? p + 4 * n : nullptr),
-        fc_proj(*l[5], p ? p + 5 * n : nullptr) {}
+        fc_proj(*l[5], p ? p + 5 * n : nullptr) {
+    if (l.size() > 6) up.emplace(*l[6], p ? p + 6 * n : nullptr);
+  }
 };
 
 // n f32 words rounded up to whole 64-byte lines: each packed part and each of the step's
@@ -128,7 +139,7 @@ struct StepRows {
   int64_t g0, g1;  // the KV groups whose attention this thread computes, when own_groups
   std::pair<int64_t, int64_t> q, k, v;
   std::pair<int64_t, int64_t> c;  // of the attention's and the MLP's output projections
-  std::pair<int64_t, int64_t> h;  // of the MLP's c_fc
+  std::pair<int64_t, int64_t> h;  // of the MLP's c_fc (and c_up)
   std::pair<int64_t, int64_t> o;  // of the LM head
   StepRows(const GPTConfig& cfg, int t, int nt) {
     const int64_t C = cfg.n_embd, NKV = cfg.n_kv_head, HS = cfg.head_size(), KVD = NKV * HS;
@@ -149,11 +160,11 @@ struct StepRows {
     h = thread_rows(cfg.hidden(), t, nt);
     o = thread_rows(cfg.vocab_size, t, nt);
   }
-  // The rows of matrix i of decode_matrices (the last one the LM head).
-  std::pair<int64_t, int64_t> of_matrix(size_t i, size_t count) const {
+  // The rows of matrix i of decode_matrices (the last one the LM head), per_block a block.
+  std::pair<int64_t, int64_t> of_matrix(size_t i, size_t count, size_t per_block) const {
     if (i + 1 == count) return o;
-    const std::array<std::pair<int64_t, int64_t>, kPackedPerBlock> block{q, k, v, c, h, c};
-    return block[i % kPackedPerBlock];
+    const std::array<std::pair<int64_t, int64_t>, 7> block{q, k, v, c, h, c, h};
+    return block[i % per_block];
   }
 };
 
@@ -189,7 +200,8 @@ void add_rows(float* x, const float* d, int64_t B, int64_t C, int64_t lo, int64_
 }
 
 void layer_norm(float* out, float* stats, const float* x, const NormRef& ln, int64_t B, int64_t C) {
-  cpu::layernorm_forward<float>(out, stats, stats + B, x, ln.w, ln.b, B, C, ln.eps);
+  cpu::layernorm_forward<float>(out, ln.rms ? nullptr : stats, stats + B, x, ln.w, ln.b, B, C,
+                                ln.eps);
 }
 
 // One layer's rows of the cache for this step (DecodeKVCache::layer_rows): host memory, f32,
@@ -282,8 +294,8 @@ void store_new(void* const* dst, const CacheRef& kv, const float* src, int64_t B
   }
 }
 
-// The matrices the step reads packed, in pack_'s order: each block's six (block_linears), then
-// the LM head.
+// The matrices the step reads packed, in pack_'s order: each block's (block_linears), then the
+// LM head.
 std::vector<const Tensor*> decode_matrices(const GPT& m) {
   std::vector<const Tensor*> out;
   for (const auto& blk : m.blocks)
@@ -301,15 +313,18 @@ struct StepBuffers {
   float* v;     // (B, KVD) this step's values
   float* att;   // (B, C): the attention's output y, (B, 1, NH, HS)
   float* d;     // (B, C): a block's update to x
-  float* h;     // (B, H): the MLP's hidden
+  float* h;     // (B, H): the MLP's hidden (SwiGLU's gate, then silu(gate) * up)
+  float* up;    // (B, H): SwiGLU's up projection (no words otherwise)
   float* own;   // (threads, own_size): per thread its LayerNorm output (B, C), mean and rstd (B)
   float* work;  // (threads, work_size): per thread the attention's work memory
-  static constexpr size_t kCount = 9;
+  static constexpr size_t kCount = 10;
   // The buffers' sizes in f32 words, in the order above.
   static std::array<int64_t, kCount> sizes(int64_t B, int64_t C, int64_t KVD, int64_t H,
-                                           int threads, int64_t own_size, int64_t work_size) {
+                                           bool swiglu, int threads, int64_t own_size,
+                                           int64_t work_size) {
     const int64_t BC = B * C, BKV = B * KVD;
-    return {BC, BC, BKV, BKV, BC, BC, B * H, threads * own_size, threads * work_size};
+    return {BC,    BC,     BKV, BKV, BC, BC, B * H, swiglu ? B * H : 0, threads * own_size,
+            threads * work_size};
   }
   // Carves them from `block` in that order (members are initialised in declaration order).
   StepBuffers(float* block, const std::array<int64_t, kCount>& n)
@@ -320,8 +335,9 @@ struct StepBuffers {
         att(carve(block, n[4])),
         d(carve(block, n[5])),
         h(carve(block, n[6])),
-        own(carve(block, n[7])),
-        work(carve(block, n[8])) {}
+        up(carve(block, n[7])),
+        own(carve(block, n[8])),
+        work(carve(block, n[9])) {}
 
  private:
   static float* carve(float*& block, int64_t n) {
@@ -347,14 +363,15 @@ struct DecodeRefs {
       : parts(std::move(packed)),
         threads(packed_threads),
         final_norm(m.ln_f),
-        head(m.lm_head_weight(), nullptr, part(m.blocks.size() * kPackedPerBlock)) {
-    KVLAB_ASSERT(
-        parts.size() == (m.blocks.size() * kPackedPerBlock + 1) * static_cast<size_t>(threads),
-        "decode step: ", parts.size(), " packed parts for ", m.blocks.size(), " blocks and ",
-        threads, " threads");
+        head(m.lm_head_weight(), nullptr,
+             part(m.blocks.size() * matrices_per_block(m.config()))) {
+    const size_t per_block = matrices_per_block(m.config());
+    KVLAB_ASSERT(parts.size() == (m.blocks.size() * per_block + 1) * static_cast<size_t>(threads),
+                 "decode step: ", parts.size(), " packed parts for ", m.blocks.size(),
+                 " blocks and ", threads, " threads");
     layers.reserve(m.blocks.size());
     for (size_t l = 0; l < m.blocks.size(); ++l)
-      layers.emplace_back(*m.blocks[l], part(l * kPackedPerBlock), threads);
+      layers.emplace_back(*m.blocks[l], part(l * per_block), threads);
   }
 
  private:
@@ -403,7 +420,7 @@ DecodeStep::PackGuard DecodeStep::pack() {
     const StepRows step(model_.config(), t, threads);
     for (size_t i = 0; i < weights.size(); ++i) {
       const size_t at = i * static_cast<size_t>(threads) + static_cast<size_t>(t);
-      rows[at] = step.of_matrix(i, weights.size());
+      rows[at] = step.of_matrix(i, weights.size(), matrices_per_block(model_.config()));
       const int64_t n = rows[at].second - rows[at].first, k = weights[i]->size(1);
       if (n <= 0) continue;
       offset[at] = words;
@@ -442,7 +459,7 @@ DecodeStep::PackGuard::~PackGuard() {
 
 int64_t DecodeStep::weight_bytes() const {
   const int64_t tables =
-      model_.wpe.weight.numel() + (model_.lm_head ? model_.wte.weight.numel() : 0);
+      (model_.wpe ? model_.wpe->weight.numel() : 0) + (model_.lm_head ? model_.wte.weight.numel() : 0);
   int64_t matrices = 0, bytes = 0;
   const bool packs = packing_applies();
   for (const Tensor* w : decode_matrices(model_)) {
@@ -488,7 +505,13 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   for (size_t l = 0; l < layers.size(); ++l)
     caches.emplace_back(cache.layer_rows(static_cast<int>(l), 1), B, NKV, HS, lengths_);
   const float* wte_w = model_.wte.weight.data<float>();
-  const float* wpe_w = model_.wpe.weight.data<float>();
+  const float* wpe_w = model_.wpe ? model_.wpe->weight.data<float>() : nullptr;
+  // RoPE: the table and each row's position (this step's), rotating q and k in place.
+  const float* rope = cfg.rope() ? model_.rope_table().data<float>() : nullptr;
+  positions_.resize(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b)
+    positions_[static_cast<size_t>(b)] = static_cast<int32_t>(lengths_[static_cast<size_t>(b)] - 1);
+  const int32_t* positions = positions_.data();
   const int threads = omp_get_max_threads();
   Tensor logits = Tensor::empty({B, 1, V});  // (B, 1, V)
   float* out = logits.data<float>();
@@ -514,7 +537,7 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   // reports it after the region, before the cache advances.
   std::atomic<int64_t> nonfinite{-1};
   const int64_t own_size = B * C + 2 * B;
-  const auto sizes = StepBuffers::sizes(B, C, KVD, H, threads, own_size, work_size);
+  const auto sizes = StepBuffers::sizes(B, C, KVD, H, cfg.swiglu(), threads, own_size, work_size);
   int64_t words = 0;
   for (int64_t n : sizes) words += whole_lines(n);
   if (!buffers_.defined() || buffers_.numel() < words) {
@@ -548,7 +571,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     auto part = [&](const LinearRef& lin) { return packed_for_nt ? lin.parts + t : nullptr; };
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = c0; c < c1; ++c)
-        buf.x[b * C + c] = wte_w[ids[b] * C + c] + wpe_w[(lengths[b] - 1) * C + c];
+        buf.x[b * C + c] =
+            wte_w[ids[b] * C + c] + (wpe_w != nullptr ? wpe_w[(lengths[b] - 1) * C + c] : 0.0f);
 #pragma omp single
     barrier.reset(nt);  // its implicit barrier also ends the embedding
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -558,6 +582,24 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       linear_rows(buf.q, C, ln, B, blk.q, q0, q1, part(blk.q));
       linear_rows(buf.k, KVD, ln, B, blk.k, k0, k1, part(blk.k));
       linear_rows(buf.v, KVD, ln, B, blk.v, v0, v1, part(blk.v));
+      if (rope != nullptr) {  // keys are stored rotated, at the row's position
+        auto rotate = [&](float* x, int64_t b, int64_t heads) {
+          cpu::rope_forward<float>(x, x, positions + b, rope, 1, heads, HS, false);
+        };
+        if (own_groups) {  // this thread's groups' heads are whole here
+          for (int64_t b = 0; b < B && g0 < g1; ++b) {
+            rotate(buf.q + b * C + g0 * G * HS, b, (g1 - g0) * G);
+            rotate(buf.k + b * KVD + g0 * HS, b, g1 - g0);
+          }
+        } else {  // a head's rows may come from two threads: rotate once all are computed
+          barrier.wait();
+          for (int64_t i = t; i < B * (NH + NKV); i += nt) {
+            const int64_t b = i / (NH + NKV), h = i % (NH + NKV);
+            rotate(h < NH ? buf.q + b * C + h * HS : buf.k + b * KVD + (h - NH) * HS, b, 1);
+          }
+          barrier.wait();
+        }
+      }
       shape.S = kv.S;
       // A paged row is attended as a batch of 1 at its own block table.
       const bool paged = kv.rows.blocks != nullptr;
@@ -615,8 +657,15 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       barrier.wait();
       layer_norm(ln, stats, buf.x, blk.ln_2, B, C);
       linear_rows(buf.h, H, ln, B, blk.fc, h0, h1, part(blk.fc));
-      for (int64_t b = 0; b < B && h0 < h1; ++b)
-        cpu::gelu_forward<float>(buf.h + b * H + h0, buf.h + b * H + h0, h1 - h0);
+      if (blk.up) {
+        linear_rows(buf.up, H, ln, B, *blk.up, h0, h1, part(*blk.up));
+        for (int64_t b = 0; b < B && h0 < h1; ++b)
+          cpu::swiglu_forward<float>(buf.h + b * H + h0, buf.h + b * H + h0, buf.up + b * H + h0,
+                                     h1 - h0);
+      } else {
+        for (int64_t b = 0; b < B && h0 < h1; ++b)
+          cpu::gelu_forward<float>(buf.h + b * H + h0, buf.h + b * H + h0, h1 - h0);
+      }
       barrier.wait();
       linear_rows(buf.d, C, buf.h, B, blk.fc_proj, c0, c1, part(blk.fc_proj));
       add_rows(buf.x, buf.d, B, C, c0, c1);  // x += mlp(ln_2(x))

@@ -74,10 +74,11 @@ class DecodeStep {
 
   const GPT& model_;
   std::vector<int64_t> lengths_;  // each row's, this step's position included
+  std::vector<int32_t> positions_;  // each row's new position (length - 1), for RoPE
   // For each thread of the step (omp_get_max_threads at packing), its rows of each matrix
-  // (per layer q, k, v, c_proj, c_fc, mlp c_proj, then the LM head), each packed on their own
-  // in one of cpu::pack_weight's forms, one after another in pack_'s f32 words, each from a
-  // 64-byte boundary: f32 (packed_weight_size(rows, in) words) or, for a matrix whose values
+  // (per layer q, k, v, c_proj, c_fc, mlp c_proj, SwiGLU's c_up, then the LM head), each
+  // packed on their own in one of cpu::pack_weight's forms, one after another in pack_'s f32
+  // words, each from a 64-byte boundary: f32 (packed_weight_size(rows, in) words) or, for a matrix whose values
   // are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
   // PackGuard lives (pack_users_ of them) by steps on that many threads.
   Tensor pack_;

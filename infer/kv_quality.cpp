@@ -16,23 +16,33 @@ std::vector<float> fp8_kv_scales(const GPT& model) {
   const GPTConfig& c = model.config();
   const int64_t C = c.n_embd, HS = c.head_size(), NKV = c.n_kv_head;
   std::vector<float> scales;
+  std::vector<double> bounds(static_cast<size_t>(HS));  // one head's, per channel
   for (const auto& blk : model.blocks) {
+    // ln_1's output is gamma * xhat + beta with |xhat| <= sqrt(C) (RMSNorm: no beta).
     const Tensor gamma = blk->ln_1.weight.to(Device::CPU).contiguous();
-    const Tensor beta = blk->ln_1.bias.to(Device::CPU).contiguous();
+    const Tensor beta =
+        blk->ln_1.bias.defined() ? blk->ln_1.bias.to(Device::CPU).contiguous() : Tensor();
     for (const Linear* proj : {&blk->attn.k_proj, &blk->attn.v_proj}) {
       const Tensor w = proj->weight.to(Device::CPU).contiguous();  // (NKV * HS, C)
       const Tensor b = proj->bias.defined() ? proj->bias.to(Device::CPU).contiguous() : Tensor();
+      // RoPE turns each key channel pair (j, j + HS/2): either one reaches the pair's norm.
+      const bool rotated = c.rope() && proj == &blk->attn.k_proj;
       for (int64_t h = 0; h < NKV; ++h) {
-        double bound = 0;
-        for (int64_t j = h * HS; j < (h + 1) * HS; ++j) {
-          const float* wj = w.data<float>() + j * C;
-          double gain2 = 0, shift = b.defined() ? b.data<float>()[j] : 0.0;
+        for (int64_t j = 0; j < HS; ++j) {
+          const float* wj = w.data<float>() + (h * HS + j) * C;
+          double gain2 = 0, shift = b.defined() ? b.data<float>()[h * HS + j] : 0.0;
           for (int64_t i = 0; i < C; ++i) {
             const double g = double(wj[i]) * gamma.data<float>()[i];
             gain2 += g * g;
-            shift += double(wj[i]) * beta.data<float>()[i];
+            if (beta.defined()) shift += double(wj[i]) * beta.data<float>()[i];
           }
-          bound = std::max(bound, std::sqrt(double(C) * gain2) + std::fabs(shift));
+          bounds[static_cast<size_t>(j)] = std::sqrt(double(C) * gain2) + std::fabs(shift);
+        }
+        double bound = 0;
+        for (int64_t j = 0; j < HS; ++j) {
+          const double bj = bounds[static_cast<size_t>(j)];
+          const double pair = rotated ? bounds[static_cast<size_t>((j + HS / 2) % HS)] : 0.0;
+          bound = std::max(bound, std::sqrt(bj * bj + pair * pair));
         }
         // A head whose outputs are all zero: any positive scale stores them exactly.
         scales.push_back(bound > 0 ? static_cast<float>(bound / 448.0) : 1.0f);

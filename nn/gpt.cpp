@@ -1,5 +1,6 @@
 #include "nn/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "autograd/host/memory.h"
@@ -13,11 +14,15 @@ namespace {
 double parameters_of(const GPTConfig& c) {
   const auto C = static_cast<double>(c.n_embd), H = static_cast<double>(c.hidden());
   const double kv = static_cast<double>(c.n_kv_head) * static_cast<double>(c.head_size());
-  const double attn = (C * C + C) * 2 + (C * kv + kv) * 2;
-  const double mlp = (C * H + H) + (H * C + C);
-  const double block = attn + mlp + 4 * C;
+  const double b = c.bias ? 1 : 0;
+  const double attn = (C * C + b * C) * 2 + (C * kv + b * kv) * 2;
+  const double mlp = c.swiglu() ? 2 * (C * H + b * H) + (H * C + b * C)
+                                : (C * H + b * H) + (H * C + b * C);
+  const double norm = C * (c.bias && !c.rms() ? 2 : 1);
+  const double block = attn + mlp + 2 * norm;
   return static_cast<double>(c.vocab_size) * C * (c.tied ? 1 : 2) +
-         static_cast<double>(c.block_size) * C + static_cast<double>(c.n_layer) * block + 2 * C;
+         (c.rope() ? 0 : static_cast<double>(c.block_size) * C) +
+         static_cast<double>(c.n_layer) * block + norm;
 }
 }  // namespace
 
@@ -35,6 +40,16 @@ void GPTConfig::validate() const {
               " is not divisible by n_kv_head = ", n_kv_head);
   KVLAB_CHECK(mlp_hidden >= 0, "config: mlp_hidden must be >= 0, got ", mlp_hidden);
   KVLAB_CHECK(dropout >= 0 && dropout < 1, "config: dropout ", dropout, " outside [0, 1)");
+  KVLAB_CHECK(pos == "learned" || pos == "rope", "config: pos '", pos,
+              "' is not one of learned, rope");
+  KVLAB_CHECK(norm == "layernorm" || norm == "rmsnorm", "config: norm '", norm,
+              "' is not one of layernorm, rmsnorm");
+  KVLAB_CHECK(mlp == "gelu" || mlp == "swiglu", "config: mlp '", mlp,
+              "' is not one of gelu, swiglu");
+  KVLAB_CHECK(!rope() || head_size() % 2 == 0, "config: RoPE needs an even head size, got ",
+              head_size(), " (n_embd ", n_embd, " / n_head ", n_head, ")");
+  KVLAB_CHECK(!rope() || (rope_theta > 1 && std::isfinite(rope_theta)), "config: rope_theta ",
+              rope_theta, " must be a finite number above 1");
   // The layers are allocated one by one, each small: a model far past memory would grow
   // until the system kills the process rather than fail one large allocation.
   const double params = parameters_of(*this);
@@ -43,6 +58,12 @@ void GPTConfig::validate() const {
               " parameters, ", 4 * params / 1e9, " GB of f32 weights: more than this machine's ",
               memory / 1e9, " GB of memory (n_layer ", n_layer, ", n_embd ", n_embd,
               ", block_size ", block_size, ")");
+}
+
+int64_t GPTConfig::hidden() const {
+  if (mlp_hidden > 0) return mlp_hidden;
+  if (!swiglu()) return 4 * n_embd;
+  return std::max<int64_t>(8, (8 * n_embd / 3 + 4) / 8 * 8);
 }
 
 namespace {
@@ -55,15 +76,15 @@ Tensor maybe_dropout(const Tensor& x, double p, const ForwardContext& ctx, int l
 }
 }  // namespace
 
-CausalSelfAttention::CausalSelfAttention(int64_t n_embd, int64_t nh, int64_t nkv, double p)
-    : q_proj(n_embd, n_embd),
-      k_proj(n_embd, nkv * (n_embd / nh)),
-      v_proj(n_embd, nkv * (n_embd / nh)),
-      c_proj(n_embd, n_embd),
-      n_head(nh),
-      n_kv_head(nkv),
-      head_size(n_embd / nh),
-      dropout(p) {
+CausalSelfAttention::CausalSelfAttention(const GPTConfig& cfg)
+    : q_proj(cfg.n_embd, cfg.n_embd, cfg.bias),
+      k_proj(cfg.n_embd, cfg.n_kv_head * cfg.head_size(), cfg.bias),
+      v_proj(cfg.n_embd, cfg.n_kv_head * cfg.head_size(), cfg.bias),
+      c_proj(cfg.n_embd, cfg.n_embd, cfg.bias),
+      n_head(cfg.n_head),
+      n_kv_head(cfg.n_kv_head),
+      head_size(cfg.head_size()),
+      dropout(cfg.dropout) {
   register_module("q_proj", q_proj);
   register_module("k_proj", k_proj);
   register_module("v_proj", v_proj);
@@ -74,8 +95,14 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
   // Projections stay in (B, T, H, HS) memory; the attention op reads them through
   // transposed (B, H, T, HS) views, so no transposing copy is made.
-  Tensor q = transpose(reshape(q_proj.forward(x), {B, T, n_head, head_size}), 1, 2);
-  Tensor k = transpose(reshape(k_proj.forward(x), {B, T, n_kv_head, head_size}), 1, 2);
+  Tensor q = reshape(q_proj.forward(x), {B, T, n_head, head_size});
+  Tensor k = reshape(k_proj.forward(x), {B, T, n_kv_head, head_size});
+  if (ctx.rope_table.defined()) {  // keys are cached rotated, at their absolute positions
+    q = rope(q, ctx.rope_positions, ctx.rope_table);
+    k = rope(k, ctx.rope_positions, ctx.rope_table);
+  }
+  q = transpose(q, 1, 2);
+  k = transpose(k, 1, 2);
   Tensor v = transpose(reshape(v_proj.forward(x), {B, T, n_kv_head, head_size}), 1, 2);
   AttentionOptions opts;
   if (ctx.cache != nullptr) {
@@ -96,10 +123,10 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
 }
 
 Block::Block(const GPTConfig& cfg)
-    : ln_1(cfg.n_embd),
-      attn(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.dropout),
-      ln_2(cfg.n_embd),
-      mlp(cfg.n_embd, cfg.hidden()),
+    : ln_1(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
+      attn(cfg),
+      ln_2(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
+      mlp(cfg.n_embd, cfg.hidden(), cfg.swiglu(), cfg.bias),
       dropout(cfg.dropout) {
   register_module("ln_1", ln_1);
   register_module("attn", attn);
@@ -114,12 +141,14 @@ Tensor Block::forward(const Tensor& x_in, const ForwardContext& ctx, int layer) 
 
 GPT::GPT(const GPTConfig& cfg, uint64_t seed)
     : wte((cfg.validate(), cfg.vocab_size), cfg.n_embd),
-      wpe(cfg.block_size, cfg.n_embd),
-      ln_f(cfg.n_embd),
+      ln_f(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
       cfg_(cfg),
       dropout_gen_(hash64(seed, 0x64726f70)) {
   register_module("wte", wte);
-  register_module("wpe", wpe);
+  if (!cfg.rope()) {
+    wpe = std::make_unique<Embedding>(cfg.block_size, cfg.n_embd);
+    register_module("wpe", *wpe);
+  }
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
     blocks.push_back(std::make_unique<Block>(cfg));
     register_module("blocks." + std::to_string(l), *blocks.back());
@@ -149,10 +178,20 @@ void GPT::round_matrices_to_bf16() {
   std::vector<Tensor> matrices;  // handles on the same storage
   for (const auto& b : blocks)
     for (const Linear* l : {&b->attn.q_proj, &b->attn.k_proj, &b->attn.v_proj, &b->attn.c_proj,
-                            &b->mlp.c_fc, &b->mlp.c_proj})
-      matrices.push_back(l->weight);
+                            &b->mlp.c_fc, b->mlp.c_up.get(), &b->mlp.c_proj})
+      if (l != nullptr) matrices.push_back(l->weight);
   matrices.push_back(lm_head_weight());
   for (Tensor& w : matrices) w.copy_from(w.to(DType::BF16));
+}
+
+const Tensor& GPT::rope_table() const {
+  if (!cfg_.rope()) return rope_table_;  // undefined
+  const Tensor& w = wte.weight;
+  if (!rope_table_.defined() || rope_table_.device() != w.device() ||
+      rope_table_.dtype() != w.dtype())
+    rope_table_ = kvlab::rope_table(cfg_.block_size, cfg_.head_size(), cfg_.rope_theta, w.dtype(),
+                                    w.device());
+  return rope_table_;
 }
 
 Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
@@ -167,12 +206,14 @@ Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
   ctx.cache = cache;
   ctx.dropout_on = training() && cfg_.dropout > 0 && grad_enabled();
   if (ctx.dropout_on) ctx.dropout_seed = dropout_gen_.next_u64();
-  Tensor pos;  // (T) shared by all rows, or (B, T) when rows continue from different lengths
+  Tensor pos;  // (T) shared by all rows, or (B, T) with RoPE or rows continuing from a cache
   if (cache == nullptr) {
     KVLAB_CHECK(T <= cfg_.block_size, "gpt: sequence of ", T, " tokens exceeds block_size ",
                 cfg_.block_size);
-    pos = Tensor::empty({T}, DType::I32);
-    for (int64_t t = 0; t < T; ++t) pos.data<int32_t>()[t] = static_cast<int32_t>(t);
+    // RoPE rotates each (row, step) at its own entry; the position table is shared by rows.
+    const int64_t rows = cfg_.rope() ? B : 1;
+    pos = Tensor::empty(cfg_.rope() ? Shape{B, T} : Shape{T}, DType::I32);
+    for (int64_t i = 0; i < rows * T; ++i) pos.data<int32_t>()[i] = static_cast<int32_t>(i % T);
   } else {
     KVLAB_CHECK(cache->batch() == B, "gpt: cache holds ", cache->batch(), " rows, tokens have ", B);
     pos = Tensor::empty({B, T}, DType::I32);
@@ -188,7 +229,13 @@ Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
     }
     ctx.kv_lengths = kv_lengths_;
   }
-  Tensor x = add(wte.forward(tokens), wpe.forward(pos.to(dev)));  // (B, T, C)
+  Tensor x = wte.forward(tokens);  // (B, T, C)
+  if (cfg_.rope()) {
+    ctx.rope_positions = pos.to(dev);
+    ctx.rope_table = rope_table();
+  } else {
+    x = add(x, wpe->forward(pos.to(dev)));
+  }
   x = maybe_dropout(x, cfg_.dropout, ctx, static_cast<int>(cfg_.n_layer), 3);
   for (size_t l = 0; l < blocks.size(); ++l) x = blocks[l]->forward(x, ctx, static_cast<int>(l));
   if (cache != nullptr) cache->advance(T);
@@ -209,26 +256,27 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
   std::vector<std::pair<std::string, std::vector<int64_t>>> s;
   const auto linear = [&](const std::string& name, int64_t in, int64_t out) {
     s.push_back({name + ".weight", {out, in}});
-    s.push_back({name + ".bias", {out}});
+    if (c.bias) s.push_back({name + ".bias", {out}});
   };
-  const auto layer_norm = [&](const std::string& name) {
+  const auto norm = [&](const std::string& name) {
     s.push_back({name + ".weight", {C}});
-    s.push_back({name + ".bias", {C}});
+    if (c.bias && !c.rms()) s.push_back({name + ".bias", {C}});
   };
   s.push_back({"wte.weight", {c.vocab_size, C}});
-  s.push_back({"wpe.weight", {c.block_size, C}});
+  if (!c.rope()) s.push_back({"wpe.weight", {c.block_size, C}});
   for (int64_t l = 0; l < c.n_layer; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
-    layer_norm(b + "ln_1");
+    norm(b + "ln_1");
     linear(b + "attn.q_proj", C, C);
     linear(b + "attn.k_proj", C, kv);
     linear(b + "attn.v_proj", C, kv);
     linear(b + "attn.c_proj", C, C);
-    layer_norm(b + "ln_2");
+    norm(b + "ln_2");
     linear(b + "mlp.c_fc", C, H);
+    if (c.swiglu()) linear(b + "mlp.c_up", C, H);
     linear(b + "mlp.c_proj", H, C);
   }
-  layer_norm("ln_f");
+  norm("ln_f");
   if (!c.tied) s.push_back({"lm_head.weight", {c.vocab_size, C}});
   return s;
 }

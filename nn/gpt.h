@@ -1,6 +1,9 @@
 #pragma once
-// The GPT: token + learned position embeddings, pre-norm blocks of grouped-query attention
-// and an MLP, a final LayerNorm and an LM head tied to the token embedding by default.
+// The GPT: token embeddings (+ learned position embeddings, or rotary ones applied to each
+// block's queries and keys), pre-norm blocks of grouped-query attention and an MLP, a final
+// norm and an LM head tied to the token embedding by default. GPT-2's block (learned
+// positions, LayerNorm, GELU, biases) is the default; GPTConfig's pos, norm, mlp and bias
+// switch each part to Llama's (rope, rmsnorm, swiglu, no biases) on its own.
 // Training calls forward without a cache; inference calls it in a no-grad scope with one.
 // forward runs op by op, on every device: it is the reference that infer/'s fused CPU decode
 // step (infer/decode_step.h) is tested against.
@@ -26,9 +29,19 @@ struct GPTConfig {
   int64_t mlp_hidden = 0;  // 0: 4 * n_embd
   double dropout = 0.0;
   bool tied = true;
+  std::string pos = "learned";  // learned | rope
+  double rope_theta = 10000.0;  // RoPE's base: channel pair j turns at theta^(-2j / head_size)
+  std::string norm = "layernorm";  // layernorm | rmsnorm
+  std::string mlp = "gelu";        // gelu | swiglu (gate c_fc, up c_up, down c_proj)
+  bool bias = true;                // biases of every Linear and LayerNorm
 
   int64_t head_size() const { return n_embd / n_head; }
-  int64_t hidden() const { return mlp_hidden > 0 ? mlp_hidden : 4 * n_embd; }
+  bool rope() const { return pos == "rope"; }
+  bool rms() const { return norm == "rmsnorm"; }
+  bool swiglu() const { return mlp == "swiglu"; }
+  // mlp_hidden, or by default 4 n_embd for GELU and, for SwiGLU's three matrices, 8/3 n_embd
+  // rounded to a multiple of 8: the same parameters as GELU's two within a few.
+  int64_t hidden() const;
   // Throws kvlab::Error naming the offending setting.
   void validate() const;
 };
@@ -39,11 +52,13 @@ struct ForwardContext {
   std::span<const int64_t> kv_lengths;  // (B) with a cache: each row's length after this step
   uint64_t dropout_seed = 0;            // each dropout site derives its own mask seed from it
   bool dropout_on = false;
+  // With RoPE: each (row, step)'s position (B * T, i32 on the model's device) and the table.
+  Tensor rope_positions, rope_table;
 };
 
 class CausalSelfAttention : public Module {
  public:
-  CausalSelfAttention(int64_t n_embd, int64_t n_head, int64_t n_kv_head, double dropout);
+  explicit CausalSelfAttention(const GPTConfig& cfg);
   Tensor forward(const Tensor& x, const ForwardContext& ctx, int layer) const;  // (B, T, C)
   Linear q_proj, k_proj, v_proj, c_proj;  // k, v: (NKV * HS, C)
   int64_t n_head, n_kv_head, head_size;
@@ -78,7 +93,8 @@ class GPT : public Module {
   // Source of dropout seeds; its state goes into checkpoints so resumed runs repeat exactly.
   Generator& dropout_generator() { return dropout_gen_; }
 
-  Embedding wte, wpe;
+  Embedding wte;
+  std::unique_ptr<Embedding> wpe;  // only with learned positions
   std::vector<std::unique_ptr<Block>> blocks;
   LayerNorm ln_f;
   std::unique_ptr<Linear> lm_head;  // only when untied
@@ -87,8 +103,12 @@ class GPT : public Module {
   // stay f32. The model is then one with bf16 matrices on every path and device, and the
   // fused CPU decode step (infer/decode_step.h) reads them in half the bytes.
   void round_matrices_to_bf16();
+  // RoPE's table (rope_table: block_size positions) in the model's dtype on its device, made
+  // once per device and dtype. Undefined without RoPE.
+  const Tensor& rope_table() const;
 
  private:
+  mutable Tensor rope_table_;
   GPTConfig cfg_;
   Generator dropout_gen_;
   std::vector<int64_t> kv_lengths_;  // reused by every cached forward: no allocation per step

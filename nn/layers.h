@@ -1,12 +1,14 @@
 #pragma once
-// Building blocks of the GPT: Linear, Embedding, LayerNorm and the MLP.
+// Building blocks of the GPT: Linear, Embedding, LayerNorm (or RMSNorm) and the MLP.
+#include <memory>
+
 #include "nn/module.h"
 
 namespace kvlab {
 
 class Linear : public Module {
  public:
-  // weight (out, in) as torch.nn.Linear stores it; bias (out).
+  // weight (out, in) as torch.nn.Linear stores it; bias (out), undefined without one.
   Linear(int64_t in, int64_t out, bool bias = true);
   Tensor forward(const Tensor& x) const;  // (..., in) -> (..., out)
   Tensor weight, bias;
@@ -19,19 +21,25 @@ class Embedding : public Module {
   Tensor weight;  // (num, dim)
 };
 
+// LayerNorm, or with `rms` RMSNorm (no centring and never a bias); `bias` false drops
+// LayerNorm's bias. weight starts at 1.
 class LayerNorm : public Module {
  public:
-  explicit LayerNorm(int64_t dim, double eps = 1e-5);
+  explicit LayerNorm(int64_t dim, double eps = 1e-5, bool rms = false, bool bias = true);
   Tensor forward(const Tensor& x) const;
-  Tensor weight, bias;  // (dim)
+  Tensor weight, bias;  // (dim); bias undefined for RMSNorm or without a bias
   double eps;
+  bool rms;
 };
 
+// c_proj(gelu(c_fc(x))), or with `swiglu` c_proj(silu(c_fc(x)) * c_up(x)) (c_fc the gate).
 class MLP : public Module {
  public:
-  MLP(int64_t n_embd, int64_t hidden);
-  Tensor forward(const Tensor& x) const;  // c_proj(gelu(c_fc(x)))
-  Linear c_fc, c_proj;
+  MLP(int64_t n_embd, int64_t hidden, bool swiglu = false, bool bias = true);
+  Tensor forward(const Tensor& x) const;
+  Linear c_fc;
+  std::unique_ptr<Linear> c_up;  // only with swiglu
+  Linear c_proj;
 };
 
 }  // namespace kvlab
