@@ -53,6 +53,40 @@ TEST_F(ModelIoTest, CleanCheckpointLoads) {
 
 // A run that diverged must not come back as weights: generate would print token 0 forever and
 // a resumed run would train on NaN. The file and the tensor are named.
+// The block's parts round-trip through /config; a /config from before they existed (no pos,
+// norm, mlp, bias or rope_theta keys) reads as GPT-2's block.
+TEST(ModelIo, BlockComponentsRoundTripAndDefaultToGpt2) {
+  GPTConfig c;
+  c.vocab_size = 9;
+  c.pos = "rope";
+  c.rope_theta = 500.0;
+  c.norm = "rmsnorm";
+  c.mlp = "swiglu";
+  c.bias = false;
+  Attrs a;
+  put_gpt_config(a, c);
+  const GPTConfig back = get_gpt_config(a, "x.h5");
+  EXPECT_EQ(back.pos, "rope");
+  EXPECT_EQ(back.rope_theta, 500.0);
+  EXPECT_EQ(back.norm, "rmsnorm");
+  EXPECT_EQ(back.mlp, "swiglu");
+  EXPECT_FALSE(back.bias);
+  EXPECT_EQ(back.hidden(), c.hidden());
+  for (const char* key : {"pos", "rope_theta", "norm", "mlp", "bias"}) a.erase(key);
+  const GPTConfig old = get_gpt_config(a, "x.h5");
+  EXPECT_EQ(old.pos, "learned");
+  EXPECT_EQ(old.norm, "layernorm");
+  EXPECT_EQ(old.mlp, "gelu");
+  EXPECT_TRUE(old.bias);
+  a["pos"] = std::string("alibi");
+  try {
+    get_gpt_config(a, "x.h5");
+    FAIL() << "an unknown position scheme loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("pos 'alibi'"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(ModelIoTest, NonFiniteTensorIsAnErrorNamingFileAndTensor) {
   for (const float bad : {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY}) {
     const fs::path file = write("blocks.0.attn.q_proj.weight", bad);

@@ -13,8 +13,16 @@
 
 namespace kvlab::test {
 
-inline GPTConfig tiny_config(int64_t n_kv_head = 4, int64_t block_size = 16) {
+// arch "llama": RoPE, RMSNorm, SwiGLU and no biases instead of GPT-2's block.
+inline GPTConfig tiny_config(int64_t n_kv_head = 4, int64_t block_size = 16,
+                             const std::string& arch = "gpt2") {
   GPTConfig c;
+  if (arch == "llama") {
+    c.pos = "rope";
+    c.norm = "rmsnorm";
+    c.mlp = "swiglu";
+    c.bias = false;
+  }
   c.vocab_size = 11;
   c.block_size = block_size;
   c.n_layer = 2;
@@ -46,8 +54,8 @@ inline std::unique_ptr<GPT> random_model(const GPTConfig& c, uint64_t seed) {
 }
 
 inline std::unique_ptr<GPT> tiny_model(int64_t n_kv_head = 4, uint64_t seed = 7,
-                                       int64_t block_size = 16) {
-  return random_model(tiny_config(n_kv_head, block_size), seed);
+                                       int64_t block_size = 16, const std::string& arch = "gpt2") {
+  return random_model(tiny_config(n_kv_head, block_size, arch), seed);
 }
 
 // A (rows, T) batch of token ids drawn from gen.

@@ -27,8 +27,8 @@ namespace {
 
 // C = 64, NH = 8, H = 256, V = 67: with 3 threads the q/k/v rows split off the q/k/v
 // boundaries (n_kv_head 2 and 1), and the vocabulary leaves the last thread a short block.
-GPTConfig decode_config(int64_t n_kv_head) {
-  GPTConfig c = test::tiny_config(n_kv_head, 24);
+GPTConfig decode_config(int64_t n_kv_head, const std::string& arch = "gpt2") {
+  GPTConfig c = test::tiny_config(n_kv_head, 24, arch);
   c.vocab_size = 67;
   c.n_head = 8;
   c.n_embd = 64;
@@ -95,14 +95,15 @@ void prefill_rows(GPT& model, ContiguousKVCache& fused, ContiguousKVCache& plain
   }
 }
 
-// (n_kv_head, cache dtype, threads, prompt lengths of the rows)
+// (n_kv_head, cache dtype, threads, prompt lengths of the rows, block: gpt2 or llama)
 class FusedDecode
-    : public ::testing::TestWithParam<std::tuple<int64_t, DType, int, std::vector<int64_t>>> {};
+    : public ::testing::TestWithParam<
+          std::tuple<int64_t, DType, int, std::vector<int64_t>, std::string>> {};
 
 TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
-  const auto [nkv, dtype, threads, prompt_len] = GetParam();
+  const auto [nkv, dtype, threads, prompt_len, arch] = GetParam();
   const ThreadCount tc(threads);
-  auto model = test::random_model(decode_config(nkv), 5);
+  auto model = test::random_model(decode_config(nkv, arch), 5);
   const GPTConfig& c = model->config();
   DecodeStep step(*model);
   NoGradGuard no_grad;
@@ -155,19 +156,34 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   EXPECT_GT(plain_requests, 30u * steps);
 }
 
+std::string fused_case_name(
+    const testing::TestParamInfo<FusedDecode::ParamType>& info) {
+  return std::get<4>(info.param) + "_nkv" + std::to_string(std::get<0>(info.param)) + "_" +
+         dtype_name(std::get<1>(info.param)) + "_threads" +
+         std::to_string(std::get<2>(info.param)) + "_rows" +
+         std::to_string(std::get<3>(info.param).size());
+}
+
 INSTANTIATE_TEST_SUITE_P(
     NkvDtypeThreads, FusedDecode,
     ::testing::Combine(::testing::Values(8, 2, 1),
                        ::testing::Values(DType::F32, DType::BF16, DType::FP8, DType::INT8,
                                          DType::INT4),
                        ::testing::Values(1, 2, 3),
-                       ::testing::Values(std::vector<int64_t>{1, 6, 3}, std::vector<int64_t>{5})),
-    [](const auto& info) {
-      return "nkv" + std::to_string(std::get<0>(info.param)) + "_" +
-             dtype_name(std::get<1>(info.param)) + "_threads" +
-             std::to_string(std::get<2>(info.param)) + "_rows" +
-             std::to_string(std::get<3>(info.param).size());
-    });
+                       ::testing::Values(std::vector<int64_t>{1, 6, 3}, std::vector<int64_t>{5}),
+                       ::testing::Values("gpt2")),
+    fused_case_name);
+
+// RoPE (q and k rotated by each thread for its own groups, or after a barrier), RMSNorm,
+// SwiGLU and no biases.
+INSTANTIATE_TEST_SUITE_P(
+    Llama, FusedDecode,
+    ::testing::Combine(::testing::Values(8, 2, 1),
+                       ::testing::Values(DType::F32, DType::FP8, DType::INT8),
+                       ::testing::Values(1, 2, 3),
+                       ::testing::Values(std::vector<int64_t>{1, 6, 3}, std::vector<int64_t>{5}),
+                       ::testing::Values("llama")),
+    fused_case_name);
 
 // n_kv_head 3 on 3 threads: each thread computes its own group's q, k and v and goes straight
 // on to that group's attention, with no barrier between; rows of different lengths, both
@@ -256,8 +272,8 @@ TEST(FusedDecode, OneQueryHeadPerThreadAndAnUntiedHead) {
 
 // decode_config with NH = 4, C = 40 (HS 10: K has a 16-column tail) and hidden 100: with 3
 // threads the threads' shares of k and v start inside 8-row blocks of the packed weights.
-GPTConfig odd_config(int64_t n_kv_head) {
-  GPTConfig c = decode_config(n_kv_head);
+GPTConfig odd_config(int64_t n_kv_head, const std::string& arch = "gpt2") {
+  GPTConfig c = decode_config(n_kv_head, arch);
   c.n_head = 4;
   c.n_embd = 40;
   c.mlp_hidden = 100;
@@ -276,15 +292,16 @@ std::vector<float> step_logits(GPT& model, DecodeStep& step, bool fused,
   return (fused ? step.forward(t, cache) : model.forward(t, &cache, true)).to_vector<float>();
 }
 
-// (odd sizes, n_kv_head, threads, rows)
-class PackedDecode : public ::testing::TestWithParam<std::tuple<bool, int64_t, int, int64_t>> {
+// (odd sizes, n_kv_head, threads, rows, block: gpt2 or llama, whose SwiGLU adds c_up)
+class PackedDecode
+    : public ::testing::TestWithParam<std::tuple<bool, int64_t, int, int64_t, std::string>> {
  protected:
   // Twelve packed fused steps against the op path, from prompts of 3, 4, 5... tokens; with
   // bf16_matrices the model's matrices are rounded first and packed in the bf16 form.
   void check(bool bf16_matrices) {
-    const auto [odd, nkv, threads, B] = GetParam();
+    const auto [odd, nkv, threads, B, arch] = GetParam();
     const ThreadCount tc(threads);
-    auto model = test::random_model(odd ? odd_config(nkv) : decode_config(nkv), 5);
+    auto model = test::random_model(odd ? odd_config(nkv, arch) : decode_config(nkv, arch), 5);
     if (bf16_matrices) model->round_matrices_to_bf16();
     const GPTConfig& c = model->config();
     DecodeStep step(*model);
@@ -314,16 +331,24 @@ TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) { check(false); }
 // holds; the sizes put the products' K (40, 64, 100, 256) at every kind of 32-column tail.
 TEST_P(PackedDecode, Bf16MatricesEqualOpByOpAtEveryStep) { check(true); }
 
+std::string packed_case_name(const testing::TestParamInfo<PackedDecode::ParamType>& info) {
+  std::string name = std::get<4>(info.param) + (std::get<0>(info.param) ? "_odd" : "_even");
+  name += "_nkv" + std::to_string(std::get<1>(info.param));
+  name += "_threads" + std::to_string(std::get<2>(info.param));
+  name += "_rows" + std::to_string(std::get<3>(info.param));
+  return name;
+}
+
 INSTANTIATE_TEST_SUITE_P(OddNkvThreadsRows, PackedDecode,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(4, 2, 1),
-                                            ::testing::Values(1, 2, 3), ::testing::Values(1, 4)),
-                         [](const auto& info) {
-                           std::string name = std::get<0>(info.param) ? "odd" : "even";
-                           name += "_nkv" + std::to_string(std::get<1>(info.param));
-                           name += "_threads" + std::to_string(std::get<2>(info.param));
-                           name += "_rows" + std::to_string(std::get<3>(info.param));
-                           return name;
-                         });
+                                            ::testing::Values(1, 2, 3), ::testing::Values(1, 4),
+                                            ::testing::Values("gpt2")),
+                         packed_case_name);
+INSTANTIATE_TEST_SUITE_P(Llama, PackedDecode,
+                         ::testing::Combine(::testing::Values(true), ::testing::Values(4, 2, 1),
+                                            ::testing::Values(1, 2, 3), ::testing::Values(1, 4),
+                                            ::testing::Values("llama")),
+                         packed_case_name);
 
 // The step reads the packed copies while the guard lives, and the weights again once it is
 // gone: a weight changed in between (against the guard's contract) shows only afterwards.

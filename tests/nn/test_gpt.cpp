@@ -45,6 +45,21 @@ TEST(GptConfig, ValidationNamesTheSetting) {
   // A model past the machine's memory is refused before any layer is allocated.
   expect_config_error([](GPTConfig& c) { c.n_layer = int64_t{1} << 40; }, "GB of f32 weights");
   EXPECT_THROW(GPT(GPTConfig{}, 0), Error);  // vocab_size 0
+  expect_config_error([](GPTConfig& c) { c.pos = "alibi"; }, "pos 'alibi'");
+  expect_config_error([](GPTConfig& c) { c.norm = "batchnorm"; }, "norm 'batchnorm'");
+  expect_config_error([](GPTConfig& c) { c.mlp = "relu"; }, "mlp 'relu'");
+  expect_config_error(
+      [](GPTConfig& c) {
+        c.pos = "rope";
+        c.n_embd = 12;  // head size 3
+      },
+      "RoPE needs an even head size");
+  expect_config_error(
+      [](GPTConfig& c) {
+        c.pos = "rope";
+        c.rope_theta = 1.0;
+      },
+      "rope_theta");
 }
 
 TEST(Gpt, ParameterNamesFollowTheModuleTree) {
@@ -89,6 +104,54 @@ TEST(Gpt, ParameterShapesAreThoseOfTheBuiltModel) {
   }
   GPTConfig bad = tiny(3);  // 4 heads do not share out over 3 KV heads
   EXPECT_THROW(parameter_shapes(bad), Error);
+}
+
+// Every combination of the block's parts: the built model's parameters are parameter_shapes's
+// and count_parameters's, and the model runs forward and backward.
+TEST(Gpt, EveryBlockVariantHasTheShapesAndCountItsConfigSays) {
+  for (const char* pos : {"learned", "rope"})
+    for (const char* norm : {"layernorm", "rmsnorm"})
+      for (const char* mlp : {"gelu", "swiglu"})
+        for (const bool bias : {true, false}) {
+          GPTConfig c = tiny(2);
+          c.pos = pos;
+          c.norm = norm;
+          c.mlp = mlp;
+          c.bias = bias;
+          SCOPED_TRACE(testing::Message() << pos << " " << norm << " " << mlp << " bias " << bias);
+          GPT m(c, 1);
+          const auto shapes = parameter_shapes(c);
+          const auto params = m.named_parameters();
+          ASSERT_EQ(shapes.size(), params.size());
+          for (size_t i = 0; i < params.size(); ++i) {
+            EXPECT_EQ(shapes[i].first, params[i].first);
+            EXPECT_EQ(shapes[i].second, params[i].second.sizes()) << params[i].first;
+          }
+          EXPECT_EQ(m.num_parameters(), count_parameters(c));
+          const bool has_wpe = params[1].first == "wpe.weight";
+          EXPECT_EQ(has_wpe, c.pos == "learned");
+          const Tensor x = Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 4, 5, 6}, {2, 3});
+          m.loss(x, x).backward();
+          for (auto& [name, t] : params) EXPECT_TRUE(t.grad().defined()) << name;
+        }
+}
+
+// SwiGLU's default width keeps GELU's MLP parameters within a few: at the baby config the
+// llama preset has the GPT-2 block's parameters less the position table, within 1%.
+TEST(Gpt, SwigluDefaultWidthMatchesGeluParameters) {
+  GPTConfig g = tiny(4);
+  g.vocab_size = 65;
+  g.block_size = 64;
+  g.n_layer = 4;
+  g.n_embd = 128;
+  GPTConfig l = g;
+  l.pos = "rope";
+  l.norm = "rmsnorm";
+  l.mlp = "swiglu";
+  l.bias = false;
+  EXPECT_EQ(l.hidden(), 344);  // 8/3 of 128 = 341.3, to a multiple of 8
+  const double gpt2 = static_cast<double>(count_parameters(g) - 64 * 128);
+  EXPECT_NEAR(static_cast<double>(count_parameters(l)) / gpt2, 1.0, 0.01);
 }
 
 TEST(Gpt, Gpt2Initialisation) {
