@@ -175,6 +175,37 @@ check "convert: OUT is IN" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" conver
 check "convert: --seed without random" 2 "--seed draws the new heads of --method random; --method first draws nothing" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --method first --seed 1 --out "$work/x.h5"
 check "convert wrote nothing for bad input" 2 "No such file" -- ls "$work/x.h5"
 check "convert --help" 0 "--n-kv-head" -- "$KVLAB" convert --help
+# train --init-from: step 0 evaluates the file's weights, whatever --seed; the model's shape is
+# the file's, with no shape flag given (the defaults would be another model).
+short=(--corpus "$work/corpus.txt" --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 2)
+check "train --init-from" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --out "$work/up"
+check "train --init-from writes final.h5" 0 "" -- ls "$work/up/final.h5"
+check "train --init-from: n_kv_head from the file" 0 "2" -- json_config "$work/up/final.h5" n_kv_head
+check "train --init-from records the file" 0 "$work/gqa.h5" -- json_config "$work/up/final.h5" init_from
+check "train --init-from records its hash" 0 "$(fnv1a64 "$work/gqa.h5")" -- json_config "$work/up/final.h5" init_from_hash
+"$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --seed 9 --out "$work/up9" >/dev/null 2>&1
+val0() { /usr/bin/python3 -c 'import json, sys; print(json.loads(open(sys.argv[1]).readline())["val_loss"])' "$1"; }
+# The same weights (n_kv_head unchanged) evaluate at step 0 as the source run did at its end.
+"$KVLAB" train "${short[@]}" --init-from "$work/same.h5" --out "$work/upsame" >/dev/null 2>&1
+src_end=$(/usr/bin/python3 -c 'import json, sys; print([json.loads(l) for l in open(sys.argv[1])][-1]["val_loss"])' "$work/mha/log.jsonl")
+if [ -n "$(val0 "$work/up/log.jsonl")" ] && [ "$(val0 "$work/up/log.jsonl")" = "$(val0 "$work/up9/log.jsonl")" ] &&
+   [ -n "$src_end" ] && [ "$(val0 "$work/upsame/log.jsonl")" = "$src_end" ]; then
+  pass=$((pass + 1))
+else
+  echo "FAIL train --init-from step 0: val loss $(val0 "$work/up/log.jsonl") (seed 9: $(val0 "$work/up9/log.jsonl")); same weights $(val0 "$work/upsame/log.jsonl") vs the source's $src_end"
+  fails=$((fails + 1))
+fi
+check "resume of an --init-from run" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --resume --out "$work/up"
+check "--init-from with the file's shape given" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --n-layer 1 --n-head 4 --n-kv-head 2 --n-embd 16 --block-size 16 --mlp-hidden 0 --dropout 0.1 --init-from "$work/gqa.h5" --out "$work/up3"
+check "--init-from with --resume" 2 "--init-from starts a new run from a checkpoint's weights and --resume continues the run in --out: give one of them" -- "$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --resume --out "$work/up2"
+check "--init-from with another --n-kv-head" 2 "--init-from: n_kv_head 4 on the command line, 2 in $work/gqa.h5" -- "$KVLAB" train "${short[@]}" --n-kv-head 4 --init-from "$work/gqa.h5" --out "$work/up2"
+check "--init-from names every contradicting key" 2 "n_embd 32 on the command line, 16 in $work/gqa.h5; n_kv_head 1 on the command line, 2 in $work/gqa.h5" -- "$KVLAB" train "${short[@]}" --n-embd 32 --n-kv-head 1 --init-from "$work/gqa.h5" --out "$work/up2"
+check "--init-from with another --tokenizer" 2 "tokenizer byte on the command line, char in $work/gqa.h5" -- "$KVLAB" train "${short[@]}" --tokenizer byte --init-from "$work/gqa.h5" --out "$work/up2"
+{ cat "$work/corpus.txt"; echo "Zed."; } > "$work/corpus-z.txt"
+check "--init-from on a corpus of another vocabulary" 1 "has another tokenizer (char, " -- "$KVLAB" train "${short[@]:2}" --corpus "$work/corpus-z.txt" --init-from "$work/gqa.h5" --out "$work/up2"
+check "--init-from a missing file" 1 "$work/none.h5: no such file" -- "$KVLAB" train "${short[@]}" --init-from "$work/none.h5" --out "$work/up2"
+check "--init-from a text file" 1 "$work/corpus.txt: not an HDF5 file" -- "$KVLAB" train "${short[@]}" --init-from "$work/corpus.txt" --out "$work/up2"
+check "train --help names --init-from" 0 "--init-from" -- "$KVLAB" train --help
 
 printf '# same keys as the flags\n[train]\ncorpus = "%s"\nn_layer = 1\nn-head = 4\nn-kv-head = 1\nn-embd = 8\nblock-size = 16\nbatch-size = 4\niters = 6\neval-interval = 3\neval-iters = 2\n' "$work/corpus.txt" > "$work/run.toml"
 check "train --config" 0 "finished at step 6" -- "$KVLAB" train --config "$work/run.toml" --out "$work/cfg"
