@@ -1,4 +1,5 @@
 // kvlab inspect: what a checkpoint holds, without loading a model.
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <variant>
@@ -61,8 +62,10 @@ void run_inspect(const InspectArgs& a) {
     return;
   }
   std::printf("checkpoint %s\n\nconfig:\n", a.ckpt.c_str());
+  int width = 14;  // the keys' column, wider for a longer key (converted_from_n_kv_head)
+  for (const auto& entry : c.config) width = std::max(width, static_cast<int>(entry.first.size()));
   for (const auto& [k, v] : c.config) {
-    std::printf("  %-14s ", k.c_str());
+    std::printf("  %-*s ", width, k.c_str());
     std::visit([](const auto& x) {
       using X = std::decay_t<decltype(x)>;
       if constexpr (std::is_same_v<X, std::string>) std::printf("%s\n", x.c_str());

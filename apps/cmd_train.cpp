@@ -10,6 +10,7 @@
 #include "apps/progress.h"
 #include "apps/train_flags.h"
 #include "apps/train_progress.h"
+#include "checkpoints/model_io.h"
 #include "train/comm.h"
 #include "train/output_dir.h"
 
@@ -21,6 +22,7 @@ struct TrainArgs {
   TrainFlags flags;
   std::string out = "out/train";
   bool resume = false;
+  std::string init_from;
   double comm_timeout = 120;
   int64_t zero = 0;
 };
@@ -54,10 +56,32 @@ bool resume_from(const std::filesystem::path& out, bool resume, bool rank0) {
   return false;
 }
 
+// The training config of the flags. With --init-from FILE, or --resume of a run that began
+// with it (its last.h5 records init_from), the model's shape and tokenizer are the file's.
+TrainConfig train_config(const TrainArgs& a) {
+  namespace fs = std::filesystem;
+  TrainFlags flags = a.flags;
+  KVLAB_USAGE_CHECK(a.init_from.empty() || !a.resume,
+                    "--init-from starts a new run from a checkpoint's weights and --resume "
+                    "continues the run in --out: give one of them");
+  std::string what = "--init-from", from = a.init_from;
+  const fs::path last = fs::path(a.out) / "last.h5";
+  if (a.resume && fs::exists(last)) {
+    what = "--resume";
+    from = last.string();
+  }
+  if (!from.empty()) {
+    const Checkpoint c = load_checkpoint(from, gpt_load_options(from, false));
+    if (what == "--init-from" || c.config.count("init_from") > 0)
+      take_model_from(flags, get_gpt_config(c.config, from), c.tokenizer_kind, what, from);
+  }
+  return finish_train_flags(flags);
+}
+
 // Returns the exit code: 0 when every step is done, 128 + the signal when one stopped it.
 int run_train(const TrainArgs& a) {
   KVLAB_USAGE_CHECK(!a.out.empty(), "train: no output folder (--out is empty)");
-  TrainConfig cfg = finish_train_flags(a.flags);
+  TrainConfig cfg = train_config(a);
   cfg.out_dir = a.out;
   cfg.zero = a.zero;
   // The deadline is a steady_clock time in nanoseconds, which 1e10 s would overflow.
@@ -77,7 +101,13 @@ int run_train(const TrainArgs& a) {
     }
     const bool resume = resume_from(a.out, a.resume, rank0);
     Trainer trainer(cfg, comm);
-    if (resume) trainer.resume(std::filesystem::path(a.out) / "last.h5");
+    if (resume)
+      trainer.resume(std::filesystem::path(a.out) / "last.h5");
+    else if (!a.init_from.empty())
+      trainer.init_from(a.init_from);
+    const std::string start = resume                ? "resumed"
+                              : a.init_from.empty() ? "from scratch"
+                                                    : "from the weights of " + a.init_from;
     if (rank0) {
       std::fprintf(stderr,
                    "kvlab train: %lld parameters, n_head %lld, n_kv_head %lld, vocab %d, "
@@ -86,7 +116,7 @@ int run_train(const TrainArgs& a) {
                    static_cast<long long>(cfg.model.n_head),
                    static_cast<long long>(cfg.model.n_kv_head),
                    trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
-                   trainer.corpus().val.size(), resume ? "resumed" : "from scratch");
+                   trainer.corpus().val.size(), start.c_str());
       if (const std::string note = blas_kernels_note(); !note.empty())
         std::fprintf(stderr, "kvlab train: note: %s\n", note.c_str());
       if (world > 1)
@@ -102,7 +132,10 @@ int run_train(const TrainArgs& a) {
       std::printf("%s at step %lld: %s; checkpoints in %s\n", done ? "finished" : "interrupted",
                   static_cast<long long>(trainer.step()),
                   best_val_text(trainer.best_val_loss()).c_str(), a.out.c_str());
-      if (!done) std::printf("resume with the same command plus --resume\n");
+      if (!done)
+        std::printf(a.init_from.empty()
+                        ? "resume with the same command plus --resume\n"
+                        : "resume with the same command, --resume in place of --init-from\n");
     }
     // Interrupted is not finished: a script or scheduler must see it (SIGINT gives 130).
     return done ? 0 : 128 + stop_signal();
@@ -125,7 +158,15 @@ void add_train_command(CLI::App& root) {
   cmd->add_option("--out", args->out, "Output folder: log.jsonl, last.h5, best.h5, final.h5")
       ->capture_default_str();
   cmd->add_flag("--resume", args->resume,
-                "Continue the run in --out from its last.h5 (none there: start from scratch)");
+                "Continue the run in --out from its last.h5 (none there: start from scratch); "
+                "a run begun with --init-from takes its model's shape from last.h5 again");
+  cmd->add_option("--init-from", args->init_from,
+                  "Start a new run (step 0, a new AdamW and schedule) from the weights of this "
+                  "checkpoint, e.g. one kvlab convert wrote. The model's shape and the tokenizer "
+                  "are the checkpoint's: a shape flag or --tokenizer given with another value is "
+                  "refused, and the corpus must give the same vocabulary. Dropout and the "
+                  "training flags apply as usual; /config records init_from and its hash. Not "
+                  "with --resume");
   add_number(cmd, "--comm-timeout", args->comm_timeout,
              "Under mpirun: seconds a rank waits in a collective before the job fails with "
              "an error naming the ranks that did not arrive; at most 1e9");

@@ -5,10 +5,12 @@
 #include <filesystem>
 #include <sstream>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "apps/cli.h"
 #include "apps/config_file.h"
+#include "checkpoints/model_io.h"
 
 namespace kvlab {
 
@@ -17,6 +19,7 @@ std::string default_corpus() { return KVLAB_DEFAULT_CORPUS; }
 void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   TrainConfig& c = f.cfg;
   c.corpus = default_corpus();
+  f.cmd = cmd;
   // Expanded into flags before parsing (apps/config_file.h); declared here for --help, and its
   // keys are checked against this command's flags.
   register_config_command(cmd);
@@ -212,6 +215,65 @@ std::vector<DType> parse_kv_dtypes(const std::string& list) {
   }
   KVLAB_USAGE_CHECK(!out.empty(), "--kv-dtypes: the list is empty");
   return out;
+}
+
+namespace {
+
+std::string attr_text(const AttrValue& v) {
+  std::ostringstream os;
+  std::visit([&](const auto& x) { os << x; }, v);
+  return os.str();
+}
+
+// The flag that sets model key `key` of /config.
+std::string model_key_flag(const std::string& key) {
+  if (key == "tied") return "--untied";
+  std::string flag = "--" + key;
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
+}  // namespace
+
+void take_model_from(TrainFlags& f, const GPTConfig& theirs, const std::string& tokenizer_kind,
+                     const std::string& what, const std::string& file) {
+  KVLAB_CHECK(f.cmd != nullptr, "take_model_from: the flags were not added to a command");
+  const auto given = [&](const std::string& flag) {
+    const CLI::Option* opt = f.cmd->get_option_no_throw(flag);
+    return opt != nullptr && opt->count() > 0;
+  };
+  // The command line's model; --mlp-hidden 0 means 4 x the n_embd the run will have.
+  GPTConfig mine = f.cfg.model;
+  mine.n_kv_head = f.n_kv_head_given ? f.n_kv_head : mine.n_head;
+  mine.tied = !f.untied;
+  if (mine.mlp_hidden == 0 && !given("--n-embd")) mine.mlp_hidden = 4 * theirs.n_embd;
+  Attrs ours, file_attrs;
+  put_gpt_config(ours, mine);
+  put_gpt_config(file_attrs, theirs);
+  std::string conflicts;
+  const auto conflict = [&](const std::string& key, const std::string& cli,
+                            const std::string& in_file) {
+    conflicts += detail::cat(conflicts.empty() ? "" : "; ", key, " ", cli, " on the command line, ",
+                             in_file, " in ", file);
+  };
+  for (const auto& [key, value] : file_attrs) {
+    if (key == "dropout" || !given(model_key_flag(key))) continue;
+    const auto it = ours.find(key);
+    if (it != ours.end() && it->second != value)
+      conflict(key, attr_text(it->second), attr_text(value));
+  }
+  if (given("--tokenizer") && f.cfg.tokenizer != tokenizer_kind)
+    conflict("tokenizer", f.cfg.tokenizer, tokenizer_kind);
+  KVLAB_USAGE_CHECK(conflicts.empty(), what, ": ", conflicts,
+                    " (the model's shape and tokenizer come from the checkpoint: drop those "
+                    "flags)");
+  const double dropout = f.cfg.model.dropout;
+  f.cfg.model = theirs;
+  f.cfg.model.dropout = dropout;
+  f.n_kv_head = theirs.n_kv_head;
+  f.n_kv_head_given = true;
+  f.untied = !theirs.tied;
+  f.cfg.tokenizer = tokenizer_kind;
 }
 
 TrainConfig finish_train_flags(const TrainFlags& f) {

@@ -21,6 +21,8 @@ struct TrainFlags {
   int bias = -1;               // -1: the preset's; 0 --no-bias; 1 --bias
   std::string device = "cpu";
   std::string dtype = "f32";
+  // The command the flags were added to: which of them were given (take_model_from).
+  const CLI::App* cmd = nullptr;
 };
 
 // --device cpu|cuda and --dtype f32|bf16, shared by the commands that run a model.
@@ -64,6 +66,15 @@ int64_t parse_bytes(const std::string& text, const std::string& flag);
 void add_train_flags(CLI::App* cmd, TrainFlags& flags, bool with_n_kv_head);
 // Turns parsed flags into a TrainConfig; bad values are UsageErrors naming the flag.
 TrainConfig finish_train_flags(const TrainFlags& flags);
+// For a run whose model is a checkpoint's (train --init-from, and --resume of such a run):
+// every model key of /config that put_gpt_config writes, dropout aside (a training setting the
+// flags keep), and the tokenizer kind are set from `model` and `tokenizer_kind`, the file's.
+// A flag given (on the command line or in --config) with another value than the file's is a
+// UsageError naming every such key and both values ("<what>: n_kv_head 2 on the command line,
+// 4 in <file>"); a model key's flag is --<key> with dashes (tied: --untied). Call before
+// finish_train_flags.
+void take_model_from(TrainFlags& flags, const GPTConfig& model, const std::string& tokenizer_kind,
+                     const std::string& what, const std::string& file);
 
 // The corpus used when --corpus is not given: the King James Bible that scripts/setup.sh
 // writes under data/corpora/.

@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <set>
+
+#include "data/corpus.h"
 
 namespace kvlab {
 
@@ -212,6 +216,14 @@ LoadedModel load_model(const std::filesystem::path& file, bool with_training_sta
   model->set_training(false);
   ckpt.model.clear();
   return {std::move(model), std::move(tok), std::move(ckpt)};
+}
+
+std::string file_content_hash(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  KVLAB_CHECK(in.good(), "cannot read ", file.string(), " to hash it");
+  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  KVLAB_CHECK(!in.bad(), "reading ", file.string(), " to hash it failed");
+  return hash_hex(fnv1a64(bytes));
 }
 
 }  // namespace kvlab

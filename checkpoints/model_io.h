@@ -50,4 +50,9 @@ struct LoadedModel {
 // Loads config, tokenizer and weights into a new GPT (in eval mode).
 LoadedModel load_model(const std::filesystem::path& file, bool with_training_state = false);
 
+// fnv1a64 of the file's bytes as 16 hex digits (data/corpus.h's hash, which corpus_hash also
+// records): what a checkpoint derived from another (convert, train --init-from) records of
+// its source. An unreadable file is an Error naming it.
+std::string file_content_hash(const std::filesystem::path& file);
+
 }  // namespace kvlab

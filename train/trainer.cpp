@@ -84,6 +84,10 @@ Attrs TrainConfig::to_attrs() const {
   a["eval_interval"] = eval_interval;
   a["eval_iters"] = eval_iters;
   a["seed"] = static_cast<int64_t>(seed);
+  if (!init_from.empty()) {
+    a["init_from"] = init_from;
+    a["init_from_hash"] = init_from_hash;
+  }
   return a;
 }
 
@@ -227,6 +231,17 @@ fs::path Trainer::checkpoint_path(const std::string& which) const {
 void Trainer::resume(const fs::path& file) {
   // The model /config describes is compared with the file's datasets before any is read.
   Checkpoint ckpt = load_checkpoint(file, gpt_load_options(file, true));
+  if (cfg_.init_from.empty()) {  // the run this one continues may have begun from a file
+    const auto from = ckpt.config.find("init_from"), hash = ckpt.config.find("init_from_hash");
+    if (from != ckpt.config.end() && hash != ckpt.config.end()) {
+      const std::string* f = std::get_if<std::string>(&from->second);
+      const std::string* h = std::get_if<std::string>(&hash->second);
+      if (f != nullptr && h != nullptr) {
+        cfg_.init_from = *f;
+        cfg_.init_from_hash = *h;
+      }
+    }
+  }
   const auto diffs = config_differences(ckpt.config, cfg_.to_attrs());
   if (!diffs.empty()) {
     std::string msg;
@@ -287,6 +302,35 @@ void Trainer::resume(const fs::path& file) {
     in.close();
     std::ofstream(log, std::ios::trunc) << kept;
   }
+}
+
+void Trainer::init_from(const fs::path& file) {
+  KVLAB_CHECK(step_ == 0 && !resumed_, "init-from: ", file.string(),
+              ": a run starts from a checkpoint's weights before its first step, not at step ",
+              step_);
+  // The model /config describes is compared with the file's datasets before any is read.
+  Checkpoint ckpt = load_checkpoint(file, gpt_load_options(file, false));
+  const Tokenizer tok = get_tokenizer(ckpt, file);
+  const Tokenizer& ours = corpus_.tokenizer;
+  KVLAB_CHECK(tok == ours, "init-from: ", file.string(), " has another tokenizer (",
+              tok.kind_name(), ", ", tok.vocab_size(), " symbols) than ", cfg_.corpus, " gives (",
+              ours.kind_name(), ", ", ours.vocab_size(),
+              " symbols): its token ids would stand for other text");
+  Attrs theirs, mine;
+  put_gpt_config(theirs, get_gpt_config(ckpt.config, file));
+  put_gpt_config(mine, cfg_.model);
+  theirs.erase("dropout");  // a training setting: the run's own
+  mine.erase("dropout");
+  const auto diffs = config_differences(theirs, mine);
+  if (!diffs.empty()) {
+    std::string msg;
+    for (const auto& d : diffs) msg += (msg.empty() ? "" : "; ") + d;
+    KVLAB_CHECK(false, "init-from: ", file.string(),
+                " holds another model than this run's (checkpoint vs run): ", msg);
+  }
+  copy_into(model_->named_parameters(), ckpt.model, "model", file);
+  cfg_.init_from = file.string();
+  cfg_.init_from_hash = file_content_hash(file);
 }
 
 void Trainer::save(const fs::path& file) {

@@ -64,6 +64,10 @@ struct TrainConfig {
   // GEMM precision on a GPU: bf16 multiplies bf16-rounded operands with f32 accumulation;
   // weights, optimizer state and checkpoints stay f32 (autograd/ops/ops.h). Not in to_attrs().
   MatmulPrecision precision = MatmulPrecision::F32;
+  // The checkpoint whose weights the run started from (Trainer::init_from; empty: from
+  // GPT's initialisation) and its content hash (model_io.h's file_content_hash), recorded in
+  // /config as init_from and init_from_hash. Set by init_from, kept by resume.
+  std::string init_from, init_from_hash;
 
   // Throws UsageError-style kvlab::Error naming the setting.
   void validate() const;
@@ -106,8 +110,16 @@ class Trainer {
   explicit Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm = nullptr);
 
   // Continues from `ckpt` (written by a Trainer with the same config on the same corpus; a
-  // differing key or corpus content is an error that names it).
+  // differing key or corpus content is an error that names it). A run started by init_from
+  // records it in its checkpoints; a Trainer that has no init_from of its own takes it from
+  // `ckpt`, so a resumed run still says where its weights came from.
   void resume(const std::filesystem::path& ckpt);
+  // Starts this run, before its first step, from the weights of `ckpt` (any kvlab checkpoint
+  // of a GPT: a run's, or kvlab convert's weights-only file) instead of GPT's initialisation.
+  // The optimizer, the schedule and the step stay new; nothing else of the file is read.
+  // Errors name the file and: a tokenizer other than the corpus's, or a model key of its
+  // /config (dropout aside, a training setting) other than this run's config.
+  void init_from(const std::filesystem::path& ckpt);
   // Trains until cfg.iters, or until `on_step` returns false or `stop` becomes true; a
   // checkpoint (last.h5) is written whenever it stops. Returns true when all iters are done.
   // A run from step 0 (not resumed) starts log.jsonl afresh, dropping what a run that saved no

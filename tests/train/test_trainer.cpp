@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checkpoints/checkpoint.h"
+#include "checkpoints/model_io.h"
 #include "tests/test_dir.h"
 #include "tests/train/train_test_util.h"
 #include "train/output_dir.h"
@@ -156,6 +157,76 @@ TEST_F(TrainerTest, ResumeAcceptsACheckpointWithoutCorpusHash) {
   Trainer second(config("run"));
   EXPECT_NO_THROW(second.resume(last));
   EXPECT_EQ(second.step(), 2);
+}
+
+// init_from: a new run (step 0, a new AdamW) from another run's weights. Its step-0 val loss
+// is the source's whatever its seed; /config records the file and its hash, and a resume of
+// the new run keeps them.
+TEST_F(TrainerTest, InitFromStartsANewRunFromTheWeights) {
+  Trainer source(config("src"));
+  run_all(source);
+  const double source_val = source.evaluate();
+  const fs::path file = dir_ / "src" / "final.h5";
+  TrainConfig c = config("init");
+  c.seed = 4242;
+  c.iters = 4;
+  c.model.dropout = 0.1;  // a training setting: the file's 0 does not bind the run
+  {
+    Trainer t(c);
+    t.init_from(file);
+    EXPECT_EQ(t.step(), 0);
+    const auto ps = source.model().named_parameters(), pt = t.model().named_parameters();
+    ASSERT_EQ(ps.size(), pt.size());
+    for (size_t i = 0; i < ps.size(); ++i)
+      EXPECT_EQ(ps[i].second.to_vector<float>(), pt[i].second.to_vector<float>()) << ps[i].first;
+    const auto recs = run_all(t, 2);
+    ASSERT_FALSE(recs.empty());
+    EXPECT_EQ(recs.front().step, 0);
+    ASSERT_TRUE(recs.front().val_loss.has_value());
+    EXPECT_EQ(*recs.front().val_loss, source_val);
+  }
+  const Checkpoint last = load_checkpoint(dir_ / "init" / "last.h5", true);
+  EXPECT_EQ(std::get<std::string>(last.config.at("init_from")), file.string());
+  EXPECT_EQ(std::get<std::string>(last.config.at("init_from_hash")), file_content_hash(file));
+  EXPECT_EQ(last.iteration, 2);
+  EXPECT_EQ(last.optimizer_step, 2);  // not the source's 12 + 2
+  Trainer resumed(c);                 // no init_from of its own: the checkpoint's is kept
+  resumed.resume(dir_ / "init" / "last.h5");
+  EXPECT_EQ(resumed.config().init_from, file.string());
+  run_all(resumed);
+  const Checkpoint final_ckpt = load_checkpoint(dir_ / "init" / "final.h5", false);
+  EXPECT_EQ(std::get<std::string>(final_ckpt.config.at("init_from")), file.string());
+}
+
+TEST_F(TrainerTest, InitFromRefusesAnotherModelOrTokenizerOrALateStart) {
+  Trainer source(config("src"));
+  run_all(source, 1);
+  const fs::path file = dir_ / "src" / "last.h5";
+  TrainConfig other = config("");
+  other.model.n_kv_head = 1;
+  other.model.n_layer = 1;
+  Trainer t(other);
+  std::string msg = error_of([&] { t.init_from(file); });
+  EXPECT_NE(msg.find("holds another model than this run's (checkpoint vs run): n_kv_head: 2 vs 1; "
+                     "n_layer: 2 vs 1"),
+            std::string::npos)
+      << msg;
+  // The same text plus a character the file's vocabulary lacks.
+  std::ofstream(dir_ / "other.txt") << std::ifstream(dir_ / "corpus.txt").rdbuf() << "Zed.\n";
+  TrainConfig corpus = config("");
+  corpus.corpus = (dir_ / "other.txt").string();
+  Trainer u(corpus);
+  msg = error_of([&] { u.init_from(file); });
+  EXPECT_NE(msg.find("has another tokenizer (char, " +
+                     std::to_string(source.corpus().tokenizer.vocab_size()) + " symbols) than " +
+                     corpus.corpus + " gives (char, " +
+                     std::to_string(u.corpus().tokenizer.vocab_size()) + " symbols)"),
+            std::string::npos)
+      << msg;
+  Trainer late(config(""));
+  run_all(late, 1);
+  msg = error_of([&] { late.init_from(file); });
+  EXPECT_NE(msg.find("before its first step, not at step 1"), std::string::npos) << msg;
 }
 
 // A damaged step count is refused before anything is loaded or logged.

@@ -132,6 +132,81 @@ else
   fails=$((fails + 1))
 fi
 
+# kvlab convert: an MHA run's 4 KV heads merged into 2 (mean), generated from, inspected and
+# uptrained with train --init-from; the GQA run's 2 merged into 1 (MQA).
+fnv1a64() {  # the content hash kvlab records of a file (data/corpus.h)
+  /usr/bin/python3 -c 'import sys
+h = 0xcbf29ce484222325
+for b in open(sys.argv[1], "rb").read(): h = ((h ^ b) * 0x100000001b3) & 0xffffffffffffffff
+print("%016x" % h)' "$1"
+}
+json_config() {  # json_config FILE KEY: the /config attribute, as inspect --json gives it
+  "$KVLAB" inspect --json "$1" | /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["config"].get(sys.argv[1], "(none)"))' "$2"
+}
+check "train an MHA model" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --out "$work/mha"
+check "convert mean" 0 "(n_kv_head 2, " -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --method mean --out "$work/gqa.h5"
+check "generate from a converted checkpoint" 0 "tok/s" -- "$KVLAB" generate --ckpt "$work/gqa.h5" --prompt "the lord" --max-new 8
+check "inspect shows convert_method" 0 "convert_method           mean" -- "$KVLAB" inspect "$work/gqa.h5"
+check "inspect shows converted_from_n_kv_head" 0 "converted_from_n_kv_head 4" -- "$KVLAB" inspect "$work/gqa.h5"
+check "inspect shows the new n_kv_head" 0 "n_kv_head                2" -- "$KVLAB" inspect "$work/gqa.h5"
+check "converted_from is the source's content hash" 0 "$(fnv1a64 "$work/mha/final.h5")" -- json_config "$work/gqa.h5" converted_from
+check "a converted checkpoint holds weights only" 1 "" -- bash -c '"$0" inspect "$1" | grep -E "^(training state|optimizer):"' "$KVLAB" "$work/gqa.h5"
+check "convert GQA -> MQA (first)" 0 "(n_kv_head 1, " -- "$KVLAB" convert --ckpt "$work/run/final.h5" --n-kv-head 1 --method first --out "$work/mqa.h5"
+check "convert random" 0 "convert_seed             3" -- bash -c '"$0" convert --ckpt "$1" --n-kv-head 1 --method random --seed 3 --out "$2" && "$0" inspect "$2"' "$KVLAB" "$work/mha/final.h5" "$work/rnd.h5"
+# n_kv_head unchanged copies the model: greedy text as the source's.
+check "convert to the same n_kv_head" 0 "" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 4 --method mean --out "$work/same.h5"
+greedy() { "$KVLAB" generate --ckpt "$1" --prompt "the lord" --max-new 12 --temperature 0 2>/dev/null; }
+if [ -n "$(greedy "$work/mha/final.h5")" ] && [ "$(greedy "$work/mha/final.h5")" = "$(greedy "$work/same.h5")" ]; then
+  pass=$((pass + 1))
+else
+  echo "FAIL convert to the same n_kv_head: greedy text differs from the source's"
+  fails=$((fails + 1))
+fi
+check "convert: K not dividing" 2 "--n-kv-head 3 does not divide the n_kv_head of $work/mha/final.h5, 4" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 3 --method mean --out "$work/x.h5"
+check "convert: K past the source's" 2 "--n-kv-head 8 is more than the n_kv_head of $work/mha/final.h5, 4" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 8 --method mean --out "$work/x.h5"
+check "convert: GQA to more heads" 2 "--n-kv-head 4 is more than the n_kv_head of $work/gqa.h5, 2" -- "$KVLAB" convert --ckpt "$work/gqa.h5" --n-kv-head 4 --method mean --out "$work/x.h5"
+check "convert: K 0" 2 "--n-kv-head must be >= 1, got 0" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 0 --method mean --out "$work/x.h5"
+check "convert: missing checkpoint" 1 "$work/none.h5: no such file" -- "$KVLAB" convert --ckpt "$work/none.h5" --n-kv-head 1 --method mean --out "$work/x.h5"
+check "convert: a text file" 1 "$work/corpus.txt: not an HDF5 file" -- "$KVLAB" convert --ckpt "$work/corpus.txt" --n-kv-head 1 --method mean --out "$work/x.h5"
+check "convert: not a checkpoint" 1 "fake.h5" -- "$KVLAB" convert --ckpt "$work/fake.h5" --n-kv-head 1 --method mean --out "$work/x.h5"
+check "convert: unknown method" 2 "--method: median not in {mean,first,random}" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --method median --out "$work/x.h5"
+check "convert: no method" 2 "--method is required" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --out "$work/x.h5"
+check "convert: OUT is IN" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --method mean --out "$work/mha/../mha/final.h5"
+check "convert: --seed without random" 2 "--seed draws the new heads of --method random; --method first draws nothing" -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --method first --seed 1 --out "$work/x.h5"
+check "convert wrote nothing for bad input" 2 "No such file" -- ls "$work/x.h5"
+check "convert --help" 0 "--n-kv-head" -- "$KVLAB" convert --help
+# train --init-from: step 0 evaluates the file's weights, whatever --seed; the model's shape is
+# the file's, with no shape flag given (the defaults would be another model).
+short=(--corpus "$work/corpus.txt" --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 2)
+check "train --init-from" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --out "$work/up"
+check "train --init-from writes final.h5" 0 "" -- ls "$work/up/final.h5"
+check "train --init-from: n_kv_head from the file" 0 "2" -- json_config "$work/up/final.h5" n_kv_head
+check "train --init-from records the file" 0 "$work/gqa.h5" -- json_config "$work/up/final.h5" init_from
+check "train --init-from records its hash" 0 "$(fnv1a64 "$work/gqa.h5")" -- json_config "$work/up/final.h5" init_from_hash
+"$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --seed 9 --out "$work/up9" >/dev/null 2>&1
+val0() { /usr/bin/python3 -c 'import json, sys; print(json.loads(open(sys.argv[1]).readline())["val_loss"])' "$1"; }
+# The same weights (n_kv_head unchanged) evaluate at step 0 as the source run did at its end.
+"$KVLAB" train "${short[@]}" --init-from "$work/same.h5" --out "$work/upsame" >/dev/null 2>&1
+src_end=$(/usr/bin/python3 -c 'import json, sys; print([json.loads(l) for l in open(sys.argv[1])][-1]["val_loss"])' "$work/mha/log.jsonl")
+if [ -n "$(val0 "$work/up/log.jsonl")" ] && [ "$(val0 "$work/up/log.jsonl")" = "$(val0 "$work/up9/log.jsonl")" ] &&
+   [ -n "$src_end" ] && [ "$(val0 "$work/upsame/log.jsonl")" = "$src_end" ]; then
+  pass=$((pass + 1))
+else
+  echo "FAIL train --init-from step 0: val loss $(val0 "$work/up/log.jsonl") (seed 9: $(val0 "$work/up9/log.jsonl")); same weights $(val0 "$work/upsame/log.jsonl") vs the source's $src_end"
+  fails=$((fails + 1))
+fi
+check "resume of an --init-from run" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --resume --out "$work/up"
+check "--init-from with the file's shape given" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --n-layer 1 --n-head 4 --n-kv-head 2 --n-embd 16 --block-size 16 --mlp-hidden 0 --dropout 0.1 --init-from "$work/gqa.h5" --out "$work/up3"
+check "--init-from with --resume" 2 "--init-from starts a new run from a checkpoint's weights and --resume continues the run in --out: give one of them" -- "$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --resume --out "$work/up2"
+check "--init-from with another --n-kv-head" 2 "--init-from: n_kv_head 4 on the command line, 2 in $work/gqa.h5" -- "$KVLAB" train "${short[@]}" --n-kv-head 4 --init-from "$work/gqa.h5" --out "$work/up2"
+check "--init-from names every contradicting key" 2 "n_embd 32 on the command line, 16 in $work/gqa.h5; n_kv_head 1 on the command line, 2 in $work/gqa.h5" -- "$KVLAB" train "${short[@]}" --n-embd 32 --n-kv-head 1 --init-from "$work/gqa.h5" --out "$work/up2"
+check "--init-from with another --tokenizer" 2 "tokenizer byte on the command line, char in $work/gqa.h5" -- "$KVLAB" train "${short[@]}" --tokenizer byte --init-from "$work/gqa.h5" --out "$work/up2"
+{ cat "$work/corpus.txt"; echo "Zed."; } > "$work/corpus-z.txt"
+check "--init-from on a corpus of another vocabulary" 1 "has another tokenizer (char, " -- "$KVLAB" train "${short[@]:2}" --corpus "$work/corpus-z.txt" --init-from "$work/gqa.h5" --out "$work/up2"
+check "--init-from a missing file" 1 "$work/none.h5: no such file" -- "$KVLAB" train "${short[@]}" --init-from "$work/none.h5" --out "$work/up2"
+check "--init-from a text file" 1 "$work/corpus.txt: not an HDF5 file" -- "$KVLAB" train "${short[@]}" --init-from "$work/corpus.txt" --out "$work/up2"
+check "train --help names --init-from" 0 "--init-from" -- "$KVLAB" train --help
+
 printf '# same keys as the flags\n[train]\ncorpus = "%s"\nn_layer = 1\nn-head = 4\nn-kv-head = 1\nn-embd = 8\nblock-size = 16\nbatch-size = 4\niters = 6\neval-interval = 3\neval-iters = 2\n' "$work/corpus.txt" > "$work/run.toml"
 check "train --config" 0 "finished at step 6" -- "$KVLAB" train --config "$work/run.toml" --out "$work/cfg"
 check "config values reach the model" 0 "n_embd         8" -- "$KVLAB" inspect "$work/cfg/final.h5"
