@@ -219,6 +219,15 @@ std::vector<DType> parse_kv_dtypes(const std::string& list) {
 
 namespace {
 
+// The block's parts: --arch's preset, each part overridden by its own flag where given.
+void block_from_flags(const TrainFlags& f, GPTConfig& m) {
+  const bool llama = f.arch == "llama";
+  m.pos = !f.pos.empty() ? f.pos : llama ? "rope" : "learned";
+  m.norm = !f.norm.empty() ? f.norm : llama ? "rmsnorm" : "layernorm";
+  m.mlp = !f.mlp.empty() ? f.mlp : llama ? "swiglu" : "gelu";
+  m.bias = f.bias >= 0 ? f.bias == 1 : !llama;
+}
+
 std::string attr_text(const AttrValue& v) {
   std::ostringstream os;
   std::visit([&](const auto& x) { os << x; }, v);
@@ -242,11 +251,17 @@ void take_model_from(TrainFlags& f, const GPTConfig& theirs, const std::string& 
     const CLI::Option* opt = f.cmd->get_option_no_throw(flag);
     return opt != nullptr && opt->count() > 0;
   };
-  // The command line's model; --mlp-hidden 0 means 4 x the n_embd the run will have.
+  // The command line's model; --mlp-hidden 0 means the default width at the n_embd the run
+  // will have.
   GPTConfig mine = f.cfg.model;
   mine.n_kv_head = f.n_kv_head_given ? f.n_kv_head : mine.n_head;
   mine.tied = !f.untied;
-  if (mine.mlp_hidden == 0 && !given("--n-embd")) mine.mlp_hidden = 4 * theirs.n_embd;
+  block_from_flags(f, mine);
+  if (mine.mlp_hidden == 0 && !given("--n-embd")) {
+    GPTConfig width = mine;  // the default width at the file's n_embd
+    width.n_embd = theirs.n_embd;
+    mine.mlp_hidden = width.hidden();
+  }
   Attrs ours, file_attrs;
   put_gpt_config(ours, mine);
   put_gpt_config(file_attrs, theirs);
@@ -256,8 +271,14 @@ void take_model_from(TrainFlags& f, const GPTConfig& theirs, const std::string& 
     conflicts += detail::cat(conflicts.empty() ? "" : "; ", key, " ", cli, " on the command line, ",
                              in_file, " in ", file);
   };
+  // --arch gives every part of the block it presets.
+  const auto block_part = [](const std::string& key) {
+    return key == "pos" || key == "norm" || key == "mlp" || key == "bias";
+  };
   for (const auto& [key, value] : file_attrs) {
-    if (key == "dropout" || !given(model_key_flag(key))) continue;
+    if (key == "dropout" ||
+        !(given(model_key_flag(key)) || (block_part(key) && given("--arch"))))
+      continue;
     const auto it = ours.find(key);
     if (it != ours.end() && it->second != value)
       conflict(key, attr_text(it->second), attr_text(value));
@@ -273,6 +294,10 @@ void take_model_from(TrainFlags& f, const GPTConfig& theirs, const std::string& 
   f.n_kv_head = theirs.n_kv_head;
   f.n_kv_head_given = true;
   f.untied = !theirs.tied;
+  f.pos = theirs.pos;
+  f.norm = theirs.norm;
+  f.mlp = theirs.mlp;
+  f.bias = theirs.bias ? 1 : 0;
   f.cfg.tokenizer = tokenizer_kind;
 }
 
@@ -285,11 +310,7 @@ TrainConfig finish_train_flags(const TrainFlags& f) {
                     f.n_kv_head);
   c.model.n_kv_head = f.n_kv_head_given ? f.n_kv_head : c.model.n_head;
   c.model.tied = !f.untied;
-  const bool llama = f.arch == "llama";
-  c.model.pos = !f.pos.empty() ? f.pos : llama ? "rope" : "learned";
-  c.model.norm = !f.norm.empty() ? f.norm : llama ? "rmsnorm" : "layernorm";
-  c.model.mlp = !f.mlp.empty() ? f.mlp : llama ? "swiglu" : "gelu";
-  c.model.bias = f.bias >= 0 ? f.bias == 1 : !llama;
+  block_from_flags(f, c.model);
   c.device = parse_device(f.device);
   c.precision = parse_dtype(f.dtype, c.device);
   KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,

@@ -206,6 +206,18 @@ check "--init-from on a corpus of another vocabulary" 1 "has another tokenizer (
 check "--init-from a missing file" 1 "$work/none.h5: no such file" -- "$KVLAB" train "${short[@]}" --init-from "$work/none.h5" --out "$work/up2"
 check "--init-from a text file" 1 "$work/corpus.txt: not an HDF5 file" -- "$KVLAB" train "${short[@]}" --init-from "$work/corpus.txt" --out "$work/up2"
 check "train --help names --init-from" 0 "--init-from" -- "$KVLAB" train --help
+# The llama block: recorded in /config, kept through convert and --init-from, and a preset that
+# contradicts the file is refused part by part.
+check "train --arch llama" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --arch llama --out "$work/llama"
+check "inspect shows the block" 0 "pos            rope" -- "$KVLAB" inspect "$work/llama/final.h5"
+check "the llama preset has no biases" 1 "" -- bash -c '"$0" inspect "$1" | grep -E "\.bias "' "$KVLAB" "$work/llama/final.h5"
+check "generate from a llama checkpoint" 0 "tok/s" -- "$KVLAB" generate --ckpt "$work/llama/final.h5" --prompt "the lord" --max-new 8
+check "convert a llama checkpoint" 0 "(n_kv_head 2, " -- "$KVLAB" convert --ckpt "$work/llama/final.h5" --n-kv-head 2 --method mean --out "$work/llama2.h5"
+check "--init-from keeps the llama block" 0 "swiglu" -- bash -c '"$0" train "${@:2}" --init-from "$1" --out "$1.up" >/dev/null && "$0" inspect "$1.up/final.h5"' "$KVLAB" "$work/llama2.h5" "${short[@]}"
+check "--init-from with another --arch" 2 "mlp gelu on the command line, swiglu in $work/llama2.h5" -- "$KVLAB" train "${short[@]}" --arch gpt2 --init-from "$work/llama2.h5" --out "$work/up2"
+check "--arch llama with --mlp gelu" 0 "mlp            gelu" -- bash -c '"$0" train "${@:2}" --arch llama --mlp gelu --out "$1" >/dev/null && "$0" inspect "$1/final.h5"' "$KVLAB" "$work/llama-gelu" "${short[@]}"
+check "unknown --arch" 2 "--arch" -- "$KVLAB" train "${short[@]}" --arch mistral --out "$work/up2"
+check "RoPE with an odd head size" 2 "RoPE needs an even head size" -- "$KVLAB" train "${short[@]}" --pos rope --n-head 4 --n-embd 12 --out "$work/up2"
 
 printf '# same keys as the flags\n[train]\ncorpus = "%s"\nn_layer = 1\nn-head = 4\nn-kv-head = 1\nn-embd = 8\nblock-size = 16\nbatch-size = 4\niters = 6\neval-interval = 3\neval-iters = 2\n' "$work/corpus.txt" > "$work/run.toml"
 check "train --config" 0 "finished at step 6" -- "$KVLAB" train --config "$work/run.toml" --out "$work/cfg"
