@@ -2,7 +2,10 @@
 (tests/reference/make_fixtures.py) and the baselines (torch_train.py, torch_decode.py,
 torch_gpu.py, cross_eval.py) all build it. Same parameter names, init and math as kvlab:
 pre-LayerNorm blocks, biases, tanh GELU, an LM head tied to the token table unless
-tied=False, query head h reads KV head h // (n_head // n_kv_head)."""
+tied=False, query head h reads KV head h // (n_head // n_kv_head). arch="llama" (or the
+pos/norm/mlp/bias arguments one by one) gives kvlab's llama block: rotary positions (halves
+form: channel j pairs with j + HS/2), RMSNorm, SwiGLU (gate c_fc, up c_up, down c_proj) and no
+biases."""
 import ctypes
 import math
 
@@ -22,23 +25,68 @@ class KVCache:
         self.len = 0  # number of valid positions
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, c, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(c))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class BiasFreeLayerNorm(nn.Module):
+    """LayerNorm without a bias (torch 1.13's nn.LayerNorm always has one)."""
+
+    def __init__(self, c, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(c))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
+
+
+def make_norm(c, norm, bias):
+    if norm == "rmsnorm":
+        return RMSNorm(c)
+    return nn.LayerNorm(c, eps=1e-5) if bias else BiasFreeLayerNorm(c)
+
+
+def rope(x, start, theta):
+    """x (B, T, H, HS) at positions start..start+T-1, turned by position: channel pair
+    (j, j + HS/2) by p * theta^(-2j/HS). The angles' cos and sin in float64, as kvlab's table."""
+    T, hs = x.shape[1], x.shape[3]
+    half = hs // 2
+    p = torch.arange(start, start + T, dtype=torch.float64)[:, None]
+    a = p * theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / hs)
+    cos, sin = a.cos().to(x.dtype)[None, :, None], a.sin().to(x.dtype)[None, :, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, c, nh, nkv):
+    def __init__(self, c, nh, nkv, bias=True, rope_theta=None):
         super().__init__()
         assert c % nh == 0 and nh % nkv == 0
         self.nh, self.nkv, self.hs = nh, nkv, c // nh
-        self.q_proj = nn.Linear(c, c)
-        self.k_proj = nn.Linear(c, nkv * self.hs)
-        self.v_proj = nn.Linear(c, nkv * self.hs)
-        self.c_proj = nn.Linear(c, c)
+        self.rope_theta = rope_theta  # None: learned positions, added by the GPT
+        self.q_proj = nn.Linear(c, c, bias=bias)
+        self.k_proj = nn.Linear(c, nkv * self.hs, bias=bias)
+        self.v_proj = nn.Linear(c, nkv * self.hs, bias=bias)
+        self.c_proj = nn.Linear(c, c, bias=bias)
 
     def forward(self, x, kc=None, vc=None, start=0):
         """x: (B, T, C) at positions start..start+T-1. With kc/vc (B, NKV, S_max, HS) the new
         K/V are written there and attention reads the cache; without, it reads them directly."""
         B, T, C = x.shape
         g = self.nh // self.nkv
-        q = self.q_proj(x).view(B, T, self.nkv, g, self.hs).permute(0, 2, 3, 1, 4)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.nh, self.hs)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hs)
+        if self.rope_theta is not None:  # keys are cached rotated
+            q, k = rope(q, start, self.rope_theta), rope(k, start, self.rope_theta)
+        q = q.view(B, T, self.nkv, g, self.hs).permute(0, 2, 3, 1, 4)
+        k = k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)
         S = start + T
         if kc is not None:
@@ -59,35 +107,52 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c, nh, nkv, hidden):
+    def __init__(self, c, nh, nkv, hidden, norm="layernorm", mlp="gelu", bias=True,
+                 rope_theta=None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(c, eps=1e-5)
-        self.attn = Attention(c, nh, nkv)
-        self.ln_2 = nn.LayerNorm(c, eps=1e-5)
+        self.ln_1 = make_norm(c, norm, bias)
+        self.attn = Attention(c, nh, nkv, bias, rope_theta)
+        self.ln_2 = make_norm(c, norm, bias)
         self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(c, hidden)
-        self.mlp.c_proj = nn.Linear(hidden, c)
+        self.mlp.c_fc = nn.Linear(c, hidden, bias=bias)
+        if mlp == "swiglu":
+            self.mlp.c_up = nn.Linear(c, hidden, bias=bias)
+        self.mlp.c_proj = nn.Linear(hidden, c, bias=bias)
+        self.swiglu = mlp == "swiglu"
 
     def forward(self, x, kc=None, vc=None, start=0):
         x = x + self.attn(self.ln_1(x), kc, vc, start)
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
+        h = self.ln_2(x)
+        if self.swiglu:
+            h = F.silu(self.mlp.c_fc(h)) * self.mlp.c_up(h)
+        else:
+            h = F.gelu(self.mlp.c_fc(h), approximate="tanh")
+        return x + self.mlp.c_proj(h)
+
+
+ARCHS = {"gpt2": dict(pos="learned", norm="layernorm", mlp="gelu", bias=True),
+         "llama": dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)}
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden, tied=True):
+    def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden, tied=True, arch="gpt2",
+                 rope_theta=10000.0, **parts):
         super().__init__()
+        b = dict(ARCHS[arch], **parts)  # pos, norm, mlp, bias: the preset's unless given
         self.cfg = (n_layer, nkv, block_size, c // nh)
         self.wte = nn.Embedding(vocab, c)
-        self.wpe = nn.Embedding(block_size, c)
-        self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(c, eps=1e-5)
+        self.wpe = nn.Embedding(block_size, c) if b["pos"] == "learned" else None
+        theta = rope_theta if b["pos"] == "rope" else None
+        self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden, b["norm"], b["mlp"], b["bias"],
+                                           theta) for _ in range(n_layer)])
+        self.ln_f = make_norm(c, b["norm"], b["bias"])
         self.lm_head = None if tied else nn.Linear(c, vocab, bias=False)
         for name, p in self.named_parameters():  # GPT-2 initialisation, as kvlab
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
             elif p.dim() >= 2:
                 nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("ln_f"):
+            elif ".ln_" in name or name.startswith("ln_f"):  # LayerNorm or RMSNorm
                 nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
             else:
                 nn.init.zeros_(p)
@@ -100,7 +165,9 @@ class GPT(nn.Module):
     def logits(self, idx, cache=None, last_only=False):
         B, T = idx.shape
         start = cache.len if cache is not None else 0
-        x = self.wte(idx) + self.wpe.weight[start:start + T]
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe.weight[start:start + T]
         for i, blk in enumerate(self.blocks):
             if cache is None:
                 x = blk(x)

@@ -59,6 +59,19 @@ class H5Fixture {
     H5Aclose(a);
     return v;
   }
+  bool has_attr(const std::string& name) const { return H5Aexists(file_, name.c_str()) > 0; }
+  // A fixed-length string attribute (numpy bytes), without trailing NULs.
+  std::string attr_string(const std::string& name) const {
+    hid_t a = H5Aopen(file_, name.c_str(), H5P_DEFAULT);
+    KVLAB_CHECK(a >= 0, "fixture: no attribute ", name);
+    const hid_t type = H5Aget_type(a);
+    std::string v(H5Tget_size(type), '\0');
+    const herr_t rc = H5Aread(a, type, v.data());
+    H5Tclose(type);
+    H5Aclose(a);
+    KVLAB_CHECK(rc >= 0, "fixture: cannot read attribute ", name);
+    return v.substr(0, v.find('\0'));
+  }
 
  private:
   hid_t file_ = -1;

@@ -1,5 +1,6 @@
 // PyTorch parity: logits, loss, every gradient and 5 AdamW steps of a tiny GPT against
-// fixtures written by tests/reference/make_fixtures.py (PyTorch f32), for MHA, GQA and MQA.
+// fixtures written by tests/reference/make_fixtures.py (PyTorch f32), for MHA, GQA and MQA,
+// with GPT-2's block and with the llama preset (RoPE, RMSNorm, SwiGLU, no biases).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -50,6 +51,13 @@ Loaded load(const H5Fixture& f) {
   cfg.n_embd = f.attr_int("n_embd");
   cfg.mlp_hidden = f.attr_int("mlp_hidden");
   cfg.tied = f.attr_int("tied") != 0;
+  if (f.has_attr("pos")) {  // the llama fixtures' block (absent: GPT-2's)
+    cfg.pos = f.attr_string("pos");
+    cfg.norm = f.attr_string("norm");
+    cfg.mlp = f.attr_string("mlp");
+    cfg.bias = f.attr_int("bias") != 0;
+    cfg.rope_theta = f.attr_double("rope_theta");
+  }
   Loaded l{std::make_unique<GPT>(cfg, 0), f.read("/batch/x", DType::I32),
            f.read("/batch/y", DType::I32)};
   for (auto& [name, p] : l.model->named_parameters()) {
@@ -78,7 +86,8 @@ TEST_P(Parity, LogitsLossAndEveryGradient) {
   EXPECT_NEAR(loss.item(), f.read("/loss").item(), 1e-5 * std::abs(f.read("/loss").item()));
   loss.backward();
   const auto params = l.model->named_parameters();
-  ASSERT_EQ(params.size(), 36u);
+  // Every parameter the fixture has, and only those.
+  ASSERT_EQ(params.size(), l.model->config().bias ? 36u : 20u);
   for (auto& [name, p] : params) {
     ASSERT_TRUE(f.has("/grads64/" + name)) << name;
     ASSERT_TRUE(p.grad().defined()) << name;
@@ -116,7 +125,9 @@ TEST_P(Parity, FiveAdamWStepsWithClipping) {
     EXPECT_NEAR(loss.item(), ref_losses[i], 1e-5 * std::abs(ref_losses[i])) << "step " << i;
     loss.backward();
     const double norm = global_grad_norm(params);
-    EXPECT_NEAR(norm, ref_norms[i], 1e-5 * ref_norms[i]) << "step " << i;
+    // After the first AdamW step the weights carry AdamW-amplified rounding (see the final
+    // weights below): PyTorch's own f32 and f64 finals differ by up to 5.5e-5 on llama_mqa.
+    EXPECT_NEAR(norm, ref_norms[i], (i == 0 ? 1e-5 : 1e-4) * ref_norms[i]) << "step " << i;
     opt.step(lr, clip_factor(norm, clip));
   }
   for (auto& [name, p] : params) {
@@ -130,7 +141,9 @@ TEST_P(Parity, FiveAdamWStepsWithClipping) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Gpt, Parity, ::testing::Values("mha", "gqa", "mqa"));
+INSTANTIATE_TEST_SUITE_P(Gpt, Parity,
+                         ::testing::Values("mha", "gqa", "mqa", "llama_mha", "llama_gqa",
+                                           "llama_mqa"));
 
 }  // namespace
 }  // namespace kvlab

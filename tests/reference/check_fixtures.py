@@ -21,6 +21,19 @@ def layer_norm(x, w, b, eps=1e-5):
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
+def rms_norm(x, w, eps=1e-5):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, theta):
+    """x (B, T, H, HS) at positions 0..T-1: pair (j, j + HS/2) turned by p theta^(-2j/HS)."""
+    T, hs = x.shape[1], x.shape[3]
+    a = np.arange(T)[:, None] * theta ** (-2.0 * np.arange(hs // 2) / hs)
+    c, s = np.cos(a)[None, :, None], np.sin(a)[None, :, None]
+    x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
 def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
@@ -32,13 +45,22 @@ def forward(f):
     W = {k: v[()].astype(np.float64) for k, v in f["model"].items()}
     idx = f["batch/x"][()]
     B, T = idx.shape
-    x = W["wte.weight"][idx] + W["wpe.weight"][:T][None]
-    lin = lambda h, name: h @ W[name + ".weight"].T + W[name + ".bias"]
+    attr = lambda k, d: a[k].decode() if k in a else d  # the block's parts; absent: GPT-2's
+    llama_rope, rms, swiglu = attr("pos", "") == "rope", attr("norm", "") == "rmsnorm", \
+        attr("mlp", "") == "swiglu"
+    x = W["wte.weight"][idx]
+    if not llama_rope:
+        x = x + W["wpe.weight"][:T][None]
+    lin = lambda h, name: h @ W[name + ".weight"].T + W.get(name + ".bias", 0.0)
+    norm = lambda h, name: (rms_norm(h, W[name + ".weight"]) if rms else
+                            layer_norm(h, W[name + ".weight"], W.get(name + ".bias", 0.0)))
     for i in range(L):
         p = f"blocks.{i}."
-        h = layer_norm(x, W[p + "ln_1.weight"], W[p + "ln_1.bias"])
+        h = norm(x, p + "ln_1")
         q = lin(h, p + "attn.q_proj").reshape(B, T, NH, HS)
         k = lin(h, p + "attn.k_proj").reshape(B, T, NKV, HS)
+        if llama_rope:
+            q, k = rope(q, float(a["rope_theta"])), rope(k, float(a["rope_theta"]))
         v = lin(h, p + "attn.v_proj").reshape(B, T, NKV, HS)
         y = np.zeros((B, T, NH, HS))
         for hd in range(NH):
@@ -49,9 +71,14 @@ def forward(f):
             s /= s.sum(-1, keepdims=True)
             y[:, :, hd] = np.einsum("bts,bsd->btd", s, v[:, :, kv])
         x = x + lin(y.reshape(B, T, C), p + "attn.c_proj")
-        h = layer_norm(x, W[p + "ln_2.weight"], W[p + "ln_2.bias"])
-        x = x + lin(gelu_tanh(lin(h, p + "mlp.c_fc")), p + "mlp.c_proj")
-    x = layer_norm(x, W["ln_f.weight"], W["ln_f.bias"])
+        h = norm(x, p + "ln_2")
+        if swiglu:
+            g = lin(h, p + "mlp.c_fc")
+            h = g / (1 + np.exp(-g)) * lin(h, p + "mlp.c_up")
+        else:
+            h = gelu_tanh(lin(h, p + "mlp.c_fc"))
+        x = x + lin(h, p + "mlp.c_proj")
+    x = norm(x, "ln_f")
     head = W["wte.weight"] if int(a["tied"]) else W["lm_head.weight"]
     logits = x @ head.T
     tgt = f["batch/y"][()]
@@ -63,7 +90,8 @@ def forward(f):
 
 def main():
     ok = True
-    for fname in ("gpt_mha.h5", "gpt_gqa.h5", "gpt_mqa.h5"):
+    for fname in ("gpt_mha.h5", "gpt_gqa.h5", "gpt_mqa.h5", "gpt_llama_mha.h5",
+                  "gpt_llama_gqa.h5", "gpt_llama_mqa.h5"):
         with h5py.File(os.path.join(HERE, fname), "r") as f:
             logits, loss = forward(f)
             ref_logits, ref_loss = f["logits"][()], float(f["loss"][0])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 # The model is the repository's one PyTorch GPT (bench/torch_gpt.py).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from torch_gpt import GPT  # noqa: E402
+from torch_gpt import ARCHS, GPT  # noqa: E402
 
 
 def make_adamw(model, lr, betas, eps, weight_decay):
@@ -41,16 +41,31 @@ B, T, N_STEPS = 2, 8, 5
 # fixture therefore draws q_proj/k_proj weights with a larger std (set to 0.02 to get the
 # plain benchmark init).  Only the fixture init is affected; weights are stored anyway.
 QK_STD = 0.5
-VARIANTS = [("gpt_mha.h5", 4, 1234), ("gpt_gqa.h5", 2, 1235), ("gpt_mqa.h5", 1, 1236)]
+# (file, n_kv_head, seed, block): GPT-2's block, and the llama preset (RoPE at theta
+# ROPE_THETA, RMSNorm, SwiGLU, no biases).
+VARIANTS = [("gpt_mha.h5", 4, 1234, "gpt2"), ("gpt_gqa.h5", 2, 1235, "gpt2"),
+            ("gpt_mqa.h5", 1, 1236, "gpt2"), ("gpt_llama_mha.h5", 4, 1237, "llama"),
+            ("gpt_llama_gqa.h5", 2, 1238, "llama"), ("gpt_llama_mqa.h5", 1, 1239, "llama")]
+# Small, so that the 8 positions of the fixture turn the pairs by clearly different angles.
+ROPE_THETA = 100.0
 
 
-def build_initial(n_kv_head, seed):
+def new_model(n_kv_head, arch):
+    return GPT(CFG["vocab_size"], CFG["block_size"], CFG["n_layer"], CFG["n_head"], n_kv_head,
+               CFG["n_embd"], CFG["mlp_hidden"], tied=bool(CFG["tied"]), arch=arch,
+               rope_theta=ROPE_THETA)
+
+
+def build_initial(n_kv_head, seed, arch):
     torch.manual_seed(seed)
-    m = GPT(CFG["vocab_size"], CFG["block_size"], CFG["n_layer"], CFG["n_head"], n_kv_head,
-            CFG["n_embd"], CFG["mlp_hidden"], tied=bool(CFG["tied"]))
+    m = new_model(n_kv_head, arch)
     with torch.no_grad():  # randomize biases and LayerNorm params so their grads matter
         for n, p in m.named_parameters():
             if n.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0.0, QK_STD)
+            elif n.endswith(("c_fc.weight", "c_up.weight")) and arch == "llama":
+                # SwiGLU multiplies two projections: at std 0.02 its gradients are so small
+                # that AdamW's steps follow their f32 rounding (f32 and f64 finals differ).
                 p.normal_(0.0, QK_STD)
             elif p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -94,10 +109,9 @@ def rel_err(a, b, floor=1e-8):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor / 1e-4))
 
 
-def self_check(ref32, model32_init_state, n_kv_head, x, y, fname):
+def self_check(ref32, model32_init_state, n_kv_head, arch, x, y, fname):
     """Recompute in float64 from the same initial weights; assert agreement."""
-    m64 = GPT(CFG["vocab_size"], CFG["block_size"], CFG["n_layer"], CFG["n_head"], n_kv_head,
-              CFG["n_embd"], CFG["mlp_hidden"], tied=bool(CFG["tied"])).double()
+    m64 = new_model(n_kv_head, arch).double()
     with torch.no_grad():
         for n, p in m64.named_parameters():
             p.copy_(torch.from_numpy(model32_init_state[n]).double())
@@ -137,7 +151,7 @@ def _group(parent, name):
     return h5py.Group(h5py.h5g.create(parent.id, name.encode(), gcpl=gcpl))
 
 
-def write_h5(path, n_kv_head, x, y, ref):
+def write_h5(path, n_kv_head, arch, x, y, ref):
     def put(g, name, arr, dtype):
         g.create_dataset(name, data=np.asarray(arr).astype(dtype), track_times=False)
 
@@ -146,6 +160,10 @@ def write_h5(path, n_kv_head, x, y, ref):
                   "tied"):
             f.attrs[k] = np.int64(CFG[k])
         f.attrs["n_kv_head"] = np.int64(n_kv_head)
+        if arch != "gpt2":  # the block's parts (absent: GPT-2's)
+            for k, v in ARCHS[arch].items():
+                f.attrs[k] = np.int64(v) if isinstance(v, bool) else np.bytes_(v)
+            f.attrs["rope_theta"] = np.float64(ROPE_THETA)
         for k, v in OPT.items():
             f.attrs[k] = np.float64(v)
         f.attrs["batch_size"] = np.int64(B)
@@ -182,12 +200,13 @@ def main():
     torch.set_num_threads(1)  # bitwise-stable reductions across machines/thread counts
 
     total = 0
-    for fname, nkv, seed in VARIANTS:
-        model, x, y = build_initial(nkv, seed)
+    for fname, nkv, seed, arch in VARIANTS:
+        model, x, y = build_initial(nkv, seed, arch)
         ref = run_reference(model, x, y)
         path = os.path.join(args.out_dir, fname)
-        check = None if args.no_check else self_check(ref, ref["initial"], nkv, x, y, fname)
-        write_h5(path, nkv, x, y, ref)
+        check = None if args.no_check else self_check(ref, ref["initial"], nkv, arch, x, y,
+                                                      fname)
+        write_h5(path, nkv, arch, x, y, ref)
         size = os.path.getsize(path)
         total += size
         nparams = sum(v.size for v in ref["initial"].values())
