@@ -575,6 +575,20 @@ CLI::Option* add_shape_flags(CLI::App* cmd, BenchArgs& a, CLI::Option* ckpt) {
   shape("--block-size", a.cfg.block_size, "Context length (random weights)")
       ->capture_default_str();
   shape("--vocab", a.cfg.vocab_size, "Vocabulary size (random weights)")->capture_default_str();
+  static std::string arch = "gpt2";  // applied as parsed
+  cmd->add_option("--arch", arch,
+                  "Block of the random model: gpt2 (learned positions, LayerNorm, GELU, biases) "
+                  "or llama (RoPE, RMSNorm, SwiGLU, no biases)")
+      ->check(CLI::IsMember({"gpt2", "llama"}))
+      ->excludes(ckpt)
+      ->capture_default_str()
+      ->each([&a](const std::string& v) {
+        const bool llama = v == "llama";
+        a.cfg.pos = llama ? "rope" : "learned";
+        a.cfg.norm = llama ? "rmsnorm" : "layernorm";
+        a.cfg.mlp = llama ? "swiglu" : "gelu";
+        a.cfg.bias = !llama;
+      });
   return n_kv_head;
 }
 

@@ -289,8 +289,10 @@ void add_generate_command(CLI::App& root) {
   cmd->add_flag("--no-cache", args->no_cache,
                 "Recompute the whole sequence at every step (no KV cache), for comparison");
   cmd->add_flag("--slide", args->slide,
-                "At the context limit, re-prefill the last block_size-1 tokens and go on "
-                "(positions restart; each further token costs a prefill)");
+                "At the context limit, re-prefill the last block_size-1 tokens and go on: "
+                "positions restart at 0 with learned positions and with RoPE alike (RoPE's "
+                "cached keys were turned by their old positions, so they are recomputed too); "
+                "each further token costs a prefill");
   cmd->add_option("--stop", args->stop,
                   "Stop a row once its text contains this string "
                   "(repeatable; not printed)");

@@ -36,6 +36,7 @@ double sgemm_rate(const GPTConfig& c, int64_t rows) {
     linear(C, kv);  // v
     linear(C, C);   // c_proj
     linear(C, H);   // c_fc
+    if (c.swiglu()) linear(C, H);  // c_up
     linear(H, C);   // mlp c_proj
   }
   linear(C, V);  // LM head
@@ -81,8 +82,20 @@ int main(int argc, char** argv) {
   app.add_option("--n-embd", cfg.model.n_embd)->capture_default_str();
   app.add_option("--block-size", cfg.model.block_size)->capture_default_str();
   app.add_option("--batch-size", cfg.batch_size)->capture_default_str();
+  std::string arch = "gpt2";
+  app.add_option("--arch", arch,
+                 "gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, "
+                 "SwiGLU at 8/3 n-embd, no biases)")
+      ->check(CLI::IsMember({"gpt2", "llama"}))
+      ->capture_default_str();
   app.add_option("--json", json_path, "Write the figures here");
   CLI11_PARSE(app, argc, argv);
+  if (arch == "llama") {
+    cfg.model.pos = "rope";
+    cfg.model.norm = "rmsnorm";
+    cfg.model.mlp = "swiglu";
+    cfg.model.bias = false;
+  }
   const int64_t timed = cfg.iters;
   cfg.iters = timed + warmup_iters;
   cfg.eval_interval = cfg.iters + 1;  // no evaluation inside the timed loop (one at the end)
@@ -101,7 +114,8 @@ int main(int argc, char** argv) {
   const GPTConfig& mc = trainer.model().config();
   // Model FLOPs per token: 6 x (parameters used in matmuls, LM head included) + attention
   // (QK^T and PV, forward and backward, causal half): 6 L T C.
-  const double matmul_params = static_cast<double>(count_parameters(mc) - mc.block_size * mc.n_embd);
+  const double matmul_params = static_cast<double>(
+      count_parameters(mc) - (mc.rope() ? 0 : mc.block_size * mc.n_embd));
   const double flops_per_token = 6.0 * matmul_params + 6.0 * mc.n_layer * mc.block_size * mc.n_embd;
   const double achieved = flops_per_token * tokens / med / 1e9;
   const double gemm = sgemm_rate(mc, tokens);
@@ -117,8 +131,10 @@ int main(int argc, char** argv) {
                      {"threads", omp_get_max_threads()},
                      {"gomp_spincount", std::getenv("GOMP_SPINCOUNT") ? std::getenv("GOMP_SPINCOUNT") : "default"},
                      {"parameters", trainer.model().num_parameters()},
+                     {"arch", arch},
+                     {"model_gflop_per_step", flops_per_token * tokens / 1e9},
                      {"machine", bench::machine_info()}};
-  bench::Table t("kvlab training step (baby config)", {"metric", "value"});
+  bench::Table t("kvlab training step (baby config, " + arch + " block)", {"metric", "value"});
   t.add_row({"tokens/s", bench::fmt(tokens / med, 0)});
   t.add_row({"step ms (median)", bench::fmt(med * 1e3, 2)});
   t.add_row({"model GFLOP/s", bench::fmt(achieved, 1)});

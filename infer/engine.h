@@ -17,13 +17,15 @@
 // the batch (the last running row's cache moves into the freed slot), so later steps do not
 // spend time on them.
 //
-// Context limit: a model with learned positions attends over at most block_size positions. A
+// Context limit: a model attends over at most block_size positions (a learned table's, and
+// RoPE's table, which its training never went past). A
 // row whose cache holds block_size positions has produced the token predicted from the last
 // one and stops there (prompt + generated = block_size + 1 tokens), reason ContextLimit.
 // With `slide`, it instead resets its cache row, re-prefills its last block_size - 1 known
 // tokens there and goes on: the pending token is then fed at position block_size - 1 by the
 // next batched step, so every later token is predicted from the last block_size tokens (the
-// most the model can see, as nanoGPT's crop does). Trade-offs: positions restart at 0, so the
+// most the model can see, as nanoGPT's crop does). With RoPE too: its cached keys are turned
+// by their positions, and the window's restart at 0. Trade-offs: positions restart at 0, so the
 // same text sits at other positions than before and everything before the window is
 // forgotten (quality may differ from a model with a longer context); and each token past the
 // limit costs a prefill of block_size - 1 tokens (O(block_size) projections and MLP work,
