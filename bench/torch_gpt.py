@@ -25,32 +25,24 @@ class KVCache:
         self.len = 0  # number of valid positions
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, c, eps=1e-5):
+class WeightOnlyNorm(nn.Module):
+    """RMSNorm, or with rms=False a LayerNorm without a bias (torch 1.13's always has one)."""
+
+    def __init__(self, c, rms, eps=1e-5):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(c))
-        self.eps = eps
+        self.rms, self.eps = rms, eps
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class BiasFreeLayerNorm(nn.Module):
-    """LayerNorm without a bias (torch 1.13's nn.LayerNorm always has one)."""
-
-    def __init__(self, c, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(c))
-        self.eps = eps
-
-    def forward(self, x):
+        if self.rms:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         return F.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
 
 
 def make_norm(c, norm, bias):
-    if norm == "rmsnorm":
-        return RMSNorm(c)
-    return nn.LayerNorm(c, eps=1e-5) if bias else BiasFreeLayerNorm(c)
+    if norm == "layernorm" and bias:
+        return nn.LayerNorm(c, eps=1e-5)
+    return WeightOnlyNorm(c, rms=norm == "rmsnorm")
 
 
 def rope(x, start, theta):
