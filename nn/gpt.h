@@ -98,9 +98,9 @@ class GPT : public Module {
   std::vector<std::unique_ptr<Block>> blocks;
   LayerNorm ln_f;
   std::unique_ptr<Linear> lm_head;  // only when untied
-  // Rounds the matrices of the products (each block's six and the LM head, which tied is the
-  // token table) to bf16 in place, to nearest even; biases, LayerNorms and the position table
-  // stay f32. The model is then one with bf16 matrices on every path and device, and the
+  // Rounds the matrices of the products (each block's six, seven with SwiGLU, and the LM
+  // head, which tied is the token table) to bf16 in place, to nearest even; biases, norms and
+  // the position table stay f32. The model is then one with bf16 matrices on every path and device, and the
   // fused CPU decode step (infer/decode_step.h) reads them in half the bytes.
   void round_matrices_to_bf16();
   // RoPE's table (rope_table: block_size positions) in the model's dtype on its device, made
