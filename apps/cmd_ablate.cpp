@@ -1,9 +1,11 @@
 // kvlab ablate: the n_kv_head sweep (the main job).
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "apps/ablate/ablate.h"
+#include "apps/ablate/uptrain.h"
 #include "apps/cli.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
@@ -26,6 +28,8 @@ struct AblateArgs {
   int bench_runs = 3;
   std::string out = "out/ablate";
   bool quick = false;
+  double uptrain = 0;
+  std::string uptrain_methods = "mean,first,random";
   std::string command;
 };
 
@@ -88,9 +92,32 @@ std::vector<int64_t> parse_kv_heads(const std::string& text, int64_t n_head) {
   return ks;
 }
 
+// --uptrain-methods: comma-separated conversion methods, each once.
+std::vector<KVHeadInit> parse_uptrain_methods(const std::string& text) {
+  std::vector<KVHeadInit> out;
+  size_t begin = 0;
+  for (;;) {
+    const size_t comma = text.find(',', begin);
+    const std::string word = text.substr(begin, comma - begin);
+    KVLAB_USAGE_CHECK(word == "mean" || word == "first" || word == "random", "--uptrain-methods '",
+                      text, "': '", word, "' is not a method (mean, first, random)");
+    const KVHeadInit m = parse_kv_head_init(word);
+    KVLAB_USAGE_CHECK(std::find(out.begin(), out.end(), m) == out.end(), "--uptrain-methods: ",
+                      word, " is listed twice");
+    out.push_back(m);
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return out;
+}
+
 void run_ablate(CLI::App* cmd, AblateArgs& a) {
   if (a.quick) apply_quick(cmd, a);
   KVLAB_USAGE_CHECK(!a.out.empty(), "ablate: no output folder (--out is empty)");
+  // Before the corpus is read: a fraction out of range is wrong whatever the sweep.
+  if (cmd->count("--uptrain") > 0)
+    KVLAB_USAGE_CHECK(a.uptrain > 0 && a.uptrain <= 1, "--uptrain ", a.uptrain,
+                      " must be a fraction of the sweep's steps in (0, 1], e.g. 0.05");
   AblateConfig cfg;
   cfg.base = finish_train_flags(a.flags);
   if (cmd->count("--kv-heads") > 0)
@@ -111,6 +138,20 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.bench_runs = a.bench_runs;
   cfg.out_dir = a.out;
   cfg.command = a.command;
+  if (cmd->count("--uptrain") > 0) {
+    std::vector<int64_t> sweep = cfg.kv_heads;
+    if (sweep.empty())  // plan_ablation's default: every divisor of n_head
+      for (int64_t k = cfg.base.model.n_head; k >= 1; --k)
+        if (cfg.base.model.n_head % k == 0) sweep.push_back(k);
+    const std::string problem =
+        uptrain_problem(a.uptrain, cfg.base.iters, sweep, cfg.base.model.n_head);
+    KVLAB_USAGE_CHECK(problem.empty(), problem);
+    cfg.uptrain = a.uptrain;
+    cfg.uptrain_methods = parse_uptrain_methods(a.uptrain_methods);
+  } else {
+    KVLAB_USAGE_CHECK(cmd->count("--uptrain-methods") == 0,
+                      "--uptrain-methods names the conversions --uptrain F trains; give --uptrain");
+  }
   if (const std::string note = blas_kernels_note(); !note.empty())
     std::fprintf(stderr, "kvlab ablate: note: %s\n", note.c_str());
   const auto results = run_ablation(cfg);
@@ -150,6 +191,18 @@ void add_ablate_command(CLI::App& root) {
   add_number(cmd, "--sample-tokens", args->sample_tokens, "New tokens per sample");
   add_number(cmd, "--bench-runs", args->bench_runs, "Timed decode runs per variant (median)");
   cmd->add_option("--out", args->out, "Output folder (runs/, results.json, report.html, ...)")
+      ->capture_default_str();
+  cmd->add_option("--uptrain", args->uptrain,
+                  "The GQA paper's conversion experiment: after the sweep, each seed's multi-head "
+                  "run (n_kv_head = n_head, which the sweep must include) is converted to every "
+                  "smaller n_kv_head of the sweep by each --uptrain-methods (KV heads merged by "
+                  "their mean, the first of each group, or random new heads), evaluated, then "
+                  "trained round(F * iters) more steps (the sweep's LR schedule scaled to them, a "
+                  "new AdamW), and compared in the report with training from scratch. F in (0, 1], "
+                  "e.g. 0.05; default: off")
+      ->check(finite_number());
+  cmd->add_option("--uptrain-methods", args->uptrain_methods,
+                  "Conversions --uptrain compares, comma separated: mean, first, random")
       ->capture_default_str();
   cmd->add_flag("--quick", args->quick,
                 "Smoke-test size (2 layers, n_embd 64, 300 steps): under a minute");

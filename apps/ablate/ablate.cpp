@@ -13,6 +13,7 @@
 #include <functional>
 
 #include "apps/progress.h"
+#include "apps/ablate/uptrain.h"
 #include "apps/report/report.h"
 #include "apps/train_progress.h"
 #include "autograd/graph.h"
@@ -34,7 +35,7 @@ using nlohmann::json;
 namespace {
 
 fs::path run_dir(const AblateConfig& cfg, int64_t kv, int seed_index) {
-  return fs::path(cfg.out_dir) / "runs" / ("kv" + std::to_string(kv) + "_seed" + std::to_string(seed_index));
+  return ablation_run_dir(cfg, kv, seed_index);
 }
 
 // MLP width that brings `c` closest to `target` parameters (the count is linear in it).
@@ -84,6 +85,10 @@ double mean_train_tokens_per_s(const fs::path& dir) {
 
 }  // namespace
 
+fs::path ablation_run_dir(const AblateConfig& cfg, int64_t kv, int seed_index) {
+  return fs::path(cfg.out_dir) / "runs" / ("kv" + std::to_string(kv) + "_seed" + std::to_string(seed_index));
+}
+
 std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head) {
   for (size_t i = 0; i < kv_heads.size(); ++i) {
     const int64_t k = kv_heads[i];
@@ -113,6 +118,11 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   KVLAB_CHECK(problem.empty(), "ablate: ", problem);
   std::sort(cfg.kv_heads.begin(), cfg.kv_heads.end(), std::greater<>());
   KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
+  if (cfg.uptrain != 0) {
+    const std::string up = uptrain_problem(cfg.uptrain, base.iters, cfg.kv_heads, nh);
+    KVLAB_CHECK(up.empty(), "ablate: ", up);
+    KVLAB_CHECK(!cfg.uptrain_methods.empty(), "ablate: --uptrain-methods is empty");
+  }
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
   ensure_writable_dir(cfg.out_dir, "ablate");
@@ -479,6 +489,7 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   config["kv_heads"] = cfg.kv_heads;
   config["seeds"] = cfg.seeds;
   config["param_matched"] = cfg.param_matched;
+  if (cfg.uptrain != 0) config["uptrain"] = cfg.uptrain;
   results["config"] = config;
   results["machine"] = {{"cpu", host_cpu_model()}, {"threads", omp_get_max_threads()}};
   results["versions"] = {{"kvlab", KVLAB_VERSION},
@@ -516,8 +527,11 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   std::vector<double> serve_rates;  // the serving sweep's, set by the first variant
   for (int64_t kv : cfg.kv_heads)
     variants.push_back(measure_variant(cfg, kv, prompt_len, serve_rates));
-  const json results = assemble_results(cfg, std::move(variants), stats, started,
-                                        std::chrono::duration<double>(Clock::now() - t_start).count());
+  json uptrain;
+  if (cfg.uptrain != 0) uptrain = run_uptrain(cfg, runs, variants, stats);
+  json results = assemble_results(cfg, std::move(variants), stats, started,
+                                  std::chrono::duration<double>(Clock::now() - t_start).count());
+  if (!uptrain.is_null()) results["uptrain"] = std::move(uptrain);
   write_report(results, cfg.out_dir);
   if (stats_out) *stats_out = stats;
   return results;

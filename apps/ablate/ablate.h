@@ -3,12 +3,14 @@
 // settings and seeds, then measured (val loss, KV-cache bytes, decode speed, samples) and
 // written as results.json, CSV, Markdown, SVG plots and one HTML page.
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "nn/kv_convert.h"
 #include "train/trainer.h"
 
 namespace kvlab {
@@ -29,6 +31,11 @@ struct AblateConfig {
   int bench_runs = 3;
   std::string out_dir;
   std::string command;  // recorded in results.json
+  // > 0: after the sweep, each seed's MHA run converted to every smaller n_kv_head by each of
+  // uptrain_methods and trained round(uptrain * iters) steps more (apps/ablate/uptrain.h).
+  double uptrain = 0;
+  std::vector<KVHeadInit> uptrain_methods = {KVHeadInit::Mean, KVHeadInit::First,
+                                             KVHeadInit::Random};
 };
 
 struct AblateStats {
@@ -36,17 +43,25 @@ struct AblateStats {
   int runs_reused = 0;   // finished earlier with a matching config
   int runs_resumed = 0;  // continued from their last checkpoint
   int64_t steps_trained = 0;
+  // The uptraining runs (--uptrain), counted the same way.
+  int uptrain_runs_total = 0;
+  int uptrain_runs_reused = 0;
+  int uptrain_runs_resumed = 0;
+  int64_t uptrain_steps_trained = 0;
 };
 
 // Every variant's config, checked before anything trains: kv heads that do not divide n_head,
 // an empty list, an unwritable output folder or a corpus too short for the block size are
-// errors. With param_matched, mlp_hidden is chosen per variant (parameters within 1% of MHA).
+// errors, and so is an uptrain the sweep cannot serve (uptrain_problem). With param_matched, mlp_hidden is chosen per variant (parameters within 1% of MHA).
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 
 // What is wrong with a list of n_kv_head values for n_head heads (each in [1, n_head], dividing
 // it, listed once), or "" when nothing is: one check for plan_ablation and the CLI, each of
 // which reports it as its own kind of error.
 std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head);
+
+// Where run (n_kv_head kv, seed index seed_index) of the sweep lives: out_dir/runs/kv<kv>_seed<i>.
+std::filesystem::path ablation_run_dir(const AblateConfig& cfg, int64_t kv, int seed_index);
 
 // Trains (or reuses / resumes) every run, measures, writes the report into cfg.out_dir and
 // returns results.json's document. Progress goes to stderr.

@@ -51,10 +51,62 @@ struct Variant {
   std::optional<double> get(const char* key) const { return number(*j, key); }
 };
 
+// One (n_kv_head, method) of the uptrain experiment (results.json's uptrain.entries).
+struct UptrainEntry {
+  int n_kv = 0;
+  std::string method;
+  int seeds = 0;
+  double conv = 0, conv_sd = 0, up = 0, up_sd = 0;
+  std::optional<double> scratch, scratch_sd;
+  const json* j = nullptr;
+};
+
+struct Uptrain {
+  double fraction = 0;
+  int64_t steps = 0;
+  std::vector<UptrainEntry> entries;  // as the results list them: n_kv_head descending
+  const json* j = nullptr;
+};
+
 struct Parsed {
   std::vector<Variant> variants;  // n_kv_head descending
   int n_head = 0;                 // config.n_head, else the largest n_kv_head
+  std::optional<Uptrain> uptrain;  // kvlab ablate --uptrain
 };
+
+// The uptrain section, entries without the figures the tables need left out.
+std::optional<Uptrain> parse_uptrain(const json& results) {
+  const auto it = results.find("uptrain");
+  if (it == results.end() || !it->is_object()) return std::nullopt;
+  Uptrain u;
+  u.j = &*it;
+  u.fraction = number(*it, "fraction").value_or(0);
+  u.steps = static_cast<int64_t>(number(*it, "steps").value_or(0));
+  const auto entries = it->find("entries");  // by reference: the entries keep pointers into it
+  if (entries == it->end() || !entries->is_array()) return std::nullopt;
+  for (const json& e : *entries) {
+    if (!e.is_object()) continue;
+    const auto kv = number(e, "n_kv_head"), conv = number(e, "val_loss_converted_mean"),
+               up = number(e, "val_loss_uptrained_mean");
+    const auto method = e.find("method");
+    if (!kv || !conv || !up || method == e.end() || !method->is_string()) continue;
+    UptrainEntry x;
+    x.n_kv = static_cast<int>(*kv);
+    x.method = method->get<std::string>();
+    const auto runs = e.find("runs");
+    x.seeds = runs != e.end() && runs->is_array() ? static_cast<int>(runs->size()) : 0;
+    x.conv = *conv;
+    x.conv_sd = number(e, "val_loss_converted_std").value_or(0);
+    x.up = *up;
+    x.up_sd = number(e, "val_loss_uptrained_std").value_or(0);
+    x.scratch = number(e, "val_loss_scratch_mean");
+    x.scratch_sd = number(e, "val_loss_scratch_std");
+    x.j = &e;
+    u.entries.push_back(std::move(x));
+  }
+  if (u.entries.empty()) return std::nullopt;
+  return u;
+}
 
 Parsed parse(const json& results) {
   KVLAB_CHECK(results.is_object(), "report: results must be a JSON object, got ",
@@ -89,6 +141,7 @@ Parsed parse(const json& results) {
   const auto n_head = config.is_object() ? number(config, "n_head") : std::nullopt;
   p.n_head = n_head ? static_cast<int>(*n_head) : p.variants.front().n_kv;
   for (Variant& v : p.variants) v.kind = v.n_kv == p.n_head ? "MHA" : v.n_kv == 1 ? "MQA" : "GQA";
+  p.uptrain = parse_uptrain(results);
   return p;
 }
 
@@ -554,6 +607,117 @@ std::string make_csv(const Parsed& p) {
   return out;
 }
 
+// --- uptraining (kvlab ablate --uptrain) --------------------------------------------------
+
+// n_kv_head values of the uptrain entries, in the results' order, each once.
+std::vector<int> uptrain_kvs(const Uptrain& u) {
+  std::vector<int> kvs;
+  for (const UptrainEntry& e : u.entries)
+    if (std::find(kvs.begin(), kvs.end(), e.n_kv) == kvs.end()) kvs.push_back(e.n_kv);
+  return kvs;
+}
+
+std::string steps_tokens(const json& e, const char* steps, const char* tokens) {
+  const auto s = number(e, steps), t = number(e, tokens);
+  if (!s) return "-";
+  return fmt("%.0f", *s) + (t ? " (" + fmt("%.0f", *t) + " tokens)" : std::string());
+}
+
+// Per (n_kv_head, method): val loss right after the conversion, after uptraining, and the
+// sweep's from-scratch model's, mean ± std over seeds, with the training each one took.
+Table uptrain_table(const Uptrain& u) {
+  Table t{{"n_kv_head", "method", "after conversion", "after uptraining", "from scratch",
+           "gap to scratch", "steps (tokens) uptrained", "steps (tokens) from scratch"},
+          {}};
+  for (const UptrainEntry& e : u.entries)
+    t.rows.push_back({std::to_string(e.n_kv), e.method, pm(e.conv, e.conv_sd, "%.4f"),
+                      pm(e.up, e.up_sd, "%.4f"),
+                      e.scratch ? pm(*e.scratch, e.scratch_sd.value_or(0), "%.4f") : "-",
+                      e.scratch ? fmt("%+.4f", e.up - *e.scratch) : "-",
+                      steps_tokens(*e.j, "uptrained_steps", "uptrained_tokens"),
+                      steps_tokens(*e.j, "scratch_steps", "scratch_tokens")});
+  return t;
+}
+
+std::string uptrain_note(const Uptrain& u) {
+  std::string lr = u.j->value("lr_schedule", std::string());
+  return "Each seed's multi-head run (n_kv_head " +
+         fmt("%.0f", number(*u.j, "source_n_kv_head").value_or(0)) +
+         ") converted to fewer KV heads: mean pools each group's key and value heads (the GQA "
+         "paper's choice), first keeps the group's first head, random draws new heads. Val loss "
+         "on the sweep's fixed validation windows right after the conversion and after " +
+         fmt("%.0f", static_cast<double>(u.steps)) + " steps of uptraining (" +
+         fmt("%g", u.fraction * 100) + "% of the sweep's steps" + (lr.empty() ? "" : "; " + lr) +
+         "), against the sweep's model trained from scratch at that n_kv_head: mean ± std over "
+         "seeds. Uptrained steps and tokens count the multi-head run's and the uptraining's.";
+}
+
+// a against b (val losses, lower is better) in words, judged against the seeds' spread.
+std::string versus(const std::string& a_name, double a, double sa, const std::string& b_name,
+                   double b, double sb, bool one_seed) {
+  const std::string figures = " (" + pm(a, sa, "%.4f") + " vs " + pm(b, sb, "%.4f") + ")";
+  const std::string& lower = a < b ? a_name : b_name;
+  const std::string& higher = a < b ? b_name : a_name;
+  if (one_seed)
+    return lower + " is lower than " + higher + " by " + fmt("%.4f", std::abs(a - b)) +
+           figures + ", 1 seed, so no spread to judge by";
+  if (std::abs(a - b) <= sa + sb)
+    return a_name + " and " + b_name + " are within the seeds' spread of each other" + figures;
+  return lower + " beats " + higher + " by " + fmt("%.4f", std::abs(a - b)) +
+         ", beyond the seeds' spread" + figures;
+}
+
+// Per n_kv_head: whether mean beats first and random (after the conversion and after
+// uptraining), then how close each method's uptraining gets to training from scratch.
+std::vector<std::string> uptrain_findings(const Uptrain& u) {
+  std::vector<std::string> out;
+  for (const int kv : uptrain_kvs(u)) {
+    std::vector<const UptrainEntry*> at;
+    for (const UptrainEntry& e : u.entries)
+      if (e.n_kv == kv) at.push_back(&e);
+    const auto find = [&](const char* m) -> const UptrainEntry* {
+      for (const UptrainEntry* e : at)
+        if (e->method == m) return e;
+      return nullptr;
+    };
+    const std::string where = "At n_kv_head=" + std::to_string(kv);
+    if (const UptrainEntry* mean = find("mean")) {
+      for (const char* other : {"first", "random"}) {
+        const UptrainEntry* o = find(other);
+        if (o == nullptr) continue;
+        const bool one_seed = std::min(mean->seeds, o->seeds) < 2;
+        out.push_back(where + ", right after conversion: " +
+                      versus("mean", mean->conv, mean->conv_sd, other, o->conv, o->conv_sd,
+                             one_seed) +
+                      "; after uptraining: " +
+                      versus("mean", mean->up, mean->up_sd, other, o->up, o->up_sd, one_seed) +
+                      ".");
+      }
+    }
+    std::string gaps;
+    for (const UptrainEntry* e : at) {
+      if (!e->scratch) continue;
+      const double sd = e->scratch_sd.value_or(0), gap = e->up - *e->scratch;
+      const bool one_seed = e->seeds < 2;
+      gaps += (gaps.empty() ? "" : "; ") + e->method + " ends at " + pm(e->up, e->up_sd, "%.4f") +
+              ", a gap of " + fmt("%+.4f", gap) +
+              (one_seed ? std::string(" (1 seed, so no spread to judge by)")
+               : std::abs(gap) <= e->up_sd + sd
+                   ? std::string(" (within the seeds' spread: as good as from scratch)")
+                   : std::string(gap > 0 ? " (above from scratch, beyond the seeds' spread)"
+                                         : " (below from scratch, beyond the seeds' spread)"));
+    }
+    if (!gaps.empty()) {
+      const UptrainEntry& e = *at.front();
+      out.push_back(where + ", " + fmt("%g", u.fraction * 100) + "% uptraining (" +
+                    fmt("%.0f", static_cast<double>(u.steps)) +
+                    " steps) against training from scratch (" +
+                    pm(*e.scratch, e.scratch_sd.value_or(0), "%.4f") + "): " + gaps + ".");
+    }
+  }
+  return out;
+}
+
 // --- plots -------------------------------------------------------------------------------
 
 // The report's plots, by file name; the serving plots where the results hold a sweep.
@@ -568,6 +732,8 @@ std::vector<std::string> plot_names(const Parsed& p) {
     names.push_back("val_loss_vs_cache_bytes");
     names.push_back("kl_vs_cache_bytes");
   }
+  if (p.uptrain)
+    for (const int kv : uptrain_kvs(*p.uptrain)) names.push_back("uptrain_kv" + std::to_string(kv));
   return names;
 }
 
@@ -796,6 +962,59 @@ svg::Plot quality_plot(const Parsed& p, bool kl) {
   return plot;
 }
 
+// Val loss against uptraining steps at one n_kv_head: a line per method (the seeds' mean,
+// bars their std), from-scratch's level and the multi-head source's as dashed lines.
+svg::Plot uptrain_plot(const Uptrain& u, int kv) {
+  svg::Plot plot;
+  plot.title = "Uptraining converted MHA checkpoints to n_kv_head=" + std::to_string(kv);
+  plot.note = "a line per conversion method: mean over seeds, bars their std; dashed: reference levels";
+  plot.x_label = "uptraining step";
+  plot.y_label = "val loss (nats/token)";
+  std::optional<double> scratch;
+  std::size_t colour = 0;
+  for (const UptrainEntry& e : u.entries) {
+    if (e.n_kv != kv) continue;
+    if (e.scratch) scratch = e.scratch;
+    std::map<double, std::vector<double>> by_step;
+    for (const json& run : e.j->value("runs", json::array()))
+      for (const json& pt : run.is_object() ? run.value("curve", json::array()) : json::array()) {
+        const auto step = pt.is_object() ? number(pt, "step") : std::nullopt;
+        const auto loss = pt.is_object() ? number(pt, "val_loss") : std::nullopt;
+        if (step && loss) by_step[*step].push_back(*loss);
+      }
+    svg::Series s;
+    s.label = e.method;
+    s.color = svg::palette(colour++);
+    s.markers = true;
+    for (const auto& [step, losses] : by_step) {
+      if (static_cast<int>(losses.size()) != e.seeds) continue;  // every seed, or none
+      double sum = 0, sum2 = 0;
+      for (double l : losses) sum += l, sum2 += l * l;
+      const double n = static_cast<double>(losses.size()), mean = sum / n;
+      s.x.push_back(step);
+      s.y.push_back(mean);
+      s.y_err.push_back(n > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  const double end = static_cast<double>(std::max<int64_t>(1, u.steps));
+  const auto level = [&](const std::string& label, double y, const std::string& color) {
+    svg::Series r;
+    r.label = label;
+    r.color = color;
+    r.dashed = true;
+    r.line_width = 1.5;
+    r.x = {0, end};
+    r.y = {y, y};
+    plot.series.push_back(std::move(r));
+  };
+  if (scratch) level("from scratch", *scratch, "#555555");
+  const json& src = u.j->value("source_val_loss", json::object());
+  if (const auto m = src.is_object() ? number(src, "mean") : std::nullopt)
+    level("MHA source", *m, "#bbbbbb");
+  return plot;
+}
+
 std::string text_of(const json& v) {
   return v.is_string() ? v.get<std::string>()
                        : v.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -900,6 +1119,13 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
     for (const std::string& f : quality_findings(p)) md << "\n- " << md_escape(f);
     md << '\n';
   }
+  if (p.uptrain) {
+    md << "\n## Uptraining converted checkpoints (the GQA paper's recipe)\n\n"
+       << render_markdown(uptrain_table(*p.uptrain)) << '\n' << md_escape(uptrain_note(*p.uptrain))
+       << '\n';
+    for (const std::string& f : uptrain_findings(*p.uptrain)) md << "\n- " << md_escape(f);
+    md << '\n';
+  }
   md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
   for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
   md << "\n## Plots\n\n";
@@ -966,6 +1192,13 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
     h << "<h2>What each cache dtype costs: the memory-quality frontier</h2>\n" << render_html(*t)
       << "<p>" << kQualityNote << "</p>\n<ul>\n";
     for (const std::string& f : quality_findings(p)) h << "<li>" << e(f) << "</li>\n";
+    h << "</ul>\n";
+  }
+  if (p.uptrain) {
+    h << "<h2>Uptraining converted checkpoints (the GQA paper's recipe)</h2>\n"
+      << render_html(uptrain_table(*p.uptrain)) << "<p>" << e(uptrain_note(*p.uptrain))
+      << "</p>\n<ul>\n";
+    for (const std::string& f : uptrain_findings(*p.uptrain)) h << "<li>" << e(f) << "</li>\n";
     h << "</ul>\n";
   }
   h << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
@@ -1047,6 +1280,12 @@ std::string format_table(const nlohmann::json& results) {
            render_text(*t);
     for (const std::string& f : quality_findings(p)) out += "  " + f + "\n";
   }
+  if (p.uptrain) {
+    out += "\nuptraining converted MHA checkpoints (" + fmt("%g", p.uptrain->fraction * 100) +
+           "% of the steps; val loss, mean ± std over seeds):\n" +
+           render_text(uptrain_table(*p.uptrain));
+    for (const std::string& f : uptrain_findings(*p.uptrain)) out += "  " + f + "\n";
+  }
   out += "\nverdicts (val loss, mean ± std over seeds):\n";
   for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
   return out;
@@ -1077,6 +1316,8 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
     svgs.push_back(svg::render(quality_plot(p, false)));
     svgs.push_back(svg::render(quality_plot(p, true)));
   }
+  if (p.uptrain)
+    for (const int kv : uptrain_kvs(*p.uptrain)) svgs.push_back(svg::render(uptrain_plot(*p.uptrain, kv)));
   for (std::size_t i = 0; i < svgs.size(); ++i)
     write_file_atomic(out_dir / (names[i] + ".svg"), svgs[i]);
   write_file_atomic(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));

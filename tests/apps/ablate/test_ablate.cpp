@@ -248,6 +248,96 @@ TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   expect_error(c, "prompt has 17 tokens, more than the model's context of block_size = 16");
 }
 
+// --uptrain: each seed's MHA run converted to n_kv_head 2 by every method, evaluated, then
+// uptrained round(F * iters) steps; a second sweep reuses every uptrain run.
+TEST_F(AblateTest, UptrainConvertsEachSeedsMhaRunAndReusesFinishedRuns) {
+  AblateConfig c = config();
+  c.kv_heads = {4, 2};
+  c.base.iters = 18;
+  c.base.lr = 3e-3;
+  c.kv_dtypes = {};
+  c.uptrain = 0.3;  // round(5.4) = 5 steps
+  const int64_t steps = 5;
+  AblateStats stats;
+  const auto r = run_ablation(c, &stats);
+  ASSERT_TRUE(r.contains("uptrain")) << r.dump();
+  const auto& u = r["uptrain"];
+  EXPECT_EQ(u["steps"], steps);
+  EXPECT_EQ(u["source_n_kv_head"], 4);
+  EXPECT_EQ(stats.uptrain_runs_total, 3 * 2);
+  EXPECT_EQ(stats.uptrain_runs_reused, 0);
+  EXPECT_EQ(stats.uptrain_steps_trained, 3 * 2 * steps);
+  ASSERT_EQ(u["entries"].size(), 3u);  // one n_kv_head below MHA, three methods
+  const std::vector<std::string> methods = {"mean", "first", "random"};
+  for (size_t m = 0; m < methods.size(); ++m) {
+    const auto& e = u["entries"][m];
+    EXPECT_EQ(e["n_kv_head"], 2);
+    EXPECT_EQ(e["method"], methods[m]);
+    EXPECT_EQ(e["uptrain_steps"], steps);
+    EXPECT_EQ(e["scratch_steps"], 18);
+    EXPECT_EQ(e["uptrained_steps"], 18 + steps);
+    EXPECT_EQ(e["uptrained_tokens"], (18 + steps) * 4 * 16);
+    // From scratch is the sweep's own n_kv_head = 2 variant.
+    EXPECT_EQ(e["val_loss_scratch_mean"], r["variants"][1]["val_loss_mean"]);
+    ASSERT_EQ(e["runs"].size(), 2u);
+    for (int s = 0; s < 2; ++s) {
+      const auto& run = e["runs"][s];
+      EXPECT_EQ(run["seed"], c.base.seed + s);
+      const auto& curve = run["curve"];
+      ASSERT_EQ(curve.size(), static_cast<size_t>(steps + 1));  // every step: steps / 5 = 1
+      EXPECT_EQ(curve.front()["step"], 0);
+      EXPECT_EQ(curve.back()["step"], steps);
+      const double conv = run["val_loss_converted"], up = run["val_loss_uptrained"];
+      EXPECT_TRUE(std::isfinite(conv)) << methods[m];
+      EXPECT_TRUE(std::isfinite(up)) << methods[m];
+      if (methods[m] == "random") {
+        EXPECT_LT(up, conv) << "seed " << s;
+      }
+    }
+  }
+  // Mean and first keep the source's keys and values: right after conversion they are far
+  // closer to the MHA model than random heads are.
+  EXPECT_LT(u["entries"][0]["val_loss_converted_mean"].get<double>(),
+            u["entries"][2]["val_loss_converted_mean"].get<double>());
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "uptrain_kv2.svg"));
+  std::ifstream md(dir_ / "out" / "report.md");
+  const std::string text((std::istreambuf_iterator<char>(md)), {});
+  EXPECT_NE(text.find("## Uptraining converted checkpoints"), std::string::npos);
+  EXPECT_NE(text.find("At n_kv_head=2, right after conversion:"), std::string::npos) << text;
+
+  AblateStats again;
+  const auto r2 = run_ablation(c, &again);
+  EXPECT_EQ(again.steps_trained, 0);
+  EXPECT_EQ(again.uptrain_runs_reused, 6);
+  EXPECT_EQ(again.uptrain_steps_trained, 0);
+  EXPECT_EQ(r2["uptrain"]["entries"], u["entries"]);
+}
+
+TEST_F(AblateTest, UptrainTheSweepCannotServeFailsBeforeTraining) {
+  auto expect_error = [&](AblateConfig c, const std::string& needle) {
+    try {
+      plan_ablation(c);
+      FAIL() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(fs::path(c.out_dir) / "runs"));
+  };
+  AblateConfig c = config();
+  c.uptrain = 1.5;
+  expect_error(c, "--uptrain 1.5 must be a fraction of the sweep's steps in (0, 1]");
+  c.uptrain = -0.1;
+  expect_error(c, "--uptrain -0.1 must be");
+  c.uptrain = 0.5;
+  c.kv_heads = {2, 1};
+  expect_error(c, "add 4 to --kv-heads");
+  c.kv_heads = {4};
+  expect_error(c, "needs an n_kv_head below n_head = 4");
+  c.kv_heads = {4, 1};
+  c.uptrain = 0.01;
+  expect_error(c, "rounds to 0 steps");
+}
+
 TEST_F(AblateTest, ParamMatchedVariantsWithinOnePercentOfMha) {
   AblateConfig c = config();
   c.param_matched = true;

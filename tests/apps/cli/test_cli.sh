@@ -405,6 +405,16 @@ check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]
 check "ablate --kv-heads ," 2 "item 1 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads , --out "$work/ab"
 check "ablate --kv-heads 4,4" 2 "--kv-heads: n_kv_head = 4 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,4 --out "$work/ab"
 check "ablate --kv-heads 4,,2" 2 "item 2 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,,2 --out "$work/ab"
+# ablate --uptrain F: a fraction in (0, 1] of the sweep's steps, over a sweep holding MHA and a
+# smaller n_kv_head; checked before anything trains.
+check "ablate --help says what --uptrain does" 0 "converted to every smaller n_kv_head" -- "$KVLAB" ablate --help
+for f in 0 2 -0.5; do check "ablate --uptrain $f" 2 "--uptrain $f must be a fraction of the sweep's steps in (0, 1]" -- "$KVLAB" ablate "${tiny[@]}" --uptrain "$f" --out "$work/abu"; done
+check "ablate --uptrain nan" 2 "--uptrain: 'nan' is not a finite number" -- "$KVLAB" ablate "${tiny[@]}" --uptrain nan --out "$work/abu"
+check "ablate --uptrain without MHA" 2 "--uptrain converts the multi-head run (n_kv_head = n_head = 4), which the sweep does not train: add 4 to --kv-heads" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 2,1 --uptrain 0.5 --out "$work/abu"
+check "ablate --uptrain with MHA alone" 2 "--uptrain needs an n_kv_head below n_head = 4" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4 --uptrain 0.5 --out "$work/abu"
+check "ablate --uptrain-methods unknown" 2 "--uptrain-methods 'mean,avg': 'avg' is not a method" -- "$KVLAB" ablate "${tiny[@]}" --uptrain 0.5 --uptrain-methods mean,avg --out "$work/abu"
+check "ablate --uptrain-methods alone" 2 "give --uptrain" -- "$KVLAB" ablate "${tiny[@]}" --uptrain-methods mean --out "$work/abu"
+check "ablate --uptrain refused trains nothing" 2 "No such file" -- ls "$work/abu/runs"
 # ablate --prompt is checked before anything trains.
 check "ablate prompt outside vocabulary" 1 "'Z'" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt Zebra --out "$work/abp"
 check "ablate empty prompt" 1 "prompt is empty" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --prompt "" --out "$work/abp"

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -376,6 +377,104 @@ TEST(FormatTable, QualityFrontierAndItsFindings) {
   EXPECT_EQ(std::count_if(rows.begin(), rows.end(),
                           [](const std::string& l) { return l.ends_with(" yes"); }),
             4);
+}
+
+// An uptrain section as kvlab ablate --uptrain writes it: at n_kv_head 2, mean and first
+// start apart and end within the seeds' spread, random starts far worse; from scratch is the
+// fixture's n_kv_head 2 variant (1.89 ± 0.01).
+json with_uptrain(json r, int seeds = 3) {
+  auto entry = [&](const char* method, double conv, double up) {
+    json runs = json::array();
+    for (int s = 0; s < seeds; ++s) {
+      const double d = 0.01 * (s - (seeds - 1) / 2.0);
+      json curve = json::array();
+      for (int step = 0; step <= 100; step += 20)
+        curve.push_back({{"step", step}, {"val_loss", conv + (up - conv) * step / 100.0 + d}});
+      runs.push_back({{"seed", s}, {"curve", curve}, {"val_loss_converted", conv + d},
+                      {"val_loss_uptrained", up + d}});
+    }
+    return json{{"n_kv_head", 2},
+                {"method", method},
+                {"runs", runs},
+                {"val_loss_converted_mean", conv},
+                {"val_loss_converted_std", 0.01},
+                {"val_loss_uptrained_mean", up},
+                {"val_loss_uptrained_std", 0.01},
+                {"val_loss_scratch_mean", 1.89},
+                {"val_loss_scratch_std", 0.01},
+                {"uptrain_steps", 100},
+                {"scratch_steps", 2000},
+                {"scratch_tokens", 2000 * 768},
+                {"uptrained_steps", 2100},
+                {"uptrained_tokens", 2100 * 768}};
+  };
+  r["uptrain"] = {{"fraction", 0.05},
+                  {"steps", 100},
+                  {"source_n_kv_head", 4},
+                  {"source_val_loss", {{"mean", 1.88}, {"std", 0.01}}},
+                  {"lr_schedule", "the sweep's schedule scaled to the 100 steps"},
+                  {"entries", json::array({entry("mean", 2.00, 1.90), entry("first", 2.10, 1.905),
+                                           entry("random", 3.50, 1.95)})}};
+  return r;
+}
+
+TEST(FormatTable, UptrainTableAndFindings) {
+  const std::string out = format_table(with_uptrain(fixture()));
+  EXPECT_NE(out.find("uptraining converted MHA checkpoints (5% of the steps"), std::string::npos)
+      << out;
+  // A row per method: after conversion, after uptraining, from scratch, the gap, the compute.
+  const auto rows = lines(out);
+  const auto mean_row = std::find_if(rows.begin(), rows.end(), [](const std::string& l) {
+    return l.find("|   mean |") != std::string::npos;
+  });
+  ASSERT_NE(mean_row, rows.end()) << out;
+  EXPECT_EQ(cells(*mean_row),
+            (std::vector<std::string>{"2", "mean", "2.0000 ± 0.0100", "1.9000 ± 0.0100",
+                                      "1.8900 ± 0.0100", "+0.0100", "2100 (1612800 tokens)",
+                                      "2000 (1536000 tokens)"}));
+  EXPECT_NE(out.find("At n_kv_head=2, right after conversion: mean beats first by 0.1000, beyond "
+                     "the seeds' spread (2.0000 ± 0.0100 vs 2.1000 ± 0.0100); after uptraining: "
+                     "mean and first are within the seeds' spread of each other (1.9000 ± "
+                     "0.0100 vs 1.9050 ± 0.0100)."),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("right after conversion: mean beats random by 1.5000, beyond the seeds' "
+                     "spread"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("At n_kv_head=2, 5% uptraining (100 steps) against training from scratch "
+                     "(1.8900 ± 0.0100): mean ends at 1.9000 ± 0.0100, a gap of +0.0100 (within "
+                     "the seeds' spread: as good as from scratch)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("random ends at 1.9500 ± 0.0100, a gap of +0.0600 (above from scratch, "
+                     "beyond the seeds' spread)."),
+            std::string::npos)
+      << out;
+  // One seed: nothing is ranked.
+  const std::string one = format_table(with_uptrain(fixture(1), 1));
+  EXPECT_EQ(one.find("beats"), std::string::npos) << one;
+  EXPECT_NE(one.find("mean is lower than first by 0.1000 (2.0000 ± 0.0100 vs 2.1000 ± 0.0100), "
+                     "1 seed, so no spread to judge by"),
+            std::string::npos)
+      << one;
+  // Without the section nothing of it shows.
+  EXPECT_EQ(format_table(fixture()).find("uptrain"), std::string::npos);
+}
+
+TEST_F(ReportFiles, UptrainSectionAndPlot) {
+  write_report(with_uptrain(fixture()), dir_);
+  const std::string svg = read(dir_ / "uptrain_kv2.svg");
+  EXPECT_EQ(test::xml_problem(svg), "");
+  for (const std::string label : {"mean", "first", "random", "from scratch", "MHA source"})
+    EXPECT_NE(svg.find(std::string(">").append(label).append("<")), std::string::npos) << label;
+  EXPECT_EQ(count(svg, "class=\"err\""), 3u * 6u);  // a bar per method and evaluation
+  const std::string md = read(dir_ / "report.md");
+  EXPECT_NE(md.find("## Uptraining converted checkpoints"), std::string::npos);
+  EXPECT_NE(md.find("(uptrain_kv2.svg)"), std::string::npos);
+  const std::string html = read(dir_ / "report.html");
+  EXPECT_NE(html.find("Uptraining converted checkpoints"), std::string::npos);
+  EXPECT_NE(html.find("mean beats first by 0.1000"), std::string::npos);
 }
 
 TEST(FormatTable, ColumnsLineUp) {
