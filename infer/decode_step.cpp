@@ -89,12 +89,11 @@ struct NormRef {
 };
 
 // A block's matrices in the order they are packed (decode_matrices): q, k, v, the attention's
-// c_proj, c_fc, the MLP's c_proj, then SwiGLU's c_up where there is one.
-std::vector<const Linear*> block_linears(const Block& b) {
-  std::vector<const Linear*> l{&b.attn.q_proj, &b.attn.k_proj, &b.attn.v_proj,
-                               &b.attn.c_proj, &b.mlp.c_fc,    &b.mlp.c_proj};
-  if (b.mlp.c_up) l.push_back(b.mlp.c_up.get());
-  return l;
+// c_proj, c_fc, the MLP's c_proj, then SwiGLU's c_up (null without one). A fixed array: an
+// unpacked step takes these for every block, and must not allocate for it.
+std::array<const Linear*, 7> block_linears(const Block& b) {
+  return {&b.attn.q_proj, &b.attn.k_proj, &b.attn.v_proj, &b.attn.c_proj,
+          &b.mlp.c_fc,    &b.mlp.c_proj,  b.mlp.c_up.get()};
 }
 size_t matrices_per_block(const GPTConfig& cfg) { return cfg.swiglu() ? 7 : 6; }
 
@@ -108,7 +107,7 @@ struct BlockRef {
       : BlockRef(b, block_linears(b), parts, threads) {}
 
  private:
-  BlockRef(const Block& b, const std::vector<const Linear*>& l, const PackRef* p, int n)
+  BlockRef(const Block& b, const std::array<const Linear*, 7>& l, const PackRef* p, int n)
       : ln_1(b.ln_1),
         ln_2(b.ln_2),
         q(*l[0], p),
@@ -117,7 +116,7 @@ struct BlockRef {
         proj(*l[3], p ? p + 3 * n : nullptr),
         fc(*l[4], p ? p + 4 * n : nullptr),
         fc_proj(*l[5], p ? p + 5 * n : nullptr) {
-    if (l.size() > 6) up.emplace(*l[6], p ? p + 6 * n : nullptr);
+    if (l[6] != nullptr) up.emplace(*l[6], p ? p + 6 * n : nullptr);
   }
 };
 
@@ -299,7 +298,8 @@ void store_new(void* const* dst, const CacheRef& kv, const float* src, int64_t B
 std::vector<const Tensor*> decode_matrices(const GPT& m) {
   std::vector<const Tensor*> out;
   for (const auto& blk : m.blocks)
-    for (const Linear* l : block_linears(*blk)) out.push_back(&l->weight);
+    for (const Linear* l : block_linears(*blk))
+      if (l != nullptr) out.push_back(&l->weight);
   out.push_back(&m.lm_head_weight());
   return out;
 }

@@ -55,21 +55,6 @@ std::string now_iso() {
   return buf;
 }
 
-// The validation curve of a finished run, read back from its log.
-json read_curve(const fs::path& dir) {
-  json curve = json::array();
-  std::ifstream log(dir / "log.jsonl");
-  for (std::string line; std::getline(log, line);) {
-    const json j = json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("val_loss")) continue;
-    // train_loss is null at step 0, which trained nothing.
-    curve.push_back({{"step", j["step"]},
-                     {"val_loss", j["val_loss"]},
-                     {"train_loss", j.value("train_loss", json())}});
-  }
-  return curve;
-}
-
 double mean_train_tokens_per_s(const fs::path& dir) {
   std::ifstream log(dir / "log.jsonl");
   double sum = 0;
@@ -84,6 +69,28 @@ double mean_train_tokens_per_s(const fs::path& dir) {
 }
 
 }  // namespace
+
+json read_curve(const fs::path& dir) {
+  json curve = json::array();
+  std::ifstream log(dir / "log.jsonl");
+  for (std::string line; std::getline(log, line);) {
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("val_loss")) continue;
+    // train_loss is null at step 0, which trained nothing.
+    curve.push_back({{"step", j["step"]},
+                     {"val_loss", j["val_loss"]},
+                     {"train_loss", j.value("train_loss", json())}});
+  }
+  return curve;
+}
+
+std::pair<double, double> mean_std(const std::vector<double>& xs) {
+  double sum = 0, sum2 = 0;
+  for (double x : xs) sum += x, sum2 += x * x;
+  const double n = static_cast<double>(xs.size()), mean = sum / n;
+  const double sd = n > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
+  return {mean, sd};
+}
 
 fs::path ablation_run_dir(const AblateConfig& cfg, int64_t kv, int seed_index) {
   return fs::path(cfg.out_dir) / "runs" / ("kv" + std::to_string(kv) + "_seed" + std::to_string(seed_index));
@@ -329,16 +336,10 @@ json record_kv_quality(const AblateConfig& cfg, int64_t kv) {
         kv_cache_quality_on(*lm.model, corpus.val, cfg.kv_dtypes, cfg.quality_windows));
   }
   auto stats = [&](size_t d, double KVQuality::*field) {
-    double sum = 0, sum2 = 0;
-    json per_seed = json::array();
-    for (const auto& q : seeds) {
-      sum += q[d].*field;
-      sum2 += q[d].*field * (q[d].*field);
-      per_seed.push_back(q[d].*field);
-    }
-    const double n = static_cast<double>(seeds.size()), mean = sum / n;
-    const double sd = n > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
-    return std::tuple{mean, sd, per_seed};
+    std::vector<double> per_seed;
+    for (const auto& q : seeds) per_seed.push_back(q[d].*field);
+    const auto [mean, sd] = mean_std(per_seed);
+    return std::tuple{mean, sd, json(per_seed)};
   };
   json out = json::array();
   for (size_t d = 0; d < cfg.kv_dtypes.size(); ++d) {
@@ -366,8 +367,8 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
                      std::vector<double>& serve_rates) {
   json v;
   v["n_kv_head"] = kv;
-  json val_losses = json::array();
-  double sum = 0, sum2 = 0, train_tps = 0;
+  std::vector<double> vals;
+  double train_tps = 0;
   for (int s = 0; s < cfg.seeds; ++s) {
     const fs::path dir = run_dir(cfg, kv, s);
     json run;
@@ -379,16 +380,14 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
     run["val_loss"] = val;
     run["train_tokens_per_s"] = mean_train_tokens_per_s(dir);
     train_tps += run["train_tokens_per_s"].get<double>();
-    sum += val;
-    sum2 += val * val;
+    vals.push_back(val);
     v["runs"].push_back(run);
   }
-  const double n = cfg.seeds;
-  const double mean = sum / n;
+  const auto [mean, sd] = mean_std(vals);
   v["val_loss_mean"] = mean;
-  v["val_loss_std"] = cfg.seeds > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
+  v["val_loss_std"] = sd;
   v["bpc"] = mean / std::log(2.0);
-  v["train_tokens_per_s"] = train_tps / n;
+  v["train_tokens_per_s"] = train_tps / cfg.seeds;
 
   std::fprintf(stderr, "measuring n_kv_head=%lld: cache, decode speed, samples\n",
                static_cast<long long>(kv));

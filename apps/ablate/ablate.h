@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -63,6 +64,11 @@ std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_hea
 
 // Where run (n_kv_head kv, seed index seed_index) of the sweep lives: out_dir/runs/kv<kv>_seed<i>.
 std::filesystem::path ablation_run_dir(const AblateConfig& cfg, int64_t kv, int seed_index);
+
+// The validation curve of a run, read back from its log.jsonl: [{step, val_loss, train_loss}].
+nlohmann::json read_curve(const std::filesystem::path& dir);
+// Mean and sample standard deviation (0 for one value) of xs, over seeds.
+std::pair<double, double> mean_std(const std::vector<double>& xs);
 
 // Trains (or reuses / resumes) every run, measures, writes the report into cfg.out_dir and
 // returns results.json's document. Progress goes to stderr.

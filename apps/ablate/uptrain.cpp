@@ -95,27 +95,6 @@ bool init_matches(const fs::path& init, const std::string& src_hash, KVHeadInit 
   }
 }
 
-json curve_of(const fs::path& dir) {
-  json curve = json::array();
-  std::ifstream log(dir / "log.jsonl");
-  for (std::string line; std::getline(log, line);) {
-    const json j = json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("val_loss")) continue;
-    curve.push_back({{"step", j["step"]},
-                     {"val_loss", j["val_loss"]},
-                     {"train_loss", j.value("train_loss", json())}});
-  }
-  return curve;
-}
-
-std::pair<double, double> mean_std(const std::vector<double>& xs) {
-  double sum = 0, sum2 = 0;
-  for (double x : xs) sum += x, sum2 += x * x;
-  const double n = static_cast<double>(xs.size()), mean = sum / n;
-  const double sd = n > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0;
-  return {mean, sd};
-}
-
 // One uptrain run: reused when finished from this source by this method with this config,
 // resumed from last.h5 when stopped, else converted afresh and trained.
 void uptrain_one(const TrainConfig& planned, const LoadedModel& src, const std::string& src_hash,
@@ -204,7 +183,7 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
             detail::cat("uptrain ", ++done, "/", stats.uptrain_runs_total, " kv=", kv, " ",
                         kv_head_init_name(method), " seed=", c.seed);
         uptrain_one(c, src, src_hash, method, label, stats);
-        json run{{"seed", c.seed}, {"curve", curve_of(c.out_dir)}};
+        json run{{"seed", c.seed}, {"curve", read_curve(c.out_dir)}};
         const json& curve = run["curve"];
         KVLAB_CHECK(curve.size() >= 2 && curve.front()["step"] == 0 &&
                         curve.back()["step"] == steps,

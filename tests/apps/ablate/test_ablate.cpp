@@ -41,6 +41,17 @@ class AblateTest : public testing::TestDirFixture {
     c.out_dir = (dir_ / out).string();
     return c;
   }
+
+  // plan_ablation(c) fails with a message containing `needle`, before any run is written.
+  static void expect_error(AblateConfig c, const std::string& needle) {
+    try {
+      plan_ablation(c);
+      FAIL() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(fs::path(c.out_dir) / "runs"));
+  }
 };
 
 TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
@@ -207,15 +218,6 @@ TEST_F(AblateTest, AnotherCorpusIsAnErrorNotAReuse) {
 }
 
 TEST_F(AblateTest, BadInputFailsBeforeTraining) {
-  auto expect_error = [&](AblateConfig c, const std::string& needle) {
-    try {
-      plan_ablation(c);
-      FAIL() << "no error for " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_FALSE(fs::exists(fs::path(c.out_dir) / "runs"));
-  };
   AblateConfig c = config();
   c.kv_heads = {4, 3};
   expect_error(c, "not divisible by n_kv_head = 3");
@@ -314,15 +316,6 @@ TEST_F(AblateTest, UptrainConvertsEachSeedsMhaRunAndReusesFinishedRuns) {
 }
 
 TEST_F(AblateTest, UptrainTheSweepCannotServeFailsBeforeTraining) {
-  auto expect_error = [&](AblateConfig c, const std::string& needle) {
-    try {
-      plan_ablation(c);
-      FAIL() << "no error for " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-    EXPECT_FALSE(fs::exists(fs::path(c.out_dir) / "runs"));
-  };
   AblateConfig c = config();
   c.uptrain = 1.5;
   expect_error(c, "--uptrain 1.5 must be a fraction of the sweep's steps in (0, 1]");
