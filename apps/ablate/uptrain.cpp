@@ -202,6 +202,10 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
     for (const json& v : variants)
       if (v["n_kv_head"] == kv) scratch = &v;
     KVLAB_CHECK(scratch != nullptr, "ablate: --uptrain: no from-scratch variant at n_kv_head ", kv);
+    // A converted model keeps the multi-head MLP; with --param-matched the from-scratch one is
+    // wider: the report says so where the counts differ.
+    const int64_t converted_params =
+        count_parameters(uptrain_run_config(runs.front(), kv, cfg.uptrain, "").model);
     for (size_t m = 0; m < cfg.uptrain_methods.size(); ++m) {
       json e{{"n_kv_head", kv}, {"method", kv_head_init_name(cfg.uptrain_methods[m])}};
       std::vector<double> conv, up;
@@ -219,6 +223,8 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
       e["val_loss_uptrained_std"] = us;
       e["val_loss_scratch_mean"] = (*scratch)["val_loss_mean"];
       e["val_loss_scratch_std"] = (*scratch)["val_loss_std"];
+      e["params_uptrained"] = converted_params;
+      e["params_scratch"] = (*scratch)["params"];
       e["uptrain_steps"] = steps;
       e["scratch_steps"] = b.iters;
       e["scratch_tokens"] = b.iters * tokens_per_step;

@@ -639,6 +639,24 @@ Table uptrain_table(const Uptrain& u) {
   return t;
 }
 
+// Where a converted model (the multi-head MLP, fewer KV heads) and the from-scratch one differ
+// in size (a --param-matched sweep widens the latter's MLP), saying so: the gap then mixes the
+// KV heads with the parameter count.
+std::string size_note(const Uptrain& u) {
+  std::string out;
+  std::set<int> said;
+  for (const UptrainEntry& e : u.entries) {
+    const auto up = number(*e.j, "params_uptrained"), scratch = number(*e.j, "params_scratch");
+    if (!up || !scratch || *up == *scratch || !said.insert(e.n_kv).second) continue;
+    out += std::string(out.empty() ? "" : "; ") + "n_kv_head " + std::to_string(e.n_kv) + ": " +
+           fmt("%.0f", *up) + " parameters converted, " + fmt("%.0f", *scratch) + " from scratch";
+  }
+  if (out.empty()) return out;
+  return "The two sides differ in size (" + out +
+         "): a converted model keeps the multi-head MLP while the from-scratch one was "
+         "parameter-matched, so each gap to scratch mixes sharing KV heads with model size.";
+}
+
 std::string uptrain_note(const Uptrain& u) {
   std::string lr = u.j->value("lr_schedule", std::string());
   return "Each seed's multi-head run (n_kv_head " +
@@ -715,6 +733,7 @@ std::vector<std::string> uptrain_findings(const Uptrain& u) {
                     pm(*e.scratch, e.scratch_sd.value_or(0), "%.4f") + "): " + gaps + ".");
     }
   }
+  if (std::string sizes = size_note(u); !sizes.empty()) out.push_back(std::move(sizes));
   return out;
 }
 

@@ -281,6 +281,9 @@ TEST_F(AblateTest, UptrainConvertsEachSeedsMhaRunAndReusesFinishedRuns) {
     EXPECT_EQ(e["uptrained_tokens"], (18 + steps) * 4 * 16);
     // From scratch is the sweep's own n_kv_head = 2 variant.
     EXPECT_EQ(e["val_loss_scratch_mean"], r["variants"][1]["val_loss_mean"]);
+    // Not parameter-matched: the converted and from-scratch models are the same shape.
+    EXPECT_EQ(e["params_scratch"], r["variants"][1]["params"]);
+    EXPECT_EQ(e["params_uptrained"], e["params_scratch"]);
     ASSERT_EQ(e["runs"].size(), 2u);
     for (int s = 0; s < 2; ++s) {
       const auto& run = e["runs"][s];

@@ -460,6 +460,22 @@ TEST(FormatTable, UptrainTableAndFindings) {
       << one;
   // Without the section nothing of it shows.
   EXPECT_EQ(format_table(fixture()).find("uptrain"), std::string::npos);
+  // Equal parameter counts say nothing of size; a parameter-matched sweep's wider from-scratch
+  // model is named.
+  json same = with_uptrain(fixture());
+  json wider = same;
+  for (json& e : same["uptrain"]["entries"]) e["params_uptrained"] = e["params_scratch"] = 5000;
+  for (json& e : wider["uptrain"]["entries"]) {
+    e["params_uptrained"] = 5000;
+    e["params_scratch"] = 5400;
+  }
+  EXPECT_EQ(format_table(same).find("differ in size"), std::string::npos);
+  EXPECT_NE(format_table(wider).find("The two sides differ in size (n_kv_head 2: 5000 parameters "
+                                     "converted, 5400 from scratch): a converted model keeps the "
+                                     "multi-head MLP while the from-scratch one was "
+                                     "parameter-matched"),
+            std::string::npos)
+      << format_table(wider);
 }
 
 TEST_F(ReportFiles, UptrainSectionAndPlot) {
