@@ -289,10 +289,12 @@ void add_generate_command(CLI::App& root) {
   cmd->add_flag("--no-cache", args->no_cache,
                 "Recompute the whole sequence at every step (no KV cache), for comparison");
   cmd->add_flag("--slide", args->slide,
-                "At the context limit, re-prefill the last block_size-1 tokens and go on: "
-                "positions restart at 0 with learned positions and with RoPE alike (RoPE's "
-                "cached keys were turned by their old positions, so they are recomputed too); "
-                "each further token costs a prefill");
+                "Go on past the context limit. Learned positions: re-prefill the last "
+                "block_size-1 tokens at positions 0.. (each further token costs a prefill). "
+                "RoPE: drop the cache's oldest --kv-block-size positions (with --cache "
+                "contiguous 16, at most half the context) and go on from it, positions counting "
+                "on: a sliding window, nothing recomputed (with --no-cache, or blocks over half "
+                "the context, it re-prefills)");
   cmd->add_option("--stop", args->stop,
                   "Stop a row once its text contains this string "
                   "(repeatable; not printed)");

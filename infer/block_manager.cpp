@@ -217,7 +217,7 @@ void BlockManager::commit(SeqId id, std::span<const int32_t> tokens) {
     s.pending.push_back(t);
     if (static_cast<int64_t>(s.pending.size()) < block_size_) continue;
     const uint64_t key = chain(s.last_key, s.pending);
-    if (prefix_caching_ && !blk.key && keyed_.count(key) == 0) {
+    if (prefix_caching_ && s.keyed && !blk.key && keyed_.count(key) == 0) {
       blk.key = key;
       blk.parent_key = s.last_key;
       blk.tokens = s.pending;
@@ -231,6 +231,20 @@ void BlockManager::commit(SeqId id, std::span<const int32_t> tokens) {
 const std::vector<BlockId>& BlockManager::table(SeqId id) const { return seq(id).table; }
 
 int64_t BlockManager::length(SeqId id) const { return seq(id).length; }
+
+int64_t BlockManager::offset(SeqId id) const { return seq(id).offset; }
+
+void BlockManager::drop_front(SeqId id, int64_t n_blocks) {
+  Sequence& s = seq(id);
+  const int64_t n = n_blocks * block_size_;
+  KVLAB_CHECK(n_blocks >= 1 && n <= s.length, "paged KV cache: sequence ", id, " holds ",
+              s.length, " positions, cannot drop ", n_blocks, " blocks of ", block_size_);
+  for (int64_t i = 0; i < n_blocks; ++i) release(s.table[static_cast<size_t>(i)]);
+  s.table.erase(s.table.begin(), s.table.begin() + n_blocks);
+  s.length -= n;
+  s.offset += n;
+  s.keyed = false;
+}
 
 std::vector<SeqId> BlockManager::sequences() const {
   std::vector<SeqId> ids;

@@ -90,9 +90,17 @@ class BlockManager {
   // keyed for prefix caching.
   void commit(SeqId id, std::span<const int32_t> tokens);
 
+  // Drops the first n_blocks blocks of `id`, all full: each loses a holder, and the sequence
+  // holds the positions after them from its table's start (its length shrinks and its
+  // offset grows by n_blocks * block_size). Blocks it fills from then on are not keyed: their
+  // keys and values were computed in a window that had left the sequence's start behind, so
+  // no prompt's prefix can take them.
+  void drop_front(SeqId id, int64_t n_blocks);
+
   bool contains(SeqId id) const { return seqs_.count(id) != 0; }
   const std::vector<BlockId>& table(SeqId id) const;
   int64_t length(SeqId id) const;
+  int64_t offset(SeqId id) const;  // positions drop_front dropped
   std::vector<SeqId> sequences() const;
   int ref_count(BlockId b) const;
   bool is_free(BlockId b) const;
@@ -114,6 +122,8 @@ class BlockManager {
     int64_t length = 0;
     uint64_t last_key = 0;         // key of the last full block (model_key before any)
     std::vector<int32_t> pending;  // tokens of the partly filled last block
+    int64_t offset = 0;
+    bool keyed = true;  // false once it dropped blocks: what it fills then is not keyed
   };
 
   Sequence& seq(SeqId id);

@@ -506,12 +506,20 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     caches.emplace_back(cache.layer_rows(static_cast<int>(l), 1), B, NKV, HS, lengths_);
   const float* wte_w = model_.wte.weight.data<float>();
   const float* wpe_w = model_.wpe ? model_.wpe->weight.data<float>() : nullptr;
-  // RoPE: the table and each row's position (this step's), rotating q and k in place.
-  const float* rope = cfg.rope() ? model_.rope_table().data<float>() : nullptr;
+  // RoPE: each row's position (this step's: past its slots by what it dropped) and the table,
+  // rotating q and k in place.
   positions_.resize(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b)
-    positions_[static_cast<size_t>(b)] = static_cast<int32_t>(lengths_[static_cast<size_t>(b)] - 1);
+  int64_t max_position = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = cache.position_offsets()[static_cast<size_t>(b)];
+    KVLAB_CHECK(first == 0 || cfg.rope(), "decode step: row ", b, " of the cache dropped its first ",
+                first, " positions, which only RoPE positions go on past");
+    positions_[static_cast<size_t>(b)] =
+        static_cast<int32_t>(first + lengths_[static_cast<size_t>(b)] - 1);
+    max_position = std::max<int64_t>(max_position, positions_[static_cast<size_t>(b)] + 1);
+  }
   const int32_t* positions = positions_.data();
+  const float* rope = cfg.rope() ? model_.rope_table(max_position).data<float>() : nullptr;
   const int threads = omp_get_max_threads();
   Tensor logits = Tensor::empty({B, 1, V});  // (B, 1, V)
   float* out = logits.data<float>();

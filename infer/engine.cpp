@@ -159,6 +159,9 @@ class Engine::Generation {
   const GenerateOptions& opts_;
   const int64_t block_, V_;
   const int64_t keep_;  // known tokens a slide re-prefills (the pending one follows)
+  // A cached slide of a RoPE model drops the oldest drop_ positions instead (Engine::slide_drop).
+  const int64_t drop_;
+  const bool rolling_;
   std::vector<Row> rows_;
   int64_t max_window_ = 0;
   GenerationResult result_;
@@ -280,6 +283,13 @@ GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
   return *cache_;
 }
 
+int64_t Engine::slide_drop() const {
+  const int64_t block = model_.config().block_size;
+  if (!model_.config().rope()) return 0;
+  if (paged_) return 2 * paged_->kv_block_size <= block ? paged_->kv_block_size : 0;
+  return std::min(PagedCacheOptions{}.kv_block_size, std::max<int64_t>(1, block / 2));
+}
+
 std::optional<BlockStats> Engine::block_stats() const {
   if (!blocks_) return std::nullopt;
   return blocks_->stats();
@@ -320,7 +330,9 @@ Engine::Generation::Generation(Engine& engine, const std::vector<std::vector<int
       opts_(opts),
       block_(engine.model_.config().block_size),
       V_(engine.model_.config().vocab_size),
-      keep_(block_ - 1) {
+      keep_(block_ - 1),
+      drop_(engine.slide_drop()),
+      rolling_(opts.slide && opts.use_cache && drop_ > 0) {
   const int64_t prompt_keep = std::max<int64_t>(1, keep_);  // of a prompt longer than block
   const int64_t R = static_cast<int64_t>(prompts.size()) * opts.n;
   rows_.reserve(static_cast<size_t>(R));
@@ -454,8 +466,9 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
   Tensor tokens;  // (n, 1), reused while the number of running rows stays the same
   for (int64_t step = 0; !slot_row.empty(); ++step) {
     const auto t0 = Clock::now();
-    // A full cache: stop, or slide (re-prefill the last block_size - 1 known tokens; the
-    // pending token is then fed by the batched step below like any other row's).
+    // A full cache: stop, or slide: drop the oldest positions with RoPE, else re-prefill the
+    // last block_size - 1 known tokens; the pending token is then fed by the batched step
+    // below like any other row's.
     for (size_t s = 0; s < slot_row.size(); ++s) {
       const int64_t r = slot_row[s];
       Row& rw = row(r);
@@ -464,9 +477,14 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
         finish(r, StopReason::ContextLimit);
         continue;
       }
+      ++rw.slides;
+      if (rolling_) {  // RoPE: forget the oldest positions and go on from the cache
+        cache.drop_front(static_cast<int64_t>(s), drop_);
+        rw.window_start += drop_;
+        continue;
+      }
       const int64_t n_seq = static_cast<int64_t>(rw.seq.size());
       rw.window_start = n_seq - 1 - keep_;
-      ++rw.slides;
       cache.reset_row(static_cast<int64_t>(s));
       if (keep_ == 0) continue;  // block_size 1: nothing to re-prefill
       Tensor known = Tensor::empty({1, keep_}, DType::I32);

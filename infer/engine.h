@@ -17,25 +17,31 @@
 // the batch (the last running row's cache moves into the freed slot), so later steps do not
 // spend time on them.
 //
-// Context limit: a model attends over at most block_size positions (a learned table's, and
-// RoPE's table, which its training never went past). A
-// row whose cache holds block_size positions has produced the token predicted from the last
-// one and stops there (prompt + generated = block_size + 1 tokens), reason ContextLimit.
-// With `slide`, it instead resets its cache row, re-prefills its last block_size - 1 known
-// tokens there and goes on: the pending token is then fed at position block_size - 1 by the
-// next batched step, so every later token is predicted from the last block_size tokens (the
-// most the model can see, as nanoGPT's crop does). With RoPE too: its cached keys are turned
-// by their positions, and the window's restart at 0. Trade-offs: positions restart at 0, so the
-// same text sits at other positions than before and everything before the window is
-// forgotten (quality may differ from a model with a longer context); and each token past the
-// limit costs a prefill of block_size - 1 tokens (O(block_size) projections and MLP work,
-// O(block_size^2) attention) instead of one decode step, so generation past the limit runs at
-// prefill speed. A prompt longer than block_size is an error unless `slide` is set, which
-// keeps its last block_size - 1 tokens.
+// Context limit: a model attends over at most block_size positions (the most its training
+// saw). A row whose cache holds block_size positions has produced the token predicted from
+// the last one and stops there (prompt + generated = block_size + 1 tokens), reason
+// ContextLimit. With `slide` it goes on, in one of two ways:
+//  - Learned positions: it resets its cache row, re-prefills its last block_size - 1 known
+//    tokens there, and the pending token is fed at position block_size - 1 by the next
+//    batched step, so every later token is predicted from the last block_size tokens at
+//    positions 0 .. (as nanoGPT's crop does). Each token past the limit costs a prefill of
+//    block_size - 1 tokens (O(block_size) projections, O(block_size^2) attention) instead of
+//    one decode step: generation past the limit runs at prefill speed.
+//  - RoPE, cached (where slide_drop() > 0): the row drops its oldest slide_drop() positions
+//    (drop_front) and goes on from its cache, positions counting on past block_size.
+//    Attention sees only the differences of rotated positions, so no key is recomputed: a
+//    slide costs a few copies (none in the paged cache, which frees whole blocks). Every
+//    token attends to the last block_size - slide_drop() + 1 to block_size positions (a
+//    sliding window, as Mistral's); unlike a re-prefill, the keys and values kept were
+//    computed while older tokens were still in view.
+// Either way what lies before the window is forgotten. A prompt longer than block_size is an
+// error unless `slide` is set, which keeps its last block_size - 1 tokens.
 //
 // use_cache = false recomputes the whole window at every step (one forward of the full
 // sequence per row, no cache): the reference for the cache-on/off comparison and the tests.
-// Both modes see the same windows, so with greedy sampling they produce the same text.
+// Both modes see the same windows, so with greedy sampling they produce the same text, but
+// for RoPE models past the context with `slide`: recomputing has no cache to go on from, so
+// it re-prefills (the learned positions' way), and the two then differ.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -101,7 +107,7 @@ struct RowResult {
   std::vector<int32_t> tokens;  // generated token ids (including any that form a stop string)
   std::string text;             // decoded generated text, cut before a stop string
   StopReason stop_reason = StopReason::MaxNewTokens;
-  int64_t slides = 0;  // re-prefills past the context limit
+  int64_t slides = 0;  // slides past the context limit (re-prefills, or RoPE's drops)
   double ttft_s = 0;   // start of generate() until this row's first token
 };
 
@@ -205,6 +211,11 @@ class Engine {
   // The fused CPU decode step; decode_step().enabled = false runs every step op by op.
   DecodeStep& decode_step() { return step_; }
   const DecodeStep& decode_step() const { return step_; }
+  // Positions a full cache row of a RoPE model drops to slide on: the paged cache's
+  // kv_block_size (it frees whole blocks), else 16 (at most half the context); 0 where a slide
+  // re-prefills instead: learned positions, or a paged cache whose blocks are more than half
+  // the context (dropping one would leave too little of it).
+  int64_t slide_drop() const;
   // One cached forward of tokens (B, T) -> the last position's logits (B, 1, V), as generate
   // runs each: the cache's prepare(), then through the decode step where it applies
   // (DecodeStep::applies), else through the model. all_positions: every position's logits

@@ -68,10 +68,12 @@ class ContiguousKVCache::RowRange final : public DecodeKVCache {
   void select(int64_t first, int64_t count) {
     first_ = first;
     lengths_.assign(parent_.lengths_.begin() + first, parent_.lengths_.begin() + first + count);
+    offsets_.assign(parent_.offsets_.begin() + first, parent_.offsets_.begin() + first + count);
   }
   int64_t batch() const override { return static_cast<int64_t>(lengths_.size()); }
   int64_t capacity() const override { return parent_.capacity_; }
   const std::vector<int64_t>& lengths() const override { return lengths_; }
+  const std::vector<int64_t>& position_offsets() const override { return offsets_; }
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
     return parent_.append_rows(layer, first_, k, v);
   }
@@ -89,7 +91,7 @@ class ContiguousKVCache::RowRange final : public DecodeKVCache {
  private:
   ContiguousKVCache& parent_;
   int64_t first_ = 0;
-  std::vector<int64_t> lengths_;
+  std::vector<int64_t> lengths_, offsets_;
 };
 
 ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity,
@@ -127,6 +129,7 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
       v_rows_.push_back(static_cast<char*>(v_[static_cast<size_t>(l)].raw_data()) + at);
     }
   lengths_.assign(static_cast<size_t>(max_batch), 0);
+  offsets_.assign(static_cast<size_t>(max_batch), 0);
   range_ = std::make_unique<RowRange>(*this);
 }
 
@@ -269,11 +272,13 @@ void ContiguousKVCache::advance(int64_t T) {
 void ContiguousKVCache::reset() {
   batch_ = max_batch_;
   lengths_.assign(static_cast<size_t>(max_batch_), 0);
+  offsets_.assign(static_cast<size_t>(max_batch_), 0);
 }
 
 void ContiguousKVCache::reset_row(int64_t b) {
   KVLAB_CHECK(b >= 0 && b < batch_, "kv cache: row ", b, " outside the ", batch_, " active rows");
   lengths_[static_cast<size_t>(b)] = 0;
+  offsets_[static_cast<size_t>(b)] = 0;
 }
 
 DecodeKVCache& ContiguousKVCache::rows(int64_t first, int64_t count) {
@@ -292,6 +297,7 @@ void ContiguousKVCache::move_row(int64_t src, int64_t dst) {
     for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]})
       view(*buf, dst, 1, len).copy_from(view(*buf, src, 1, len));  // the valid positions only
   lengths_[static_cast<size_t>(dst)] = len;
+  offsets_[static_cast<size_t>(dst)] = offsets_[static_cast<size_t>(src)];
 }
 
 void ContiguousKVCache::fork_row(int64_t src, int64_t dst) { move_row(src, dst); }
@@ -305,6 +311,25 @@ void ContiguousKVCache::truncate_batch(int64_t count) {
               " active rows");
   batch_ = count;
   lengths_.resize(static_cast<size_t>(count));
+  offsets_.resize(static_cast<size_t>(count));
+}
+
+void ContiguousKVCache::drop_front(int64_t b, int64_t n) {
+  KVLAB_CHECK(b >= 0 && b < batch_, "kv cache: row ", b, " outside the ", batch_, " active rows");
+  const int64_t len = lengths_[static_cast<size_t>(b)], rest = len - n;
+  KVLAB_CHECK(n >= 1 && n <= len, "kv cache: row ", b, " holds ", len, " positions, cannot drop ",
+              n);
+  const int64_t sh = capacity_ * row_, sb = n_kv_head_ * sh;
+  for (int64_t l = 0; l < n_layer_ && rest > 0; ++l)
+    for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]}) {
+      // Through a copy: the two ranges overlap when more is kept than dropped.
+      Tensor tail = Tensor::empty({1, n_kv_head_, rest, row_}, dtype_, buf->device());
+      tail.copy_from(buf->as_strided({1, n_kv_head_, rest, row_}, {sb, sh, row_, 1},
+                                     b * sb + n * row_));
+      view(*buf, b, 1, rest).copy_from(tail);
+    }
+  lengths_[static_cast<size_t>(b)] = rest;
+  offsets_[static_cast<size_t>(b)] += n;
 }
 
 int64_t ContiguousKVCache::bytes() const {

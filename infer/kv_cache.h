@@ -118,6 +118,12 @@ class GenerationKVCache : public DecodeKVCache {
   virtual int64_t reuse_prefix(int64_t /*row*/, std::span<const int32_t> /*tokens*/) { return 0; }
   // Keeps active rows [0, count) and drops the rest (count <= batch()).
   virtual void truncate_batch(int64_t count) = 0;
+  // Row b forgets its oldest n cached positions (0 < n <= its length): the rest move to the
+  // front, keeping the keys and values they were computed with, and its position offset grows
+  // by n. What lets a RoPE model go on past its context without a re-prefill (its keys are
+  // rotated at their positions, and attention sees only their differences). A paged cache
+  // drops whole blocks: n a multiple of its kv_block_size.
+  virtual void drop_front(int64_t b, int64_t n) = 0;
   // The memory this cache holds, measured from its allocations (not computed from a formula).
   virtual int64_t bytes() const = 0;
   // Positions the active rows store (one held by several rows counted once), and positions
@@ -141,6 +147,7 @@ class ContiguousKVCache final : public GenerationKVCache {
   int64_t batch() const override { return batch_; }
   int64_t capacity() const override { return capacity_; }
   const std::vector<int64_t>& lengths() const override { return lengths_; }
+  const std::vector<int64_t>& position_offsets() const override { return offsets_; }
   // k, v (B, NKV, T, HS), any strides: copied into each row at its length. Returns narrow
   // views (B, NKV, max(lengths) + T, HS) of the buffers (row b valid up to lengths[b] + T).
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
@@ -158,6 +165,7 @@ class ContiguousKVCache final : public GenerationKVCache {
   void move_row(int64_t src, int64_t dst) override;  // copies
   void fork_row(int64_t src, int64_t dst) override;  // copies, as move_row does
   void truncate_batch(int64_t count) override;
+  void drop_front(int64_t b, int64_t n) override;  // moves the rest down (a copy per layer)
   int64_t bytes() const override;
   // Every active row's length; held: the whole allocation, max_batch * capacity.
   int64_t positions_stored() const override;
@@ -195,6 +203,7 @@ class ContiguousKVCache final : public GenerationKVCache {
   // (L, B_max): where each row of each layer's buffers starts, for layer_rows.
   std::vector<void*> k_rows_, v_rows_;
   std::vector<int64_t> lengths_;  // (batch_) cached positions per active row
+  std::vector<int64_t> offsets_;  // (batch_) position_offsets()
   std::unique_ptr<RowRange> range_;
 };
 

@@ -86,6 +86,8 @@ void PagedKVCache::refresh() {
     }
   lengths_.clear();
   for (const SeqId id : ids_) lengths_.push_back(blocks_.length(id));
+  offsets_.clear();
+  for (const SeqId id : ids_) offsets_.push_back(blocks_.offset(id));
   table_.clear();
   view_.table = nullptr;
   reserved_ = 0;
@@ -172,6 +174,15 @@ void PagedKVCache::truncate_batch(int64_t count) {
               ") outside [0, ", batch(), "]");
   for (size_t b = static_cast<size_t>(count); b < ids_.size(); ++b) blocks_.free(ids_[b]);
   ids_.resize(static_cast<size_t>(count));
+  refresh();
+}
+
+void PagedKVCache::drop_front(int64_t b, int64_t n) {
+  KVLAB_CHECK(parent_ == nullptr, "paged KV cache: drop_front() of a rows() view");
+  KVLAB_CHECK(b >= 0 && b < batch(), "paged KV cache: row ", b, " outside [0, ", batch(), ")");
+  KVLAB_CHECK(n % block_len_ == 0, "paged KV cache: drops whole blocks of ", block_len_,
+              " positions, not ", n);
+  blocks_.drop_front(ids_[static_cast<size_t>(b)], n / block_len_);
   refresh();
 }
 

@@ -67,6 +67,7 @@ class PagedKVCache final : public GenerationKVCache {
   int64_t batch() const override { return static_cast<int64_t>(ids_.size()); }
   int64_t capacity() const override { return capacity_; }
   const std::vector<int64_t>& lengths() const override { return lengths_; }
+  const std::vector<int64_t>& position_offsets() const override { return offsets_; }
   // k, v (B, NKV, T, HS) f32, any strides, T as reserved: written at each row's positions
   // lengths()[b] .. + T - 1 through its block table. Returns the layer's pools.
   std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override;
@@ -93,6 +94,8 @@ class PagedKVCache final : public GenerationKVCache {
   // BlockManager::take_prefix for the row's sequence.
   int64_t reuse_prefix(int64_t row, std::span<const int32_t> tokens) override;
   void truncate_batch(int64_t count) override;
+  // BlockManager::drop_front: n a multiple of kv_block_size.
+  void drop_front(int64_t b, int64_t n) override;
   // The manager's blocks in use times the bytes one block takes in every layer's pools (and an
   // fp8 cache's scales).
   int64_t bytes() const override;
@@ -139,6 +142,7 @@ class PagedKVCache final : public GenerationKVCache {
   std::vector<void*> k_rows_, v_rows_;
   std::vector<SeqId> ids_;
   std::vector<int64_t> lengths_;  // (batch) the sequences' lengths before the current forward
+  std::vector<int64_t> offsets_;  // (batch) the sequences' offsets
   std::vector<int32_t> table_;    // (batch, width_) the sequences' block tables, -1 past them
   KVBlocks view_{};               // over table_
   std::vector<int32_t> tokens_;   // the reserved forward's tokens, (batch, reserved_)

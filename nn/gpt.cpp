@@ -184,13 +184,18 @@ void GPT::round_matrices_to_bf16() {
   for (Tensor& w : matrices) w.copy_from(w.to(DType::BF16));
 }
 
-const Tensor& GPT::rope_table() const {
+const Tensor& GPT::rope_table(int64_t positions) const {
   if (!cfg_.rope()) return rope_table_;  // undefined
   const Tensor& w = wte.weight;
-  if (!rope_table_.defined() || rope_table_.device() != w.device() ||
-      rope_table_.dtype() != w.dtype())
-    rope_table_ = kvlab::rope_table(cfg_.block_size, cfg_.head_size(), cfg_.rope_theta, w.dtype(),
-                                    w.device());
+  const bool fits = rope_table_.defined() && rope_table_.device() == w.device() &&
+                    rope_table_.dtype() == w.dtype() && rope_table_.size(0) >= positions;
+  if (!fits) {
+    int64_t P = std::max(cfg_.block_size, positions);
+    if (rope_table_.defined() && positions > rope_table_.size(0))
+      P = std::max(P, 2 * rope_table_.size(0));
+    rope_table_ = Tensor();  // free first
+    rope_table_ = kvlab::rope_table(P, cfg_.head_size(), cfg_.rope_theta, w.dtype(), w.device());
+  }
   return rope_table_;
 }
 
@@ -207,6 +212,7 @@ Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
   ctx.dropout_on = training() && cfg_.dropout > 0 && grad_enabled();
   if (ctx.dropout_on) ctx.dropout_seed = dropout_gen_.next_u64();
   Tensor pos;  // (T) shared by all rows, or (B, T) with RoPE or rows continuing from a cache
+  int64_t max_position = T;  // one past the last position any row reaches
   if (cache == nullptr) {
     KVLAB_CHECK(T <= cfg_.block_size, "gpt: sequence of ", T, " tokens exceeds block_size ",
                 cfg_.block_size);
@@ -219,20 +225,23 @@ Tensor GPT::forward(const Tensor& tokens_in, KVCache* cache, bool last_only) {
     pos = Tensor::empty({B, T}, DType::I32);
     kv_lengths_.resize(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t len = cache->lengths()[b];
+      const int64_t len = cache->lengths()[b], first = cache->position_offsets()[b];
       KVLAB_CHECK(len + T <= cfg_.block_size && len + T <= cache->capacity(), "gpt: row ", b,
                   " would reach position ", len + T, " past the context limit (block_size ",
                   cfg_.block_size, ", cache capacity ", cache->capacity(), ")");
+      KVLAB_CHECK(first == 0 || cfg_.rope(), "gpt: row ", b, " of the cache dropped its first ",
+                  first, " positions, which only RoPE positions go on past");
       for (int64_t t = 0; t < T; ++t)
-        pos.data<int32_t>()[b * T + t] = static_cast<int32_t>(len + t);
+        pos.data<int32_t>()[b * T + t] = static_cast<int32_t>(first + len + t);
       kv_lengths_[static_cast<size_t>(b)] = len + T;
+      max_position = std::max(max_position, first + len + T);
     }
     ctx.kv_lengths = kv_lengths_;
   }
   Tensor x = wte.forward(tokens);  // (B, T, C)
   if (cfg_.rope()) {
     ctx.rope_positions = pos.to(dev);
-    ctx.rope_table = rope_table();
+    ctx.rope_table = rope_table(max_position);
   } else {
     x = add(x, wpe->forward(pos.to(dev)));
   }

@@ -103,9 +103,11 @@ class GPT : public Module {
   // the position table stay f32. The model is then one with bf16 matrices on every path and device, and the
   // fused CPU decode step (infer/decode_step.h) reads them in half the bytes.
   void round_matrices_to_bf16();
-  // RoPE's table (rope_table: block_size positions) in the model's dtype on its device, made
-  // once per device and dtype. Undefined without RoPE.
-  const Tensor& rope_table() const;
+  // RoPE's table (rope_table) in the model's dtype on its device, made once per device and
+  // dtype: block_size positions, or at least `positions` for a cache row that dropped its front
+  // and goes on past the context (grown by doubling, so a long generation remakes it a few
+  // times). Undefined without RoPE. A reference into the model: valid until the next call.
+  const Tensor& rope_table(int64_t positions = 0) const;
 
  private:
   mutable Tensor rope_table_;

@@ -19,6 +19,10 @@ class KVCache {
   virtual int64_t capacity() const = 0;  // S_max: positions each row can hold
   // Cached positions per row before the current forward.
   virtual const std::vector<int64_t>& lengths() const = 0;
+  // Per row, the sequence position its first cached slot holds: 0 unless the row dropped its
+  // oldest positions to go on past the context (GenerationKVCache::drop_front, RoPE only). Row
+  // b's slot i holds position position_offsets()[b] + i; its keys are rotated there.
+  virtual const std::vector<int64_t>& position_offsets() const = 0;
   // Stores k, v (B, NKV, T, HS) of `layer` at each row's current length and returns what the
   // attention op reads: views (B, NKV, S, HS) with S = max(lengths) + T, or, where kv_blocks()
   // is set, the layer's pools of blocks, read through it. A quantised cache's views hold its

@@ -158,6 +158,36 @@ TEST(BlockManager, OutOfBlocksIsReportedAndChangesNothing) {
   EXPECT_EQ(m.blocks_available(), 0);
 }
 
+// A slide drops whole blocks from the front: they lose a holder (a fork keeps them), the
+// sequence goes on from the next, and what it fills from then on is not offered to prompts.
+TEST(BlockManager, DropFrontReleasesWholeBlocksAndStopsKeying) {
+  BlockManager m(8, kBS, 1, true);
+  const std::vector<int32_t> prompt = iota_tokens(40, 100);
+  add_prompt(m, 0, prompt);
+  m.fork(0, 1);
+  const std::vector<BlockId> before = m.table(0);
+  m.drop_front(0, 2);
+  EXPECT_EQ(m.length(0), 8);
+  EXPECT_EQ(m.offset(0), 32);
+  EXPECT_EQ(m.table(0), std::vector<BlockId>{before[2]});
+  EXPECT_EQ(m.ref_count(before[0]), 1);  // still the fork's
+  EXPECT_EQ(m.offset(1), 0);
+  EXPECT_THROW(m.drop_front(0, 1), Error);  // 8 positions: no whole block
+  EXPECT_THROW(m.drop_front(0, 0), Error);
+  // Filling on: the block it fills is not keyed, while the prompt's first blocks stay cached.
+  const std::vector<int32_t> more = iota_tokens(8, 140);
+  ASSERT_TRUE(m.reserve(0, 8).has_value());  // copies the shared partly filled block
+  m.commit(0, more);
+  EXPECT_EQ(m.length(0), 16);
+  m.free(0);
+  m.free(1);
+  EXPECT_EQ(m.stats().cached, 2);
+  std::vector<int32_t> longer = prompt;
+  longer.insert(longer.end(), more.begin(), more.end());
+  longer.push_back(1);
+  EXPECT_EQ(add_prompt(m, 2, longer), 32);
+}
+
 TEST(BlockManager, BadInputIsAClearError) {
   EXPECT_THROW(BlockManager(8, 12, 1, true), Error);  // not a power of two
   EXPECT_THROW(BlockManager(0, kBS, 1, true), Error);
@@ -282,6 +312,13 @@ void random_operations(bool prefix_caching, uint32_t seed) {
       std::vector<int32_t> add(static_cast<size_t>(1 + pick(20)));
       for (int32_t& t : add) t = 2000 + pick(50);
       write(id, add);  // out of blocks leaves it as it was
+    } else if (kind == 8) {  // a slide: drop some of its whole blocks
+      const SeqId id = live[static_cast<size_t>(pick(static_cast<int>(live.size())))];
+      if (m.length(id) >= kBS) {
+        const int64_t n = 1 + pick(static_cast<int>(m.length(id) / kBS));
+        m.drop_front(id, n);
+        tokens[id].erase(tokens[id].begin(), tokens[id].begin() + n * kBS);
+      }
     } else {  // end
       const SeqId id = live[static_cast<size_t>(pick(static_cast<int>(live.size())))];
       m.free(id);

@@ -484,6 +484,9 @@ TEST(FusedDecode, ACacheTheStepCannotUseIsAnError) {
     int64_t batch() const override { return inner.batch(); }
     int64_t capacity() const override { return inner.capacity(); }
     const std::vector<int64_t>& lengths() const override { return inner.lengths(); }
+    const std::vector<int64_t>& position_offsets() const override {
+      return inner.position_offsets();
+    }
     std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) override {
       return inner.append(layer, k, v);
     }

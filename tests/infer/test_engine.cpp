@@ -226,34 +226,187 @@ TEST(Engine, PagedCacheSlidesLikeTheContiguousOne) {
   }
 }
 
-// Past the context with RoPE: every token's logits are the recomputation's of the window they
-// were conditioned on (re-prefilled at positions 0 ..), for every n_kv_head, a batch of 3 and
-// both caches (blocks of 8, so slides cross block boundaries).
-TEST(Engine, RopeSlideEqualsRecomputeOfTheWindow) {
-  for (const int64_t nkv : {4, 2, 1})
-    for (const bool paged : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "nkv " << nkv << (paged ? " paged" : " contiguous"));
-      auto model = tiny_model(nkv, 9, 16, "llama");
-      const Tokenizer tok = tiny_tokenizer();
-      Engine engine(*model, tok, DType::F32,
-                    paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{.kv_block_size = 8})
-                          : std::nullopt);
-      GenerateOptions o = greedy(30);
-      o.slide = true;
-      double worst = 0;
-      int64_t checks = 0;
-      o.on_logits = [&](int64_t, std::span<const int32_t> window, std::span<const float> logits) {
-        const std::vector<float> ref = recompute(*model, window);
-        for (size_t i = 0; i < ref.size(); ++i)
-          worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
-        ++checks;
-      };
-      const GenerationResult r =
-          engine.generate_ids({random_ids(7, 1), random_ids(2, 2), random_ids(20, 3)}, o);
-      EXPECT_LE(worst, 1e-5);
-      EXPECT_EQ(checks, 90);
-      for (const auto& row : r.rows) EXPECT_GT(row.slides, 0);
+// A naive double-precision forward of a llama-block model (RoPE, RMSNorm, SwiGLU, no biases)
+// over a whole sequence in which token s attends to tokens start[s] .. s at their own
+// positions: a sliding window recomputed from scratch, sharing no code with the engine. Every
+// position's logits.
+std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
+                                                       const std::vector<int32_t>& ids,
+                                                       const std::vector<int64_t>& start) {
+  const GPTConfig& c = m.config();
+  const auto T = static_cast<int64_t>(ids.size());
+  const int64_t C = c.n_embd, NH = c.n_head, NKV = c.n_kv_head, HS = c.head_size();
+  const int64_t H = c.hidden(), V = c.vocab_size, G = NH / NKV, KVD = NKV * HS;
+  using Vec = std::vector<double>;
+  auto weights = [](const Tensor& t) {
+    const std::vector<float> f = t.contiguous().to_vector<float>();
+    return Vec(f.begin(), f.end());
+  };
+  auto matvec = [](const Vec& W, const Vec& x, int64_t out) {  // W (out, in) x
+    const auto in = static_cast<int64_t>(x.size());
+    Vec y(static_cast<size_t>(out), 0.0);
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) y[o] += W[o * in + i] * x[i];
+    return y;
+  };
+  auto rms = [](const Vec& x, const Vec& g) {
+    double ms = 0;
+    for (double v : x) ms += v * v / static_cast<double>(x.size());
+    Vec y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] / std::sqrt(ms + 1e-5) * g[i];
+    return y;
+  };
+  auto rotate = [&](Vec& v, int64_t heads, int64_t p) {  // halves form: pair (j, j + HS / 2)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < HS / 2; ++j) {
+        const double a = static_cast<double>(p) * std::pow(c.rope_theta, -2.0 * j / HS);
+        double& x1 = v[h * HS + j];
+        double& x2 = v[h * HS + j + HS / 2];
+        const double r1 = x1 * std::cos(a) - x2 * std::sin(a), r2 = x2 * std::cos(a) + x1 * std::sin(a);
+        x1 = r1;
+        x2 = r2;
+      }
+  };
+  const Vec wte = weights(m.wte.weight);
+  std::vector<Vec> x(static_cast<size_t>(T));
+  for (int64_t s = 0; s < T; ++s) x[s].assign(wte.begin() + ids[s] * C, wte.begin() + (ids[s] + 1) * C);
+  for (const auto& blk : m.blocks) {
+    const Vec g1 = weights(blk->ln_1.weight), g2 = weights(blk->ln_2.weight);
+    const Vec wq = weights(blk->attn.q_proj.weight), wk = weights(blk->attn.k_proj.weight);
+    const Vec wv = weights(blk->attn.v_proj.weight), wo = weights(blk->attn.c_proj.weight);
+    const Vec wg = weights(blk->mlp.c_fc.weight), wu = weights(blk->mlp.c_up->weight);
+    const Vec wd = weights(blk->mlp.c_proj.weight);
+    std::vector<Vec> q(T), k(T), v(T);
+    for (int64_t s = 0; s < T; ++s) {
+      const Vec h = rms(x[s], g1);
+      q[s] = matvec(wq, h, C);
+      k[s] = matvec(wk, h, KVD);
+      v[s] = matvec(wv, h, KVD);
+      rotate(q[s], NH, s);
+      rotate(k[s], NKV, s);
     }
+    for (int64_t s = 0; s < T; ++s) {
+      Vec y(static_cast<size_t>(C), 0.0);
+      for (int64_t h = 0; h < NH; ++h) {
+        const int64_t g = h / G;
+        Vec score;
+        double top = -1e300;
+        for (int64_t j = start[s]; j <= s; ++j) {
+          double d = 0;
+          for (int64_t i = 0; i < HS; ++i) d += q[s][h * HS + i] * k[j][g * HS + i];
+          score.push_back(d / std::sqrt(static_cast<double>(HS)));
+          top = std::max(top, score.back());
+        }
+        double sum = 0;
+        for (double& e : score) sum += (e = std::exp(e - top));
+        for (int64_t j = start[s]; j <= s; ++j)
+          for (int64_t i = 0; i < HS; ++i)
+            y[h * HS + i] += score[j - start[s]] / sum * v[j][g * HS + i];
+      }
+      const Vec o = matvec(wo, y, C);
+      for (int64_t i = 0; i < C; ++i) x[s][i] += o[i];
+    }
+    for (int64_t s = 0; s < T; ++s) {
+      const Vec h = rms(x[s], g2), gate = matvec(wg, h, H), up = matvec(wu, h, H);
+      Vec a(static_cast<size_t>(H));
+      for (int64_t i = 0; i < H; ++i) a[i] = gate[i] / (1 + std::exp(-gate[i])) * up[i];
+      const Vec o = matvec(wd, a, C);
+      for (int64_t i = 0; i < C; ++i) x[s][i] += o[i];
+    }
+  }
+  const Vec gf = weights(m.ln_f.weight), head = weights(m.lm_head_weight());
+  std::vector<Vec> logits;
+  for (int64_t s = 0; s < T; ++s) logits.push_back(matvec(head, rms(x[s], gf), V));
+  return logits;
+}
+
+// Past the context with RoPE, cached: each token attends to the positions its row's cache
+// kept, which drops its oldest `drop` whenever it holds block_size and a token is to be fed.
+// Token s's first visible position, for a row prefilled with P tokens.
+std::vector<int64_t> rolling_starts(int64_t P, int64_t n, int64_t block, int64_t drop) {
+  std::vector<int64_t> start(static_cast<size_t>(n), 0);
+  int64_t first = 0;
+  for (int64_t s = P; s < n; ++s) {
+    if (s - first == block) first += drop;
+    start[static_cast<size_t>(s)] = first;
+  }
+  return start;
+}
+
+// A RoPE model slides on past its context without re-prefilling: every token's logits are the
+// naive sliding-window recompute's, for every n_kv_head, a batch of 3 whose rows slide at
+// different steps (one prompt longer than the context), both caches (blocks of 4: drops free
+// whole blocks) and both decode paths, with positions far past block_size.
+TEST(Engine, RopeSlideEqualsASlidingWindowRecompute) {
+  const int64_t block = 16, max_new = 40;
+  const std::vector<std::vector<int32_t>> prompts = {random_ids(7, 1), random_ids(2, 2),
+                                                     random_ids(20, 3)};
+  for (const int64_t nkv : {4, 2, 1})
+    for (const bool paged : {false, true})
+      for (const bool fused : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << "nkv " << nkv << (paged ? " paged" : " contiguous")
+                                          << (fused ? " fused" : " op by op"));
+        auto model = tiny_model(nkv, 9, block, "llama");
+        const Tokenizer tok = tiny_tokenizer();
+        Engine engine(*model, tok, DType::F32,
+                      paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{.kv_block_size = 4})
+                            : std::nullopt);
+        engine.decode_step().enabled = fused;
+        EXPECT_EQ(engine.slide_drop(), paged ? 4 : 8);
+        GenerateOptions o = greedy(max_new);
+        o.slide = true;
+        std::vector<std::vector<std::vector<float>>> seen(prompts.size());
+        o.on_logits = [&](int64_t r, std::span<const int32_t>, std::span<const float> logits) {
+          seen[static_cast<size_t>(r)].emplace_back(logits.begin(), logits.end());
+        };
+        const GenerationResult res = engine.generate_ids(prompts, o);
+        double worst = 0, window_matters = 0;
+        for (size_t r = 0; r < prompts.size(); ++r) {
+          const auto& row = res.rows[r];
+          ASSERT_EQ(seen[r].size(), static_cast<size_t>(max_new));
+          EXPECT_GT(row.slides, 0);
+          // What the row was prefilled with: a longer prompt's last block_size - 1 tokens.
+          const auto P = static_cast<int64_t>(std::min<size_t>(prompts[r].size(), block - 1));
+          std::vector<int32_t> seq(prompts[r].end() - P, prompts[r].end());
+          seq.insert(seq.end(), row.tokens.begin(), row.tokens.end());
+          const auto n = static_cast<int64_t>(seq.size());
+          const auto ref =
+              sliding_window_logits(*model, seq, rolling_starts(P, n, block, engine.slide_drop()));
+          const auto whole = sliding_window_logits(*model, seq, std::vector<int64_t>(n, 0));
+          for (int64_t k = 0; k < max_new; ++k)
+            for (size_t i = 0; i < seen[r][k].size(); ++i) {
+              const size_t s = static_cast<size_t>(P - 1 + k);
+              worst = std::max(worst, std::fabs(ref[s][i] - seen[r][k][i]));
+              window_matters = std::max(window_matters, std::fabs(whole[s][i] - ref[s][i]));
+            }
+        }
+        EXPECT_LE(worst, 1e-4);
+        // The reference tells windows apart: attending to the whole history differs.
+        EXPECT_GT(window_matters, 1e-2);
+      }
+}
+
+// Without a cache there is nothing to go on from: a RoPE model's slide re-prefills, so each
+// token's logits are the recomputation of the window it was conditioned on, at positions 0 ..
+TEST(Engine, RopeSlideWithoutCacheRecomputesTheWindow) {
+  auto model = tiny_model(2, 9, 16, "llama");
+  const Tokenizer tok = tiny_tokenizer();
+  Engine engine(*model, tok);
+  GenerateOptions o = greedy(30, false);
+  o.slide = true;
+  double worst = 0;
+  int64_t checks = 0;
+  o.on_logits = [&](int64_t, std::span<const int32_t> window, std::span<const float> logits) {
+    EXPECT_LE(static_cast<int64_t>(window.size()), 16);
+    const std::vector<float> ref = recompute(*model, window);
+    for (size_t i = 0; i < ref.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
+    ++checks;
+  };
+  const GenerationResult r = engine.generate_ids({random_ids(7, 1), random_ids(20, 3)}, o);
+  EXPECT_EQ(worst, 0.0);
+  EXPECT_EQ(checks, 60);
+  for (const auto& row : r.rows) EXPECT_GT(row.slides, 0);
 }
 
 // n samples of a prompt: forks of its one prefill. Each equals the row of a run given the

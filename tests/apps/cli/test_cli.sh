@@ -212,6 +212,10 @@ check "train --arch llama" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}
 check "inspect shows the block" 0 "pos            rope" -- "$KVLAB" inspect "$work/llama/final.h5"
 check "the llama preset has no biases" 1 "" -- bash -c '"$0" inspect "$1" | grep -E "\.bias "' "$KVLAB" "$work/llama/final.h5"
 check "generate from a llama checkpoint" 0 "tok/s" -- "$KVLAB" generate --ckpt "$work/llama/final.h5" --prompt "the lord" --max-new 8
+# --slide: a RoPE model drops its oldest blocks and goes on (a slide per 4 tokens past the
+# context of 16 here); blocks over half the context re-prefill instead, one slide per token.
+check "generate --slide, llama" 0 '"slides": 7' -- "$KVLAB" generate --ckpt "$work/llama/final.h5" --prompt "the lord" --max-new 36 --slide --kv-block-size 4 --temperature 0 --json
+check "generate --slide, llama, big blocks" 0 '"slides": 27' -- "$KVLAB" generate --ckpt "$work/llama/final.h5" --prompt "the lord" --max-new 36 --slide --temperature 0 --json
 check "convert a llama checkpoint" 0 "(n_kv_head 2, " -- "$KVLAB" convert --ckpt "$work/llama/final.h5" --n-kv-head 2 --method mean --out "$work/llama2.h5"
 check "--init-from keeps the llama block" 0 "swiglu" -- bash -c '"$0" train "${@:2}" --init-from "$1" --out "$1.up" >/dev/null && "$0" inspect "$1.up/final.h5"' "$KVLAB" "$work/llama2.h5" "${short[@]}"
 check "--init-from with another --arch" 2 "mlp gelu on the command line, swiglu in $work/llama2.h5" -- "$KVLAB" train "${short[@]}" --arch gpt2 --init-from "$work/llama2.h5" --out "$work/up2"
