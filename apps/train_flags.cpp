@@ -64,6 +64,16 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   cmd->add_flag_function(
       "--bias,!--no-bias", [&f](int64_t n) { f.bias = n > 0 ? 1 : 0; },
       "Biases in every Linear and LayerNorm (--no-bias: none; RMSNorm never has one)");
+  cmd->add_option("--attn", c.model.attn,
+                  "Attention: gqa (--n-kv-head key/value heads: MHA to MQA) or mla "
+                  "(DeepSeek-V2's multi-head latent attention; needs --pos rope; training and "
+                  "cache-free generation only for now)")
+      ->check(CLI::IsMember({"gqa", "mla"}))
+      ->capture_default_str();
+  add_number(cmd, "--kv-lora-rank", c.model.kv_lora_rank,
+             "MLA: rank of the latent each position's keys and values are rebuilt from");
+  add_number(cmd, "--rope-head-dim", c.model.rope_head_dim,
+             "MLA: width of the rotary key shared by every head (even)");
   add_number(cmd, "--block-size", c.model.block_size, "Context length in tokens");
   add_number(cmd, "--dropout", c.model.dropout, "Dropout on attention and residual paths");
   cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");

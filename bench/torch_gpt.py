@@ -5,7 +5,8 @@ pre-LayerNorm blocks, biases, tanh GELU, an LM head tied to the token table unle
 tied=False, query head h reads KV head h // (n_head // n_kv_head). arch="llama" (or the
 pos/norm/mlp/bias arguments one by one) gives kvlab's llama block: rotary positions (halves
 form: channel j pairs with j + HS/2), RMSNorm, SwiGLU (gate c_fc, up c_up, down c_proj) and no
-biases."""
+biases. attn="mla" (with kv_lora_rank, rope_head_dim; RoPE only) swaps each block's attention
+for kvlab's multi-head latent attention (LatentAttention), without a cache."""
 import ctypes
 import math
 
@@ -98,12 +99,46 @@ class Attention(nn.Module):
         return self.c_proj(y.permute(0, 3, 1, 2, 4).reshape(B, T, C))
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek-V2's multi-head latent attention without query compression, as kvlab's: each
+    head's query is HS values and RD rotated ones; kv_down gives a latent of `rank` (RMSNorm'd)
+    and one rotary key of RD shared by every head; kv_up rebuilds each head's key (then the
+    shared rotary key appended) and value from the latent; scores scaled by 1/sqrt(HS + RD)."""
+
+    def __init__(self, c, nh, rank, rope_dim, bias, rope_theta):
+        super().__init__()
+        self.nh, self.hs, self.rank, self.rd, self.theta = nh, c // nh, rank, rope_dim, rope_theta
+        self.q_proj = nn.Linear(c, nh * (self.hs + rope_dim), bias=bias)
+        self.kv_down = nn.Linear(c, rank + rope_dim, bias=bias)
+        self.kv_norm = WeightOnlyNorm(rank, rms=True)
+        self.kv_up = nn.Linear(rank, nh * 2 * self.hs, bias=bias)
+        self.c_proj = nn.Linear(c, c, bias=bias)
+
+    def forward(self, x, kc=None, vc=None, start=0):
+        assert kc is None, "MLA runs without a cache"
+        B, T, C = x.shape
+        nh, hs, rd = self.nh, self.hs, self.rd
+        q = self.q_proj(x).view(B, T, nh, hs + rd)
+        q = torch.cat([q[..., :hs], rope(q[..., hs:], start, self.theta)], -1)
+        kv = self.kv_down(x)
+        latent = self.kv_norm(kv[..., :self.rank])
+        k_rot = rope(kv[..., self.rank:].reshape(B, T, 1, rd), start, self.theta)
+        up = self.kv_up(latent).view(B, T, nh, 2 * hs)
+        k = torch.cat([up[..., :hs], k_rot.expand(B, T, nh, rd)], -1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), up[..., hs:].transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs + rd))
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        y = torch.softmax(att.masked_fill(mask, float("-inf")), dim=-1) @ v  # (B, NH, T, HS)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
 class Block(nn.Module):
     def __init__(self, c, nh, nkv, hidden, norm="layernorm", mlp="gelu", bias=True,
-                 rope_theta=None):
+                 rope_theta=None, mla=None):
         super().__init__()
         self.ln_1 = make_norm(c, norm, bias)
-        self.attn = Attention(c, nh, nkv, bias, rope_theta)
+        self.attn = (Attention(c, nh, nkv, bias, rope_theta) if mla is None else
+                     LatentAttention(c, nh, mla[0], mla[1], bias, rope_theta))
         self.ln_2 = make_norm(c, norm, bias)
         self.mlp = nn.Module()
         self.mlp.c_fc = nn.Linear(c, hidden, bias=bias)
@@ -128,15 +163,17 @@ ARCHS = {"gpt2": dict(pos="learned", norm="layernorm", mlp="gelu", bias=True),
 
 class GPT(nn.Module):
     def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden, tied=True, arch="gpt2",
-                 rope_theta=10000.0, **parts):
+                 rope_theta=10000.0, attn="gqa", kv_lora_rank=0, rope_head_dim=0, **parts):
         super().__init__()
         b = dict(ARCHS[arch], **parts)  # pos, norm, mlp, bias: the preset's unless given
         self.cfg = (n_layer, nkv, block_size, c // nh)
         self.wte = nn.Embedding(vocab, c)
         self.wpe = nn.Embedding(block_size, c) if b["pos"] == "learned" else None
         theta = rope_theta if b["pos"] == "rope" else None
+        mla = (kv_lora_rank, rope_head_dim) if attn == "mla" else None
+        assert mla is None or theta is not None, "MLA needs rotary positions"
         self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden, b["norm"], b["mlp"], b["bias"],
-                                           theta) for _ in range(n_layer)])
+                                           theta, mla) for _ in range(n_layer)])
         self.ln_f = make_norm(c, b["norm"], b["bias"])
         self.lm_head = None if tied else nn.Linear(c, vocab, bias=False)
         for name, p in self.named_parameters():  # GPT-2 initialisation, as kvlab
@@ -144,7 +181,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
             elif p.dim() >= 2:
                 nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("ln_f"):  # LayerNorm or RMSNorm
+            elif ".ln_" in name or name.startswith("ln_f") or ".kv_norm." in name:  # norms
                 nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
             else:
                 nn.init.zeros_(p)

@@ -92,7 +92,7 @@ struct NormRef {
 // c_proj, c_fc, the MLP's c_proj, then SwiGLU's c_up (null without one). A fixed array: an
 // unpacked step takes these for every block, and must not allocate for it.
 std::array<const Linear*, 7> block_linears(const Block& b) {
-  return {&b.attn.q_proj, &b.attn.k_proj, &b.attn.v_proj, &b.attn.c_proj,
+  return {&b.attn->q_proj, &b.attn->k_proj, &b.attn->v_proj, &b.attn->c_proj,
           &b.mlp.c_fc,    &b.mlp.c_proj,  b.mlp.c_up.get()};
 }
 size_t matrices_per_block(const GPTConfig& cfg) { return cfg.swiglu() ? 7 : 6; }
@@ -386,7 +386,8 @@ DecodeStep::~DecodeStep() = default;
 
 bool DecodeStep::runs_on_model() const {
   const Tensor& w = model_.wte.weight;
-  return enabled && w.device() == Device::CPU && w.dtype() == DType::F32;
+  return enabled && w.device() == Device::CPU && w.dtype() == DType::F32 &&
+         !model_.config().mla();
 }
 
 bool DecodeStep::applies(const Tensor& tokens) const {
@@ -458,6 +459,7 @@ DecodeStep::PackGuard::~PackGuard() {
 }
 
 int64_t DecodeStep::weight_bytes() const {
+  KVLAB_CHECK(!model_.config().mla(), "decode step: MLA models do not run in the fused step");
   const int64_t tables =
       (model_.wpe ? model_.wpe->weight.numel() : 0) + (model_.lm_head ? model_.wte.weight.numel() : 0);
   int64_t matrices = 0, bytes = 0;

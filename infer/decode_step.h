@@ -67,7 +67,7 @@ class DecodeStep {
   int64_t weight_bytes() const;
 
  private:
-  // Whether the step can run on this model (enabled, on the CPU in f32).
+  // Whether the step can run on this model (enabled, on the CPU in f32, not MLA).
   bool runs_on_model() const;
   // Whether pack() packs (the step runs on the model and this build has the kernel).
   bool packing_applies() const;

@@ -311,6 +311,9 @@ void Engine::validate(const std::vector<std::vector<int32_t>>& prompts,
   KVLAB_CHECK(!prompts.empty(), "generate: no prompts");
   const int64_t block = model_.config().block_size, V = model_.config().vocab_size;
   const int64_t B = static_cast<int64_t>(prompts.size());
+  KVLAB_CHECK(!opts.use_cache || !model_.config().mla(),
+              "generate: MLA's latent KV cache is not built yet: generate without the cache "
+              "(--no-cache)");
   for (int64_t b = 0; b < B; ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
     const std::string problem = prompt_problem(p, V, block, opts.slide);

@@ -14,6 +14,7 @@ namespace kvlab {
 
 std::vector<float> fp8_kv_scales(const GPT& model) {
   const GPTConfig& c = model.config();
+  KVLAB_CHECK(!c.mla(), "fp8 KV cache: MLA's latent cache is not built yet");
   const int64_t C = c.n_embd, HS = c.head_size(), NKV = c.n_kv_head;
   std::vector<float> scales;
   std::vector<double> bounds(static_cast<size_t>(HS));  // one head's, per channel
@@ -22,11 +23,11 @@ std::vector<float> fp8_kv_scales(const GPT& model) {
     const Tensor gamma = blk->ln_1.weight.to(Device::CPU).contiguous();
     const Tensor beta =
         blk->ln_1.bias.defined() ? blk->ln_1.bias.to(Device::CPU).contiguous() : Tensor();
-    for (const Linear* proj : {&blk->attn.k_proj, &blk->attn.v_proj}) {
+    for (const Linear* proj : {&blk->attn->k_proj, &blk->attn->v_proj}) {
       const Tensor w = proj->weight.to(Device::CPU).contiguous();  // (NKV * HS, C)
       const Tensor b = proj->bias.defined() ? proj->bias.to(Device::CPU).contiguous() : Tensor();
       // RoPE turns each key channel pair (j, j + HS/2): either one reaches the pair's norm.
-      const bool rotated = c.rope() && proj == &blk->attn.k_proj;
+      const bool rotated = c.rope() && proj == &blk->attn->k_proj;
       for (int64_t h = 0; h < NKV; ++h) {
         for (int64_t j = 0; j < HS; ++j) {
           const float* wj = w.data<float>() + (h * HS + j) * C;

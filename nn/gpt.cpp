@@ -15,7 +15,13 @@ double parameters_of(const GPTConfig& c) {
   const auto C = static_cast<double>(c.n_embd), H = static_cast<double>(c.hidden());
   const double kv = static_cast<double>(c.n_kv_head) * static_cast<double>(c.head_size());
   const double b = c.bias ? 1 : 0;
-  const double attn = (C * C + b * C) * 2 + (C * kv + b * kv) * 2;
+  double attn = (C * C + b * C) * 2 + (C * kv + b * kv) * 2;
+  if (c.mla()) {
+    const auto R = static_cast<double>(c.kv_lora_rank), D = static_cast<double>(c.rope_head_dim);
+    const double NH = static_cast<double>(c.n_head), HS = static_cast<double>(c.head_size());
+    const double q = NH * (HS + D), up = 2 * NH * HS;
+    attn = (C * q + b * q) + (C * (R + D) + b * (R + D)) + R + (R * up + b * up) + (C * C + b * C);
+  }
   const double mlp = c.swiglu() ? 2 * (C * H + b * H) + (H * C + b * C)
                                 : (C * H + b * H) + (H * C + b * C);
   const double norm = C * (c.bias && !c.rms() ? 2 : 1);
@@ -46,8 +52,24 @@ void GPTConfig::validate() const {
               "' is not one of layernorm, rmsnorm");
   KVLAB_CHECK(mlp == "gelu" || mlp == "swiglu", "config: mlp '", mlp,
               "' is not one of gelu, swiglu");
-  KVLAB_CHECK(!rope() || head_size() % 2 == 0, "config: RoPE needs an even head size, got ",
-              head_size(), " (n_embd ", n_embd, " / n_head ", n_head, ")");
+  KVLAB_CHECK(attn == "gqa" || attn == "mla", "config: attn '", attn,
+              "' is not one of gqa, mla");
+  if (mla()) {
+    KVLAB_CHECK(rope(), "config: MLA's rotary key needs pos rope, not ", pos);
+    KVLAB_CHECK(n_kv_head == n_head, "config: MLA rebuilds a key and value for every head: "
+                "n_kv_head must equal n_head = ", n_head, ", got ", n_kv_head);
+    KVLAB_CHECK(kv_lora_rank >= 1 && kv_lora_rank <= n_embd, "config: kv_lora_rank ",
+                kv_lora_rank, " must be in [1, n_embd = ", n_embd, "]");
+    KVLAB_CHECK(rope_head_dim >= 2 && rope_head_dim <= n_embd && rope_head_dim % 2 == 0,
+                "config: rope_head_dim ", rope_head_dim, " must be even and in [2, n_embd = ",
+                n_embd, "]");
+  } else {
+    KVLAB_CHECK(kv_lora_rank == 0 && rope_head_dim == 0, "config: kv_lora_rank and "
+                "rope_head_dim are MLA's (attn mla); got ", kv_lora_rank, " and ", rope_head_dim,
+                " with attn ", attn);
+    KVLAB_CHECK(!rope() || head_size() % 2 == 0, "config: RoPE needs an even head size, got ",
+                head_size(), " (n_embd ", n_embd, " / n_head ", n_head, ")");
+  }
   KVLAB_CHECK(!rope() || (rope_theta > 1 && std::isfinite(rope_theta)), "config: rope_theta ",
               rope_theta, " must be a finite number above 1");
   // The layers are allocated one by one, each small: a model far past memory would grow
@@ -122,20 +144,72 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
   return maybe_dropout(c_proj.forward(y), dropout, ctx, layer, 1);
 }
 
+LatentAttention::LatentAttention(const GPTConfig& cfg)
+    : q_proj(cfg.n_embd, cfg.n_head * (cfg.head_size() + cfg.rope_head_dim), cfg.bias),
+      kv_down(cfg.n_embd, cfg.kv_lora_rank + cfg.rope_head_dim, cfg.bias),
+      kv_norm(cfg.kv_lora_rank, 1e-5, true, false),
+      kv_up(cfg.kv_lora_rank, 2 * cfg.n_head * cfg.head_size(), cfg.bias),
+      c_proj(cfg.n_embd, cfg.n_embd, cfg.bias),
+      n_head(cfg.n_head),
+      head_size(cfg.head_size()),
+      rank(cfg.kv_lora_rank),
+      rope_dim(cfg.rope_head_dim),
+      dropout(cfg.dropout) {
+  register_module("q_proj", q_proj);
+  register_module("kv_down", kv_down);
+  register_module("kv_norm", kv_norm);
+  register_module("kv_up", kv_up);
+  register_module("c_proj", c_proj);
+}
+
+// Composed from the ops every backend has: the shared rotary key is concatenated to each
+// head's key, and the values are padded with zeros to the keys' width so that one attention
+// call (same head size for q, k and v) serves; the padding's outputs are cut off.
+Tensor LatentAttention::forward(const Tensor& x, const ForwardContext& ctx, int layer) const {
+  KVLAB_CHECK(ctx.cache == nullptr,
+              "attention: MLA's latent KV cache is not built yet: generate without a cache");
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const int64_t NH = n_head, HS = head_size, D = rope_dim;
+  const Tensor q = reshape(q_proj.forward(x), {B, T, NH, HS + D});
+  const Tensor q_rot = rope(narrow(q, 3, HS, D), ctx.rope_positions, ctx.rope_table);
+  const Tensor kv = kv_down.forward(x);  // (B, T, R + D)
+  const Tensor latent = kv_norm.forward(narrow(kv, 2, 0, rank));
+  const Tensor k_rot =
+      rope(reshape(narrow(kv, 2, rank, D), {B, T, 1, D}), ctx.rope_positions, ctx.rope_table);
+  const Tensor up = reshape(kv_up.forward(latent), {B, T, NH, 2 * HS});
+  const Tensor k = concat({narrow(up, 3, 0, HS), concat(std::vector<Tensor>(NH, k_rot), 2)}, 3);
+  const Tensor v = concat({narrow(up, 3, HS, HS), Tensor::zeros({B, T, NH, D}, x.dtype(), x.device())}, 3);
+  AttentionOptions opts;
+  if (ctx.dropout_on && dropout > 0) {
+    opts.dropout = dropout;
+    opts.seed = site_seed(ctx, layer, 0);
+  }
+  Tensor y = causal_attention(transpose(concat({narrow(q, 3, 0, HS), q_rot}, 3), 1, 2),
+                              transpose(k, 1, 2), transpose(v, 1, 2), opts);  // (B, NH, T, HS + D)
+  y = reshape(narrow(transpose(y, 1, 2), 3, 0, HS), {B, T, C});
+  return maybe_dropout(c_proj.forward(y), dropout, ctx, layer, 1);
+}
+
 Block::Block(const GPTConfig& cfg)
     : ln_1(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
-      attn(cfg),
       ln_2(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
       mlp(cfg.n_embd, cfg.hidden(), cfg.swiglu(), cfg.bias),
       dropout(cfg.dropout) {
   register_module("ln_1", ln_1);
-  register_module("attn", attn);
+  if (cfg.mla()) {
+    mla = std::make_unique<LatentAttention>(cfg);
+    register_module("attn", *mla);
+  } else {
+    attn = std::make_unique<CausalSelfAttention>(cfg);
+    register_module("attn", *attn);
+  }
   register_module("ln_2", ln_2);
   register_module("mlp", mlp);
 }
 
 Tensor Block::forward(const Tensor& x_in, const ForwardContext& ctx, int layer) const {
-  Tensor x = add(x_in, attn.forward(ln_1.forward(x_in), ctx, layer));
+  const Tensor h = ln_1.forward(x_in);
+  Tensor x = add(x_in, mla ? mla->forward(h, ctx, layer) : attn->forward(h, ctx, layer));
   return add(x, maybe_dropout(mlp.forward(ln_2.forward(x)), dropout, ctx, layer, 2));
 }
 
@@ -176,10 +250,16 @@ const Tensor& GPT::lm_head_weight() const { return lm_head ? lm_head->weight : w
 
 void GPT::round_matrices_to_bf16() {
   std::vector<Tensor> matrices;  // handles on the same storage
-  for (const auto& b : blocks)
-    for (const Linear* l : {&b->attn.q_proj, &b->attn.k_proj, &b->attn.v_proj, &b->attn.c_proj,
-                            &b->mlp.c_fc, b->mlp.c_up.get(), &b->mlp.c_proj})
+  for (const auto& b : blocks) {
+    const std::vector<const Linear*> attention =
+        b->mla ? std::vector<const Linear*>{&b->mla->q_proj, &b->mla->kv_down, &b->mla->kv_up,
+                                            &b->mla->c_proj}
+               : std::vector<const Linear*>{&b->attn->q_proj, &b->attn->k_proj, &b->attn->v_proj,
+                                            &b->attn->c_proj};
+    for (const Linear* l : attention) matrices.push_back(l->weight);
+    for (const Linear* l : {&b->mlp.c_fc, b->mlp.c_up.get(), &b->mlp.c_proj})
       if (l != nullptr) matrices.push_back(l->weight);
+  }
   matrices.push_back(lm_head_weight());
   for (Tensor& w : matrices) w.copy_from(w.to(DType::BF16));
 }
@@ -194,7 +274,7 @@ const Tensor& GPT::rope_table(int64_t positions) const {
     if (rope_table_.defined() && positions > rope_table_.size(0))
       P = std::max(P, 2 * rope_table_.size(0));
     rope_table_ = Tensor();  // free first
-    rope_table_ = kvlab::rope_table(P, cfg_.head_size(), cfg_.rope_theta, w.dtype(), w.device());
+    rope_table_ = kvlab::rope_table(P, cfg_.rope_dim(), cfg_.rope_theta, w.dtype(), w.device());
   }
   return rope_table_;
 }
@@ -276,9 +356,17 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
   for (int64_t l = 0; l < c.n_layer; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
     norm(b + "ln_1");
-    linear(b + "attn.q_proj", C, C);
-    linear(b + "attn.k_proj", C, kv);
-    linear(b + "attn.v_proj", C, kv);
+    if (c.mla()) {
+      const int64_t R = c.kv_lora_rank, D = c.rope_head_dim, NH = c.n_head, HS = c.head_size();
+      linear(b + "attn.q_proj", C, NH * (HS + D));
+      linear(b + "attn.kv_down", C, R + D);
+      s.push_back({b + "attn.kv_norm.weight", {R}});
+      linear(b + "attn.kv_up", R, 2 * NH * HS);
+    } else {
+      linear(b + "attn.q_proj", C, C);
+      linear(b + "attn.k_proj", C, kv);
+      linear(b + "attn.v_proj", C, kv);
+    }
     linear(b + "attn.c_proj", C, C);
     norm(b + "ln_2");
     linear(b + "mlp.c_fc", C, H);

@@ -1,9 +1,10 @@
 #pragma once
 // The GPT: token embeddings (+ learned position embeddings, or rotary ones applied to each
-// block's queries and keys), pre-norm blocks of grouped-query attention and an MLP, a final
-// norm and an LM head tied to the token embedding by default. GPT-2's block (learned
-// positions, LayerNorm, GELU, biases) is the default; GPTConfig's pos, norm, mlp and bias
-// switch each part to Llama's (rope, rmsnorm, swiglu, no biases) on its own.
+// block's queries and keys), pre-norm blocks of attention and an MLP, a final norm and an LM
+// head tied to the token embedding by default. GPT-2's block (learned positions, LayerNorm,
+// GELU, biases) is the default; GPTConfig's pos, norm, mlp and bias switch each part to
+// Llama's (rope, rmsnorm, swiglu, no biases) on its own. Attention is grouped-query (n_kv_head
+// groups: MHA to MQA) or DeepSeek-V2's multi-head latent attention (attn "mla").
 // Training calls forward without a cache; inference calls it in a no-grad scope with one.
 // forward runs op by op, on every device: it is the reference that infer/'s fused CPU decode
 // step (infer/decode_step.h) is tested against.
@@ -34,11 +35,20 @@ struct GPTConfig {
   std::string norm = "layernorm";  // layernorm | rmsnorm
   std::string mlp = "gelu";        // gelu | swiglu (gate c_fc, up c_up, down c_proj)
   bool bias = true;                // biases of every Linear and LayerNorm
+  // gqa: n_kv_head key/value heads; mla: keys and values rebuilt per head from a latent of
+  // kv_lora_rank values, plus a rotary key of rope_head_dim values shared by every head (RoPE
+  // only; n_kv_head = n_head).
+  std::string attn = "gqa";
+  int64_t kv_lora_rank = 0;
+  int64_t rope_head_dim = 0;
 
   int64_t head_size() const { return n_embd / n_head; }
   bool rope() const { return pos == "rope"; }
   bool rms() const { return norm == "rmsnorm"; }
   bool swiglu() const { return mlp == "swiglu"; }
+  bool mla() const { return attn == "mla"; }
+  // The width RoPE turns: a head's (head_size), or MLA's rotary part (rope_head_dim).
+  int64_t rope_dim() const { return mla() ? rope_head_dim : head_size(); }
   // mlp_hidden, or by default 4 n_embd for GELU and, for SwiGLU's three matrices, 8/3 n_embd
   // rounded to a multiple of 8: the same parameters as GELU's two within a few.
   int64_t hidden() const;
@@ -65,12 +75,34 @@ class CausalSelfAttention : public Module {
   double dropout;
 };
 
+// DeepSeek-V2's multi-head latent attention, without its query compression. Per token:
+// q_proj gives each head a query of head_size + rope_head_dim (the second part rotated);
+// kv_down gives a latent of kv_lora_rank (normed by kv_norm) and a rotary key of
+// rope_head_dim shared by every head; kv_up rebuilds each head's key (head_size, then the
+// shared rotary key appended) and value (head_size) from the latent. Scores are scaled by
+// 1 / sqrt(head_size + rope_head_dim). Training and cache-free inference: the latent cache
+// is not built, so a cache is an error.
+class LatentAttention : public Module {
+ public:
+  explicit LatentAttention(const GPTConfig& cfg);
+  Tensor forward(const Tensor& x, const ForwardContext& ctx, int layer) const;  // (B, T, C)
+  Linear q_proj;   // (NH * (HS + D), C): per head its HS query, then its D rotary query
+  Linear kv_down;  // (R + D, C): the latent, then the rotary key
+  LayerNorm kv_norm;  // RMSNorm over R, weight only
+  Linear kv_up;    // (NH * 2 HS, R): per head its key, then its value
+  Linear c_proj;
+  int64_t n_head, head_size, rank, rope_dim;
+  double dropout;
+};
+
 class Block : public Module {
  public:
   explicit Block(const GPTConfig& cfg);
   Tensor forward(const Tensor& x, const ForwardContext& ctx, int layer) const;
   LayerNorm ln_1;
-  CausalSelfAttention attn;
+  // Exactly one is set: grouped-query attention, or MLA's (both named "attn").
+  std::unique_ptr<CausalSelfAttention> attn;
+  std::unique_ptr<LatentAttention> mla;
   LayerNorm ln_2;
   MLP mlp;
   double dropout;
@@ -103,8 +135,8 @@ class GPT : public Module {
   // the position table stay f32. The model is then one with bf16 matrices on every path and device, and the
   // fused CPU decode step (infer/decode_step.h) reads them in half the bytes.
   void round_matrices_to_bf16();
-  // RoPE's table (rope_table) in the model's dtype on its device, made once per device and
-  // dtype: block_size positions, or at least `positions` for a cache row that dropped its front
+  // RoPE's table (rope_table, of config().rope_dim()) in the model's dtype on its device,
+  // made once per device and dtype: block_size positions, or at least `positions` for a cache row that dropped its front
   // and goes on past the context (grown by doubling, so a long generation remakes it a few
   // times). Undefined without RoPE. A reference into the model: valid until the next call.
   const Tensor& rope_table(int64_t positions = 0) const;

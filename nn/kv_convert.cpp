@@ -76,6 +76,7 @@ KVHeadInit parse_kv_head_init(std::string_view name) {
 
 GPTConfig kv_converted_config(const GPTConfig& src, int64_t k) {
   const int64_t n = src.n_kv_head;
+  KVLAB_CHECK(!src.mla(), "convert: the source is an MLA model, which has no KV heads to merge");
   KVLAB_CHECK(k >= 1, "convert: n_kv_head must be >= 1, got ", k);
   KVLAB_CHECK(k <= n, "convert: n_kv_head ", k, " is more than the source's ", n,
               " (a conversion merges KV heads; it cannot split them)");

@@ -72,8 +72,23 @@ TEST(ModelIo, BlockComponentsRoundTripAndDefaultToGpt2) {
   EXPECT_EQ(back.mlp, "swiglu");
   EXPECT_FALSE(back.bias);
   EXPECT_EQ(back.hidden(), c.hidden());
-  for (const char* key : {"pos", "rope_theta", "norm", "mlp", "bias"}) a.erase(key);
+  EXPECT_EQ(back.attn, "gqa");
+  // MLA's attention and its sizes.
+  GPTConfig m = c;
+  m.attn = "mla";
+  m.kv_lora_rank = 8;
+  m.rope_head_dim = 4;
+  Attrs am;
+  put_gpt_config(am, m);
+  const GPTConfig mla = get_gpt_config(am, "x.h5");
+  EXPECT_TRUE(mla.mla());
+  EXPECT_EQ(mla.kv_lora_rank, 8);
+  EXPECT_EQ(mla.rope_head_dim, 4);
+  for (const char* key : {"pos", "rope_theta", "norm", "mlp", "bias", "attn", "kv_lora_rank",
+                          "rope_head_dim"})
+    a.erase(key);
   const GPTConfig old = get_gpt_config(a, "x.h5");
+  EXPECT_EQ(old.attn, "gqa");
   EXPECT_EQ(old.pos, "learned");
   EXPECT_EQ(old.norm, "layernorm");
   EXPECT_EQ(old.mlp, "gelu");

@@ -402,7 +402,7 @@ TEST(PackedDecode, AStepOnOtherThreadsThanThePackReadsTheWeights) {
   }
   const ThreadCount two(2);
   EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), before), 1e-5 * max_abs(before));
-  Tensor w = model->blocks[0]->attn.q_proj.weight;  // changed under the guard
+  Tensor w = model->blocks[0]->attn->q_proj.weight;  // changed under the guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
   const std::vector<float> after = step_logits(*model, step, false, prompt, 7);
   ASSERT_GT(max_diff(after, before), 0.1);
@@ -422,7 +422,7 @@ TEST(PackedDecode, GuardsNest) {
   std::optional<DecodeStep::PackGuard> outer(step.pack());
   std::optional<DecodeStep::PackGuard> inner(step.pack());
   inner.reset();
-  Tensor w = model->blocks[0]->attn.c_proj.weight;  // changed under the outer guard
+  Tensor w = model->blocks[0]->attn->c_proj.weight;  // changed under the outer guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
   const std::vector<float> now = step_logits(*model, step, false, prompt, 7);
   EXPECT_GT(max_diff(step_logits(*model, step, true, prompt, 7), now), 0.1);  // still the copies
@@ -443,7 +443,7 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   model->round_matrices_to_bf16();
   std::vector<Tensor> matrices;
   for (const auto& b : model->blocks)
-    for (const Linear* l : {&b->attn.q_proj, &b->attn.k_proj, &b->attn.v_proj, &b->attn.c_proj,
+    for (const Linear* l : {&b->attn->q_proj, &b->attn->k_proj, &b->attn->v_proj, &b->attn->c_proj,
                             &b->mlp.c_fc, &b->mlp.c_proj})
       matrices.push_back(l->weight);
   matrices.push_back(model->wte.weight);

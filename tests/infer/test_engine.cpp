@@ -272,8 +272,8 @@ std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
   for (int64_t s = 0; s < T; ++s) x[s].assign(wte.begin() + ids[s] * C, wte.begin() + (ids[s] + 1) * C);
   for (const auto& blk : m.blocks) {
     const Vec g1 = weights(blk->ln_1.weight), g2 = weights(blk->ln_2.weight);
-    const Vec wq = weights(blk->attn.q_proj.weight), wk = weights(blk->attn.k_proj.weight);
-    const Vec wv = weights(blk->attn.v_proj.weight), wo = weights(blk->attn.c_proj.weight);
+    const Vec wq = weights(blk->attn->q_proj.weight), wk = weights(blk->attn->k_proj.weight);
+    const Vec wv = weights(blk->attn->v_proj.weight), wo = weights(blk->attn->c_proj.weight);
     const Vec wg = weights(blk->mlp.c_fc.weight), wu = weights(blk->mlp.c_up->weight);
     const Vec wd = weights(blk->mlp.c_proj.weight);
     std::vector<Vec> q(T), k(T), v(T);

@@ -1,6 +1,7 @@
 // PyTorch parity: logits, loss, every gradient and 5 AdamW steps of a tiny GPT against
 // fixtures written by tests/reference/make_fixtures.py (PyTorch f32), for MHA, GQA and MQA,
-// with GPT-2's block and with the llama preset (RoPE, RMSNorm, SwiGLU, no biases).
+// with GPT-2's block and with the llama preset (RoPE, RMSNorm, SwiGLU, no biases), and for
+// multi-head latent attention in the llama preset.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -58,6 +59,11 @@ Loaded load(const H5Fixture& f) {
     cfg.bias = f.attr_int("bias") != 0;
     cfg.rope_theta = f.attr_double("rope_theta");
   }
+  if (f.has_attr("attn")) {  // the MLA fixture's attention (absent: grouped-query)
+    cfg.attn = f.attr_string("attn");
+    cfg.kv_lora_rank = f.attr_int("kv_lora_rank");
+    cfg.rope_head_dim = f.attr_int("rope_head_dim");
+  }
   Loaded l{std::make_unique<GPT>(cfg, 0), f.read("/batch/x", DType::I32),
            f.read("/batch/y", DType::I32)};
   for (auto& [name, p] : l.model->named_parameters()) {
@@ -87,7 +93,9 @@ TEST_P(Parity, LogitsLossAndEveryGradient) {
   loss.backward();
   const auto params = l.model->named_parameters();
   // Every parameter the fixture has, and only those.
-  ASSERT_EQ(params.size(), l.model->config().bias ? 36u : 20u);
+  const std::string names = f.attr_string("param_names");
+  ASSERT_EQ(params.size(), static_cast<size_t>(std::count(names.begin(), names.end(), ',') + 1));
+  ASSERT_EQ(params.size(), l.model->config().mla() ? 22u : l.model->config().bias ? 36u : 20u);
   for (auto& [name, p] : params) {
     ASSERT_TRUE(f.has("/grads64/" + name)) << name;
     ASSERT_TRUE(p.grad().defined()) << name;
@@ -143,7 +151,7 @@ TEST_P(Parity, FiveAdamWStepsWithClipping) {
 
 INSTANTIATE_TEST_SUITE_P(Gpt, Parity,
                          ::testing::Values("mha", "gqa", "mqa", "llama_mha", "llama_gqa",
-                                           "llama_mqa"));
+                                           "llama_mqa", "mla"));
 
 }  // namespace
 }  // namespace kvlab

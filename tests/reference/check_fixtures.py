@@ -48,6 +48,8 @@ def forward(f):
     attr = lambda k, d: a[k].decode() if k in a else d  # the block's parts; absent: GPT-2's
     llama_rope, rms, swiglu = attr("pos", "") == "rope", attr("norm", "") == "rmsnorm", \
         attr("mlp", "") == "swiglu"
+    mla = attr("attn", "gqa") == "mla"
+    R, RD = (int(a["kv_lora_rank"]), int(a["rope_head_dim"])) if mla else (0, 0)
     x = W["wte.weight"][idx]
     if not llama_rope:
         x = x + W["wpe.weight"][:T][None]
@@ -57,15 +59,28 @@ def forward(f):
     for i in range(L):
         p = f"blocks.{i}."
         h = norm(x, p + "ln_1")
-        q = lin(h, p + "attn.q_proj").reshape(B, T, NH, HS)
-        k = lin(h, p + "attn.k_proj").reshape(B, T, NKV, HS)
-        if llama_rope:
-            q, k = rope(q, float(a["rope_theta"])), rope(k, float(a["rope_theta"]))
-        v = lin(h, p + "attn.v_proj").reshape(B, T, NKV, HS)
+        if mla:  # per head: [HS nope, RD rotated] queries and keys, HS values
+            theta = float(a["rope_theta"])
+            qm = lin(h, p + "attn.q_proj").reshape(B, T, NH, HS + RD)
+            q = np.concatenate([qm[..., :HS], rope(qm[..., HS:], theta)], -1)
+            kv = lin(h, p + "attn.kv_down")
+            lat = rms_norm(kv[..., :R], W[p + "attn.kv_norm.weight"])
+            k_rot = rope(kv[..., R:].reshape(B, T, 1, RD), theta)
+            up = lin(lat, p + "attn.kv_up").reshape(B, T, NH, 2 * HS)
+            k = np.concatenate([up[..., :HS], np.repeat(k_rot, NH, 2)], -1)
+            v = up[..., HS:]
+            scale = math.sqrt(HS + RD)
+        else:
+            q = lin(h, p + "attn.q_proj").reshape(B, T, NH, HS)
+            k = lin(h, p + "attn.k_proj").reshape(B, T, NKV, HS)
+            if llama_rope:
+                q, k = rope(q, float(a["rope_theta"])), rope(k, float(a["rope_theta"]))
+            v = lin(h, p + "attn.v_proj").reshape(B, T, NKV, HS)
+            scale = math.sqrt(HS)
         y = np.zeros((B, T, NH, HS))
         for hd in range(NH):
-            kv = hd // G
-            s = np.einsum("btd,bsd->bts", q[:, :, hd], k[:, :, kv]) / math.sqrt(HS)
+            kv = hd if mla else hd // G
+            s = np.einsum("btd,bsd->bts", q[:, :, hd], k[:, :, kv]) / scale
             s = np.where(np.tril(np.ones((T, T), bool))[None], s, -np.inf)
             s = np.exp(s - s.max(-1, keepdims=True))
             s /= s.sum(-1, keepdims=True)
@@ -91,7 +106,7 @@ def forward(f):
 def main():
     ok = True
     for fname in ("gpt_mha.h5", "gpt_gqa.h5", "gpt_mqa.h5", "gpt_llama_mha.h5",
-                  "gpt_llama_gqa.h5", "gpt_llama_mqa.h5"):
+                  "gpt_llama_gqa.h5", "gpt_llama_mqa.h5", "gpt_mla.h5"):
         with h5py.File(os.path.join(HERE, fname), "r") as f:
             logits, loss = forward(f)
             ref_logits, ref_loss = f["logits"][()], float(f["loss"][0])

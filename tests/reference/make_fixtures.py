@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Generate the kvlab GPT reference fixtures (gpt_mha.h5, gpt_gqa.h5, gpt_mqa.h5).
+"""Generate the kvlab GPT reference fixtures (gpt_*.h5: GPT-2's block, the llama one, MLA).
 
 Run from anywhere with Debian's torch:  /usr/bin/python3 tests/reference/make_fixtures.py
 See README.md in this folder for the file layout.
@@ -38,22 +38,27 @@ OPT = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip
 B, T, N_STEPS = 2, 8, 5
 # With std 0.02 everywhere the attention scores are ~1e-4 and softmax is essentially
 # uniform, so q/k gradients are ~1e-6 and the softmax backward is barely tested.  The
-# fixture therefore draws q_proj/k_proj weights with a larger std (set to 0.02 to get the
-# plain benchmark init).  Only the fixture init is affected; weights are stored anyway.
+# fixture therefore draws q_proj/k_proj weights (MLA: q_proj/kv_down) with a larger std (set
+# to 0.02 to get the plain benchmark init).  Only the fixture init is affected; weights are
+# stored anyway.
 QK_STD = 0.5
-# (file, n_kv_head, seed, block): GPT-2's block, and the llama preset (RoPE at theta
-# ROPE_THETA, RMSNorm, SwiGLU, no biases).
+# (file, n_kv_head, seed, block): GPT-2's block, the llama preset (RoPE at theta ROPE_THETA,
+# RMSNorm, SwiGLU, no biases), and the llama preset with multi-head latent attention (MLA).
 VARIANTS = [("gpt_mha.h5", 4, 1234, "gpt2"), ("gpt_gqa.h5", 2, 1235, "gpt2"),
             ("gpt_mqa.h5", 1, 1236, "gpt2"), ("gpt_llama_mha.h5", 4, 1237, "llama"),
-            ("gpt_llama_gqa.h5", 2, 1238, "llama"), ("gpt_llama_mqa.h5", 1, 1239, "llama")]
+            ("gpt_llama_gqa.h5", 2, 1238, "llama"), ("gpt_llama_mqa.h5", 1, 1239, "llama"),
+            ("gpt_mla.h5", 4, 1240, "mla")]
+# The MLA variant's latent rank and rotary width (head size 4).
+MLA = dict(attn="mla", kv_lora_rank=8, rope_head_dim=4)
 # Small, so that the 8 positions of the fixture turn the pairs by clearly different angles.
 ROPE_THETA = 100.0
 
 
 def new_model(n_kv_head, arch):
+    extra = MLA if arch == "mla" else {}
     return GPT(CFG["vocab_size"], CFG["block_size"], CFG["n_layer"], CFG["n_head"], n_kv_head,
-               CFG["n_embd"], CFG["mlp_hidden"], tied=bool(CFG["tied"]), arch=arch,
-               rope_theta=ROPE_THETA)
+               CFG["n_embd"], CFG["mlp_hidden"], tied=bool(CFG["tied"]),
+               arch="llama" if arch == "mla" else arch, rope_theta=ROPE_THETA, **extra)
 
 
 def build_initial(n_kv_head, seed, arch):
@@ -61,9 +66,9 @@ def build_initial(n_kv_head, seed, arch):
     m = new_model(n_kv_head, arch)
     with torch.no_grad():  # randomize biases and LayerNorm params so their grads matter
         for n, p in m.named_parameters():
-            if n.endswith(("q_proj.weight", "k_proj.weight")):
+            if n.endswith(("q_proj.weight", "k_proj.weight", "kv_down.weight")):
                 p.normal_(0.0, QK_STD)
-            elif n.endswith(("c_fc.weight", "c_up.weight")) and arch == "llama":
+            elif n.endswith(("c_fc.weight", "c_up.weight")) and arch != "gpt2":
                 # SwiGLU multiplies two projections: at std 0.02 its gradients are so small
                 # that AdamW's steps follow their f32 rounding (f32 and f64 finals differ).
                 p.normal_(0.0, QK_STD)
@@ -161,9 +166,12 @@ def write_h5(path, n_kv_head, arch, x, y, ref):
             f.attrs[k] = np.int64(CFG[k])
         f.attrs["n_kv_head"] = np.int64(n_kv_head)
         if arch != "gpt2":  # the block's parts (absent: GPT-2's)
-            for k, v in ARCHS[arch].items():
+            for k, v in ARCHS["llama"].items():
                 f.attrs[k] = np.int64(v) if isinstance(v, bool) else np.bytes_(v)
             f.attrs["rope_theta"] = np.float64(ROPE_THETA)
+        if arch == "mla":  # the attention (absent: grouped-query)
+            for k, v in MLA.items():
+                f.attrs[k] = np.int64(v) if isinstance(v, int) else np.bytes_(v)
         for k, v in OPT.items():
             f.attrs[k] = np.float64(v)
         f.attrs["batch_size"] = np.int64(B)

@@ -220,6 +220,17 @@ check "convert a llama checkpoint" 0 "(n_kv_head 2, " -- "$KVLAB" convert --ckpt
 check "--init-from keeps the llama block" 0 "swiglu" -- bash -c '"$0" train "${@:2}" --init-from "$1" --out "$1.up" >/dev/null && "$0" inspect "$1.up/final.h5"' "$KVLAB" "$work/llama2.h5" "${short[@]}"
 check "--init-from with another --arch" 2 "mlp gelu on the command line, swiglu in $work/llama2.h5" -- "$KVLAB" train "${short[@]}" --arch gpt2 --init-from "$work/llama2.h5" --out "$work/up2"
 check "--arch llama with --mlp gelu" 0 "mlp            gelu" -- bash -c '"$0" train "${@:2}" --arch llama --mlp gelu --out "$1" >/dev/null && "$0" inspect "$1/final.h5"' "$KVLAB" "$work/llama-gelu" "${short[@]}"
+# MLA: trained, recorded, generated from without a cache; what needs its latent cache says so.
+mla=(--arch llama --attn mla --kv-lora-rank 8 --rope-head-dim 4)
+check "train --attn mla" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" "${mla[@]}" --out "$work/mla"
+check "inspect shows MLA" 0 "kv_lora_rank   8" -- "$KVLAB" inspect "$work/mla/final.h5"
+check "generate from MLA without a cache" 0 "cache off" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --no-cache
+check "generate from MLA with the cache" 1 "MLA's latent KV cache is not built yet: generate without the cache (--no-cache)" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8
+check "convert an MLA checkpoint" 1 "the source is an MLA model" -- "$KVLAB" convert --ckpt "$work/mla/final.h5" --n-kv-head 2 --method mean --out "$work/mla2.h5"
+check "MLA with learned positions" 2 "MLA's rotary key needs pos rope" -- "$KVLAB" train "${short[@]}" --attn mla --kv-lora-rank 8 --rope-head-dim 4 --out "$work/mla-x"
+check "MLA with an odd rotary width" 2 "rope_head_dim 3 must be even" -- "$KVLAB" train "${short[@]}" --arch llama --attn mla --kv-lora-rank 8 --rope-head-dim 3 --out "$work/mla-x"
+check "MLA's rank past n_embd" 2 "kv_lora_rank 200 must be in [1, n_embd" -- "$KVLAB" train "${short[@]}" --arch llama --attn mla --kv-lora-rank 200 --rope-head-dim 4 --out "$work/mla-x"
+check "ablate --attn mla" 1 "ablate: the sweep is over n_kv_head" -- "$KVLAB" ablate "${tiny[@]}" "${mla[@]}" --out "$work/ab-mla"
 check "unknown --arch" 2 "--arch" -- "$KVLAB" train "${short[@]}" --arch mistral --out "$work/up2"
 check "RoPE with an odd head size" 2 "RoPE needs an even head size" -- "$KVLAB" train "${short[@]}" --pos rope --n-head 4 --n-embd 12 --out "$work/up2"
 
