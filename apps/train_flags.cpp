@@ -66,8 +66,8 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
       "Biases in every Linear and LayerNorm (--no-bias: none; RMSNorm never has one)");
   cmd->add_option("--attn", c.model.attn,
                   "Attention: gqa (--n-kv-head key/value heads: MHA to MQA) or mla "
-                  "(DeepSeek-V2's multi-head latent attention; needs --pos rope; training and "
-                  "cache-free generation only for now)")
+                  "(DeepSeek-V2's multi-head latent attention, cached in latent form; needs "
+                  "--pos rope)")
       ->check(CLI::IsMember({"gqa", "mla"}))
       ->capture_default_str();
   add_number(cmd, "--kv-lora-rank", c.model.kv_lora_rank,

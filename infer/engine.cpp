@@ -175,7 +175,7 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype,
   KVLAB_CHECK(tokenizer.vocab_size() == model.config().vocab_size, "engine: tokenizer has ",
               tokenizer.vocab_size(), " symbols, the model's vocab_size is ",
               model.config().vocab_size);
-  const std::string problem = kv_dtype_problem(cache_dtype, model.config().head_size());
+  const std::string problem = kv_dtype_problem(cache_dtype, model.config().cache_width());
   KVLAB_CHECK(problem.empty(), "engine: ", problem);
   KVLAB_CHECK(!is_quantised(cache_dtype) || model.device() == Device::CPU, "engine: KV cache dtype ",
               dtype_name(cache_dtype), " is CPU-only (on CUDA: f32 or bf16)");
@@ -217,9 +217,9 @@ GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   std::vector<float> scales = cache_scales();
   if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity || scales != cache_scales_) {
     cache_.reset();  // free first
-    cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.n_kv_head,
-                                                 c.head_size(), cache_dtype_, model_.device(),
-                                                 scales);
+    cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.cache_heads(),
+                                                 c.cache_width(), cache_dtype_, model_.device(),
+                                                 scales, c.mla());
     cache_batch_ = batch;
     cache_capacity_ = capacity;
     cache_scales_ = std::move(scales);
@@ -254,7 +254,7 @@ GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
   const GPTConfig& c = model_.config();
   const int64_t bs = paged_->kv_block_size, per_row = (capacity + bs - 1) / bs;
   const int64_t block_bytes =
-      2 * c.n_layer * c.n_kv_head * bs * kv_row_bytes(cache_dtype_, c.head_size());
+      (c.mla() ? 1 : 2) * c.n_layer * c.cache_heads() * bs * kv_row_bytes(cache_dtype_, c.cache_width());
   const bool sized_by_call = paged_->pool_blocks == 0 && paged_->pool_bytes == 0;
   const int64_t n_blocks = paged_->pool_blocks > 0  ? paged_->pool_blocks
                            : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes
@@ -272,8 +272,9 @@ GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
     blocks_.reset();
     blocks_ = std::make_unique<BlockManager>(n_blocks, bs, key, paged_->prefix_caching);
     // Its capacity is the context: the pool, not the cache, bounds what rows take.
-    auto cache = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
-                                                c.block_size, cache_dtype_, 0, scales);
+    auto cache = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.cache_heads(),
+                                                c.cache_width(), c.block_size, cache_dtype_, 0,
+                                                scales, c.mla());
     paged_cache_ = cache.get();
     cache_ = std::move(cache);
     model_key_ = key;
@@ -311,9 +312,6 @@ void Engine::validate(const std::vector<std::vector<int32_t>>& prompts,
   KVLAB_CHECK(!prompts.empty(), "generate: no prompts");
   const int64_t block = model_.config().block_size, V = model_.config().vocab_size;
   const int64_t B = static_cast<int64_t>(prompts.size());
-  KVLAB_CHECK(!opts.use_cache || !model_.config().mla(),
-              "generate: MLA's latent KV cache is not built yet: generate without the cache "
-              "(--no-cache)");
   for (int64_t b = 0; b < B; ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
     const std::string problem = prompt_problem(p, V, block, opts.slide);

@@ -96,7 +96,8 @@ class ContiguousKVCache::RowRange final : public DecodeKVCache {
 
 ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity,
                                      int64_t n_kv_head, int64_t head_size, DType dtype,
-                                     Device device, std::vector<float> fp8_scales)
+                                     Device device, std::vector<float> fp8_scales,
+                                     bool values_are_keys)
     : n_layer_(n_layer),
       max_batch_(max_batch),
       capacity_(capacity),
@@ -105,6 +106,7 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
       dtype_(dtype),
       row_(kv_row_bytes(dtype, head_size) / static_cast<int64_t>(dtype_size(dtype))),
       scales_(std::move(fp8_scales)),
+      values_are_keys_(values_are_keys),
       batch_(max_batch) {
   KVLAB_CHECK(n_layer >= 1 && max_batch >= 1 && capacity >= 1 && n_kv_head >= 1 && head_size >= 1,
               "kv cache: every size must be positive, got L = ", n_layer, ", B = ", max_batch,
@@ -114,12 +116,14 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
   KVLAB_CHECK(!is_quantised(dtype) || device == Device::CPU, "kv cache: dtype ", dtype_name(dtype),
               " is CPU-only");
   check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
+  KVLAB_CHECK(!values_are_keys || dtype != DType::FP8,
+              "kv cache: an fp8 cache scales keys and values apart, so they cannot share rows");
   const Shape shape{max_batch, n_kv_head, capacity, row_};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions past a row's length hold finite values (the attention op never
     // reads them, but a debugger or a test dumping the buffer should not see garbage).
     k_.push_back(Tensor::zeros(shape, dtype, device));
-    v_.push_back(Tensor::zeros(shape, dtype, device));
+    v_.push_back(values_are_keys ? k_.back() : Tensor::zeros(shape, dtype, device));
   }
   const size_t row_bytes = static_cast<size_t>(n_kv_head * capacity * row_) * dtype_size(dtype);
   for (int64_t l = 0; l < n_layer; ++l)
@@ -134,6 +138,12 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
 }
 
 ContiguousKVCache::~ContiguousKVCache() = default;
+
+std::vector<const Tensor*> ContiguousKVCache::buffers(int64_t layer) const {
+  const auto l = static_cast<size_t>(layer);
+  if (values_are_keys_) return {&k_[l]};
+  return {&k_[l], &v_[l]};
+}
 
 Tensor ContiguousKVCache::view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const {
   const int64_t sh = capacity_ * row_, sb = n_kv_head_ * sh;
@@ -225,7 +235,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
       }
     };
     quantise(kb, k, 0);
-    quantise(vb, v, 1);
+    if (!values_are_keys_) quantise(vb, v, 1);
     return views;
   }
   const size_t esize = dtype_size(dtype_);
@@ -257,7 +267,7 @@ std::pair<Tensor, Tensor> ContiguousKVCache::append_rows(int layer, int64_t firs
     }
   };
   store(kb, k);
-  store(vb, v);
+  if (!values_are_keys_) store(vb, v);
   return views;
 }
 
@@ -294,7 +304,7 @@ void ContiguousKVCache::move_row(int64_t src, int64_t dst) {
   if (src == dst) return;
   const int64_t len = lengths_[static_cast<size_t>(src)];
   for (int64_t l = 0; l < n_layer_; ++l)
-    for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]})
+    for (const Tensor* buf : buffers(l))
       view(*buf, dst, 1, len).copy_from(view(*buf, src, 1, len));  // the valid positions only
   lengths_[static_cast<size_t>(dst)] = len;
   offsets_[static_cast<size_t>(dst)] = offsets_[static_cast<size_t>(src)];
@@ -321,7 +331,7 @@ void ContiguousKVCache::drop_front(int64_t b, int64_t n) {
               n);
   const int64_t sh = capacity_ * row_, sb = n_kv_head_ * sh;
   for (int64_t l = 0; l < n_layer_ && rest > 0; ++l)
-    for (const Tensor* buf : {&k_[static_cast<size_t>(l)], &v_[static_cast<size_t>(l)]}) {
+    for (const Tensor* buf : buffers(l)) {
       // Through a copy: the two ranges overlap when more is kept than dropped.
       Tensor tail = Tensor::empty({1, n_kv_head_, rest, row_}, dtype_, buf->device());
       tail.copy_from(buf->as_strided({1, n_kv_head_, rest, row_}, {sb, sh, row_, 1},
@@ -334,8 +344,8 @@ void ContiguousKVCache::drop_front(int64_t b, int64_t n) {
 
 int64_t ContiguousKVCache::bytes() const {
   auto total = static_cast<int64_t>(scales_.size() * sizeof(float));
-  for (size_t l = 0; l < k_.size(); ++l)
-    total += static_cast<int64_t>(k_[l].storage()->nbytes() + v_[l].storage()->nbytes());
+  for (int64_t l = 0; l < n_layer_; ++l)
+    for (const Tensor* buf : buffers(l)) total += static_cast<int64_t>(buf->storage()->nbytes());
   return total;
 }
 

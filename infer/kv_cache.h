@@ -136,11 +136,13 @@ class GenerationKVCache : public DecodeKVCache {
 // 0 .. lengths()[b] - 1 are valid. Only NKV heads are stored, never repeated per query head.
 // dtype f32, f64 or bf16, or on the CPU fp8, int8 or int4, whose buffers' last dim is a row's
 // bytes (kv_format.h); fp8 takes its scales, (L, 2 NKV) as KVRows::scales reads them.
+// values_are_keys (MLA's latent cache, not fp8): one buffer per layer, which append() and the
+// views give as K and as V alike; append() stores only k.
 class ContiguousKVCache final : public GenerationKVCache {
  public:
   ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity, int64_t n_kv_head,
                     int64_t head_size, DType dtype = DType::F32, Device device = Device::CPU,
-                    std::vector<float> fp8_scales = {});
+                    std::vector<float> fp8_scales = {}, bool values_are_keys = false);
   ~ContiguousKVCache() override;
 
   // ---- KVCache ----
@@ -193,11 +195,14 @@ class ContiguousKVCache final : public GenerationKVCache {
   KVRows layer_rows_of(int layer, int64_t first, int64_t n, int64_t T);
   // Rows first .. first + n - 1 of a layer's buffer as a view (n, NKV, S, HS).
   Tensor view(const Tensor& buf, int64_t first, int64_t n, int64_t S) const;
+  // A layer's distinct buffers: K and V, or the one both are.
+  std::vector<const Tensor*> buffers(int64_t layer) const;
 
   int64_t n_layer_, max_batch_, capacity_, n_kv_head_, head_size_;
   DType dtype_;
   int64_t row_;  // elements of dtype_ a (position, head) row: head_size_, or a quantised row's bytes
   std::vector<float> scales_;  // fp8: (L, 2 NKV)
+  bool values_are_keys_;       // v_ is k_
   int64_t batch_;
   std::vector<Tensor> k_, v_;  // per layer (B_max, NKV, S_max, HS)
   // (L, B_max): where each row of each layer's buffers starts, for layer_rows.

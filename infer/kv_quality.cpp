@@ -14,7 +14,8 @@ namespace kvlab {
 
 std::vector<float> fp8_kv_scales(const GPT& model) {
   const GPTConfig& c = model.config();
-  KVLAB_CHECK(!c.mla(), "fp8 KV cache: MLA's latent cache is not built yet");
+  KVLAB_CHECK(!c.mla(), "fp8 KV cache: not for MLA, whose latent rows serve as keys and values "
+              "(fp8 scales the two apart)");
   const int64_t C = c.n_embd, HS = c.head_size(), NKV = c.n_kv_head;
   std::vector<float> scales;
   std::vector<double> bounds(static_cast<size_t>(HS));  // one head's, per channel

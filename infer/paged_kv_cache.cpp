@@ -12,7 +12,7 @@ namespace kvlab {
 
 PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head,
                            int64_t head_size, int64_t capacity, DType dtype, int64_t max_batch,
-                           std::vector<float> fp8_scales)
+                           std::vector<float> fp8_scales, bool values_are_keys)
     : blocks_(blocks),
       n_layer_(n_layer),
       n_kv_head_(n_kv_head),
@@ -22,19 +22,22 @@ PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_h
       width_((capacity + blocks.block_size() - 1) / blocks.block_size()),
       dtype_(dtype),
       row_(kv_row_bytes(dtype, head_size) / static_cast<int64_t>(dtype_size(dtype))),
-      scales_(std::move(fp8_scales)) {
+      scales_(std::move(fp8_scales)),
+      values_are_keys_(values_are_keys) {
   KVLAB_CHECK(n_layer >= 1 && n_kv_head >= 1 && head_size >= 1 && capacity >= 1,
               "paged KV cache: every size must be positive, got L = ", n_layer, ", NKV = ",
               n_kv_head, ", HS = ", head_size, ", capacity ", capacity);
   const std::string problem = kv_dtype_problem(dtype, head_size);
   KVLAB_CHECK(problem.empty(), "paged KV cache: ", problem);
   check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
+  KVLAB_CHECK(!values_are_keys || dtype != DType::FP8, "paged KV cache: an fp8 cache scales "
+              "keys and values apart, so they cannot share rows");
   const Shape shape{blocks.total_blocks(), n_kv_head, block_len_, row_};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions no sequence has written hold finite values (the attention
     // never reads them).
     k_.push_back(Tensor::zeros(shape, dtype));
-    v_.push_back(Tensor::zeros(shape, dtype));
+    v_.push_back(values_are_keys ? k_.back() : Tensor::zeros(shape, dtype));
   }
   view_ = {nullptr, width_, block_len_, n_kv_head * block_len_ * row_};
   KVLAB_CHECK(max_batch >= 0, "paged KV cache: max_batch ", max_batch, " is negative");
@@ -53,6 +56,7 @@ PagedKVCache::PagedKVCache(PagedKVCache& parent, int64_t first, int64_t count)
       dtype_(parent.dtype_),
       row_(parent.row_),
       scales_(parent.scales_),
+      values_are_keys_(parent.values_are_keys_),
       k_(parent.k_),
       v_(parent.v_),
       view_(parent.view_),
@@ -189,7 +193,8 @@ void PagedKVCache::drop_front(int64_t b, int64_t n) {
 int64_t PagedKVCache::bytes() const {
   int64_t pools = 0;
   for (const std::vector<Tensor>* p : {&k_, &v_})
-    for (const Tensor& pool : *p) pools += static_cast<int64_t>(pool.storage()->nbytes());
+    if (p == &k_ || !values_are_keys_)
+      for (const Tensor& pool : *p) pools += static_cast<int64_t>(pool.storage()->nbytes());
   return blocks_.stats().in_use * (pools / blocks_.total_blocks()) +
          static_cast<int64_t>(scales_.size() * sizeof(float));
 }
@@ -244,13 +249,15 @@ void PagedKVCache::copy_block(const BlockCopy& c) {
   const size_t esize = dtype_size(dtype_);
   const int64_t head = block_len_ * row_, block = n_kv_head_ * head;
   const size_t bytes = static_cast<size_t>(c.positions * row_) * esize;
-  for (std::vector<Tensor>* pools : {&k_, &v_})
+  for (std::vector<Tensor>* pools : {&k_, &v_}) {
+    if (pools == &v_ && values_are_keys_) break;
     for (Tensor& pool : *pools) {
       char* base = static_cast<char*>(pool.raw_data());
       for (int64_t h = 0; h < n_kv_head_; ++h)
         std::memcpy(base + static_cast<size_t>(c.dst * block + h * head) * esize,
                     base + static_cast<size_t>(c.src * block + h * head) * esize, bytes);
     }
+  }
 }
 
 void PagedKVCache::store(int layer, int which, const Tensor& src_in, int64_t T) {
@@ -289,7 +296,7 @@ std::pair<Tensor, Tensor> PagedKVCache::append(int layer, const Tensor& k, const
                   v.device() == Device::CPU,
               "paged KV cache: k and v must be f32 on the CPU");
   store(layer, 0, k, reserved_);
-  store(layer, 1, v, reserved_);
+  if (!values_are_keys_) store(layer, 1, v, reserved_);
   return {k_[static_cast<size_t>(layer)], v_[static_cast<size_t>(layer)]};
 }
 

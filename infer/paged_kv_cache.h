@@ -42,9 +42,10 @@ class PagedKVCache final : public GenerationKVCache {
   // kv_format.h), fp8 with its scales, (L, 2 NKV) as KVRows::scales reads them.
   // max_batch > 0 makes that many fresh sequences the rows (as reset() does); 0 leaves the
   // rows to set_rows().
+  // values_are_keys (MLA's latent cache, not fp8): one pool per layer, given as K and as V.
   PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head, int64_t head_size,
                int64_t capacity, DType dtype = DType::F32, int64_t max_batch = 0,
-               std::vector<float> fp8_scales = {});
+               std::vector<float> fp8_scales = {}, bool values_are_keys = false);
   ~PagedKVCache() override;
 
   // The sequences the batch's rows are, in order: distinct, each held by the manager; they
@@ -136,6 +137,7 @@ class PagedKVCache final : public GenerationKVCache {
   DType dtype_;
   int64_t row_;                // elements of dtype_ a (position, head) row (kv_format.h)
   std::vector<float> scales_;  // fp8: (L, 2 NKV)
+  bool values_are_keys_;       // v_ is k_
   std::vector<Tensor> k_, v_;  // per layer (n_blocks, NKV, kv_block_size, row_)
   // (L, batch): every row's pointer into each layer's pools, for layer_rows: the pool itself,
   // since a paged row is reached through its block table.

@@ -45,8 +45,7 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
     : engine_(engine), options_(options), pack_(engine.decode_step().pack()) {
   const GPTConfig& c = engine.model().config();
   const PagedCacheOptions& p = options.cache;
-  KVLAB_CHECK(!c.mla(), "scheduler: MLA's latent KV cache is not built yet, so MLA models "
-              "are not served");
+  KVLAB_CHECK(!c.mla(), "scheduler: MLA models are not served yet (kvlab generate runs them)");
   KVLAB_CHECK(options.max_seqs >= 1, "scheduler: max_seqs must be >= 1, got ", options.max_seqs);
   KVLAB_CHECK(options.max_batch_tokens >= options.max_seqs,
               "scheduler: max_batch_tokens (", options.max_batch_tokens,

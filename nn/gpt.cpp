@@ -162,12 +162,11 @@ LatentAttention::LatentAttention(const GPTConfig& cfg)
   register_module("c_proj", c_proj);
 }
 
-// Composed from the ops every backend has: the shared rotary key is concatenated to each
-// head's key, and the values are padded with zeros to the keys' width so that one attention
-// call (same head size for q, k and v) serves; the padding's outputs are cut off.
+// Composed from the ops every backend has. Without a cache (training): the shared rotary key
+// is concatenated to each head's key, and the values are padded with zeros to the keys' width
+// so that one attention call (same head size for q, k and v) serves; the padding's outputs
+// are cut off. With a cache, see forward_latent.
 Tensor LatentAttention::forward(const Tensor& x, const ForwardContext& ctx, int layer) const {
-  KVLAB_CHECK(ctx.cache == nullptr,
-              "attention: MLA's latent KV cache is not built yet: generate without a cache");
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
   const int64_t NH = n_head, HS = head_size, D = rope_dim;
   const Tensor q = reshape(q_proj.forward(x), {B, T, NH, HS + D});
@@ -176,6 +175,8 @@ Tensor LatentAttention::forward(const Tensor& x, const ForwardContext& ctx, int 
   const Tensor latent = kv_norm.forward(narrow(kv, 2, 0, rank));
   const Tensor k_rot =
       rope(reshape(narrow(kv, 2, rank, D), {B, T, 1, D}), ctx.rope_positions, ctx.rope_table);
+  if (ctx.cache != nullptr)
+    return forward_latent(narrow(q, 3, 0, HS), q_rot, latent, k_rot, ctx, layer);
   const Tensor up = reshape(kv_up.forward(latent), {B, T, NH, 2 * HS});
   const Tensor k = concat({narrow(up, 3, 0, HS), concat(std::vector<Tensor>(NH, k_rot), 2)}, 3);
   const Tensor v = concat({narrow(up, 3, HS, HS), Tensor::zeros({B, T, NH, D}, x.dtype(), x.device())}, 3);
@@ -188,6 +189,42 @@ Tensor LatentAttention::forward(const Tensor& x, const ForwardContext& ctx, int 
                               transpose(k, 1, 2), transpose(v, 1, 2), opts);  // (B, NH, T, HS + D)
   y = reshape(narrow(transpose(y, 1, 2), 3, 0, HS), {B, T, C});
   return maybe_dropout(c_proj.forward(y), dropout, ctx, layer, 1);
+}
+
+// Inference in latent form. The cache holds, per position, the normed latent and the rotated
+// shared key: one row of R + D values serving as key and value (values_are_keys). Each head's
+// query is carried into that space, its HS part through the head's key rows W_uk of kv_up
+// (q . W_uk c = (W_uk^T q) . c), so one attention over the cached rows, a single KV head for
+// every query head, gives each head its softmax-weighted sum of latents (the rows' first R
+// values), which the head's value rows W_uv of kv_up turn into its output. The key rows' bias
+// moves every score of a query equally, which softmax ignores; the value rows' bias is added
+// after, the weights summing to 1. The queries are scaled so that the attention's
+// 1 / sqrt(R + D) becomes training's 1 / sqrt(HS + D).
+Tensor LatentAttention::forward_latent(const Tensor& q_nope, const Tensor& q_rot,
+                                       const Tensor& latent, const Tensor& k_rot,
+                                       const ForwardContext& ctx, int layer) const {
+  const int64_t B = q_nope.size(0), T = q_nope.size(1), NH = n_head, HS = head_size, R = rank;
+  const Tensor row = concat({reshape(latent, {B, T, 1, R}), k_rot}, 3);  // (B, T, 1, R + D)
+  auto [kc, vc] = ctx.cache->append(layer, transpose(row, 1, 2), transpose(row, 1, 2));
+  const Tensor w = reshape(kv_up.weight, {NH, 2 * HS, R});
+  // (NH, B T, HS) @ W_uk (NH, HS, R) -> (NH, B T, R) -> (B, NH, T, R)
+  const Tensor per_head = reshape(transpose(reshape(q_nope, {B * T, NH, HS}), 0, 1), {NH, B * T, HS});
+  const Tensor q_lat =
+      transpose(reshape(matmul(per_head, narrow(w, 1, 0, HS)), {NH, B, T, R}), 0, 1);
+  const Tensor q = scale(concat({q_lat, transpose(q_rot, 1, 2)}, 3),
+                         std::sqrt(static_cast<double>(R + rope_dim) / (HS + rope_dim)));
+  AttentionOptions opts;
+  opts.kv_lengths = ctx.kv_lengths;
+  opts.kv_blocks = ctx.cache->kv_blocks();
+  opts.kv_scales = ctx.cache->kv_scales(layer);
+  const Tensor o = narrow(causal_attention(q, kc, vc, opts), 3, 0, R);  // (B, NH, T, R)
+  // (NH, B T, R) @ W_uv^T -> (NH, B T, HS) -> (B, T, NH, HS)
+  const Tensor sums = reshape(transpose(o, 0, 1), {NH, B * T, R});
+  const Tensor heads = reshape(matmul(sums, narrow(w, 1, HS, HS), false, true), {NH, B, T, HS});
+  Tensor y = reshape(transpose(transpose(heads, 0, 1), 1, 2), {B, T, NH * HS});
+  if (kv_up.bias.defined())
+    y = add(y, reshape(narrow(reshape(kv_up.bias, {NH, 2 * HS}), 1, HS, HS), {NH * HS}));
+  return c_proj.forward(y);
 }
 
 Block::Block(const GPTConfig& cfg)

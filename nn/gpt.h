@@ -49,6 +49,10 @@ struct GPTConfig {
   bool mla() const { return attn == "mla"; }
   // The width RoPE turns: a head's (head_size), or MLA's rotary part (rope_head_dim).
   int64_t rope_dim() const { return mla() ? rope_head_dim : head_size(); }
+  // What a KV cache holds per layer and position: cache_heads() rows of cache_width() values
+  // for the keys and as many for the values; MLA's one latent row serves as both.
+  int64_t cache_heads() const { return mla() ? 1 : n_kv_head; }
+  int64_t cache_width() const { return mla() ? kv_lora_rank + rope_head_dim : head_size(); }
   // mlp_hidden, or by default 4 n_embd for GELU and, for SwiGLU's three matrices, 8/3 n_embd
   // rounded to a multiple of 8: the same parameters as GELU's two within a few.
   int64_t hidden() const;
@@ -80,8 +84,9 @@ class CausalSelfAttention : public Module {
 // kv_down gives a latent of kv_lora_rank (normed by kv_norm) and a rotary key of
 // rope_head_dim shared by every head; kv_up rebuilds each head's key (head_size, then the
 // shared rotary key appended) and value (head_size) from the latent. Scores are scaled by
-// 1 / sqrt(head_size + rope_head_dim). Training and cache-free inference: the latent cache
-// is not built, so a cache is an error.
+// 1 / sqrt(head_size + rope_head_dim). With a cache it caches the latent and the rotary key
+// (kv_lora_rank + rope_head_dim values a position) and attends in latent form, the
+// up-projections folded into the query and the output (forward_latent).
 class LatentAttention : public Module {
  public:
   explicit LatentAttention(const GPTConfig& cfg);
@@ -93,6 +98,11 @@ class LatentAttention : public Module {
   Linear c_proj;
   int64_t n_head, head_size, rank, rope_dim;
   double dropout;
+
+ private:
+  // The cached path: queries in latent form over the cache's latent rows.
+  Tensor forward_latent(const Tensor& q_nope, const Tensor& q_rot, const Tensor& latent,
+                        const Tensor& k_rot, const ForwardContext& ctx, int layer) const;
 };
 
 class Block : public Module {

@@ -117,8 +117,8 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   TrainConfig& base = cfg.base;
   const int64_t nh = base.model.n_head;
   KVLAB_CHECK(nh >= 1, "ablate: n_head must be >= 1, got ", nh);
-  KVLAB_CHECK(!base.model.mla(), "ablate: the sweep is over n_kv_head, and MLA's latent cache "
-              "is not built yet: train MLA with kvlab train --attn mla");
+  KVLAB_CHECK(!base.model.mla(), "ablate: the sweep is over n_kv_head; MLA variants are not "
+              "in it yet (train one with kvlab train --attn mla)");
   if (cfg.kv_heads.empty())
     for (int64_t k = nh; k >= 1; --k)
       if (nh % k == 0) cfg.kv_heads.push_back(k);

@@ -226,6 +226,51 @@ TEST(Engine, PagedCacheSlidesLikeTheContiguousOne) {
   }
 }
 
+// MLA caches one latent row a position (rank + rotary width values, for keys and values alike)
+// and attends in latent form, the up-projections folded into the queries and the output: every
+// step's logits equal the recomputation's, which rebuilds every head's keys and values (the
+// expanded form), for batch 1 and 3, on both caches (blocks of 4: prompts and decoding cross
+// their boundaries) and in bf16, and the cache measures the latent's bytes.
+TEST(Engine, MlaLatentCacheEqualsTheExpandedRecompute) {
+  const int64_t R = 12, D = 4, L = 2;  // R + D differs from a head's key width, 8 + D
+  for (const bool paged : {false, true})
+    for (const auto& lengths : {std::vector<int64_t>{5}, std::vector<int64_t>{7, 2, 12}})
+      for (const DType dtype : {DType::F32, DType::BF16}) {
+        SCOPED_TRACE(::testing::Message() << (paged ? "paged" : "contiguous") << " batch "
+                                          << lengths.size() << " " << dtype_name(dtype));
+        auto model = tiny_model(4, 5, 16, "mla");
+        const Tokenizer tok = tiny_tokenizer();
+        Engine engine(*model, tok, dtype,
+                      paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{.kv_block_size = 4})
+                            : std::nullopt);
+        std::vector<std::vector<int32_t>> prompts;
+        for (size_t b = 0; b < lengths.size(); ++b) prompts.push_back(random_ids(lengths[b], 40 + b));
+        GenerateOptions o = greedy(12);
+        double worst = 0, scale = 0;
+        int64_t checks = 0;
+        o.on_logits = [&](int64_t, std::span<const int32_t> window, std::span<const float> logits) {
+          const std::vector<float> ref = recompute(*model, window);
+          for (size_t i = 0; i < ref.size(); ++i) {
+            worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
+            scale = std::max(scale, static_cast<double>(std::fabs(ref[i])));
+          }
+          ++checks;
+        };
+        const GenerationResult r = engine.generate_ids(prompts, o);
+        int64_t made = 0;
+        for (const auto& row : r.rows) made += static_cast<int64_t>(row.tokens.size());
+        EXPECT_EQ(checks, made);
+        EXPECT_GE(made, 5 * static_cast<int64_t>(lengths.size()));
+        // bf16 rounds the cached latents: the logits move by about its precision.
+        EXPECT_LE(worst, (dtype == DType::BF16 ? 2e-2 : 1e-5) * scale) << "scale " << scale;
+        if (!paged) {  // the whole allocation: every row's capacity of latent rows
+          const int64_t S = r.stats.cache_capacity, B = static_cast<int64_t>(lengths.size());
+          EXPECT_EQ(engine.cache()->bytes(),
+                    L * B * S * (R + D) * static_cast<int64_t>(dtype_size(dtype)));
+        }
+      }
+}
+
 // A naive double-precision forward of a llama-block model (RoPE, RMSNorm, SwiGLU, no biases)
 // over a whole sequence in which token s attends to tokens start[s] .. s at their own
 // positions: a sliding window recomputed from scratch, sharing no code with the engine. Every
