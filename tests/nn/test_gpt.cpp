@@ -141,25 +141,32 @@ TEST(GptConfig, MlaSettingsAreChecked) {
   tiny_mla().validate();
 }
 
+// A model of config c has the parameters parameter_shapes and count_parameters say, and a
+// backward reaches every one of them.
+void expect_shapes_count_and_gradients(const GPTConfig& c) {
+  GPT m(c, 1);
+  const auto shapes = parameter_shapes(c);
+  const auto params = m.named_parameters();
+  ASSERT_EQ(shapes.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(shapes[i].first, params[i].first);
+    EXPECT_EQ(shapes[i].second, params[i].second.sizes()) << params[i].first;
+  }
+  EXPECT_EQ(m.num_parameters(), count_parameters(c));
+  EXPECT_EQ(params[1].first == "wpe.weight", c.pos == "learned");
+  EXPECT_EQ(m.blocks[0]->attn == nullptr, c.mla());
+  EXPECT_EQ(m.blocks[0]->mla != nullptr, c.mla());
+  const Tensor x = Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 4, 5, 6}, {2, 3});
+  m.loss(x, x).backward();
+  for (auto& [name, t] : params) EXPECT_TRUE(t.grad().defined()) << name;
+}
+
 TEST(Gpt, MlaHasTheShapesAndCountItsConfigSaysAndLearns) {
   for (const bool bias : {false, true}) {
     GPTConfig c = tiny_mla();
     c.bias = bias;
-    GPT m(c, 1);
-    const auto shapes = parameter_shapes(c);
-    const auto params = m.named_parameters();
-    ASSERT_EQ(shapes.size(), params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_EQ(shapes[i].first, params[i].first);
-      EXPECT_EQ(shapes[i].second, params[i].second.sizes()) << params[i].first;
-    }
-    EXPECT_EQ(m.num_parameters(), count_parameters(c));
-    EXPECT_EQ(m.blocks[0]->attn, nullptr);
-    ASSERT_NE(m.blocks[0]->mla, nullptr);
-    EXPECT_EQ(m.blocks[0]->mla->kv_down.weight.sizes(), (std::vector<int64_t>{8 + 4, 16}));
-    const Tensor x = Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 4, 5, 6}, {2, 3});
-    m.loss(x, x).backward();
-    for (auto& [name, t] : params) EXPECT_TRUE(t.grad().defined()) << name;
+    expect_shapes_count_and_gradients(c);
+    EXPECT_EQ(GPT(c, 1).blocks[0]->mla->kv_down.weight.sizes(), (std::vector<int64_t>{8 + 4, 16}));
   }
 }
 
@@ -272,20 +279,7 @@ TEST(Gpt, EveryBlockVariantHasTheShapesAndCountItsConfigSays) {
           c.mlp = mlp;
           c.bias = bias;
           SCOPED_TRACE(testing::Message() << pos << " " << norm << " " << mlp << " bias " << bias);
-          GPT m(c, 1);
-          const auto shapes = parameter_shapes(c);
-          const auto params = m.named_parameters();
-          ASSERT_EQ(shapes.size(), params.size());
-          for (size_t i = 0; i < params.size(); ++i) {
-            EXPECT_EQ(shapes[i].first, params[i].first);
-            EXPECT_EQ(shapes[i].second, params[i].second.sizes()) << params[i].first;
-          }
-          EXPECT_EQ(m.num_parameters(), count_parameters(c));
-          const bool has_wpe = params[1].first == "wpe.weight";
-          EXPECT_EQ(has_wpe, c.pos == "learned");
-          const Tensor x = Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 4, 5, 6}, {2, 3});
-          m.loss(x, x).backward();
-          for (auto& [name, t] : params) EXPECT_TRUE(t.grad().defined()) << name;
+          expect_shapes_count_and_gradients(c);
         }
 }
 
