@@ -271,10 +271,10 @@ TEST(Engine, MlaLatentCacheEqualsTheExpandedRecompute) {
       }
 }
 
-// A naive double-precision forward of a llama-block model (RoPE, RMSNorm, SwiGLU, no biases)
-// over a whole sequence in which token s attends to tokens start[s] .. s at their own
-// positions: a sliding window recomputed from scratch, sharing no code with the engine. Every
-// position's logits.
+// A naive double-precision forward of a llama-block model (RoPE, RMSNorm, SwiGLU, no biases;
+// grouped-query or MLA attention, MLA's keys and values expanded per head) over a whole
+// sequence in which token s attends to tokens start[s] .. s at their own positions: a sliding
+// window recomputed from scratch, sharing no code with the engine. Every position's logits.
 std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
                                                        const std::vector<int32_t>& ids,
                                                        const std::vector<int64_t>& start) {
@@ -282,6 +282,8 @@ std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
   const auto T = static_cast<int64_t>(ids.size());
   const int64_t C = c.n_embd, NH = c.n_head, NKV = c.n_kv_head, HS = c.head_size();
   const int64_t H = c.hidden(), V = c.vocab_size, G = NH / NKV, KVD = NKV * HS;
+  const int64_t R = c.kv_lora_rank, D = c.rope_head_dim;
+  const int64_t QW = c.mla() ? HS + D : HS;  // a query's and a key's width
   using Vec = std::vector<double>;
   auto weights = [](const Tensor& t) {
     const std::vector<float> f = t.contiguous().to_vector<float>();
@@ -301,45 +303,67 @@ std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
     for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] / std::sqrt(ms + 1e-5) * g[i];
     return y;
   };
-  auto rotate = [&](Vec& v, int64_t heads, int64_t p) {  // halves form: pair (j, j + HS / 2)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t j = 0; j < HS / 2; ++j) {
-        const double a = static_cast<double>(p) * std::pow(c.rope_theta, -2.0 * j / HS);
-        double& x1 = v[h * HS + j];
-        double& x2 = v[h * HS + j + HS / 2];
-        const double r1 = x1 * std::cos(a) - x2 * std::sin(a), r2 = x2 * std::cos(a) + x1 * std::sin(a);
-        x1 = r1;
-        x2 = r2;
-      }
+  auto rotate = [&](double* v, int64_t w, int64_t p) {  // halves form: pair (j, j + w / 2)
+    for (int64_t j = 0; j < w / 2; ++j) {
+      const double a = static_cast<double>(p) * std::pow(c.rope_theta, -2.0 * j / w);
+      const double x1 = v[j], x2 = v[j + w / 2];
+      v[j] = x1 * std::cos(a) - x2 * std::sin(a);
+      v[j + w / 2] = x2 * std::cos(a) + x1 * std::sin(a);
+    }
   };
   const Vec wte = weights(m.wte.weight);
   std::vector<Vec> x(static_cast<size_t>(T));
   for (int64_t s = 0; s < T; ++s) x[s].assign(wte.begin() + ids[s] * C, wte.begin() + (ids[s] + 1) * C);
   for (const auto& blk : m.blocks) {
     const Vec g1 = weights(blk->ln_1.weight), g2 = weights(blk->ln_2.weight);
-    const Vec wq = weights(blk->attn->q_proj.weight), wk = weights(blk->attn->k_proj.weight);
-    const Vec wv = weights(blk->attn->v_proj.weight), wo = weights(blk->attn->c_proj.weight);
     const Vec wg = weights(blk->mlp.c_fc.weight), wu = weights(blk->mlp.c_up->weight);
     const Vec wd = weights(blk->mlp.c_proj.weight);
+    // Per position: NH queries of QW, and the heads' keys (QW) and values (HS).
     std::vector<Vec> q(T), k(T), v(T);
-    for (int64_t s = 0; s < T; ++s) {
-      const Vec h = rms(x[s], g1);
-      q[s] = matvec(wq, h, C);
-      k[s] = matvec(wk, h, KVD);
-      v[s] = matvec(wv, h, KVD);
-      rotate(q[s], NH, s);
-      rotate(k[s], NKV, s);
+    Vec wo;
+    if (c.mla()) {
+      const LatentAttention& a = *blk->mla;
+      const Vec wq = weights(a.q_proj.weight), wdown = weights(a.kv_down.weight);
+      const Vec gkv = weights(a.kv_norm.weight), wup = weights(a.kv_up.weight);
+      wo = weights(a.c_proj.weight);
+      for (int64_t s = 0; s < T; ++s) {
+        const Vec h = rms(x[s], g1);
+        q[s] = matvec(wq, h, NH * QW);
+        for (int64_t hd = 0; hd < NH; ++hd) rotate(q[s].data() + hd * QW + HS, D, s);
+        Vec kv = matvec(wdown, h, R + D);
+        rotate(kv.data() + R, D, s);
+        const Vec up = matvec(wup, rms(Vec(kv.begin(), kv.begin() + R), gkv), NH * 2 * HS);
+        for (int64_t hd = 0; hd < NH; ++hd) {
+          const auto at = up.begin() + hd * 2 * HS;
+          k[s].insert(k[s].end(), at, at + HS);
+          k[s].insert(k[s].end(), kv.begin() + R, kv.end());
+          v[s].insert(v[s].end(), at + HS, at + 2 * HS);
+        }
+      }
+    } else {
+      const CausalSelfAttention& a = *blk->attn;
+      const Vec wq = weights(a.q_proj.weight), wk = weights(a.k_proj.weight);
+      const Vec wv = weights(a.v_proj.weight);
+      wo = weights(a.c_proj.weight);
+      for (int64_t s = 0; s < T; ++s) {
+        const Vec h = rms(x[s], g1);
+        q[s] = matvec(wq, h, C);
+        k[s] = matvec(wk, h, KVD);
+        v[s] = matvec(wv, h, KVD);
+        for (int64_t hd = 0; hd < NH; ++hd) rotate(q[s].data() + hd * HS, HS, s);
+        for (int64_t g = 0; g < NKV; ++g) rotate(k[s].data() + g * HS, HS, s);
+      }
     }
     for (int64_t s = 0; s < T; ++s) {
       Vec y(static_cast<size_t>(C), 0.0);
       for (int64_t h = 0; h < NH; ++h) {
-        const int64_t g = h / G;
+        const int64_t g = c.mla() ? h : h / G;
         Vec score;
         double top = -1e300;
         for (int64_t j = start[s]; j <= s; ++j) {
           double d = 0;
-          for (int64_t i = 0; i < HS; ++i) d += q[s][h * HS + i] * k[j][g * HS + i];
-          score.push_back(d / std::sqrt(static_cast<double>(HS)));
+          for (int64_t i = 0; i < QW; ++i) d += q[s][h * QW + i] * k[j][g * QW + i];
+          score.push_back(d / std::sqrt(static_cast<double>(QW)));
           top = std::max(top, score.back());
         }
         double sum = 0;
@@ -379,19 +403,23 @@ std::vector<int64_t> rolling_starts(int64_t P, int64_t n, int64_t block, int64_t
 }
 
 // A RoPE model slides on past its context without re-prefilling: every token's logits are the
-// naive sliding-window recompute's, for every n_kv_head, a batch of 3 whose rows slide at
-// different steps (one prompt longer than the context), both caches (blocks of 4: drops free
-// whole blocks) and both decode paths, with positions far past block_size.
+// naive sliding-window recompute's, for every n_kv_head and for MLA's latent cache (which
+// decodes op by op), a batch of 3 whose rows slide at different steps (one prompt longer than
+// the context), both caches (blocks of 4: drops free whole blocks) and both decode paths,
+// with positions far past block_size.
 TEST(Engine, RopeSlideEqualsASlidingWindowRecompute) {
   const int64_t block = 16, max_new = 40;
   const std::vector<std::vector<int32_t>> prompts = {random_ids(7, 1), random_ids(2, 2),
                                                      random_ids(20, 3)};
-  for (const int64_t nkv : {4, 2, 1})
+  const std::vector<std::pair<std::string, int64_t>> cases = {
+      {"llama", 4}, {"llama", 2}, {"llama", 1}, {"mla", 4}};
+  for (const auto& [arch, nkv] : cases)
     for (const bool paged : {false, true})
       for (const bool fused : {true, false}) {
-        SCOPED_TRACE(::testing::Message() << "nkv " << nkv << (paged ? " paged" : " contiguous")
+        SCOPED_TRACE(::testing::Message() << arch << " nkv " << nkv
+                                          << (paged ? " paged" : " contiguous")
                                           << (fused ? " fused" : " op by op"));
-        auto model = tiny_model(nkv, 9, block, "llama");
+        auto model = tiny_model(nkv, 9, block, arch);
         const Tokenizer tok = tiny_tokenizer();
         Engine engine(*model, tok, DType::F32,
                       paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{.kv_block_size = 4})
