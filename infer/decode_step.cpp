@@ -514,8 +514,9 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   int64_t max_position = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = cache.position_offsets()[static_cast<size_t>(b)];
-    KVLAB_CHECK(first == 0 || cfg.rope(), "decode step: row ", b, " of the cache dropped its first ",
-                first, " positions, which only RoPE positions go on past");
+    KVLAB_CHECK(first == 0 || cfg.rope(), "decode step: row ", b,
+                " of the cache dropped its first ", first,
+                " positions, which only RoPE positions go on past");
     positions_[static_cast<size_t>(b)] =
         static_cast<int32_t>(first + lengths_[static_cast<size_t>(b)] - 1);
     max_position = std::max<int64_t>(max_position, positions_[static_cast<size_t>(b)] + 1);

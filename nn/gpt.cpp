@@ -179,14 +179,16 @@ Tensor LatentAttention::forward(const Tensor& x, const ForwardContext& ctx, int 
     return forward_latent(narrow(q, 3, 0, HS), q_rot, latent, k_rot, ctx, layer);
   const Tensor up = reshape(kv_up.forward(latent), {B, T, NH, 2 * HS});
   const Tensor k = concat({narrow(up, 3, 0, HS), concat(std::vector<Tensor>(NH, k_rot), 2)}, 3);
-  const Tensor v = concat({narrow(up, 3, HS, HS), Tensor::zeros({B, T, NH, D}, x.dtype(), x.device())}, 3);
+  const Tensor pad = Tensor::zeros({B, T, NH, D}, x.dtype(), x.device());
+  const Tensor v = concat({narrow(up, 3, HS, HS), pad}, 3);
   AttentionOptions opts;
   if (ctx.dropout_on && dropout > 0) {
     opts.dropout = dropout;
     opts.seed = site_seed(ctx, layer, 0);
   }
+  // (B, NH, T, HS + D)
   Tensor y = causal_attention(transpose(concat({narrow(q, 3, 0, HS), q_rot}, 3), 1, 2),
-                              transpose(k, 1, 2), transpose(v, 1, 2), opts);  // (B, NH, T, HS + D)
+                              transpose(k, 1, 2), transpose(v, 1, 2), opts);
   y = reshape(narrow(transpose(y, 1, 2), 3, 0, HS), {B, T, C});
   return maybe_dropout(c_proj.forward(y), dropout, ctx, layer, 1);
 }
@@ -208,7 +210,8 @@ Tensor LatentAttention::forward_latent(const Tensor& q_nope, const Tensor& q_rot
   auto [kc, vc] = ctx.cache->append(layer, transpose(row, 1, 2), transpose(row, 1, 2));
   const Tensor w = reshape(kv_up.weight, {NH, 2 * HS, R});
   // (NH, B T, HS) @ W_uk (NH, HS, R) -> (NH, B T, R) -> (B, NH, T, R)
-  const Tensor per_head = reshape(transpose(reshape(q_nope, {B * T, NH, HS}), 0, 1), {NH, B * T, HS});
+  const Tensor per_head =
+      reshape(transpose(reshape(q_nope, {B * T, NH, HS}), 0, 1), {NH, B * T, HS});
   const Tensor q_lat =
       transpose(reshape(matmul(per_head, narrow(w, 1, 0, HS)), {NH, B, T, R}), 0, 1);
   const Tensor q = scale(concat({q_lat, transpose(q_rot, 1, 2)}, 3),

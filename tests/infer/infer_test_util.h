@@ -49,7 +49,7 @@ inline std::unique_ptr<GPT> random_model(const GPTConfig& c, uint64_t seed) {
     } else {
       normal_(p, gen, 0.1);
       if (name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") ||
-          name.ends_with("ln_f.weight")) {
+          name.ends_with("ln_f.weight") || name.ends_with("kv_norm.weight")) {
         float* d = p.data<float>();
         for (int64_t i = 0; i < p.numel(); ++i) d[i] += 1.0f;
       }

@@ -230,45 +230,52 @@ TEST(Engine, PagedCacheSlidesLikeTheContiguousOne) {
 // and attends in latent form, the up-projections folded into the queries and the output: every
 // step's logits equal the recomputation's, which rebuilds every head's keys and values (the
 // expanded form), for batch 1 and 3, on both caches (blocks of 4: prompts and decoding cross
-// their boundaries) and in bf16, and the cache measures the latent's bytes.
+// their boundaries), in bf16, and with biases (the key bias drops out of the folded queries,
+// the value bias is added to the output), and the cache measures the latent's bytes.
 TEST(Engine, MlaLatentCacheEqualsTheExpandedRecompute) {
   const int64_t R = 12, D = 4, L = 2;  // R + D differs from a head's key width, 8 + D
   for (const bool paged : {false, true})
     for (const auto& lengths : {std::vector<int64_t>{5}, std::vector<int64_t>{7, 2, 12}})
-      for (const DType dtype : {DType::F32, DType::BF16}) {
-        SCOPED_TRACE(::testing::Message() << (paged ? "paged" : "contiguous") << " batch "
-                                          << lengths.size() << " " << dtype_name(dtype));
-        auto model = tiny_model(4, 5, 16, "mla");
-        const Tokenizer tok = tiny_tokenizer();
-        Engine engine(*model, tok, dtype,
-                      paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{.kv_block_size = 4})
-                            : std::nullopt);
-        std::vector<std::vector<int32_t>> prompts;
-        for (size_t b = 0; b < lengths.size(); ++b) prompts.push_back(random_ids(lengths[b], 40 + b));
-        GenerateOptions o = greedy(12);
-        double worst = 0, scale = 0;
-        int64_t checks = 0;
-        o.on_logits = [&](int64_t, std::span<const int32_t> window, std::span<const float> logits) {
-          const std::vector<float> ref = recompute(*model, window);
-          for (size_t i = 0; i < ref.size(); ++i) {
-            worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
-            scale = std::max(scale, static_cast<double>(std::fabs(ref[i])));
+      for (const DType dtype : {DType::F32, DType::BF16})
+        for (const bool bias : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << (paged ? "paged" : "contiguous") << " batch "
+                                            << lengths.size() << " " << dtype_name(dtype)
+                                            << (bias ? " biases" : ""));
+          GPTConfig cfg = test::tiny_config(4, 16, "mla");
+          cfg.bias = bias;
+          auto model = test::random_model(cfg, 5);
+          const Tokenizer tok = tiny_tokenizer();
+          Engine engine(*model, tok, dtype,
+                        paged ? std::optional(PagedCacheOptions{.kv_block_size = 4})
+                              : std::nullopt);
+          std::vector<std::vector<int32_t>> prompts;
+          for (size_t b = 0; b < lengths.size(); ++b)
+            prompts.push_back(random_ids(lengths[b], 40 + b));
+          GenerateOptions o = greedy(12);
+          double worst = 0, scale = 0;
+          int64_t checks = 0;
+          o.on_logits = [&](int64_t, std::span<const int32_t> window,
+                            std::span<const float> logits) {
+            const std::vector<float> ref = recompute(*model, window);
+            for (size_t i = 0; i < ref.size(); ++i) {
+              worst = std::max(worst, static_cast<double>(std::fabs(ref[i] - logits[i])));
+              scale = std::max(scale, static_cast<double>(std::fabs(ref[i])));
+            }
+            ++checks;
+          };
+          const GenerationResult r = engine.generate_ids(prompts, o);
+          int64_t made = 0;
+          for (const auto& row : r.rows) made += static_cast<int64_t>(row.tokens.size());
+          EXPECT_EQ(checks, made);
+          EXPECT_GE(made, 5 * static_cast<int64_t>(lengths.size()));
+          // bf16 rounds the cached latents: the logits move by about its precision.
+          EXPECT_LE(worst, (dtype == DType::BF16 ? 2e-2 : 1e-5) * scale) << "scale " << scale;
+          if (!paged) {  // the whole allocation: every row's capacity of latent rows
+            const int64_t S = r.stats.cache_capacity, B = static_cast<int64_t>(lengths.size());
+            EXPECT_EQ(engine.cache()->bytes(),
+                      L * B * S * (R + D) * static_cast<int64_t>(dtype_size(dtype)));
           }
-          ++checks;
-        };
-        const GenerationResult r = engine.generate_ids(prompts, o);
-        int64_t made = 0;
-        for (const auto& row : r.rows) made += static_cast<int64_t>(row.tokens.size());
-        EXPECT_EQ(checks, made);
-        EXPECT_GE(made, 5 * static_cast<int64_t>(lengths.size()));
-        // bf16 rounds the cached latents: the logits move by about its precision.
-        EXPECT_LE(worst, (dtype == DType::BF16 ? 2e-2 : 1e-5) * scale) << "scale " << scale;
-        if (!paged) {  // the whole allocation: every row's capacity of latent rows
-          const int64_t S = r.stats.cache_capacity, B = static_cast<int64_t>(lengths.size());
-          EXPECT_EQ(engine.cache()->bytes(),
-                    L * B * S * (R + D) * static_cast<int64_t>(dtype_size(dtype)));
         }
-      }
 }
 
 // A naive double-precision forward of a llama-block model (RoPE, RMSNorm, SwiGLU, no biases;
@@ -313,7 +320,8 @@ std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
   };
   const Vec wte = weights(m.wte.weight);
   std::vector<Vec> x(static_cast<size_t>(T));
-  for (int64_t s = 0; s < T; ++s) x[s].assign(wte.begin() + ids[s] * C, wte.begin() + (ids[s] + 1) * C);
+  for (int64_t s = 0; s < T; ++s)
+    x[s].assign(wte.begin() + ids[s] * C, wte.begin() + (ids[s] + 1) * C);
   for (const auto& blk : m.blocks) {
     const Vec g1 = weights(blk->ln_1.weight), g2 = weights(blk->ln_2.weight);
     const Vec wg = weights(blk->mlp.c_fc.weight), wu = weights(blk->mlp.c_up->weight);
@@ -422,7 +430,7 @@ TEST(Engine, RopeSlideEqualsASlidingWindowRecompute) {
         auto model = tiny_model(nkv, 9, block, arch);
         const Tokenizer tok = tiny_tokenizer();
         Engine engine(*model, tok, DType::F32,
-                      paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{.kv_block_size = 4})
+                      paged ? std::optional(PagedCacheOptions{.kv_block_size = 4})
                             : std::nullopt);
         engine.decode_step().enabled = fused;
         EXPECT_EQ(engine.slide_drop(), paged ? 4 : 8);

@@ -249,7 +249,8 @@ TEST(Gpt, MlaAtFullRankReproducesAFactoredMhaLayer) {
   b.set_training(false);
   const Tensor x =
       Tensor::from_vector(std::vector<int32_t>{1, 5, 2, 7, 3, 3, 9, 12, 0, 4, 6, 8}, {2, 6});
-  const std::vector<float> la = a.forward(x).to_vector<float>(), lb = b.forward(x).to_vector<float>();
+  const std::vector<float> la = a.forward(x).to_vector<float>();
+  const std::vector<float> lb = b.forward(x).to_vector<float>();
   ASSERT_EQ(la.size(), lb.size());
   double worst = 0, scale = 0;
   for (size_t i = 0; i < la.size(); ++i) {
