@@ -717,8 +717,7 @@ void run_bench_kv_quality(BenchArgs& a) {
       static_cast<long long>(c.n_kv_head), static_cast<long long>(c.head_size()),
       static_cast<long long>(q.front().positions), data.c_str(), "dtype", "bytes/token",
       "vs f32", "loss", "delta", "mean KL", "top-1");
-  const double f32_bytes = static_cast<double>(
-      kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), DType::F32));
+  const double f32_bytes = static_cast<double>(kv_bytes_per_token(c, DType::F32));
   for (const KVQuality& r : q)
     std::printf("%-6s%12lld%10.3f%10.4f%+12.5f%12.2e%10.4f\n", dtype_name(r.dtype),
                 static_cast<long long>(r.bytes_per_token),

@@ -144,7 +144,7 @@ double step_read_bytes(const Engine& engine, double pos, int64_t batch) {
   const GPTConfig& c = engine.model().config();
   return static_cast<double>(engine.decode_step().weight_bytes()) +
          static_cast<double>(
-             batch * kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), engine.cache_dtype())) *
+             batch * kv_bytes_per_token(c, engine.cache_dtype())) *
              pos;
 }
 
@@ -298,8 +298,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
         const int64_t bs = o.paged ? o.paged->kv_block_size : 1;
         side["cache_layout"] = o.paged ? "paged" : "contiguous";
         side["cache_bytes_formula"] =
-            kv_cache_formula_bytes(c.n_layer, o.batch, (positions + bs - 1) / bs * bs,
-                                   c.n_kv_head, c.head_size(), o.cache_dtype);
+            kv_cache_formula_bytes(c, o.batch, (positions + bs - 1) / bs * bs, o.cache_dtype);
         add_bandwidth(side, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
         curve_cache = median_steps(m.runs);
       } else {
@@ -577,7 +576,7 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
       {"contiguous_bytes", contiguous.generate_ids(repeated, sampled).stats.cache_bytes},
       {"prompt_blocks_shared", o.decode_prompt / o.kv_block_size},
       {"block_bytes",
-       kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), o.cache_dtype) * o.kv_block_size}};
+       kv_bytes_per_token(c, o.cache_dtype) * o.kv_block_size}};
   return out;
 }
 

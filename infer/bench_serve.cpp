@@ -183,8 +183,7 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   KVLAB_CHECK(model.device() == Device::CPU, "bench serve: the paged cache runs on the CPU");
   for (const double r : o.rates)
     KVLAB_CHECK(std::isfinite(r) && r > 0, "bench serve: request rates must be > 0, got ", r);
-  const int64_t bytes_per_position =
-      kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), o.cache_dtype);
+  const int64_t bytes_per_position = kv_bytes_per_token(c, o.cache_dtype);
   const int64_t budget = o.budget_bytes > 0 ? o.budget_bytes
                                             : 16 * c.block_size * bytes_per_position;
   const int64_t slots = budget / (c.block_size * bytes_per_position);

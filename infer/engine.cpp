@@ -253,9 +253,7 @@ uint64_t model_cache_key(const GPT& model) {
 GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
   const GPTConfig& c = model_.config();
   const int64_t bs = paged_->kv_block_size, per_row = (capacity + bs - 1) / bs;
-  const int64_t block_bytes =
-      (c.mla() ? 1 : 2) * c.n_layer * c.cache_heads() * bs *
-      kv_row_bytes(cache_dtype_, c.cache_width());
+  const int64_t block_bytes = bs * kv_bytes_per_token(c, cache_dtype_);
   const bool sized_by_call = paged_->pool_blocks == 0 && paged_->pool_bytes == 0;
   const int64_t n_blocks = paged_->pool_blocks > 0  ? paged_->pool_blocks
                            : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes

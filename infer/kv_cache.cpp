@@ -21,6 +21,16 @@ int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype) {
   return 2 * L * NKV * kv_row_bytes(dtype, HS);
 }
 
+int64_t kv_bytes_per_token(const GPTConfig& c, DType dtype) {
+  if (c.mla()) return c.n_layer * kv_row_bytes(dtype, c.cache_width());
+  return kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), dtype);
+}
+
+int64_t kv_cache_formula_bytes(const GPTConfig& c, int64_t B, int64_t S, DType dtype) {
+  if (c.mla()) return B * S * kv_bytes_per_token(c, dtype);  // no fp8 (and so no scales)
+  return kv_cache_formula_bytes(c.n_layer, B, S, c.n_kv_head, c.head_size(), dtype);
+}
+
 bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int64_t HS,
                   float fp8_scale) {
   if (dtype == DType::F32) {

@@ -24,6 +24,7 @@
 
 #include "autograd/backend/kernel_types.h"
 #include "autograd/tensor.h"
+#include "nn/gpt.h"
 #include "nn/kv_cache.h"
 
 namespace kvlab {
@@ -35,6 +36,11 @@ int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int
                                DType dtype);
 // 2 * L * NKV * kv_row_bytes(dtype, HS): the bytes one position takes in every layer's K and V.
 int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype);
+// The same for model c's cache: its K and V heads, or MLA's one latent row of cache_width()
+// values per layer, which serves as key and value.
+int64_t kv_bytes_per_token(const GPTConfig& c, DType dtype);
+// B * S positions of that, plus fp8's scales: what a cache for model c must take.
+int64_t kv_cache_formula_bytes(const GPTConfig& c, int64_t B, int64_t S, DType dtype);
 
 // Writes one (position, KV head) row of HS f32 values (src, at element stride `stride`) into a
 // cache's row of dtype at dst: f32 as they are, bf16 rounded to nearest even, fp8, int8 and

@@ -58,9 +58,10 @@ Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
   const GPTConfig& c = model.config();
   KVLAB_CHECK(tokens.dim() == 2, "kv cache quality: tokens must be (B, T), got ", tokens.shape_str());
   const NoGradGuard no_grad;
-  ContiguousKVCache cache(c.n_layer, tokens.size(0), tokens.size(1), c.n_kv_head, c.head_size(),
-                          dtype, Device::CPU,
-                          dtype == DType::FP8 ? fp8_kv_scales(model) : std::vector<float>{});
+  ContiguousKVCache cache(c.n_layer, tokens.size(0), tokens.size(1), c.cache_heads(),
+                          c.cache_width(), dtype, Device::CPU,
+                          dtype == DType::FP8 ? fp8_kv_scales(model) : std::vector<float>{},
+                          c.mla());
   return model.forward(tokens, &cache).contiguous();
 }
 
@@ -89,7 +90,7 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
               "kv cache quality: ", x.size(), " inputs and ", y.size(),
               " targets are not (N, T) windows of T = ", T, " <= block_size ", c.block_size);
   for (const DType d : dtypes) {
-    const std::string problem = kv_dtype_problem(d, c.head_size());
+    const std::string problem = kv_dtype_problem(d, c.cache_width());
     KVLAB_CHECK(problem.empty(), "kv cache quality: ", problem);
   }
   const int64_t N = static_cast<int64_t>(x.size()) / T, V = c.vocab_size;
@@ -127,7 +128,7 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
   for (size_t i = 0; i < dtypes.size(); ++i) {
     KVQuality& q = out[i];
     q.dtype = dtypes[i];
-    q.bytes_per_token = 2 * c.n_layer * c.n_kv_head * kv_row_bytes(q.dtype, c.head_size());
+    q.bytes_per_token = kv_bytes_per_token(c, q.dtype);
     q.loss /= positions;
     q.delta_loss = q.loss - ref_loss / positions;
     q.kl /= positions;

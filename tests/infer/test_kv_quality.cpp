@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 #include "autograd/random.h"
@@ -134,6 +135,45 @@ TEST(KVQuality, ReportsWhatItSays) {
   EXPECT_LT(q[3].kl, q[4].kl);  // int8 than int4
   EXPECT_GT(q[4].kl, 0.0);
   EXPECT_THROW(kv_cache_quality(*model, x, y, T + 1, dtypes), Error);
+}
+
+// MLA's latent cache through the same report: the f32 latent cache against itself is exact
+// and is the model's own loss; bf16, int8 and int4 latents cost something, each more than the
+// one with more bits; bytes per token are one latent row a layer (R + D values), which is what
+// the cache the report reads through takes; fp8 is refused by name.
+TEST(KVQuality, MlaReadsItsLatentCache) {
+  GPTConfig mc = test::tiny_config(4, 24, "mla");
+  mc.kv_lora_rank = 28;  // R + D = 32: int4's groups and the row kernels' widths
+  auto model = test::random_model(mc, 37);
+  const GPTConfig& c = model->config();
+  Generator gen(10);
+  const int64_t N = 5, T = 16;
+  const std::vector<int32_t> x = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<int32_t> y = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<DType> dtypes{DType::F32, DType::BF16, DType::INT8, DType::INT4};
+  const std::vector<KVQuality> q = kv_cache_quality(*model, x, y, T, dtypes, 2);
+  EXPECT_EQ(q[0].kl, 0.0);
+  double plain;
+  {
+    NoGradGuard no_grad;
+    plain = model->loss(Tensor::from_vector(x, {N, T}), Tensor::from_vector(y, {N, T})).item();
+  }
+  EXPECT_NEAR(q[0].loss, plain, 1e-5 * plain);
+  for (const KVQuality& r : q) {
+    ContiguousKVCache cache(c.n_layer, 1, T, 1, c.cache_width(), r.dtype, Device::CPU, {}, true);
+    EXPECT_EQ(r.bytes_per_token, cache.bytes() / T) << dtype_name(r.dtype);
+    EXPECT_EQ(r.bytes_per_token, c.n_layer * kv_row_bytes(r.dtype, 32)) << dtype_name(r.dtype);
+  }
+  EXPECT_GT(q[1].kl, 0.0);
+  EXPECT_LT(q[1].kl, q[2].kl);
+  EXPECT_LT(q[2].kl, q[3].kl);
+  const std::vector<DType> fp8{DType::FP8};
+  try {
+    kv_cache_quality(*model, x, y, T, fp8);
+    FAIL() << "fp8 accepted for MLA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not for MLA"), std::string::npos) << e.what();
+  }
 }
 
 // A model trained briefly on text with structure: greedy decoding with an int8 cache gives the
