@@ -17,7 +17,8 @@ namespace {
 
 struct AblateArgs {
   TrainFlags flags;
-  std::string kv_heads;  // "8,4,2,1": parsed by parse_kv_heads
+  std::string kv_heads;   // "8,4,2,1": parsed by parse_counts
+  std::string mla_ranks;  // "32,64"
   int seeds = 3;
   bool param_matched = false;
   int64_t kv_budget = int64_t{1} << 30;
@@ -64,31 +65,29 @@ void apply_quick(CLI::App* cmd, AblateArgs& a) {
   if (unset("--bench-runs")) a.bench_runs = 1;
 }
 
-// --kv-heads as given: one comma-separated argument (CLI11's own list splitting drops empty
-// items and, for ",", goes on to take the next flag as a value). Every item must be a decimal
-// integer, and the list one kv_heads_problem accepts.
-std::vector<int64_t> parse_kv_heads(const std::string& text, int64_t n_head) {
+// --kv-heads or --mla-ranks as given: one comma-separated argument (CLI11's own list
+// splitting drops empty items and, for ",", goes on to take the next flag as a value). Every
+// item must be a decimal integer; what the list must be is the caller's check.
+std::vector<int64_t> parse_counts(const char* flag, const std::string& text) {
   auto trim = [](const std::string& s) {
     const auto b = s.find_first_not_of(" \t");
     return b == std::string::npos ? std::string() : s.substr(b, s.find_last_not_of(" \t") - b + 1);
   };
-  KVLAB_USAGE_CHECK(!trim(text).empty(), "--kv-heads: the list is empty");
+  KVLAB_USAGE_CHECK(!trim(text).empty(), flag, ": the list is empty");
   const CLI::Validator integer = integer_of<int64_t>();
   std::vector<int64_t> ks;
   size_t begin = 0;
   for (int item = 1;; ++item) {
     const size_t comma = text.find(',', begin);
     std::string word = trim(text.substr(begin, comma - begin));
-    KVLAB_USAGE_CHECK(!word.empty(), "--kv-heads '", text, "': item ", item,
+    KVLAB_USAGE_CHECK(!word.empty(), flag, " '", text, "': item ", item,
                       " is empty (write comma-separated counts, e.g. 8,4,2,1)");
     const std::string bad = integer(word);
-    KVLAB_USAGE_CHECK(bad.empty(), "--kv-heads: ", bad);
+    KVLAB_USAGE_CHECK(bad.empty(), flag, ": ", bad);
     ks.push_back(std::stoll(word));
     if (comma == std::string::npos) break;
     begin = comma + 1;
   }
-  const std::string problem = kv_heads_problem(ks, n_head);
-  KVLAB_USAGE_CHECK(problem.empty(), "--kv-heads: ", problem);
   return ks;
 }
 
@@ -114,14 +113,41 @@ std::vector<KVHeadInit> parse_uptrain_methods(const std::string& text) {
 void run_ablate(CLI::App* cmd, AblateArgs& a) {
   if (a.quick) apply_quick(cmd, a);
   KVLAB_USAGE_CHECK(!a.out.empty(), "ablate: no output folder (--out is empty)");
+  // MLA enters the sweep as variants of their own: the base model stays GQA's.
+  KVLAB_USAGE_CHECK(cmd->count("--attn") == 0 && cmd->count("--kv-lora-rank") == 0,
+                    "ablate: --attn and --kv-lora-rank set one model's attention; the sweep adds "
+                    "MLA variants with --mla-ranks R1,R2 (and --rope-head-dim)");
+  int64_t mla_rope_head_dim = 0;
+  if (cmd->count("--rope-head-dim") > 0) {
+    KVLAB_USAGE_CHECK(cmd->count("--mla-ranks") > 0,
+                      "ablate: --rope-head-dim is the MLA variants' rotary width; give --mla-ranks");
+    mla_rope_head_dim = a.flags.cfg.model.rope_head_dim;
+    KVLAB_USAGE_CHECK(mla_rope_head_dim >= 1, "--rope-head-dim must be positive, got ",
+                      mla_rope_head_dim);
+    a.flags.cfg.model.rope_head_dim = 0;
+  }
   // Before the corpus is read: a fraction out of range is wrong whatever the sweep.
   if (cmd->count("--uptrain") > 0)
     KVLAB_USAGE_CHECK(a.uptrain > 0 && a.uptrain <= 1, "--uptrain ", a.uptrain,
                       " must be a fraction of the sweep's steps in (0, 1], e.g. 0.05");
   AblateConfig cfg;
   cfg.base = finish_train_flags(a.flags);
-  if (cmd->count("--kv-heads") > 0)
-    cfg.kv_heads = parse_kv_heads(a.kv_heads, cfg.base.model.n_head);
+  if (cmd->count("--kv-heads") > 0) {
+    cfg.kv_heads = parse_counts("--kv-heads", a.kv_heads);
+    const std::string problem = kv_heads_problem(cfg.kv_heads, cfg.base.model.n_head);
+    KVLAB_USAGE_CHECK(problem.empty(), "--kv-heads: ", problem);
+  }
+  if (cmd->count("--mla-ranks") > 0) {
+    cfg.mla_ranks = parse_counts("--mla-ranks", a.mla_ranks);
+    const std::string problem = mla_ranks_problem(cfg.mla_ranks, cfg.base.model.n_embd);
+    KVLAB_USAGE_CHECK(problem.empty(), "--mla-ranks: ", problem);
+    KVLAB_USAGE_CHECK(cfg.base.model.rope(), "--mla-ranks needs rotary positions (--pos rope or "
+                      "--arch llama): MLA's decoupled key is rotary, and the GQA variants then "
+                      "use RoPE too");
+    KVLAB_USAGE_CHECK(a.kv_dtype != "fp8", "--kv-dtype fp8 is not for MLA's latent cache: f32, "
+                      "bf16, int8 or int4 with --mla-ranks");
+    cfg.mla_rope_head_dim = mla_rope_head_dim;
+  }
   KVLAB_USAGE_CHECK(a.seeds >= 1, "--seeds must be >= 1, got ", a.seeds);
   KVLAB_USAGE_CHECK(a.kv_budget > 0, "--kv-budget must be positive");
   KVLAB_USAGE_CHECK(a.sample_tokens >= 1, "--sample-tokens must be >= 1");
@@ -172,6 +198,13 @@ void add_ablate_command(CLI::App& root) {
   cmd->add_option("--kv-heads", args->kv_heads,
                   "n_kv_head values, comma separated, e.g. 8,2,1 (default: every divisor of "
                   "n-head)");
+  cmd->add_option("--mla-ranks", args->mla_ranks,
+                  "Also train multi-head latent attention (DeepSeek-V2's MLA) at these latent "
+                  "ranks, comma separated, e.g. 32,64, each with a rotary key of --rope-head-dim "
+                  "values (default: half a head): rows of every table and points of every plot, "
+                  "and each compared with the GQA variant of the nearest cache bytes per token. "
+                  "Needs --pos rope or --arch llama; MLA is not served (no serving figures) and "
+                  "has no fp8 cache");
   add_number(cmd, "--seeds", args->seeds, "Seeds per variant (mean +- std over them)");
   cmd->add_flag("--param-matched", args->param_matched,
                 "Widen each variant's MLP to MHA's parameter count (within 1%)");

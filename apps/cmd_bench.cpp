@@ -273,8 +273,15 @@ void run_bench_generate(BenchArgs& a) {
   o.on_tokens = std::bind_front(&TaskBars::update, &bars);
   o.progress = [&](const std::string& line) { bars.line("kvlab bench: " + line); };
   const json gen = bench_generate(*model, tok, o);
-  const json report = kv_cache_report(a.cfg, a.kv_heads, a.batch, kv_dtype);
-  const json speed = bench_decode_by_kv_heads(a.cfg, a.kv_heads, 256, o);
+  // The cache report and the speed by n_kv_head vary the model's KV heads: an MLA model's
+  // are those of its GQA counterpart (the same shape with attn gqa).
+  GPTConfig by_kv = a.cfg;
+  if (by_kv.mla()) {
+    by_kv.attn = "gqa";
+    by_kv.kv_lora_rank = by_kv.rope_head_dim = 0;
+  }
+  const json report = kv_cache_report(by_kv, a.kv_heads, a.batch, kv_dtype);
+  const json speed = bench_decode_by_kv_heads(by_kv, a.kv_heads, 256, o);
   print_generate_table(gen);
   print_cache_report(report, speed, kv_dtype, a.batch);
   if (!a.json_path.empty()) {

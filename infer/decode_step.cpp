@@ -459,9 +459,10 @@ DecodeStep::PackGuard::~PackGuard() {
 }
 
 int64_t DecodeStep::weight_bytes() const {
-  KVLAB_CHECK(!model_.config().mla(), "decode step: MLA models do not run in the fused step");
   const int64_t tables =
       (model_.wpe ? model_.wpe->weight.numel() : 0) + (model_.lm_head ? model_.wte.weight.numel() : 0);
+  // MLA decodes op by op (runs_on_model): every f32 weight but the tables' unread rows.
+  if (model_.config().mla()) return (model_.num_parameters() - tables) * 4;
   int64_t matrices = 0, bytes = 0;
   const bool packs = packing_applies();
   for (const Tensor* w : decode_matrices(model_)) {

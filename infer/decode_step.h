@@ -63,7 +63,7 @@ class DecodeStep {
   Tensor forward(const Tensor& tokens, DecodeKVCache& cache);
   // Bytes of weights a decode step reads: every parameter but the position table and, when
   // the LM head is a matrix of its own, the token table (a row of each); at 2 bytes an element
-  // for the matrices this step packs as bf16, 4 for the rest.
+  // for the matrices this step packs as bf16, 4 for the rest (all of MLA's: it runs op by op).
   int64_t weight_bytes() const;
 
  private:

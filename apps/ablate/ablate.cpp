@@ -34,8 +34,14 @@ using nlohmann::json;
 
 namespace {
 
-fs::path run_dir(const AblateConfig& cfg, int64_t kv, int seed_index) {
-  return ablation_run_dir(cfg, kv, seed_index);
+fs::path run_dir(const AblateConfig& cfg, const AblateVariant& var, int seed_index) {
+  return ablation_run_dir(cfg, var, seed_index);
+}
+
+// How progress lines name a variant.
+std::string variant_label(const AblateVariant& var) {
+  return var.mla_rank > 0 ? detail::cat("MLA rank ", var.mla_rank)
+                          : detail::cat("n_kv_head=", var.n_kv_head);
 }
 
 // MLP width that brings `c` closest to `target` parameters (the count is linear in it).
@@ -92,8 +98,36 @@ std::pair<double, double> mean_std(const std::vector<double>& xs) {
   return {mean, sd};
 }
 
-fs::path ablation_run_dir(const AblateConfig& cfg, int64_t kv, int seed_index) {
-  return fs::path(cfg.out_dir) / "runs" / ("kv" + std::to_string(kv) + "_seed" + std::to_string(seed_index));
+std::string AblateVariant::name() const {
+  return mla_rank > 0 ? "mla" + std::to_string(mla_rank) : "kv" + std::to_string(n_kv_head);
+}
+
+std::vector<AblateVariant> ablation_variants(const AblateConfig& cfg) {
+  std::vector<AblateVariant> out;
+  for (int64_t kv : cfg.kv_heads) out.push_back({kv, 0});
+  for (int64_t r : cfg.mla_ranks) out.push_back({cfg.base.model.n_head, r});
+  return out;
+}
+
+fs::path ablation_run_dir(const AblateConfig& cfg, const AblateVariant& var, int seed_index) {
+  return fs::path(cfg.out_dir) / "runs" / (var.name() + "_seed" + std::to_string(seed_index));
+}
+
+std::string mla_ranks_problem(const std::vector<int64_t>& ranks, int64_t n_embd) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 1 || ranks[i] > n_embd)
+      return detail::cat("MLA rank ", ranks[i], " must be in [1, n_embd = ", n_embd, "]");
+    if (std::find(ranks.begin(), ranks.begin() + static_cast<std::ptrdiff_t>(i), ranks[i]) !=
+        ranks.begin() + static_cast<std::ptrdiff_t>(i))
+      return detail::cat("MLA rank ", ranks[i], " is listed twice");
+  }
+  return "";
+}
+
+int64_t ablation_rope_head_dim(const AblateConfig& cfg) {
+  if (cfg.mla_rope_head_dim > 0) return cfg.mla_rope_head_dim;
+  // DeepSeek-V2's proportion: a rotary key of half a head.
+  return std::max<int64_t>(2, cfg.base.model.head_size() / 4 * 2);
 }
 
 std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head) {
@@ -117,8 +151,8 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   TrainConfig& base = cfg.base;
   const int64_t nh = base.model.n_head;
   KVLAB_CHECK(nh >= 1, "ablate: n_head must be >= 1, got ", nh);
-  KVLAB_CHECK(!base.model.mla(), "ablate: the sweep is over n_kv_head; MLA variants are not "
-              "in it yet (train one with kvlab train --attn mla)");
+  KVLAB_CHECK(!base.model.mla(), "ablate: the sweep's base attention is GQA's; MLA variants "
+              "are added by their ranks (--mla-ranks)");
   if (cfg.kv_heads.empty())
     for (int64_t k = nh; k >= 1; --k)
       if (nh % k == 0) cfg.kv_heads.push_back(k);
@@ -131,6 +165,20 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
     const std::string up = uptrain_problem(cfg.uptrain, base.iters, cfg.kv_heads, nh);
     KVLAB_CHECK(up.empty(), "ablate: ", up);
     KVLAB_CHECK(!cfg.uptrain_methods.empty(), "ablate: --uptrain-methods is empty");
+  }
+  if (!cfg.mla_ranks.empty()) {
+    const std::string problem = mla_ranks_problem(cfg.mla_ranks, base.model.n_embd);
+    KVLAB_CHECK(problem.empty(), "ablate: --mla-ranks: ", problem);
+    KVLAB_CHECK(base.model.rope(), "ablate: --mla-ranks needs rotary positions (--pos rope or "
+                "--arch llama): MLA's decoupled key is rotary, and the GQA variants then use "
+                "RoPE too, so that only the attention differs");
+    KVLAB_CHECK(cfg.kv_dtype != DType::FP8,
+                "ablate: --kv-dtype fp8 is not for MLA's latent cache (its rows serve as keys and "
+                "values, which fp8 scales apart): f32, bf16, int8 or int4 with --mla-ranks");
+    std::sort(cfg.mla_ranks.begin(), cfg.mla_ranks.end(), std::greater<>());
+  } else {
+    KVLAB_CHECK(cfg.mla_rope_head_dim == 0, "ablate: a rotary width for MLA (",
+                cfg.mla_rope_head_dim, ") without --mla-ranks");
   }
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
@@ -152,19 +200,28 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   mha.n_kv_head = nh;
   const int64_t target = count_parameters(mha);
   std::vector<TrainConfig> runs;
-  for (int64_t kv : cfg.kv_heads) {
+  for (const AblateVariant& var : ablation_variants(cfg)) {
     for (int s = 0; s < cfg.seeds; ++s) {
       TrainConfig c = base;
-      c.model.n_kv_head = kv;
+      c.model.n_kv_head = var.n_kv_head;
+      if (var.mla_rank > 0) {
+        c.model.attn = "mla";
+        c.model.kv_lora_rank = var.mla_rank;
+        c.model.rope_head_dim = ablation_rope_head_dim(cfg);
+      }
       c.seed = base.seed + static_cast<uint64_t>(s);
       if (cfg.param_matched) {
         c.model.mlp_hidden = matched_hidden(c.model, target);
         const double off = std::abs(static_cast<double>(count_parameters(c.model) - target)) / target;
-        KVLAB_CHECK(off <= 0.01, "ablate: cannot match MHA's parameter count within 1% at n_kv_head ",
-                    kv, " (off by ", off * 100, "%)");
+        KVLAB_CHECK(off <= 0.01, "ablate: cannot match MHA's parameter count within 1% at ",
+                    variant_label(var), " (off by ", off * 100, "%)");
       }
-      c.out_dir = run_dir(cfg, kv, s).string();
-      c.validate();
+      c.out_dir = run_dir(cfg, var, s).string();
+      try {
+        c.validate();
+      } catch (const Error& e) {
+        KVLAB_CHECK(false, "ablate: ", variant_label(var), ": ", e.what());
+      }
       runs.push_back(c);
     }
   }
@@ -183,8 +240,10 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
     const TrainConfig& c = runs[i];
     const fs::path dir = c.out_dir, final_ckpt = dir / "final.h5", last = dir / "last.h5";
     char label[96];
-    std::snprintf(label, sizeof label, "run %zu/%zu kv=%lld seed=%llu", i + 1, runs.size(),
-                  static_cast<long long>(c.model.n_kv_head), static_cast<unsigned long long>(c.seed));
+    std::snprintf(label, sizeof label, "run %zu/%zu %s=%lld seed=%llu", i + 1, runs.size(),
+                  c.model.mla() ? "mla" : "kv",
+                  static_cast<long long>(c.model.mla() ? c.model.kv_lora_rank : c.model.n_kv_head),
+                  static_cast<unsigned long long>(c.seed));
     if (fs::exists(final_ckpt)) {
       const Checkpoint done = load_checkpoint(final_ckpt, false);
       const auto diffs = config_differences(done.config, c.to_attrs());
@@ -241,9 +300,13 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
 // 16 positions, fewer for a short context (at most a sixteenth of it): a sequence's last
 // block is its only waste, so blocks must be small beside the sequences.
 // Returns the memory and block size it used.
-KVSimOptions record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_position) {
+KVSimOptions record_kv_workload(json& v, const GPTConfig& mc, int64_t bytes_per_position,
+                                DType dtype) {
+  GPTConfig mha = mc;
+  mha.attn = "gqa";
+  mha.n_kv_head = mc.n_head;
   KVSimOptions so;
-  so.budget_bytes = 16 * bytes_per_position / mc.n_kv_head * mc.n_head * mc.block_size;
+  so.budget_bytes = 16 * kv_bytes_per_token(mha, dtype) * mc.block_size;
   so.bytes_per_position = bytes_per_position;
   so.context = mc.block_size;
   so.kv_block_size = 1;
@@ -326,16 +389,18 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
 // What each cache dtype of cfg.kv_dtypes costs the variant's every seed (kv_cache_quality on
 // fixed validation windows): per dtype, bytes per token and the seeds' mean and standard
 // deviation of the loss, its delta to the f32 cache, the mean KL and top-1 agreement.
-json record_kv_quality(const AblateConfig& cfg, int64_t kv) {
+// MLA's latent cache has no fp8 (fp8_kv_scales): its variants leave that dtype out.
+json record_kv_quality(const AblateConfig& cfg, const AblateVariant& var) {
   const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
                                     cfg.base.val_fraction);
+  std::vector<DType> dtypes = cfg.kv_dtypes;
+  if (var.mla_rank > 0) std::erase(dtypes, DType::FP8);
   std::vector<std::vector<KVQuality>> seeds;
   for (int s = 0; s < cfg.seeds; ++s) {
-    std::fprintf(stderr, "n_kv_head=%lld seed %d: cache quality at %zu dtypes\n",
-                 static_cast<long long>(kv), s, cfg.kv_dtypes.size());
-    LoadedModel lm = load_model(run_dir(cfg, kv, s) / "final.h5");
-    seeds.push_back(
-        kv_cache_quality_on(*lm.model, corpus.val, cfg.kv_dtypes, cfg.quality_windows));
+    std::fprintf(stderr, "%s seed %d: cache quality at %zu dtypes\n",
+                 variant_label(var).c_str(), s, dtypes.size());
+    LoadedModel lm = load_model(run_dir(cfg, var, s) / "final.h5");
+    seeds.push_back(kv_cache_quality_on(*lm.model, corpus.val, dtypes, cfg.quality_windows));
   }
   auto stats = [&](size_t d, double KVQuality::*field) {
     std::vector<double> per_seed;
@@ -344,8 +409,8 @@ json record_kv_quality(const AblateConfig& cfg, int64_t kv) {
     return std::tuple{mean, sd, json(per_seed)};
   };
   json out = json::array();
-  for (size_t d = 0; d < cfg.kv_dtypes.size(); ++d) {
-    json e{{"dtype", dtype_name(cfg.kv_dtypes[d])},
+  for (size_t d = 0; d < dtypes.size(); ++d) {
+    json e{{"dtype", dtype_name(dtypes[d])},
            {"bytes_per_token", seeds[0][d].bytes_per_token},
            {"positions", seeds[0][d].positions}};
     for (const auto& [name, field] : {std::pair{"loss", &KVQuality::loss},
@@ -365,14 +430,19 @@ json record_kv_quality(const AblateConfig& cfg, int64_t kv) {
 // One variant's figures: its runs' validation curves and losses, then, from its first seed's
 // final checkpoint, parameters, cache bytes, decode speed and sample continuations, and from
 // every seed's, the cost of each cache dtype.
-json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
+json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t prompt_len,
                      std::vector<double>& serve_rates) {
   json v;
-  v["n_kv_head"] = kv;
+  if (var.mla_rank > 0) {
+    v["kv_lora_rank"] = var.mla_rank;
+    v["rope_head_dim"] = ablation_rope_head_dim(cfg);
+  } else {
+    v["n_kv_head"] = var.n_kv_head;
+  }
   std::vector<double> vals;
   double train_tps = 0;
   for (int s = 0; s < cfg.seeds; ++s) {
-    const fs::path dir = run_dir(cfg, kv, s);
+    const fs::path dir = run_dir(cfg, var, s);
     json run;
     run["seed"] = cfg.base.seed + static_cast<uint64_t>(s);
     run["curve"] = read_curve(dir);
@@ -391,9 +461,9 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
   v["bpc"] = mean / std::log(2.0);
   v["train_tokens_per_s"] = train_tps / cfg.seeds;
 
-  std::fprintf(stderr, "measuring n_kv_head=%lld: cache, decode speed, samples\n",
-               static_cast<long long>(kv));
-  LoadedModel lm = load_model(run_dir(cfg, kv, 0) / "final.h5");
+  std::fprintf(stderr, "measuring %s: cache, decode speed, samples\n",
+               variant_label(var).c_str());
+  LoadedModel lm = load_model(run_dir(cfg, var, 0) / "final.h5");
   lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
   const MatmulPrecisionGuard precision(cfg.base.precision);
   const GPTConfig& mc = lm.model->config();
@@ -405,23 +475,22 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
   v["mlp_hidden"] = mc.hidden();
   {
     // Measured by the inference engine's cache for one full-context sequence.
-    ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
-                            cfg.kv_dtype, cfg.base.device);
+    ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.cache_heads(), mc.cache_width(),
+                            cfg.kv_dtype, cfg.base.device, {}, mc.mla());
     const int64_t measured = cache.bytes();
-    const int64_t formula =
-        kv_cache_formula_bytes(mc.n_layer, 1, mc.block_size, mc.n_kv_head, mc.head_size(),
-                               cfg.kv_dtype);
+    const int64_t formula = kv_cache_formula_bytes(mc, 1, mc.block_size, cfg.kv_dtype);
     v["cache_bytes_context_measured"] = measured;
     v["cache_bytes_context_formula"] = formula;
     v["cache_bytes_per_token"] = measured / mc.block_size;
     v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
-    workload = record_kv_workload(v, mc, measured / mc.block_size);
+    workload = record_kv_workload(v, mc, measured / mc.block_size, cfg.kv_dtype);
   }
-  // The scheduler's paged cache and the quantised caches run on the CPU only.
-  if (cfg.base.device == Device::CPU)
+  // The scheduler's paged cache and the quantised caches run on the CPU only; the scheduler
+  // serves GQA models only.
+  if (cfg.base.device == Device::CPU && !mc.mla())
     record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype, serve_rates);
   if (cfg.base.device == Device::CPU && !cfg.kv_dtypes.empty())
-    v["kv_quality"] = record_kv_quality(cfg, kv);
+    v["kv_quality"] = record_kv_quality(cfg, var);
   {
     BenchGenerateOptions bo;
     bo.prompt_tokens = prompt_len;
@@ -431,7 +500,7 @@ json measure_variant(const AblateConfig& cfg, int64_t kv, int64_t prompt_len,
     bo.cache_dtype = cfg.kv_dtype;
     bo.paged = paged;
     if (bo.paged) bo.paged->prefix_caching = false;  // each run feeds the same prompts
-    TaskBars bars(detail::cat("n_kv_head=", kv, " decode: "), "tok");
+    TaskBars bars(variant_label(var) + " decode: ", "tok");
     bo.on_tokens = std::bind_front(&TaskBars::update, &bars);
     const json b = bench_generate(*lm.model, lm.tokenizer, bo);
     const json& r = b["results"][0];
@@ -476,7 +545,8 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   // to the largest n_kv_head measured.
   json mha_bytes = variants[0]["cache_bytes_context_measured"];
   for (const json& v : variants)
-    if (v["n_kv_head"] == cfg.base.model.n_head) mha_bytes = v["cache_bytes_context_measured"];
+    if (v.value("n_kv_head", json()) == cfg.base.model.n_head)
+      mha_bytes = v["cache_bytes_context_measured"];
   for (json& v : variants)
     v["vs_mha"] = v["cache_bytes_context_measured"].get<double>() / mha_bytes.get<double>();
 
@@ -485,9 +555,13 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   results["started"] = started;
   json config;
   for (const auto& [k, val] : cfg.base.to_attrs()) std::visit([&](const auto& x) { config[k] = x; }, val);
-  config.erase("n_kv_head");
-  config.erase("mlp_hidden");
+  for (const char* per_variant : {"n_kv_head", "mlp_hidden", "attn", "kv_lora_rank", "rope_head_dim"})
+    config.erase(per_variant);
   config["kv_heads"] = cfg.kv_heads;
+  if (!cfg.mla_ranks.empty()) {
+    config["mla_ranks"] = cfg.mla_ranks;
+    config["mla_rope_head_dim"] = ablation_rope_head_dim(cfg);
+  }
   config["seeds"] = cfg.seeds;
   config["param_matched"] = cfg.param_matched;
   if (cfg.uptrain != 0) config["uptrain"] = cfg.uptrain;
@@ -526,8 +600,8 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   const int64_t prompt_len =
       std::max<int64_t>(1, std::min<int64_t>(16, cfg.base.model.block_size / 4));
   std::vector<double> serve_rates;  // the serving sweep's, set by the first variant
-  for (int64_t kv : cfg.kv_heads)
-    variants.push_back(measure_variant(cfg, kv, prompt_len, serve_rates));
+  for (const AblateVariant& var : ablation_variants(cfg))
+    variants.push_back(measure_variant(cfg, var, prompt_len, serve_rates));
   json uptrain;
   if (cfg.uptrain != 0) uptrain = run_uptrain(cfg, runs, variants, stats);
   json results = assemble_results(cfg, std::move(variants), stats, started,

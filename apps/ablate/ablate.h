@@ -19,6 +19,11 @@ namespace kvlab {
 struct AblateConfig {
   TrainConfig base;               // its n_kv_head and seed are set per run
   std::vector<int64_t> kv_heads;  // empty: every divisor of n_head, largest first
+  // MLA variants beside them, one per latent rank (kv_lora_rank), each with a rotary key of
+  // mla_rope_head_dim values (0: half the head size, even, at least 2). They need base's
+  // positions to be RoPE's.
+  std::vector<int64_t> mla_ranks;
+  int64_t mla_rope_head_dim = 0;
   int seeds = 2;                  // seed index i trains with base.seed + i
   bool param_matched = false;     // widen the MLP so every variant has MHA's parameter count
   int64_t kv_budget_bytes = int64_t{1} << 30;
@@ -51,9 +56,21 @@ struct AblateStats {
   int64_t uptrain_steps_trained = 0;
 };
 
+// One variant of the sweep: n_kv_head key/value heads (MHA, GQA or MQA), or with mla_rank > 0
+// multi-head latent attention with a latent of that rank.
+struct AblateVariant {
+  int64_t n_kv_head = 0;
+  int64_t mla_rank = 0;
+  std::string name() const;  // "kv4" or "mla32": its runs' folders
+};
+
+// The sweep's variants: kv_heads as given, then the MLA ranks.
+std::vector<AblateVariant> ablation_variants(const AblateConfig& cfg);
+
 // Every variant's config, checked before anything trains: kv heads that do not divide n_head,
 // an empty list, an unwritable output folder or a corpus too short for the block size are
-// errors, and so is an uptrain the sweep cannot serve (uptrain_problem). With param_matched,
+// errors, and so is an uptrain the sweep cannot serve (uptrain_problem) or MLA ranks the model
+// cannot take (mla_ranks_problem; learned positions; an fp8 cache). With param_matched,
 // mlp_hidden is chosen per variant (parameters within 1% of MHA).
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 
@@ -62,8 +79,16 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 // which reports it as its own kind of error.
 std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head);
 
-// Where run (n_kv_head kv, seed index seed_index) of the sweep lives: out_dir/runs/kv<kv>_seed<i>.
-std::filesystem::path ablation_run_dir(const AblateConfig& cfg, int64_t kv, int seed_index);
+// What is wrong with a list of MLA latent ranks for a model of width n_embd (each in
+// [1, n_embd], listed once), or "" when nothing is.
+std::string mla_ranks_problem(const std::vector<int64_t>& ranks, int64_t n_embd);
+
+// The rotary width of the sweep's MLA variants (cfg.mla_rope_head_dim or its default).
+int64_t ablation_rope_head_dim(const AblateConfig& cfg);
+
+// Where run (variant, seed index seed_index) of the sweep lives: out_dir/runs/<name>_seed<i>.
+std::filesystem::path ablation_run_dir(const AblateConfig& cfg, const AblateVariant& variant,
+                                       int seed_index);
 
 // The validation curve of a run, read back from its log.jsonl: [{step, val_loss, train_loss}].
 nlohmann::json read_curve(const std::filesystem::path& dir);

@@ -200,7 +200,7 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
   for (int64_t kv : targets) {
     const json* scratch = nullptr;
     for (const json& v : variants)
-      if (v["n_kv_head"] == kv) scratch = &v;
+      if (v.value("n_kv_head", json()) == kv) scratch = &v;
     KVLAB_CHECK(scratch != nullptr, "ablate: --uptrain: no from-scratch variant at n_kv_head ", kv);
     // A converted model keeps the multi-head MLP; with --param-matched the from-scratch one is
     // wider: the report says so where the counts differ.
@@ -237,7 +237,7 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
   for (KVHeadInit m : cfg.uptrain_methods) methods.push_back(kv_head_init_name(m));
   json mha_loss;
   for (const json& v : variants)
-    if (v["n_kv_head"] == nh) mha_loss = {{"mean", v["val_loss_mean"]}, {"std", v["val_loss_std"]}};
+    if (v.value("n_kv_head", json()) == nh) mha_loss = {{"mean", v["val_loss_mean"]}, {"std", v["val_loss_std"]}};
   const TrainConfig shape = uptrain_run_config(runs.front(), 1, cfg.uptrain, "");
   return {{"fraction", cfg.uptrain},
           {"steps", steps},

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -39,15 +40,23 @@ std::optional<double> number(const json& obj, const char* key) {
   return it->get<double>();
 }
 
-// One variant of the results, with what verdicts and tables need checked up front.
+// One variant of the results, with what verdicts and tables need checked up front: n_kv_head
+// key/value heads, or MLA with a latent of rank `rank`.
 struct Variant {
-  int n_kv = 0;
-  std::string kind;  // MHA, GQA or MQA
+  int n_kv = 0;      // 0 for MLA
+  int rank = 0;      // MLA's kv_lora_rank; 0 otherwise
+  std::string kind;  // MHA, GQA, MQA or MLA
   int seeds = 0;     // entries in "runs"; fewer than 2 means no spread was measured
   double mean = 0, std = 0;
   const json* j = nullptr;
 
-  std::string label() const { return "n_kv_head=" + std::to_string(n_kv) + " (" + kind + ")"; }
+  bool mla() const { return rank > 0; }
+  std::string label() const {
+    return mla() ? "MLA kv_lora_rank=" + std::to_string(rank)
+                 : "n_kv_head=" + std::to_string(n_kv) + " (" + kind + ")";
+  }
+  // The tables' first column.
+  std::string id() const { return mla() ? "MLA " + std::to_string(rank) : std::to_string(n_kv); }
   std::optional<double> get(const char* key) const { return number(*j, key); }
 };
 
@@ -69,9 +78,12 @@ struct Uptrain {
 };
 
 struct Parsed {
-  std::vector<Variant> variants;  // n_kv_head descending
+  std::vector<Variant> variants;  // n_kv_head descending, then MLA's ranks descending
   int n_head = 0;                 // config.n_head, else the largest n_kv_head
   std::optional<Uptrain> uptrain;  // kvlab ablate --uptrain
+  bool has_mla() const { return variants.back().mla(); }
+  // The tables' first column header.
+  std::string id_header() const { return has_mla() ? "n_kv_head / MLA rank" : "n_kv_head"; }
 };
 
 // The uptrain section, entries without the figures the tables need left out.
@@ -118,29 +130,36 @@ Parsed parse(const json& results) {
   for (std::size_t i = 0; i < it->size(); ++i) {
     const json& v = (*it)[i];
     KVLAB_CHECK(v.is_object(), "report: variants[", i, "] is not an object");
-    const auto n_kv = number(v, "n_kv_head");
-    KVLAB_CHECK(n_kv && *n_kv >= 1 && *n_kv <= 1 << 20 && *n_kv == std::floor(*n_kv),
-                "report: variants[", i, "] has no positive integer 'n_kv_head'");
+    const auto whole = [](std::optional<double> x) {
+      return x && *x >= 1 && *x <= 1 << 20 && *x == std::floor(*x);
+    };
+    const auto n_kv = number(v, "n_kv_head"), rank = number(v, "kv_lora_rank");
+    KVLAB_CHECK(whole(n_kv) || whole(rank), "report: variants[", i,
+                "] has no positive integer 'n_kv_head' (or MLA's 'kv_lora_rank')");
+    Variant var;
+    var.n_kv = whole(n_kv) ? static_cast<int>(*n_kv) : 0;
+    var.rank = var.n_kv == 0 ? static_cast<int>(*rank) : 0;
     const auto mean = number(v, "val_loss_mean");
-    KVLAB_CHECK(mean.has_value(), "report: variant n_kv_head=", *n_kv,
+    KVLAB_CHECK(mean.has_value(), "report: variant ", var.label(),
                 " has no number 'val_loss_mean'");
     const auto runs = v.find("runs");
-    Variant var;
-    var.n_kv = static_cast<int>(*n_kv);
     var.seeds = runs != v.end() && runs->is_array() ? static_cast<int>(runs->size()) : 0;
     var.mean = *mean;
     var.std = number(v, "val_loss_std").value_or(0.0);
     var.j = &v;
     for (const Variant& other : p.variants)
-      KVLAB_CHECK(other.n_kv != var.n_kv, "report: two variants with n_kv_head=", var.n_kv);
+      KVLAB_CHECK(other.n_kv != var.n_kv || other.rank != var.rank, "report: two variants ",
+                  var.label());
     p.variants.push_back(var);
   }
-  std::sort(p.variants.begin(), p.variants.end(),
-            [](const Variant& x, const Variant& y) { return x.n_kv > y.n_kv; });
+  std::sort(p.variants.begin(), p.variants.end(), [](const Variant& x, const Variant& y) {
+    return x.mla() != y.mla() ? y.mla() : x.n_kv != y.n_kv ? x.n_kv > y.n_kv : x.rank > y.rank;
+  });
   const json& config = results.value("config", json::object());
   const auto n_head = config.is_object() ? number(config, "n_head") : std::nullopt;
   p.n_head = n_head ? static_cast<int>(*n_head) : p.variants.front().n_kv;
-  for (Variant& v : p.variants) v.kind = v.n_kv == p.n_head ? "MHA" : v.n_kv == 1 ? "MQA" : "GQA";
+  for (Variant& v : p.variants)
+    v.kind = v.mla() ? "MLA" : v.n_kv == p.n_head ? "MHA" : v.n_kv == 1 ? "MQA" : "GQA";
   p.uptrain = parse_uptrain(results);
   return p;
 }
@@ -148,7 +167,7 @@ Parsed parse(const json& results) {
 std::string loss_pm(const Variant& v) { return fmt("%.4f", v.mean) + " ± " + fmt("%.4f", v.std); }
 
 Verdict compare(const Variant& a, const Variant& b) {
-  Verdict out{a.n_kv, b.n_kv, a.label() + " vs " + b.label() + ": ", false};
+  Verdict out{a.label(), b.label(), a.label() + " vs " + b.label() + ": ", false};
   const double diff = std::abs(a.mean - b.mean);
   if (std::min(a.seeds, b.seeds) < 2) {
     out.text += "no spread measured (1 seed): difference " + fmt("%.4f", diff) +
@@ -170,17 +189,45 @@ Verdict compare(const Variant& a, const Variant& b) {
   return out;
 }
 
+// The GQA variant (MHA to MQA) whose cache bytes per token are nearest MLA variant m's (the
+// fewer bytes on a tie), or null without those figures.
+const Variant* nearest_in_bytes(const Parsed& p, const Variant& m) {
+  const auto mine = m.get("cache_bytes_per_token");
+  const Variant* best = nullptr;
+  double best_gap = 0, best_bytes = 0;
+  for (const Variant& v : p.variants) {
+    const auto b = v.get("cache_bytes_per_token");
+    if (v.mla() || !mine || !b) continue;
+    const double gap = std::abs(*b - *mine);
+    if (!best || gap < best_gap || (gap == best_gap && *b < best_bytes))
+      best = &v, best_gap = gap, best_bytes = *b;
+  }
+  return best;
+}
+
+// Among the GQA variants (n_kv_head descending): adjacent pairs, then each remaining one
+// against MHA. Each MLA variant against the GQA variant nearest in cache bytes, and against
+// MHA where that is another.
 std::vector<Verdict> verdicts(const Parsed& p) {
-  const auto& vs = p.variants;
+  std::vector<const Variant*> vs;
+  for (const Variant& v : p.variants)
+    if (!v.mla()) vs.push_back(&v);
   std::vector<Verdict> out;
-  for (std::size_t i = 0; i + 1 < vs.size(); ++i) out.push_back(compare(vs[i], vs[i + 1]));
+  for (std::size_t i = 0; i + 1 < vs.size(); ++i) out.push_back(compare(*vs[i], *vs[i + 1]));
   const auto mha =
-      std::find_if(vs.begin(), vs.end(), [](const Variant& v) { return v.kind == "MHA"; });
-  if (mha == vs.end()) return out;
-  const std::size_t m = mha - vs.begin();
-  for (std::size_t j = 0; j < vs.size(); ++j)
-    if (j + 1 < m || j > m + 1)  // adjacent pairs are already compared
-      out.push_back(compare(vs[std::min(j, m)], vs[std::max(j, m)]));
+      std::find_if(vs.begin(), vs.end(), [](const Variant* v) { return v->kind == "MHA"; });
+  if (mha != vs.end()) {
+    const std::size_t m = mha - vs.begin();
+    for (std::size_t j = 0; j < vs.size(); ++j)
+      if (j + 1 < m || j > m + 1)  // adjacent pairs are already compared
+        out.push_back(compare(*vs[std::min(j, m)], *vs[std::max(j, m)]));
+  }
+  for (const Variant& v : p.variants) {
+    if (!v.mla()) continue;
+    const Variant* near = nearest_in_bytes(p, v);
+    if (near) out.push_back(compare(v, *near));
+    if (mha != vs.end() && *mha != near) out.push_back(compare(v, **mha));
+  }
   return out;
 }
 
@@ -219,9 +266,10 @@ struct Table {
 };
 
 Table record_table(const Parsed& p, Bytes style) {
-  Table t{{"n_kv_head", "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"}, {}};
+  Table t{{p.id_header(), "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"},
+          {}};
   for (const Variant& v : p.variants)
-    t.rows.push_back({std::to_string(v.n_kv), bytes(v.get("cache_bytes_context_measured"), style),
+    t.rows.push_back({v.id(), bytes(v.get("cache_bytes_context_measured"), style),
                       bytes(v.get("cache_bytes_context_formula"), style),
                       figure(v.get("vs_mha"), "%.3fx"), rate(v.get("decode_tokens_per_s_cache")),
                       v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)"});
@@ -229,11 +277,11 @@ Table record_table(const Parsed& p, Bytes style) {
 }
 
 Table detail_table(const Parsed& p, Bytes style) {
-  Table t{{"n_kv_head", "params", "bpc", "cache bytes/token", "sequences in budget",
+  Table t{{p.id_header(), "params", "bpc", "cache bytes/token", "sequences in budget",
            "tokens/s (no cache)", "cache speed-up", "TTFT ms", "TPOT ms"},
           {}};
   for (const Variant& v : p.variants)
-    t.rows.push_back({std::to_string(v.n_kv), figure(v.get("params"), "%.0f"),
+    t.rows.push_back({v.id(), figure(v.get("params"), "%.0f"),
                       figure(v.get("bpc"), "%.4f"), bytes(v.get("cache_bytes_per_token"), style),
                       figure(v.get("sequences_in_budget"), "%.0f"),
                       rate(v.get("decode_tokens_per_s_nocache")), figure(speedup(v), "%.2fx"),
@@ -245,14 +293,14 @@ Table detail_table(const Parsed& p, Bytes style) {
 // before it was measured, leave the table out).
 std::optional<Table> memory_table(const Parsed& p, Bytes style) {
   if (!p.variants.front().get("kv_workload_peak_sequences_paged")) return std::nullopt;
-  Table t{{"n_kv_head", "KV memory", "peak sequences paged", "contiguous", "paged / contiguous",
+  Table t{{p.id_header(), "KV memory", "peak sequences paged", "contiguous", "paged / contiguous",
            "utilisation paged", "contiguous", "steps paged", "contiguous"},
           {}};
   for (const Variant& v : p.variants) {
     const auto paged = v.get("kv_workload_peak_sequences_paged");
     const auto contiguous = v.get("kv_workload_peak_sequences_contiguous");
     t.rows.push_back(
-        {std::to_string(v.n_kv), bytes(v.get("kv_workload_budget_bytes"), style),
+        {v.id(), bytes(v.get("kv_workload_budget_bytes"), style),
          figure(paged, "%.0f"), figure(contiguous, "%.0f"),
          figure(paged && contiguous && *contiguous > 0
                     ? std::optional<double>(*paged / *contiguous)
@@ -267,7 +315,7 @@ std::optional<Table> memory_table(const Parsed& p, Bytes style) {
 }
 
 // Serving the workload with the trained model at that memory (results measured on a GPU, or
-// before it was measured, leave the table out).
+// before it was measured, leave the table out; so do MLA's rows, which are not served).
 std::optional<Table> serving_table(const Parsed& p) {
   if (!p.variants.front().get("serve_requests_per_s_continuous")) return std::nullopt;
   Table t{{"n_kv_head", "requests/s continuous", "static", "continuous / static",
@@ -275,10 +323,11 @@ std::optional<Table> serving_table(const Parsed& p) {
            "sustained requests/s"},
           {}};
   for (const Variant& v : p.variants) {
+    if (v.mla()) continue;
     const auto c = v.get("serve_requests_per_s_continuous");
     const auto s = v.get("serve_requests_per_s_static");
     t.rows.push_back(
-        {std::to_string(v.n_kv), figure(c, "%.1f"), figure(s, "%.1f"),
+        {v.id(), figure(c, "%.1f"), figure(s, "%.1f"),
          figure(c && s && *s > 0 ? std::optional<double>(*c / *s) : std::nullopt, "%.2fx"),
          figure(v.get("serve_peak_sequences_continuous"), "%.0f"),
          figure(v.get("serve_peak_sequences_static"), "%.0f"),
@@ -288,6 +337,52 @@ std::optional<Table> serving_table(const Parsed& p) {
   }
   return t;
 }
+
+// Each MLA variant beside the n_kv_head variant nearest in cache bytes per token (results
+// without MLA leave it out).
+std::optional<Table> mla_table(const Parsed& p, Bytes style) {
+  if (!p.has_mla()) return std::nullopt;
+  Table t{{"MLA rank", "bytes/token", "nearest n_kv_head", "bytes/token", "MLA / it (bytes)",
+           "val loss MLA", "val loss n_kv_head", "decode tokens/s MLA", "n_kv_head",
+           "MLA / it (speed)"},
+          {}};
+  const auto ratio = [](std::optional<double> a, std::optional<double> b) {
+    return a && b && *b > 0 ? std::optional<double>(*a / *b) : std::nullopt;
+  };
+  for (const Variant& m : p.variants) {
+    const Variant* g = m.mla() ? nearest_in_bytes(p, m) : nullptr;
+    if (g == nullptr) continue;
+    const auto mb = m.get("cache_bytes_per_token"), gb = g->get("cache_bytes_per_token");
+    const auto ms = m.get("decode_tokens_per_s_cache"), gs = g->get("decode_tokens_per_s_cache");
+    t.rows.push_back({std::to_string(m.rank), bytes(mb, style), g->id() + " (" + g->kind + ")",
+                      bytes(gb, style), figure(ratio(mb, gb), "%.2fx"),
+                      m.seeds >= 2 ? loss_pm(m) : fmt("%.4f", m.mean) + " (1 seed)",
+                      g->seeds >= 2 ? loss_pm(*g) : fmt("%.4f", g->mean) + " (1 seed)",
+                      rate(ms), rate(gs), figure(ratio(ms, gs), "%.2fx")});
+  }
+  return t;
+}
+
+// The verdict at (nearly) equal cache bytes, per MLA variant, with the bytes it rests on.
+std::vector<std::string> mla_findings(const Parsed& p) {
+  std::vector<std::string> out;
+  for (const Variant& m : p.variants) {
+    const Variant* g = m.mla() ? nearest_in_bytes(p, m) : nullptr;
+    if (g == nullptr) continue;
+    const double mb = *m.get("cache_bytes_per_token"), gb = *g->get("cache_bytes_per_token");
+    out.push_back("At " + fmt("%.0f", mb) + " against " + fmt("%.0f", gb) +
+                  " cache bytes per token (" + fmt("%.2f", mb / gb) + "x): " +
+                  compare(m, *g).text + ".");
+  }
+  return out;
+}
+
+constexpr const char* kMlaNote =
+    "Each MLA variant (a latent of the given rank and one rotary key shared by every head, "
+    "cached in latent form) against the n_kv_head variant whose cache takes the nearest bytes "
+    "per token, both trained the same way with the same seeds. The verdict is judged as every "
+    "verdict here: mean ± std intervals that overlap are within the seeds' spread. MLA decodes "
+    "through the op-by-op path (not the fused decode step), so its decode speed is a floor.";
 
 std::string text_field(const json& obj, const char* key);
 
@@ -337,11 +432,11 @@ std::string pm(double mean, double sd, const char* format) {
 std::optional<Table> quality_table(const Parsed& p) {
   const std::vector<QualityPoint> pts = quality_points(p);
   if (pts.empty()) return std::nullopt;
-  Table t{{"n_kv_head", "cache dtype", "bytes/token", "val loss", "Δ vs f32 cache", "mean KL",
+  Table t{{p.id_header(), "cache dtype", "bytes/token", "val loss", "Δ vs f32 cache", "mean KL",
            "top-1 agreement", "frontier"},
           {}};
   for (const QualityPoint& q : pts)
-    t.rows.push_back({std::to_string(q.v->n_kv), q.dtype, fmt("%.0f", q.bytes),
+    t.rows.push_back({q.v->id(), q.dtype, fmt("%.0f", q.bytes),
                       pm(q.loss, q.loss_std, "%.4f"), pm(q.delta, q.delta_std, "%+.5f"),
                       pm(q.kl, q.kl_std, "%.2e"), fmt("%.4f", q.top1), q.front ? "yes" : ""});
   return t;
@@ -361,8 +456,13 @@ std::vector<std::string> quality_findings(const Parsed& p) {
       out.push_back("Within " + fmt("%.0f", q.bytes) + " bytes per token the lowest val loss is " +
                     q.v->label() + " with " + q.dtype + " keys and values: " +
                     pm(q.loss, q.loss_std, "%.4f") + ".");
+  if (p.has_mla())
+    out.push_back("MLA's latent cache has no fp8: its rows serve as keys and values, which fp8 "
+                  "scales apart.");
+  // Per dtype, the GQA variants with the most and the fewest KV heads.
   const Variant& many = p.variants.front();
-  const Variant& few = p.variants.back();
+  const Variant& few = *std::find_if(p.variants.rbegin(), p.variants.rend(),
+                                     [](const Variant& v) { return !v.mla(); });
   if (&many == &few) return out;
   for (const char* dtype : {"bf16", "fp8", "int8", "int4"}) {
     const auto at = [&](const Variant& v) {
@@ -429,6 +529,8 @@ std::vector<std::string> serving_findings(const Parsed& p) {
   if (mha == p.variants.end() || sweep_of(*mha).empty()) return out;
   const SweepPoint top = sweep_of(*mha).back();
   const auto [mlo, mhi] = std::minmax_element(top.served.begin(), top.served.end());
+  if (p.has_mla())
+    out.push_back("MLA variants are not served: the scheduler runs n_kv_head models only.");
   for (const Variant& v : p.variants) {
     const std::vector<SweepPoint> sw = sweep_of(v);
     if (sw.empty()) continue;
@@ -756,10 +858,47 @@ std::vector<std::string> plot_names(const Parsed& p) {
   return names;
 }
 
+// Where a variant sits on the n_kv_head axis: its n_kv_head, or for MLA the KV heads whose
+// cache takes its bytes (vs_mha * n_head; none without vs_mha).
+double kv_position(const Parsed& p, const Variant& v) {
+  if (!v.mla()) return v.n_kv;
+  const auto r = v.get("vs_mha");
+  return r ? *r * p.n_head : std::nan("");
+}
+
 std::vector<double> kv_axis(const Parsed& p) {
   std::vector<double> x;
-  for (const Variant& v : p.variants) x.push_back(v.n_kv);
+  for (const Variant& v : p.variants)
+    if (!v.mla()) x.push_back(v.n_kv);
   return x;
+}
+
+// One series of `base`'s style per kind present: the n_kv_head variants, then MLA's (dashed,
+// "MLA" in the legend), with y = y_of(v) at kv_position; base.label names the first.
+std::vector<svg::Series> kind_series(const Parsed& p, const svg::Series& base,
+                                     const std::function<double(const Variant&)>& y_of) {
+  std::vector<svg::Series> out;
+  for (const bool mla : {false, true}) {
+    svg::Series s = base;
+    if (mla) {
+      if (!p.has_mla()) break;
+      s.dashed = true;
+      s.label = base.label.empty() ? "MLA (at its cache's KV heads)" : base.label + ", MLA";
+    }
+    for (const Variant& v : p.variants) {
+      if (v.mla() != mla) continue;
+      s.x.push_back(kv_position(p, v));
+      s.y.push_back(y_of(v));
+    }
+    out.push_back(std::move(s));
+  }
+  if (p.has_mla() && out.front().label.empty()) out.front().label = "n_kv_head";
+  return out;
+}
+
+const char* kv_axis_label(const Parsed& p) {
+  return p.has_mla() ? "n_kv_head; MLA at the KV heads of its cache bytes (log2 axis)"
+                     : "n_kv_head (log2 axis)";
 }
 
 svg::Plot curves_plot(const Parsed& p) {
@@ -815,19 +954,19 @@ svg::Plot loss_vs_kv_plot(const Parsed& p) {
                        [](const Variant& a, const Variant& b) { return a.seeds < b.seeds; })
           ->seeds;
   plot.note = min_seeds >= 2 ? "mean ± std over seeds" : "1 seed: no spread measured";
-  plot.x_label = "n_kv_head (log2 axis)";
+  plot.x_label = kv_axis_label(p);
   plot.y_label = "val loss (nats/token)";
   plot.x_ticks = kv_axis(p);
   plot.x_log2 = true;
-  svg::Series s;
-  s.x = kv_axis(p);
-  s.line_width = 1.5;
-  s.markers = true;
-  for (const Variant& v : p.variants) {
-    s.y.push_back(v.mean);
-    s.y_err.push_back(v.seeds >= 2 ? v.std : 0.0);
+  svg::Series base;
+  base.line_width = 1.5;
+  base.markers = true;
+  std::vector<svg::Series> series = kind_series(p, base, [](const Variant& v) { return v.mean; });
+  for (std::size_t i = 0; i < series.size(); ++i) {  // 0: n_kv_head's, 1: MLA's
+    for (const Variant& v : p.variants)
+      if (v.mla() == (i == 1)) series[i].y_err.push_back(v.seeds >= 2 ? v.std : 0.0);
+    plot.series.push_back(std::move(series[i]));
   }
-  plot.series.push_back(std::move(s));
   return plot;
 }
 
@@ -845,7 +984,7 @@ svg::Plot cache_plot(const Parsed& p, const json& results) {
   const json& config = results.value("config", json::object());
   if (config.is_object() && number(config, "block_size"))
     plot.note = "context = block_size = " + fmt("%.0f", *number(config, "block_size")) + " tokens";
-  plot.x_label = "n_kv_head (log2 axis)";
+  plot.x_label = kv_axis_label(p);
   plot.y_label = std::string("KV cache (") + units[u] + ")";
   plot.x_ticks = kv_axis(p);
   plot.x_log2 = true;
@@ -859,9 +998,24 @@ svg::Plot cache_plot(const Parsed& p, const json& results) {
     s.dashed = k == 1;
     s.markers = k == 0;
     s.line_width = k ? 2.0 : 3.0;
-    s.x = kv_axis(p);
-    for (const Variant& v : p.variants)
+    for (const Variant& v : p.variants) {
+      if (v.mla()) continue;
+      s.x.push_back(v.n_kv);
       s.y.push_back(v.get(keys[k]).value_or(std::nan("")) / scale);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  if (p.has_mla()) {  // measured only: the formula is the same bytes
+    svg::Series s;
+    s.label = "MLA, measured";
+    s.color = svg::palette(2);
+    s.markers = true;
+    s.line_width = 0;
+    for (const Variant& v : p.variants)
+      if (v.mla()) {
+        s.x.push_back(kv_position(p, v));
+        s.y.push_back(v.get(keys[0]).value_or(std::nan("")) / scale);
+      }
     plot.series.push_back(std::move(s));
   }
   return plot;
@@ -870,20 +1024,20 @@ svg::Plot cache_plot(const Parsed& p, const json& results) {
 svg::Plot speed_plot(const Parsed& p) {
   svg::Plot plot;
   plot.title = "Decode speed vs n_kv_head";
-  plot.x_label = "n_kv_head (log2 axis)";
+  plot.x_label = kv_axis_label(p);
   plot.y_label = "decode tokens/s";
   plot.x_ticks = kv_axis(p);
   plot.x_log2 = true;
   plot.y_from_zero = true;
   const char* keys[] = {"decode_tokens_per_s_cache", "decode_tokens_per_s_nocache"};
   for (int k = 0; k < 2; ++k) {
-    svg::Series s;
-    s.label = k ? "without KV cache" : "with KV cache";
-    s.color = svg::palette(k ? 1 : 0);
-    s.markers = true;
-    s.x = kv_axis(p);
-    for (const Variant& v : p.variants) s.y.push_back(v.get(keys[k]).value_or(std::nan("")));
-    plot.series.push_back(std::move(s));
+    svg::Series base;
+    base.label = k ? "without KV cache" : "with KV cache";
+    base.color = svg::palette(k ? 1 : 0);
+    base.markers = true;
+    for (svg::Series& s : kind_series(
+             p, base, [&](const Variant& v) { return v.get(keys[k]).value_or(std::nan("")); }))
+      plot.series.push_back(std::move(s));
   }
   return plot;
 }
@@ -898,6 +1052,7 @@ svg::Plot serving_plot(const Parsed& p, bool ttft) {
   plot.y_label = ttft ? "p99 TTFT (ms)" : "served requests/s";
   plot.y_from_zero = true;
   for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    if (sweep_of(p.variants[i]).empty()) continue;  // MLA's: not served
     svg::Series s;
     s.label = p.variants[i].label();
     s.color = svg::palette(i);
@@ -933,8 +1088,8 @@ svg::Plot quality_plot(const Parsed& p, bool kl) {
   svg::Plot plot;
   plot.title = kl ? "KL divergence from the f32 cache vs cache bytes per token"
                   : "Validation loss vs KV-cache bytes per token";
-  plot.note = kl ? "a line per n_kv_head: int4, fp8, int8, bf16 (f32's KL is 0); bars: seed std"
-                 : "a line per n_kv_head: int4, fp8, int8, bf16, f32; bars: seed std; dashed: frontier";
+  plot.note = kl ? "a line per variant: int4, fp8, int8, bf16 (f32's KL is 0); bars: seed std"
+                 : "a line per variant: int4, fp8, int8, bf16, f32; bars: seed std; dashed: frontier";
   plot.x_label = "KV-cache bytes per token (log2 axis)";
   plot.y_label = kl ? "log10 mean KL (nats)" : "val loss (nats/token)";
   plot.x_log2 = true;
@@ -1108,12 +1263,16 @@ std::vector<std::pair<std::string, std::string>> run_facts(const json& r) {
   return facts;
 }
 
+std::string title(const Parsed& p) {
+  return p.has_mla() ? "MHA vs GQA vs MQA vs MLA" : "MHA vs GQA vs MQA";
+}
+
 bool has_config(const json& r) { return r.value("config", json()).is_object(); }
 
 std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verdict>& vs,
                           bool with_png) {
   std::ostringstream md;
-  md << "# kvlab ablate: MHA vs GQA vs MQA\n\n";
+  md << "# kvlab ablate: " << title(p) << "\n\n";
   if (r.contains("command")) md << "Command: " << md_escape(text_of(r["command"])) << "\n\n";
   for (const auto& [k, v] : run_facts(r)) md << "- " << k << ": " << md_escape(v) << '\n';
   if (has_config(r)) {
@@ -1124,6 +1283,12 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
   md << "\n## Results\n\n"
      << render_markdown(record_table(p, Bytes::exact)) << '\n'
      << render_markdown(detail_table(p, Bytes::exact)) << "\nCache bytes are exact bytes.\n";
+  if (const auto t = mla_table(p, Bytes::exact)) {
+    md << "\n## MLA against GQA at equal cache bytes\n\n" << render_markdown(*t) << '\n'
+       << kMlaNote << '\n';
+    for (const std::string& f : mla_findings(p)) md << "\n- " << md_escape(f);
+    md << '\n';
+  }
   if (const auto m = memory_table(p, Bytes::exact))
     md << "\n## KV memory under a serving workload\n\n" << render_markdown(*m) << '\n'
        << kMemoryNote << '\n';
@@ -1192,13 +1357,19 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
   h << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
     << "<title>kvlab ablate report</title>\n<style>\n"
     << kCss << "</style>\n</head>\n<body>\n"
-    << "<h1>kvlab ablate: MHA vs GQA vs MQA</h1>\n";
+    << "<h1>kvlab ablate: " << title(p) << "</h1>\n";
   if (r.contains("command")) h << "<p><code>" << e(text_of(r["command"])) << "</code></p>\n";
   h << "<dl>\n";
   for (const auto& [k, v] : run_facts(r)) h << "<dt>" << e(k) << "</dt><dd>" << e(v) << "</dd>\n";
   h << "</dl>\n<h2>Results</h2>\n"
     << render_html(record_table(p, Bytes::exact)) << render_html(detail_table(p, Bytes::exact))
     << "<p>Cache bytes are exact bytes.</p>\n";
+  if (const auto t = mla_table(p, Bytes::exact)) {
+    h << "<h2>MLA against GQA at equal cache bytes</h2>\n" << render_html(*t) << "<p>"
+      << kMlaNote << "</p>\n<ul>\n";
+    for (const std::string& f : mla_findings(p)) h << "<li>" << e(f) << "</li>\n";
+    h << "</ul>\n";
+  }
   if (const auto m = memory_table(p, Bytes::exact))
     h << "<h2>KV memory under a serving workload</h2>\n" << render_html(*m) << "<p>" << kMemoryNote
       << "</p>\n";
@@ -1288,6 +1459,10 @@ std::string format_table(const nlohmann::json& results) {
   const Parsed p = parse(results);
   std::string out = render_text(record_table(p, Bytes::human)) + '\n' +
                     render_text(detail_table(p, Bytes::human));
+  if (const auto t = mla_table(p, Bytes::human)) {
+    out += "\nMLA against GQA at equal cache bytes:\n" + render_text(*t);
+    for (const std::string& f : mla_findings(p)) out += "  " + f + "\n";
+  }
   if (const auto m = memory_table(p, Bytes::human))
     out += "\nKV memory under a serving workload:\n" + render_text(*m);
   if (const auto t = serving_table(p)) {

@@ -9,17 +9,19 @@
 
 namespace kvlab {
 
-// Validation-loss comparison of two variants, named by n_kv_head (a > b).
+// Validation-loss comparison of two variants, named by their labels ("n_kv_head=4 (MHA)",
+// "MLA kv_lora_rank=32").
 struct Verdict {
-  int a = 0;
-  int b = 0;
+  std::string a, b;
   std::string text;              // one line, names both variants and the figures it rests on
   bool distinguishable = false;  // >= 2 seeds each and mean ± std intervals do not overlap
 };
 
 // Adjacent pairs in descending n_kv_head order, then each remaining variant against MHA
-// (n_kv_head == config.n_head, when that variant was run). Throws kvlab::Error on a document
-// without variants or with a variant lacking n_kv_head or val_loss_mean.
+// (n_kv_head == config.n_head, when that variant was run); then each MLA variant against the
+// n_kv_head variant nearest in cache bytes per token, and against MHA. Throws kvlab::Error on
+// a document without variants or with a variant lacking n_kv_head (or MLA's kv_lora_rank) or
+// val_loss_mean.
 std::vector<Verdict> compare_variants(const nlohmann::json& results);
 
 // Terminal text: the record table (n_kv_head | cache bytes (measured) | formula | vs MHA |

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "apps/ablate/ablate.h"
+#include "autograd/backend/kv_format.h"
 #include "tests/test_dir.h"
 #include "train/output_dir.h"
 
@@ -12,6 +13,7 @@ namespace kvlab {
 namespace {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 class AblateTest : public testing::TestDirFixture {
  protected:
@@ -248,6 +250,75 @@ TEST_F(AblateTest, BadInputFailsBeforeTraining) {
   expect_error(c, "prompt 2 is empty");
   c.prompts = {std::string(17, 'a')};
   expect_error(c, "prompt has 17 tokens, more than the model's context of block_size = 16");
+}
+
+// --mla-ranks: MLA variants train beside the n_kv_head ones (all with RoPE) and are measured
+// the same way: their latent cache's bytes equal the formula's (L * S * (R + D) f32 values), its
+// quality at every dtype but fp8, decode speed and samples; they are not served; the report
+// compares each with the n_kv_head variant nearest in bytes.
+TEST_F(AblateTest, MlaRanksJoinTheSweep) {
+  AblateConfig c = config();
+  c.base.model.pos = "rope";
+  c.kv_heads = {4, 1};
+  c.mla_ranks = {6, 2};
+  const auto r = run_ablation(c);
+  ASSERT_EQ(r["variants"].size(), 4u);
+  EXPECT_EQ(r["config"]["mla_ranks"], json({6, 2}));
+  EXPECT_EQ(r["config"]["mla_rope_head_dim"], 2);  // half of head size 4
+  for (int i : {2, 3}) {
+    const auto& v = r["variants"][i];
+    const int64_t rank = i == 2 ? 6 : 2;
+    EXPECT_EQ(v["kv_lora_rank"], rank);
+    EXPECT_FALSE(v.contains("n_kv_head"));
+    EXPECT_EQ(v["cache_bytes_context_measured"], v["cache_bytes_context_formula"]);
+    EXPECT_EQ(v["cache_bytes_context_measured"].get<int64_t>(), 1 * 16 * (rank + 2) * 4);
+    EXPECT_DOUBLE_EQ(v["vs_mha"].get<double>(), (rank + 2) / 32.0);  // MHA: 2 * 4 heads * 4
+    EXPECT_TRUE(std::isfinite(v["val_loss_mean"].get<double>()));
+    EXPECT_EQ(v["runs"].size(), 2u);
+    EXPECT_TRUE(fs::exists(dir_ / "out" / "runs" / ("mla" + std::to_string(rank) + "_seed1") /
+                           "final.h5"));
+    EXPECT_GT(v["decode_tokens_per_s_cache"].get<double>(), 0.0);
+    EXPECT_FALSE(v["samples"].empty());
+    EXPECT_FALSE(v.contains("serve_sweep"));
+    EXPECT_GT(v["kv_workload_peak_sequences_paged"].get<double>(), 0.0);
+    const auto& quality = v["kv_quality"];
+    ASSERT_EQ(quality.size(), 4u);
+    const std::vector<std::pair<std::string, DType>> dtypes = {
+        {"f32", DType::F32}, {"bf16", DType::BF16}, {"int8", DType::INT8}, {"int4", DType::INT4}};
+    for (size_t d = 0; d < quality.size(); ++d) {
+      EXPECT_EQ(quality[d]["dtype"], dtypes[d].first);
+      EXPECT_EQ(quality[d]["bytes_per_token"].get<int64_t>(), kv_row_bytes(dtypes[d].second, rank + 2));
+    }
+    EXPECT_EQ(quality[0]["kl_mean"].get<double>(), 0.0);
+  }
+  const std::string md = [&] {
+    std::ifstream f(dir_ / "out" / "report.md");
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }();
+  EXPECT_NE(md.find("## MLA against GQA at equal cache bytes"), std::string::npos);
+  // rank 6 + 2: 32 bytes a position against n_kv_head 1's 2 * 4 * 4 = 32.
+  EXPECT_NE(md.find("At 32 against 32 cache bytes per token (1.00x): MLA kv_lora_rank=6 vs "
+                    "n_kv_head=1 (MQA)"),
+            std::string::npos);
+}
+
+TEST_F(AblateTest, MlaRanksTheModelCannotTakeFailBeforeTraining) {
+  AblateConfig c = config();
+  c.mla_ranks = {4};
+  expect_error(c, "--mla-ranks needs rotary positions");
+  c.base.model.pos = "rope";
+  c.mla_ranks = {4, 17};
+  expect_error(c, "MLA rank 17 must be in [1, n_embd = 16]");
+  c.mla_ranks = {4, 4};
+  expect_error(c, "MLA rank 4 is listed twice");
+  c.mla_ranks = {4};
+  c.kv_dtype = DType::FP8;
+  expect_error(c, "fp8 is not for MLA's latent cache");
+  c.kv_dtype = DType::F32;
+  c.mla_rope_head_dim = 3;
+  expect_error(c, "MLA rank 4: config: rope_head_dim 3 must be even");
+  c.mla_ranks = {};
+  expect_error(c, "without --mla-ranks");
 }
 
 // --uptrain: each seed's MHA run converted to n_kv_head 2 by every method, evaluated, then

@@ -180,12 +180,12 @@ const char* kSvgs[] = {"val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes
 TEST(CompareVariants, OverlapIsNotDistinguishableSeparationIsRanked) {
   const auto v = compare_variants(fixture());
   ASSERT_EQ(v.size(), 3u);  // 4-2, 2-1 adjacent, then 4-1 against MHA
-  EXPECT_EQ(v[0].a, 4);
-  EXPECT_EQ(v[0].b, 2);
-  EXPECT_EQ(v[1].a, 2);
-  EXPECT_EQ(v[1].b, 1);
-  EXPECT_EQ(v[2].a, 4);
-  EXPECT_EQ(v[2].b, 1);
+  EXPECT_EQ(v[0].a, "n_kv_head=4 (MHA)");
+  EXPECT_EQ(v[0].b, "n_kv_head=2 (GQA)");
+  EXPECT_EQ(v[1].a, "n_kv_head=2 (GQA)");
+  EXPECT_EQ(v[1].b, "n_kv_head=1 (MQA)");
+  EXPECT_EQ(v[2].a, "n_kv_head=4 (MHA)");
+  EXPECT_EQ(v[2].b, "n_kv_head=1 (MQA)");
 
   EXPECT_FALSE(v[0].distinguishable);  // 1.88 ± 0.01 vs 1.89 ± 0.01 touch
   EXPECT_NE(v[0].text.find("not distinguishable at this budget"), std::string::npos) << v[0].text;
@@ -243,10 +243,120 @@ TEST(CompareVariants, OneSeedOnEitherSideIsEnough) {
 TEST(CompareVariants, AdjacentPairsThenEachAgainstMha) {
   const auto v = compare_variants(
       make_results({{1, 2.0, 0.01}, {8, 1.9, 0.01}, {2, 1.95, 0.01}, {4, 1.92, 0.01}}, 2, 8));
-  std::vector<std::pair<int, int>> pairs;
+  std::vector<std::pair<std::string, std::string>> pairs;
   for (const Verdict& x : v) pairs.emplace_back(x.a, x.b);
-  const std::vector<std::pair<int, int>> expected = {{8, 4}, {4, 2}, {2, 1}, {8, 2}, {8, 1}};
+  const std::string mha = "n_kv_head=8 (MHA)", g4 = "n_kv_head=4 (GQA)", g2 = "n_kv_head=2 (GQA)",
+                    mqa = "n_kv_head=1 (MQA)";
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {mha, g4}, {g4, g2}, {g2, mqa}, {mha, g2}, {mha, mqa}};
   EXPECT_EQ(pairs, expected);
+}
+
+// --- MLA beside the n_kv_head variants ------------------------------------------------------
+
+// An MLA variant of the fixture's model (4 layers, f32): a latent of `rank` plus a rotary key of
+// 8 values per layer and position, listed first to show that the report orders it last.
+json make_mla_variant(int rank, double mean, double std, int seeds) {
+  json v = make_variant(4, mean, std, seeds);
+  v.erase("n_kv_head");
+  const double per_token = 4.0 * (rank + 8) * 4, mha = 2.0 * 4 * 4 * 32 * 4;
+  v["kv_lora_rank"] = rank;
+  v["rope_head_dim"] = 8;
+  v["cache_bytes_per_token"] = per_token;
+  v["cache_bytes_context_measured"] = per_token * 64;
+  v["cache_bytes_context_formula"] = per_token * 64;
+  v["vs_mha"] = per_token / mha;
+  v["decode_tokens_per_s_cache"] = 1500.0;
+  v["samples"][0]["greedy"] = "mla greedy " + std::to_string(rank);
+  return v;
+}
+
+// The fixture (n_kv_head 4, 2, 1: 4096, 2048, 1024 bytes per token) with MLA at rank 56
+// (1024 bytes: n_kv_head 1's exactly) and rank 120 (2048: n_kv_head 2's), listed first.
+json mla_fixture() {
+  json r = fixture(3);
+  json variants = json::array({make_mla_variant(56, 1.90, 0.01, 3), make_mla_variant(120, 1.85, 0.01, 3)});
+  for (const json& v : r["variants"]) variants.push_back(v);
+  r["variants"] = variants;
+  return r;
+}
+
+TEST(CompareVariants, EachMlaVariantAgainstTheNearestBytesThenMha) {
+  const auto v = compare_variants(mla_fixture());
+  ASSERT_EQ(v.size(), 3u + 4u);  // the n_kv_head ones; rank 120 vs 2 and MHA; rank 56 vs 1 and MHA
+  const std::vector<std::pair<std::string, std::string>> mla = {
+      {"MLA kv_lora_rank=120", "n_kv_head=2 (GQA)"},
+      {"MLA kv_lora_rank=120", "n_kv_head=4 (MHA)"},
+      {"MLA kv_lora_rank=56", "n_kv_head=1 (MQA)"},
+      {"MLA kv_lora_rank=56", "n_kv_head=4 (MHA)"}};
+  for (size_t i = 0; i < mla.size(); ++i) {
+    EXPECT_EQ(v[3 + i].a, mla[i].first) << i;
+    EXPECT_EQ(v[3 + i].b, mla[i].second) << i;
+  }
+  // 1.85 ± 0.01 against n_kv_head 2's 1.89 ± 0.01: beyond the spread; 1.90 against 1.95 too.
+  EXPECT_TRUE(v[3].distinguishable);
+  EXPECT_NE(v[3].text.find("MLA kv_lora_rank=120 has the lower val loss, by 0.0400"),
+            std::string::npos) << v[3].text;
+  EXPECT_NE(v[5].text.find("MLA kv_lora_rank=56 has the lower val loss, by 0.0500"),
+            std::string::npos) << v[5].text;
+  // A tie in bytes goes to the fewer: 1536 bytes (rank 88) is 512 from both 2 and 1.
+  json tie = fixture(3);
+  tie["variants"].push_back(make_mla_variant(88, 1.9, 0.01, 3));
+  EXPECT_EQ(compare_variants(tie)[3].b, "n_kv_head=1 (MQA)");
+}
+
+TEST(FormatTable, MlaRowsAndTheEqualBytesComparison) {
+  const std::string out = format_table(mla_fixture());
+  const auto ls = lines(out);
+  EXPECT_EQ(cells(ls[0])[0], "n_kv_head / MLA rank");
+  std::vector<std::string> ids;
+  for (size_t i = 2; i < 7; ++i) ids.push_back(cells(ls[i])[0]);
+  EXPECT_EQ(ids, (std::vector<std::string>{"4", "2", "1", "MLA 120", "MLA 56"}));
+  EXPECT_EQ(cells(ls[5])[1], "128.0 KiB");  // 2048 bytes a position, 64 positions
+  EXPECT_NE(out.find("MLA against GQA at equal cache bytes:"), std::string::npos) << out;
+  EXPECT_NE(out.find("At 2048 against 2048 cache bytes per token (1.00x): MLA kv_lora_rank=120 vs "
+                     "n_kv_head=2 (GQA): MLA kv_lora_rank=120 has the lower val loss"),
+            std::string::npos) << out;
+  // The decode speeds side by side: 1500 against n_kv_head 1's 6200.
+  const auto row = std::find_if(ls.begin(), ls.end(), [](const std::string& l) {
+    const auto c = cells(l);
+    return !c.empty() && c[0] == "56";
+  });
+  ASSERT_NE(row, ls.end()) << out;
+  const auto c = cells(*row);
+  EXPECT_EQ(c[2], "1 (MQA)");
+  EXPECT_EQ(c[4], "1.00x");
+  EXPECT_EQ(c[9], "0.24x");
+}
+
+TEST_F(ReportFiles, MlaIsInEveryPlotAndPage) {
+  write_report(mla_fixture(), dir_);
+  for (const char* name : kSvgs) {
+    const std::string svg = read(dir_ / name);
+    EXPECT_EQ(test::xml_problem(svg), "") << name;
+    if (std::string(name) != "val_loss_curves.svg") {
+      EXPECT_NE(svg.find("MLA"), std::string::npos) << name;
+    }
+  }
+  // The loss plot: error bars for all five variants, the MLA ones on a series of their own.
+  EXPECT_EQ(count(read(dir_ / "val_loss_vs_kv.svg"), "class=\"err\""), 5u);
+  EXPECT_NE(read(dir_ / "val_loss_curves.svg").find("MLA kv_lora_rank=56"), std::string::npos);
+  const std::string md = read(dir_ / "report.md");
+  EXPECT_NE(md.find("# kvlab ablate: MHA vs GQA vs MQA vs MLA"), std::string::npos);
+  EXPECT_NE(md.find("## MLA against GQA at equal cache bytes"), std::string::npos);
+  EXPECT_NE(md.find("mla greedy 56"), std::string::npos);
+  const auto csv = lines(read(dir_ / "results.csv"));
+  ASSERT_EQ(csv.size(), 6u);
+  const auto header = csv_fields(csv[0]);
+  const auto col = [&](const std::string& name) {
+    return static_cast<size_t>(std::find(header.begin(), header.end(), name) - header.begin());
+  };
+  ASSERT_LT(col("kv_lora_rank"), header.size());
+  EXPECT_EQ(csv_fields(csv[4])[col("kv_lora_rank")], "120");
+  EXPECT_EQ(csv_fields(csv[4])[col("n_kv_head")], "");
+  EXPECT_EQ(csv_fields(csv[4])[col("attention")], "MLA");
+  EXPECT_NE(read(dir_ / "report.html").find("MLA against GQA at equal cache bytes"),
+            std::string::npos);
 }
 
 TEST(CompareVariants, BadDocumentsThrowKvlabError) {
@@ -265,6 +375,11 @@ TEST(CompareVariants, BadDocumentsThrowKvlabError) {
   json dup = fixture();
   dup["variants"][0]["n_kv_head"] = 4;
   EXPECT_THROW(compare_variants(dup), Error);
+  json neither = fixture();
+  neither["variants"][0].erase("n_kv_head");
+  EXPECT_THROW(compare_variants(neither), Error);
+  neither["variants"][0]["kv_lora_rank"] = 0;
+  EXPECT_THROW(compare_variants(neither), Error);
 }
 
 // --- terminal table ----------------------------------------------------------------------
