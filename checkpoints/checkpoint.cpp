@@ -163,8 +163,10 @@ FileImage read_image(const fs::path& path, const std::string& pre) {
 // it threw is rethrown here with its message; a child that died (HDF5 does not promise to
 // survive a corrupt file, and loops forever on some) becomes an error that says so. The child
 // only parses: it writes nothing but its message and leaves by _exit. `cpu_seconds` bounds its
-// CPU time.
-void parse_in_child(const std::function<void()>& parse, rlim_t cpu_seconds,
+// CPU time, and `memory_bytes` how far its address space may grow: damaged metadata can make
+// HDF5 allocate far past what the file holds (gigabytes for a 45 KB file), which then fails
+// inside the child instead of taking the machine's memory.
+void parse_in_child(const std::function<void()>& parse, rlim_t cpu_seconds, rlim_t memory_bytes,
                     const std::string& pre) {
   int fds[2];
   KVLAB_CHECK(::pipe2(fds, O_CLOEXEC) == 0, pre, "cannot create a pipe: ", std::strerror(errno));
@@ -178,6 +180,18 @@ void parse_in_child(const std::function<void()>& parse, rlim_t cpu_seconds,
     if (null >= 0) ::dup2(null, STDERR_FILENO);
     const rlimit cpu{cpu_seconds, cpu_seconds + 5};  // SIGXCPU, then SIGKILL
     ::setrlimit(RLIMIT_CPU, &cpu);
+    // From the address space mapped now (a sanitizer's shadow included), not from zero.
+    long pages = 0;
+    if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    if (pages > 0) {
+      const rlim_t limit = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) +
+                           memory_bytes;
+      const rlimit as{limit, limit};
+      ::setrlimit(RLIMIT_AS, &as);
+    }
     int code = 0;
     std::string msg;
     try {
@@ -950,9 +964,12 @@ Checkpoint load_checkpoint(const fs::path& file, const LoadOptions& options) {
   const std::string pre = "checkpoint: " + file.string() + ": ";
   const FileImage image = read_image(file, pre);
   const bool sealed = verify_seal(image, pre);
-  // The child's CPU budget: parsing reads well over 50 MB a second, even under a sanitizer.
+  // The child's CPU budget: parsing reads well over 50 MB a second, even under a sanitizer. Its
+  // memory: the arrays it reads (at most the file's size) twice over, and HDF5's own.
   const rlim_t budget = 5 + image.size / (50 << 20);
-  if (!sealed) parse_in_child([&] { Loader(file, image, false).load(options); }, budget, pre);
+  const rlim_t memory = 2 * static_cast<rlim_t>(image.size) + (rlim_t{256} << 20);
+  if (!sealed)
+    parse_in_child([&] { Loader(file, image, false).load(options); }, budget, memory, pre);
   return Loader(file, image, sealed).load(options);
 }
 
