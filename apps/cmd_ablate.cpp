@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "apps/ablate/ablate.h"
@@ -116,16 +117,17 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   // MLA enters the sweep as variants of their own: the base model stays GQA's.
   KVLAB_USAGE_CHECK(cmd->count("--attn") == 0 && cmd->count("--kv-lora-rank") == 0,
                     "ablate: --attn and --kv-lora-rank set one model's attention; the sweep adds "
-                    "MLA variants with --mla-ranks R1,R2 (and --rope-head-dim)");
-  int64_t mla_rope_head_dim = 0;
-  if (cmd->count("--rope-head-dim") > 0) {
-    KVLAB_USAGE_CHECK(cmd->count("--mla-ranks") > 0,
-                      "ablate: --rope-head-dim is the MLA variants' rotary width; give --mla-ranks");
-    mla_rope_head_dim = a.flags.cfg.model.rope_head_dim;
-    KVLAB_USAGE_CHECK(mla_rope_head_dim >= 1, "--rope-head-dim must be positive, got ",
-                      mla_rope_head_dim);
-    a.flags.cfg.model.rope_head_dim = 0;
-  }
+                    "MLA variants with --mla-ranks R1,R2 (and --rope-head-dim, --q-lora-rank)");
+  // The MLA variants' other settings, taken off the base model (which stays GQA's).
+  const auto mla_setting = [&](const char* flag, int64_t& value, int64_t min) {
+    if (cmd->count(flag) == 0) return int64_t{0};
+    KVLAB_USAGE_CHECK(cmd->count("--mla-ranks") > 0, "ablate: ", flag,
+                      " is the MLA variants'; give --mla-ranks");
+    KVLAB_USAGE_CHECK(value >= min, flag, " must be >= ", min, ", got ", value);
+    return std::exchange(value, 0);
+  };
+  const int64_t mla_rope_head_dim = mla_setting("--rope-head-dim", a.flags.cfg.model.rope_head_dim, 1);
+  const int64_t mla_q_lora_rank = mla_setting("--q-lora-rank", a.flags.cfg.model.q_lora_rank, 0);
   // Before the corpus is read: a fraction out of range is wrong whatever the sweep.
   if (cmd->count("--uptrain") > 0)
     KVLAB_USAGE_CHECK(a.uptrain > 0 && a.uptrain <= 1, "--uptrain ", a.uptrain,
@@ -147,6 +149,7 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
     KVLAB_USAGE_CHECK(a.kv_dtype != "fp8", "--kv-dtype fp8 is not for MLA's latent cache: f32, "
                       "bf16, int8 or int4 with --mla-ranks");
     cfg.mla_rope_head_dim = mla_rope_head_dim;
+    cfg.mla_q_lora_rank = mla_q_lora_rank;
   }
   KVLAB_USAGE_CHECK(a.seeds >= 1, "--seeds must be >= 1, got ", a.seeds);
   KVLAB_USAGE_CHECK(a.kv_budget > 0, "--kv-budget must be positive");

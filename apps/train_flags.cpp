@@ -74,6 +74,9 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
              "MLA: rank of the latent each position's keys and values are rebuilt from");
   add_number(cmd, "--rope-head-dim", c.model.rope_head_dim,
              "MLA: width of the rotary key shared by every head (even)");
+  add_number(cmd, "--q-lora-rank", c.model.q_lora_rank,
+             "MLA: rank of the compressed query latent (RMS-normed) the queries are built "
+             "from; 0: from x directly");
   add_number(cmd, "--block-size", c.model.block_size, "Context length in tokens");
   add_number(cmd, "--dropout", c.model.dropout, "Dropout on attention and residual paths");
   cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");

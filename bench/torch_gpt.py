@@ -5,7 +5,7 @@ pre-LayerNorm blocks, biases, tanh GELU, an LM head tied to the token table unle
 tied=False, query head h reads KV head h // (n_head // n_kv_head). arch="llama" (or the
 pos/norm/mlp/bias arguments one by one) gives kvlab's llama block: rotary positions (halves
 form: channel j pairs with j + HS/2), RMSNorm, SwiGLU (gate c_fc, up c_up, down c_proj) and no
-biases. attn="mla" (with kv_lora_rank, rope_head_dim; RoPE only) swaps each block's attention
+biases. attn="mla" (with kv_lora_rank, rope_head_dim and optionally q_lora_rank; RoPE only) swaps each block's attention
 for kvlab's multi-head latent attention (LatentAttention), without a cache."""
 import ctypes
 import math
@@ -100,15 +100,19 @@ class Attention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """DeepSeek-V2's multi-head latent attention without query compression, as kvlab's: each
-    head's query is HS values and RD rotated ones; kv_down gives a latent of `rank` (RMSNorm'd)
+    """DeepSeek-V2's multi-head latent attention, as kvlab's: each head's query is HS values and
+    RD rotated ones, from x or (q_rank > 0) from q_norm(q_down(x)); kv_down gives a latent of
+    `rank` (RMSNorm'd)
     and one rotary key of RD shared by every head; kv_up rebuilds each head's key (then the
     shared rotary key appended) and value from the latent; scores scaled by 1/sqrt(HS + RD)."""
 
-    def __init__(self, c, nh, rank, rope_dim, bias, rope_theta):
+    def __init__(self, c, nh, rank, rope_dim, bias, rope_theta, q_rank=0):
         super().__init__()
         self.nh, self.hs, self.rank, self.rd, self.theta = nh, c // nh, rank, rope_dim, rope_theta
-        self.q_proj = nn.Linear(c, nh * (self.hs + rope_dim), bias=bias)
+        if q_rank:
+            self.q_down = nn.Linear(c, q_rank, bias=bias)
+            self.q_norm = WeightOnlyNorm(q_rank, rms=True)
+        self.q_proj = nn.Linear(q_rank or c, nh * (self.hs + rope_dim), bias=bias)
         self.kv_down = nn.Linear(c, rank + rope_dim, bias=bias)
         self.kv_norm = WeightOnlyNorm(rank, rms=True)
         self.kv_up = nn.Linear(rank, nh * 2 * self.hs, bias=bias)
@@ -118,7 +122,8 @@ class LatentAttention(nn.Module):
         assert kc is None, "MLA runs without a cache"
         B, T, C = x.shape
         nh, hs, rd = self.nh, self.hs, self.rd
-        q = self.q_proj(x).view(B, T, nh, hs + rd)
+        qx = self.q_norm(self.q_down(x)) if hasattr(self, "q_down") else x
+        q = self.q_proj(qx).view(B, T, nh, hs + rd)
         q = torch.cat([q[..., :hs], rope(q[..., hs:], start, self.theta)], -1)
         kv = self.kv_down(x)
         latent = self.kv_norm(kv[..., :self.rank])
@@ -138,7 +143,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = make_norm(c, norm, bias)
         self.attn = (Attention(c, nh, nkv, bias, rope_theta) if mla is None else
-                     LatentAttention(c, nh, mla[0], mla[1], bias, rope_theta))
+                     LatentAttention(c, nh, *mla[:2], bias, rope_theta, *mla[2:]))
         self.ln_2 = make_norm(c, norm, bias)
         self.mlp = nn.Module()
         self.mlp.c_fc = nn.Linear(c, hidden, bias=bias)
@@ -163,14 +168,15 @@ ARCHS = {"gpt2": dict(pos="learned", norm="layernorm", mlp="gelu", bias=True),
 
 class GPT(nn.Module):
     def __init__(self, vocab, block_size, n_layer, nh, nkv, c, hidden, tied=True, arch="gpt2",
-                 rope_theta=10000.0, attn="gqa", kv_lora_rank=0, rope_head_dim=0, **parts):
+                 rope_theta=10000.0, attn="gqa", kv_lora_rank=0, rope_head_dim=0, q_lora_rank=0,
+                 **parts):
         super().__init__()
         b = dict(ARCHS[arch], **parts)  # pos, norm, mlp, bias: the preset's unless given
         self.cfg = (n_layer, nkv, block_size, c // nh)
         self.wte = nn.Embedding(vocab, c)
         self.wpe = nn.Embedding(block_size, c) if b["pos"] == "learned" else None
         theta = rope_theta if b["pos"] == "rope" else None
-        mla = (kv_lora_rank, rope_head_dim) if attn == "mla" else None
+        mla = (kv_lora_rank, rope_head_dim, q_lora_rank) if attn == "mla" else None
         assert mla is None or theta is not None, "MLA needs rotary positions"
         self.blocks = nn.ModuleList([Block(c, nh, nkv, hidden, b["norm"], b["mlp"], b["bias"],
                                            theta, mla) for _ in range(n_layer)])
@@ -181,7 +187,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
             elif p.dim() >= 2:
                 nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("ln_f") or ".kv_norm." in name:  # norms
+            elif ".ln_" in name or name.startswith("ln_f") or "_norm." in name:  # norms
                 nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
             else:
                 nn.init.zeros_(p)

@@ -48,6 +48,7 @@ void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["attn"] = c.attn;
   a["kv_lora_rank"] = c.kv_lora_rank;
   a["rope_head_dim"] = c.rope_head_dim;
+  a["q_lora_rank"] = c.q_lora_rank;
 }
 
 GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
@@ -69,6 +70,7 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   c.attn = attr_or<std::string>(a, "attn", c.attn, file);
   c.kv_lora_rank = attr_or<int64_t>(a, "kv_lora_rank", 0, file);
   c.rope_head_dim = attr_or<int64_t>(a, "rope_head_dim", 0, file);
+  c.q_lora_rank = attr_or<int64_t>(a, "q_lora_rank", 0, file);
   try {
     c.validate();
   } catch (const Error& e) {

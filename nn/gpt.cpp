@@ -19,8 +19,9 @@ double parameters_of(const GPTConfig& c) {
   if (c.mla()) {
     const auto R = static_cast<double>(c.kv_lora_rank), D = static_cast<double>(c.rope_head_dim);
     const double NH = static_cast<double>(c.n_head), HS = static_cast<double>(c.head_size());
-    const double q = NH * (HS + D), up = 2 * NH * HS;
-    attn = (C * q + b * q) + (C * (R + D) + b * (R + D)) + R + (R * up + b * up) + (C * C + b * C);
+    const double q = NH * (HS + D), up = 2 * NH * HS, RQ = static_cast<double>(c.q_lora_rank);
+    const double q_path = RQ > 0 ? (C * RQ + b * RQ) + RQ + (RQ * q + b * q) : C * q + b * q;
+    attn = q_path + (C * (R + D) + b * (R + D)) + R + (R * up + b * up) + (C * C + b * C);
   }
   const double mlp = c.swiglu() ? 2 * (C * H + b * H) + (H * C + b * C)
                                 : (C * H + b * H) + (H * C + b * C);
@@ -63,10 +64,12 @@ void GPTConfig::validate() const {
     KVLAB_CHECK(rope_head_dim >= 2 && rope_head_dim <= n_embd && rope_head_dim % 2 == 0,
                 "config: rope_head_dim ", rope_head_dim, " must be even and in [2, n_embd = ",
                 n_embd, "]");
+    KVLAB_CHECK(q_lora_rank >= 0 && q_lora_rank <= n_embd, "config: q_lora_rank ", q_lora_rank,
+                " must be 0 (no query compression) or in [1, n_embd = ", n_embd, "]");
   } else {
-    KVLAB_CHECK(kv_lora_rank == 0 && rope_head_dim == 0, "config: kv_lora_rank and "
-                "rope_head_dim are MLA's (attn mla); got ", kv_lora_rank, " and ", rope_head_dim,
-                " with attn ", attn);
+    KVLAB_CHECK(kv_lora_rank == 0 && rope_head_dim == 0 && q_lora_rank == 0, "config: "
+                "kv_lora_rank, rope_head_dim and q_lora_rank are MLA's (attn mla); got ",
+                kv_lora_rank, ", ", rope_head_dim, " and ", q_lora_rank, " with attn ", attn);
     KVLAB_CHECK(!rope() || head_size() % 2 == 0, "config: RoPE needs an even head size, got ",
                 head_size(), " (n_embd ", n_embd, " / n_head ", n_head, ")");
   }
@@ -145,7 +148,12 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
 }
 
 LatentAttention::LatentAttention(const GPTConfig& cfg)
-    : q_proj(cfg.n_embd, cfg.n_head * (cfg.head_size() + cfg.rope_head_dim), cfg.bias),
+    : q_down(cfg.q_lora_rank > 0 ? std::make_unique<Linear>(cfg.n_embd, cfg.q_lora_rank, cfg.bias)
+                                 : nullptr),
+      q_norm(cfg.q_lora_rank > 0 ? std::make_unique<LayerNorm>(cfg.q_lora_rank, 1e-5, true, false)
+                                 : nullptr),
+      q_proj(cfg.q_lora_rank > 0 ? cfg.q_lora_rank : cfg.n_embd,
+             cfg.n_head * (cfg.head_size() + cfg.rope_head_dim), cfg.bias),
       kv_down(cfg.n_embd, cfg.kv_lora_rank + cfg.rope_head_dim, cfg.bias),
       kv_norm(cfg.kv_lora_rank, 1e-5, true, false),
       kv_up(cfg.kv_lora_rank, 2 * cfg.n_head * cfg.head_size(), cfg.bias),
@@ -155,6 +163,10 @@ LatentAttention::LatentAttention(const GPTConfig& cfg)
       rank(cfg.kv_lora_rank),
       rope_dim(cfg.rope_head_dim),
       dropout(cfg.dropout) {
+  if (q_down) {
+    register_module("q_down", *q_down);
+    register_module("q_norm", *q_norm);
+  }
   register_module("q_proj", q_proj);
   register_module("kv_down", kv_down);
   register_module("kv_norm", kv_norm);
@@ -169,7 +181,8 @@ LatentAttention::LatentAttention(const GPTConfig& cfg)
 Tensor LatentAttention::forward(const Tensor& x, const ForwardContext& ctx, int layer) const {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
   const int64_t NH = n_head, HS = head_size, D = rope_dim;
-  const Tensor q = reshape(q_proj.forward(x), {B, T, NH, HS + D});
+  const Tensor q =
+      reshape(q_proj.forward(q_down ? q_norm->forward(q_down->forward(x)) : x), {B, T, NH, HS + D});
   const Tensor q_rot = rope(narrow(q, 3, HS, D), ctx.rope_positions, ctx.rope_table);
   const Tensor kv = kv_down.forward(x);  // (B, T, R + D)
   const Tensor latent = kv_norm.forward(narrow(kv, 2, 0, rank));
@@ -292,11 +305,12 @@ void GPT::round_matrices_to_bf16() {
   std::vector<Tensor> matrices;  // handles on the same storage
   for (const auto& b : blocks) {
     const std::vector<const Linear*> attention =
-        b->mla ? std::vector<const Linear*>{&b->mla->q_proj, &b->mla->kv_down, &b->mla->kv_up,
-                                            &b->mla->c_proj}
+        b->mla ? std::vector<const Linear*>{b->mla->q_down.get(), &b->mla->q_proj,
+                                            &b->mla->kv_down, &b->mla->kv_up, &b->mla->c_proj}
                : std::vector<const Linear*>{&b->attn->q_proj, &b->attn->k_proj, &b->attn->v_proj,
                                             &b->attn->c_proj};
-    for (const Linear* l : attention) matrices.push_back(l->weight);
+    for (const Linear* l : attention)
+      if (l != nullptr) matrices.push_back(l->weight);  // MLA's q_down may be absent
     for (const Linear* l : {&b->mlp.c_fc, b->mlp.c_up.get(), &b->mlp.c_proj})
       if (l != nullptr) matrices.push_back(l->weight);
   }
@@ -398,7 +412,12 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
     norm(b + "ln_1");
     if (c.mla()) {
       const int64_t R = c.kv_lora_rank, D = c.rope_head_dim, NH = c.n_head, HS = c.head_size();
-      linear(b + "attn.q_proj", C, NH * (HS + D));
+      const int64_t RQ = c.q_lora_rank;
+      if (RQ > 0) {
+        linear(b + "attn.q_down", C, RQ);
+        s.push_back({b + "attn.q_norm.weight", {RQ}});
+      }
+      linear(b + "attn.q_proj", RQ > 0 ? RQ : C, NH * (HS + D));
       linear(b + "attn.kv_down", C, R + D);
       s.push_back({b + "attn.kv_norm.weight", {R}});
       linear(b + "attn.kv_up", R, 2 * NH * HS);

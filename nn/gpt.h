@@ -41,6 +41,9 @@ struct GPTConfig {
   std::string attn = "gqa";
   int64_t kv_lora_rank = 0;
   int64_t rope_head_dim = 0;
+  // MLA's query compression: 0 projects the queries from x (q_proj); otherwise through a
+  // latent of q_lora_rank values (q_down, then its RMSNorm q_norm, then q_proj).
+  int64_t q_lora_rank = 0;
 
   int64_t head_size() const { return n_embd / n_head; }
   bool rope() const { return pos == "rope"; }
@@ -79,8 +82,9 @@ class CausalSelfAttention : public Module {
   double dropout;
 };
 
-// DeepSeek-V2's multi-head latent attention, without its query compression. Per token:
-// q_proj gives each head a query of head_size + rope_head_dim (the second part rotated);
+// DeepSeek-V2's multi-head latent attention. Per token: q_proj gives each head a query of
+// head_size + rope_head_dim (the second part rotated), from x or, with q_lora_rank, from x's
+// compressed query latent (q_down, normed by q_norm);
 // kv_down gives a latent of kv_lora_rank (normed by kv_norm) and a rotary key of
 // rope_head_dim shared by every head; kv_up rebuilds each head's key (head_size, then the
 // shared rotary key appended) and value (head_size) from the latent. Scores are scaled by
@@ -91,7 +95,9 @@ class LatentAttention : public Module {
  public:
   explicit LatentAttention(const GPTConfig& cfg);
   Tensor forward(const Tensor& x, const ForwardContext& ctx, int layer) const;  // (B, T, C)
-  Linear q_proj;   // (NH * (HS + D), C): per head its HS query, then its D rotary query
+  std::unique_ptr<Linear> q_down;     // (Rq, C), with q_lora_rank only
+  std::unique_ptr<LayerNorm> q_norm;  // RMSNorm over Rq, weight only
+  Linear q_proj;   // (NH * (HS + D), C or Rq): per head its HS query, then its D rotary query
   Linear kv_down;  // (R + D, C): the latent, then the rotary key
   LayerNorm kv_norm;  // RMSNorm over R, weight only
   Linear kv_up;    // (NH * 2 HS, R): per head its key, then its value

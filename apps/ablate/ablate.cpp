@@ -177,8 +177,9 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
                 "values, which fp8 scales apart): f32, bf16, int8 or int4 with --mla-ranks");
     std::sort(cfg.mla_ranks.begin(), cfg.mla_ranks.end(), std::greater<>());
   } else {
-    KVLAB_CHECK(cfg.mla_rope_head_dim == 0, "ablate: a rotary width for MLA (",
-                cfg.mla_rope_head_dim, ") without --mla-ranks");
+    KVLAB_CHECK(cfg.mla_rope_head_dim == 0 && cfg.mla_q_lora_rank == 0,
+                "ablate: MLA settings (rotary width ", cfg.mla_rope_head_dim, ", query rank ",
+                cfg.mla_q_lora_rank, ") without --mla-ranks");
   }
   KVLAB_CHECK(cfg.kv_budget_bytes > 0, "ablate: --kv-budget must be positive");
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
@@ -208,6 +209,7 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
         c.model.attn = "mla";
         c.model.kv_lora_rank = var.mla_rank;
         c.model.rope_head_dim = ablation_rope_head_dim(cfg);
+        c.model.q_lora_rank = cfg.mla_q_lora_rank;
       }
       c.seed = base.seed + static_cast<uint64_t>(s);
       if (cfg.param_matched) {
@@ -555,12 +557,14 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   results["started"] = started;
   json config;
   for (const auto& [k, val] : cfg.base.to_attrs()) std::visit([&](const auto& x) { config[k] = x; }, val);
-  for (const char* per_variant : {"n_kv_head", "mlp_hidden", "attn", "kv_lora_rank", "rope_head_dim"})
+  for (const char* per_variant :
+       {"n_kv_head", "mlp_hidden", "attn", "kv_lora_rank", "rope_head_dim", "q_lora_rank"})
     config.erase(per_variant);
   config["kv_heads"] = cfg.kv_heads;
   if (!cfg.mla_ranks.empty()) {
     config["mla_ranks"] = cfg.mla_ranks;
     config["mla_rope_head_dim"] = ablation_rope_head_dim(cfg);
+    config["mla_q_lora_rank"] = cfg.mla_q_lora_rank;
   }
   config["seeds"] = cfg.seeds;
   config["param_matched"] = cfg.param_matched;

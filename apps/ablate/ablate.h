@@ -20,10 +20,11 @@ struct AblateConfig {
   TrainConfig base;               // its n_kv_head and seed are set per run
   std::vector<int64_t> kv_heads;  // empty: every divisor of n_head, largest first
   // MLA variants beside them, one per latent rank (kv_lora_rank), each with a rotary key of
-  // mla_rope_head_dim values (0: half the head size, even, at least 2). They need base's
-  // positions to be RoPE's.
+  // mla_rope_head_dim values (0: half the head size, even, at least 2) and queries compressed
+  // to mla_q_lora_rank (0: none). They need base's positions to be RoPE's.
   std::vector<int64_t> mla_ranks;
   int64_t mla_rope_head_dim = 0;
+  int64_t mla_q_lora_rank = 0;
   int seeds = 2;                  // seed index i trains with base.seed + i
   bool param_matched = false;     // widen the MLP so every variant has MHA's parameter count
   int64_t kv_budget_bytes = int64_t{1} << 30;

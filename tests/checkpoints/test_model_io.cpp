@@ -78,14 +78,16 @@ TEST(ModelIo, BlockComponentsRoundTripAndDefaultToGpt2) {
   m.attn = "mla";
   m.kv_lora_rank = 8;
   m.rope_head_dim = 4;
+  m.q_lora_rank = 6;
   Attrs am;
   put_gpt_config(am, m);
   const GPTConfig mla = get_gpt_config(am, "x.h5");
   EXPECT_TRUE(mla.mla());
   EXPECT_EQ(mla.kv_lora_rank, 8);
   EXPECT_EQ(mla.rope_head_dim, 4);
+  EXPECT_EQ(mla.q_lora_rank, 6);
   for (const char* key : {"pos", "rope_theta", "norm", "mlp", "bias", "attn", "kv_lora_rank",
-                          "rope_head_dim"})
+                          "rope_head_dim", "q_lora_rank"})
     a.erase(key);
   const GPTConfig old = get_gpt_config(a, "x.h5");
   EXPECT_EQ(old.attn, "gqa");

@@ -14,16 +14,18 @@
 namespace kvlab::test {
 
 // arch "llama": RoPE, RMSNorm, SwiGLU and no biases instead of GPT-2's block; "mla" that block
-// with multi-head latent attention (latent rank 12, rotary width 4; n_kv_head must be 4).
+// with multi-head latent attention (latent rank 12, rotary width 4; n_kv_head must be 4);
+// "mla_q" that with its queries compressed too (q_lora_rank 6).
 inline GPTConfig tiny_config(int64_t n_kv_head = 4, int64_t block_size = 16,
                              const std::string& arch = "gpt2") {
   GPTConfig c;
-  if (arch == "mla") {
+  if (arch == "mla" || arch == "mla_q") {
     c.attn = "mla";
     c.kv_lora_rank = 12;
     c.rope_head_dim = 4;
+    c.q_lora_rank = arch == "mla_q" ? 6 : 0;
   }
-  if (arch == "llama" || arch == "mla") {
+  if (arch != "gpt2") {
     c.pos = "rope";
     c.norm = "rmsnorm";
     c.mlp = "swiglu";

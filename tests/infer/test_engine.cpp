@@ -241,7 +241,8 @@ TEST(Engine, MlaLatentCacheEqualsTheExpandedRecompute) {
           SCOPED_TRACE(::testing::Message() << (paged ? "paged" : "contiguous") << " batch "
                                             << lengths.size() << " " << dtype_name(dtype)
                                             << (bias ? " biases" : ""));
-          GPTConfig cfg = test::tiny_config(4, 16, "mla");
+          // With biases, the queries compressed too.
+          GPTConfig cfg = test::tiny_config(4, 16, bias ? "mla_q" : "mla");
           cfg.bias = bias;
           auto model = test::random_model(cfg, 5);
           const Tokenizer tok = tiny_tokenizer();
@@ -333,10 +334,12 @@ std::vector<std::vector<double>> sliding_window_logits(const GPT& m,
       const LatentAttention& a = *blk->mla;
       const Vec wq = weights(a.q_proj.weight), wdown = weights(a.kv_down.weight);
       const Vec gkv = weights(a.kv_norm.weight), wup = weights(a.kv_up.weight);
+      const Vec wqd = a.q_down ? weights(a.q_down->weight) : Vec();
+      const Vec gq = a.q_down ? weights(a.q_norm->weight) : Vec();
       wo = weights(a.c_proj.weight);
       for (int64_t s = 0; s < T; ++s) {
         const Vec h = rms(x[s], g1);
-        q[s] = matvec(wq, h, NH * QW);
+        q[s] = matvec(wq, a.q_down ? rms(matvec(wqd, h, c.q_lora_rank), gq) : h, NH * QW);
         for (int64_t hd = 0; hd < NH; ++hd) rotate(q[s].data() + hd * QW + HS, D, s);
         Vec kv = matvec(wdown, h, R + D);
         rotate(kv.data() + R, D, s);
@@ -411,16 +414,16 @@ std::vector<int64_t> rolling_starts(int64_t P, int64_t n, int64_t block, int64_t
 }
 
 // A RoPE model slides on past its context without re-prefilling: every token's logits are the
-// naive sliding-window recompute's, for every n_kv_head and for MLA's latent cache (which
-// decodes op by op), a batch of 3 whose rows slide at different steps (one prompt longer than
-// the context), both caches (blocks of 4: drops free whole blocks) and both decode paths,
-// with positions far past block_size.
+// naive sliding-window recompute's, for every n_kv_head and for MLA's latent cache (queries
+// compressed too; it decodes op by op), a batch of 3 whose rows slide at different steps (one
+// prompt longer than the context), both caches (blocks of 4: drops free whole blocks) and both
+// decode paths, with positions far past block_size.
 TEST(Engine, RopeSlideEqualsASlidingWindowRecompute) {
   const int64_t block = 16, max_new = 40;
   const std::vector<std::vector<int32_t>> prompts = {random_ids(7, 1), random_ids(2, 2),
                                                      random_ids(20, 3)};
   const std::vector<std::pair<std::string, int64_t>> cases = {
-      {"llama", 4}, {"llama", 2}, {"llama", 1}, {"mla", 4}};
+      {"llama", 4}, {"llama", 2}, {"llama", 1}, {"mla_q", 4}};
   for (const auto& [arch, nkv] : cases)
     for (const bool paged : {false, true})
       for (const bool fused : {true, false}) {

@@ -137,7 +137,11 @@ TEST(GptConfig, MlaSettingsAreChecked) {
   mla_error([](GPTConfig& c) { c.pos = "learned"; }, "MLA's rotary key needs pos rope");
   mla_error([](GPTConfig& c) { c.n_kv_head = 2; }, "n_kv_head must equal n_head = 4, got 2");
   mla_error([](GPTConfig& c) { c.attn = "mqa"; }, "attn 'mqa' is not one of gqa, mla");
+  mla_error([](GPTConfig& c) { c.q_lora_rank = 17; }, "q_lora_rank 17 must be 0 (no query "
+                                                      "compression) or in [1, n_embd = 16]");
+  mla_error([](GPTConfig& c) { c.q_lora_rank = -1; }, "q_lora_rank -1");
   expect_config_error([](GPTConfig& c) { c.kv_lora_rank = 8; }, "are MLA's (attn mla)");
+  expect_config_error([](GPTConfig& c) { c.q_lora_rank = 8; }, "are MLA's (attn mla)");
   tiny_mla().validate();
 }
 
@@ -162,12 +166,22 @@ void expect_shapes_count_and_gradients(const GPTConfig& c) {
 }
 
 TEST(Gpt, MlaHasTheShapesAndCountItsConfigSaysAndLearns) {
-  for (const bool bias : {false, true}) {
-    GPTConfig c = tiny_mla();
-    c.bias = bias;
-    expect_shapes_count_and_gradients(c);
-    EXPECT_EQ(GPT(c, 1).blocks[0]->mla->kv_down.weight.sizes(), (std::vector<int64_t>{8 + 4, 16}));
-  }
+  for (const bool bias : {false, true})
+    for (const int64_t q_rank : {0, 6}) {
+      GPTConfig c = tiny_mla();
+      c.bias = bias;
+      c.q_lora_rank = q_rank;
+      expect_shapes_count_and_gradients(c);
+      const GPT m(c, 1);
+      const LatentAttention& a = *m.blocks[0]->mla;
+      EXPECT_EQ(a.kv_down.weight.sizes(), (std::vector<int64_t>{8 + 4, 16}));
+      // The queries come from x, or from its compressed latent of q_lora_rank.
+      EXPECT_EQ(a.q_proj.weight.sizes(), (std::vector<int64_t>{4 * (4 + 4), q_rank ? q_rank : 16}));
+      EXPECT_EQ(a.q_down != nullptr, q_rank > 0);
+      if (q_rank) {
+        EXPECT_EQ(a.q_norm->weight.sizes(), (std::vector<int64_t>{q_rank}));
+      }
+    }
 }
 
 // MLA with the latent at full rank reproduces an MHA layer whose key and value weights factor

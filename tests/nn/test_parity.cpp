@@ -63,6 +63,7 @@ Loaded load(const H5Fixture& f) {
     cfg.attn = f.attr_string("attn");
     cfg.kv_lora_rank = f.attr_int("kv_lora_rank");
     cfg.rope_head_dim = f.attr_int("rope_head_dim");
+    if (f.has_attr("q_lora_rank")) cfg.q_lora_rank = f.attr_int("q_lora_rank");
   }
   Loaded l{std::make_unique<GPT>(cfg, 0), f.read("/batch/x", DType::I32),
            f.read("/batch/y", DType::I32)};
@@ -95,7 +96,9 @@ TEST_P(Parity, LogitsLossAndEveryGradient) {
   // Every parameter the fixture has, and only those.
   const std::string names = f.attr_string("param_names");
   ASSERT_EQ(params.size(), static_cast<size_t>(std::count(names.begin(), names.end(), ',') + 1));
-  ASSERT_EQ(params.size(), l.model->config().mla() ? 22u : l.model->config().bias ? 36u : 20u);
+  // MLA's: 22, and 4 more (q_down and q_norm, 2 layers) with its queries compressed.
+  const GPTConfig& c = l.model->config();
+  ASSERT_EQ(params.size(), c.mla() ? (c.q_lora_rank ? 26u : 22u) : c.bias ? 36u : 20u);
   for (auto& [name, p] : params) {
     ASSERT_TRUE(f.has("/grads64/" + name)) << name;
     ASSERT_TRUE(p.grad().defined()) << name;
@@ -151,7 +154,7 @@ TEST_P(Parity, FiveAdamWStepsWithClipping) {
 
 INSTANTIATE_TEST_SUITE_P(Gpt, Parity,
                          ::testing::Values("mha", "gqa", "mqa", "llama_mha", "llama_gqa",
-                                           "llama_mqa", "mla"));
+                                           "llama_mqa", "mla", "mla_q"));
 
 }  // namespace
 }  // namespace kvlab

@@ -61,7 +61,9 @@ def forward(f):
         h = norm(x, p + "ln_1")
         if mla:  # per head: [HS nope, RD rotated] queries and keys, HS values
             theta = float(a["rope_theta"])
-            qm = lin(h, p + "attn.q_proj").reshape(B, T, NH, HS + RD)
+            qx = (rms_norm(lin(h, p + "attn.q_down"), W[p + "attn.q_norm.weight"])
+                  if p + "attn.q_down.weight" in W else h)
+            qm = lin(qx, p + "attn.q_proj").reshape(B, T, NH, HS + RD)
             q = np.concatenate([qm[..., :HS], rope(qm[..., HS:], theta)], -1)
             kv = lin(h, p + "attn.kv_down")
             lat = rms_norm(kv[..., :R], W[p + "attn.kv_norm.weight"])
@@ -106,7 +108,7 @@ def forward(f):
 def main():
     ok = True
     for fname in ("gpt_mha.h5", "gpt_gqa.h5", "gpt_mqa.h5", "gpt_llama_mha.h5",
-                  "gpt_llama_gqa.h5", "gpt_llama_mqa.h5", "gpt_mla.h5"):
+                  "gpt_llama_gqa.h5", "gpt_llama_mqa.h5", "gpt_mla.h5", "gpt_mla_q.h5"):
         with h5py.File(os.path.join(HERE, fname), "r") as f:
             logits, loss = forward(f)
             ref_logits, ref_loss = f["logits"][()], float(f["loss"][0])

@@ -47,18 +47,19 @@ QK_STD = 0.5
 VARIANTS = [("gpt_mha.h5", 4, 1234, "gpt2"), ("gpt_gqa.h5", 2, 1235, "gpt2"),
             ("gpt_mqa.h5", 1, 1236, "gpt2"), ("gpt_llama_mha.h5", 4, 1237, "llama"),
             ("gpt_llama_gqa.h5", 2, 1238, "llama"), ("gpt_llama_mqa.h5", 1, 1239, "llama"),
-            ("gpt_mla.h5", 4, 1240, "mla")]
-# The MLA variant's latent rank and rotary width (head size 4).
+            ("gpt_mla.h5", 4, 1240, "mla"), ("gpt_mla_q.h5", 4, 1241, "mla_q")]
+# The MLA variants' latent rank and rotary width (head size 4); mla_q also compresses queries.
 MLA = dict(attn="mla", kv_lora_rank=8, rope_head_dim=4)
+MLA_Q = dict(MLA, q_lora_rank=6)
 # Small, so that the 8 positions of the fixture turn the pairs by clearly different angles.
 ROPE_THETA = 100.0
 
 
 def new_model(n_kv_head, arch):
-    extra = MLA if arch == "mla" else {}
+    extra = {"mla": MLA, "mla_q": MLA_Q}.get(arch, {})
     return GPT(CFG["vocab_size"], CFG["block_size"], CFG["n_layer"], CFG["n_head"], n_kv_head,
                CFG["n_embd"], CFG["mlp_hidden"], tied=bool(CFG["tied"]),
-               arch="llama" if arch == "mla" else arch, rope_theta=ROPE_THETA, **extra)
+               arch="gpt2" if arch == "gpt2" else "llama", rope_theta=ROPE_THETA, **extra)
 
 
 def build_initial(n_kv_head, seed, arch):
@@ -169,8 +170,8 @@ def write_h5(path, n_kv_head, arch, x, y, ref):
             for k, v in ARCHS["llama"].items():
                 f.attrs[k] = np.int64(v) if isinstance(v, bool) else np.bytes_(v)
             f.attrs["rope_theta"] = np.float64(ROPE_THETA)
-        if arch == "mla":  # the attention (absent: grouped-query)
-            for k, v in MLA.items():
+        if arch.startswith("mla"):  # the attention (absent: grouped-query)
+            for k, v in (MLA_Q if arch == "mla_q" else MLA).items():
                 f.attrs[k] = np.int64(v) if isinstance(v, int) else np.bytes_(v)
         for k, v in OPT.items():
             f.attrs[k] = np.float64(v)

@@ -261,10 +261,12 @@ TEST_F(AblateTest, MlaRanksJoinTheSweep) {
   c.base.model.pos = "rope";
   c.kv_heads = {4, 1};
   c.mla_ranks = {6, 2};
+  c.mla_q_lora_rank = 8;
   const auto r = run_ablation(c);
   ASSERT_EQ(r["variants"].size(), 4u);
   EXPECT_EQ(r["config"]["mla_ranks"], json({6, 2}));
   EXPECT_EQ(r["config"]["mla_rope_head_dim"], 2);  // half of head size 4
+  EXPECT_EQ(r["config"]["mla_q_lora_rank"], 8);
   for (int i : {2, 3}) {
     const auto& v = r["variants"][i];
     const int64_t rank = i == 2 ? 6 : 2;

@@ -224,6 +224,10 @@ check "--arch llama with --mlp gelu" 0 "mlp            gelu" -- bash -c '"$0" tr
 mla=(--arch llama --attn mla --kv-lora-rank 8 --rope-head-dim 4)
 check "train --attn mla" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" "${mla[@]}" --out "$work/mla"
 check "inspect shows MLA" 0 "kv_lora_rank   8" -- "$KVLAB" inspect "$work/mla/final.h5"
+check "train MLA with compressed queries" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" "${mla[@]}" --q-lora-rank 6 --out "$work/mla-q"
+check "inspect shows the query rank" 0 "q_lora_rank    6" -- "$KVLAB" inspect "$work/mla-q/final.h5"
+check "generate from MLA with compressed queries" 0 "cache paged f32" -- "$KVLAB" generate --ckpt "$work/mla-q/final.h5" --prompt "the lord" --max-new 8
+check "--q-lora-rank without MLA" 2 "q_lora_rank are MLA's (attn mla)" -- "$KVLAB" train "${short[@]}" --q-lora-rank 6 --out "$work/mla-x"
 check "generate from MLA without a cache" 0 "cache off" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --no-cache
 check "generate from MLA with the cache" 0 "cache paged f32" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8
 check "generate from MLA, contiguous int8 cache" 0 "cache contiguous int8" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --cache contiguous --kv-dtype int8
@@ -243,6 +247,7 @@ check "ablate --mla-ranks 8,99" 2 "--mla-ranks: MLA rank 99 must be in [1, n_emb
 check "ablate --mla-ranks 8,x" 2 "--mla-ranks: " -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8,x --out "$work/ab-mla"
 check "ablate --mla-ranks with fp8" 2 "--kv-dtype fp8 is not for MLA's latent cache" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8 --kv-dtype fp8 --out "$work/ab-mla"
 check "ablate --rope-head-dim alone" 2 "give --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --rope-head-dim 2 --out "$work/ab-mla"
+check "ablate --q-lora-rank alone" 2 "--q-lora-rank is the MLA variants'; give --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --q-lora-rank 4 --out "$work/ab-mla"
 check "ablate --mla-ranks odd --rope-head-dim" 1 "MLA rank 8: config: rope_head_dim 3 must be even" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8 --rope-head-dim 3 --out "$work/ab-mla"
 check "unknown --arch" 2 "--arch" -- "$KVLAB" train "${short[@]}" --arch mistral --out "$work/up2"
 check "RoPE with an odd head size" 2 "RoPE needs an even head size" -- "$KVLAB" train "${short[@]}" --pos rope --n-head 4 --n-embd 12 --out "$work/up2"
