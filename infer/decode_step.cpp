@@ -89,9 +89,13 @@ struct NormRef {
 };
 
 // A block's matrices in the order they are packed (decode_matrices): q, k, v, the attention's
-// c_proj, c_fc, the MLP's c_proj, then SwiGLU's c_up (null without one). A fixed array: an
-// unpacked step takes these for every block, and must not allocate for it.
+// c_proj, c_fc, the MLP's c_proj, then SwiGLU's c_up (null without one); MLA's q_proj, kv_down
+// and kv_up take the places of q, k and v. A fixed array: an unpacked step takes these for
+// every block, and must not allocate for it.
 std::array<const Linear*, 7> block_linears(const Block& b) {
+  if (b.mla)
+    return {&b.mla->q_proj, &b.mla->kv_down, &b.mla->kv_up,   &b.mla->c_proj,
+            &b.mlp.c_fc,    &b.mlp.c_proj,   b.mlp.c_up.get()};
   return {&b.attn->q_proj, &b.attn->k_proj, &b.attn->v_proj, &b.attn->c_proj,
           &b.mlp.c_fc,    &b.mlp.c_proj,  b.mlp.c_up.get()};
 }
@@ -103,8 +107,19 @@ struct BlockRef {
   NormRef ln_1, ln_2;
   LinearRef q, k, v, proj, fc, fc_proj;
   std::optional<LinearRef> up;  // SwiGLU's
+  // MLA's (q, k and v are then q_proj, kv_down and kv_up): the latent's norm, and the query
+  // compression's down-projection and norm where it has one.
+  std::optional<NormRef> kv_norm, q_norm;
+  std::optional<LinearRef> q_down;
   BlockRef(const Block& b, const PackRef* parts, int threads)
-      : BlockRef(b, block_linears(b), parts, threads) {}
+      : BlockRef(b, block_linears(b), parts, threads) {
+    if (!b.mla) return;
+    kv_norm.emplace(b.mla->kv_norm);
+    if (b.mla->q_down) {
+      q_down.emplace(*b.mla->q_down, nullptr);
+      q_norm.emplace(*b.mla->q_norm);
+    }
+  }
 
  private:
   BlockRef(const Block& b, const std::array<const Linear*, 7>& l, const PackRef* p, int n)
@@ -133,6 +148,8 @@ std::pair<int64_t, int64_t> thread_rows(int64_t n, int t, int nt) {
 // evenly (own_groups), each thread computes the q, k and v rows of its own groups and then
 // their attention, with no barrier between. Otherwise the q, k and v rows, one range of
 // C + 2 KVD, are split evenly.
+// MLA's q (q_proj, NH (HS + D) rows) and k (kv_down, R + D rows) are one range split evenly
+// too, never own groups; qd are its rows of q_down.
 struct StepRows {
   bool own_groups;
   int64_t g0, g1;  // the KV groups whose attention this thread computes, when own_groups
@@ -140,9 +157,24 @@ struct StepRows {
   std::pair<int64_t, int64_t> c;  // of the attention's and the MLP's output projections
   std::pair<int64_t, int64_t> h;  // of the MLP's c_fc (and c_up)
   std::pair<int64_t, int64_t> o;  // of the LM head
+  std::pair<int64_t, int64_t> qd;  // of MLA's q_down
   StepRows(const GPTConfig& cfg, int t, int nt) {
     const int64_t C = cfg.n_embd, NKV = cfg.n_kv_head, HS = cfg.head_size(), KVD = NKV * HS;
     const int64_t G = cfg.n_head / NKV;
+    c = thread_rows(C, t, nt);
+    h = thread_rows(cfg.hidden(), t, nt);
+    o = thread_rows(cfg.vocab_size, t, nt);
+    if (cfg.mla()) {
+      const int64_t Q = cfg.n_head * (HS + cfg.rope_head_dim), K = cfg.cache_width();
+      const auto [r0, r1] = thread_rows(Q + K, t, nt);
+      own_groups = false;
+      g0 = g1 = 0;
+      q = {std::min(r0, Q), std::min(r1, Q)};
+      k = {std::clamp<int64_t>(r0 - Q, 0, K), std::clamp<int64_t>(r1 - Q, 0, K)};
+      v = {0, 0};
+      qd = thread_rows(cfg.q_lora_rank, t, nt);
+      return;
+    }
     own_groups = NKV % nt == 0;
     g0 = NKV * t / nt;
     g1 = NKV * (t + 1) / nt;
@@ -155,9 +187,6 @@ struct StepRows {
       k = {std::clamp<int64_t>(r0 - C, 0, KVD), std::clamp<int64_t>(r1 - C, 0, KVD)};
       v = {std::clamp<int64_t>(r0 - C - KVD, 0, KVD), std::clamp<int64_t>(r1 - C - KVD, 0, KVD)};
     }
-    c = thread_rows(C, t, nt);
-    h = thread_rows(cfg.hidden(), t, nt);
-    o = thread_rows(cfg.vocab_size, t, nt);
   }
   // The rows of matrix i of decode_matrices (the last one the LM head), per_block a block.
   std::pair<int64_t, int64_t> of_matrix(size_t i, size_t count, size_t per_block) const {
@@ -306,6 +335,9 @@ std::vector<const Tensor*> decode_matrices(const GPT& m) {
 
 // The step's buffers, carved from one block that the step keeps (making tensors each step
 // cost time a step can measure), each on 64-byte lines of its own.
+// MLA's: q (B, NH (HS + D)), then its attention's output y (B, C); k the latent rows (B, R + D);
+// v the queries carried into latent form (B, NH, R + D); att the attention's (B, NH, R + D); d
+// first q_down's output (B, q_lora_rank).
 struct StepBuffers {
   float* x;     // (B, C) the residual stream
   float* q;     // (B, C): this step's queries, (B, 1, NH, HS)
@@ -319,12 +351,13 @@ struct StepBuffers {
   float* work;  // (threads, work_size): per thread the attention's work memory
   static constexpr size_t kCount = 10;
   // The buffers' sizes in f32 words, in the order above.
-  static std::array<int64_t, kCount> sizes(int64_t B, int64_t C, int64_t KVD, int64_t H,
-                                           bool swiglu, int threads, int64_t own_size,
-                                           int64_t work_size) {
-    const int64_t BC = B * C, BKV = B * KVD;
-    return {BC,    BC,     BKV, BKV, BC, BC, B * H, swiglu ? B * H : 0, threads * own_size,
-            threads * work_size};
+  // q_w, k_w, v_w, att_w: the widths of q, k, v and att (C, KVD, KVD, C; MLA's above).
+  static std::array<int64_t, kCount> sizes(int64_t B, int64_t C, int64_t q_w, int64_t k_w,
+                                           int64_t v_w, int64_t att_w, int64_t H, bool swiglu,
+                                           int threads, int64_t own_size, int64_t work_size) {
+    const int64_t BC = B * C;
+    return {BC, B * q_w, B * k_w, B * v_w, B * att_w, BC, B * H, swiglu ? B * H : 0,
+            threads * own_size, threads * work_size};
   }
   // Carves them from `block` in that order (members are initialised in declaration order).
   StepBuffers(float* block, const std::array<int64_t, kCount>& n)
@@ -386,16 +419,16 @@ DecodeStep::~DecodeStep() = default;
 
 bool DecodeStep::runs_on_model() const {
   const Tensor& w = model_.wte.weight;
-  return enabled && w.device() == Device::CPU && w.dtype() == DType::F32 &&
-         !model_.config().mla();
+  return enabled && w.device() == Device::CPU && w.dtype() == DType::F32;
 }
 
 bool DecodeStep::applies(const Tensor& tokens) const {
   return runs_on_model() && tokens.dim() == 2 && tokens.size(1) == 1 && !grad_enabled();
 }
 
+// MLA's matrices are read row-major: its kv_up is not a product over the batch's rows.
 bool DecodeStep::packing_applies() const {
-  return runs_on_model() && cpu::packed_weight_size(1, 1) > 0;
+  return runs_on_model() && !model_.config().mla() && cpu::packed_weight_size(1, 1) > 0;
 }
 
 DecodeStep::PackGuard DecodeStep::pack() {
@@ -461,7 +494,7 @@ DecodeStep::PackGuard::~PackGuard() {
 int64_t DecodeStep::weight_bytes() const {
   const int64_t tables =
       (model_.wpe ? model_.wpe->weight.numel() : 0) + (model_.lm_head ? model_.wte.weight.numel() : 0);
-  // MLA decodes op by op (runs_on_model): every f32 weight but the tables' unread rows.
+  // MLA's are never packed (packing_applies): every f32 weight but the tables' unread rows.
   if (model_.config().mla()) return (model_.num_parameters() - tables) * 4;
   int64_t matrices = 0, bytes = 0;
   const bool packs = packing_applies();
@@ -483,6 +516,11 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   const int64_t B = tokens.size(0), C = cfg.n_embd, V = cfg.vocab_size, H = cfg.hidden();
   const int64_t NH = cfg.n_head, NKV = cfg.n_kv_head, HS = cfg.head_size(), KVD = NKV * HS;
   const int64_t G = NH / NKV;  // query heads per KV head
+  // MLA: a query of QW = HS + D a head, one latent row of KW = R + D a position (the cache's
+  // single KV head), and queries in latent form of KW a head.
+  const bool mla = cfg.mla();
+  const int64_t R = cfg.kv_lora_rank, D = cfg.rope_head_dim, RQ = cfg.q_lora_rank;
+  const int64_t QW = HS + D, KW = cfg.cache_width();
   KVLAB_CHECK(cache.batch() == B, "decode step: cache holds ", cache.batch(), " rows, tokens have ",
               B);
   lengths_.resize(static_cast<size_t>(B));
@@ -506,7 +544,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   std::vector<CacheRef> caches;
   caches.reserve(layers.size());
   for (size_t l = 0; l < layers.size(); ++l)
-    caches.emplace_back(cache.layer_rows(static_cast<int>(l), 1), B, NKV, HS, lengths_);
+    caches.emplace_back(cache.layer_rows(static_cast<int>(l), 1), B, cfg.cache_heads(), KW,
+                        lengths_);
   const float* wte_w = model_.wte.weight.data<float>();
   const float* wpe_w = model_.wpe ? model_.wpe->weight.data<float>() : nullptr;
   // RoPE: each row's position (this step's: past its slots by what it dropped) and the table,
@@ -529,9 +568,13 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   float* out = logits.data<float>();
   const int64_t* lengths = lengths_.data();  // each row's, this step's position included
   // One row's attention: the kernel's tasks of row b are those of a batch of 1 at row b's
-  // pointers (its own cache rows, q and y at b * C, its length).
-  const AttentionShape s{1, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
-  const HeadView qv{C, HS, C};  // q and y as (B, NH, 1, HS)
+  // pointers (its own cache rows, q and y at b * C, its length). MLA's is over the latent rows,
+  // one KV head for every query head, scaled as training's 1 / sqrt(HS + D).
+  const AttentionShape s =
+      mla ? AttentionShape{1, NH, 1, 1, 0, KW, lengths, 1.0 / std::sqrt(double(QW)), 0.0, 0}
+          : AttentionShape{1, NH, NKV, 1, 0, HS, lengths, 1.0 / std::sqrt(double(HS)), 0.0, 0};
+  const HeadView qv = mla ? HeadView{NH * KW, KW, NH * KW}  // q and y as (B, NH, 1, KW)
+                          : HeadView{C, HS, C};            // as (B, NH, 1, HS)
   // Per thread, the attention's work memory over the longest layer, so that nothing inside the
   // region allocates or throws; sized by the cache's capacity, so that step after step the
   // buffers fit the same block.
@@ -545,11 +588,17 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   const int64_t work_size = any_widened ? cpu::attention_decode_work<float, uint16_t>(longest)
                                         : cpu::attention_decode_work<float>(longest);
   // The first (layer, row, KV head) whose new key or value a quantised cache could not store,
-  // as l * B * NKV + b * NKV + h, or -1: nothing inside the region may throw, so the step
-  // reports it after the region, before the cache advances.
+  // as l * B * NKV + b * NKV + h (MLA: l * B + b, its one latent row), or -1: nothing inside
+  // the region may throw, so the step reports it after the region, before the cache advances.
   std::atomic<int64_t> nonfinite{-1};
-  const int64_t own_size = B * C + 2 * B;
-  const auto sizes = StepBuffers::sizes(B, C, KVD, H, cfg.swiglu(), threads, own_size, work_size);
+  // Per thread: ln_1's output, its mean and rstd, and MLA's scratch (the normed query latents
+  // (B, RQ), or a latent row being normed).
+  const int64_t own_size = B * C + 2 * B + (mla ? std::max(B * RQ, KW) : 0);
+  const auto sizes =
+      mla ? StepBuffers::sizes(B, C, NH * QW, KW, NH * KW, NH * KW, H, cfg.swiglu(), threads,
+                               own_size, work_size)
+          : StepBuffers::sizes(B, C, C, KVD, KVD, C, H, cfg.swiglu(), threads, own_size,
+                               work_size);
   int64_t words = 0;
   for (int64_t n : sizes) words += whole_lines(n);
   if (!buffers_.defined() || buffers_.numel() < words) {
@@ -564,6 +613,7 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     float* ln = buf.own + t * own_size;  // (B, C), then mean and rstd (B)
     float* stats = ln + B * C;
+    float* scratch = stats + 2 * B;  // MLA's
     float* my_work = buf.work + t * work_size;
     AttentionShape shape = s;  // S set per layer, kv_lengths per row
     KVBlocks row_blocks{};     // a paged layer's block tables, table at the row being attended
@@ -591,27 +641,6 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       const BlockRef& blk = layers[l];
       const CacheRef& kv = caches[l];
       layer_norm(ln, stats, buf.x, blk.ln_1, B, C);
-      linear_rows(buf.q, C, ln, B, blk.q, q0, q1, part(blk.q));
-      linear_rows(buf.k, KVD, ln, B, blk.k, k0, k1, part(blk.k));
-      linear_rows(buf.v, KVD, ln, B, blk.v, v0, v1, part(blk.v));
-      if (rope != nullptr) {  // keys are stored rotated, at the row's position
-        auto rotate = [&](float* x, int64_t b, int64_t heads) {
-          cpu::rope_forward<float>(x, x, positions + b, rope, 1, heads, HS, false);
-        };
-        if (own_groups) {  // this thread's groups' heads are whole here
-          for (int64_t b = 0; b < B && g0 < g1; ++b) {
-            rotate(buf.q + b * C + g0 * G * HS, b, (g1 - g0) * G);
-            rotate(buf.k + b * KVD + g0 * HS, b, g1 - g0);
-          }
-        } else {  // a head's rows may come from two threads: rotate once all are computed
-          barrier.wait();
-          for (int64_t i = t; i < B * (NH + NKV); i += nt) {
-            const int64_t b = i / (NH + NKV), h = i % (NH + NKV);
-            rotate(h < NH ? buf.q + b * C + h * HS : buf.k + b * KVD + (h - NH) * HS, b, 1);
-          }
-          barrier.wait();
-        }
-      }
       shape.S = kv.S;
       // A paged row is attended as a batch of 1 at its own block table.
       const bool paged = kv.rows.blocks != nullptr;
@@ -619,52 +648,158 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       shape.kv_blocks = paged ? &row_blocks : nullptr;
       shape.kv_dtype = kv.rows.dtype;
       shape.kv_scales = kv.rows.scales;
-      kv.typed([&](auto tag) {
-        using KV = typename decltype(tag)::type;
-        if constexpr (std::is_same_v<KV, uint8_t>) {
-          // A quantised row takes its head's whole key or value at once: with own groups this
-          // thread computed its groups' heads; otherwise the heads are dealt out once every
-          // thread's rows are computed, and stored before anyone attends.
-          auto store_head = [&](int64_t b, int64_t h) {
-            for (int which = 0; which < 2; ++which)
-              if (!store_new_quantised(kv, which, which == 0 ? buf.k : buf.v, b, h, KVD, HS,
-                                       lengths)) {
+      const float* y = buf.att;  // the attention's output (B, C)
+      if (mla) {
+        // The queries: from ln_1's output, or through the compressed query latent, each
+        // thread norming its own copy of it.
+        const float* q_in = ln;
+        if (blk.q_down) {
+          linear_rows(buf.d, RQ, ln, B, *blk.q_down, rows.qd.first, rows.qd.second, nullptr);
+          barrier.wait();
+          layer_norm(scratch, stats, buf.d, *blk.q_norm, B, RQ);
+          q_in = scratch;
+        }
+        linear_rows(buf.q, NH * QW, q_in, B, blk.q, q0, q1, nullptr);
+        linear_rows(buf.k, KW, ln, B, blk.k, k0, k1, nullptr);  // kv_down: latent, rotary key
+        barrier.wait();
+        // Task b * (NH + 1) + h: for h < NH, head h's rotary query turned and its HS query
+        // carried into latent form through its key rows of kv_up, W_uk (HS, R): q W_uk, then
+        // the rotary query after it (forward_latent's queries, unscaled: the attention's
+        // scale is training's); for h = NH, row b's latent normed, its rotary key turned, and
+        // the row stored.
+        const float* w_up = blk.v.w;  // kv_up (NH 2 HS, R): per head its key rows, then value rows
+        for (int64_t i = t; i < B * (NH + 1); i += nt) {
+          const int64_t b = i / (NH + 1), h = i % (NH + 1);
+          if (h == NH) {
+            float* row = buf.k + b * KW;
+            layer_norm(scratch, stats, row, *blk.kv_norm, 1, R);
+            std::copy(scratch, scratch + R, row);
+            cpu::rope_forward<float>(row + R, row + R, positions + b, rope, 1, 1, D, false);
+            kv.typed([&](auto tag) {
+              using KV = typename decltype(tag)::type;
+              KV* dst = static_cast<KV*>(kv.rows.k[b]) + kv.position(b, lengths[b] - 1);
+              if (!store_kv_row(kv.rows.dtype, dst, row, 1, KW, 0.0f)) {
                 int64_t none = -1;
-                nonfinite.compare_exchange_strong(
-                    none, (static_cast<int64_t>(l) * B + b) * NKV + h);
+                nonfinite.compare_exchange_strong(none, static_cast<int64_t>(l) * B + b);
               }
+            });
+            continue;
+          }
+          float* q = buf.q + b * NH * QW + h * QW;
+          cpu::rope_forward<float>(q + HS, q + HS, positions + b, rope, 1, 1, D, false);
+          float* qa = buf.v + (b * NH + h) * KW;
+          std::fill(qa, qa + R, 0.0f);
+          const float* wk = w_up + h * 2 * HS * R;
+          for (int64_t j = 0; j < HS; ++j) {
+            const float qj = q[j];
+            const float* wj = wk + j * R;
+#pragma omp simd
+            for (int64_t r = 0; r < R; ++r) qa[r] += qj * wj[r];
+          }
+          std::copy(q + HS, q + QW, qa + R);
+        }
+        barrier.wait();
+        // One KV head for all NH query heads, its heads shared out where rows are few.
+        const int64_t parts = std::clamp<int64_t>(nt / B, 1, NH);
+        kv.typed([&](auto tag) {
+          using KV = typename decltype(tag)::type;
+          for (int64_t i = t; i < B * parts; i += nt) {
+            const int64_t b = i / parts;
+            shape.kv_lengths = lengths + b;
+            if (paged) row_blocks.table = kv.rows.blocks->table + b * row_blocks.width;
+            cpu::attention_decode_task<float, KV>(
+                buf.att + b * NH * KW, qv, buf.v + b * NH * KW, qv,
+                static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
+                static_cast<const KV*>(kv.rows.v[b]), kv.v_strides, shape, i - b * parts, parts,
+                my_work);
+          }
+        });
+        barrier.wait();
+        // Each head's weighted latents (the first R of its output) through its value rows of
+        // kv_up, W_uv (HS, R), and their bias: y (B, C) in q's buffer, whose queries are spent.
+        const float* b_up = blk.v.b;
+        for (int64_t i = t; i < B * NH; i += nt) {
+          const int64_t b = i / NH, h = i % NH;
+          const float* o = buf.att + (b * NH + h) * KW;
+          float* yh = buf.q + b * C + h * HS;
+          for (int64_t j = 0; j < HS; ++j) {
+            const float* wv = w_up + (h * 2 * HS + HS + j) * R;
+            float acc = b_up != nullptr ? b_up[h * 2 * HS + HS + j] : 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t r = 0; r < R; ++r) acc += o[r] * wv[r];
+            yh[j] = acc;
+          }
+        }
+        y = buf.q;
+      } else {
+        linear_rows(buf.q, C, ln, B, blk.q, q0, q1, part(blk.q));
+        linear_rows(buf.k, KVD, ln, B, blk.k, k0, k1, part(blk.k));
+        linear_rows(buf.v, KVD, ln, B, blk.v, v0, v1, part(blk.v));
+        if (rope != nullptr) {  // keys are stored rotated, at the row's position
+          auto rotate = [&](float* x, int64_t b, int64_t heads) {
+            cpu::rope_forward<float>(x, x, positions + b, rope, 1, heads, HS, false);
           };
-          if (own_groups) {
-            for (int64_t b = 0; b < B; ++b)
-              for (int64_t h = g0; h < g1; ++h) store_head(b, h);
-          } else {
+          if (own_groups) {  // this thread's groups' heads are whole here
+            for (int64_t b = 0; b < B && g0 < g1; ++b) {
+              rotate(buf.q + b * C + g0 * G * HS, b, (g1 - g0) * G);
+              rotate(buf.k + b * KVD + g0 * HS, b, g1 - g0);
+            }
+          } else {  // a head's rows may come from two threads: rotate once all are computed
             barrier.wait();
-            for (int64_t i = t; i < B * NKV; i += nt) store_head(i / NKV, i % NKV);
+            for (int64_t i = t; i < B * (NH + NKV); i += nt) {
+              const int64_t b = i / (NH + NKV), h = i % (NH + NKV);
+              rotate(h < NH ? buf.q + b * C + h * HS : buf.k + b * KVD + (h - NH) * HS, b, 1);
+            }
             barrier.wait();
           }
-        } else {
-          store_new<KV>(kv.rows.k, kv, buf.k, B, KVD, HS, lengths, k0, k1);
-          store_new<KV>(kv.rows.v, kv, buf.v, B, KVD, HS, lengths, v0, v1);
-          if (!own_groups) barrier.wait();
         }
-        // Task i of the batch: row b = i / (NKV * parts), and that row's task i % (NKV * parts).
-        auto task = [&](int64_t i) {
-          const int64_t b = i / (NKV * parts);
-          shape.kv_lengths = lengths + b;
-          if (paged) row_blocks.table = kv.rows.blocks->table + b * row_blocks.width;
-          cpu::attention_decode_task<float, KV>(buf.att + b * C, qv, buf.q + b * C, qv,
-                                                static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
-                                                static_cast<const KV*>(kv.rows.v[b]), kv.v_strides,
-                                                shape, i - b * NKV * parts, parts, my_work);
-        };
-        if (own_groups)
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
-        else
-          for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
-      });
+        kv.typed([&](auto tag) {
+          using KV = typename decltype(tag)::type;
+          if constexpr (std::is_same_v<KV, uint8_t>) {
+            // A quantised row takes its head's whole key or value at once: with own groups this
+            // thread computed its groups' heads; otherwise the heads are dealt out once every
+            // thread's rows are computed, and stored before anyone attends.
+            auto store_head = [&](int64_t b, int64_t h) {
+              for (int which = 0; which < 2; ++which)
+                if (!store_new_quantised(kv, which, which == 0 ? buf.k : buf.v, b, h, KVD, HS,
+                                         lengths)) {
+                  int64_t none = -1;
+                  nonfinite.compare_exchange_strong(
+                      none, (static_cast<int64_t>(l) * B + b) * NKV + h);
+                }
+            };
+            if (own_groups) {
+              for (int64_t b = 0; b < B; ++b)
+                for (int64_t h = g0; h < g1; ++h) store_head(b, h);
+            } else {
+              barrier.wait();
+              for (int64_t i = t; i < B * NKV; i += nt) store_head(i / NKV, i % NKV);
+              barrier.wait();
+            }
+          } else {
+            store_new<KV>(kv.rows.k, kv, buf.k, B, KVD, HS, lengths, k0, k1);
+            store_new<KV>(kv.rows.v, kv, buf.v, B, KVD, HS, lengths, v0, v1);
+            if (!own_groups) barrier.wait();
+          }
+          // Task i of the batch: row b = i / (NKV * parts), and that row's task i % (NKV * parts).
+          auto task = [&](int64_t i) {
+            const int64_t b = i / (NKV * parts);
+            shape.kv_lengths = lengths + b;
+            if (paged) row_blocks.table = kv.rows.blocks->table + b * row_blocks.width;
+            cpu::attention_decode_task<float, KV>(buf.att + b * C, qv, buf.q + b * C, qv,
+                                                  static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
+                                                  static_cast<const KV*>(kv.rows.v[b]), kv.v_strides,
+                                                  shape, i - b * NKV * parts, parts, my_work);
+          };
+          if (own_groups)
+            for (int64_t b = 0; b < B; ++b)
+              for (int64_t g = g0; g < g1; ++g) task(b * NKV + g);
+          else
+            for (int64_t i = t; i < B * NKV * parts; i += nt) task(i);
+        });
+      }
       barrier.wait();
-      linear_rows(buf.d, C, buf.att, B, blk.proj, c0, c1, part(blk.proj));
+      linear_rows(buf.d, C, y, B, blk.proj, c0, c1, part(blk.proj));
       add_rows(buf.x, buf.d, B, C, c0, c1);  // x += c_proj(y)
       barrier.wait();
       layer_norm(ln, stats, buf.x, blk.ln_2, B, C);
@@ -687,8 +822,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     linear_rows(out, V, ln, B, head, rows.o.first, rows.o.second, part(head));
   }
   if (const int64_t at = nonfinite.load(); at >= 0) {
-    const int64_t b = at / NKV % B;
-    kv_nonfinite_error(caches[0].rows.dtype, static_cast<int>(at / NKV / B), b, at % NKV,
+    const int64_t heads = cfg.cache_heads(), b = at / heads % B;
+    kv_nonfinite_error(caches[0].rows.dtype, static_cast<int>(at / heads / B), b, at % heads,
                        lengths[b] - 1);
   }
   cache.advance(1);

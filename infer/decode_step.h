@@ -63,11 +63,11 @@ class DecodeStep {
   Tensor forward(const Tensor& tokens, DecodeKVCache& cache);
   // Bytes of weights a decode step reads: every parameter but the position table and, when
   // the LM head is a matrix of its own, the token table (a row of each); at 2 bytes an element
-  // for the matrices this step packs as bf16, 4 for the rest (all of MLA's: it runs op by op).
+  // for the matrices this step packs as bf16, 4 for the rest (all of MLA's: never packed).
   int64_t weight_bytes() const;
 
  private:
-  // Whether the step can run on this model (enabled, on the CPU in f32, not MLA).
+  // Whether the step can run on this model (enabled, on the CPU in f32).
   bool runs_on_model() const;
   // Whether pack() packs (the step runs on the model and this build has the kernel).
   bool packing_applies() const;
