@@ -149,7 +149,8 @@ std::pair<int64_t, int64_t> thread_rows(int64_t n, int t, int nt) {
 // their attention, with no barrier between. Otherwise the q, k and v rows, one range of
 // C + 2 KVD, are split evenly.
 // MLA's q (q_proj, NH (HS + D) rows) and k (kv_down, R + D rows) are one range split evenly
-// too, never own groups; qd are its rows of q_down.
+// too, never own groups; qd are its rows of q_down. It has no v rows: its kv_up is read whole,
+// row-major, by every thread (never packed).
 struct StepRows {
   bool own_groups;
   int64_t g0, g1;  // the KV groups whose attention this thread computes, when own_groups
@@ -426,9 +427,8 @@ bool DecodeStep::applies(const Tensor& tokens) const {
   return runs_on_model() && tokens.dim() == 2 && tokens.size(1) == 1 && !grad_enabled();
 }
 
-// MLA's matrices are read row-major: its kv_up is not a product over the batch's rows.
 bool DecodeStep::packing_applies() const {
-  return runs_on_model() && !model_.config().mla() && cpu::packed_weight_size(1, 1) > 0;
+  return runs_on_model() && cpu::packed_weight_size(1, 1) > 0;
 }
 
 DecodeStep::PackGuard DecodeStep::pack() {
@@ -494,12 +494,15 @@ DecodeStep::PackGuard::~PackGuard() {
 int64_t DecodeStep::weight_bytes() const {
   const int64_t tables =
       (model_.wpe ? model_.wpe->weight.numel() : 0) + (model_.lm_head ? model_.wte.weight.numel() : 0);
-  // MLA's are never packed (packing_applies): every f32 weight but the tables' unread rows.
-  if (model_.config().mla()) return (model_.num_parameters() - tables) * 4;
   int64_t matrices = 0, bytes = 0;
   const bool packs = packing_applies();
-  for (const Tensor* w : decode_matrices(model_)) {
-    const bool half = packs && cpu::all_bf16(w->data<float>(), w->numel());
+  const std::vector<const Tensor*> weights = decode_matrices(model_);
+  const size_t per_block = matrices_per_block(model_.config());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Tensor* w = weights[i];
+    // MLA's kv_up (a block's third matrix) is never packed (StepRows: no rows).
+    const bool unpacked = model_.config().mla() && i + 1 < weights.size() && i % per_block == 2;
+    const bool half = packs && !unpacked && cpu::all_bf16(w->data<float>(), w->numel());
     matrices += w->numel();
     bytes += w->numel() * (half ? 2 : 4);
   }
@@ -659,8 +662,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
           layer_norm(scratch, stats, buf.d, *blk.q_norm, B, RQ);
           q_in = scratch;
         }
-        linear_rows(buf.q, NH * QW, q_in, B, blk.q, q0, q1, nullptr);
-        linear_rows(buf.k, KW, ln, B, blk.k, k0, k1, nullptr);  // kv_down: latent, rotary key
+        linear_rows(buf.q, NH * QW, q_in, B, blk.q, q0, q1, part(blk.q));
+        linear_rows(buf.k, KW, ln, B, blk.k, k0, k1, part(blk.k));  // kv_down: latent, rotary key
         barrier.wait();
         // Task b * (NH + 1) + h: for h < NH, head h's rotary query turned and its HS query
         // carried into latent form through its key rows of kv_up, W_uk (HS, R): q W_uk, then

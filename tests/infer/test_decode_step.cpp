@@ -32,6 +32,7 @@ GPTConfig decode_config(int64_t n_kv_head, const std::string& arch = "gpt2") {
   c.vocab_size = 67;
   c.n_head = 8;
   c.n_embd = 64;
+  if (c.mla()) c.n_kv_head = c.n_head;  // MLA's is n_head, whatever n_kv_head says
   return c;
 }
 
@@ -293,6 +294,7 @@ GPTConfig odd_config(int64_t n_kv_head, const std::string& arch = "gpt2") {
   c.n_head = 4;
   c.n_embd = 40;
   c.mlp_hidden = 100;
+  if (c.mla()) c.n_kv_head = c.n_head;
   return c;
 }
 
@@ -322,8 +324,10 @@ class PackedDecode
     const GPTConfig& c = model->config();
     DecodeStep step(*model);
     NoGradGuard no_grad;
-    ContiguousKVCache fused(c.n_layer, B, c.block_size, nkv, c.head_size());
-    ContiguousKVCache plain(c.n_layer, B, c.block_size, nkv, c.head_size());
+    ContiguousKVCache fused(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(),
+                            DType::F32, Device::CPU, {}, c.mla());
+    ContiguousKVCache plain(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(),
+                            DType::F32, Device::CPU, {}, c.mla());
     Generator gen(23);
     for (int64_t b = 0; b < B; ++b)  // op by op into both caches
       for (int64_t i = 0; i < 3 + b; ++i) {
@@ -364,6 +368,13 @@ INSTANTIATE_TEST_SUITE_P(Llama, PackedDecode,
                          ::testing::Combine(::testing::Values(true), ::testing::Values(4, 2, 1),
                                             ::testing::Values(1, 2, 3), ::testing::Values(1, 4),
                                             ::testing::Values("llama")),
+                         packed_case_name);
+// MLA: q_proj and kv_down packed (their threads' shares start inside the packed blocks at odd
+// sizes), kv_up read row-major; q_down (mla_q) too. (n_kv_head: MLA's is n_head.)
+INSTANTIATE_TEST_SUITE_P(Mla, PackedDecode,
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(4),
+                                            ::testing::Values(1, 2, 3), ::testing::Values(1, 4),
+                                            ::testing::Values("mla", "mla_q")),
                          packed_case_name);
 
 // The step reads the packed copies while the guard lives, and the weights again once it is
