@@ -25,6 +25,10 @@
 // bf16, which batch-1 decode, bound by reading the weights, reads in half the bytes for the
 // same results.
 //
+// MLA's attention has a branch of its own (in latent form, as LatentAttention::forward_latent):
+// its q_proj and kv_down are split and packed like the other products; its kv_up is read whole
+// by every thread, to carry each head's query into latent form and its output back.
+//
 // This writes the block's forward a second time, for this one case; the op path (the modules'
 // forward) stays the reference, and the tests compare the two at every step.
 #include "infer/decode_step.h"

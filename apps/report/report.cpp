@@ -381,8 +381,9 @@ constexpr const char* kMlaNote =
     "Each MLA variant (a latent of the given rank and one rotary key shared by every head, "
     "cached in latent form) against the n_kv_head variant whose cache takes the nearest bytes "
     "per token, both trained the same way with the same seeds. The verdict is judged as every "
-    "verdict here: mean ± std intervals that overlap are within the seeds' spread. MLA decodes "
-    "through the op-by-op path (not the fused decode step), so its decode speed is a floor.";
+    "verdict here: mean ± std intervals that overlap are within the seeds' spread. At equal "
+    "bytes every MLA query head scores and sums the whole latent row, where a GQA head reads "
+    "its narrower key and value: more arithmetic per token, which its decode speed shows.";
 
 std::string text_field(const json& obj, const char* key);
 
