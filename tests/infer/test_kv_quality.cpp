@@ -104,6 +104,16 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<2>(info.param));
     });
 
+// The f32 cache's figure is the model's own loss on those (N, T) windows.
+void expect_the_models_loss(GPT& model, const std::vector<int32_t>& x,
+                            const std::vector<int32_t>& y, int64_t T, const KVQuality& f32) {
+  NoGradGuard no_grad;
+  const int64_t N = static_cast<int64_t>(x.size()) / T;
+  const double plain =
+      model.loss(Tensor::from_vector(x, {N, T}), Tensor::from_vector(y, {N, T})).item();
+  EXPECT_NEAR(f32.loss, plain, 1e-5 * plain);
+}
+
 // The report's figures: the f32 cache against itself is exact; every dtype's KL is a KL
 // (non-negative) and grows as the cache keeps fewer bits; the f32 loss is the model's own
 // loss on those windows; bytes per token are the formula's.
@@ -120,12 +130,7 @@ TEST(KVQuality, ReportsWhatItSays) {
   EXPECT_EQ(q[0].delta_loss, 0.0);
   EXPECT_EQ(q[0].kl, 0.0);
   EXPECT_EQ(q[0].top1, 1.0);
-  double plain;
-  {
-    NoGradGuard no_grad;
-    plain = model->loss(Tensor::from_vector(x, {N, T}), Tensor::from_vector(y, {N, T})).item();
-  }
-  EXPECT_NEAR(q[0].loss, plain, 1e-5 * plain);
+  expect_the_models_loss(*model, x, y, T, q[0]);
   for (const KVQuality& r : q) {
     EXPECT_GE(r.kl, 0.0) << dtype_name(r.dtype);
     EXPECT_EQ(r.positions, N * T);
@@ -153,12 +158,7 @@ TEST(KVQuality, MlaReadsItsLatentCache) {
   const std::vector<DType> dtypes{DType::F32, DType::BF16, DType::INT8, DType::INT4};
   const std::vector<KVQuality> q = kv_cache_quality(*model, x, y, T, dtypes, 2);
   EXPECT_EQ(q[0].kl, 0.0);
-  double plain;
-  {
-    NoGradGuard no_grad;
-    plain = model->loss(Tensor::from_vector(x, {N, T}), Tensor::from_vector(y, {N, T})).item();
-  }
-  EXPECT_NEAR(q[0].loss, plain, 1e-5 * plain);
+  expect_the_models_loss(*model, x, y, T, q[0]);
   for (const KVQuality& r : q) {
     ContiguousKVCache cache(c.n_layer, 1, T, 1, c.cache_width(), r.dtype, Device::CPU, {}, true);
     EXPECT_EQ(r.bytes_per_token, cache.bytes() / T) << dtype_name(r.dtype);
