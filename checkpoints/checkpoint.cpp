@@ -965,9 +965,10 @@ Checkpoint load_checkpoint(const fs::path& file, const LoadOptions& options) {
   const FileImage image = read_image(file, pre);
   const bool sealed = verify_seal(image, pre);
   // The child's CPU budget: parsing reads well over 50 MB a second, even under a sanitizer. Its
-  // memory: the arrays it reads (at most the file's size) twice over, and HDF5's own.
+  // memory: the arrays it reads (at most the file's size) twice over, and 32 MiB for HDF5's own
+  // (a whole checkpoint load of a small model takes about 12 MB, a sanitizer's included).
   const rlim_t budget = 5 + image.size / (50 << 20);
-  const rlim_t memory = 2 * static_cast<rlim_t>(image.size) + (rlim_t{256} << 20);
+  const rlim_t memory = 2 * static_cast<rlim_t>(image.size) + (rlim_t{32} << 20);
   if (!sealed)
     parse_in_child([&] { Loader(file, image, false).load(options); }, budget, memory, pre);
   return Loader(file, image, sealed).load(options);
