@@ -685,7 +685,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
             kv.typed([&](auto tag) {
               using KV = typename decltype(tag)::type;
               KV* dst = static_cast<KV*>(kv.rows.k[b]) + kv.position(b, lengths[b] - 1);
-              if (!store_kv_row(kv.rows.dtype, dst, row, 1, KW, 0.0f)) {
+              const float fp8_scale = kv.rows.scales != nullptr ? kv.rows.scales[0] : 0.0f;
+              if (!store_kv_row(kv.rows.dtype, dst, row, 1, KW, fp8_scale)) {
                 int64_t none = -1;
                 nonfinite.compare_exchange_strong(none, static_cast<int64_t>(l) * B + b);
               }

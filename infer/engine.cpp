@@ -208,7 +208,7 @@ Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache, bool a
 }
 
 std::vector<float> Engine::cache_scales() const {
-  return cache_dtype_ == DType::FP8 ? fp8_kv_scales(model_) : std::vector<float>{};
+  return kv_cache_scales(model_, cache_dtype_);
 }
 
 GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {

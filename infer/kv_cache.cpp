@@ -11,10 +11,19 @@
 
 namespace kvlab {
 
+namespace {
+
+// An fp8 cache's 2 f32 scales per layer and cache head (MLA's: its latent row's, as key and
+// value).
+int64_t fp8_scale_bytes(int64_t L, int64_t NKV, DType dtype) {
+  return dtype == DType::FP8 ? 2 * L * NKV * 4 : 0;
+}
+
+}  // namespace
+
 int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int64_t HS,
                                DType dtype) {
-  const int64_t scales = dtype == DType::FP8 ? 2 * L * NKV * 4 : 0;
-  return B * S * kv_bytes_per_token(L, NKV, HS, dtype) + scales;
+  return B * S * kv_bytes_per_token(L, NKV, HS, dtype) + fp8_scale_bytes(L, NKV, dtype);
 }
 
 int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype) {
@@ -27,8 +36,7 @@ int64_t kv_bytes_per_token(const GPTConfig& c, DType dtype) {
 }
 
 int64_t kv_cache_formula_bytes(const GPTConfig& c, int64_t B, int64_t S, DType dtype) {
-  if (c.mla()) return B * S * kv_bytes_per_token(c, dtype);  // no fp8 (and so no scales)
-  return kv_cache_formula_bytes(c.n_layer, B, S, c.n_kv_head, c.head_size(), dtype);
+  return B * S * kv_bytes_per_token(c, dtype) + fp8_scale_bytes(c.n_layer, c.cache_heads(), dtype);
 }
 
 bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int64_t HS,
@@ -59,7 +67,8 @@ std::span<const float> layer_fp8_scales(const std::vector<float>& scales, int la
                                                 static_cast<size_t>(2 * NKV));
 }
 
-void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV) {
+void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV,
+                      bool values_are_keys) {
   if (dtype != DType::FP8) {
     KVLAB_CHECK(scales.empty(), "kv cache: scales are for an fp8 cache, not ", dtype_name(dtype));
     return;
@@ -69,6 +78,15 @@ void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, 
               scales.size());
   for (const float s : scales)
     KVLAB_CHECK(std::isfinite(s) && s > 0, "kv cache: fp8 scale ", s, " is not positive and finite");
+  // Rows that serve as keys and values are stored once, at the keys' scale, and read at both.
+  for (int64_t l = 0; values_are_keys && l < L; ++l)
+    for (int64_t h = 0; h < NKV; ++h) {
+      const float k = scales[static_cast<size_t>(l * 2 * NKV + h)];
+      const float v = scales[static_cast<size_t>(l * 2 * NKV + NKV + h)];
+      KVLAB_CHECK(k == v, "kv cache: its rows serve as keys and values, so an fp8 scale must be "
+                  "both; layer ", l, ", KV head ", h, " has ", k, " for keys and ", v,
+                  " for values");
+    }
 }
 
 // Active rows [first, first + count) of a ContiguousKVCache seen as a cache of their own.
@@ -125,9 +143,7 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
   KVLAB_CHECK(problem.empty(), "kv cache: ", problem);
   KVLAB_CHECK(!is_quantised(dtype) || device == Device::CPU, "kv cache: dtype ", dtype_name(dtype),
               " is CPU-only");
-  check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
-  KVLAB_CHECK(!values_are_keys || dtype != DType::FP8,
-              "kv cache: an fp8 cache scales keys and values apart, so they cannot share rows");
+  check_fp8_scales(dtype, scales_, n_layer, n_kv_head, values_are_keys);
   const Shape shape{max_batch, n_kv_head, capacity, row_};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions past a row's length hold finite values (the attention op never

@@ -49,9 +49,10 @@ int64_t kv_cache_formula_bytes(const GPTConfig& c, int64_t B, int64_t S, DType d
 // refuses it, naming where (kv_nonfinite_error).
 bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int64_t HS,
                   float fp8_scale);
-// Checks an fp8 cache's scales, (L, 2 NKV) positive and finite, or that a cache of another
-// dtype was given none.
-void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV);
+// Checks an fp8 cache's scales, (L, 2 NKV) positive and finite, each key's equal to its
+// value's where values_are_keys, or that a cache of another dtype was given none.
+void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, int64_t NKV,
+                      bool values_are_keys);
 // Layer `layer`'s 2 NKV scales of an fp8 cache's (L, 2 NKV) scales; empty for none.
 std::span<const float> layer_fp8_scales(const std::vector<float>& scales, int layer, int64_t NKV);
 [[noreturn]] void kv_nonfinite_error(DType dtype, int layer, int64_t row, int64_t head,
@@ -142,8 +143,8 @@ class GenerationKVCache : public DecodeKVCache {
 // 0 .. lengths()[b] - 1 are valid. Only NKV heads are stored, never repeated per query head.
 // dtype f32, f64 or bf16, or on the CPU fp8, int8 or int4, whose buffers' last dim is a row's
 // bytes (kv_format.h); fp8 takes its scales, (L, 2 NKV) as KVRows::scales reads them.
-// values_are_keys (MLA's latent cache, not fp8): one buffer per layer, which append() and the
-// views give as K and as V alike; append() stores only k.
+// values_are_keys (MLA's latent cache; fp8 with equal key and value scales): one buffer per
+// layer, which append() and the views give as K and as V alike; append() stores only k.
 class ContiguousKVCache final : public GenerationKVCache {
  public:
   ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity, int64_t n_kv_head,

@@ -29,9 +29,7 @@ PagedKVCache::PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_h
               n_kv_head, ", HS = ", head_size, ", capacity ", capacity);
   const std::string problem = kv_dtype_problem(dtype, head_size);
   KVLAB_CHECK(problem.empty(), "paged KV cache: ", problem);
-  check_fp8_scales(dtype, scales_, n_layer, n_kv_head);
-  KVLAB_CHECK(!values_are_keys || dtype != DType::FP8, "paged KV cache: an fp8 cache scales "
-              "keys and values apart, so they cannot share rows");
+  check_fp8_scales(dtype, scales_, n_layer, n_kv_head, values_are_keys);
   const Shape shape{blocks.total_blocks(), n_kv_head, block_len_, row_};
   for (int64_t l = 0; l < n_layer; ++l) {
     // Zeroed so that positions no sequence has written hold finite values (the attention

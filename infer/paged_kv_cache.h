@@ -42,7 +42,8 @@ class PagedKVCache final : public GenerationKVCache {
   // kv_format.h), fp8 with its scales, (L, 2 NKV) as KVRows::scales reads them.
   // max_batch > 0 makes that many fresh sequences the rows (as reset() does); 0 leaves the
   // rows to set_rows().
-  // values_are_keys (MLA's latent cache, not fp8): one pool per layer, given as K and as V.
+  // values_are_keys (MLA's latent cache; fp8 with equal key and value scales): one pool per
+  // layer, given as K and as V.
   PagedKVCache(BlockManager& blocks, int64_t n_layer, int64_t n_kv_head, int64_t head_size,
                int64_t capacity, DType dtype = DType::F32, int64_t max_batch = 0,
                std::vector<float> fp8_scales = {}, bool values_are_keys = false);

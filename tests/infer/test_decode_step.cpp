@@ -112,7 +112,7 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   // one row and fewer KV groups than threads, the threads share a group's query heads.
   const int64_t B = static_cast<int64_t>(prompt_len.size()), V = c.vocab_size;
   const std::vector<float> scales =
-      dtype == DType::FP8 ? fp8_kv_scales(*model) : std::vector<float>{};
+      kv_cache_scales(*model, dtype);
   ContiguousKVCache fused(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(), dtype,
                           Device::CPU, scales, c.mla());
   ContiguousKVCache plain(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(), dtype,
@@ -196,7 +196,8 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     Mla, FusedDecode,
     ::testing::Combine(::testing::Values(8),
-                       ::testing::Values(DType::F32, DType::BF16, DType::INT8, DType::INT4),
+                       ::testing::Values(DType::F32, DType::BF16, DType::FP8, DType::INT8,
+                                         DType::INT4),
                        ::testing::Values(1, 2, 3),
                        ::testing::Values(std::vector<int64_t>{1, 6, 3}, std::vector<int64_t>{5}),
                        ::testing::Values("mla", "mla_q")),
