@@ -146,8 +146,6 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
     KVLAB_USAGE_CHECK(cfg.base.model.rope(), "--mla-ranks needs rotary positions (--pos rope or "
                       "--arch llama): MLA's decoupled key is rotary, and the GQA variants then "
                       "use RoPE too");
-    KVLAB_USAGE_CHECK(a.kv_dtype != "fp8", "--kv-dtype fp8 is not for MLA's latent cache: f32, "
-                      "bf16, int8 or int4 with --mla-ranks");
     cfg.mla_rope_head_dim = mla_rope_head_dim;
     cfg.mla_q_lora_rank = mla_q_lora_rank;
   }
@@ -206,8 +204,7 @@ void add_ablate_command(CLI::App& root) {
                   "ranks, comma separated, e.g. 32,64, each with a rotary key of --rope-head-dim "
                   "values (default: half a head): rows of every table and points of every plot, "
                   "and each compared with the GQA variant of the nearest cache bytes per token. "
-                  "Needs --pos rope or --arch llama; MLA is not served (no serving figures) and "
-                  "has no fp8 cache");
+                  "Needs --pos rope or --arch llama");
   add_number(cmd, "--seeds", args->seeds, "Seeds per variant (mean +- std over them)");
   cmd->add_flag("--param-matched", args->param_matched,
                 "Widen each variant's MLP to MHA's parameter count (within 1%)");

@@ -83,12 +83,15 @@ void run_serve(const ServeArgs& a) {
     if (sig != 0) std::fprintf(stderr, "kvlab: %s: stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
     server.stop();
   });
+  const GPTConfig& mc = model.config();
+  const std::string attention =
+      mc.mla() ? detail::cat("MLA rank ", mc.kv_lora_rank, " + ", mc.rope_head_dim)
+               : detail::cat("n_kv_head ", mc.n_kv_head);
   std::fprintf(stderr,
-               "kvlab: serving %s on http://%s:%d (n_kv_head %lld, context %lld, up to %lld "
+               "kvlab: serving %s on http://%s:%d (%s, context %lld, up to %lld "
                "sequences; POST /v1/completions, GET /v1/models /health /metrics)\n",
-               o.model_name.c_str(), a.host.c_str(), port,
-               static_cast<long long>(model.config().n_kv_head), static_cast<long long>(context),
-               static_cast<long long>(a.max_seqs));
+               o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
+               static_cast<long long>(context), static_cast<long long>(a.max_seqs));
   server.run();
   pthread_kill(watcher.native_handle(), SIGTERM);  // wakes it if no signal stopped the server
   watcher.join();

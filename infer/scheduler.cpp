@@ -45,7 +45,6 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
     : engine_(engine), options_(options), pack_(engine.decode_step().pack()) {
   const GPTConfig& c = engine.model().config();
   const PagedCacheOptions& p = options.cache;
-  KVLAB_CHECK(!c.mla(), "scheduler: MLA models are not served yet (kvlab generate runs them)");
   KVLAB_CHECK(options.max_seqs >= 1, "scheduler: max_seqs must be >= 1, got ", options.max_seqs);
   KVLAB_CHECK(options.max_batch_tokens >= options.max_seqs,
               "scheduler: max_batch_tokens (", options.max_batch_tokens,
@@ -57,8 +56,7 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
   KVLAB_CHECK(bs >= 1 && (bs & (bs - 1)) == 0 && bs <= c.block_size, "scheduler: kv_block_size ",
               bs, " must be a power of two of at most the context (", c.block_size, ")");
   const int64_t per_seq = (c.block_size + bs - 1) / bs;
-  const int64_t block_bytes =
-      2 * c.n_layer * c.n_kv_head * bs * kv_row_bytes(engine.cache_dtype(), c.head_size());
+  const int64_t block_bytes = bs * kv_bytes_per_token(c, engine.cache_dtype());
   const int64_t n_blocks = p.pool_blocks > 0  ? p.pool_blocks
                            : p.pool_bytes > 0 ? p.pool_bytes / block_bytes
                                               : options.max_seqs * per_seq;
@@ -67,9 +65,9 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
               c.block_size, " positions, ", per_seq, " blocks)");
   blocks_ = std::make_unique<BlockManager>(
       n_blocks, bs, p.prefix_caching ? model_cache_key(engine.model()) : 0, p.prefix_caching);
-  cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.n_kv_head, c.head_size(),
+  cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.cache_heads(), c.cache_width(),
                                           c.block_size, engine.cache_dtype(), 0,
-                                          engine.cache_scales());
+                                          engine.cache_scales(), c.mla());
 }
 
 Scheduler::~Scheduler() = default;

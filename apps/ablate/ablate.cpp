@@ -172,9 +172,6 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
     KVLAB_CHECK(base.model.rope(), "ablate: --mla-ranks needs rotary positions (--pos rope or "
                 "--arch llama): MLA's decoupled key is rotary, and the GQA variants then use "
                 "RoPE too, so that only the attention differs");
-    KVLAB_CHECK(cfg.kv_dtype != DType::FP8,
-                "ablate: --kv-dtype fp8 is not for MLA's latent cache (its rows serve as keys and "
-                "values, which fp8 scales apart): f32, bf16, int8 or int4 with --mla-ranks");
     std::sort(cfg.mla_ranks.begin(), cfg.mla_ranks.end(), std::greater<>());
   } else {
     KVLAB_CHECK(cfg.mla_rope_head_dim == 0 && cfg.mla_q_lora_rank == 0,
@@ -391,12 +388,10 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
 // What each cache dtype of cfg.kv_dtypes costs the variant's every seed (kv_cache_quality on
 // fixed validation windows): per dtype, bytes per token and the seeds' mean and standard
 // deviation of the loss, its delta to the f32 cache, the mean KL and top-1 agreement.
-// MLA's latent cache has no fp8 (fp8_kv_scales): its variants leave that dtype out.
 json record_kv_quality(const AblateConfig& cfg, const AblateVariant& var) {
   const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
                                     cfg.base.val_fraction);
-  std::vector<DType> dtypes = cfg.kv_dtypes;
-  if (var.mla_rank > 0) std::erase(dtypes, DType::FP8);
+  const std::vector<DType>& dtypes = cfg.kv_dtypes;
   std::vector<std::vector<KVQuality>> seeds;
   for (int s = 0; s < cfg.seeds; ++s) {
     std::fprintf(stderr, "%s seed %d: cache quality at %zu dtypes\n",
@@ -478,7 +473,8 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   {
     // Measured by the inference engine's cache for one full-context sequence.
     ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.cache_heads(), mc.cache_width(),
-                            cfg.kv_dtype, cfg.base.device, {}, mc.mla());
+                            cfg.kv_dtype, cfg.base.device, kv_cache_scales(*lm.model, cfg.kv_dtype),
+                            mc.mla());
     const int64_t measured = cache.bytes();
     const int64_t formula = kv_cache_formula_bytes(mc, 1, mc.block_size, cfg.kv_dtype);
     v["cache_bytes_context_measured"] = measured;
@@ -487,9 +483,8 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
     v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
     workload = record_kv_workload(v, mc, measured / mc.block_size, cfg.kv_dtype);
   }
-  // The scheduler's paged cache and the quantised caches run on the CPU only; the scheduler
-  // serves GQA models only.
-  if (cfg.base.device == Device::CPU && !mc.mla())
+  // The scheduler's paged cache and the quantised caches run on the CPU only.
+  if (cfg.base.device == Device::CPU)
     record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype, serve_rates);
   if (cfg.base.device == Device::CPU && !cfg.kv_dtypes.empty())
     v["kv_quality"] = record_kv_quality(cfg, var);

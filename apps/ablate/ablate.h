@@ -71,7 +71,7 @@ std::vector<AblateVariant> ablation_variants(const AblateConfig& cfg);
 // Every variant's config, checked before anything trains: kv heads that do not divide n_head,
 // an empty list, an unwritable output folder or a corpus too short for the block size are
 // errors, and so is an uptrain the sweep cannot serve (uptrain_problem) or MLA ranks the model
-// cannot take (mla_ranks_problem; learned positions; an fp8 cache). With param_matched,
+// cannot take (mla_ranks_problem; learned positions). With param_matched,
 // mlp_hidden is chosen per variant (parameters within 1% of MHA).
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 

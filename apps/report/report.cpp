@@ -315,15 +315,14 @@ std::optional<Table> memory_table(const Parsed& p, Bytes style) {
 }
 
 // Serving the workload with the trained model at that memory (results measured on a GPU, or
-// before it was measured, leave the table out; so do MLA's rows, which are not served).
+// before it was measured, leave the table out).
 std::optional<Table> serving_table(const Parsed& p) {
   if (!p.variants.front().get("serve_requests_per_s_continuous")) return std::nullopt;
-  Table t{{"n_kv_head", "requests/s continuous", "static", "continuous / static",
+  Table t{{p.id_header(), "requests/s continuous", "static", "continuous / static",
            "peak sequences continuous", "static", "p99 TTFT ms continuous", "static",
            "sustained requests/s"},
           {}};
   for (const Variant& v : p.variants) {
-    if (v.mla()) continue;
     const auto c = v.get("serve_requests_per_s_continuous");
     const auto s = v.get("serve_requests_per_s_static");
     t.rows.push_back(
@@ -457,9 +456,6 @@ std::vector<std::string> quality_findings(const Parsed& p) {
       out.push_back("Within " + fmt("%.0f", q.bytes) + " bytes per token the lowest val loss is " +
                     q.v->label() + " with " + q.dtype + " keys and values: " +
                     pm(q.loss, q.loss_std, "%.4f") + ".");
-  if (p.has_mla())
-    out.push_back("MLA's latent cache has no fp8: its rows serve as keys and values, which fp8 "
-                  "scales apart.");
   // Per dtype, the GQA variants with the most and the fewest KV heads.
   const Variant& many = p.variants.front();
   const Variant& few = *std::find_if(p.variants.rbegin(), p.variants.rend(),
@@ -530,8 +526,6 @@ std::vector<std::string> serving_findings(const Parsed& p) {
   if (mha == p.variants.end() || sweep_of(*mha).empty()) return out;
   const SweepPoint top = sweep_of(*mha).back();
   const auto [mlo, mhi] = std::minmax_element(top.served.begin(), top.served.end());
-  if (p.has_mla())
-    out.push_back("MLA variants are not served: the scheduler runs n_kv_head models only.");
   for (const Variant& v : p.variants) {
     const std::vector<SweepPoint> sw = sweep_of(v);
     if (sw.empty()) continue;
@@ -1053,7 +1047,7 @@ svg::Plot serving_plot(const Parsed& p, bool ttft) {
   plot.y_label = ttft ? "p99 TTFT (ms)" : "served requests/s";
   plot.y_from_zero = true;
   for (std::size_t i = 0; i < p.variants.size(); ++i) {
-    if (sweep_of(p.variants[i]).empty()) continue;  // MLA's: not served
+    if (sweep_of(p.variants[i]).empty()) continue;
     svg::Series s;
     s.label = p.variants[i].label();
     s.color = svg::palette(i);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <tuple>
 
 #include "autograd/random.h"
 #include "infer/engine.h"
@@ -101,13 +102,22 @@ void expect_same(const std::map<RequestId, Outcome>& got, const std::vector<Requ
   }
 }
 
+// The models served: GPT-2's block at n_kv_head 4, 2 and 1, and MLA (its latent rows in the
+// paged pool, one per position and layer).
+struct Served {
+  int64_t n_kv_head;
+  const char* arch;
+};
+constexpr Served kServed[] = {{4, "gpt2"}, {2, "gpt2"}, {1, "gpt2"}, {4, "mla"}};
+
 // Small budgets: prompts of 33 and 40 prefill over several steps, beside other requests'
 // decodes; three requests at most are admitted, so the rest wait their turn.
 TEST(Scheduler, EachRequestGetsWhatTheEngineGivesItAlone) {
-  for (const int64_t nkv : {4, 2, 1}) {
+  for (const auto [nkv, arch] : kServed) {
     for (const double temperature : {0.0, 1.0}) {
-      SCOPED_TRACE(testing::Message() << "n_kv_head " << nkv << ", temperature " << temperature);
-      auto model = tiny_model(nkv, 7, 64);
+      SCOPED_TRACE(testing::Message() << arch << " n_kv_head " << nkv << ", temperature "
+                                      << temperature);
+      auto model = tiny_model(nkv, 7, 64, arch);
       const Tokenizer tok = tiny_tokenizer();
       Engine engine(*model, tok, DType::F32, std::nullopt);
       const std::vector<Case> cs = cases(temperature);
@@ -138,9 +148,10 @@ TEST(Scheduler, EachRequestGetsWhatTheEngineGivesItAlone) {
 // recently admitted ones are preempted, prefilled again later, and still make what they make
 // alone, draws included.
 TEST(Scheduler, PreemptionLeavesEveryOutputAsItWas) {
-  for (const double temperature : {0.0, 1.0}) {
-    SCOPED_TRACE(temperature);
-    auto model = tiny_model(2, 7, 64);
+  for (const auto& [nkv, arch, temperature] :
+       {std::tuple{2, "gpt2", 0.0}, {2, "gpt2", 1.0}, {4, "mla", 0.0}, {4, "mla", 1.0}}) {
+    SCOPED_TRACE(testing::Message() << arch << ", temperature " << temperature);
+    auto model = tiny_model(nkv, 7, 64, arch);
     const Tokenizer tok = tiny_tokenizer();
     Engine engine(*model, tok, DType::F32, std::nullopt);
     const std::vector<Case> cs = cases(temperature);
@@ -156,23 +167,36 @@ TEST(Scheduler, PreemptionLeavesEveryOutputAsItWas) {
   }
 }
 
-// The second request with a prompt takes its whole blocks from the first's prefill.
+// The second request with a prompt takes its whole blocks from the first's prefill, and
+// greedy, makes the first's tokens.
 TEST(Scheduler, ALaterRequestTakesACachedPromptsBlocks) {
-  auto model = tiny_model(2, 7, 64);
-  const Tokenizer tok = tiny_tokenizer();
-  Engine engine(*model, tok, DType::F32, std::nullopt);
-  Scheduler s(engine, {.max_seqs = 4, .max_batch_tokens = 64, .cache = {.kv_block_size = 8}});
-  const std::vector<int32_t> prompt = random_ids(30, 3);
-  const RequestId a = s.add(prompt, options(4, 0, 0));
-  s.step();  // a's prompt prefilled, its blocks keyed
-  const RequestId b = s.add(prompt, options(4, 0, 0));
-  s.step();
-  EXPECT_EQ(s.last_step().prefill_tokens, 30 - 24);  // 3 whole blocks taken
-  EXPECT_EQ(s.block_stats().prefix_hit_positions, 24);
-  const auto got = run(s);
-  EXPECT_TRUE(got.at(a).finished);
-  EXPECT_TRUE(got.at(b).finished);
-  EXPECT_EQ(s.block_stats().in_use, 0);
+  for (const auto [nkv, arch] : {Served{2, "gpt2"}, Served{4, "mla"}}) {
+    SCOPED_TRACE(arch);
+    auto model = tiny_model(nkv, 7, 64, arch);
+    const Tokenizer tok = tiny_tokenizer();
+    Engine engine(*model, tok, DType::F32, std::nullopt);
+    Scheduler s(engine, {.max_seqs = 4, .max_batch_tokens = 64, .cache = {.kv_block_size = 8}});
+    const std::vector<int32_t> prompt = random_ids(30, 3);
+    std::map<RequestId, std::vector<int32_t>> made;
+    auto keep = [&](const std::vector<SchedulerEvent>& events) {
+      for (const SchedulerEvent& e : events)
+        if (e.token >= 0) made[e.request].push_back(e.token);
+    };
+    const RequestId a = s.add(prompt, options(4, 0, 0));
+    keep(s.step());  // a's prompt prefilled, its blocks keyed
+    const RequestId b = s.add(prompt, options(4, 0, 0));
+    keep(s.step());
+    EXPECT_EQ(s.last_step().prefill_tokens, 30 - 24);  // 3 whole blocks taken
+    EXPECT_EQ(s.block_stats().prefix_hit_positions, 24);
+    const auto got = run(s);
+    for (const RequestId id : {a, b}) {
+      EXPECT_TRUE(got.at(id).finished);
+      made[id].insert(made[id].end(), got.at(id).tokens.begin(), got.at(id).tokens.end());
+    }
+    EXPECT_EQ(made[a].size(), 4u);
+    EXPECT_EQ(made[a], made[b]);
+    EXPECT_EQ(s.block_stats().in_use, 0);
+  }
 }
 
 TEST(Scheduler, AnAbortedRequestEndsAndGivesItsBlocksBack) {

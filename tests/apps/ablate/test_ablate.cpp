@@ -254,8 +254,8 @@ TEST_F(AblateTest, BadInputFailsBeforeTraining) {
 
 // --mla-ranks: MLA variants train beside the n_kv_head ones (all with RoPE) and are measured
 // the same way: their latent cache's bytes equal the formula's (L * S * (R + D) f32 values), its
-// quality at every dtype but fp8, decode speed and samples; they are not served; the report
-// compares each with the n_kv_head variant nearest in bytes.
+// quality at every dtype, decode speed, samples and serving (the scheduler over a paged pool of
+// latent rows); the report compares each with the n_kv_head variant nearest in bytes.
 TEST_F(AblateTest, MlaRanksJoinTheSweep) {
   AblateConfig c = config();
   c.base.model.pos = "rope";
@@ -281,12 +281,17 @@ TEST_F(AblateTest, MlaRanksJoinTheSweep) {
                            "final.h5"));
     EXPECT_GT(v["decode_tokens_per_s_cache"].get<double>(), 0.0);
     EXPECT_FALSE(v["samples"].empty());
-    EXPECT_FALSE(v.contains("serve_sweep"));
+    EXPECT_GT(v["serve_requests_per_s_continuous"].get<double>(), 0.0);
+    EXPECT_GT(v["serve_peak_sequences_continuous"].get<double>(), 0.0);
+    EXPECT_FALSE(v["serve_sweep"].empty());
     EXPECT_GT(v["kv_workload_peak_sequences_paged"].get<double>(), 0.0);
     const auto& quality = v["kv_quality"];
-    ASSERT_EQ(quality.size(), 4u);
-    const std::vector<std::pair<std::string, DType>> dtypes = {
-        {"f32", DType::F32}, {"bf16", DType::BF16}, {"int8", DType::INT8}, {"int4", DType::INT4}};
+    ASSERT_EQ(quality.size(), 5u);
+    const std::vector<std::pair<std::string, DType>> dtypes = {{"f32", DType::F32},
+                                                               {"bf16", DType::BF16},
+                                                               {"fp8", DType::FP8},
+                                                               {"int8", DType::INT8},
+                                                               {"int4", DType::INT4}};
     for (size_t d = 0; d < quality.size(); ++d) {
       EXPECT_EQ(quality[d]["dtype"], dtypes[d].first);
       EXPECT_EQ(quality[d]["bytes_per_token"].get<int64_t>(), kv_row_bytes(dtypes[d].second, rank + 2));
@@ -314,9 +319,6 @@ TEST_F(AblateTest, MlaRanksTheModelCannotTakeFailBeforeTraining) {
   c.mla_ranks = {4, 4};
   expect_error(c, "MLA rank 4 is listed twice");
   c.mla_ranks = {4};
-  c.kv_dtype = DType::FP8;
-  expect_error(c, "fp8 is not for MLA's latent cache");
-  c.kv_dtype = DType::F32;
   c.mla_rope_head_dim = 3;
   expect_error(c, "MLA rank 4: config: rope_head_dim 3 must be even");
   c.mla_ranks = {};

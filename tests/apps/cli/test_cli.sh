@@ -231,21 +231,21 @@ check "--q-lora-rank without MLA" 2 "q_lora_rank are MLA's (attn mla)" -- "$KVLA
 check "generate from MLA without a cache" 0 "cache off" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --no-cache
 check "generate from MLA with the cache" 0 "cache paged f32" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8
 check "generate from MLA, contiguous int8 cache" 0 "cache contiguous int8" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --cache contiguous --kv-dtype int8
-check "generate from MLA, fp8 cache" 1 "fp8 KV cache: not for MLA" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --kv-dtype fp8
-check "serve an MLA checkpoint" 1 "MLA models are not served yet" -- "$KVLAB" serve --ckpt "$work/mla/final.h5" --port 0
+check "generate from MLA, fp8 cache" 0 "cache paged fp8" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --kv-dtype fp8
+check "serve an MLA checkpoint sizes its pool by latent rows" 1 "cannot hold one sequence of the whole context (16 positions, 1 blocks)" -- "$KVLAB" serve --ckpt "$work/mla/final.h5" --kv-memory 767 --port 0
+check "bench serve on MLA" 0 "continuous" -- "$KVLAB" bench serve --ckpt "$work/mla/final.h5" --requests 8 --kv-block-size 16
 check "convert an MLA checkpoint" 1 "the source is an MLA model" -- "$KVLAB" convert --ckpt "$work/mla/final.h5" --n-kv-head 2 --method mean --out "$work/mla2.h5"
 check "MLA with learned positions" 2 "MLA's rotary key needs pos rope" -- "$KVLAB" train "${short[@]}" --attn mla --kv-lora-rank 8 --rope-head-dim 4 --out "$work/mla-x"
 check "MLA with an odd rotary width" 2 "rope_head_dim 3 must be even" -- "$KVLAB" train "${short[@]}" --arch llama --attn mla --kv-lora-rank 8 --rope-head-dim 3 --out "$work/mla-x"
 check "MLA's rank past n_embd" 2 "kv_lora_rank 200 must be in [1, n_embd" -- "$KVLAB" train "${short[@]}" --arch llama --attn mla --kv-lora-rank 200 --rope-head-dim 4 --out "$work/mla-x"
 check "bench generate on MLA" 0 "tok/s" -- "$KVLAB" bench generate --ckpt "$work/mla/final.h5" --prompt-tokens 4 --new-tokens 4 --runs 1 --skip-no-cache
 check "bench kv-quality on MLA" 0 "int4" -- "$KVLAB" bench kv-quality --ckpt "$work/mla/final.h5" --windows 4 --kv-dtypes f32,int8,int4
-check "bench kv-quality on MLA with fp8" 1 "fp8 KV cache: not for MLA" -- "$KVLAB" bench kv-quality --ckpt "$work/mla/final.h5" --windows 4 --kv-dtypes f32,fp8
+check "bench kv-quality on MLA with fp8" 0 "fp8" -- "$KVLAB" bench kv-quality --ckpt "$work/mla/final.h5" --windows 4 --kv-dtypes f32,fp8
 # ablate adds MLA variants by rank; the base model stays GQA's.
 check "ablate --attn mla" 2 "the sweep adds MLA variants with --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" "${mla[@]}" --out "$work/ab-mla"
 check "ablate --mla-ranks without RoPE" 2 "--mla-ranks needs rotary positions" -- "$KVLAB" ablate "${tiny[@]}" --mla-ranks 8 --out "$work/ab-mla"
 check "ablate --mla-ranks 8,99" 2 "--mla-ranks: MLA rank 99 must be in [1, n_embd = 16]" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8,99 --out "$work/ab-mla"
 check "ablate --mla-ranks 8,x" 2 "--mla-ranks: " -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8,x --out "$work/ab-mla"
-check "ablate --mla-ranks with fp8" 2 "--kv-dtype fp8 is not for MLA's latent cache" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8 --kv-dtype fp8 --out "$work/ab-mla"
 check "ablate --rope-head-dim alone" 2 "give --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --rope-head-dim 2 --out "$work/ab-mla"
 check "ablate --q-lora-rank alone" 2 "--q-lora-rank is the MLA variants'; give --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --q-lora-rank 4 --out "$work/ab-mla"
 check "ablate --mla-ranks odd --rope-head-dim" 1 "MLA rank 8: config: rope_head_dim 3 must be even" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8 --rope-head-dim 3 --out "$work/ab-mla"
@@ -352,7 +352,7 @@ check "resume on another corpus" 1 "corpus: $work/corpus.txt (content" -- "$KVLA
 ab=(--n-layer 1 --n-head 4 --n-embd 16 --block-size 16 --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 1 --kv-heads 2 --seeds 1 --sample-tokens 4 --bench-runs 1)
 check "ablate" 0 "n_kv_head" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --out "$work/abc"
 check "ablate on another corpus" 1 "another --out" -- "$KVLAB" ablate --corpus "$work/corpus2.txt" "${ab[@]}" --out "$work/abc"
-check "ablate --mla-ranks" 0 "MLA against GQA at equal cache bytes" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --arch llama --mla-ranks 6 --kv-dtypes f32,int8 --out "$work/ab-mla"
+check "ablate --mla-ranks, fp8 caches" 0 "MLA against GQA at equal cache bytes" -- "$KVLAB" ablate --corpus "$work/corpus.txt" "${ab[@]}" --arch llama --mla-ranks 6 --kv-dtype fp8 --kv-dtypes f32,fp8,int8 --out "$work/ab-mla"
 check "train --comm-timeout past 1e9" 2 "in (0, 1e9]" -- "$KVLAB" train "${tiny[@]}" --comm-timeout 1e10 --out "$work/ct"
 # A folder holding only the log of a run stopped before its first checkpoint is started over,
 # with or without --resume (which, with no checkpoint at all, starts from scratch); one holding

@@ -24,8 +24,10 @@ using nlohmann::json;
 // A server over its own model and engine, running on a thread; the client is fresh per call.
 class Running {
  public:
-  explicit Running(ServeOptions o = {}, int64_t block_size = 16)
-      : model_(test::tiny_model(2, 11, block_size)), tok_(test::tiny_tokenizer()),
+  // arch "mla": the MLA block (test::tiny_config), its latent rows in the scheduler's pool.
+  explicit Running(ServeOptions o = {}, int64_t block_size = 16, const std::string& arch = "gpt2")
+      : model_(test::tiny_model(arch == "mla" ? 4 : 2, 11, block_size, arch)),
+        tok_(test::tiny_tokenizer()),
         engine_(*model_, tok_) {
     o.host = "127.0.0.1";
     o.port = 0;
@@ -107,46 +109,50 @@ std::vector<json> events_of(const std::string& body, bool& done) {
   return out;
 }
 
+// A real client's completion, whole and streamed, is the engine's, for GPT-2's block and MLA's.
 TEST(Serve, CompletionEqualsTheEngineStreamedOrNot) {
-  Running s;
-  const GenerationResult ref = s.generate({"abc a"}, sampled(9, 41));
-  const auto r = s.post(sampled_body("abc a", 9, 41));
-  ASSERT_TRUE(r);
-  ASSERT_EQ(r->status, 200) << r->body;
-  const json j = json::parse(r->body);
-  EXPECT_EQ(j["object"], "text_completion");
-  EXPECT_EQ(j["model"], "tiny");
-  ASSERT_EQ(j["choices"].size(), 1u);
-  EXPECT_EQ(j["choices"][0]["text"], ref.rows[0].text);
-  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
-  EXPECT_EQ(j["usage"]["completion_tokens"], 9);
-  EXPECT_EQ(j["usage"]["total_tokens"], 14);
+  for (const std::string arch : {"gpt2", "mla"}) {
+    SCOPED_TRACE(arch);
+    Running s({}, 16, arch);
+    const GenerationResult ref = s.generate({"abc a"}, sampled(9, 41));
+    const auto r = s.post(sampled_body("abc a", 9, 41));
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    const json j = json::parse(r->body);
+    EXPECT_EQ(j["object"], "text_completion");
+    EXPECT_EQ(j["model"], "tiny");
+    ASSERT_EQ(j["choices"].size(), 1u);
+    EXPECT_EQ(j["choices"][0]["text"], ref.rows[0].text);
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+    EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
+    EXPECT_EQ(j["usage"]["completion_tokens"], 9);
+    EXPECT_EQ(j["usage"]["total_tokens"], 14);
 
-  json body = sampled_body("abc a", 9, 41);
-  body["stream"] = true;
-  body["stream_options"] = {{"include_usage", true}};
-  const auto st = s.post(body);
-  ASSERT_TRUE(st);
-  ASSERT_EQ(st->status, 200) << st->body;
-  EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
-  bool done = false;
-  const std::vector<json> chunks = events_of(st->body, done);
-  EXPECT_TRUE(done);
-  std::string text;
-  json last_choice, usage;
-  for (const json& c : chunks) {
-    if (c["choices"].empty()) {
-      usage = c["usage"];
-      continue;
+    json body = sampled_body("abc a", 9, 41);
+    body["stream"] = true;
+    body["stream_options"] = {{"include_usage", true}};
+    const auto st = s.post(body);
+    ASSERT_TRUE(st);
+    ASSERT_EQ(st->status, 200) << st->body;
+    EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
+    bool done = false;
+    const std::vector<json> chunks = events_of(st->body, done);
+    EXPECT_TRUE(done);
+    std::string text;
+    json last_choice, usage;
+    for (const json& c : chunks) {
+      if (c["choices"].empty()) {
+        usage = c["usage"];
+        continue;
+      }
+      text += c["choices"][0]["text"].get<std::string>();
+      last_choice = c["choices"][0];
     }
-    text += c["choices"][0]["text"].get<std::string>();
-    last_choice = c["choices"][0];
+    EXPECT_EQ(text, ref.rows[0].text);
+    EXPECT_EQ(last_choice["finish_reason"], "length");
+    EXPECT_EQ(usage["completion_tokens"], 9);
+    EXPECT_GE(chunks.size(), 3u) << "the text came in one piece, not streamed";
   }
-  EXPECT_EQ(text, ref.rows[0].text);
-  EXPECT_EQ(last_choice["finish_reason"], "length");
-  EXPECT_EQ(usage["completion_tokens"], 9);
-  EXPECT_GE(chunks.size(), 3u) << "the text came in one piece, not streamed";
 }
 
 // With a stream interval, tokens made within it travel together: the same text, in fewer
