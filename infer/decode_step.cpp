@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -592,8 +593,10 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     longest.S = std::max(longest.S, c.S);
     any_widened = any_widened || c.bf16 || c.quantised;
   }
-  const int64_t work_size = any_widened ? cpu::attention_decode_work<float, uint16_t>(longest)
-                                        : cpu::attention_decode_work<float>(longest);
+  // MLA over f32 rows: every query head's probabilities (cpu::attend_latent).
+  const int64_t work_size = std::max(mla ? NH * longest.S : 0,
+                                     any_widened ? cpu::attention_decode_work<float, uint16_t>(longest)
+                                                 : cpu::attention_decode_work<float>(longest));
   // The first (layer, row, KV head) whose new key or value a quantised cache could not store,
   // as l * B * NKV + b * NKV + h (MLA: l * B + b, its one latent row), or -1: nothing inside
   // the region may throw, so the step reports it after the region, before the cache advances.
@@ -707,19 +710,41 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
           std::copy(q + HS, q + QW, qa + R);
         }
         barrier.wait();
-        // One KV head for all NH query heads, its heads shared out where rows are few.
+        // One KV head for all NH query heads, its heads shared out where rows are few. f32
+        // rows take attend_latent; bf16 and quantised ones, which it cannot read, the row
+        // kernel.
         const int64_t parts = std::clamp<int64_t>(nt / B, 1, NH);
         kv.typed([&](auto tag) {
           using KV = typename decltype(tag)::type;
           for (int64_t i = t; i < B * parts; i += nt) {
             const int64_t b = i / parts;
-            shape.kv_lengths = lengths + b;
-            if (paged) row_blocks.table = kv.rows.blocks->table + b * row_blocks.width;
-            cpu::attention_decode_task<float, KV>(
-                buf.att + b * NH * KW, qv, buf.v + b * NH * KW, qv,
-                static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
-                static_cast<const KV*>(kv.rows.v[b]), kv.v_strides, shape, i - b * parts, parts,
-                my_work);
+            if constexpr (std::is_same_v<KV, float>) {
+              const int64_t part = i - b * parts, h0 = NH * part / parts;
+              float* y = buf.att + (b * NH + h0) * KW;
+              const float* q = buf.v + (b * NH + h0) * KW;
+              const int64_t heads = NH * (part + 1) / parts - h0;
+              const auto* rows = static_cast<const float*>(kv.rows.k[b]);
+              const auto scale = static_cast<float>(shape.scale);
+              if (paged) {
+                const KVBlocks& kb = *kv.rows.blocks;
+                const cpu::BlockRows<float> br{
+                    rows, kb.table + b * kb.width,
+                    std::countr_zero(static_cast<uint64_t>(kb.block_len)), kb.block_stride,
+                    kv.rows.pos_stride};
+                cpu::attend_latent(y, q, heads, br, lengths[b], KW, R, scale, my_work);
+              } else {
+                cpu::attend_latent(y, q, heads, rows, kv.rows.pos_stride, lengths[b], KW, R,
+                                   scale, my_work);
+              }
+            } else {
+              shape.kv_lengths = lengths + b;
+              if (paged) row_blocks.table = kv.rows.blocks->table + b * row_blocks.width;
+              cpu::attention_decode_task<float, KV>(
+                  buf.att + b * NH * KW, qv, buf.v + b * NH * KW, qv,
+                  static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
+                  static_cast<const KV*>(kv.rows.v[b]), kv.v_strides, shape, i - b * parts,
+                  parts, my_work);
+            }
           }
         });
         barrier.wait();

@@ -185,6 +185,56 @@ void attend_one_query(T* out, const T* q, const BlockRows<T>& k, const BlockRows
   attend_blocks<T, T>(out, HS, q, HS, 1, k, v, n, HS, scale, p, nullptr, KVQuant{DType::F32});
 }
 
+namespace {
+
+// Heads of one tile of attend_latent's products: gemm<float> keeps up to 4 rows of a on its
+// row kernels (its kFewRowsWt).
+constexpr int64_t kLatentTile = 4;
+
+// attend_latent over rows that lie in runs: rows(j) is row j, and the rows.run() rows from a
+// multiple of it lie rows.stride() apart.
+template <class Rows>
+void attend_latent_runs(float* y, const float* q, int64_t G, const Rows& rows, int64_t n,
+                        int64_t KW, int64_t R, float scale, float* p) {
+  for (int64_t g = 0; g < G; g += kLatentTile) {
+    const int64_t m = std::min(kLatentTile, G - g);
+    float* pg = p + g * n;
+    for (int64_t j = 0; j < n; j += rows.run())
+      gemm<float>(false, true, m, std::min(rows.run(), n - j), KW, scale, q + g * KW, KW, rows(j),
+                  rows.stride(), 0.0f, pg + j, n);
+    for (int64_t h = 0; h < m; ++h) {
+      float* ph = pg + h * n;
+      const auto inv = static_cast<float>(1.0 / exp_shift_inplace(ph, n, row_max(ph, n)));
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) ph[j] *= inv;
+    }
+    for (int64_t j = 0; j < n; j += rows.run())
+      gemm<float>(false, false, m, R, std::min(rows.run(), n - j), 1.0f, pg + j, n, rows(j),
+                  rows.stride(), j == 0 ? 0.0f : 1.0f, y + g * KW, KW);
+  }
+}
+
+// Contiguous rows: one run.
+struct OneRun {
+  const float* base;
+  int64_t n, st;
+  const float* operator()(int64_t j) const { return base + j * st; }
+  int64_t run() const { return n; }
+  int64_t stride() const { return st; }
+};
+
+}  // namespace
+
+void attend_latent(float* y, const float* q, int64_t G, const float* rows, int64_t st, int64_t n,
+                   int64_t KW, int64_t R, float scale, float* p) {
+  attend_latent_runs(y, q, G, OneRun{rows, n, st}, n, KW, R, scale, p);
+}
+
+void attend_latent(float* y, const float* q, int64_t G, const BlockRows<float>& rows, int64_t n,
+                   int64_t KW, int64_t R, float scale, float* p) {
+  attend_latent_runs(y, q, G, rows, n, KW, R, scale, p);
+}
+
 template <class T, class KV>
 void attention_decode_task(T* out, HeadView ov, const T* q, HeadView qv, const KV* k, HeadView kv,
                            const KV* v, HeadView vv, const AttentionShape& s, int64_t task,

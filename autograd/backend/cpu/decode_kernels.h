@@ -90,6 +90,17 @@ void attend_one_query(T* out, const T* q, const T* k, int64_t kst, const T* v, i
 template <class T>
 void attend_one_query(T* out, const T* q, const BlockRows<T>& k, const BlockRows<T>& v, int64_t n,
                       int64_t HS, T scale, T* p);
+// MLA's decode attention of G query heads of one batch row over its n latent rows of KW f32
+// values (one KV head for all, each row serving as key and value): y (G, KW a head, its first
+// R written) = softmax(scale q k^T) times the rows' first R values, q (G, KW) in latent form.
+// As two products of the heads with the rows (gemm's few-row kernels, in tiles of up to 4
+// heads), which read each row once for a tile's heads, where the row kernel reads it once per
+// head and sums all KW columns (docs/bench-log/mla.md). Rows contiguous at row stride st, or
+// through a paged cache's block table; p holds G * n.
+void attend_latent(float* y, const float* q, int64_t G, const float* rows, int64_t st, int64_t n,
+                   int64_t KW, int64_t R, float scale, float* p);
+void attend_latent(float* y, const float* q, int64_t G, const BlockRows<float>& rows, int64_t n,
+                   int64_t KW, int64_t R, float scale, float* p);
 // The decode attention (T = 1, no dropout) of part of a KV group: attention_forward uses it
 // at T = 1, as the fused decode step does, for every group size. Each KV group g of
 // row b is cut into `parts` tasks of consecutive query heads: task = (b * NKV + g) * parts + part,

@@ -653,3 +653,55 @@ TEST(Attention, PagedKeysAndValuesAreForwardOnly) {
   po.kv_lengths = {};
   EXPECT_TRUE(throws_with([&] { causal_attention(q, pg.k, pg.v, po); }, {"need kv_lengths"}));
 }
+
+// MLA's latent attention (cpu::attend_latent): each of G heads' softmax over every row, times
+// the rows' first R values, against a naive double computation, for head counts that fill a
+// tile of heads, leave one short and pass one; rows contiguous (at a stride past the row) and
+// through a block table whose last block is partly filled.
+TEST(Attention, LatentAttentionEqualsTheNaiveOne) {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal;
+  const int64_t KW = 24, R = 20, st = 28, block = 8;
+  for (const int64_t n : {1, 13, 40})
+    for (const int64_t G : {1, 4, 6, 9}) {
+      std::vector<float> rows(static_cast<size_t>(n * st)), q(static_cast<size_t>(G * KW));
+      for (float& x : rows) x = normal(rng);
+      for (float& x : q) x = normal(rng);
+      const float scale = 0.3f;
+      std::vector<double> want(static_cast<size_t>(G * R));
+      for (int64_t h = 0; h < G; ++h) {
+        std::vector<double> s(static_cast<size_t>(n));
+        double top = -1e300, sum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t c = 0; c < KW; ++c) s[j] += double(q[h * KW + c]) * rows[j * st + c];
+          s[j] *= scale;
+          top = std::max(top, s[j]);
+        }
+        for (double& x : s) sum += (x = std::exp(x - top));
+        for (int64_t c = 0; c < R; ++c)
+          for (int64_t j = 0; j < n; ++j) want[h * R + c] += s[j] / sum * rows[j * st + c];
+      }
+      // The rows in blocks of 8 handed out last first; each block's rows at stride st.
+      const int64_t blocks = (n + block - 1) / block;
+      std::vector<float> pool(static_cast<size_t>(blocks * block * st), 1e30f);
+      std::vector<int32_t> table(static_cast<size_t>(blocks));
+      for (int64_t b = 0; b < blocks; ++b) table[b] = static_cast<int32_t>(blocks - 1 - b);
+      for (int64_t j = 0; j < n; ++j)
+        std::copy_n(rows.data() + j * st, st, pool.data() + (table[j / block] * block + j % block) * st);
+      const cpu::BlockRows<float> paged{pool.data(), table.data(), 3, block * st, st};
+      std::vector<float> p(static_cast<size_t>(G * n));
+      for (const bool through_blocks : {false, true}) {
+        std::vector<float> y(static_cast<size_t>(G * KW), 7.0f);
+        if (through_blocks)
+          cpu::attend_latent(y.data(), q.data(), G, paged, n, KW, R, scale, p.data());
+        else
+          cpu::attend_latent(y.data(), q.data(), G, rows.data(), st, n, KW, R, scale, p.data());
+        double worst = 0;
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t c = 0; c < R; ++c)
+            worst = std::max(worst, std::fabs(y[h * KW + c] - want[h * R + c]));
+        EXPECT_LE(worst, 1e-5 * std::max(1.0, max_abs(want)))
+            << "n " << n << " G " << G << (through_blocks ? " paged" : "");
+      }
+    }
+}
