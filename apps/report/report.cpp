@@ -589,6 +589,8 @@ std::string render_text(const Table& t) {
 }
 
 // Markdown-safe cell text: HTML-escaped, markdown punctuation backslashed, newlines as <br>.
+// The '#' of a character reference (an apostrophe's &#39;) stays: backslashed, it would break
+// the reference and the page would show it.
 std::string md_escape(const std::string& s) {
   std::string out;
   for (char c : svg::escape_xml(s)) {
@@ -598,7 +600,8 @@ std::string md_escape(const std::string& s) {
     }
     if (c == '\r') continue;
     // '_' stays: GFM ignores intraword underscores, and n_kv_head reads better unescaped.
-    if (std::string_view("\\`*[]|~#").find(c) != std::string_view::npos) out += '\\';
+    const bool reference = c == '#' && !out.empty() && out.back() == '&';
+    if (!reference && std::string_view("\\`*[]|~#").find(c) != std::string_view::npos) out += '\\';
     out += c;
   }
   return out;

@@ -703,7 +703,9 @@ TEST_F(ReportFiles, CsvHasAHeaderAndOneRowPerVariant) {
 }
 
 TEST_F(ReportFiles, MarkdownCarriesTablesVerdictsPlotsAndSamples) {
-  write_report(fixture(), dir_);
+  json r = fixture();
+  r["variants"][2]["samples"][0]["greedy"] = "O Romeo's #1";
+  write_report(r, dir_);
   const std::string md = read(dir_ / "report.md");
   EXPECT_NE(
       md.find("| n_kv_head | cache bytes (measured) | formula | vs MHA | tokens/s | val loss |"),
@@ -713,6 +715,8 @@ TEST_F(ReportFiles, MarkdownCarriesTablesVerdictsPlotsAndSamples) {
     EXPECT_NE(md.find(std::string("(") + name + ")"), std::string::npos);
   EXPECT_NE(md.find("not distinguishable at this budget"), std::string::npos);
   EXPECT_NE(md.find("What &lt;say&gt; you &amp; &quot;I&quot;? kv4"), std::string::npos);
+  EXPECT_NE(md.find("O Romeo&#39;s \\#1"), std::string::npos);  // a whole reference
+  EXPECT_EQ(md.find("&\\#"), std::string::npos);
   EXPECT_NE(md.find("AMD EPYC (Zen 3)"), std::string::npos);
   EXPECT_NE(md.find("123.4 s (2 min 3 s)"), std::string::npos);
 }
