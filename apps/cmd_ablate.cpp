@@ -141,11 +141,8 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   }
   if (cmd->count("--mla-ranks") > 0) {
     cfg.mla_ranks = parse_counts("--mla-ranks", a.mla_ranks);
-    const std::string problem = mla_ranks_problem(cfg.mla_ranks, cfg.base.model.n_embd);
+    const std::string problem = mla_ranks_problem(cfg.mla_ranks, cfg.base.model);
     KVLAB_USAGE_CHECK(problem.empty(), "--mla-ranks: ", problem);
-    KVLAB_USAGE_CHECK(cfg.base.model.rope(), "--mla-ranks needs rotary positions (--pos rope or "
-                      "--arch llama): MLA's decoupled key is rotary, and the GQA variants then "
-                      "use RoPE too");
     cfg.mla_rope_head_dim = mla_rope_head_dim;
     cfg.mla_q_lora_rank = mla_q_lora_rank;
   }

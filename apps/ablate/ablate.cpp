@@ -113,7 +113,8 @@ fs::path ablation_run_dir(const AblateConfig& cfg, const AblateVariant& var, int
   return fs::path(cfg.out_dir) / "runs" / (var.name() + "_seed" + std::to_string(seed_index));
 }
 
-std::string mla_ranks_problem(const std::vector<int64_t>& ranks, int64_t n_embd) {
+std::string mla_ranks_problem(const std::vector<int64_t>& ranks, const GPTConfig& base) {
+  const int64_t n_embd = base.n_embd;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] < 1 || ranks[i] > n_embd)
       return detail::cat("MLA rank ", ranks[i], " must be in [1, n_embd = ", n_embd, "]");
@@ -121,6 +122,9 @@ std::string mla_ranks_problem(const std::vector<int64_t>& ranks, int64_t n_embd)
         ranks.begin() + static_cast<std::ptrdiff_t>(i))
       return detail::cat("MLA rank ", ranks[i], " is listed twice");
   }
+  if (!ranks.empty() && !base.rope())
+    return "MLA needs rotary positions (--pos rope or --arch llama): its decoupled key is "
+           "rotary, and the GQA variants then use RoPE too, so that only the attention differs";
   return "";
 }
 
@@ -167,11 +171,8 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
     KVLAB_CHECK(!cfg.uptrain_methods.empty(), "ablate: --uptrain-methods is empty");
   }
   if (!cfg.mla_ranks.empty()) {
-    const std::string problem = mla_ranks_problem(cfg.mla_ranks, base.model.n_embd);
+    const std::string problem = mla_ranks_problem(cfg.mla_ranks, base.model);
     KVLAB_CHECK(problem.empty(), "ablate: --mla-ranks: ", problem);
-    KVLAB_CHECK(base.model.rope(), "ablate: --mla-ranks needs rotary positions (--pos rope or "
-                "--arch llama): MLA's decoupled key is rotary, and the GQA variants then use "
-                "RoPE too, so that only the attention differs");
     std::sort(cfg.mla_ranks.begin(), cfg.mla_ranks.end(), std::greater<>());
   } else {
     KVLAB_CHECK(cfg.mla_rope_head_dim == 0 && cfg.mla_q_lora_rank == 0,

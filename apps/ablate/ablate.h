@@ -71,7 +71,7 @@ std::vector<AblateVariant> ablation_variants(const AblateConfig& cfg);
 // Every variant's config, checked before anything trains: kv heads that do not divide n_head,
 // an empty list, an unwritable output folder or a corpus too short for the block size are
 // errors, and so is an uptrain the sweep cannot serve (uptrain_problem) or MLA ranks the model
-// cannot take (mla_ranks_problem; learned positions). With param_matched,
+// cannot take (mla_ranks_problem). With param_matched,
 // mlp_hidden is chosen per variant (parameters within 1% of MHA).
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 
@@ -80,9 +80,10 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 // which reports it as its own kind of error.
 std::string kv_heads_problem(const std::vector<int64_t>& kv_heads, int64_t n_head);
 
-// What is wrong with a list of MLA latent ranks for a model of width n_embd (each in
-// [1, n_embd], listed once), or "" when nothing is.
-std::string mla_ranks_problem(const std::vector<int64_t>& ranks, int64_t n_embd);
+// What is wrong with a list of MLA latent ranks for the sweep's base model (each in
+// [1, n_embd], listed once; the base's positions rotary, as MLA's decoupled key is), or ""
+// when nothing is.
+std::string mla_ranks_problem(const std::vector<int64_t>& ranks, const GPTConfig& base);
 
 // The rotary width of the sweep's MLA variants (cfg.mla_rope_head_dim or its default).
 int64_t ablation_rope_head_dim(const AblateConfig& cfg);

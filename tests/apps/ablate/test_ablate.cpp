@@ -312,7 +312,7 @@ TEST_F(AblateTest, MlaRanksJoinTheSweep) {
 TEST_F(AblateTest, MlaRanksTheModelCannotTakeFailBeforeTraining) {
   AblateConfig c = config();
   c.mla_ranks = {4};
-  expect_error(c, "--mla-ranks needs rotary positions");
+  expect_error(c, "--mla-ranks: MLA needs rotary positions");
   c.base.model.pos = "rope";
   c.mla_ranks = {4, 17};
   expect_error(c, "MLA rank 17 must be in [1, n_embd = 16]");

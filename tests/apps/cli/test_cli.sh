@@ -243,7 +243,7 @@ check "bench kv-quality on MLA" 0 "int4" -- "$KVLAB" bench kv-quality --ckpt "$w
 check "bench kv-quality on MLA with fp8" 0 "fp8" -- "$KVLAB" bench kv-quality --ckpt "$work/mla/final.h5" --windows 4 --kv-dtypes f32,fp8
 # ablate adds MLA variants by rank; the base model stays GQA's.
 check "ablate --attn mla" 2 "the sweep adds MLA variants with --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" "${mla[@]}" --out "$work/ab-mla"
-check "ablate --mla-ranks without RoPE" 2 "--mla-ranks needs rotary positions" -- "$KVLAB" ablate "${tiny[@]}" --mla-ranks 8 --out "$work/ab-mla"
+check "ablate --mla-ranks without RoPE" 2 "--mla-ranks: MLA needs rotary positions" -- "$KVLAB" ablate "${tiny[@]}" --mla-ranks 8 --out "$work/ab-mla"
 check "ablate --mla-ranks 8,99" 2 "--mla-ranks: MLA rank 99 must be in [1, n_embd = 16]" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8,99 --out "$work/ab-mla"
 check "ablate --mla-ranks 8,x" 2 "--mla-ranks: " -- "$KVLAB" ablate "${tiny[@]}" --arch llama --mla-ranks 8,x --out "$work/ab-mla"
 check "ablate --rope-head-dim alone" 2 "give --mla-ranks" -- "$KVLAB" ablate "${tiny[@]}" --arch llama --rope-head-dim 2 --out "$work/ab-mla"
