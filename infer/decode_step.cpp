@@ -503,10 +503,16 @@ int64_t DecodeStep::weight_bytes() const {
   const bool packs = packing_applies();
   const std::vector<const Tensor*> weights = decode_matrices(model_);
   const size_t per_block = matrices_per_block(model_.config());
+  const int threads = omp_get_max_threads();
+  std::vector<StepRows> steps;
+  for (int t = 0; t < threads; ++t) steps.emplace_back(model_.config(), t, threads);
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor* w = weights[i];
-    // MLA's kv_up (a block's third matrix) is never packed (StepRows: no rows).
-    const bool unpacked = model_.config().mla() && i + 1 < weights.size() && i % per_block == 2;
+    // A matrix no thread has rows of is read as it is, never packed (pack(): MLA's kv_up).
+    const bool unpacked = std::all_of(steps.begin(), steps.end(), [&](const StepRows& s) {
+      const auto [lo, hi] = s.of_matrix(i, weights.size(), per_block);
+      return lo >= hi;
+    });
     const bool half = packs && !unpacked && cpu::all_bf16(w->data<float>(), w->numel());
     matrices += w->numel();
     bytes += w->numel() * (half ? 2 : 4);

@@ -499,6 +499,22 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   EXPECT_EQ(step.weight_bytes(), f32_bytes);
 }
 
+// MLA's kv_up is read as it is stored, never packed: rounded to bf16 it still counts 4 bytes an
+// element, where the matrices the step packs count 2.
+TEST(PackedDecode, MlaWeightBytesCountKvUpAsStored) {
+  auto model = test::random_model(decode_config(8, "mla"), 5);
+  DecodeStep step(*model);
+  const int64_t f32_bytes = step.weight_bytes();
+  model->round_matrices_to_bf16();
+  int64_t packed = model->lm_head_weight().numel();
+  for (const auto& b : model->blocks)
+    for (const Linear* l : {&b->mla->q_proj, &b->mla->kv_down, &b->mla->c_proj, &b->mlp.c_fc,
+                            b->mlp.c_up.get(), &b->mlp.c_proj})
+      if (l != nullptr) packed += l->weight.numel();
+  const bool packs = cpu::packed_weight_bf16_size(1, 1) > 0;
+  EXPECT_EQ(step.weight_bytes(), f32_bytes - (packs ? 2 * packed : 0));
+}
+
 // A cache whose rows the fused step cannot write or read (f64 rows, from the cache's own
 // buffers, or from another implementation in the last layer only) is an error naming them,
 // raised before anything is written: no layer's buffers change and the cache does not
