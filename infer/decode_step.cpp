@@ -38,7 +38,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -732,11 +731,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
               const auto* rows = static_cast<const float*>(kv.rows.k[b]);
               const auto scale = static_cast<float>(shape.scale);
               if (paged) {
-                const KVBlocks& kb = *kv.rows.blocks;
-                const cpu::BlockRows<float> br{
-                    rows, kb.table + b * kb.width,
-                    std::countr_zero(static_cast<uint64_t>(kb.block_len)), kb.block_stride,
-                    kv.rows.pos_stride};
+                const auto br =
+                    cpu::BlockRows<float>::of(rows, *kv.rows.blocks, b, kv.rows.pos_stride);
                 cpu::attend_latent(y, q, heads, br, lengths[b], KW, R, scale, my_work);
               } else {
                 cpu::attend_latent(y, q, heads, rows, kv.rows.pos_stride, lengths[b], KW, R,

@@ -81,8 +81,8 @@ void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, 
   // Rows that serve as keys and values are stored once, at the keys' scale, and read at both.
   for (int64_t l = 0; values_are_keys && l < L; ++l)
     for (int64_t h = 0; h < NKV; ++h) {
-      const float k = scales[static_cast<size_t>(l * 2 * NKV + h)];
-      const float v = scales[static_cast<size_t>(l * 2 * NKV + NKV + h)];
+      const std::span<const float> layer = layer_fp8_scales(scales, static_cast<int>(l), NKV);
+      const float k = layer[static_cast<size_t>(h)], v = layer[static_cast<size_t>(NKV + h)];
       KVLAB_CHECK(k == v, "kv cache: its rows serve as keys and values, so an fp8 scale must be "
                   "both; layer ", l, ", KV head ", h, " has ", k, " for keys and ", v,
                   " for values");

@@ -1,7 +1,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -111,9 +110,7 @@ void probabilities(T* p, const T* qh, int64_t qst, const T* kg, int64_t kst, int
 template <class KV>
 BlockRows<KV> block_rows(const KV* pool, HeadView hv, const AttentionShape& s, int64_t b,
                          int64_t g) {
-  const KVBlocks& kb = *s.kv_blocks;
-  return {pool + g * hv.sh, kb.table + b * kb.width,
-          std::countr_zero(static_cast<uint64_t>(kb.block_len)), kb.block_stride, hv.st};
+  return BlockRows<KV>::of(pool + g * hv.sh, *s.kv_blocks, b, hv.st);
 }
 
 // out (Tq, HS at row stride ost) = the causal attention of Tq queries (qh, row stride qst) over

@@ -3,6 +3,7 @@
 // rows (packed.cpp) and the attention of one query over a KV cache (attention.cpp,
 // attend_row.cpp). The fused decode step and the CPU attention call them directly; they are
 // not part of the contract both backends implement (backend/kernels.h).
+#include <bit>
 #include <cstdint>
 #include <type_traits>
 
@@ -50,6 +51,12 @@ struct BlockRows {
   }
   // Rows j .. j + run() - 1 from a j that is a multiple of run() lie at stride() apart.
   int64_t run() const { return block_len(); }
+  // Batch row b's rows of one KV head of a paged cache (kb), the head's rows in a block at
+  // base, pos_stride apart.
+  static BlockRows of(const KV* base, const KVBlocks& kb, int64_t b, int64_t pos_stride) {
+    return {base, kb.table + b * kb.width, std::countr_zero(static_cast<uint64_t>(kb.block_len)),
+            kb.block_stride, pos_stride};
+  }
   int64_t stride() const { return pos_stride; }
 };
 
