@@ -599,9 +599,9 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
     any_widened = any_widened || c.bf16 || c.quantised;
   }
   // MLA over f32 rows: every query head's probabilities (cpu::attend_latent).
-  const int64_t work_size = std::max(mla ? NH * longest.S : 0,
-                                     any_widened ? cpu::attention_decode_work<float, uint16_t>(longest)
-                                                 : cpu::attention_decode_work<float>(longest));
+  const int64_t work_size = std::max(
+      mla ? NH * longest.S : 0, any_widened ? cpu::attention_decode_work<float, uint16_t>(longest)
+                                            : cpu::attention_decode_work<float>(longest));
   // The first (layer, row, KV head) whose new key or value a quantised cache could not store,
   // as l * B * NKV + b * NKV + h (MLA: l * B + b, its one latent row), or -1: nothing inside
   // the region may throw, so the step reports it after the region, before the cache advances.
@@ -735,8 +735,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
                     cpu::BlockRows<float>::of(rows, *kv.rows.blocks, b, kv.rows.pos_stride);
                 cpu::attend_latent(y, q, heads, br, lengths[b], KW, R, scale, my_work);
               } else {
-                cpu::attend_latent(y, q, heads, rows, kv.rows.pos_stride, lengths[b], KW, R,
-                                   scale, my_work);
+                cpu::attend_latent(y, q, heads, rows, kv.rows.pos_stride, lengths[b], KW, R, scale,
+                                   my_work);
               }
             } else {
               shape.kv_lengths = lengths + b;
@@ -744,8 +744,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
               cpu::attention_decode_task<float, KV>(
                   buf.att + b * NH * KW, qv, buf.v + b * NH * KW, qv,
                   static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
-                  static_cast<const KV*>(kv.rows.v[b]), kv.v_strides, shape, i - b * parts,
-                  parts, my_work);
+                  static_cast<const KV*>(kv.rows.v[b]), kv.v_strides, shape, i - b * parts, parts,
+                  my_work);
             }
           }
         });

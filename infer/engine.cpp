@@ -207,9 +207,7 @@ Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache, bool a
                                : model_.forward(tokens, &cache, true);
 }
 
-std::vector<float> Engine::cache_scales() const {
-  return kv_cache_scales(model_, cache_dtype_);
-}
+std::vector<float> Engine::cache_scales() const { return kv_cache_scales(model_, cache_dtype_); }
 
 GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   if (paged_) return paged_cache_for(batch, capacity);

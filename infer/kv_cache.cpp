@@ -79,14 +79,15 @@ void check_fp8_scales(DType dtype, const std::vector<float>& scales, int64_t L, 
   for (const float s : scales)
     KVLAB_CHECK(std::isfinite(s) && s > 0, "kv cache: fp8 scale ", s, " is not positive and finite");
   // Rows that serve as keys and values are stored once, at the keys' scale, and read at both.
-  for (int64_t l = 0; values_are_keys && l < L; ++l)
+  for (int64_t l = 0; values_are_keys && l < L; ++l) {
+    const std::span<const float> layer = layer_fp8_scales(scales, static_cast<int>(l), NKV);
     for (int64_t h = 0; h < NKV; ++h) {
-      const std::span<const float> layer = layer_fp8_scales(scales, static_cast<int>(l), NKV);
       const float k = layer[static_cast<size_t>(h)], v = layer[static_cast<size_t>(NKV + h)];
-      KVLAB_CHECK(k == v, "kv cache: its rows serve as keys and values, so an fp8 scale must be "
-                  "both; layer ", l, ", KV head ", h, " has ", k, " for keys and ", v,
+      KVLAB_CHECK(k == v, "kv cache: its rows serve as keys and values, so an fp8 scale must be",
+                  " both; layer ", l, ", KV head ", h, " has ", k, " for keys and ", v,
                   " for values");
     }
+  }
 }
 
 // Active rows [first, first + count) of a ContiguousKVCache seen as a cache of their own.

@@ -69,8 +69,8 @@ std::vector<float> fp8_kv_scales(const GPT& model) {
       for (int64_t i = 0; i < m->rank; ++i)
         latent = std::max(latent, std::fabs(double(g.data<float>()[i])));
       latent *= std::sqrt(double(m->rank));
-      const double rot = head_bound(ln_linear_bounds(blk->ln_1, m->kv_down, m->rank, m->rope_dim),
-                                    true);
+      const double rot =
+          head_bound(ln_linear_bounds(blk->ln_1, m->kv_down, m->rank, m->rope_dim), true);
       scales.insert(scales.end(), 2, scale_for(std::max(latent, rot)));
       continue;
     }
@@ -91,8 +91,7 @@ Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
   KVLAB_CHECK(tokens.dim() == 2, "kv cache quality: tokens must be (B, T), got ", tokens.shape_str());
   const NoGradGuard no_grad;
   ContiguousKVCache cache(c.n_layer, tokens.size(0), tokens.size(1), c.cache_heads(),
-                          c.cache_width(), dtype, Device::CPU,
-                          kv_cache_scales(model, dtype),
+                          c.cache_width(), dtype, Device::CPU, kv_cache_scales(model, dtype),
                           c.mla());
   return model.forward(tokens, &cache).contiguous();
 }

@@ -385,7 +385,6 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
   v["serve_ttft_bound_ms"] = kServeTtftBoundMs;
 }
 
-
 // What each cache dtype of cfg.kv_dtypes costs the variant's every seed (kv_cache_quality on
 // fixed validation windows): per dtype, bytes per token and the seeds' mean and standard
 // deviation of the loss, its delta to the f32 cache, the mean KL and top-1 agreement.

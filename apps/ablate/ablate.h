@@ -71,8 +71,8 @@ std::vector<AblateVariant> ablation_variants(const AblateConfig& cfg);
 // Every variant's config, checked before anything trains: kv heads that do not divide n_head,
 // an empty list, an unwritable output folder or a corpus too short for the block size are
 // errors, and so is an uptrain the sweep cannot serve (uptrain_problem) or MLA ranks the model
-// cannot take (mla_ranks_problem). With param_matched,
-// mlp_hidden is chosen per variant (parameters within 1% of MHA).
+// cannot take (mla_ranks_problem). With param_matched, mlp_hidden is chosen per variant
+// (parameters within 1% of MHA).
 std::vector<TrainConfig> plan_ablation(AblateConfig& cfg);
 
 // What is wrong with a list of n_kv_head values for n_head heads (each in [1, n_head], dividing

@@ -111,8 +111,7 @@ TEST_P(FusedDecode, EqualsOpByOpAtEveryStep) {
   // Rows of different lengths: each prefilled on its own, the same way in both caches. With
   // one row and fewer KV groups than threads, the threads share a group's query heads.
   const int64_t B = static_cast<int64_t>(prompt_len.size()), V = c.vocab_size;
-  const std::vector<float> scales =
-      kv_cache_scales(*model, dtype);
+  const std::vector<float> scales = kv_cache_scales(*model, dtype);
   ContiguousKVCache fused(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(), dtype,
                           Device::CPU, scales, c.mla());
   ContiguousKVCache plain(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(), dtype,

@@ -57,8 +57,7 @@ TEST_P(DecodeEqualsEvaluation, AtEveryStep) {
   Generator gen(5);
   const Tensor tokens = test::random_tokens(gen, V, B, T);
   const std::vector<float> eval = cached_prefill_logits(*model, tokens, dtype).to_vector<float>();
-  const std::vector<float> scales =
-      kv_cache_scales(*model, dtype);
+  const std::vector<float> scales = kv_cache_scales(*model, dtype);
   const int64_t NKV = c.cache_heads(), W = c.cache_width();
   ContiguousKVCache fused(c.n_layer, B, c.block_size, NKV, W, dtype, Device::CPU, scales, c.mla());
   ContiguousKVCache op(c.n_layer, B, c.block_size, NKV, W, dtype, Device::CPU, scales, c.mla());
@@ -95,7 +94,8 @@ TEST_P(DecodeEqualsEvaluation, AtEveryStep) {
     }
   }
   EXPECT_GT(scale, 1.0);
-  EXPECT_LE(worst, (c.mla() ? 1e-3 : 1e-5) * scale) << dtype_name(dtype) << " logit scale " << scale;
+  EXPECT_LE(worst, (c.mla() ? 1e-3 : 1e-5) * scale)
+      << dtype_name(dtype) << " logit scale " << scale;
   EXPECT_NEAR(loss_eval, loss_decoded, 1e-5 * double(B * (T - 1)));
 }
 
@@ -168,8 +168,7 @@ TEST(KVQuality, MlaReadsItsLatentCache) {
   EXPECT_EQ(q[0].kl, 0.0);
   expect_the_models_loss(*model, x, y, T, q[0]);
   for (const KVQuality& r : q) {
-    const std::vector<float> scales =
-        kv_cache_scales(*model, r.dtype);
+    const std::vector<float> scales = kv_cache_scales(*model, r.dtype);
     ContiguousKVCache cache(c.n_layer, 1, T, 1, c.cache_width(), r.dtype, Device::CPU, scales,
                             true);
     EXPECT_EQ(r.bytes_per_token * T + 4 * static_cast<int64_t>(scales.size()), cache.bytes())
@@ -218,7 +217,8 @@ TEST(KVQuality, Fp8ScalesBoundEveryCachedValue) {
           double top = 0;
           for (int64_t b = 0; b < B; ++b)
             for (int64_t i = 0; i < T * W; ++i)
-              top = std::max(top, double(std::fabs(v[static_cast<size_t>((b * NKV + h) * T * W + i)])));
+              top = std::max(top,
+                             double(std::fabs(v[static_cast<size_t>((b * NKV + h) * T * W + i)])));
           EXPECT_LE(top, 448.0 * s) << arch << " layer " << l << (which ? " values" : " keys");
           tightest = std::max(tightest, top / (448.0 * s));
         }

@@ -115,8 +115,8 @@ constexpr Served kServed[] = {{4, "gpt2"}, {2, "gpt2"}, {1, "gpt2"}, {4, "mla"}}
 TEST(Scheduler, EachRequestGetsWhatTheEngineGivesItAlone) {
   for (const auto [nkv, arch] : kServed) {
     for (const double temperature : {0.0, 1.0}) {
-      SCOPED_TRACE(testing::Message() << arch << " n_kv_head " << nkv << ", temperature "
-                                      << temperature);
+      SCOPED_TRACE(testing::Message()
+                   << arch << " n_kv_head " << nkv << ", temperature " << temperature);
       auto model = tiny_model(nkv, 7, 64, arch);
       const Tokenizer tok = tiny_tokenizer();
       Engine engine(*model, tok, DType::F32, std::nullopt);

@@ -687,7 +687,8 @@ TEST(Attention, LatentAttentionEqualsTheNaiveOne) {
       std::vector<int32_t> table(static_cast<size_t>(blocks));
       for (int64_t b = 0; b < blocks; ++b) table[b] = static_cast<int32_t>(blocks - 1 - b);
       for (int64_t j = 0; j < n; ++j)
-        std::copy_n(rows.data() + j * st, st, pool.data() + (table[j / block] * block + j % block) * st);
+        std::copy_n(rows.data() + j * st, st,
+                    pool.data() + (table[j / block] * block + j % block) * st);
       const cpu::BlockRows<float> paged{pool.data(), table.data(), 3, block * st, st};
       std::vector<float> p(static_cast<size_t>(G * n));
       for (const bool through_blocks : {false, true}) {
