@@ -1,7 +1,6 @@
 #pragma once
 // Shared pieces of the kvlab command line: each subcommand lives in cmd_<name>.cpp and
 // registers itself on the root app. Errors are one line; usage errors exit 2, runtime errors 1.
-#include <cblas.h>
 
 #include <CLI/CLI.hpp>
 #include <charconv>
@@ -12,8 +11,8 @@
 #include <string>
 #include <type_traits>
 
-#include "autograd/error.h"
-#include "autograd/host/blas_core.h"
+#include "platform/blas_core.h"
+#include "platform/error.h"
 
 namespace kvlab {
 
@@ -35,7 +34,7 @@ inline std::string blas_kernels_note() {
   const char* wider = kvlab_blas_core_wider();
   if (wider == nullptr) return "";
   const char* named = std::getenv("OPENBLAS_CORETYPE");
-  return detail::cat("OpenBLAS runs its ", openblas_get_corename(), " kernels",
+  return detail::cat("OpenBLAS runs its ", kvlab::blas_kernels(), " kernels",
                      named != nullptr ? detail::cat(" (OPENBLAS_CORETYPE=", named, ")") : "",
                      "; this CPU can run its wider ", wider,
                      " ones, which may train faster: unset OPENBLAS_CORETYPE to let kvlab choose");

@@ -2,7 +2,6 @@
 // position, and the cache's memory for several n_kv_head settings. kvlab bench kv-memory: the
 // paged cache against contiguous allocation at one KV memory. kvlab bench serve: continuous
 // against static batching of a request stream. Tables plus JSON.
-#include <cblas.h>
 #include <omp.h>
 
 #include <cstdio>
@@ -22,7 +21,8 @@
 #include "apps/serve/http_bench.h"
 #include "apps/serve/server.h"
 #include "apps/train_flags.h"
-#include "autograd/host/cpu.h"
+#include "platform/blas_core.h"
+#include "platform/cpu.h"
 #include "checkpoints/model_io.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"
@@ -229,8 +229,8 @@ void check_json_path(const BenchArgs& a) {
 json machine_json() {
   return json{{"cpu", host_cpu_model()},
               {"threads", omp_get_max_threads()},
-              {"openblas", openblas_get_config()},
-              {"openblas_kernels", openblas_get_corename()}};
+              {"openblas", kvlab::blas_config()},
+              {"openblas_kernels", kvlab::blas_kernels()}};
 }
 
 void run_bench_generate(BenchArgs& a) {

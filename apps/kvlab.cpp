@@ -1,6 +1,5 @@
 // kvlab: train GPTs with MHA/GQA/MQA attention, generate through a KV cache, and compare
 // n_kv_head settings side by side.
-#include <cblas.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -14,7 +13,8 @@
 #include "apps/cli.h"
 #include "apps/config_file.h"
 #include "apps/train_progress.h"
-#include "autograd/host/threads.h"
+#include "platform/blas_core.h"
+#include "platform/threads.h"
 
 namespace kvlab {
 namespace {
@@ -73,8 +73,8 @@ int main(int argc, char** argv) {
   // The BLAS build and the kernels it runs on this CPU: they set most of the training speed.
   const std::string note = kvlab::blas_kernels_note();
   app.set_version_flag("--version", std::string("kvlab " KVLAB_VERSION "\nBLAS: ") +
-                                        openblas_get_config() + "; kernels " +
-                                        openblas_get_corename() +
+                                        kvlab::blas_config() + "; kernels " +
+                                        kvlab::blas_kernels() +
                                         (note.empty() ? "" : "\nnote: " + note));
   kvlab::add_train_command(app);
   kvlab::add_generate_command(app);

@@ -10,7 +10,7 @@
 
 #include "autograd/backend/allocator.h"
 #include "autograd/backend/device.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

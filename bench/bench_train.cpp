@@ -11,7 +11,7 @@
 #include <iostream>
 
 #include "autograd/backend/kernels.h"
-#include "autograd/host/threads.h"
+#include "platform/threads.h"
 #include "bench/bench_util.h"
 #include "train/trainer.h"
 

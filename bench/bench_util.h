@@ -1,7 +1,6 @@
 #pragma once
 // Small helpers shared by the benchmarks under bench/: a median timer, a plain-text table,
 // machine information and JSON output. Header-only; nothing here knows about the engine.
-#include <cblas.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -21,7 +20,8 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/host/cpu.h"
+#include "platform/blas_core.h"
+#include "platform/cpu.h"
 
 namespace kvlab::bench {
 
@@ -159,8 +159,8 @@ inline Json machine_info() {
   Json m = {{"cpu_model", host_cpu_model()},
             {"logical_cpus", std::thread::hardware_concurrency()},
             {"omp_max_threads", omp_get_max_threads()},
-            {"openblas_config", openblas_get_config()},
-            {"openblas_kernels", openblas_get_corename()},
+            {"openblas_config", kvlab::blas_config()},
+            {"openblas_kernels", kvlab::blas_kernels()},
             {"env", env},
             {"hostname", host},
             {"date_utc", when}};

@@ -17,7 +17,7 @@ threads=${THREADS:-2}
 batch=${BATCH:-1}
 rounds=${ROUNDS:-3}
 # Both sides on the same OpenBLAS kernels (PyTorch's BLAS is the same OpenBLAS): those kvlab
-# runs here, named where OpenBLAS would fall back to narrower ones (autograd/host/blas_core.cpp).
+# runs here, named where OpenBLAS would fall back to narrower ones (platform/blas_core.cpp).
 export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$("$build/apps/kvlab" --version | sed -n 's/^BLAS: .*; kernels //p')}
 model=(--n-layer 6 --n-head 8 --n-embd 256 --block-size 512 --vocab 65)
 kvlab() {  # kvlab bench generate with the shared settings and "$@"

@@ -12,7 +12,7 @@ corpus=${2:?usage: bench/compare_train.sh BUILD_DIR CORPUS}
 threads=${THREADS:-2}
 rounds=${ROUNDS:-3}
 # Both sides on the same OpenBLAS kernels (PyTorch's BLAS is the same OpenBLAS): those kvlab
-# runs here, named where OpenBLAS would fall back to narrower ones (autograd/host/blas_core.cpp).
+# runs here, named where OpenBLAS would fall back to narrower ones (platform/blas_core.cpp).
 export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$("$build/apps/kvlab" --version | sed -n 's/^BLAS: .*; kernels //p')}
 for r in $(seq "$rounds"); do
   OMP_NUM_THREADS=$threads "$build/bench/bench_train" --corpus "$corpus" --iters 60 \

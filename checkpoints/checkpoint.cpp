@@ -17,7 +17,7 @@
 #include <set>
 #include <system_error>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "checkpoints/h5.h"
 
 namespace kvlab {

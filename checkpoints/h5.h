@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

@@ -7,10 +7,10 @@
 #include <fstream>
 #include <limits>
 #include <memory>
-#include <random>
 
-#include "autograd/error.h"
-#include "autograd/host/memory.h"
+#include "platform/atomic_file.h"
+#include "platform/error.h"
+#include "platform/memory.h"
 
 namespace kvlab {
 namespace fs = std::filesystem;
@@ -131,24 +131,12 @@ bool write_token_cache(const fs::path& cache, uint64_t content_hash, const Token
   put_array(buf, ids);
   put(buf, fnv1a64(buf));
 
-  // A unique temporary name: several processes (data-parallel ranks) may load the same corpus.
-  std::random_device rd;
-  fs::path tmp = cache;
-  tmp += detail::cat(".tmp-", hash_hex((static_cast<uint64_t>(rd()) << 32) | rd()));
-  std::error_code ec;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return false;
-    out.write(buf.data(), static_cast<std::streamsize>(buf.size()));
-    out.close();
-    if (!out) {
-      fs::remove(tmp, ec);
-      return false;
-    }
-  }
-  fs::rename(tmp, cache, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
+  // Several processes (data-parallel ranks) may write the same cache: each writes its own
+  // temporary, and the last rename wins with identical bytes. The cache is an optimisation, so
+  // a failed write is reported to the caller, not thrown.
+  try {
+    write_file_atomic(cache, std::string_view(buf.data(), buf.size()));
+  } catch (const Error&) {
     return false;
   }
   return true;

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 namespace {

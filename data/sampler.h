@@ -4,7 +4,7 @@
 #include <span>
 #include <vector>
 
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

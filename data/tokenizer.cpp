@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <unordered_set>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 namespace {

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "autograd/host/memory.h"
-#include "autograd/random.h"
+#include "platform/memory.h"
+#include "platform/random.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/kv_workload.h"

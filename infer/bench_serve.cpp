@@ -7,8 +7,8 @@
 #include <cmath>
 #include <thread>
 
-#include "autograd/error.h"
-#include "autograd/random.h"
+#include "platform/error.h"
+#include "platform/random.h"
 #include "infer/bench.h"
 #include "infer/kv_cache.h"
 #include "infer/kv_workload.h"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <unordered_map>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

@@ -50,7 +50,7 @@
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kernels.h"
 #include "autograd/backend/kv_format.h"
-#include "autograd/host/parallel.h"
+#include "platform/parallel.h"
 #include "autograd/graph.h"
 
 namespace kvlab {

@@ -9,7 +9,7 @@
 
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "infer/kv_quality.h"
 #include "infer/stop_filter.h"
 

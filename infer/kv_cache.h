@@ -1,5 +1,5 @@
 #pragma once
-// KV caches for generation. GPT::forward talks to the abstract KVCache of nn/kv_cache.h
+// KV caches for generation. GPT::forward talks to the abstract KVCache of nn/kv_cache_interface.h
 // (append one forward's keys and values, then advance); DecodeStep (infer/decode_step.h)
 // writes and reads a cache's memory itself, through DecodeKVCache::layer_rows. The engine
 // also needs to reset rows, prefill one row or a run of rows on its own, and drop finished
@@ -25,7 +25,7 @@
 #include "autograd/backend/kernel_types.h"
 #include "autograd/tensor.h"
 #include "nn/gpt.h"
-#include "nn/kv_cache.h"
+#include "nn/kv_cache_interface.h"
 
 namespace kvlab {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "autograd/backend/kv_format.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "autograd/graph.h"
 #include "data/corpus.h"
 #include "data/sampler.h"

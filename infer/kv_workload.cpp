@@ -7,8 +7,8 @@
 #include <optional>
 #include <unordered_map>
 
-#include "autograd/error.h"
-#include "autograd/random.h"
+#include "platform/error.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

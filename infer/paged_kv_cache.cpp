@@ -5,7 +5,7 @@
 #include <unordered_set>
 
 #include "autograd/backend/kv_format.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "infer/kv_cache.h"
 
 namespace kvlab {

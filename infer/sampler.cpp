@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

@@ -5,7 +5,7 @@
 
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "autograd/host/memory.h"
+#include "platform/memory.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 

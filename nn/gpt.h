@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/random.h"
-#include "nn/kv_cache.h"
+#include "platform/random.h"
+#include "nn/kv_cache_interface.h"
 #include "nn/layers.h"
 
 namespace kvlab {

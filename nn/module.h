@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "autograd/tensor.h"
 
 namespace kvlab {

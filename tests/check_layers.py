@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Checks every quoted #include in kvlab's libraries against the layer table.
+"""Checks every #include in kvlab's libraries against the layer table.
 
 The table is the one in docs/architecture.md under "## The layer table": each row names a
 unit, the files that belong to it (a folder ends with '/'; a file name may use shell
-wildcards) and the units its files may include. A file belongs to the unit of its longest
-matching pattern. A file may include files of its own unit and of the units its row lists,
-nothing else: there is no transitive rule, so a row says exactly what its files may name.
+wildcards), the units its files may include and the third-party libraries whose headers they
+may include. A file belongs to the unit of its longest matching pattern. A file may include
+files of its own unit and of the units its row lists, nothing else: there is no transitive
+rule, so a row says exactly what its files may name. Of the angle-bracket includes, those of
+the libraries in THIRD_PARTY are checked against the row's last column; the standard library
+and the header-only helpers (JSON, CLI11, cpp-httplib) are free to all.
 
 usage: check_layers.py SOURCE_DIR
 Exit status 0 when every include is allowed; 1, with one line per offending include, when
@@ -18,10 +21,20 @@ import sys
 
 # The folders whose sources make up the libraries and the CLI. Tests and benchmarks may reach
 # into any layer (they test it); they are not checked.
-CHECKED = ("autograd", "data", "nn", "checkpoints", "train", "infer", "apps")
+CHECKED = ("platform", "autograd", "data", "nn", "checkpoints", "train", "infer", "apps")
 SOURCE_SUFFIXES = (".h", ".cpp", ".cu", ".cuh")
 HEADING = "## The layer table"
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+SYSTEM_INCLUDE = re.compile(r'^\s*#\s*include\s+<([^>]+)>')
+# The third-party libraries a unit must be granted, by the headers that name them.
+THIRD_PARTY = {
+    "blas": re.compile(r"(cblas|openblas\w*|lapacke?)\.h$"),
+    "openmp": re.compile(r"omp\.h$"),
+    "hdf5": re.compile(r"(hdf5\w*|H5\w*)\.h$"),
+    "mpi": re.compile(r"mpi\.h$"),
+    "nccl": re.compile(r"nccl\w*\.h$"),
+    "cuda": re.compile(r"(cuda\w*|cublas\w*|cub/.*|thrust/.*|device_launch_parameters)\.h$|^cub/|^thrust/"),
+}
 
 
 def fail_table(message):
@@ -30,7 +43,7 @@ def fail_table(message):
 
 
 def read_table(doc_path):
-    """Returns [(unit, [pattern, ...], {allowed unit, ...})] from the layer table."""
+    """Returns [(unit, [pattern, ...], {allowed unit, ...}, {third-party library, ...})]."""
     with open(doc_path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     try:
@@ -42,17 +55,21 @@ def read_table(doc_path):
         if line.startswith("## "):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
-        if len(cells) != 3 or cells[0] in ("unit", "") or set(cells[0]) <= set("-: "):
+        if len(cells) != 4 or cells[0] in ("unit", "") or set(cells[0]) <= set("-: "):
             continue
         patterns = re.findall(r"`([^`]+)`", cells[1])
         allowed = set(cells[2].replace(",", " ").split())
+        libraries = set(cells[3].replace(",", " ").split())
         if not patterns:
             fail_table(f"unit '{cells[0]}' names no files")
-        rows.append((cells[0], patterns, allowed))
+        unknown = libraries - set(THIRD_PARTY)
+        if unknown:
+            fail_table(f"unit '{cells[0]}' names unknown libraries: {', '.join(sorted(unknown))}")
+        rows.append((cells[0], patterns, allowed, libraries))
     if not rows:
         fail_table(f"the '{HEADING}' section has no rows")
-    units = {unit for unit, _, _ in rows}
-    for unit, _, allowed in rows:
+    units = {row[0] for row in rows}
+    for unit, _, allowed, _ in rows:
         unknown = allowed - units
         if unknown:
             fail_table(f"unit '{unit}' may include unknown units: {', '.join(sorted(unknown))}")
@@ -62,12 +79,46 @@ def read_table(doc_path):
 def unit_of(path, rows):
     """The unit whose longest pattern matches `path` (relative, '/'-separated), or None."""
     best, best_len = None, -1
-    for unit, patterns, _ in rows:
+    for unit, patterns, *_ in rows:
         for p in patterns:
             hit = path.startswith(p) if p.endswith("/") else fnmatch.fnmatchcase(path, p)
             if hit and len(p) > best_len:
                 best, best_len = unit, len(p)
     return best
+
+
+def check_file(root, path, unit, rows, allowed):
+    """The problems of one source file's includes, and how many includes it has."""
+    problems, checked = [], 0
+    with open(os.path.join(root, path), encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            m = INCLUDE.match(line)
+            if m:
+                checked += 1
+                problems += check_quoted(root, f"{path}:{number}", unit, m.group(1), rows, allowed)
+                continue
+            m = SYSTEM_INCLUDE.match(line)
+            if m:
+                library = next((name for name, pattern in THIRD_PARTY.items()
+                                if pattern.search(m.group(1))), None)
+                if library is None:
+                    continue
+                checked += 1
+                if library not in allowed[unit][1]:
+                    problems.append(f"{path}:{number}: {unit} may not include {library}'s "
+                                    f"<{m.group(1)}>")
+    return problems, checked
+
+
+def check_quoted(root, where, unit, target, rows, allowed):
+    if not os.path.isfile(os.path.join(root, target)):
+        return [f"{where}: includes \"{target}\", which is not a path from the repository root"]
+    to = unit_of(target, rows)
+    if to is None:
+        return [f"{where}: includes \"{target}\", which is in no unit of the layer table"]
+    if to not in allowed[unit][0]:
+        return [f"{where}: {unit} may not include {to} (\"{target}\")"]
+    return []
 
 
 def main():
@@ -76,7 +127,7 @@ def main():
         return 2
     root = sys.argv[1]
     rows = read_table(os.path.join(root, "docs", "architecture.md"))
-    allowed = {unit: deps | {unit} for unit, _, deps in rows}
+    allowed = {unit: (deps | {unit}, libraries) for unit, _, deps, libraries in rows}
     problems, checked = [], 0
     for top in CHECKED:
         for folder, _, files in os.walk(os.path.join(root, top)):
@@ -88,24 +139,9 @@ def main():
                 if unit is None:
                     problems.append(f"{path}: in no unit of the layer table")
                     continue
-                with open(os.path.join(root, path), encoding="utf-8") as f:
-                    for number, line in enumerate(f, 1):
-                        m = INCLUDE.match(line)
-                        if not m:
-                            continue
-                        checked += 1
-                        target = m.group(1)
-                        if not os.path.isfile(os.path.join(root, target)):
-                            problems.append(f"{path}:{number}: includes \"{target}\", which is "
-                                            "not a path from the repository root")
-                            continue
-                        to = unit_of(target, rows)
-                        if to is None:
-                            problems.append(f"{path}:{number}: includes \"{target}\", which is "
-                                            "in no unit of the layer table")
-                        elif to not in allowed[unit]:
-                            problems.append(f"{path}:{number}: {unit} may not include {to} "
-                                            f"(\"{target}\")")
+                found, n = check_file(root, path, unit, rows, allowed)
+                problems += found
+                checked += n
     for p in problems:
         print(p)
     if problems:

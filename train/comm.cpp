@@ -5,7 +5,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

@@ -14,7 +14,7 @@
 #include <cstdio>
 #include <thread>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "train/comm.h"
 #ifdef KVLAB_WITH_NCCL
 #include "autograd/backend/collectives.h"

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <thread>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "checkpoints/checkpoint.h"
 #include "train/trainer.h"
 

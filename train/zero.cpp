@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "autograd/backend/dispatch.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "checkpoints/model_io.h"
 
 namespace kvlab {

@@ -1,6 +1,5 @@
 #include "apps/ablate/ablate.h"
 
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -17,7 +16,8 @@
 #include "apps/report/report.h"
 #include "apps/train_progress.h"
 #include "autograd/graph.h"
-#include "autograd/host/cpu.h"
+#include "platform/blas_core.h"
+#include "platform/cpu.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
 #include "infer/bench.h"
@@ -568,8 +568,8 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   results["machine"] = {{"cpu", host_cpu_model()}, {"threads", omp_get_max_threads()}};
   results["versions"] = {{"kvlab", KVLAB_VERSION},
                          {"compiler", __VERSION__},
-                         {"openblas", openblas_get_config()},
-                         {"openblas_kernels", openblas_get_corename()}};
+                         {"openblas", kvlab::blas_config()},
+                         {"openblas_kernels", kvlab::blas_kernels()}};
   results["kv_budget_bytes"] = cfg.kv_budget_bytes;
   results["kv_dtype"] = dtype_name(cfg.kv_dtype);
   results["dtype_bytes"] = dtype_size(cfg.kv_dtype);

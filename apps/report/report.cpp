@@ -18,7 +18,7 @@
 #include <sstream>
 
 #include "apps/report/svg_plot.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 
 extern char** environ;
 

@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "apps/serve/server.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "data/tokenizer.h"
 #include "infer/engine.h"
 #include "infer/sampler.h"

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

@@ -13,7 +13,7 @@
 
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "autograd/tensor.h"
 
 namespace kvtest {

@@ -12,7 +12,7 @@
 #include <limits>
 #include <sstream>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "checkpoints/checkpoint.h"
 #include "tests/test_dir.h"
 

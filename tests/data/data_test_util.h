@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab::testing {
 

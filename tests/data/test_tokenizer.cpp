@@ -1,7 +1,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "data/tokenizer.h"
 #include "tests/data/data_test_util.h"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "data/tokenizer.h"
 #include "infer/kv_cache.h"
 #include "nn/gpt.h"

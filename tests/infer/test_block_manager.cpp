@@ -4,7 +4,7 @@
 #include <random>
 #include <vector>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "infer/block_manager.h"
 
 namespace kvlab {

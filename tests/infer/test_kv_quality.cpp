@@ -12,7 +12,7 @@
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "infer/block_manager.h"
 #include "infer/decode_step.h"
 #include "infer/engine.h"

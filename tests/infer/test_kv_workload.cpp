@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "infer/kv_workload.h"
 
 namespace kvlab {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "autograd/graph.h"
 #include "infer/decode_step.h"
 #include "infer/paged_kv_cache.h"

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <set>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "infer/sampler.h"
 
 namespace kvlab {

@@ -5,7 +5,7 @@
 #include <map>
 #include <tuple>
 
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "infer/engine.h"
 #include "infer/scheduler.h"
 #include "infer_test_util.h"

@@ -8,7 +8,7 @@
 
 #include "autograd/backend/collectives.h"
 #include "autograd/backend/cuda/runtime.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 #include "train/comm.h"
 
 namespace kvlab {

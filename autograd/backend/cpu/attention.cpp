@@ -10,7 +10,7 @@
 #include "autograd/backend/cpu/kv_quant.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/backend/kernels.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab::cpu {
 

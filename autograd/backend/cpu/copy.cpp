@@ -3,8 +3,8 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/index.h"
 #include "autograd/backend/kernels.h"
-#include "autograd/error.h"
-#include "autograd/host/parallel.h"
+#include "platform/error.h"
+#include "platform/parallel.h"
 
 namespace kvlab::cpu {
 

@@ -3,8 +3,8 @@
 #include "autograd/backend/cpu/index.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/backend/kernels.h"
-#include "autograd/host/parallel.h"
-#include "autograd/random.h"
+#include "platform/parallel.h"
+#include "platform/random.h"
 
 namespace kvlab::cpu {
 

@@ -6,7 +6,7 @@
 
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/backend/kernels.h"
-#include "autograd/host/parallel.h"
+#include "platform/parallel.h"
 
 namespace kvlab::cpu {
 

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "autograd/backend/kernels.h"
-#include "autograd/host/parallel.h"
+#include "platform/parallel.h"
 
 namespace kvlab::cpu {
 

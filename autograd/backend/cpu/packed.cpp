@@ -5,7 +5,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/dot_simd.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab::cpu {
 

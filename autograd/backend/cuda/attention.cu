@@ -18,7 +18,7 @@
 
 #include "autograd/backend/cuda/common.cuh"
 #include "autograd/backend/kernels.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab::cuda {
 namespace {

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "autograd/error.h"
+#include "platform/error.h"
 
 namespace kvlab::cuda {
 

@@ -2,7 +2,7 @@
 // grids, per-block partials summed in index order), so results do not vary between runs.
 #include "autograd/backend/cuda/common.cuh"
 #include "autograd/backend/kernels.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab::cuda {
 

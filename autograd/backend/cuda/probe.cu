@@ -7,7 +7,7 @@
 
 #include "autograd/backend/cuda/common.cuh"
 #include "autograd/backend/cuda/runtime.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab::cuda {
 

@@ -34,7 +34,7 @@ if grep -qw avx2 /proc/cpuinfo; then  # SSE3 kernels named on a CPU with wider v
   check "--version notes narrower named kernels" 0 "unset OPENBLAS_CORETYPE" -- env OPENBLAS_CORETYPE=Prescott "$KVLAB" --version
 fi
 # With OMP_PROC_BIND set, libgomp binds the first thread before main(), and kvlab re-executes
-# itself to set GOMP_SPINCOUNT (autograd/host/threads.cpp): the new program must still
+# itself to set GOMP_SPINCOUNT (platform/threads.cpp): the new program must still
 # see every place, not the first one's CPUs alone.
 if [ "$(nproc)" -ge 2 ]; then
   places=$(env -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY OMP_PROC_BIND=true OMP_DISPLAY_ENV=true \

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "apps/report/report.h"
-#include "autograd/error.h"
+#include "platform/error.h"
 #include "tests/apps/report/xml_check.h"
 #include "tests/test_dir.h"
 

@@ -14,7 +14,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kernels.h"
-#include "autograd/random.h"
+#include "platform/random.h"
 
 namespace kvlab {
 namespace {

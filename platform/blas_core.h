@@ -9,3 +9,13 @@ extern "C" const char* kvlab_blas_core_named();
 // OPENBLAS_CORETYPE named them, and kvlab leaves a named choice alone; or the BLAS cannot pick
 // again), else nullptr.
 extern "C" const char* kvlab_blas_core_wider();
+
+namespace kvlab {
+
+// The BLAS's identity, as `--version` and every result's machine record name it: OpenBLAS's
+// build configuration, and the kernels it runs on this CPU. Declared here so that nothing
+// above the platform includes <cblas.h> for them.
+const char* blas_config();
+const char* blas_kernels();
+
+}  // namespace kvlab

@@ -1,4 +1,4 @@
-#include "autograd/host/blas_core.h"
+#include "platform/blas_core.h"
 
 #include <cblas.h>
 
@@ -55,3 +55,11 @@ const char* wider_core(std::string_view core) {
 extern "C" const char* kvlab_blas_core_named() { return named; }
 
 extern "C" const char* kvlab_blas_core_wider() { return wider_core(openblas_get_corename()); }
+
+namespace kvlab {
+
+const char* blas_config() { return openblas_get_config(); }
+
+const char* blas_kernels() { return openblas_get_corename(); }
+
+}  // namespace kvlab

@@ -1,4 +1,4 @@
-// autograd/host/blas_core.cpp: OpenBLAS runs kernels made for the CPU's widest vectors, never
+// platform/blas_core.cpp: OpenBLAS runs kernels made for the CPU's widest vectors, never
 // narrower ones (its SSE3 fallback) on a CPU with AVX2 or AVX-512, and the kernels kvlab named
 // are the ones it runs, so that nothing notes wider ones.
 #include <cblas.h>
@@ -8,7 +8,7 @@
 #include <set>
 #include <string>
 
-#include "autograd/host/blas_core.h"
+#include "platform/blas_core.h"
 
 namespace kvlab {
 namespace {

@@ -1,4 +1,4 @@
-#include "autograd/host/threads.h"
+#include "platform/threads.h"
 
 #include <omp.h>
 #include <sched.h>

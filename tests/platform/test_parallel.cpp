@@ -1,4 +1,4 @@
-// autograd/host/parallel.h: the fused decode step's SpinBarrier. No thread may leave a crossing
+// platform/parallel.h: the fused decode step's SpinBarrier. No thread may leave a crossing
 // before every thread has arrived at it, and every write made before it must be seen after
 // it, also when a waiter has spun long enough to fall back to yielding.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "autograd/host/parallel.h"
+#include "platform/parallel.h"
 
 namespace kvlab {
 namespace {
