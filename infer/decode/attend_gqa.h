@@ -17,7 +17,7 @@ namespace kvlab::decode {
 // at the row's position). With own groups nothing ends it (the thread's groups' heads are
 // whole here); otherwise its rotation runs between two barriers of its own, since a head's
 // rows may come from two threads.
-static inline void gqa_project(ThreadStep& ts, const BlockRef& blk) {
+static inline void gqa_project(const ThreadStep& ts, const BlockRef& blk) {
   const Step& s = ts.st;
   const int64_t B = s.B, C = s.C, NH = s.NH, NKV = s.NKV, HS = s.HS, KVD = s.KVD, G = s.G;
   const int64_t g0 = ts.rows.g0, g1 = ts.rows.g1;
@@ -81,18 +81,18 @@ static inline void gqa_store(const ThreadStep& ts, const CacheRef& kv, size_t l)
 // or every nt-th task of the batch. Task i of the batch: row b = i / (NKV * parts), and that
 // row's task i % (NKV * parts). Ended by the driver's barrier after the attention stage.
 template <class KV>
-static inline void gqa_attend(ThreadStep& ts, const CacheRef& kv) {
+static inline void gqa_attend(const ThreadStep& ts, RowAttention& att, const CacheRef& kv) {
   const Step& s = ts.st;
   const int64_t B = s.B, C = s.C, NKV = s.NKV, parts = ts.parts;
   const bool paged = kv.rows.blocks != nullptr;
   auto task = [&](int64_t i) {
     const int64_t b = i / (NKV * parts);
-    ts.shape.kv_lengths = s.lengths + b;
-    if (paged) ts.row_blocks.table = kv.rows.blocks->table + b * ts.row_blocks.width;
+    att.shape.kv_lengths = s.lengths + b;
+    if (paged) att.row_blocks.table = kv.rows.blocks->table + b * att.row_blocks.width;
     cpu::attention_decode_task<float, KV>(s.buf.att + b * C, s.qv, s.buf.q + b * C, s.qv,
                                           static_cast<const KV*>(kv.rows.k[b]), kv.k_strides,
                                           static_cast<const KV*>(kv.rows.v[b]), kv.v_strides,
-                                          ts.shape, i - b * NKV * parts, parts, ts.work);
+                                          att.shape, i - b * NKV * parts, parts, ts.work);
   };
   if (ts.rows.own_groups)
     for (int64_t b = 0; b < B; ++b)
@@ -103,14 +103,14 @@ static inline void gqa_attend(ThreadStep& ts, const CacheRef& kv) {
 
 // Layer l's attention from ts.ln: its output y (B, C) in buf.att, which it returns. Ended by
 // the driver's barrier after it: c_proj reads every thread's heads.
-static inline const float* attend_gqa(ThreadStep& ts, const BlockRef& blk, const CacheRef& kv,
-                                      size_t l) {
-  ts.attend_layer(kv);
+static inline const float* attend_gqa(const ThreadStep& ts, RowAttention& att, const BlockRef& blk,
+                                      const CacheRef& kv, size_t l) {
+  att.layer(kv);
   gqa_project(ts, blk);
   kv.typed([&](auto tag) {
     using KV = typename decltype(tag)::type;
     gqa_store<KV>(ts, kv, l);
-    gqa_attend<KV>(ts, kv);
+    gqa_attend<KV>(ts, att, kv);
   });
   return ts.st.buf.att;
 }

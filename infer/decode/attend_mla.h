@@ -40,9 +40,11 @@ static inline void mla_project(const ThreadStep& ts, const BlockRef& blk) {
 // into latent form through its key rows of kv_up, W_uk (HS, R): q W_uk, then the rotary query
 // after it (forward_latent's queries, unscaled: the attention's scale is training's); for
 // h = NH, row b's latent normed, its rotary key turned, and the row stored into layer l's
-// cache rows kv. Ended by attend_mla's second barrier.
-static inline void mla_fold(const ThreadStep& ts, const BlockRef& blk, const CacheRef& kv,
-                            size_t l) {
+// cache rows kv. Ended by attend_mla's second barrier. always_inline here and on attend_mla:
+// GCC otherwise leaves one of them out of line, where the rest of the step compiles into the
+// driver's region as one function.
+[[gnu::always_inline]] static inline void mla_fold(const ThreadStep& ts, const BlockRef& blk,
+                                                   const CacheRef& kv, size_t l) {
   const Step& s = ts.st;
   const int64_t B = s.B, NH = s.NH, HS = s.HS, R = s.R, D = s.D, QW = s.QW, KW = s.KW;
   const float* w_up = blk.v.w;  // kv_up (NH 2 HS, R): per head its key rows, then value rows
@@ -81,7 +83,7 @@ static inline void mla_fold(const ThreadStep& ts, const BlockRef& blk, const Cac
 // cpu::attend_latent (a tile of heads through gemm's few-row products, so that each row is
 // read once a tile); bf16 and quantised ones, which it cannot read, the row kernel. Ended by
 // attend_mla's third barrier.
-static inline void mla_attend(ThreadStep& ts, const CacheRef& kv) {
+static inline void mla_attend(const ThreadStep& ts, RowAttention& att, const CacheRef& kv) {
   const Step& s = ts.st;
   const int64_t B = s.B, NH = s.NH, R = s.R, KW = s.KW;
   const bool paged = kv.rows.blocks != nullptr;
@@ -96,7 +98,7 @@ static inline void mla_attend(ThreadStep& ts, const CacheRef& kv) {
         const float* q = s.buf.v + (b * NH + h0) * KW;
         const int64_t heads = NH * (part + 1) / parts - h0;
         const auto* rows = static_cast<const float*>(kv.rows.k[b]);
-        const auto scale = static_cast<float>(ts.shape.scale);
+        const auto scale = static_cast<float>(att.shape.scale);
         if (paged) {
           const auto br = cpu::BlockRows<float>::of(rows, *kv.rows.blocks, b, kv.rows.pos_stride);
           cpu::attend_latent(y, q, heads, br, s.lengths[b], KW, R, scale, ts.work);
@@ -105,12 +107,12 @@ static inline void mla_attend(ThreadStep& ts, const CacheRef& kv) {
                              ts.work);
         }
       } else {
-        ts.shape.kv_lengths = s.lengths + b;
-        if (paged) ts.row_blocks.table = kv.rows.blocks->table + b * ts.row_blocks.width;
+        att.shape.kv_lengths = s.lengths + b;
+        if (paged) att.row_blocks.table = kv.rows.blocks->table + b * att.row_blocks.width;
         cpu::attention_decode_task<float, KV>(s.buf.att + b * NH * KW, s.qv, s.buf.v + b * NH * KW,
                                               s.qv, static_cast<const KV*>(kv.rows.k[b]),
                                               kv.k_strides, static_cast<const KV*>(kv.rows.v[b]),
-                                              kv.v_strides, ts.shape, i - b * parts, parts,
+                                              kv.v_strides, att.shape, i - b * parts, parts,
                                               ts.work);
       }
     }
@@ -141,14 +143,15 @@ static inline void mla_unfold(const ThreadStep& ts, const BlockRef& blk) {
 
 // Layer l's latent attention from ts.ln: its output y (B, C) in buf.q, which it returns.
 // Ended by the driver's barrier after it: c_proj reads every thread's heads.
-static inline const float* attend_mla(ThreadStep& ts, const BlockRef& blk, const CacheRef& kv,
-                                      size_t l) {
-  ts.attend_layer(kv);
+[[gnu::always_inline]] static inline const float* attend_mla(const ThreadStep& ts,
+                                                             RowAttention& att, const BlockRef& blk,
+                                                             const CacheRef& kv, size_t l) {
+  att.layer(kv);
   mla_project(ts, blk);
   ts.st.barrier.wait();  // the fold reads whole queries and latent rows
   mla_fold(ts, blk, kv, l);
   ts.st.barrier.wait();  // the attention reads every head's latent query and the stored row
-  mla_attend(ts, kv);
+  mla_attend(ts, att, kv);
   ts.st.barrier.wait();  // a head's output may be another thread's
   mla_unfold(ts, blk);
   return ts.st.buf.q;

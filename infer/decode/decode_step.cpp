@@ -198,7 +198,8 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
   // the MLP's one) are theirs.
 #pragma omp parallel num_threads(threads)
   {
-    ThreadStep ts(step, omp_get_thread_num(), omp_get_num_threads());
+    const ThreadStep ts(step, omp_get_thread_num(), omp_get_num_threads());
+    decode::RowAttention att(step.s);
     decode::embed(ts);
 #pragma omp single
     barrier.reset(ts.nt);  // its implicit barrier also ends the embedding
@@ -207,7 +208,7 @@ Tensor DecodeStep::forward(const Tensor& tokens_in, DecodeKVCache& cache) {
       const CacheRef& kv = step.caches[l];
       decode::norm(ts, blk.ln_1);
       const float* y =
-          mla ? decode::attend_mla(ts, blk, kv, l) : decode::attend_gqa(ts, blk, kv, l);
+          mla ? decode::attend_mla(ts, att, blk, kv, l) : decode::attend_gqa(ts, att, blk, kv, l);
       barrier.wait();  // c_proj reads every thread's heads
       decode::project_residual(ts, blk, y);
       barrier.wait();  // ln_2 reads the whole of x

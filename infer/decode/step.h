@@ -134,17 +134,14 @@ struct Step : StepDims {
   std::atomic<int64_t>& nonfinite;
 };
 
-// One thread's part of the step: its rows of each product, its own memory, and the attention
-// shape it points at each row in turn.
+// One thread's part of the step: its rows of each product and its own memory.
 struct ThreadStep {
   const Step& st;
   const int nt, t;
-  float* ln;              // (B, C): its copy of a LayerNorm's output
-  float* stats;           // its mean and rstd (B each)
-  float* scratch;         // MLA's: the normed query latents (B, RQ), or a latent row being normed
-  float* work;            // the attention's work memory
-  AttentionShape shape;   // S set per layer, kv_lengths per row
-  KVBlocks row_blocks{};  // a paged layer's block tables, table at the row being attended
+  float* ln;       // (B, C): its copy of a LayerNorm's output
+  float* stats;    // its mean and rstd (B each)
+  float* scratch;  // MLA's: the normed query latents (B, RQ), or a latent row being normed
+  float* work;     // the attention's work memory
   const StepRows rows;
   // Without own groups, with fewer KV groups than threads a group's query heads are shared
   // out too.
@@ -159,7 +156,6 @@ struct ThreadStep {
         stats(ln + step.B * step.C),
         scratch(stats + 2 * step.B),
         work(step.buf.work + t_ * step.work_size),
-        shape(step.s),
         rows(step.cfg, t_, nt_),
         parts(rows.own_groups ? 1 : std::clamp<int64_t>(nt_ / (step.B * step.NKV), 1, step.G)),
         packed_for_nt(step.refs.threads == nt_) {}
@@ -172,9 +168,17 @@ struct ThreadStep {
     int64_t none = -1;
     st.nonfinite.compare_exchange_strong(none, at);
   }
-  // Points the attention's shape at a layer's cache rows (a paged row is attended as a batch
-  // of 1 at its own block table).
-  void attend_layer(const CacheRef& kv) {
+};
+
+// One thread's attention shape, pointed at each row in turn (apart from ThreadStep, which no
+// stage changes).
+struct RowAttention {
+  AttentionShape shape;   // S set per layer, kv_lengths per row
+  KVBlocks row_blocks{};  // a paged layer's block tables, table at the row being attended
+  explicit RowAttention(const AttentionShape& s) : shape(s) {}
+  // Points the shape at a layer's cache rows (a paged row is attended as a batch of 1 at its
+  // own block table).
+  void layer(const CacheRef& kv) {
     shape.S = kv.S;
     const bool paged = kv.rows.blocks != nullptr;
     if (paged) row_blocks = *kv.rows.blocks;
