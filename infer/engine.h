@@ -12,10 +12,10 @@
 // Decode: one batched forward per step with T = 1 over the rows still running; each row's
 // position and keys continue from its own cache length (AttentionOptions::kv_lengths). On the
 // CPU such a step (f32, no gradients) runs in the engine's DecodeStep, fused, rather than
-// through GPT::forward op by op (infer/decode_step.h); every other forward is the model's. A row
-// stops on its own (max_new_tokens, a stop string, the context limit); finished rows leave
-// the batch (the last running row's cache moves into the freed slot), so later steps do not
-// spend time on them.
+// through GPT::forward op by op (infer/decode/decode_step.h); every other forward is the
+// model's. A row stops on its own (max_new_tokens, a stop string, the context limit); finished
+// rows leave the batch (the last running row's cache moves into the freed slot), so later steps
+// do not spend time on them.
 //
 // Context limit: a model attends over at most block_size positions (the most its training
 // saw). A row whose cache holds block_size positions has produced the token predicted from
@@ -52,7 +52,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
-#include "infer/decode_step.h"
+#include "infer/decode/decode_step.h"
 #include "infer/kv_cache.h"
 #include "infer/paged_kv_cache.h"
 #include "infer/sampler.h"

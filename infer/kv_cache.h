@@ -1,6 +1,7 @@
 #pragma once
-// KV caches for generation. GPT::forward talks to the abstract KVCache of nn/kv_cache_interface.h
-// (append one forward's keys and values, then advance); DecodeStep (infer/decode_step.h)
+// KV caches for generation. GPT::forward talks to the abstract KVCache of
+// nn/kv_cache_interface.h (append one forward's keys and values, then advance); DecodeStep
+// (infer/decode/decode_step.h)
 // writes and reads a cache's memory itself, through DecodeKVCache::layer_rows. The engine
 // also needs to reset rows, prefill one row or a run of rows on its own, and drop finished
 // rows from the batch.

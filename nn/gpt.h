@@ -7,7 +7,7 @@
 // groups: MHA to MQA) or DeepSeek-V2's multi-head latent attention (attn "mla").
 // Training calls forward without a cache; inference calls it in a no-grad scope with one.
 // forward runs op by op, on every device: it is the reference that infer/'s fused CPU decode
-// step (infer/decode_step.h) is tested against.
+// step (infer/decode/decode_step.h) is tested against.
 #include <memory>
 #include <span>
 #include <string>
@@ -149,7 +149,7 @@ class GPT : public Module {
   // Rounds the matrices of the products (each block's six, seven with SwiGLU, and the LM
   // head, which tied is the token table) to bf16 in place, to nearest even; biases, norms and
   // the position table stay f32. The model is then one with bf16 matrices on every path and device, and the
-  // fused CPU decode step (infer/decode_step.h) reads them in half the bytes.
+  // fused CPU decode step (infer/decode/decode_step.h) reads them in half the bytes.
   void round_matrices_to_bf16();
   // RoPE's table (rope_table, of config().rope_dim()) in the model's dtype on its device,
   // made once per device and dtype: block_size positions, or at least `positions` for a cache row that dropped its front

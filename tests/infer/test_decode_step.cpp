@@ -1,4 +1,4 @@
-// The fused CPU decode step (infer/decode_step.cpp) against the op path it replaces
+// The fused CPU decode step (infer/decode/decode_step.cpp) against the op path it replaces
 // (GPT::forward with a cache): the same logits and the same cache contents at every step, for
 // every n_kv_head, every cache dtype and thread counts that split the products unevenly.
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "infer/bench.h"
-#include "infer/decode_step.h"
+#include "infer/decode/decode_step.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/kv_quality.h"

@@ -14,7 +14,7 @@
 #include "autograd/ops/ops.h"
 #include "platform/random.h"
 #include "infer/block_manager.h"
-#include "infer/decode_step.h"
+#include "infer/decode/decode_step.h"
 #include "infer/engine.h"
 #include "infer/kv_quality.h"
 #include "infer/paged_kv_cache.h"

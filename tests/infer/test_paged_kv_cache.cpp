@@ -1,6 +1,6 @@
 // PagedKVCache (infer/paged_kv_cache.h): the op path over a paged cache gives the logits of the
 // op path over a ContiguousKVCache, through prompts that end inside, at and past a block's end,
-// and decode steps after them; so does the fused decode step (infer/decode_step.h), which
+// and decode steps after them; so does the fused decode step (infer/decode/decode_step.h), which
 // writes and reads the blocks through their tables.
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -14,7 +14,7 @@
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "platform/error.h"
 #include "autograd/graph.h"
-#include "infer/decode_step.h"
+#include "infer/decode/decode_step.h"
 #include "infer/paged_kv_cache.h"
 #include "tests/infer/infer_test_util.h"
 

@@ -1,11 +1,11 @@
 #pragma once
 // DecodeStep: the Engine's decode step on the CPU (a cache, T = 1, no gradients, f32), fused
 // in one OpenMP parallel region instead of GPT::forward's op by op (decode_step.cpp says how
-// and why). It is an inference concern built from a const GPT&: it reads the model's weights
-// and never changes the model. GPT::forward stays the reference, which prefill, training, the
-// GPU and recompute use; since this writes the block's forward a second time,
-// tests/infer/test_decode_step.cpp compares the two at every step, so that a change to the
-// model that is not made here too fails there.
+// and why; its stages are the other files of infer/decode/). It is an inference concern built from
+// a const GPT&: it reads the model's weights and never changes the model. GPT::forward stays the
+// reference, which prefill, training, the GPU and recompute use; since this writes the block's
+// forward a second time, tests/infer/test_decode_step.cpp compares the two at every step, so that a
+// change to the model that is not made here too fails there.
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -17,7 +17,9 @@
 
 namespace kvlab {
 
-struct DecodeRefs;  // the step's pointers into the model and its packed weights (decode_step.cpp)
+namespace decode {
+struct DecodeRefs;  // the step's pointers into the model and its packed weights (packed_weights.h)
+}
 
 class DecodeStep {
  public:
@@ -73,19 +75,19 @@ class DecodeStep {
   bool packing_applies() const;
 
   const GPT& model_;
-  std::vector<int64_t> lengths_;  // each row's, this step's position included
+  std::vector<int64_t> lengths_;    // each row's, this step's position included
   std::vector<int32_t> positions_;  // each row's new position (length - 1), for RoPE
   // For each thread of the step (omp_get_max_threads at packing), its rows of each matrix
   // (per layer q, k, v, c_proj, c_fc, mlp c_proj, SwiGLU's c_up, then the LM head), each
   // packed on their own in one of cpu::pack_weight's forms, one after another in pack_'s f32
-  // words, each from a 64-byte boundary: f32 (packed_weight_size(rows, in) words) or, for a matrix whose values
-  // are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
+  // words, each from a 64-byte boundary: f32 (packed_weight_size(rows, in) words) or, for a matrix
+  // whose values are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
   // PackGuard lives (pack_users_ of them) by steps on that many threads.
   Tensor pack_;
   int pack_users_ = 0;
   // The step's pointers into the weights and into pack_, taken by the last pack() for the
   // steps its guards cover (a step without one takes its own).
-  std::shared_ptr<const DecodeRefs> refs_;
+  std::shared_ptr<const decode::DecodeRefs> refs_;
   // The block the step's buffers (StepBuffers) are carved from, grown when a step needs more.
   Tensor buffers_;
 };
