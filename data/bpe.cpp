@@ -392,8 +392,8 @@ BpeTokenizer BpeTokenizer::from_gpt2(std::string_view vocab_json, std::string_vi
                   "' is not in vocab.json");
       return it->second;
     };
-    const int32_t token = find(left + right);
-    merges.push_back({find(left), find(right), token});
+    const int32_t left_id = find(left), right_id = find(right), token = find(left + right);
+    merges.push_back({left_id, right_id, token});
     made[static_cast<size_t>(token)] = true;
   }
   // Phase 3: what is neither a byte nor merged is special, and must come last.

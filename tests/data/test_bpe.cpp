@@ -239,6 +239,47 @@ TEST_F(BpeReference, Gpt2EqualsTiktoken) {
   expect_same_as_tiktoken(dir_, "gpt2", SplitPattern::Gpt2);
 }
 
+// GPT-2's vocab.json spells each byte as a printable character (bytes_to_unicode in OpenAI's
+// encoder.py): the printable Latin-1 bytes as themselves, the rest as U+0100 upwards.
+std::string gpt2_spelling(std::string_view bytes) {
+  std::string out;
+  for (const char c : bytes) {
+    const auto b = static_cast<uint8_t>(c);
+    uint32_t cp = b, next = 256;
+    const auto printable = [](uint32_t x) {
+      return (x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
+    };
+    if (!printable(b)) {
+      for (uint32_t x = 0; x < b; ++x) next += printable(x) ? 0 : 1;
+      cp = next;
+    }
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+  return out;
+}
+
+// A vocabulary written as GPT-2's vocab.json + merges.txt imports to the same tokenizer.
+TEST(Bpe, Gpt2FilesImportToTheSameTokenizer) {
+  const BpeTokenizer base = train_bpe(sample_corpus() + kTorture, 600, SplitPattern::Gpt2);
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int id = 0; id < base.vocab_size(); ++id)
+    vocab[id == base.vocab_size() - 1 ? base.token(id) : gpt2_spelling(base.token(id))] = id;
+  std::string merges = "#version: 0.2\n";
+  for (const BpeMerge& m : base.merges())
+    merges += gpt2_spelling(base.token(m.left)) + " " + gpt2_spelling(base.token(m.right)) + "\n";
+  const BpeTokenizer imported = BpeTokenizer::from_gpt2(vocab.dump(), merges, SplitPattern::Gpt2);
+  EXPECT_EQ(imported, base);
+  EXPECT_EQ(imported.encode(kTorture), base.encode(kTorture));
+  EXPECT_THAT(
+      error_message([&] { BpeTokenizer::from_gpt2(vocab.dump(), "a zzz\n", SplitPattern::Gpt2); }),
+      HasSubstr("merges.txt, line 1: 'zzz' is not in vocab.json"));
+}
+
 TEST_F(BpeReference, Cl100kEqualsTiktoken) {
   expect_same_as_tiktoken(dir_, "cl100k_base", SplitPattern::Cl100k);
 }
