@@ -34,24 +34,50 @@ struct MergeTarget {
 using MergeMap = std::unordered_map<uint64_t, MergeTarget>;
 
 // Merges adjacent pieces, always the lowest-ranked merge first (the leftmost of equals), until
-// no merge applies. ranks[i] is the rank of the pair (pieces[i], pieces[i + 1]).
+// no merge applies. The pieces form a linked list and the candidate pairs a min-heap of (rank,
+// position), entries going stale as their pieces merge: O(n log n), where rescanning for the
+// best pair after each merge would make a long chunk (a run of spaces) quadratic.
 void apply_merges(std::vector<int32_t>& pieces, const MergeMap& merges) {
-  if (pieces.size() < 2) return;
-  const auto rank_of = [&](size_t i) {
-    const auto it = merges.find(pair_key(pieces[i], pieces[i + 1]));
-    return it == merges.end() ? INT32_MAX : it->second.rank;
+  const auto n = static_cast<int32_t>(pieces.size());
+  if (n < 2) return;
+  struct Candidate {
+    int32_t rank, pos, left, right;  // pair (left, right) at pos and the piece after it
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
   };
-  std::vector<int32_t> ranks(pieces.size() - 1);
-  for (size_t i = 0; i + 1 < pieces.size(); ++i) ranks[i] = rank_of(i);
-  while (!ranks.empty()) {
-    const size_t best = std::min_element(ranks.begin(), ranks.end()) - ranks.begin();
-    if (ranks[best] == INT32_MAX) break;
-    pieces[best] = merges.at(pair_key(pieces[best], pieces[best + 1])).token;
-    pieces.erase(pieces.begin() + static_cast<std::ptrdiff_t>(best) + 1);
-    ranks.erase(ranks.begin() + static_cast<std::ptrdiff_t>(best));
-    if (best < ranks.size()) ranks[best] = rank_of(best);
-    if (best > 0) ranks[best - 1] = rank_of(best - 1);
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  std::vector<int32_t> prev(static_cast<size_t>(n)), next(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i)
+    prev[static_cast<size_t>(i)] = i - 1, next[static_cast<size_t>(i)] = i + 1;
+  const auto offer = [&](int32_t i) {  // the pair starting at piece i, if it merges
+    if (i < 0) return;
+    const int32_t j = next[static_cast<size_t>(i)];
+    if (j >= n) return;
+    const int32_t l = pieces[static_cast<size_t>(i)], r = pieces[static_cast<size_t>(j)];
+    const auto it = merges.find(pair_key(l, r));
+    if (it != merges.end()) heap.push({it->second.rank, i, l, r});
+  };
+  for (int32_t i = 0; i + 1 < n; ++i) offer(i);
+  std::vector<bool> gone(static_cast<size_t>(n));
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    const auto i = static_cast<size_t>(c.pos);
+    const int32_t j = next[i];
+    if (gone[i] || j >= n || pieces[i] != c.left || pieces[static_cast<size_t>(j)] != c.right)
+      continue;  // stale: one of its pieces merged since
+    pieces[i] = merges.at(pair_key(c.left, c.right)).token;
+    gone[static_cast<size_t>(j)] = true;
+    next[i] = next[static_cast<size_t>(j)];
+    if (next[i] < n) prev[static_cast<size_t>(next[i])] = c.pos;
+    offer(prev[i]);
+    offer(c.pos);
   }
+  size_t out = 0;  // piece 0 is never merged away: only right-hand pieces go
+  for (int32_t i = 0; i < n; i = next[static_cast<size_t>(i)])
+    pieces[out++] = pieces[static_cast<size_t>(i)];
+  pieces.resize(out);
 }
 
 std::string pcre2_message(int code) {

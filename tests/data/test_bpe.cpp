@@ -81,6 +81,11 @@ TEST(Bpe, RoundTripsAnyBytes) {
        {std::string("\xff\xfe"), std::string("ab\xc3"), std::string("\xe2\x82 x"),
         std::string("\xed\xa0\x80"), std::string("\xc0\xaf hi \xf5"), std::string(1, '\0')})
     EXPECT_EQ(tok.decode(tok.encode(bad)), bad);
+  // One chunk of 10^6 bytes: merging stays O(n log n), not a rescan per merge.
+  for (const char c : {' ', 'a', '\xff'}) {
+    const std::string run(1000000, c);
+    EXPECT_EQ(tok.decode(tok.encode(run)), run);
+  }
 }
 
 TEST(Bpe, SplitCoversEveryByte) {
