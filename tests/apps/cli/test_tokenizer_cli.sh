@@ -33,6 +33,8 @@ tok=$work/tok.h5
 check "train" 0 "wrote $tok: bpe, pattern kvlab, 300 tokens (256 bytes, 43 merges, 1 special)" -- \
   "$KVLAB" tokenizer train --corpus "$work/corpus.txt" --vocab-size 300 --out "$tok"
 check "inspect" 0 "special: 299 <|endoftext|>" -- "$KVLAB" tokenizer inspect --tokenizer "$tok"
+check "kvlab inspect counts a bpe vocabulary's tokens" 0 "tokenizer: bpe, 300 symbols" -- \
+  "$KVLAB" inspect "$tok"
 check "inspect --json" 0 '"pattern": "kvlab"' -- "$KVLAB" tokenizer inspect --tokenizer "$tok" --json
 for input in corpus.txt odd.txt empty.txt; do
   "$KVLAB" tokenizer encode --tokenizer "$tok" "$work/$input" > "$work/ids.txt" &&
