@@ -32,6 +32,17 @@ std::string model_problem(const Checkpoint& c, const std::string& file, int64_t 
   return "";
 }
 
+// Tokens in the file's vocabulary: a bpe vocabulary is packed (docs/checkpoint-format.md), so
+// its array's length is not its size; -1 when it does not unpack.
+int64_t tokenizer_size(const Checkpoint& c) {
+  if (c.tokenizer_kind != "bpe") return static_cast<int64_t>(c.tokenizer_vocab.size());
+  try {
+    return BpeTokenizer::unpack(c.tokenizer_vocab).vocab_size();
+  } catch (const Error&) {
+    return -1;
+  }
+}
+
 void run_inspect(const InspectArgs& a) {
   // One load: a damaged training state is reported with the rest of the file (--resume refuses
   // such a file; generate and bench read only the model).
@@ -48,7 +59,7 @@ void run_inspect(const InspectArgs& a) {
     nlohmann::json j;
     for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
     j["parameters"] = n_params;
-    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", c.tokenizer_vocab.size()}};
+    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c)}};
     for (const auto& [name, arr] : c.model)
       j["tensors"].push_back(
           {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
@@ -73,9 +84,9 @@ void run_inspect(const InspectArgs& a) {
       else std::printf("%lld\n", static_cast<long long>(x));
     }, v);
   }
-  std::printf("\ntokenizer: %s, %zu symbols\nparameters: %lld in %zu tensors\n",
-              c.tokenizer_kind.c_str(), c.tokenizer_vocab.size(), static_cast<long long>(n_params),
-              c.model.size());
+  std::printf("\ntokenizer: %s, %lld symbols\nparameters: %lld in %zu tensors\n",
+              c.tokenizer_kind.c_str(), static_cast<long long>(tokenizer_size(c)),
+              static_cast<long long>(n_params), c.model.size());
   bool any_non_finite = false;
   for (const auto& [name, arr] : c.model) {
     const int64_t bad = count_non_finite(arr);

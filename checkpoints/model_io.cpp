@@ -198,6 +198,16 @@ Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& fil
   return Tokenizer::byte_level();  // unreachable
 }
 
+void save_tokenizer(const std::filesystem::path& file, const Tokenizer& tok) {
+  Checkpoint ckpt;
+  put_tokenizer(ckpt, tok);
+  save_checkpoint(file, ckpt);
+}
+
+Tokenizer load_tokenizer(const std::filesystem::path& file) {
+  return get_tokenizer(load_checkpoint(file, false), file);
+}
+
 void put_optimizer(Checkpoint& ckpt, const AdamW& opt) {
   ckpt.has_optimizer = true;
   ckpt.optimizer_step = opt.step_count();

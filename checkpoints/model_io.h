@@ -38,6 +38,11 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
 
 void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok);
 Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file);
+// A tokenizer file (tok.h5): a checkpoint holding only /tokenizer (and an empty /config and
+// /model), sealed and checked like any other.
+void save_tokenizer(const std::filesystem::path& file, const Tokenizer& tok);
+// The tokenizer of a tokenizer file or of a model checkpoint.
+Tokenizer load_tokenizer(const std::filesystem::path& file);
 
 void put_optimizer(Checkpoint& ckpt, const AdamW& opt);
 void get_optimizer(AdamW& opt, const Checkpoint& ckpt, const std::filesystem::path& file);

@@ -75,6 +75,9 @@ class Reader {
 };
 
 TokenCache tokenize(std::string_view text, TokenizerKind kind, const std::string& what) {
+  KVLAB_CHECK(kind != TokenizerKind::Bpe, what,
+              ": a bpe tokenizer is trained first (kvlab tokenizer train); char and byte are "
+              "built from the corpus");
   Tokenizer tokenizer =
       kind == TokenizerKind::Char ? Tokenizer::build_char(text, what) : Tokenizer::byte_level();
   std::vector<int32_t> ids = tokenizer.encode(text, what);

@@ -99,7 +99,17 @@ std::string unknown_message(std::string_view what, const std::vector<uint32_t>& 
 
 }  // namespace
 
-std::string kind_name(TokenizerKind kind) { return kind == TokenizerKind::Char ? "char" : "byte"; }
+std::string kind_name(TokenizerKind kind) {
+  switch (kind) {
+    case TokenizerKind::Char:
+      return "char";
+    case TokenizerKind::Byte:
+      return "byte";
+    case TokenizerKind::Bpe:
+      return "bpe";
+  }
+  return "?";
+}
 
 Tokenizer Tokenizer::build_char(std::string_view utf8_text, std::string_view what) {
   KVLAB_CHECK(!utf8_text.empty(), what, ": text is empty, so there is no vocabulary to build");
@@ -122,6 +132,7 @@ Tokenizer Tokenizer::byte_level() {
 
 Tokenizer Tokenizer::from_vocab(TokenizerKind kind, std::vector<uint32_t> code_points) {
   KVLAB_CHECK(!code_points.empty(), "tokenizer: ", kvlab::kind_name(kind), " vocabulary is empty");
+  if (kind == TokenizerKind::Bpe) return bpe(BpeTokenizer::unpack(code_points));
   for (size_t i = 1; i < code_points.size(); ++i) {
     KVLAB_CHECK(code_points[i - 1] < code_points[i],
                 "tokenizer: vocabulary must be sorted and unique, but entry ", i, " (",
@@ -140,13 +151,21 @@ Tokenizer Tokenizer::from_vocab(TokenizerKind kind, std::vector<uint32_t> code_p
   return Tokenizer(kind, std::move(code_points));
 }
 
+Tokenizer Tokenizer::bpe(BpeTokenizer bpe) {
+  Tokenizer tok(TokenizerKind::Bpe, bpe.pack());
+  tok.bpe_ = std::make_shared<const BpeTokenizer>(std::move(bpe));
+  return tok;
+}
+
 TokenizerKind Tokenizer::parse_kind(std::string_view name) {
-  if (name == "char") return TokenizerKind::Char;
-  if (name == "byte") return TokenizerKind::Byte;
-  throw Error(detail::cat("tokenizer: unknown kind '", name, "' (expected 'char' or 'byte')"));
+  for (const auto kind : {TokenizerKind::Char, TokenizerKind::Byte, TokenizerKind::Bpe})
+    if (name == kvlab::kind_name(kind)) return kind;
+  throw Error(
+      detail::cat("tokenizer: unknown kind '", name, "' (expected 'char', 'byte' or 'bpe')"));
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, std::string_view what) const {
+  if (bpe_) return bpe_->encode(text);
   std::vector<int32_t> ids;
   ids.reserve(text.size());
   if (kind_ == TokenizerKind::Byte) {
@@ -169,6 +188,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, std::string_view w
 }
 
 void Tokenizer::append_token(std::string& out, int32_t id) const {
+  if (bpe_) {
+    out += bpe_->token(id);
+    return;
+  }
   KVLAB_CHECK(id >= 0 && id < vocab_size(), "decode: token id ", id, " is out of range [0, ",
               vocab_size(), ")");
   const uint32_t cp = vocab_[static_cast<size_t>(id)];

@@ -1,17 +1,22 @@
 #pragma once
-// Character- and byte-level tokenizers. A token id is an index into vocab(): the sorted Unicode
-// code points of the training text (char) or the byte values 0..255 (byte).
+// Character-, byte- and BPE-level tokenizers. For char and byte, a token id is an index into
+// vocab(): the sorted Unicode code points of the training text (char) or the byte values
+// 0..255 (byte). A bpe tokenizer is a trained byte-level BPE vocabulary (data/bpe.h).
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "data/bpe.h"
+
 namespace kvlab {
 
-enum class TokenizerKind { Char, Byte };
+enum class TokenizerKind { Char, Byte, Bpe };
 
-// "char" or "byte": the names used on the command line, in checkpoints and in cache file names.
+// "char", "byte" or "bpe": the names used on the command line, in checkpoints and in cache
+// file names.
 std::string kind_name(TokenizerKind kind);
 
 class Tokenizer {
@@ -20,23 +25,32 @@ class Tokenizer {
   static Tokenizer build_char(std::string_view utf8_text, std::string_view what = "corpus");
   static Tokenizer byte_level();
   // Restores a vocabulary (from a checkpoint): sorted, unique, non-empty; char entries must be
-  // Unicode scalar values, a byte vocabulary must be exactly 0..255.
+  // Unicode scalar values, a byte vocabulary must be exactly 0..255; bpe's is
+  // BpeTokenizer::pack()'s words.
   static Tokenizer from_vocab(TokenizerKind kind, std::vector<uint32_t> code_points);
+  static Tokenizer bpe(BpeTokenizer bpe);
   static TokenizerKind parse_kind(std::string_view name);
 
   TokenizerKind kind() const { return kind_; }
   std::string kind_name() const { return kvlab::kind_name(kind_); }
-  int vocab_size() const { return static_cast<int>(vocab_.size()); }
+  int vocab_size() const { return bpe_ ? bpe_->vocab_size() : static_cast<int>(vocab_.size()); }
+  // Char and byte: the code points. Bpe: BpeTokenizer::pack()'s words, what a checkpoint holds.
   const std::vector<uint32_t>& vocab() const { return vocab_; }
+  // The BPE vocabulary of a bpe tokenizer, else null.
+  const BpeTokenizer* bpe() const { return bpe_.get(); }
 
   // Char kind: throws on invalid UTF-8 and lists every distinct character missing from the
   // vocabulary. `what` names the text in errors ("prompt").
   std::vector<int32_t> encode(std::string_view text, std::string_view what = "text") const;
-  // UTF-8 out; the byte kind returns the raw bytes, which need not be valid UTF-8.
+  // Bpe takes any bytes (special tokens' text is encoded as ordinary text).
+  // UTF-8 out; byte and bpe return the raw bytes, which need not be valid UTF-8 (a bpe token
+  // can end inside a character: BpeTokenizer's Utf8StreamDecoder joins them for printing).
   std::string decode(std::span<const int32_t> ids) const;
   std::string decode_one(int32_t id) const;
 
-  bool operator==(const Tokenizer&) const = default;
+  bool operator==(const Tokenizer& o) const {
+    return kind_ == o.kind_ && vocab_ == o.vocab_;  // a bpe vocab_ is its packed vocabulary
+  }
 
  private:
   Tokenizer(TokenizerKind kind, std::vector<uint32_t> vocab)
@@ -44,7 +58,8 @@ class Tokenizer {
   void append_token(std::string& out, int32_t id) const;
 
   TokenizerKind kind_;
-  std::vector<uint32_t> vocab_;  // (V,) code point or byte value of each id
+  std::vector<uint32_t> vocab_;  // (V,) code point or byte value of each id; bpe: packed
+  std::shared_ptr<const BpeTokenizer> bpe_;
 };
 
 }  // namespace kvlab

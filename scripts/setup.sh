@@ -2,15 +2,16 @@
 # Installs what kvlab needs from Debian's packages (idempotent: only missing packages are
 # installed) and writes the default corpus, the King James Bible, to data/corpora/.
 # --tests adds what only the tests (and the PyTorch baselines in bench/) run: Python with
-# h5py, NumPy and PyTorch (python3-torch and what it depends on are large), and Node.js with
-# the openai npm client (tests/apps/openai_client) that drives `kvlab serve`.
+# h5py, NumPy, regex and PyTorch (python3-torch and what it depends on are large), and Node.js
+# with the openai npm client (tests/apps/openai_client) that drives `kvlab serve` and tiktoken
+# (tests/data/tiktoken), the reference for the BPE tokenizer's ids.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-openmp-dev libhdf5-dev libgtest-dev libgmock-dev
-  libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libopenmpi-dev openmpi-bin
+  libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libopenmpi-dev openmpi-bin libpcre2-dev
   librsvg2-bin bible-kjv
 )
 with_tests=0
@@ -18,7 +19,7 @@ for arg in "$@"; do
   case "$arg" in
     --tests)
       with_tests=1
-      packages+=(python3 python3-numpy python3-h5py python3-torch)
+      packages+=(python3 python3-numpy python3-h5py python3-regex python3-torch)
       # A Node.js already on PATH is kept: NodeSource's bundles npm and conflicts with Debian's.
       command -v node >/dev/null || packages+=(nodejs)
       command -v npm >/dev/null || packages+=(npm)
@@ -41,15 +42,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The openai client pinned by tests/apps/openai_client/package-lock.json; reinstalled when
-# the lock file is newer than the installed package.
-client=tests/apps/openai_client
-if [ "$with_tests" -eq 1 ] &&
-  { [ ! -f "$client/node_modules/openai/package.json" ] ||
-    [ "$client/package-lock.json" -nt "$client/node_modules/openai/package.json" ]; }; then
-  echo "setup: installing the openai npm client in $client"
-  npm ci --prefix "$client" --no-audit --no-fund --loglevel=error
-fi
+# The npm packages the tests drive, each pinned by its folder's package-lock.json: the openai
+# client and tiktoken; reinstalled when the lock file is newer than the installed package.
+for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken; do
+  folder=${pair%%:*}
+  package=${pair##*:}
+  if [ "$with_tests" -eq 1 ] &&
+    { [ ! -f "$folder/node_modules/$package/package.json" ] ||
+      [ "$folder/package-lock.json" -nt "$folder/node_modules/$package/package.json" ]; }; then
+    echo "setup: installing the $package npm package in $folder"
+    npm ci --prefix "$folder" --no-audit --no-fund --loglevel=error
+  fi
+done
 
 # The default corpus: bible-kjv ships the text as a verse database read by the `bible`
 # program; dump Genesis 1:1 to Revelation 22:21 as plain text, chapter headings kept and

@@ -32,6 +32,7 @@ THIRD_PARTY = {
     "openmp": re.compile(r"omp\.h$"),
     "hdf5": re.compile(r"(hdf5\w*|H5\w*)\.h$"),
     "mpi": re.compile(r"mpi\.h$"),
+    "pcre2": re.compile(r"pcre2\.h$"),
     "nccl": re.compile(r"nccl\w*\.h$"),
     "cuda": re.compile(r"(cuda\w*|cublas\w*|cub/.*|thrust/.*|device_launch_parameters)\.h$|^cub/|^thrust/"),
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 
@@ -186,6 +187,59 @@ TEST(TrainingState, ProblemsAreNamed) {
   bad = c;
   bad.rng_state[0] = bad.rng_state[1] = bad.rng_state[2] = 0;  // three zero words are a state
   EXPECT_TRUE(training_state_problems(bad).empty());
+}
+
+}  // namespace
+}  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+class TokenizerFileTest : public testing::TestDirFixture {
+ protected:
+  TokenizerFileTest() : TestDirFixture("kvlab-tokenizer-file") {}
+};
+
+// A BPE tokenizer round-trips through a tokenizer file and through a model checkpoint.
+TEST_F(TokenizerFileTest, BpeRoundTripsThroughHdf5) {
+  std::string corpus;
+  for (int i = 0; i < 200; ++i) corpus += "the lord's word, the world " + std::to_string(i) + "\n";
+  const Tokenizer tok = Tokenizer::bpe(train_bpe(corpus, 300, SplitPattern::Gpt2));
+  const fs::path file = dir_ / "tok.h5";
+  save_tokenizer(file, tok);
+  const Tokenizer back = load_tokenizer(file);
+  EXPECT_EQ(back, tok);
+  ASSERT_NE(back.bpe(), nullptr);
+  EXPECT_EQ(*back.bpe(), *tok.bpe());
+  EXPECT_EQ(back.bpe()->pattern(), SplitPattern::Gpt2);
+  EXPECT_EQ(back.encode(corpus), tok.encode(corpus));
+
+  GPTConfig cfg;
+  cfg.vocab_size = tok.vocab_size();
+  cfg.block_size = 8;
+  cfg.n_layer = 1;
+  cfg.n_head = 2;
+  cfg.n_kv_head = 1;
+  cfg.n_embd = 8;
+  GPT model(cfg, 1);
+  Checkpoint c;
+  put_gpt_config(c.config, cfg);
+  put_tokenizer(c, tok);
+  c.model = to_arrays(model.named_parameters());
+  save_checkpoint(dir_ / "model.h5", c);
+  EXPECT_EQ(load_model(dir_ / "model.h5").tokenizer, tok);
+  EXPECT_EQ(load_tokenizer(dir_ / "model.h5"), tok);
+}
+
+TEST_F(TokenizerFileTest, NotATokenizerIsAClearError) {
+  const fs::path text = dir_ / "notes.h5";
+  std::ofstream(text) << "just some text\n";
+  try {
+    load_tokenizer(text);
+    ADD_FAILURE() << "loaded a text file as a tokenizer";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(text.string()), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -1,0 +1,111 @@
+#pragma once
+// Byte-level BPE: text is cut into chunks by a pre-split regex, each chunk's bytes start as
+// one token each and adjacent tokens are merged by the lowest-ranked merge until none applies
+// (GPT-2's and tiktoken's scheme). kvlab trains such vocabularies (train_bpe) and imports
+// GPT-2's vocab.json + merges.txt and tiktoken's rank files.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvlab {
+
+// The pre-split regexes: gpt2 (GPT-2, r50k_base), cl100k (cl100k_base) and kvlab, kvlab's own
+// vocabularies' name for the cl100k regex (letters, numbers in groups of up to three,
+// punctuation, whitespace runs).
+enum class SplitPattern { Gpt2, Cl100k, Kvlab };
+std::string pattern_name(SplitPattern pattern);
+SplitPattern parse_pattern(std::string_view name);
+const char* pattern_regex(SplitPattern pattern);
+
+// The chunks of a text under a pattern (PCRE2, JIT-compiled, Unicode properties). Every byte
+// lands in exactly one chunk: bytes that are not valid UTF-8 never match the regex and come
+// out as chunks of their own, so the chunks always concatenate to the text.
+class PreSplitter {
+ public:
+  explicit PreSplitter(SplitPattern pattern);
+  void split(std::string_view text, const std::function<void(std::string_view)>& on_chunk) const;
+  std::vector<std::string_view> split(std::string_view text) const;
+
+ private:
+  std::shared_ptr<void> code_;  // pcre2_code_8, freed with pcre2_code_free_8
+};
+
+struct BpeMerge {
+  int32_t left, right, token;  // left followed by right becomes token
+  bool operator==(const BpeMerge&) const = default;
+};
+
+class BpeTokenizer {
+ public:
+  // tokens: the bytes of every id; merges: in rank order (rank 0 applies first); the last
+  // n_special tokens are special (never produced by encode). Checked: exactly 256 single-byte
+  // tokens, each other ordinary token made by exactly one merge of two earlier-ranked ones.
+  static BpeTokenizer from_parts(SplitPattern pattern, std::vector<std::string> tokens,
+                                 std::vector<BpeMerge> merges, int n_special);
+  // A tiktoken rank file ("<base64 bytes> <rank>" per line, ranks 0..N-1); the merges are
+  // recovered by encoding each token with the merges of the lower ranks, which must leave two
+  // pieces. <|endoftext|> is appended as id N.
+  static BpeTokenizer from_tiktoken(std::string_view rank_file, SplitPattern pattern);
+  // GPT-2's vocab.json (token text under bytes_to_unicode -> id) and merges.txt.
+  static BpeTokenizer from_gpt2(std::string_view vocab_json, std::string_view merges_txt,
+                                SplitPattern pattern);
+
+  // The ids of the text; special tokens' text is encoded as ordinary text (tiktoken's
+  // encode_ordinary). Any bytes, valid UTF-8 or not; decode gives them back.
+  std::vector<int32_t> encode(std::string_view text) const;
+  std::string decode(std::span<const int32_t> ids) const;
+  const std::string& token(int32_t id) const;  // its bytes; throws for an id out of range
+
+  SplitPattern pattern() const { return pattern_; }
+  int vocab_size() const { return static_cast<int>(tokens_.size()); }
+  int n_special() const { return n_special_; }
+  const std::vector<std::string>& tokens() const { return tokens_; }
+  const std::vector<BpeMerge>& merges() const { return merges_; }
+
+  // One uint32 array holding everything (docs/checkpoint-format.md, /tokenizer/vocab of kind
+  // bpe) and back; unpack checks it as from_parts does.
+  std::vector<uint32_t> pack() const;
+  static BpeTokenizer unpack(std::span<const uint32_t> words);
+
+  bool operator==(const BpeTokenizer& other) const;
+
+ private:
+  struct Tables;  // split regex, byte and merge lookups, chunk cache
+  BpeTokenizer() = default;
+  std::vector<int32_t> encode_chunk(std::string_view chunk) const;
+
+  SplitPattern pattern_ = SplitPattern::Kvlab;
+  std::vector<std::string> tokens_;
+  std::vector<BpeMerge> merges_;
+  int n_special_ = 0;
+  std::shared_ptr<Tables> tables_;
+};
+
+// Called after each merge of training: merges done, merges wanted.
+using BpeProgress = std::function<void(int64_t done, int64_t total)>;
+
+// Trains a vocabulary of vocab_size tokens: 256 bytes (id = byte value), vocab_size - 256 -
+// specials.size() merges, then the special tokens. Throws when vocab_size leaves no room for
+// the bytes and specials, when the corpus is empty, and when it has fewer distinct adjacent
+// pairs to merge than wanted (the message gives the largest vocab_size the corpus supports).
+BpeTokenizer train_bpe(std::string_view corpus, int vocab_size, SplitPattern pattern,
+                       const BpeProgress& progress = {},
+                       const std::vector<std::string>& specials = {"<|endoftext|>"});
+
+// Joins the bytes of generated tokens into text that never ends inside a UTF-8 character: an
+// incomplete character is held back until its last byte arrives. Bytes that cannot become a
+// character are passed through as they are.
+class Utf8StreamDecoder {
+ public:
+  std::string push(std::string_view bytes);
+  std::string finish();  // what is held back, complete or not
+
+ private:
+  std::string pending_;
+};
+
+}  // namespace kvlab

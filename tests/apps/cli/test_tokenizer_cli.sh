@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# End-to-end checks of `kvlab tokenizer`: train -> inspect -> encode -> decode round trips
+# (files, stdin, --json, a model checkpoint's tokenizer refused where it is none), and bad
+# input that must give a one-line error and the documented exit code (2 usage, 1 runtime).
+set -u
+KVLAB=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+pass=0
+
+check() {  # check NAME EXPECTED_RC NEEDLE -- command...
+  local name=$1 want=$2 needle=$3
+  shift 4
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  if [ "$rc" -ne "$want" ] || ! grep -qF -- "$needle" <<<"$out"; then
+    echo "FAIL $name: rc=$rc (want $want), output:"
+    echo "$out" | tail -5
+    fails=$((fails + 1))
+  else
+    pass=$((pass + 1))
+  fi
+}
+
+for i in $(seq 300); do echo "the lord is my shepherd; i shall not want $((i * 37)). Don't!"; done > "$work/corpus.txt"
+printf 'h\xc3\xa9llo \xff\xfe w\xe2\x82orld\n' > "$work/odd.txt"
+: > "$work/empty.txt"
+echo "not an hdf5 file" > "$work/fake.h5"
+tok=$work/tok.h5
+
+check "train" 0 "wrote $tok: bpe, pattern kvlab, 300 tokens (256 bytes, 43 merges, 1 special)" -- \
+  "$KVLAB" tokenizer train --corpus "$work/corpus.txt" --vocab-size 300 --out "$tok"
+check "inspect" 0 "special: 299 <|endoftext|>" -- "$KVLAB" tokenizer inspect --tokenizer "$tok"
+check "kvlab inspect counts a bpe vocabulary's tokens" 0 "tokenizer: bpe, 300 symbols" -- \
+  "$KVLAB" inspect "$tok"
+check "inspect --json" 0 '"pattern": "kvlab"' -- "$KVLAB" tokenizer inspect --tokenizer "$tok" --json
+for input in corpus.txt odd.txt empty.txt; do
+  "$KVLAB" tokenizer encode --tokenizer "$tok" "$work/$input" > "$work/ids.txt" &&
+    "$KVLAB" tokenizer decode --tokenizer "$tok" "$work/ids.txt" > "$work/back.txt"
+  check "round trip of $input" 0 "" -- cmp "$work/$input" "$work/back.txt"
+done
+# stdin in, a JSON array out, and back in through stdin.
+"$KVLAB" tokenizer encode --tokenizer "$tok" --json < "$work/odd.txt" > "$work/ids.json"
+check "encode --json is an array" 0 "[" -- head -c 1 "$work/ids.json"
+"$KVLAB" tokenizer decode --tokenizer "$tok" < "$work/ids.json" > "$work/back.txt"
+check "round trip through stdin and JSON" 0 "" -- cmp "$work/odd.txt" "$work/back.txt"
+
+check "vocab size too small" 2 "--vocab-size 100 is below the 256 bytes plus <|endoftext|>" -- \
+  "$KVLAB" tokenizer train --corpus "$work/corpus.txt" --vocab-size 100 --out "$work/x.h5"
+check "empty corpus" 1 "the corpus is empty" -- \
+  "$KVLAB" tokenizer train --corpus "$work/empty.txt" --vocab-size 300 --out "$work/x.h5"
+check "corpus too small for the vocab" 1 "supports a vocab size of at most" -- \
+  "$KVLAB" tokenizer train --corpus "$work/odd.txt" --vocab-size 5000 --out "$work/x.h5"
+check "missing corpus" 1 "cannot read $work/nosuch.txt" -- \
+  "$KVLAB" tokenizer train --corpus "$work/nosuch.txt" --vocab-size 300 --out "$work/x.h5"
+check "unknown pattern" 2 "--pattern" -- \
+  "$KVLAB" tokenizer train --corpus "$work/corpus.txt" --vocab-size 300 --pattern o200k --out "$work/x.h5"
+check "not a tokenizer file" 1 "$work/fake.h5" -- "$KVLAB" tokenizer encode --tokenizer "$work/fake.h5" "$work/odd.txt"
+check "bad id" 1 "decode: 'x1' is not a token id" -- \
+  bash -c "echo '1 x1' | '$KVLAB' tokenizer decode --tokenizer '$tok'"
+check "id out of range" 1 "token id 300 is out of range [0, 300)" -- \
+  bash -c "echo '300' | '$KVLAB' tokenizer decode --tokenizer '$tok'"
+check "import needs a source" 2 "takes either --tiktoken FILE or --vocab FILE --merges FILE" -- \
+  "$KVLAB" tokenizer import --out "$work/x.h5"
+check "import --tiktoken needs --pattern" 2 "needs --pattern" -- \
+  "$KVLAB" tokenizer import --tiktoken "$work/corpus.txt" --out "$work/x.h5"
+check "import a file that is no rank file" 1 "tiktoken rank file, line 1" -- \
+  "$KVLAB" tokenizer import --tiktoken "$work/corpus.txt" --pattern gpt2 --out "$work/x.h5"
+check "no subcommand" 2 "'kvlab tokenizer' needs a command (commands: train, import" -- "$KVLAB" tokenizer
+
+echo "tokenizer cli: $pass passed, $fails failed"
+[ "$fails" -eq 0 ]
