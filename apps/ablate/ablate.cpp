@@ -472,9 +472,8 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   v["mlp_hidden"] = mc.hidden();
   {
     // Measured by the inference engine's cache for one full-context sequence.
-    ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.cache_heads(), mc.cache_width(),
-                            cfg.kv_dtype, cfg.base.device, kv_cache_scales(*lm.model, cfg.kv_dtype),
-                            mc.mla());
+    ContiguousKVCache cache(kv_cache_layout(mc, cfg.kv_dtype), 1, mc.block_size, cfg.base.device,
+                            kv_cache_scales(*lm.model, cfg.kv_dtype));
     const int64_t measured = cache.bytes();
     const int64_t formula = kv_cache_formula_bytes(mc, 1, mc.block_size, cfg.kv_dtype);
     v["cache_bytes_context_measured"] = measured;
