@@ -20,11 +20,11 @@
 #include "autograd/host/cpu.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
-#include "infer/bench.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_quality.h"
-#include "infer/kv_workload.h"
+#include "infer/measure/bench.h"
+#include "infer/measure/kv_quality.h"
+#include "infer/measure/kv_workload.h"
 #include "train/output_dir.h"
 
 namespace kvlab {
@@ -294,7 +294,7 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
 
 }
 
-// What n_kv_head buys a server: the serving workload (infer/kv_workload.h; 256 requests,
+// What n_kv_head buys a server: the serving workload (infer/measure/kv_workload.h; 256 requests,
 // lengths scaled to the context) at one KV memory for every variant, that of 16 full-context
 // sequences of the multi-head model, through the paged and the contiguous layouts. Blocks of
 // 16 positions, fewer for a short context (at most a sixteenth of it): a sequence's last

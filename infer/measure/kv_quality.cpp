@@ -1,4 +1,4 @@
-#include "infer/kv_quality.h"
+#include "infer/measure/kv_quality.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +14,8 @@ namespace kvlab {
 
 Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
   const GPTConfig& c = model.config();
-  KVLAB_CHECK(tokens.dim() == 2, "kv cache quality: tokens must be (B, T), got ", tokens.shape_str());
+  KVLAB_CHECK(tokens.dim() == 2, "kv cache quality: tokens must be (B, T), got ",
+              tokens.shape_str());
   const NoGradGuard no_grad;
   ContiguousKVCache cache(kv_cache_layout(c, dtype), tokens.size(0), tokens.size(1), Device::CPU,
                           kv_cache_scales(model, dtype));
