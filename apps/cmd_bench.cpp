@@ -24,9 +24,9 @@
 #include "platform/blas_core.h"
 #include "platform/cpu.h"
 #include "checkpoints/model_io.h"
-#include "infer/bench.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_quality.h"
+#include "infer/measure/bench.h"
+#include "infer/measure/kv_quality.h"
 
 namespace kvlab {
 

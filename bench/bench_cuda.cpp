@@ -11,8 +11,8 @@
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 #include "bench/bench_util.h"
-#include "infer/bench.h"
 #include "infer/engine.h"
+#include "infer/measure/bench.h"
 #include "nn/adamw.h"
 #include "nn/gpt.h"
 

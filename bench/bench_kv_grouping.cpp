@@ -15,12 +15,11 @@
 //
 //   bench_kv_grouping --ckpt FILE [--data FILE] [--windows 512] [--json out.json]
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -30,7 +29,7 @@
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_quality.h"
+#include "infer/measure/kv_quality.h"
 
 using namespace kvlab;
 using nlohmann::json;

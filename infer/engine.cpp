@@ -10,8 +10,7 @@
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "platform/random.h"
-#include "infer/kv_quality.h"
-#include "infer/stop_filter.h"
+#include "infer/kv_scales.h"
 
 namespace kvlab {
 
@@ -39,18 +38,6 @@ std::string prompt_problem(std::span<const int32_t> ids, int64_t vocab_size, int
                        " tokens, more than the model's context of block_size = ", block_size,
                        " tokens");
   return "";
-}
-
-const char* stop_reason_name(StopReason r) {
-  switch (r) {
-    case StopReason::MaxNewTokens:
-      return "max_new_tokens";
-    case StopReason::StopString:
-      return "stop_string";
-    case StopReason::ContextLimit:
-      return "context_limit";
-  }
-  return "?";
 }
 
 void GenerateOptions::validate() const {
@@ -99,24 +86,16 @@ double GenerationStats::tpot_quantile_s(double q) const {
 // ---- engine ------------------------------------------------------------------------------
 
 namespace {
-struct Row {
-  std::vector<int32_t> seq;  // prompt + generated tokens
-  int64_t prompt_len = 0;
-  int64_t window_start = 0;  // seq index at position 0 of the model's current window
-  int64_t generated = 0;
+// A row is its sequence and what the result reports of it.
+struct Row : Sequence {
   bool done = false;
   StopReason reason = StopReason::MaxNewTokens;
   int64_t slides = 0;
   double ttft_s = 0;
   std::string text;  // released text
-  StopStringFilter stop;
-  Sampler sampler;
 
-  Row(const GenerateOptions& o, uint64_t seed) : stop(o.stop), sampler(o.sampling, seed) {}
-  int64_t window_len() const { return static_cast<int64_t>(seq.size()) - window_start; }
-  std::span<const int32_t> window() const {
-    return {seq.data() + window_start, static_cast<size_t>(window_len())};
-  }
+  Row(std::span<const int32_t> prompt, const GenerateOptions& o, uint64_t row)
+      : Sequence(prompt, o.sampling, row, o.stop, o.max_new_tokens) {}
 };
 }  // namespace
 
@@ -149,7 +128,7 @@ class Engine::Generation {
   void finish(int64_t r, StopReason why);
   // Samples row r's next token from its logits (V), appends it, streams its text.
   void take(int64_t r, const float* logits);
-  // (1, T) of row's seq[from:].
+  // (1, T) of row's tokens[from:].
   Tensor window_tensor(const Row& row, int64_t from) const;
   void record_step(int64_t step, Clock::time_point t0, int64_t rows);
   // Samples the cache's utilisation and keeps its most bytes (and a paged cache's counts then).
@@ -211,13 +190,12 @@ std::vector<float> Engine::cache_scales() const { return kv_cache_scales(model_,
 
 GenerationKVCache& Engine::cache_for(int64_t batch, int64_t capacity) {
   if (paged_) return paged_cache_for(batch, capacity);
-  const GPTConfig& c = model_.config();  // fixed for the engine's life: only B and S vary
   std::vector<float> scales = cache_scales();
   if (!cache_ || cache_batch_ != batch || cache_capacity_ != capacity || scales != cache_scales_) {
     cache_.reset();  // free first
-    cache_ = std::make_unique<ContiguousKVCache>(c.n_layer, batch, capacity, c.cache_heads(),
-                                                 c.cache_width(), cache_dtype_, model_.device(),
-                                                 scales, c.mla());
+    // The layout is fixed for the engine's life: only B and S vary.
+    cache_ = std::make_unique<ContiguousKVCache>(kv_cache_layout(model_.config(), cache_dtype_),
+                                                 batch, capacity, model_.device(), scales);
     cache_batch_ = batch;
     cache_capacity_ = capacity;
     cache_scales_ = std::move(scales);
@@ -249,31 +227,24 @@ uint64_t model_cache_key(const GPT& model) {
 }
 
 GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
-  const GPTConfig& c = model_.config();
-  const int64_t bs = paged_->kv_block_size, per_row = (capacity + bs - 1) / bs;
-  const int64_t block_bytes = bs * kv_bytes_per_token(c, cache_dtype_);
-  const bool sized_by_call = paged_->pool_blocks == 0 && paged_->pool_bytes == 0;
-  const int64_t n_blocks = paged_->pool_blocks > 0  ? paged_->pool_blocks
-                           : paged_->pool_bytes > 0 ? paged_->pool_bytes / block_bytes
-                                                    : batch * per_row;
-  KVLAB_CHECK(n_blocks >= per_row, "engine: a paged KV cache of ", n_blocks, " blocks (",
-              n_blocks * block_bytes, " bytes) cannot hold one sequence of ", capacity,
-              " positions, which takes ", per_row, " blocks of ", bs, " positions (",
-              block_bytes, " bytes each)");
+  const KVCacheLayout layout = kv_cache_layout(model_.config(), cache_dtype_);
+  const KVPoolSize size = kv_pool_size(*paged_, layout, batch, capacity);
+  KVLAB_CHECK(size.holds_one_sequence(), "engine: a paged KV cache of ", size.blocks, " blocks (",
+              size.blocks * size.block_bytes, " bytes) cannot hold one sequence of ", capacity,
+              " positions, which takes ", size.per_sequence, " blocks of ", paged_->kv_block_size,
+              " positions (", size.block_bytes, " bytes each)");
   const uint64_t key = paged_->prefix_caching ? model_cache_key(model_) : 0;
   std::vector<float> scales = cache_scales();
   if (!blocks_ || key != model_key_ || scales != cache_scales_ ||
-      (sized_by_call ? blocks_->total_blocks() < n_blocks : blocks_->total_blocks() != n_blocks)) {
+      (size.fixed ? blocks_->total_blocks() != size.blocks
+                  : blocks_->total_blocks() < size.blocks)) {
     cache_.reset();  // free first: the new pools may take the same memory
     paged_cache_ = nullptr;
     blocks_.reset();
-    blocks_ = std::make_unique<BlockManager>(n_blocks, bs, key, paged_->prefix_caching);
-    // Its capacity is the context: the pool, not the cache, bounds what rows take.
-    auto cache = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.cache_heads(),
-                                                c.cache_width(), c.block_size, cache_dtype_, 0,
-                                                scales, c.mla());
-    paged_cache_ = cache.get();
-    cache_ = std::move(cache);
+    KVPool pool = make_kv_pool(layout, *paged_, size.blocks, key, scales);
+    blocks_ = std::move(pool.blocks);
+    paged_cache_ = pool.cache.get();
+    cache_ = std::move(pool.cache);
     model_key_ = key;
     cache_scales_ = std::move(scales);
   }
@@ -337,12 +308,10 @@ Engine::Generation::Generation(Engine& engine, const std::vector<std::vector<int
   for (int64_t r = 0; r < R; ++r) {
     const auto& p = prompts[static_cast<size_t>(r / opts.n)];
     const int64_t P = static_cast<int64_t>(p.size());
-    Row& row = rows_.emplace_back(opts, hash64(opts.sampling.seed, static_cast<uint64_t>(r)));
-    row.prompt_len = P;
+    Row& row = rows_.emplace_back(p, opts, static_cast<uint64_t>(r));
     row.window_start = P > block_ ? P - prompt_keep : 0;
     const int64_t room = reachable(P - row.window_start);
-    row.seq.reserve(static_cast<size_t>(P + room));
-    row.seq.assign(p.begin(), p.end());
+    row.tokens.reserve(static_cast<size_t>(P + room));
     row.text.reserve(static_cast<size_t>(room) * 2);
     max_window_ = std::max(max_window_, row.window_len());
   }
@@ -364,7 +333,7 @@ void Engine::Generation::finish(int64_t r, StopReason why) {
   if (rw.done) return;
   rw.done = true;
   rw.reason = why;
-  release(r, rw.stop.flush());
+  release(r, rw.flush());
   if (opts_.on_finish) opts_.on_finish(r, rw.text, why);
 }
 
@@ -372,17 +341,18 @@ void Engine::Generation::take(int64_t r, const float* logits) {
   Row& rw = row(r);
   const std::span<const float> l(logits, static_cast<size_t>(V_));
   if (opts_.on_logits) opts_.on_logits(r, rw.window(), l);
-  const int32_t tok = rw.sampler.sample(l);
-  rw.seq.push_back(tok);
-  if (++rw.generated == 1) rw.ttft_s = seconds(t_start_, Clock::now());
-  release(r, rw.stop.push(engine_.tokenizer_.decode_one(tok)));
-  if (rw.stop.stopped()) finish(r, StopReason::StopString);
-  if (!rw.done && rw.generated >= opts_.max_new_tokens) finish(r, StopReason::MaxNewTokens);
+  rw.sample(l);
+  if (rw.made == 1) rw.ttft_s = seconds(t_start_, Clock::now());
+  release(r, rw.release_last(engine_.tokenizer_));
+  // A full context ends the row, or slides it, before the next step's forward (decode_cached,
+  // decode_recompute).
+  const std::optional<StopReason> why = rw.stop_reason(block_);
+  if (why && *why != StopReason::ContextLimit) finish(r, *why);
 }
 
 Tensor Engine::Generation::window_tensor(const Row& row, int64_t from) const {
-  Tensor t = Tensor::empty({1, static_cast<int64_t>(row.seq.size()) - from}, DType::I32);
-  std::copy(row.seq.begin() + from, row.seq.end(), t.data<int32_t>());
+  Tensor t = Tensor::empty({1, static_cast<int64_t>(row.tokens.size()) - from}, DType::I32);
+  std::copy(row.tokens.begin() + from, row.tokens.end(), t.data<int32_t>());
   return t;
 }
 
@@ -470,7 +440,7 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
     for (size_t s = 0; s < slot_row.size(); ++s) {
       const int64_t r = slot_row[s];
       Row& rw = row(r);
-      if (cache.lengths()[s] < block_) continue;
+      if (!rw.context_full(block_)) continue;
       if (!opts_.slide) {
         finish(r, StopReason::ContextLimit);
         continue;
@@ -481,12 +451,12 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
         rw.window_start += drop_;
         continue;
       }
-      const int64_t n_seq = static_cast<int64_t>(rw.seq.size());
+      const int64_t n_seq = static_cast<int64_t>(rw.tokens.size());
       rw.window_start = n_seq - 1 - keep_;
       cache.reset_row(static_cast<int64_t>(s));
       if (keep_ == 0) continue;  // block_size 1: nothing to re-prefill
       Tensor known = Tensor::empty({1, keep_}, DType::I32);
-      std::copy(rw.seq.end() - 1 - keep_, rw.seq.end() - 1, known.data<int32_t>());
+      std::copy(rw.tokens.end() - 1 - keep_, rw.tokens.end() - 1, known.data<int32_t>());
       engine_.forward_cached(known, cache.rows(static_cast<int64_t>(s), 1));
     }
     compact();
@@ -494,7 +464,7 @@ void Engine::Generation::decode_cached(GenerationKVCache& cache) {
     const int64_t n = static_cast<int64_t>(slot_row.size());
     if (!tokens.defined() || tokens.size(0) != n) tokens = Tensor::empty({n, 1}, DType::I32);
     int32_t* tp = tokens.data<int32_t>();
-    for (int64_t s = 0; s < n; ++s) tp[s] = row(slot_row[static_cast<size_t>(s)]).seq.back();
+    for (int64_t s = 0; s < n; ++s) tp[s] = row(slot_row[static_cast<size_t>(s)]).tokens.back();
     const Tensor logits = engine_.forward_cached(tokens, cache).to(Device::CPU);  // (n, 1, V)
     const float* lp = logits.data<float>();
     for (int64_t s = 0; s < n; ++s) take(slot_row[static_cast<size_t>(s)], lp + s * V_);
@@ -522,12 +492,12 @@ void Engine::Generation::decode_recompute() {
     for (int64_t r = 0; r < static_cast<int64_t>(rows_.size()); ++r) {
       Row& rw = row(r);
       if (rw.done) continue;
-      if (rw.window_len() > block_) {
+      if (rw.context_full(block_)) {
         if (!opts_.slide) {
           finish(r, StopReason::ContextLimit);
           continue;
         }
-        rw.window_start = static_cast<int64_t>(rw.seq.size()) - 1 - keep_;
+        rw.window_start = static_cast<int64_t>(rw.tokens.size()) - 1 - keep_;
         ++rw.slides;
       }
       const Tensor logits =
@@ -548,12 +518,12 @@ GenerationResult Engine::Generation::result(const std::vector<std::vector<int32_
     Row& rw = rows_[b];
     RowResult& out = result_.rows[b];
     out.prompt = prompts[b / static_cast<size_t>(opts_.n)];
-    out.tokens.assign(rw.seq.begin() + rw.prompt_len, rw.seq.end());
+    out.tokens.assign(rw.tokens.begin() + rw.prompt_len, rw.tokens.end());
     out.text = std::move(rw.text);
     out.stop_reason = rw.reason;
     out.slides = rw.slides;
     out.ttft_s = rw.ttft_s;
-    st.new_tokens += rw.generated;
+    st.new_tokens += rw.made;
   }
   return std::move(result_);
 }

@@ -54,14 +54,13 @@
 #include "data/tokenizer.h"
 #include "infer/decode/decode_step.h"
 #include "infer/kv_cache.h"
+#include "infer/kv_pool.h"
 #include "infer/paged_kv_cache.h"
 #include "infer/sampler.h"
+#include "infer/sequence.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
-
-enum class StopReason { MaxNewTokens, StopString, ContextLimit };
-const char* stop_reason_name(StopReason r);  // "max_new_tokens", "stop_string", "context_limit"
 
 // How errors name prompt b of B: "prompt", or "prompt 2" among several.
 std::string prompt_name(int64_t b, int64_t B);
@@ -144,26 +143,6 @@ struct GenerationStats {
 struct GenerationResult {
   std::vector<RowResult> rows;
   GenerationStats stats;
-};
-
-// The paged KV cache (infer/paged_kv_cache.h) instead of the contiguous one: blocks of
-// kv_block_size positions from a pool, taken as rows grow and handed back as they finish. CPU
-// only. The pool: pool_blocks blocks, else as many as fit in pool_bytes, else (both 0) enough
-// for every row of the call to reach its capacity, so that generation never runs out and
-// behaves as with the contiguous cache (a pool sized so is kept while later calls fit in it).
-// A pool too small for one sequence of the call is a kvlab::Error before anything runs;
-// running out during a call is a kvlab::Error that names the pool, and the engine stays usable.
-//
-// The pool lives as long as the engine, and with prefix_caching the full blocks of ended
-// sequences stay there (until their blocks are needed), so a later prompt that begins with
-// the same tokens, in this call or a later one, takes them instead of computing them. Their
-// key begins with a hash of the model's configuration and weights, taken at each call: a
-// model whose weights changed never reads another's keys and values.
-struct PagedCacheOptions {
-  int64_t kv_block_size = 16;  // a power of two, at most the model's block_size
-  int64_t pool_blocks = 0;
-  int64_t pool_bytes = 0;
-  bool prefix_caching = true;
 };
 
 // The model's identity for prefix-cache keys: its shapes and a CRC-32 of every parameter's

@@ -26,13 +26,26 @@ int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int
   return B * S * kv_bytes_per_token(L, NKV, HS, dtype) + fp8_scale_bytes(L, NKV, dtype);
 }
 
+KVCacheLayout kv_cache_layout(const GPTConfig& c, DType dtype) {
+  return {.n_layer = c.n_layer,
+          .n_kv_head = c.cache_heads(),
+          .head_size = c.cache_width(),
+          .context = c.block_size,
+          .dtype = dtype,
+          .values_are_keys = c.mla()};
+}
+
 int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype) {
   return 2 * L * NKV * kv_row_bytes(dtype, HS);
 }
 
+int64_t kv_bytes_per_token(const KVCacheLayout& layout) {
+  const int64_t rows = layout.values_are_keys ? 1 : 2;  // K and V, or one row serving as both
+  return rows * layout.n_layer * layout.n_kv_head * kv_row_bytes(layout.dtype, layout.head_size);
+}
+
 int64_t kv_bytes_per_token(const GPTConfig& c, DType dtype) {
-  if (c.mla()) return c.n_layer * kv_row_bytes(dtype, c.cache_width());
-  return kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_size(), dtype);
+  return kv_bytes_per_token(kv_cache_layout(c, dtype));
 }
 
 int64_t kv_cache_formula_bytes(const GPTConfig& c, int64_t B, int64_t S, DType dtype) {
@@ -163,6 +176,11 @@ ContiguousKVCache::ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t
   offsets_.assign(static_cast<size_t>(max_batch), 0);
   range_ = std::make_unique<RowRange>(*this);
 }
+
+ContiguousKVCache::ContiguousKVCache(const KVCacheLayout& layout, int64_t max_batch,
+                                     int64_t capacity, Device device, std::vector<float> fp8_scales)
+    : ContiguousKVCache(layout.n_layer, max_batch, capacity, layout.n_kv_head, layout.head_size,
+                        layout.dtype, device, std::move(fp8_scales), layout.values_are_keys) {}
 
 ContiguousKVCache::~ContiguousKVCache() = default;
 

@@ -30,6 +30,21 @@
 
 namespace kvlab {
 
+// What a cache holds, whatever its kind: per layer and position, n_kv_head rows of head_size
+// values for K and for V (one row serving as both where values_are_keys: MLA's latent row),
+// stored as dtype; a row reaches at most `context` positions.
+struct KVCacheLayout {
+  int64_t n_layer = 0;
+  int64_t n_kv_head = 0;
+  int64_t head_size = 0;
+  int64_t context = 0;
+  DType dtype = DType::F32;
+  bool values_are_keys = false;
+};
+// Model c's cache of dtype: cache_heads() rows of cache_width() values, the context its
+// block_size.
+KVCacheLayout kv_cache_layout(const GPTConfig& c, DType dtype);
+
 // 2 (K and V) * L * B * S * NKV * kv_row_bytes(dtype, HS): what a (B, NKV, S, HS) cache per
 // layer for K and for V must take, a quantised row's scales included (kv_format.h). An fp8
 // cache also holds its 2 * L * NKV f32 scales, which this counts too.
@@ -37,6 +52,8 @@ int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int
                                DType dtype);
 // 2 * L * NKV * kv_row_bytes(dtype, HS): the bytes one position takes in every layer's K and V.
 int64_t kv_bytes_per_token(int64_t L, int64_t NKV, int64_t HS, DType dtype);
+// The same for a cache of `layout`: half that where values are keys (one row serves as both).
+int64_t kv_bytes_per_token(const KVCacheLayout& layout);
 // The same for model c's cache: its K and V heads, or MLA's one latent row of cache_width()
 // values per layer, which serves as key and value.
 int64_t kv_bytes_per_token(const GPTConfig& c, DType dtype);
@@ -151,6 +168,9 @@ class ContiguousKVCache final : public GenerationKVCache {
   ContiguousKVCache(int64_t n_layer, int64_t max_batch, int64_t capacity, int64_t n_kv_head,
                     int64_t head_size, DType dtype = DType::F32, Device device = Device::CPU,
                     std::vector<float> fp8_scales = {}, bool values_are_keys = false);
+  // Rows of `layout`, each reaching `capacity` positions.
+  ContiguousKVCache(const KVCacheLayout& layout, int64_t max_batch, int64_t capacity, Device device,
+                    std::vector<float> fp8_scales);
   ~ContiguousKVCache() override;
 
   // ---- KVCache ----

@@ -5,40 +5,36 @@
 
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
-#include "platform/random.h"
 
 namespace kvlab {
 
-// A request and its one sequence. tokens: the prompt, then every token made. While it
-// decodes, the cache holds positions [0, tokens.size() - 1): the last token made is fed by
+// A request and its one sequence. tokens(): the prompt, then every token made. While it
+// decodes, the cache holds positions [0, tokens().size() - 1): the last token made is fed by
 // the next decode. A prefill computes up to `target()` positions.
 struct Scheduler::Request {
   RequestId id;
   GenerateOptions options;
   RequestExtras extras;
-  std::vector<int32_t> tokens;
-  int64_t prompt_len;
-  int64_t made = 0;
-  SeqId seq = -1;         // its sequence while admitted, else -1
-  bool decoding = false;  // admitted and prefilled
-  Sampler sampler;
-  StopStringFilter stop;
+  Sequence sequence;
+  SeqId seq = -1;                             // its sequence's blocks while admitted, else -1
+  bool decoding = false;                      // admitted and prefilled
   std::vector<TokenLogprob> prompt_logprobs;  // gathered over the prefill's chunks
 
-  Request(RequestId i, std::vector<int32_t> prompt, const GenerateOptions& o,
+  Request(RequestId i, std::span<const int32_t> prompt, const GenerateOptions& o,
           const RequestExtras& x)
       : id(i),
         options(o),
         extras(x),
-        tokens(std::move(prompt)),
-        prompt_len(static_cast<int64_t>(tokens.size())),
-        sampler(o.sampling, hash64(o.sampling.seed, static_cast<uint64_t>(x.sample))),
-        stop(options.stop) {}
+        sequence(prompt, o.sampling, static_cast<uint64_t>(x.sample), options.stop,
+                 o.max_new_tokens) {}
+  const std::vector<int32_t>& tokens() const { return sequence.tokens; }
   // Its first prefill computes every prompt position's logits.
-  bool wants_prompt_logits() const { return extras.prompt_logprobs && made == 0; }
+  bool wants_prompt_logits() const { return extras.prompt_logprobs && sequence.made == 0; }
   // Positions the prefill computes: the whole prompt, or after a preemption everything but
   // the last token made.
-  int64_t target() const { return static_cast<int64_t>(tokens.size()) - (made > 0 ? 1 : 0); }
+  int64_t target() const {
+    return static_cast<int64_t>(tokens().size()) - (sequence.made > 0 ? 1 : 0);
+  }
 };
 
 Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
@@ -55,19 +51,17 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
   const int64_t bs = p.kv_block_size;
   KVLAB_CHECK(bs >= 1 && (bs & (bs - 1)) == 0 && bs <= c.block_size, "scheduler: kv_block_size ",
               bs, " must be a power of two of at most the context (", c.block_size, ")");
-  const int64_t per_seq = (c.block_size + bs - 1) / bs;
-  const int64_t block_bytes = bs * kv_bytes_per_token(c, engine.cache_dtype());
-  const int64_t n_blocks = p.pool_blocks > 0  ? p.pool_blocks
-                           : p.pool_bytes > 0 ? p.pool_bytes / block_bytes
-                                              : options.max_seqs * per_seq;
-  KVLAB_CHECK(n_blocks >= per_seq, "scheduler: a KV pool of ", n_blocks, " blocks (",
-              n_blocks * block_bytes, " bytes) cannot hold one sequence of the whole context (",
-              c.block_size, " positions, ", per_seq, " blocks)");
-  blocks_ = std::make_unique<BlockManager>(
-      n_blocks, bs, p.prefix_caching ? model_cache_key(engine.model()) : 0, p.prefix_caching);
-  cache_ = std::make_unique<PagedKVCache>(*blocks_, c.n_layer, c.cache_heads(), c.cache_width(),
-                                          c.block_size, engine.cache_dtype(), 0,
-                                          engine.cache_scales(), c.mla());
+  const KVCacheLayout layout = kv_cache_layout(c, engine.cache_dtype());
+  const KVPoolSize size = kv_pool_size(p, layout, options.max_seqs, c.block_size);
+  KVLAB_CHECK(size.holds_one_sequence(), "scheduler: a KV pool of ", size.blocks, " blocks (",
+              size.blocks * size.block_bytes,
+              " bytes) cannot hold one sequence of the whole context (", c.block_size,
+              " positions, ", size.per_sequence, " blocks)");
+  KVPool pool =
+      make_kv_pool(layout, p, size.blocks, p.prefix_caching ? model_cache_key(engine.model()) : 0,
+                   engine.cache_scales());
+  blocks_ = std::move(pool.blocks);
+  cache_ = std::move(pool.cache);
 }
 
 Scheduler::~Scheduler() = default;
@@ -84,7 +78,7 @@ RequestId Scheduler::add(std::vector<int32_t> prompt, const GenerateOptions& opt
               options.n, ", slide ", options.slide, ", cache ", options.use_cache, ")");
   KVLAB_CHECK(extras.sample >= 0, "scheduler: sample must be >= 0, got ", extras.sample);
   const RequestId id = next_id_++;
-  waiting_.push_back(std::make_unique<Request>(id, std::move(prompt), options, extras));
+  waiting_.push_back(std::make_unique<Request>(id, prompt, options, extras));
   return id;
 }
 
@@ -122,7 +116,7 @@ void Scheduler::preempt(Request& r) {
 void Scheduler::finish(Request& r, StopReason why, std::vector<SchedulerEvent>& events) {
   SchedulerEvent e;
   e.request = r.id;
-  e.text = r.stop.flush();
+  e.text = r.sequence.flush();
   e.finished = true;
   e.reason = why;
   if (!events.empty() && events.back().request == r.id && !events.back().finished) {
@@ -138,10 +132,10 @@ void Scheduler::finish(Request& r, StopReason why, std::vector<SchedulerEvent>& 
 
 void Scheduler::note_prompt(Request& r, const float* logits, int64_t done, int64_t chunk) {
   const int64_t V = engine_.model().config().vocab_size;
-  for (int64_t i = 0; i < chunk && done + i + 1 < r.prompt_len; ++i)
-    r.prompt_logprobs.push_back(token_logprob(
-        std::span<const float>(logits + i * V, static_cast<size_t>(V)),
-        r.tokens[static_cast<size_t>(done + i + 1)], r.extras.top_logprobs));
+  for (int64_t i = 0; i < chunk && done + i + 1 < r.sequence.prompt_len; ++i)
+    r.prompt_logprobs.push_back(
+        token_logprob(std::span<const float>(logits + i * V, static_cast<size_t>(V)),
+                      r.tokens()[static_cast<size_t>(done + i + 1)], r.extras.top_logprobs));
 }
 
 void Scheduler::take(Request& r, const float* logits, std::vector<SchedulerEvent>& events) {
@@ -156,21 +150,13 @@ void Scheduler::take(Request& r, const float* logits, std::vector<SchedulerEvent
     return;
   }
   const std::span<const float> row(logits, static_cast<size_t>(c.vocab_size));
-  const int32_t tok = r.sampler.sample(row);
-  r.tokens.push_back(tok);
-  ++r.made;
+  const int32_t tok = r.sequence.sample(row);
   e.token = tok;
-  e.text = std::string(r.stop.push(engine_.tokenizer().decode_one(tok)));
+  e.text = r.sequence.release_last(engine_.tokenizer());
   if (r.extras.top_logprobs >= 0) e.logprob = token_logprob(row, tok, r.extras.top_logprobs);
   events.push_back(std::move(e));
-  // As the engine: a stop string, then max_new_tokens, then the context (the cache would
-  // need a position past block_size for the token just made).
-  if (r.stop.stopped())
-    finish(r, StopReason::StopString, events);
-  else if (r.made >= r.options.max_new_tokens)
-    finish(r, StopReason::MaxNewTokens, events);
-  else if (static_cast<int64_t>(r.tokens.size()) - 1 >= c.block_size)
-    finish(r, StopReason::ContextLimit, events);
+  if (const std::optional<StopReason> why = r.sequence.stop_reason(c.block_size))
+    finish(r, *why, events);
 }
 
 void Scheduler::decode(std::vector<SchedulerEvent>& events) {
@@ -185,7 +171,7 @@ void Scheduler::decode(std::vector<SchedulerEvent>& events) {
     ids.clear();
     for (Request* r : rows) {
       seqs.push_back(r->seq);
-      ids.push_back(r->tokens.back());
+      ids.push_back(r->tokens().back());
     }
     cache_->set_rows(seqs);
     if (cache_->reserve(ids)) break;
@@ -221,7 +207,7 @@ void Scheduler::prefill(int64_t budget, std::vector<SchedulerEvent>& events) {
       fresh = true;
       r->seq = r->id;
       blocks_->add(r->seq);
-      if (!r->wants_prompt_logits()) blocks_->take_prefix(r->seq, r->tokens);
+      if (!r->wants_prompt_logits()) blocks_->take_prefix(r->seq, r->tokens());
     }
     const int64_t done = blocks_->length(r->seq);
     if (done == r->target()) {
@@ -235,7 +221,7 @@ void Scheduler::prefill(int64_t budget, std::vector<SchedulerEvent>& events) {
       continue;
     }
     const int64_t chunk = std::min(budget, r->target() - done);
-    const std::span<const int32_t> part(r->tokens.data() + done, static_cast<size_t>(chunk));
+    const std::span<const int32_t> part(r->tokens().data() + done, static_cast<size_t>(chunk));
     cache_->set_rows({r->seq});
     if (!cache_->reserve(part)) {
       if (fresh) {  // not admitted after all: it waits for blocks at the queue's head
@@ -264,7 +250,7 @@ void Scheduler::prefill(int64_t budget, std::vector<SchedulerEvent>& events) {
     if (done + chunk < r->target()) continue;  // more chunks in later steps
     r->decoding = true;
     const int64_t V = engine_.model().config().vocab_size;
-    if (r->made == 0) take(*r, logits.data<float>() + (all ? (chunk - 1) * V : 0), events);
+    if (r->sequence.made == 0) take(*r, logits.data<float>() + (all ? (chunk - 1) * V : 0), events);
   }
 }
 

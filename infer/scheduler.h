@@ -32,7 +32,6 @@
 #include "infer/engine.h"
 #include "infer/paged_kv_cache.h"
 #include "infer/sampler.h"
-#include "infer/stop_filter.h"
 
 namespace kvlab {
 

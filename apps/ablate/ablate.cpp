@@ -20,11 +20,11 @@
 #include "platform/cpu.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
-#include "infer/bench.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_quality.h"
-#include "infer/kv_workload.h"
+#include "infer/measure/bench.h"
+#include "infer/measure/kv_quality.h"
+#include "infer/measure/kv_workload.h"
 #include "train/output_dir.h"
 
 namespace kvlab {
@@ -294,7 +294,7 @@ void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
 
 }
 
-// What n_kv_head buys a server: the serving workload (infer/kv_workload.h; 256 requests,
+// What n_kv_head buys a server: the serving workload (infer/measure/kv_workload.h; 256 requests,
 // lengths scaled to the context) at one KV memory for every variant, that of 16 full-context
 // sequences of the multi-head model, through the paged and the contiguous layouts. Blocks of
 // 16 positions, fewer for a short context (at most a sixteenth of it): a sequence's last
@@ -472,9 +472,8 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   v["mlp_hidden"] = mc.hidden();
   {
     // Measured by the inference engine's cache for one full-context sequence.
-    ContiguousKVCache cache(mc.n_layer, 1, mc.block_size, mc.cache_heads(), mc.cache_width(),
-                            cfg.kv_dtype, cfg.base.device, kv_cache_scales(*lm.model, cfg.kv_dtype),
-                            mc.mla());
+    ContiguousKVCache cache(kv_cache_layout(mc, cfg.kv_dtype), 1, mc.block_size, cfg.base.device,
+                            kv_cache_scales(*lm.model, cfg.kv_dtype));
     const int64_t measured = cache.bytes();
     const int64_t formula = kv_cache_formula_bytes(mc, 1, mc.block_size, cfg.kv_dtype);
     v["cache_bytes_context_measured"] = measured;

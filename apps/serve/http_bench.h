@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "infer/bench.h"
 #include "infer/engine.h"
+#include "infer/measure/bench.h"
 
 namespace kvlab {
 

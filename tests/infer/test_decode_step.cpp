@@ -15,11 +15,11 @@
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
-#include "infer/bench.h"
 #include "infer/decode/decode_step.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_quality.h"
+#include "infer/measure/bench.h"
+#include "infer/measure/kv_quality.h"
 #include "infer_test_util.h"
 
 namespace kvlab {

@@ -10,8 +10,8 @@
 #include "autograd/backend/allocator.h"
 #include "autograd/graph.h"
 #include "checkpoints/model_io.h"
-#include "infer/bench.h"
 #include "infer/engine.h"
+#include "infer/measure/bench.h"
 #include "infer_test_util.h"
 #include "tests/test_dir.h"
 

@@ -1,5 +1,5 @@
 // The quantised caches through the model: cached decoding, token by token, gives the
-// evaluation mode's logits (infer/kv_quality.h: the window prefilled into a fresh cache of
+// evaluation mode's logits (infer/measure/kv_quality.h: the window prefilled into a fresh cache of
 // that dtype), so the loss the quality report gives is the loss a user gets; greedy text with
 // an int8 cache is f32's on a trained model; the report's figures are what they say.
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include "infer/block_manager.h"
 #include "infer/decode/decode_step.h"
 #include "infer/engine.h"
-#include "infer/kv_quality.h"
+#include "infer/measure/kv_quality.h"
 #include "infer/paged_kv_cache.h"
 #include "infer_test_util.h"
 #include "nn/adamw.h"

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "platform/error.h"
-#include "infer/kv_workload.h"
+#include "infer/measure/kv_workload.h"
 
 namespace kvlab {
 namespace {

@@ -9,9 +9,9 @@
 
 #include "platform/error.h"
 #include "platform/random.h"
-#include "infer/bench.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_workload.h"
+#include "infer/measure/bench.h"
+#include "infer/measure/kv_workload.h"
 #include "infer/scheduler.h"
 
 namespace kvlab {
@@ -20,7 +20,6 @@ namespace {
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
 
 // Nearest rank: the smallest value with at least q of the samples at or below it.
 double quantile(std::vector<double> v, double q) {
@@ -165,8 +164,8 @@ json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeli
     peak = std::max(peak, s.last_step().admitted);
     const BlockStats b = s.block_stats();
     if (b.in_use > 0) {
-      utilisation += static_cast<double>(b.positions) /
-                     static_cast<double>(b.in_use * so.cache.kv_block_size);
+      utilisation +=
+          static_cast<double>(b.positions) / static_cast<double>(b.in_use * so.cache.kv_block_size);
       ++steps;
     }
   }
@@ -184,8 +183,8 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   for (const double r : o.rates)
     KVLAB_CHECK(std::isfinite(r) && r > 0, "bench serve: request rates must be > 0, got ", r);
   const int64_t bytes_per_position = kv_bytes_per_token(c, o.cache_dtype);
-  const int64_t budget = o.budget_bytes > 0 ? o.budget_bytes
-                                            : 16 * c.block_size * bytes_per_position;
+  const int64_t budget =
+      o.budget_bytes > 0 ? o.budget_bytes : 16 * c.block_size * bytes_per_position;
   const int64_t slots = budget / (c.block_size * bytes_per_position);
   KVLAB_CHECK(slots >= 1, "bench serve: a KV memory of ", budget,
               " bytes holds no full-context sequence (", c.block_size * bytes_per_position,
@@ -193,10 +192,13 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   KVLAB_CHECK(o.samples <= slots, "bench serve: ", o.samples,
               " samples a request need as many rows of static batching, but its KV memory holds ",
               slots);
-  const std::vector<KVRequest> reqs = make_kv_workload(
-      {.requests = o.requests, .context = c.block_size, .samples = o.samples,
-       .system_prompt = o.system_prompt, .shared_fraction = o.shared_fraction,
-       .vocab_size = c.vocab_size, .seed = o.seed});
+  const std::vector<KVRequest> reqs = make_kv_workload({.requests = o.requests,
+                                                        .context = c.block_size,
+                                                        .samples = o.samples,
+                                                        .system_prompt = o.system_prompt,
+                                                        .shared_fraction = o.shared_fraction,
+                                                        .vocab_size = c.vocab_size,
+                                                        .seed = o.seed});
   // Static batching generates over the engine's contiguous cache; the scheduler keeps a
   // paged one of its own.
   Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);

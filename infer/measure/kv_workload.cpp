@@ -1,4 +1,4 @@
-#include "infer/kv_workload.h"
+#include "infer/measure/kv_workload.h"
 
 #include <algorithm>
 #include <cmath>

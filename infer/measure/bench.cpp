@@ -1,4 +1,4 @@
-#include "infer/bench.h"
+#include "infer/measure/bench.h"
 
 #include <omp.h>
 
@@ -9,7 +9,7 @@
 #include "platform/random.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
-#include "infer/kv_workload.h"
+#include "infer/measure/kv_workload.h"
 
 namespace kvlab {
 
@@ -143,9 +143,7 @@ double cpu_read_bandwidth(double bytes) {
 double step_read_bytes(const Engine& engine, double pos, int64_t batch) {
   const GPTConfig& c = engine.model().config();
   return static_cast<double>(engine.decode_step().weight_bytes()) +
-         static_cast<double>(
-             batch * kv_bytes_per_token(c, engine.cache_dtype())) *
-             pos;
+         static_cast<double>(batch * kv_bytes_per_token(c, engine.cache_dtype())) * pos;
 }
 
 // A decode side's memory traffic: bytes_read_per_step and read_GB_per_s, and on the CPU the
@@ -299,7 +297,8 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
         side["cache_layout"] = o.paged ? "paged" : "contiguous";
         side["cache_bytes_formula"] =
             kv_cache_formula_bytes(c, o.batch, (positions + bs - 1) / bs * bs, o.cache_dtype);
-        add_bandwidth(side, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
+        add_bandwidth(side, engine,
+                      static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
         curve_cache = median_steps(m.runs);
       } else {
         curve_nocache = median_steps(m.runs);
@@ -377,7 +376,8 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["weights"] = "random";
     e["weight_dtype"] = dtype_name(o.weight_dtype);
     e["batch"] = o.batch;
-    add_bandwidth(e, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2, o.batch);
+    add_bandwidth(e, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2,
+                  o.batch);
     out.push_back(e);
     if (o.progress)
       o.progress(detail::cat(setting, ": ", static_cast<int64_t>(e["tokens_per_s"].get<double>()),
@@ -391,33 +391,31 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
 namespace {
 
 json sim_json(const KVSimResult& r) {
-  return json{{"steps", r.steps},
-              {"utilisation_mean", r.utilisation_mean},
-              {"utilisation_min", r.utilisation_min},
-              {"peak_sequences", r.peak_resident},
-              {"mean_sequences", r.mean_resident},
-              {"peak_bytes", r.peak_bytes},
-              {"preemptions", r.preemptions},
-              {"prefill_positions", r.prefill_positions},
-              {"prefix_hit_positions", r.prefix_hit_positions},
-              {"prompt_copies", r.prompt_positions > 0
-                                    ? static_cast<double>(r.prompt_positions_stored) /
-                                          static_cast<double>(r.prompt_positions)
-                                    : 0.0}};
+  return json{
+      {"steps", r.steps},
+      {"utilisation_mean", r.utilisation_mean},
+      {"utilisation_min", r.utilisation_min},
+      {"peak_sequences", r.peak_resident},
+      {"mean_sequences", r.mean_resident},
+      {"peak_bytes", r.peak_bytes},
+      {"preemptions", r.preemptions},
+      {"prefill_positions", r.prefill_positions},
+      {"prefix_hit_positions", r.prefix_hit_positions},
+      {"prompt_copies", r.prompt_positions > 0 ? static_cast<double>(r.prompt_positions_stored) /
+                                                     static_cast<double>(r.prompt_positions)
+                                               : 0.0}};
 }
 
 // The memory part for one n_kv_head: the three workloads through both layouts.
-json kv_memory_for(const GPTConfig& c, int64_t nkv, const BenchKVMemoryOptions& o,
-                   int64_t budget, int64_t system_prompt) {
+json kv_memory_for(const GPTConfig& c, int64_t nkv, const BenchKVMemoryOptions& o, int64_t budget,
+                   int64_t system_prompt) {
   KVSimOptions so;
   so.budget_bytes = budget;
   so.bytes_per_position = kv_bytes_per_token(c.n_layer, nkv, c.head_size(), o.cache_dtype);
   so.context = c.block_size;
   so.kv_block_size = o.kv_block_size;
-  const KVWorkloadOptions base{.requests = o.requests,
-                               .context = c.block_size,
-                               .vocab_size = c.vocab_size,
-                               .seed = o.seed};
+  const KVWorkloadOptions base{
+      .requests = o.requests, .context = c.block_size, .vocab_size = c.vocab_size, .seed = o.seed};
   auto both = [&](const KVWorkloadOptions& w) {
     const std::vector<KVRequest> reqs = make_kv_workload(w);
     const KVLayoutComparison cmp = compare_kv_layouts(reqs, so);
@@ -427,12 +425,9 @@ json kv_memory_for(const GPTConfig& c, int64_t nkv, const BenchKVMemoryOptions& 
   KVWorkloadOptions sampled = base, shared = base;
   sampled.samples = o.samples;
   shared.system_prompt = system_prompt;
-  json out{{"n_kv_head", nkv},
-           {"bytes_per_position", so.bytes_per_position},
-           {"blocks", so.blocks()},
-           {"slots", so.slots()},
-           {"plain", both(base).first},
-           {"samples", both(sampled).first}};
+  json out{{"n_kv_head", nkv},          {"bytes_per_position", so.bytes_per_position},
+           {"blocks", so.blocks()},     {"slots", so.slots()},
+           {"plain", both(base).first}, {"samples", both(sampled).first}};
   auto [sys, reqs] = both(shared);
   KVSimOptions off = so;
   off.prefix_caching = false;
@@ -450,13 +445,12 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
   KVLAB_CHECK(!o.kv_heads.empty(), "bench kv-memory: no n_kv_head settings");
   KVLAB_CHECK(o.decode_prompt >= 1 && o.decode_new_tokens >= 2 &&
                   o.decode_prompt + o.decode_new_tokens <= c.block_size,
-              "bench kv-memory: a decode prompt of ", o.decode_prompt, " and ",
-              o.decode_new_tokens, " new tokens (at least 2) must fit in block_size ",
-              c.block_size);
-  const int64_t budget = o.budget_bytes > 0 ? o.budget_bytes
-                                            : kv_cache_formula_bytes(c.n_layer, 16, c.block_size,
-                                                                     c.n_head, c.head_size(),
-                                                                     o.cache_dtype);
+              "bench kv-memory: a decode prompt of ", o.decode_prompt, " and ", o.decode_new_tokens,
+              " new tokens (at least 2) must fit in block_size ", c.block_size);
+  const int64_t budget = o.budget_bytes > 0
+                             ? o.budget_bytes
+                             : kv_cache_formula_bytes(c.n_layer, 16, c.block_size, c.n_head,
+                                                      c.head_size(), o.cache_dtype);
   const int64_t system_prompt = o.system_prompt > 0 ? o.system_prompt : c.block_size / 4;
   auto say = [&](const std::string& line) {
     if (o.progress) o.progress(line);
@@ -478,7 +472,7 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
                  {"context", c.block_size},
                  {"distribution",
                   "prompt u ~ round(exp(N(ln(c/8), 1))) and output o ~ round(exp(N(ln(c/6), 1))) "
-                  "tokens, clipped to prompt + output <= c (infer/kv_workload.h)"},
+                  "tokens, clipped to prompt + output <= c (infer/measure/kv_workload.h)"},
                  {"samples", o.samples},
                  {"system_prompt", system_prompt}}},
            {"memory", json::array()}};
@@ -504,7 +498,9 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
     // Each round runs both, the one going first alternating: neither side always follows
     // the other.
     std::vector<double> p, q, ratio;
-    auto rate = [&](Engine& e) { return e.generate_ids(prompts, greedy).stats.decode_tokens_per_s(); };
+    auto rate = [&](Engine& e) {
+      return e.generate_ids(prompts, greedy).stats.decode_tokens_per_s();
+    };
     for (int r = 0; r < o.rounds; ++r) {
       if (r % 2 == 0) {
         p.push_back(rate(on_pages));
@@ -545,7 +541,8 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
   int64_t prefill_on = 0, prefill_off = 0;
   for (int r = 0; r < o.rounds; ++r) {
     const bool on_first = r % 2 == 0;
-    const GenerationStats b0 = on_first ? GenerationStats{} : on_pages.generate_ids(request(r + 1), first).stats;
+    const GenerationStats b0 =
+        on_first ? GenerationStats{} : on_pages.generate_ids(request(r + 1), first).stats;
     const GenerationStats a = cached.generate_ids(request(r + 1), first).stats;
     const GenerationStats b = on_first ? on_pages.generate_ids(request(r + 1), first).stats : b0;
     ttft_on.push_back(a.ttft_s * 1e3);
@@ -553,10 +550,11 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
     prefill_on = a.prefill_positions;
     prefill_off = b.prefill_positions;
   }
-  out["prefix_caching"] = json{{"system_prompt", system_prompt},
-                               {"user_tokens", user},
-                               {"ttft_ms", json{{"on", spread(ttft_on)}, {"off", spread(ttft_off)}}},
-                               {"prefill_positions", json{{"on", prefill_on}, {"off", prefill_off}}}};
+  out["prefix_caching"] =
+      json{{"system_prompt", system_prompt},
+           {"user_tokens", user},
+           {"ttft_ms", json{{"on", spread(ttft_on)}, {"off", spread(ttft_off)}}},
+           {"prefill_positions", json{{"on", prefill_on}, {"off", prefill_off}}}};
   say(detail::cat("prefix caching: TTFT ", median(ttft_on), " ms against ", median(ttft_off),
                   " ms"));
 
@@ -567,16 +565,15 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
   GenerateOptions forked = sampled;
   forked.n = o.samples;
   const std::vector<std::vector<int32_t>> repeated(static_cast<size_t>(o.samples), prompt);
-  out["samples"] = json{
-      {"prompt_tokens", o.decode_prompt},
-      {"samples", o.samples},
-      {"new_tokens", o.decode_new_tokens},
-      {"forked_bytes", on_pages.generate_ids({prompt}, forked).stats.cache_bytes},
-      {"independent_bytes", on_pages.generate_ids(repeated, sampled).stats.cache_bytes},
-      {"contiguous_bytes", contiguous.generate_ids(repeated, sampled).stats.cache_bytes},
-      {"prompt_blocks_shared", o.decode_prompt / o.kv_block_size},
-      {"block_bytes",
-       kv_bytes_per_token(c, o.cache_dtype) * o.kv_block_size}};
+  out["samples"] =
+      json{{"prompt_tokens", o.decode_prompt},
+           {"samples", o.samples},
+           {"new_tokens", o.decode_new_tokens},
+           {"forked_bytes", on_pages.generate_ids({prompt}, forked).stats.cache_bytes},
+           {"independent_bytes", on_pages.generate_ids(repeated, sampled).stats.cache_bytes},
+           {"contiguous_bytes", contiguous.generate_ids(repeated, sampled).stats.cache_bytes},
+           {"prompt_blocks_shared", o.decode_prompt / o.kv_block_size},
+           {"block_bytes", kv_bytes_per_token(c, o.cache_dtype) * o.kv_block_size}};
   return out;
 }
 

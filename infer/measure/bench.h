@@ -5,14 +5,14 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "data/tokenizer.h"
 #include "infer/engine.h"
-#include "infer/kv_workload.h"
+#include "infer/measure/kv_workload.h"
 #include "infer/scheduler.h"
 #include "nn/gpt.h"
 
@@ -25,12 +25,12 @@ struct BenchGenerateOptions {
   int64_t batch = 1;
   // Each capped at block_size - prompt_tokens (duplicates after capping are dropped).
   std::vector<int64_t> new_tokens = {64, 256, 512};
-  int runs = 3;             // measured runs per setting (median reported); one warm-up before
-  bool no_cache = true;     // also measure recomputation without the cache
-  int position_points = 8;  // sample points of time per token against position
-  uint64_t seed = 0;        // prompt tokens are drawn from it; decoding is greedy
+  int runs = 3;                 // measured runs per setting (median reported); one warm-up before
+  bool no_cache = true;         // also measure recomputation without the cache
+  int position_points = 8;      // sample points of time per token against position
+  uint64_t seed = 0;            // prompt tokens are drawn from it; decoding is greedy
   Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
-  DType cache_dtype = DType::F32;                    // of the KV cache: f32 or bf16
+  DType cache_dtype = DType::F32;          // of the KV cache: f32 or bf16
   std::optional<PagedCacheOptions> paged;  // the engines' paged cache; none: contiguous
   // Of the products' matrices: bf16 rounds those of every model measured, the one passed to
   // bench_generate included (GPT::round_matrices_to_bf16).
@@ -101,7 +101,8 @@ struct BenchKVMemoryOptions {
 //   workload {requests, context, distribution, samples, system_prompt},
 //   memory [{n_kv_head, bytes_per_position, blocks, slots, plain {paged, contiguous},
 //            samples {paged, contiguous}, system_prompt {paged, paged_no_prefix_caching,
-//            contiguous}}] where each side holds the simulation's figures (infer/kv_workload.h),
+//            contiguous}}] where each side holds the simulation's figures
+//            (infer/measure/kv_workload.h),
 //   decode [{batch, paged_tokens_per_s, contiguous_tokens_per_s, ratio: {median, min, max}}]
 //            where ratio is each round's paged / contiguous (on a shared host the rounds'
 //            ratios vary less than either side's rate),
@@ -158,11 +159,11 @@ nlohmann::json serve_summary(const ServeTimeline& t, const std::vector<KVRequest
 using ServeSide = std::function<nlohmann::json(const std::vector<KVRequest>&, ServeTimeline,
                                                const SchedulerOptions&)>;
 
-// `kvlab bench serve`: the serving workload (infer/kv_workload.h, `samples` a request, greedy)
-// as a request stream, served by static batching over contiguous caches (the arrived requests,
-// up to as many as the KV memory holds at full context, run as one batch until its longest
-// output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at the
-// same KV memory.
+// `kvlab bench serve`: the serving workload (infer/measure/kv_workload.h, `samples` a request,
+// greedy) as a request stream, served by static batching over contiguous caches (the arrived
+// requests, up to as many as the KV memory holds at full context, run as one batch until its
+// longest output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at
+// the same KV memory.
 struct BenchServeOptions {
   int64_t requests = 256;
   // Poisson arrival rates (requests/s), one run each; empty: every request at once.
@@ -170,9 +171,9 @@ struct BenchServeOptions {
   int64_t budget_bytes = 0;  // 0: 16 full-context sequences of the model
   int64_t kv_block_size = 16;
   int64_t max_batch_tokens = 512;
-  int64_t system_prompt = 0;  // tokens the shared prompts start with (a shared prefix)
+  int64_t system_prompt = 0;     // tokens the shared prompts start with (a shared prefix)
   double shared_fraction = 1.0;  // of requests whose prompts start with it
-  int64_t samples = 1;        // sequences per request (n), which share its prompt
+  int64_t samples = 1;           // sequences per request (n), which share its prompt
   uint64_t seed = 0;
   DType cache_dtype = DType::F32;
   std::function<void(const std::string&)> progress;  // a line per served run

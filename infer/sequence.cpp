@@ -1,0 +1,47 @@
+#include "infer/sequence.h"
+
+#include "platform/random.h"
+
+namespace kvlab {
+
+const char* stop_reason_name(StopReason r) {
+  switch (r) {
+    case StopReason::MaxNewTokens:
+      return "max_new_tokens";
+    case StopReason::StopString:
+      return "stop_string";
+    case StopReason::ContextLimit:
+      return "context_limit";
+  }
+  return "?";
+}
+
+Sequence::Sequence(std::span<const int32_t> prompt, const SamplingOptions& sampling,
+                   uint64_t stream, const std::vector<std::string>& stops, int64_t max_new)
+    : tokens(prompt.begin(), prompt.end()),
+      prompt_len(static_cast<int64_t>(prompt.size())),
+      max_new_tokens(max_new),
+      sampler(sampling, hash64(sampling.seed, stream)),
+      stop(stops) {}
+
+int32_t Sequence::sample(std::span<const float> logits) {
+  const int32_t token = sampler.sample(logits);
+  tokens.push_back(token);
+  ++made;
+  return token;
+}
+
+std::string Sequence::release_last(const Tokenizer& tokenizer) {
+  // push() may return a view of the piece itself: copied out while the piece lives.
+  const std::string piece = tokenizer.decode_one(tokens.back());
+  return std::string(stop.push(piece));
+}
+
+std::optional<StopReason> Sequence::stop_reason(int64_t block_size) const {
+  if (stop.stopped()) return StopReason::StopString;
+  if (made >= max_new_tokens) return StopReason::MaxNewTokens;
+  if (context_full(block_size)) return StopReason::ContextLimit;
+  return std::nullopt;
+}
+
+}  // namespace kvlab
