@@ -1,0 +1,366 @@
+// The report's plots, as svg::Plot descriptions: training curves, loss, cache bytes and speed
+// against n_kv_head, the serving sweep, the memory-quality frontier and uptraining.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+
+#include "apps/report/report_parts.h"
+
+namespace kvlab::report_detail {
+namespace {
+
+// Where a variant sits on the n_kv_head axis: its n_kv_head, or for MLA the KV heads whose
+// cache takes its bytes (vs_mha * n_head; none without vs_mha).
+double kv_position(const Parsed& p, const Variant& v) {
+  if (!v.mla()) return v.n_kv;
+  const auto r = v.get("vs_mha");
+  return r ? *r * p.n_head : std::nan("");
+}
+
+std::vector<double> kv_axis(const Parsed& p) {
+  std::vector<double> x;
+  for (const Variant& v : p.variants)
+    if (!v.mla()) x.push_back(v.n_kv);
+  return x;
+}
+
+// One series of `base`'s style per kind present: the n_kv_head variants, then MLA's (dashed,
+// "MLA" in the legend), with y = y_of(v) at kv_position; base.label names the first.
+std::vector<svg::Series> kind_series(const Parsed& p, const svg::Series& base,
+                                     const std::function<double(const Variant&)>& y_of) {
+  std::vector<svg::Series> out;
+  for (const bool mla : {false, true}) {
+    svg::Series s = base;
+    if (mla) {
+      if (!p.has_mla()) break;
+      s.dashed = true;
+      s.label = base.label.empty() ? "MLA (at its cache's KV heads)" : base.label + ", MLA";
+    }
+    for (const Variant& v : p.variants) {
+      if (v.mla() != mla) continue;
+      s.x.push_back(kv_position(p, v));
+      s.y.push_back(y_of(v));
+    }
+    out.push_back(std::move(s));
+  }
+  if (p.has_mla() && out.front().label.empty()) out.front().label = "n_kv_head";
+  return out;
+}
+
+const char* kv_axis_label(const Parsed& p) {
+  return p.has_mla() ? "n_kv_head; MLA at the KV heads of its cache bytes (log2 axis)"
+                     : "n_kv_head (log2 axis)";
+}
+
+}  // namespace
+
+// The report's plots, by file name; the serving plots where the results hold a sweep.
+std::vector<std::string> plot_names(const Parsed& p) {
+  std::vector<std::string> names = {"val_loss_curves", "val_loss_vs_kv", "cache_bytes_vs_kv",
+                                    "tokens_per_s_vs_kv"};
+  if (!sweep_of(p.variants.front()).empty()) {
+    names.push_back("served_vs_rate");
+    names.push_back("ttft_p99_vs_rate");
+  }
+  if (!quality_points(p).empty()) {
+    names.push_back("val_loss_vs_cache_bytes");
+    names.push_back("kl_vs_cache_bytes");
+  }
+  if (p.uptrain)
+    for (const int kv : uptrain_kvs(*p.uptrain)) names.push_back("uptrain_kv" + std::to_string(kv));
+  return names;
+}
+
+svg::Plot curves_plot(const Parsed& p) {
+  svg::Plot plot;
+  plot.title = "Validation loss during training";
+  plot.note = "thin: each seed; bold: mean across seeds";
+  plot.x_label = "step";
+  plot.y_label = "val loss (nats/token)";
+  std::vector<svg::Series> means;
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    const Variant& v = p.variants[i];
+    std::map<double, std::pair<double, int>> by_step;  // step -> (sum, seeds reporting it)
+    int curves = 0;
+    for (const json& run : v.j->value("runs", json::array())) {
+      const json curve = run.is_object() ? run.value("curve", json::array()) : json::array();
+      if (!curve.is_array() || curve.empty()) continue;
+      svg::Series s;
+      s.color = svg::palette(i);
+      s.line_width = 1.0;
+      s.opacity = 0.45;
+      s.css_class = "seed";
+      for (const json& pt : curve) {
+        const auto step = pt.is_object() ? number(pt, "step") : std::nullopt;
+        const auto loss = pt.is_object() ? number(pt, "val_loss") : std::nullopt;
+        if (!step || !loss) continue;
+        s.x.push_back(*step);
+        s.y.push_back(*loss);
+        by_step[*step].first += *loss;
+        by_step[*step].second += 1;
+      }
+      plot.series.push_back(std::move(s));
+      ++curves;
+    }
+    svg::Series mean;
+    mean.label = v.label();
+    mean.color = svg::palette(i);
+    mean.line_width = 2.5;
+    mean.css_class = "mean";
+    // Only steps every seed reported, so the mean never mixes different sets of seeds.
+    for (const auto& [step, acc] : by_step)
+      if (acc.second == curves) mean.x.push_back(step), mean.y.push_back(acc.first / curves);
+    means.push_back(std::move(mean));
+  }
+  for (auto& m : means) plot.series.push_back(std::move(m));  // drawn last, on top
+  return plot;
+}
+
+svg::Plot loss_vs_kv_plot(const Parsed& p) {
+  svg::Plot plot;
+  plot.title = "Validation loss vs n_kv_head";
+  const int min_seeds =
+      std::min_element(p.variants.begin(), p.variants.end(),
+                       [](const Variant& a, const Variant& b) { return a.seeds < b.seeds; })
+          ->seeds;
+  plot.note = min_seeds >= 2 ? "mean ± std over seeds" : "1 seed: no spread measured";
+  plot.x_label = kv_axis_label(p);
+  plot.y_label = "val loss (nats/token)";
+  plot.x_ticks = kv_axis(p);
+  plot.x_log2 = true;
+  svg::Series base;
+  base.line_width = 1.5;
+  base.markers = true;
+  std::vector<svg::Series> series = kind_series(p, base, [](const Variant& v) { return v.mean; });
+  for (std::size_t i = 0; i < series.size(); ++i) {  // 0: n_kv_head's, 1: MLA's
+    for (const Variant& v : p.variants)
+      if (v.mla() == (i == 1)) series[i].y_err.push_back(v.seeds >= 2 ? v.std : 0.0);
+    plot.series.push_back(std::move(series[i]));
+  }
+  return plot;
+}
+
+svg::Plot cache_plot(const Parsed& p, const json& results) {
+  double top = 0;
+  for (const Variant& v : p.variants)
+    top = std::max({top, v.get("cache_bytes_context_measured").value_or(0),
+                    v.get("cache_bytes_context_formula").value_or(0)});
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (u < 3 && top >= 1024 * std::pow(1024.0, u)) ++u;
+  const double scale = std::pow(1024.0, u);
+  svg::Plot plot;
+  plot.title = "KV-cache bytes per sequence at full context";
+  const json& config = results.value("config", json::object());
+  if (config.is_object() && number(config, "block_size"))
+    plot.note = "context = block_size = " + fmt("%.0f", *number(config, "block_size")) + " tokens";
+  plot.x_label = kv_axis_label(p);
+  plot.y_label = std::string("KV cache (") + units[u] + ")";
+  plot.x_ticks = kv_axis(p);
+  plot.x_log2 = true;
+  plot.y_from_zero = true;
+  // The formula is drawn dashed on top: where it matches the measurement, both stay visible.
+  const char* keys[] = {"cache_bytes_context_measured", "cache_bytes_context_formula"};
+  for (int k = 0; k < 2; ++k) {
+    svg::Series s;
+    s.label = k ? "formula" : "measured";
+    s.color = svg::palette(k ? 3 : 0);
+    s.dashed = k == 1;
+    s.markers = k == 0;
+    s.line_width = k ? 2.0 : 3.0;
+    for (const Variant& v : p.variants) {
+      if (v.mla()) continue;
+      s.x.push_back(v.n_kv);
+      s.y.push_back(v.get(keys[k]).value_or(std::nan("")) / scale);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  if (p.has_mla()) {  // measured only: the formula is the same bytes
+    svg::Series s;
+    s.label = "MLA, measured";
+    s.color = svg::palette(2);
+    s.markers = true;
+    s.line_width = 0;
+    for (const Variant& v : p.variants)
+      if (v.mla()) {
+        s.x.push_back(kv_position(p, v));
+        s.y.push_back(v.get(keys[0]).value_or(std::nan("")) / scale);
+      }
+    plot.series.push_back(std::move(s));
+  }
+  return plot;
+}
+
+svg::Plot speed_plot(const Parsed& p) {
+  svg::Plot plot;
+  plot.title = "Decode speed vs n_kv_head";
+  plot.x_label = kv_axis_label(p);
+  plot.y_label = "decode tokens/s";
+  plot.x_ticks = kv_axis(p);
+  plot.x_log2 = true;
+  plot.y_from_zero = true;
+  const char* keys[] = {"decode_tokens_per_s_cache", "decode_tokens_per_s_nocache"};
+  for (int k = 0; k < 2; ++k) {
+    svg::Series base;
+    base.label = k ? "without KV cache" : "with KV cache";
+    base.color = svg::palette(k ? 1 : 0);
+    base.markers = true;
+    for (svg::Series& s : kind_series(
+             p, base, [&](const Variant& v) { return v.get(keys[k]).value_or(std::nan("")); }))
+      plot.series.push_back(std::move(s));
+  }
+  return plot;
+}
+
+// Served requests/s (rate_plot) or p99 TTFT against the offered rate, a line per variant,
+// error bars spanning the runs.
+svg::Plot serving_plot(const Parsed& p, bool ttft) {
+  svg::Plot plot;
+  plot.title = ttft ? "p99 time to first token vs request rate" : "Requests served vs request rate";
+  plot.note =
+      "continuous batching over the paged cache, one KV memory for all; bars: the runs' range";
+  plot.x_label = "offered requests/s (Poisson arrivals)";
+  plot.y_label = ttft ? "p99 TTFT (ms)" : "served requests/s";
+  plot.y_from_zero = true;
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    if (sweep_of(p.variants[i]).empty()) continue;
+    svg::Series s;
+    s.label = p.variants[i].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    for (const SweepPoint& pt : sweep_of(p.variants[i])) {
+      const std::vector<double>& y = ttft ? pt.ttft_p99 : pt.served;
+      const auto [lo, hi] = std::minmax_element(y.begin(), y.end());
+      s.x.push_back(pt.rate);
+      s.y.push_back((*lo + *hi) / 2);
+      s.y_err.push_back((*hi - *lo) / 2);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  if (!ttft) {  // served = offered: what keeping up looks like
+    svg::Series diag;
+    diag.label = "offered";
+    diag.color = "#999999";
+    diag.dashed = true;
+    diag.line_width = 1.0;
+    for (const SweepPoint& pt : sweep_of(p.variants.front())) {
+      diag.x.push_back(pt.rate);
+      diag.y.push_back(pt.rate);
+    }
+    plot.series.push_back(std::move(diag));
+  }
+  return plot;
+}
+
+// Val loss (or log10 of the mean KL) against cache bytes per token: a line per variant through
+// its cache dtypes, bars the seeds' std, and the frontier dashed.
+svg::Plot quality_plot(const Parsed& p, bool kl) {
+  const std::vector<QualityPoint> pts = quality_points(p);
+  svg::Plot plot;
+  plot.title = kl ? "KL divergence from the f32 cache vs cache bytes per token"
+                  : "Validation loss vs KV-cache bytes per token";
+  plot.note =
+      kl ? "a line per variant: int4, fp8, int8, bf16 (f32's KL is 0); bars: seed std"
+         : "a line per variant: int4, fp8, int8, bf16, f32; bars: seed std; dashed: frontier";
+  plot.x_label = "KV-cache bytes per token (log2 axis)";
+  plot.y_label = kl ? "log10 mean KL (nats)" : "val loss (nats/token)";
+  plot.x_log2 = true;
+  auto y_of = [&](const QualityPoint& q) { return kl ? std::log10(q.kl) : q.loss; };
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    std::vector<QualityPoint> mine;
+    for (const QualityPoint& q : pts)
+      if (q.v == &p.variants[i]) mine.push_back(q);
+    if (mine.empty()) continue;
+    std::sort(mine.begin(), mine.end(),
+              [](const QualityPoint& a, const QualityPoint& b) { return a.bytes < b.bytes; });
+    svg::Series s;
+    s.label = p.variants[i].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    s.line_width = 1.5;
+    for (const QualityPoint& q : mine) {
+      s.x.push_back(q.bytes);
+      s.y.push_back(y_of(q));
+      // On a log axis a std is a ratio: the bar spans log10(kl +- std) around the point.
+      s.y_err.push_back(
+          kl ? (q.kl > q.kl_std ? std::log10(q.kl) - std::log10(q.kl - q.kl_std) : 0.0)
+             : q.loss_std);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  if (!kl) {
+    std::vector<QualityPoint> front;
+    for (const QualityPoint& q : pts)
+      if (q.front) front.push_back(q);
+    std::sort(front.begin(), front.end(),
+              [](const QualityPoint& a, const QualityPoint& b) { return a.bytes < b.bytes; });
+    svg::Series f;
+    f.label = "frontier";
+    f.color = "#999999";
+    f.dashed = true;
+    f.line_width = 1.0;
+    for (const QualityPoint& q : front) {
+      f.x.push_back(q.bytes);
+      f.y.push_back(q.loss);
+    }
+    plot.series.push_back(std::move(f));
+  }
+  return plot;
+}
+
+// Val loss against uptraining steps at one n_kv_head: a line per method (the seeds' mean,
+// bars their std), from-scratch's level and the multi-head source's as dashed lines.
+svg::Plot uptrain_plot(const Uptrain& u, int kv) {
+  svg::Plot plot;
+  plot.title = "Uptraining converted MHA checkpoints to n_kv_head=" + std::to_string(kv);
+  plot.note =
+      "a line per conversion method: mean over seeds, bars their std; dashed: reference levels";
+  plot.x_label = "uptraining step";
+  plot.y_label = "val loss (nats/token)";
+  std::optional<double> scratch;
+  std::size_t colour = 0;
+  for (const UptrainEntry& e : u.entries) {
+    if (e.n_kv != kv) continue;
+    if (e.scratch) scratch = e.scratch;
+    std::map<double, std::vector<double>> by_step;
+    for (const json& run : e.j->value("runs", json::array()))
+      for (const json& pt : run.is_object() ? run.value("curve", json::array()) : json::array()) {
+        const auto step = pt.is_object() ? number(pt, "step") : std::nullopt;
+        const auto loss = pt.is_object() ? number(pt, "val_loss") : std::nullopt;
+        if (step && loss) by_step[*step].push_back(*loss);
+      }
+    svg::Series s;
+    s.label = e.method;
+    s.color = svg::palette(colour++);
+    s.markers = true;
+    for (const auto& [step, losses] : by_step) {
+      if (static_cast<int>(losses.size()) != e.seeds) continue;  // every seed, or none
+      double sum = 0, sum2 = 0;
+      for (double l : losses) sum += l, sum2 += l * l;
+      const double n = static_cast<double>(losses.size()), mean = sum / n;
+      s.x.push_back(step);
+      s.y.push_back(mean);
+      s.y_err.push_back(n > 1 ? std::sqrt(std::max(0.0, (sum2 - n * mean * mean) / (n - 1))) : 0.0);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  const double end = static_cast<double>(std::max<int64_t>(1, u.steps));
+  const auto level = [&](const std::string& label, double y, const std::string& color) {
+    svg::Series r;
+    r.label = label;
+    r.color = color;
+    r.dashed = true;
+    r.line_width = 1.5;
+    r.x = {0, end};
+    r.y = {y, y};
+    plot.series.push_back(std::move(r));
+  };
+  if (scratch) level("from scratch", *scratch, "#555555");
+  const json& src = u.j->value("source_val_loss", json::object());
+  if (const auto m = src.is_object() ? number(src, "mean") : std::nullopt)
+    level("MHA source", *m, "#bbbbbb");
+  return plot;
+}
+
+}  // namespace kvlab::report_detail

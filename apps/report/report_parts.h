@@ -1,0 +1,151 @@
+#pragma once
+// What the files of the ablation report share (internal to apps/report): the results as
+// parse.cpp reads them, the figures and tables of tables.cpp, the verdicts and findings of
+// verdicts.cpp and the plots of plots.cpp, which documents.cpp assembles into report files.
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "apps/report/report.h"
+#include "apps/report/svg_plot.h"
+
+namespace kvlab::report_detail {
+
+using nlohmann::json;
+
+// --- parse.cpp ---------------------------------------------------------------------------
+
+// obj[key] when it is a number.
+std::optional<double> number(const json& obj, const char* key);
+
+// One variant of the results, with what verdicts and tables need checked up front: n_kv_head
+// key/value heads, or MLA with a latent of rank `rank`.
+struct Variant {
+  int n_kv = 0;      // 0 for MLA
+  int rank = 0;      // MLA's kv_lora_rank; 0 otherwise
+  std::string kind;  // MHA, GQA, MQA or MLA
+  int seeds = 0;     // entries in "runs"; fewer than 2 means no spread was measured
+  double mean = 0, std = 0;
+  const json* j = nullptr;
+
+  bool mla() const { return rank > 0; }
+  std::string label() const {
+    return mla() ? "MLA kv_lora_rank=" + std::to_string(rank)
+                 : "n_kv_head=" + std::to_string(n_kv) + " (" + kind + ")";
+  }
+  // The tables' first column.
+  std::string id() const { return mla() ? "MLA " + std::to_string(rank) : std::to_string(n_kv); }
+  std::optional<double> get(const char* key) const { return number(*j, key); }
+};
+
+// One (n_kv_head, method) of the uptrain experiment (results.json's uptrain.entries).
+struct UptrainEntry {
+  int n_kv = 0;
+  std::string method;
+  int seeds = 0;
+  double conv = 0, conv_sd = 0, up = 0, up_sd = 0;
+  std::optional<double> scratch, scratch_sd;
+  const json* j = nullptr;
+};
+
+struct Uptrain {
+  double fraction = 0;
+  int64_t steps = 0;
+  std::vector<UptrainEntry> entries;  // as the results list them: n_kv_head descending
+  const json* j = nullptr;
+};
+
+struct Parsed {
+  std::vector<Variant> variants;   // n_kv_head descending, then MLA's ranks descending
+  int n_head = 0;                  // config.n_head, else the largest n_kv_head
+  std::optional<Uptrain> uptrain;  // kvlab ablate --uptrain
+  bool has_mla() const { return variants.back().mla(); }
+  // The tables' first column header.
+  std::string id_header() const { return has_mla() ? "n_kv_head / MLA rank" : "n_kv_head"; }
+};
+
+// Checks the document as compare_variants (report.h) describes; variants in Parsed's order.
+Parsed parse(const json& results);
+
+// One point of the memory-quality frontier: a variant's model read through one cache dtype
+// (kv_quality: every seed's figures on the same validation windows).
+struct QualityPoint {
+  const Variant* v = nullptr;
+  std::string dtype;
+  double bytes = 0;  // per token
+  double loss = 0, loss_std = 0, delta = 0, delta_std = 0, kl = 0, kl_std = 0, top1 = 0;
+  bool front = false;  // no other point holds fewer or equal bytes at a lower loss
+};
+
+// Every variant's kv_quality points, each marked whether it is on the frontier.
+std::vector<QualityPoint> quality_points(const Parsed& p);
+
+// The serving sweep of a variant: each rate's figures over its runs (empty without a sweep).
+struct SweepPoint {
+  double rate = 0;
+  std::vector<double> served, ttft_p99;
+};
+std::vector<SweepPoint> sweep_of(const Variant& v);
+
+std::vector<int> uptrain_kvs(const Uptrain& u);
+
+// A JSON value as text: a string's own characters, anything else as JSON.
+std::string text_of(const json& v);
+// text_of(obj[key]); empty when the key is missing or null.
+std::string text_field(const json& obj, const char* key);
+
+// --- tables.cpp --------------------------------------------------------------------------
+
+// printf of one number.
+std::string fmt(const char* format, double v);
+
+enum class Bytes { human, exact };
+
+// A byte count in the style asked for; "-" for none.
+std::string bytes(std::optional<double> b, Bytes style);
+// Decode tokens/s with the KV cache over without it.
+std::optional<double> speedup(const Variant& v);
+std::string pm(double mean, double sd, const char* format);
+
+struct Table {
+  std::vector<std::string> header;
+  std::vector<std::vector<std::string>> rows;
+};
+
+Table record_table(const Parsed& p, Bytes style);
+Table detail_table(const Parsed& p, Bytes style);
+std::optional<Table> memory_table(const Parsed& p, Bytes style);
+std::optional<Table> serving_table(const Parsed& p);
+std::optional<Table> mla_table(const Parsed& p, Bytes style);
+std::optional<Table> quality_table(const Parsed& p);
+Table uptrain_table(const Uptrain& u);
+
+std::string md_escape(const std::string& s);
+std::string render_markdown(const Table& t);
+std::string render_html(const Table& t);
+
+// --- verdicts.cpp ------------------------------------------------------------------------
+
+// A variant's val loss, mean ± std.
+std::string loss_pm(const Variant& v);
+const Variant* nearest_in_bytes(const Parsed& p, const Variant& m);
+std::vector<Verdict> verdicts(const Parsed& p);
+std::vector<std::string> mla_findings(const Parsed& p);
+std::vector<std::string> quality_findings(const Parsed& p);
+std::vector<std::string> serving_findings(const Parsed& p);
+std::vector<std::string> uptrain_findings(const Uptrain& u);
+
+// --- plots.cpp ---------------------------------------------------------------------------
+
+std::vector<std::string> plot_names(const Parsed& p);
+svg::Plot curves_plot(const Parsed& p);
+svg::Plot loss_vs_kv_plot(const Parsed& p);
+svg::Plot cache_plot(const Parsed& p, const json& results);
+svg::Plot speed_plot(const Parsed& p);
+svg::Plot serving_plot(const Parsed& p, bool ttft);
+svg::Plot quality_plot(const Parsed& p, bool kl);
+svg::Plot uptrain_plot(const Uptrain& u, int kv);
+
+}  // namespace kvlab::report_detail

@@ -1,0 +1,300 @@
+// The report's tables: each figure formatted, each table built from the parsed results, and
+// rendered as terminal text, Markdown or HTML.
+#include <algorithm>
+#include <cstdio>
+#include <string_view>
+
+#include "apps/report/report_parts.h"
+
+namespace kvlab::report_detail {
+namespace {
+
+std::string figure(std::optional<double> v, const char* format) {
+  return v ? fmt(format, *v) : "-";
+}
+
+std::string rate(std::optional<double> v) {
+  return !v ? "-" : *v < 100 ? fmt("%.1f", *v) : fmt("%.0f", *v);
+}
+
+// Terminal columns count code points, not bytes ("±" is two bytes).
+std::size_t display_width(const std::string& s) {
+  return std::count_if(s.begin(), s.end(),
+                       [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+}
+
+std::string render_text(const Table& t) {
+  std::vector<std::size_t> w(t.header.size());
+  for (std::size_t c = 0; c < w.size(); ++c) {
+    w[c] = display_width(t.header[c]);
+    for (const auto& row : t.rows) w[c] = std::max(w[c], display_width(row[c]));
+  }
+  std::string out;
+  auto line = [&](const std::vector<std::string>& cells) {
+    for (std::size_t c = 0; c < cells.size(); ++c) {
+      if (c) out += " | ";
+      out += std::string(w[c] - display_width(cells[c]), ' ') + cells[c];
+    }
+    out += '\n';
+  };
+  line(t.header);
+  for (std::size_t c = 0; c < w.size(); ++c) out += (c ? "-+-" : "") + std::string(w[c], '-');
+  out += '\n';
+  for (const auto& row : t.rows) line(row);
+  return out;
+}
+
+std::string steps_tokens(const json& e, const char* steps, const char* tokens) {
+  const auto s = number(e, steps), t = number(e, tokens);
+  if (!s) return "-";
+  return fmt("%.0f", *s) + (t ? " (" + fmt("%.0f", *t) + " tokens)" : std::string());
+}
+
+}  // namespace
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+std::string bytes(std::optional<double> b, Bytes style) {
+  if (!b) return "-";
+  if (style == Bytes::exact) return fmt("%.0f", *b);
+  const double v = *b;
+  if (v < 1024) return fmt("%.0f B", v);
+  if (v < 1024.0 * 1024) return fmt("%.1f KiB", v / 1024);
+  if (v < 1024.0 * 1024 * 1024) return fmt("%.1f MiB", v / (1024.0 * 1024));
+  return fmt("%.2f GiB", v / (1024.0 * 1024 * 1024));
+}
+
+std::optional<double> speedup(const Variant& v) {
+  const auto with = v.get("decode_tokens_per_s_cache");
+  const auto without = v.get("decode_tokens_per_s_nocache");
+  if (!with || !without || *without <= 0) return std::nullopt;
+  return *with / *without;
+}
+
+Table record_table(const Parsed& p, Bytes style) {
+  Table t{{p.id_header(), "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"},
+          {}};
+  for (const Variant& v : p.variants)
+    t.rows.push_back({v.id(), bytes(v.get("cache_bytes_context_measured"), style),
+                      bytes(v.get("cache_bytes_context_formula"), style),
+                      figure(v.get("vs_mha"), "%.3fx"), rate(v.get("decode_tokens_per_s_cache")),
+                      v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)"});
+  return t;
+}
+
+Table detail_table(const Parsed& p, Bytes style) {
+  Table t{{p.id_header(), "params", "bpc", "cache bytes/token", "sequences in budget",
+           "tokens/s (no cache)", "cache speed-up", "TTFT ms", "TPOT ms"},
+          {}};
+  for (const Variant& v : p.variants)
+    t.rows.push_back({v.id(), figure(v.get("params"), "%.0f"), figure(v.get("bpc"), "%.4f"),
+                      bytes(v.get("cache_bytes_per_token"), style),
+                      figure(v.get("sequences_in_budget"), "%.0f"),
+                      rate(v.get("decode_tokens_per_s_nocache")), figure(speedup(v), "%.2fx"),
+                      figure(v.get("ttft_ms"), "%.3f"), figure(v.get("tpot_ms"), "%.3f")});
+  return t;
+}
+
+// Under the serving workload at one KV memory for every variant (results without it, from
+// before it was measured, leave the table out).
+std::optional<Table> memory_table(const Parsed& p, Bytes style) {
+  if (!p.variants.front().get("kv_workload_peak_sequences_paged")) return std::nullopt;
+  Table t{{p.id_header(), "KV memory", "peak sequences paged", "contiguous", "paged / contiguous",
+           "utilisation paged", "contiguous", "steps paged", "contiguous"},
+          {}};
+  for (const Variant& v : p.variants) {
+    const auto paged = v.get("kv_workload_peak_sequences_paged");
+    const auto contiguous = v.get("kv_workload_peak_sequences_contiguous");
+    t.rows.push_back(
+        {v.id(), bytes(v.get("kv_workload_budget_bytes"), style), figure(paged, "%.0f"),
+         figure(contiguous, "%.0f"),
+         figure(paged && contiguous && *contiguous > 0 ? std::optional<double>(*paged / *contiguous)
+                                                       : std::nullopt,
+                "%.2fx"),
+         figure(v.get("kv_workload_utilisation_paged"), "%.3f"),
+         figure(v.get("kv_workload_utilisation_contiguous"), "%.3f"),
+         figure(v.get("kv_workload_steps_paged"), "%.0f"),
+         figure(v.get("kv_workload_steps_contiguous"), "%.0f")});
+  }
+  return t;
+}
+
+// Serving the workload with the trained model at that memory (results measured on a GPU, or
+// before it was measured, leave the table out).
+std::optional<Table> serving_table(const Parsed& p) {
+  if (!p.variants.front().get("serve_requests_per_s_continuous")) return std::nullopt;
+  Table t{{p.id_header(), "requests/s continuous", "static", "continuous / static",
+           "peak sequences continuous", "static", "p99 TTFT ms continuous", "static",
+           "sustained requests/s"},
+          {}};
+  for (const Variant& v : p.variants) {
+    const auto c = v.get("serve_requests_per_s_continuous");
+    const auto s = v.get("serve_requests_per_s_static");
+    t.rows.push_back(
+        {v.id(), figure(c, "%.1f"), figure(s, "%.1f"),
+         figure(c && s && *s > 0 ? std::optional<double>(*c / *s) : std::nullopt, "%.2fx"),
+         figure(v.get("serve_peak_sequences_continuous"), "%.0f"),
+         figure(v.get("serve_peak_sequences_static"), "%.0f"),
+         figure(v.get("serve_ttft_p99_ms_continuous"), "%.0f"),
+         figure(v.get("serve_ttft_p99_ms_static"), "%.0f"),
+         figure(v.get("serve_sustained_rate"), "%.2f")});
+  }
+  return t;
+}
+
+// Each MLA variant beside the n_kv_head variant nearest in cache bytes per token (results
+// without MLA leave it out).
+std::optional<Table> mla_table(const Parsed& p, Bytes style) {
+  if (!p.has_mla()) return std::nullopt;
+  Table t{{"MLA rank", "bytes/token", "nearest n_kv_head", "bytes/token", "MLA / it (bytes)",
+           "val loss MLA", "val loss n_kv_head", "decode tokens/s MLA", "n_kv_head",
+           "MLA / it (speed)"},
+          {}};
+  const auto ratio = [](std::optional<double> a, std::optional<double> b) {
+    return a && b && *b > 0 ? std::optional<double>(*a / *b) : std::nullopt;
+  };
+  for (const Variant& m : p.variants) {
+    const Variant* g = m.mla() ? nearest_in_bytes(p, m) : nullptr;
+    if (g == nullptr) continue;
+    const auto mb = m.get("cache_bytes_per_token"), gb = g->get("cache_bytes_per_token");
+    const auto ms = m.get("decode_tokens_per_s_cache"), gs = g->get("decode_tokens_per_s_cache");
+    t.rows.push_back({std::to_string(m.rank), bytes(mb, style), g->id() + " (" + g->kind + ")",
+                      bytes(gb, style), figure(ratio(mb, gb), "%.2fx"),
+                      m.seeds >= 2 ? loss_pm(m) : fmt("%.4f", m.mean) + " (1 seed)",
+                      g->seeds >= 2 ? loss_pm(*g) : fmt("%.4f", g->mean) + " (1 seed)", rate(ms),
+                      rate(gs), figure(ratio(ms, gs), "%.2fx")});
+  }
+  return t;
+}
+
+// mean ± sd, the sd without a sign (a format's "+" flag is for the mean).
+std::string pm(double mean, double sd, const char* format) {
+  std::string sd_format = format;
+  sd_format.erase(std::remove(sd_format.begin(), sd_format.end(), '+'), sd_format.end());
+  return fmt(format, mean) + " ± " + fmt(sd_format.c_str(), sd);
+}
+
+// Every (n_kv_head, cache dtype) point (results without kv_quality leave it out).
+std::optional<Table> quality_table(const Parsed& p) {
+  const std::vector<QualityPoint> pts = quality_points(p);
+  if (pts.empty()) return std::nullopt;
+  Table t{{p.id_header(), "cache dtype", "bytes/token", "val loss", "Δ vs f32 cache", "mean KL",
+           "top-1 agreement", "frontier"},
+          {}};
+  for (const QualityPoint& q : pts)
+    t.rows.push_back({q.v->id(), q.dtype, fmt("%.0f", q.bytes), pm(q.loss, q.loss_std, "%.4f"),
+                      pm(q.delta, q.delta_std, "%+.5f"), pm(q.kl, q.kl_std, "%.2e"),
+                      fmt("%.4f", q.top1), q.front ? "yes" : ""});
+  return t;
+}
+
+// Markdown-safe cell text: HTML-escaped, markdown punctuation backslashed, newlines as <br>.
+// The '#' of a character reference (an apostrophe's &#39;) stays: backslashed, it would break
+// the reference and the page would show it.
+std::string md_escape(const std::string& s) {
+  std::string out;
+  for (char c : svg::escape_xml(s)) {
+    if (c == '\n') {
+      out += "<br>";
+      continue;
+    }
+    if (c == '\r') continue;
+    // '_' stays: GFM ignores intraword underscores, and n_kv_head reads better unescaped.
+    const bool reference = c == '#' && !out.empty() && out.back() == '&';
+    if (!reference && std::string_view("\\`*[]|~#").find(c) != std::string_view::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+std::string render_markdown(const Table& t) {
+  std::string out = "|";
+  for (const auto& h : t.header) {  // appended piecewise, as the cells below (GCC 12 -Wrestrict)
+    out += ' ';
+    out += md_escape(h);
+    out += " |";
+  }
+  out += "\n|";
+  for (std::size_t c = 0; c < t.header.size(); ++c) out += "---:|";
+  out += '\n';
+  for (const auto& row : t.rows) {
+    out += "|";
+    for (const auto& cell : row) {
+      out += ' ';
+      out += md_escape(cell);
+      out += " |";
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+std::string render_html(const Table& t) {
+  std::string out = "<table>\n<thead><tr>";
+  for (const auto& h : t.header) out += "<th>" + svg::escape_xml(h) + "</th>";
+  out += "</tr></thead>\n<tbody>\n";
+  for (const auto& row : t.rows) {
+    out += "<tr>";
+    for (const auto& cell : row) out += "<td>" + svg::escape_xml(cell) + "</td>";
+    out += "</tr>\n";
+  }
+  return out + "</tbody>\n</table>\n";
+}
+
+// Per (n_kv_head, method): val loss right after the conversion, after uptraining, and the
+// sweep's from-scratch model's, mean ± std over seeds, with the training each one took.
+Table uptrain_table(const Uptrain& u) {
+  Table t{{"n_kv_head", "method", "after conversion", "after uptraining", "from scratch",
+           "gap to scratch", "steps (tokens) uptrained", "steps (tokens) from scratch"},
+          {}};
+  for (const UptrainEntry& e : u.entries)
+    t.rows.push_back({std::to_string(e.n_kv), e.method, pm(e.conv, e.conv_sd, "%.4f"),
+                      pm(e.up, e.up_sd, "%.4f"),
+                      e.scratch ? pm(*e.scratch, e.scratch_sd.value_or(0), "%.4f") : "-",
+                      e.scratch ? fmt("%+.4f", e.up - *e.scratch) : "-",
+                      steps_tokens(*e.j, "uptrained_steps", "uptrained_tokens"),
+                      steps_tokens(*e.j, "scratch_steps", "scratch_tokens")});
+  return t;
+}
+
+}  // namespace kvlab::report_detail
+
+namespace kvlab {
+
+using namespace report_detail;
+
+std::string format_table(const nlohmann::json& results) {
+  const Parsed p = parse(results);
+  std::string out = render_text(record_table(p, Bytes::human)) + '\n' +
+                    render_text(detail_table(p, Bytes::human));
+  if (const auto t = mla_table(p, Bytes::human)) {
+    out += "\nMLA against GQA at equal cache bytes:\n" + render_text(*t);
+    for (const std::string& f : mla_findings(p)) out += "  " + f + "\n";
+  }
+  if (const auto m = memory_table(p, Bytes::human))
+    out += "\nKV memory under a serving workload:\n" + render_text(*m);
+  if (const auto t = serving_table(p)) {
+    out += "\nserving it:\n" + render_text(*t);
+    for (const std::string& f : serving_findings(p)) out += "  " + f + "\n";
+  }
+  if (const auto t = quality_table(p)) {
+    out += "\nwhat each cache dtype costs (against the f32 cache, mean ± std over seeds):\n" +
+           render_text(*t);
+    for (const std::string& f : quality_findings(p)) out += "  " + f + "\n";
+  }
+  if (p.uptrain) {
+    out += "\nuptraining converted MHA checkpoints (" + fmt("%g", p.uptrain->fraction * 100) +
+           "% of the steps; val loss, mean ± std over seeds):\n" +
+           render_text(uptrain_table(*p.uptrain));
+    for (const std::string& f : uptrain_findings(*p.uptrain)) out += "  " + f + "\n";
+  }
+  out += "\nverdicts (val loss, mean ± std over seeds):\n";
+  for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
+  return out;
+}
+
+}  // namespace kvlab
