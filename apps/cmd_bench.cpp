@@ -21,6 +21,7 @@
 #include "apps/serve/http_bench.h"
 #include "apps/serve/server.h"
 #include "apps/train_flags.h"
+#include "platform/atomic_file.h"
 #include "platform/blas_core.h"
 #include "platform/cpu.h"
 #include "checkpoints/model_io.h"

@@ -58,12 +58,12 @@ struct LoadOptions {
   bool report_training_state = false;
 };
 
-// Writes a temporary file next to `file`, flushes and fsyncs it, then renames it over `file`:
-// an existing checkpoint is replaced whole or left untouched. Creates the folder if needed.
+// Writes `file` through write_file_atomic (platform/atomic_file.h): an existing checkpoint is
+// replaced whole or left untouched. Creates the folder if needed.
 // The file's HDF5 user block holds a digest of the rest (docs/checkpoint-format.md).
 // Throws kvlab::Error (naming the path) on inconsistent input or any I/O failure.
 void save_checkpoint(const std::filesystem::path& file, const Checkpoint& ckpt);
-// Whether a file name is that of a temporary save_checkpoint writes, "<name>.h5.tmp-<pid>":
+// Whether a file name is that of a temporary save_checkpoint writes, "<name>.h5.tmp-<digits>":
 // one left behind where its writer was killed.
 bool is_checkpoint_temporary(const std::string& filename);
 

@@ -25,7 +25,7 @@ class OutputDirLock {
   int fd_ = -1;
 };
 
-// Removes the checkpoint temporaries (<name>.h5.tmp-<pid>, checkpoints/checkpoint.h) that a
+// Removes the checkpoint temporaries (<name>.h5.tmp-<digits>, checkpoints/checkpoint.h) that a
 // process killed while saving left in `dir`, and returns their names. Call it only while
 // holding dir's OutputDirLock.
 std::vector<std::string> remove_checkpoint_temporaries(const std::filesystem::path& dir);

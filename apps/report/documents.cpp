@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "apps/report/report_parts.h"
+#include "platform/atomic_file.h"
 #include "platform/error.h"
 
 extern char** environ;
@@ -429,30 +430,6 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
   if (rsvg)
     for (const std::string& name : names)
       svg_to_png(*rsvg, out_dir / (name + ".svg"), out_dir / (name + ".png"));
-}
-
-void write_file_atomic(const fs::path& path, const std::string& content) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  std::error_code ec;
-  {
-    std::ofstream os(tmp, std::ios::binary | std::ios::trunc);
-    KVLAB_CHECK(os.is_open(), "cannot write ", path.string(), ": ", std::strerror(errno));
-    os << content;
-    os.flush();
-    if (!os.good()) {
-      const int err = errno;
-      os.close();
-      fs::remove(tmp, ec);
-      KVLAB_CHECK(false, "error writing ", path.string(), ": ", std::strerror(err));
-    }
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    KVLAB_CHECK(false, "cannot rename ", tmp.string(), " to ", path.string(), ": ", ec.message());
-  }
 }
 
 }  // namespace kvlab

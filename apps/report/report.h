@@ -38,9 +38,4 @@ std::string format_table(const nlohmann::json& results);
 // (after every other file is in place).
 void write_report(const nlohmann::json& results, const std::filesystem::path& out_dir);
 
-// Writes `content` to path.tmp, then renames it to path: a reader never sees a half-written
-// file, and on failure (a full disk) the file that was there is left as it was and the
-// temporary is removed. Throws kvlab::Error naming the path and the system's reason.
-void write_file_atomic(const std::filesystem::path& path, const std::string& content);
-
 }  // namespace kvlab
