@@ -35,7 +35,7 @@ struct ServeArgs {
   double keep_alive_timeout_s = 5;
   std::string min_body_rate = "16KiB";
   double write_timeout_s = 10;
-  std::string send_buffer = "0";
+  std::string send_buffer;  // empty: the kernel's
   int64_t max_request_tokens = 0;
   std::string api_key;
   double stream_interval_ms = 0;
@@ -65,7 +65,7 @@ void run_serve(const ServeArgs& a) {
   KVLAB_USAGE_CHECK(a.keep_alive_timeout_s > 0, "--keep-alive-timeout must be > 0 s, got ",
                     a.keep_alive_timeout_s);
   KVLAB_USAGE_CHECK(a.write_timeout_s > 0, "--write-timeout must be > 0 s, got ", a.write_timeout_s);
-  const int64_t send_buffer = parse_bytes(a.send_buffer, "--send-buffer");
+  const int64_t send_buffer = a.send_buffer.empty() ? 0 : parse_bytes(a.send_buffer, "--send-buffer");
   const int64_t min_body_rate = parse_bytes(a.min_body_rate, "--min-body-rate");
   KVLAB_USAGE_CHECK(min_body_rate >= 1, "--min-body-rate must be at least 1 byte/s");
   KVLAB_USAGE_CHECK(a.max_request_tokens >= 0, "--max-request-tokens must be >= 0, got ",
@@ -189,13 +189,13 @@ void add_serve_command(CLI::App& root) {
              "Seconds a write may wait for the client to take bytes; then the connection is "
              "cut, and a stream's sequences are aborted (their KV blocks freed)");
   cmd->add_option("--send-buffer", args->send_buffer,
-                  "A connection's send buffer, e.g. 256KiB (0: the kernel's, which grows to "
-                  "megabytes): what a client that stops reading may leave unread before "
-                  "--write-timeout starts to run")
-      ->capture_default_str();
+                  "A connection's send buffer, e.g. 256KiB (default: the kernel's, which grows "
+                  "to megabytes): what a client that stops reading may leave unread before "
+                  "--write-timeout starts to run");
   add_number(cmd, "--max-request-tokens", args->max_request_tokens,
              "The most KV positions one request may hold: n * (prompt tokens + max_tokens), "
-             "over its prompts; more is a 400 (0: half the KV pool)");
+             "over its prompts; more is a 400 (0: half the KV pool, or one context where that is "
+             "more)");
   cmd->add_option("--api-key", args->api_key,
                   "Require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
                   "otherwise); default: the KVLAB_API_KEY environment variable, else none");

@@ -40,7 +40,7 @@ struct ApiLimits {
   int64_t max_stops = 4;
   // The positions one request's choices may hold at once, over its prompts:
   // n * (prompt tokens + max_tokens) summed (0: no limit; the server's default is half its
-  // KV pool), so that one request cannot take the whole pool.
+  // KV pool or one context, whichever is more), so that one request cannot take the whole pool.
   int64_t max_request_tokens = 0;
 };
 

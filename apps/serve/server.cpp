@@ -161,10 +161,12 @@ struct Server::Impl {
     KVLAB_CHECK(options.max_body_bytes >= 1, "serve: max_body_bytes must be >= 1");
     KVLAB_CHECK(options.limits.max_request_tokens >= 0,
                 "serve: max_request_tokens must be >= 0, got ", options.limits.max_request_tokens);
-    // By default one request may hold at most half the pool: it cannot starve every other.
+    // By default one request may hold half the pool, so that it cannot starve every other,
+    // or one whole context where that is more (a pool of one or two sequences).
     if (options.limits.max_request_tokens == 0) {
       const int64_t pool = scheduler.block_stats().total * options.scheduler.cache.kv_block_size;
-      options.limits.max_request_tokens = std::max<int64_t>(1, pool / 2);
+      options.limits.max_request_tokens =
+          std::max<int64_t>(pool / 2, e.model().config().block_size);
     }
     routes();
   }
