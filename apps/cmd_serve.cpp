@@ -2,8 +2,8 @@
 #include <pthread.h>
 
 #include <csignal>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <thread>
 
@@ -64,8 +64,10 @@ void run_serve(const ServeArgs& a) {
                     a.header_timeout_s);
   KVLAB_USAGE_CHECK(a.keep_alive_timeout_s > 0, "--keep-alive-timeout must be > 0 s, got ",
                     a.keep_alive_timeout_s);
-  KVLAB_USAGE_CHECK(a.write_timeout_s > 0, "--write-timeout must be > 0 s, got ", a.write_timeout_s);
-  const int64_t send_buffer = a.send_buffer.empty() ? 0 : parse_bytes(a.send_buffer, "--send-buffer");
+  KVLAB_USAGE_CHECK(a.write_timeout_s > 0, "--write-timeout must be > 0 s, got ",
+                    a.write_timeout_s);
+  const int64_t send_buffer =
+      a.send_buffer.empty() ? 0 : parse_bytes(a.send_buffer, "--send-buffer");
   const int64_t min_body_rate = parse_bytes(a.min_body_rate, "--min-body-rate");
   KVLAB_USAGE_CHECK(min_body_rate >= 1, "--min-body-rate must be at least 1 byte/s");
   KVLAB_USAGE_CHECK(a.max_request_tokens >= 0, "--max-request-tokens must be >= 0, got ",

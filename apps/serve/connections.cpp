@@ -34,7 +34,8 @@ Clock::duration span(double s) {
 
 // Milliseconds to wait for `until`, at least 0 (and at most a day: poll takes an int).
 int ms_until(Clock::time_point until) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
   return static_cast<int>(std::clamp<int64_t>(ms + 1, 0, 86'400'000));
 }
 
@@ -115,8 +116,8 @@ struct HttpServer::Gate {
   HttpServer& server;
   const ConnectionOptions& o;
 
-  std::atomic<int64_t> active{0}, waiting{0}, refused_busy{0}, header_timeouts{0},
-      idle_closed{0}, body_timeouts{0}, write_timeouts{0};
+  std::atomic<int64_t> active{0}, waiting{0}, refused_busy{0}, header_timeouts{0}, idle_closed{0},
+      body_timeouts{0}, write_timeouts{0};
 
   // A connection the gate watches: until its headers arrive, or while a refused one drains.
   struct Watched {
@@ -137,7 +138,7 @@ struct HttpServer::Gate {
     std::string head;
     int64_t requests;
   };
-  std::deque<Job> jobs;  // under m
+  std::deque<Job> jobs;        // under m
   std::vector<socket_t> busy;  // under m: the sockets workers hold
   std::condition_variable jobs_cv;
   std::vector<std::thread> workers;
@@ -231,8 +232,8 @@ class GateStream final : public httplib::Stream {
  private:
   // The body's bytes so far may take header_timeout_s plus their size over min_body_rate.
   Clock::time_point body_deadline() const {
-    return start_ + span(o_.header_timeout_s +
-                         static_cast<double>(body_bytes_ + 1) / o_.min_body_rate);
+    return start_ +
+           span(o_.header_timeout_s + static_cast<double>(body_bytes_ + 1) / o_.min_body_rate);
   }
   ssize_t fail() {
     failed_ = true;
@@ -462,8 +463,8 @@ void HttpServer::raise_backlog() { ::listen(svr_sock_, SOMAXCONN); }
 
 ConnectionStats HttpServer::stats() const {
   const Gate& g = *gate_;
-  return {g.active, g.waiting, g.refused_busy, g.header_timeouts, g.idle_closed, g.body_timeouts,
-          g.write_timeouts};
+  return {g.active,      g.waiting,       g.refused_busy,  g.header_timeouts,
+          g.idle_closed, g.body_timeouts, g.write_timeouts};
 }
 
 bool HttpServer::process_and_close_socket(socket_t sock) {
@@ -478,8 +479,7 @@ bool HttpServer::serve_one(socket_t sock, std::string head, bool last) {
   bool closed = false;
   t_close_after = false;
   const bool ok = process_request(strm, last, closed, nullptr);
-  return ok && !closed && !last && !t_close_after && !strm.failed() &&
-         svr_sock_ != INVALID_SOCKET;
+  return ok && !closed && !last && !t_close_after && !strm.failed() && svr_sock_ != INVALID_SOCKET;
 }
 
 }  // namespace kvlab

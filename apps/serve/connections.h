@@ -38,13 +38,13 @@ struct ConnectionOptions {
 
 // Counts since the start, and the connections now in each state.
 struct ConnectionStats {
-  int64_t active = 0;   // held by a worker (a request read, handled or answered)
-  int64_t waiting = 0;  // watched by the gate
-  int64_t refused_busy = 0;      // answered 503: every worker busy, or too many waiting
-  int64_t header_timeouts = 0;   // answered 408: headers too slow
-  int64_t idle_closed = 0;       // keep-alive connections closed for idling
-  int64_t body_timeouts = 0;     // bodies slower than min_body_rate
-  int64_t write_timeouts = 0;    // writes the client did not take within write_timeout_s
+  int64_t active = 0;           // held by a worker (a request read, handled or answered)
+  int64_t waiting = 0;          // watched by the gate
+  int64_t refused_busy = 0;     // answered 503: every worker busy, or too many waiting
+  int64_t header_timeouts = 0;  // answered 408: headers too slow
+  int64_t idle_closed = 0;      // keep-alive connections closed for idling
+  int64_t body_timeouts = 0;    // bodies slower than min_body_rate
+  int64_t write_timeouts = 0;   // writes the client did not take within write_timeout_s
 };
 
 class HttpServer : public httplib::Server {

@@ -171,12 +171,13 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
   r.sampling.top_k = top_k < 0 ? 0 : top_k;  // -1 (vLLM's "off") and 0 keep every token
   // OpenAI's ranges. NaN fails every comparison, so it is refused too.
   if (!(r.sampling.temperature >= 0 && r.sampling.temperature <= 2))
-    bad("temperature", detail::cat("'temperature' must be in [0, 2], got ", r.sampling.temperature));
+    bad("temperature",
+        detail::cat("'temperature' must be in [0, 2], got ", r.sampling.temperature));
   if (!(r.sampling.top_p > 0 && r.sampling.top_p <= 1))
     bad("top_p", detail::cat("'top_p' must be in (0, 1], got ", r.sampling.top_p));
   if (field(body, "seed") != nullptr)
-    r.sampling.seed = static_cast<uint64_t>(
-        integer(body, "seed", 0, 0, std::numeric_limits<int64_t>::max()));
+    r.sampling.seed =
+        static_cast<uint64_t>(integer(body, "seed", 0, 0, std::numeric_limits<int64_t>::max()));
   else
     r.sampling.seed = std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}();
 

@@ -10,8 +10,8 @@
 #include <deque>
 #include <mutex>
 #include <random>
-#include <thread>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 
 #include "apps/serve/connections.h"
@@ -209,10 +209,11 @@ void Server::Impl::routes() {
         std::lock_guard lk(m);
         ++unauthorized;
       }
-      reply_error(res, ApiError(401,
-                                auth.empty() ? "no API key: send the header 'Authorization: Bearer <key>'"
-                                             : "the API key is not valid",
-                                "", "invalid_request_error"));
+      reply_error(
+          res, ApiError(401,
+                        auth.empty() ? "no API key: send the header 'Authorization: Bearer <key>'"
+                                     : "the API key is not valid",
+                        "", "invalid_request_error"));
       res.set_header("WWW-Authenticate", "Bearer");
       res.set_header("Connection", "close");
       HttpServer::close_after_response();

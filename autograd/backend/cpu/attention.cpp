@@ -331,8 +331,8 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
         for (int64_t j = 0; j < Sb; j += rows.block_len()) {
           const int64_t m = std::min(rows.block_len(), Sb - j);
           int64_t st;
-          const T* src = kv_rows<T>(rows(j), rows.pos_stride, m, s.HS, dst + j * s.HS, st, fmt,
-                                    value);
+          const T* src =
+              kv_rows<T>(rows(j), rows.pos_stride, m, s.HS, dst + j * s.HS, st, fmt, value);
           if (src != dst + j * s.HS)  // rows of T are read in place: copied
             for (int64_t r = 0; r < m; ++r)
               std::copy(src + r * st, src + r * st + s.HS, dst + (j + r) * s.HS);
@@ -343,8 +343,8 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
       const T* vg = gather(block_rows(v, vv, s, b, g), 2, true);
       T* p = scratch<T>(static_cast<size_t>(s.T * Sb), 0);
       probabilities(p, q + b * qv.sb + h * qv.sh, qv.st, kg, s.HS, s.T, Sb, s.HS, scale);
-      gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, s.HS, T(0),
-              out + b * ov.sb + h * ov.sh, ov.st);
+      gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, s.HS, T(0), out + b * ov.sb + h * ov.sh,
+              ov.st);
     });
     return;
   }

@@ -520,7 +520,8 @@ class RawConnection {
   ~RawConnection() {
     if (fd_ >= 0) ::close(fd_);
   }
-  RawConnection(RawConnection&& o) noexcept : fd_(std::exchange(o.fd_, -1)), connected_(o.connected_) {}
+  RawConnection(RawConnection&& o) noexcept
+      : fd_(std::exchange(o.fd_, -1)), connected_(o.connected_) {}
 
   void send(const std::string& s) const {
     EXPECT_EQ(::send(fd_, s.data(), s.size(), MSG_NOSIGNAL), static_cast<ssize_t>(s.size()));
@@ -567,7 +568,8 @@ TEST(Serve, IdleHalfOpenConnectionsHoldNoWorker) {
   }
   const auto start = std::chrono::steady_clock::now();
   const auto r = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200) << r->body;
   EXPECT_LT(took, 1.0) << "a normal request waited behind idle connections";
@@ -628,7 +630,8 @@ TEST(Serve, RequestsBeyondTheWorkersGet503AtOnce) {
       httplib::Request req;
       req.method = "POST";
       req.path = "/v1/completions";
-      req.body = json{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 1000}, {"stream", true}}.dump();
+      req.body =
+          json{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 1000}, {"stream", true}}.dump();
       req.set_header("Content-Type", "application/json");
       bool first = true;
       req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
@@ -647,7 +650,8 @@ TEST(Serve, RequestsBeyondTheWorkersGet503AtOnce) {
 
   const auto start = std::chrono::steady_clock::now();
   const auto r = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 503) << r->body;
   EXPECT_EQ(r->get_header_value("Retry-After"), "1");
@@ -713,7 +717,8 @@ TEST(Serve, AnApiKeyGuardsEveryEndpointButHealth) {
   const json body{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 2}};
   for (const Endpoint& e : {Endpoint{"GET", "/v1/models"}, Endpoint{"GET", "/metrics"},
                             Endpoint{"POST", "/v1/completions"}, Endpoint{"GET", "/v1/chat"}}) {
-    for (const char* key : {"", "sk-kvlab-secre", "sk-kvlab-secretx", "sk-kvlab-public", "sk-kvlab-secret"}) {
+    for (const char* key :
+         {"", "sk-kvlab-secre", "sk-kvlab-secretx", "sk-kvlab-public", "sk-kvlab-secret"}) {
       SCOPED_TRACE(detail::cat(e.method, " ", e.path, " key '", key, "'"));
       httplib::Client c = s.client();
       httplib::Headers h;
@@ -789,6 +794,27 @@ TEST(Serve, OutOfRangeFieldsGet400NamingThem) {
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 200) << r->body;
   }
+}
+
+// A stream's chunks are written without building their object: the same bytes as dumping it.
+TEST(Serve, ChunkEventsAreTheDumpedChunkObjects) {
+  const std::string tail = chunk_tail("cmpl-0123", "tiny \"q\"", 1796442543);
+  const json lp{{"tokens", {"a"}},
+                {"token_logprobs", {-0.5}},
+                {"top_logprobs", {{{"a", -0.5}}}},
+                {"text_offset", {3}}};
+  for (const std::string& text : {std::string(""), std::string("ab \"c\"\n\\"),
+                                  std::string("\xff\xfe x"), std::string("\u00e9\t")})
+    for (const json& l : {json(nullptr), lp})
+      for (const auto fin : {std::optional<StopReason>(), std::optional(StopReason::StopString),
+                             std::optional(StopReason::MaxNewTokens)}) {
+        std::string out;
+        append_chunk_event(out, tail, 7, text, l, fin);
+        EXPECT_EQ(
+            out,
+            "data: " + dump(chunk_json("cmpl-0123", "tiny \"q\"", 1796442543, 7, text, l, fin)) +
+                "\n\n");
+      }
 }
 
 }  // namespace
