@@ -3,6 +3,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <thread>
 
@@ -29,8 +30,20 @@ struct ServeArgs {
   int64_t max_tokens = 0;
   std::string max_body = "1MiB";
   int64_t max_connections = 128;
+  int64_t max_waiting_connections = 4096;
+  double header_timeout_s = 5;
+  double keep_alive_timeout_s = 5;
+  std::string min_body_rate = "16KiB";
+  double write_timeout_s = 10;
+  std::string send_buffer;  // empty: the kernel's
+  int64_t max_request_tokens = 0;
+  std::string api_key;
   double stream_interval_ms = 0;
 };
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
 
 void run_serve(const ServeArgs& a) {
   KVLAB_USAGE_CHECK(a.port >= 0 && a.port <= 65535, "--port must be in [0, 65535], got ", a.port);
@@ -45,6 +58,23 @@ void run_serve(const ServeArgs& a) {
                     a.stream_interval_ms);
   const int64_t max_body = parse_bytes(a.max_body, "--max-body");
   KVLAB_USAGE_CHECK(max_body >= 1, "--max-body must be at least 1 byte");
+  KVLAB_USAGE_CHECK(a.max_waiting_connections >= 1, "--max-waiting-connections must be >= 1, got ",
+                    a.max_waiting_connections);
+  KVLAB_USAGE_CHECK(a.header_timeout_s > 0, "--header-timeout must be > 0 s, got ",
+                    a.header_timeout_s);
+  KVLAB_USAGE_CHECK(a.keep_alive_timeout_s > 0, "--keep-alive-timeout must be > 0 s, got ",
+                    a.keep_alive_timeout_s);
+  KVLAB_USAGE_CHECK(a.write_timeout_s > 0, "--write-timeout must be > 0 s, got ",
+                    a.write_timeout_s);
+  const int64_t send_buffer =
+      a.send_buffer.empty() ? 0 : parse_bytes(a.send_buffer, "--send-buffer");
+  const int64_t min_body_rate = parse_bytes(a.min_body_rate, "--min-body-rate");
+  KVLAB_USAGE_CHECK(min_body_rate >= 1, "--min-body-rate must be at least 1 byte/s");
+  KVLAB_USAGE_CHECK(a.max_request_tokens >= 0, "--max-request-tokens must be >= 0, got ",
+                    a.max_request_tokens);
+  std::string api_key = a.api_key;
+  if (api_key.empty())
+    if (const char* env = std::getenv("KVLAB_API_KEY")) api_key = env;
 
   // SIGINT and SIGTERM are taken by one thread (sigwait): blocked here, before any thread
   // starts, so that every thread inherits the mask. A write to a client that left fails
@@ -73,6 +103,14 @@ void run_serve(const ServeArgs& a) {
   o.limits.max_tokens = a.max_tokens;
   o.max_body_bytes = static_cast<size_t>(max_body);
   o.max_connections = a.max_connections;
+  o.max_waiting_connections = a.max_waiting_connections;
+  o.header_timeout_s = a.header_timeout_s;
+  o.keep_alive_timeout_s = a.keep_alive_timeout_s;
+  o.min_body_rate = static_cast<double>(min_body_rate);
+  o.write_timeout_s = a.write_timeout_s;
+  o.send_buffer_bytes = send_buffer;
+  o.limits.max_request_tokens = a.max_request_tokens;
+  o.api_key = api_key;
   o.stream_interval_s = a.stream_interval_ms / 1e3;
   Server server(engine, o);
   const int port = server.bind();
@@ -92,6 +130,11 @@ void run_serve(const ServeArgs& a) {
                "sequences; POST /v1/completions, GET /v1/models /health /metrics)\n",
                o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
                static_cast<long long>(context), static_cast<long long>(a.max_seqs));
+  if (api_key.empty() && !is_loopback(a.host))
+    std::fprintf(stderr,
+                 "kvlab: warning: serving on %s without an API key: anyone who can reach it may "
+                 "use it (--api-key or KVLAB_API_KEY)\n",
+                 a.host.c_str());
   server.run();
   pthread_kill(watcher.native_handle(), SIGTERM);  // wakes it if no signal stopped the server
   watcher.join();
@@ -129,7 +172,35 @@ void add_serve_command(CLI::App& root) {
   cmd->add_option("--max-body", args->max_body, "Largest request body (a size, e.g. 1MiB)")
       ->capture_default_str();
   add_number(cmd, "--max-connections", args->max_connections,
-             "Connections served at once (a thread each); more wait to be accepted");
+             "Requests read, handled and answered at once (a thread each); a request beyond "
+             "them is answered 503 with Retry-After: 1. Idle connections and ones still sending "
+             "their headers hold no thread");
+  add_number(cmd, "--max-waiting-connections", args->max_waiting_connections,
+             "Idle connections (and ones still sending their headers) kept at once; a new one "
+             "beyond them is answered 503");
+  add_number(cmd, "--header-timeout", args->header_timeout_s,
+             "Seconds a request line and headers may take from their first byte (from the "
+             "connection's start for a new one); then 408 and closed. Also a body's grace");
+  add_number(cmd, "--keep-alive-timeout", args->keep_alive_timeout_s,
+             "Seconds an idle kept-alive connection is kept between requests");
+  cmd->add_option("--min-body-rate", args->min_body_rate,
+                  "Bytes per second a request body must arrive at, after --header-timeout "
+                  "seconds of grace; a slower one fails (400) and its connection closes")
+      ->capture_default_str();
+  add_number(cmd, "--write-timeout", args->write_timeout_s,
+             "Seconds a write may wait for the client to take bytes; then the connection is "
+             "cut, and a stream's sequences are aborted (their KV blocks freed)");
+  cmd->add_option("--send-buffer", args->send_buffer,
+                  "A connection's send buffer, e.g. 256KiB (default: the kernel's, which grows "
+                  "to megabytes): what a client that stops reading may leave unread before "
+                  "--write-timeout starts to run");
+  add_number(cmd, "--max-request-tokens", args->max_request_tokens,
+             "The most KV positions one request may hold: n * (prompt tokens + max_tokens), "
+             "over its prompts; more is a 400 (0: half the KV pool, or one context where that is "
+             "more)");
+  cmd->add_option("--api-key", args->api_key,
+                  "Require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
+                  "otherwise); default: the KVLAB_API_KEY environment variable, else none");
   add_number(cmd, "--stream-interval", args->stream_interval_ms,
              "Milliseconds a stream gathers tokens before it sends them (its first at once); "
              "0 sends each as it is made. A few ms spare the model's steps the cost of a send "

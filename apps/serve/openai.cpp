@@ -169,12 +169,15 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
   r.sampling.top_p = number(body, "top_p", 1.0);
   const int64_t top_k = integer(body, "top_k", 0, -1, std::numeric_limits<int32_t>::max());
   r.sampling.top_k = top_k < 0 ? 0 : top_k;  // -1 (vLLM's "off") and 0 keep every token
-  if (!(r.sampling.temperature >= 0)) bad("temperature", "'temperature' must be >= 0");
-  if (!(r.sampling.top_p > 0 && r.sampling.top_p <= 1)) bad("top_p", "'top_p' must be in (0, 1]");
+  // OpenAI's ranges. NaN fails every comparison, so it is refused too.
+  if (!(r.sampling.temperature >= 0 && r.sampling.temperature <= 2))
+    bad("temperature",
+        detail::cat("'temperature' must be in [0, 2], got ", r.sampling.temperature));
+  if (!(r.sampling.top_p > 0 && r.sampling.top_p <= 1))
+    bad("top_p", detail::cat("'top_p' must be in (0, 1], got ", r.sampling.top_p));
   if (field(body, "seed") != nullptr)
-    r.sampling.seed = static_cast<uint64_t>(integer(body, "seed", 0,
-                                                    std::numeric_limits<int64_t>::min(),
-                                                    std::numeric_limits<int64_t>::max()));
+    r.sampling.seed =
+        static_cast<uint64_t>(integer(body, "seed", 0, 0, std::numeric_limits<int64_t>::max()));
   else
     r.sampling.seed = std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}();
 
@@ -193,6 +196,17 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
       bad("stop", detail::cat("at most ", limits.max_stops, " stop strings, got ", r.stop.size()));
     for (const std::string& x : r.stop)
       if (x.empty()) bad("stop", "a stop string is empty");
+  }
+  if (limits.max_request_tokens > 0) {
+    int64_t positions = 0;
+    for (const auto& p : r.prompts)
+      positions += r.n * (static_cast<int64_t>(p.size()) + r.max_tokens);
+    if (positions > limits.max_request_tokens)
+      bad("max_tokens",
+          detail::cat("the request asks for ", positions,
+                      " positions (n * (prompt tokens + max_tokens), over its prompts), more than "
+                      "the limit of ",
+                      limits.max_request_tokens, "; lower max_tokens, n or the prompts"));
   }
   unsupported(body, "best_of", 1);
   unsupported(body, "suffix", "");
@@ -274,6 +288,33 @@ nlohmann::json chunk_json(const std::string& id, const std::string& model, int64
                          {"logprobs", std::move(logprobs)},
                          {"finish_reason", finished ? json(finish_reason_name(*finished))
                                                     : json(nullptr)}}})}};
+}
+
+}  // namespace kvlab
+
+namespace kvlab {
+
+std::string chunk_tail(const std::string& id, const std::string& model, int64_t created) {
+  // The object's keys after "choices", in the order dump() writes them (sorted), without its
+  // opening brace.
+  const json j{{"created", created}, {"id", id}, {"model", model}, {"object", "text_completion"}};
+  return dump(j).substr(1);
+}
+
+void append_chunk_event(std::string& out, const std::string& tail, int64_t index,
+                        const std::string& text, const nlohmann::json& logprobs,
+                        std::optional<StopReason> finished) {
+  out += "data: {\"choices\":[{\"finish_reason\":";
+  out += finished ? detail::cat("\"", finish_reason_name(*finished), "\"") : std::string("null");
+  out += ",\"index\":";
+  out += std::to_string(index);
+  out += ",\"logprobs\":";
+  out += dump(logprobs);
+  out += ",\"text\":";
+  out += dump(json(text));
+  out += "}],";
+  out += tail;
+  out += "\n\n";
 }
 
 }  // namespace kvlab

@@ -36,8 +36,12 @@ struct ApiLimits {
   int64_t max_tokens = 0;   // the most tokens a choice may ask for (0: the model's context)
   int64_t max_n = 16;       // choices per prompt
   int64_t max_prompts = 64; // prompts per request
-  int64_t max_logprobs = 20;
+  int64_t max_logprobs = 5;  // OpenAI's
   int64_t max_stops = 4;
+  // The positions one request's choices may hold at once, over its prompts:
+  // n * (prompt tokens + max_tokens) summed (0: no limit; the server's default is half its
+  // KV pool or one context, whichever is more), so that one request cannot take the whole pool.
+  int64_t max_request_tokens = 0;
 };
 
 struct CompletionRequest {
@@ -94,6 +98,14 @@ nlohmann::json completion_json(const CompletionRequest& req, const std::vector<C
 nlohmann::json chunk_json(const std::string& id, const std::string& model, int64_t created,
                           int64_t index, const std::string& text, nlohmann::json logprobs,
                           std::optional<StopReason> finished);
+
+// chunk_json's server-sent event ("data: " + its JSON + "\n\n"), the same bytes, appended to
+// `out` without building the object: a stream at one token an event makes one per token.
+// `tail` is chunk_tail(id, model, created), the fields every chunk of a call shares.
+std::string chunk_tail(const std::string& id, const std::string& model, int64_t created);
+void append_chunk_event(std::string& out, const std::string& tail, int64_t index,
+                        const std::string& text, const nlohmann::json& logprobs,
+                        std::optional<StopReason> finished);
 
 // usage: the prompts' tokens (each once, whatever n), the tokens made over every choice.
 nlohmann::json usage_json(const CompletionRequest& req, const std::vector<ChoiceState>& choices);

@@ -1,7 +1,6 @@
 #include "apps/serve/server.h"
 
 #include <httplib.h>
-#include <sys/socket.h>
 
 #include <atomic>
 #include <cerrno>
@@ -11,8 +10,11 @@
 #include <deque>
 #include <mutex>
 #include <random>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
+
+#include "apps/serve/connections.h"
 
 namespace kvlab {
 
@@ -68,12 +70,25 @@ std::string completion_id() {
   return buf;
 }
 
-// httplib 0.11 listens with a backlog of 5: a burst of clients overflows it and connections
-// are dropped. Listening again on the bound socket raises the backlog (Linux allows it).
-class HttpServer : public httplib::Server {
- public:
-  void raise_backlog() { ::listen(svr_sock_, SOMAXCONN); }
-};
+ConnectionOptions connection_options(const ServeOptions& o) {
+  ConnectionOptions c;
+  c.max_connections = o.max_connections;
+  c.max_waiting = o.max_waiting_connections;
+  c.header_timeout_s = o.header_timeout_s;
+  c.keep_alive_timeout_s = o.keep_alive_timeout_s;
+  c.min_body_rate = o.min_body_rate;
+  c.write_timeout_s = o.write_timeout_s;
+  c.send_buffer_bytes = o.send_buffer_bytes;
+  return c;
+}
+
+// Equal strings, in a time that depends on the key's length alone (not on where they differ).
+bool same_key(std::string_view given, std::string_view key) {
+  unsigned char diff = given.size() != key.size();
+  for (size_t i = 0; i < key.size(); ++i)
+    diff |= static_cast<unsigned char>((i < given.size() ? given[i] : 0) ^ key[i]);
+  return diff == 0;
+}
 
 }  // namespace
 
@@ -104,6 +119,7 @@ struct Call {
   bool cancelled = false;   // its client went away
   std::string failure;      // set when it cannot finish (the server stops)
   std::vector<size_t> streamed;  // bytes of text each choice has streamed (the HTTP thread's)
+  std::string chunk_tail;        // with stream: what every chunk ends with (chunk_tail())
 
   bool done() const { return unfinished == 0 || !failure.empty(); }
 };
@@ -132,15 +148,26 @@ struct Server::Impl {
   // Metrics, under m.
   int64_t running = 0, waiting = 0, preemptions = 0;
   BlockStats blocks;
-  int64_t prompt_tokens = 0, tokens = 0, finished = 0, aborted = 0, rejected = 0;
+  int64_t prompt_tokens = 0, tokens = 0, finished = 0, aborted = 0, rejected = 0, unauthorized = 0;
   std::deque<std::pair<Clock::time_point, int64_t>> recent;  // (time, tokens) of recent steps
   Histogram ttft{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram tpot{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 
-  Impl(Engine& e, ServeOptions o) : engine(e), options(std::move(o)), scheduler(e, options.scheduler) {
-    KVLAB_CHECK(options.max_connections >= 1, "serve: max_connections must be >= 1, got ",
-                options.max_connections);
+  Impl(Engine& e, ServeOptions o)
+      : engine(e),
+        options(std::move(o)),
+        scheduler(e, options.scheduler),
+        http(connection_options(options)) {
     KVLAB_CHECK(options.max_body_bytes >= 1, "serve: max_body_bytes must be >= 1");
+    KVLAB_CHECK(options.limits.max_request_tokens >= 0,
+                "serve: max_request_tokens must be >= 0, got ", options.limits.max_request_tokens);
+    // By default one request may hold half the pool, so that it cannot starve every other,
+    // or one whole context where that is more (a pool of one or two sequences).
+    if (options.limits.max_request_tokens == 0) {
+      const int64_t pool = scheduler.block_stats().total * options.scheduler.cache.kv_block_size;
+      options.limits.max_request_tokens =
+          std::max<int64_t>(pool / 2, e.model().config().block_size);
+    }
     routes();
   }
 
@@ -163,11 +190,35 @@ struct Server::Impl {
 };
 
 void Server::Impl::routes() {
-  const size_t threads = static_cast<size_t>(options.max_connections);
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   http.set_payload_max_length(options.max_body_bytes);
+  // What the Keep-Alive header announces (the gate enforces them).
   http.set_keep_alive_max_count(1000);
+  http.set_keep_alive_timeout(static_cast<time_t>(options.keep_alive_timeout_s));
   http.set_tcp_nodelay(true);
+  // The key is checked before a body is read: a refused request costs its headers alone. Its
+  // body, unread, would be taken for the next request: the connection closes.
+  if (!options.api_key.empty())
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      const std::string auth = req.get_header_value("Authorization");
+      constexpr std::string_view kBearer = "Bearer ";
+      if (auth.size() > kBearer.size() && auth.compare(0, kBearer.size(), kBearer) == 0 &&
+          same_key(std::string_view(auth).substr(kBearer.size()), options.api_key))
+        return httplib::Server::HandlerResponse::Unhandled;
+      {
+        std::lock_guard lk(m);
+        ++unauthorized;
+      }
+      reply_error(
+          res, ApiError(401,
+                        auth.empty() ? "no API key: send the header 'Authorization: Bearer <key>'"
+                                     : "the API key is not valid",
+                        "", "invalid_request_error"));
+      res.set_header("WWW-Authenticate", "Bearer");
+      res.set_header("Connection", "close");
+      HttpServer::close_after_response();
+      return httplib::Server::HandlerResponse::Handled;
+    });
 
   http.Post("/v1/completions",
             [this](const httplib::Request& q, httplib::Response& r) { completions(q, r); });
@@ -231,6 +282,7 @@ void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& 
   call->first_token.resize(n_choices);
   call->streamed.resize(n_choices, 0);
   call->unfinished = static_cast<int64_t>(n_choices);
+  if (call->req.stream) call->chunk_tail = chunk_tail(call->id, options.model_name, call->created);
   {
     std::lock_guard lk(m);
     if (stopping) {
@@ -306,7 +358,7 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
                          call.streamed[static_cast<size_t>(p.choice)]);
     }
     call.streamed[static_cast<size_t>(p.choice)] += text.size();
-    out += sse(chunk_json(call.id, options.model_name, call.created, p.choice, text, lp, p.finished));
+    append_chunk_event(out, call.chunk_tail, p.choice, text, lp, p.finished);
   }
   if (done || stop) {
     if (!failure.empty() || stop) {
@@ -534,6 +586,28 @@ std::string Server::Impl::metrics_text() {
                      "kvlab_sequences_total{outcome=\"aborted\"} ", aborted, "\n"));
   metric(out, "kvlab_requests_rejected_total", "counter", "Requests answered with a 4xx.",
          detail::cat("kvlab_requests_rejected_total ", rejected, "\n"));
+  metric(out, "kvlab_requests_unauthorized_total", "counter",
+         "Requests answered 401: no API key, or not the server's.",
+         detail::cat("kvlab_requests_unauthorized_total ", unauthorized, "\n"));
+  const ConnectionStats c = http.stats();
+  metric(out, "kvlab_connections", "gauge",
+         "Connections by state: active (a request read, handled or answered), waiting (idle, "
+         "or sending its headers).",
+         detail::cat("kvlab_connections{state=\"active\"} ", c.active, "\n",
+                     "kvlab_connections{state=\"waiting\"} ", c.waiting, "\n"));
+  metric(out, "kvlab_connections_refused_total", "counter",
+         "Requests the connection layer answered itself: 503 busy (every worker busy, or too "
+         "many connections waiting), 408 (headers too slow).",
+         detail::cat("kvlab_connections_refused_total{reason=\"busy\"} ", c.refused_busy, "\n",
+                     "kvlab_connections_refused_total{reason=\"header_timeout\"} ",
+                     c.header_timeouts, "\n"));
+  metric(out, "kvlab_connections_cut_total", "counter",
+         "Connections closed at a deadline: idle (keep-alive), slow_body (under the minimum "
+         "rate), write_timeout (a client that stopped reading).",
+         detail::cat("kvlab_connections_cut_total{reason=\"idle\"} ", c.idle_closed, "\n",
+                     "kvlab_connections_cut_total{reason=\"slow_body\"} ", c.body_timeouts, "\n",
+                     "kvlab_connections_cut_total{reason=\"write_timeout\"} ", c.write_timeouts,
+                     "\n"));
   ttft.write(out, "kvlab_time_to_first_token_seconds",
              "Arrival of a request until its sequence's first token (or first event).");
   tpot.write(out, "kvlab_time_per_output_token_seconds",

@@ -21,8 +21,25 @@ struct ServeOptions {
   SchedulerOptions scheduler;
   ApiLimits limits;
   size_t max_body_bytes = 1 << 20;
-  // Connections served at once (one thread each); more wait to be accepted.
+  // Requests read, handled and answered at once (a thread each); a request beyond them is
+  // answered 503 with Retry-After. Idle connections and ones still sending their headers wait
+  // apart (apps/serve/connections.h), up to max_waiting_connections.
   int64_t max_connections = 128;
+  int64_t max_waiting_connections = 4096;
+  // Deadlines (apps/serve/connections.h): request line and headers within header_timeout_s of
+  // their first byte (408 after); an idle kept-alive connection closed after
+  // keep_alive_timeout_s; a body at min_body_rate bytes/s or faster (after header_timeout_s);
+  // a write the client does not take within write_timeout_s fails, and a stream's sequences
+  // are then aborted.
+  double header_timeout_s = 5;
+  double keep_alive_timeout_s = 5;
+  double min_body_rate = 16384;
+  double write_timeout_s = 10;
+  // A connection's send buffer (0: the kernel's, which grows to megabytes): what a client that
+  // stopped reading may leave unread before the write deadline starts to run.
+  int64_t send_buffer_bytes = 0;
+  // When not empty, every endpoint but /health requires "Authorization: Bearer <api_key>".
+  std::string api_key;
   // A stream sends its first piece at once, then what has accumulated once its oldest
   // unsent piece is this old (and at the end): 0 sends every token as it is made. Each send
   // wakes an HTTP thread and its client, which on a machine whose cores all compute take

@@ -317,16 +317,34 @@ void attention_forward(T* out, HeadView ov, const T* q, HeadView qv, const KV* k
     return;
   }
   if (s.kv_blocks != nullptr) {
+    // A paged row's keys and values are gathered block by block into work memory (widened
+    // where a contiguous row's are widened) and attended there by the contiguous path's
+    // products: the same bits. Attending block by block summed the values in another order,
+    // and a bf16 cache rounded that f32 difference into whole bf16 steps of the next layer's
+    // keys (logits 1e-4 of their scale apart with the AVX2 kernels).
     for_each_task(tasks, [&](int64_t task) {
       const int64_t b = task / s.NH, h = task % s.NH, g = h / group;
       const int64_t Sb = kv_len(s, b);
-      T* widened = std::is_same_v<KV, T>
-                       ? nullptr
-                       : scratch<T>(static_cast<size_t>(s.kv_blocks->block_len * s.HS), 1);
-      attend_blocks<T, KV>(out + b * ov.sb + h * ov.sh, ov.st, q + b * qv.sb + h * qv.sh, qv.st,
-                           s.T, block_rows(k, kv, s, b, g), block_rows(v, vv, s, b, g), Sb, s.HS,
-                           scale, scratch<T>(static_cast<size_t>(s.T * Sb), 0), widened,
-                           kv_quant(s, g));
+      const KVQuant fmt = kv_quant(s, g);
+      auto gather = [&](const BlockRows<KV>& rows, int slot, bool value) {
+        T* dst = scratch<T>(static_cast<size_t>(Sb * s.HS), slot);
+        for (int64_t j = 0; j < Sb; j += rows.block_len()) {
+          const int64_t m = std::min(rows.block_len(), Sb - j);
+          int64_t st;
+          const T* src =
+              kv_rows<T>(rows(j), rows.pos_stride, m, s.HS, dst + j * s.HS, st, fmt, value);
+          if (src != dst + j * s.HS)  // rows of T are read in place: copied
+            for (int64_t r = 0; r < m; ++r)
+              std::copy(src + r * st, src + r * st + s.HS, dst + (j + r) * s.HS);
+        }
+        return dst;
+      };
+      const T* kg = gather(block_rows(k, kv, s, b, g), 1, false);
+      const T* vg = gather(block_rows(v, vv, s, b, g), 2, true);
+      T* p = scratch<T>(static_cast<size_t>(s.T * Sb), 0);
+      probabilities(p, q + b * qv.sb + h * qv.sh, qv.st, kg, s.HS, s.T, Sb, s.HS, scale);
+      gemm<T>(false, false, s.T, s.HS, Sb, T(1), p, Sb, vg, s.HS, T(0), out + b * ov.sb + h * ov.sh,
+              ov.st);
     });
     return;
   }

@@ -11,7 +11,9 @@ if (!baseURL || expected === undefined) {
   process.exit(2);
 }
 
-const client = new OpenAI({ baseURL, apiKey: "unused", maxRetries: 0, timeout: 60_000 });
+// KVLAB_API_KEY: the server's key (the client sends it as "Authorization: Bearer").
+const apiKey = process.env.KVLAB_API_KEY;
+const client = new OpenAI({ baseURL, apiKey: apiKey ?? "unused", maxRetries: 0, timeout: 60_000 });
 let current = "setup";
 
 async function check(name, fn) {
@@ -68,6 +70,33 @@ try {
       },
     );
   });
+
+  await check("a range the API refuses names its field", async () => {
+    await assert.rejects(client.completions.create({ ...args, temperature: 3 }), (err) => {
+      assert.ok(err instanceof OpenAI.BadRequestError, `not a BadRequestError: ${err}`);
+      assert.equal(err.param, "temperature", "error.param");
+      return true;
+    });
+  });
+
+  if (apiKey) {
+    await check("a wrong API key rejected with 401", async () => {
+      const wrong = new OpenAI({ baseURL, apiKey: `${apiKey}x`, maxRetries: 0, timeout: 60_000 });
+      for (const call of [() => wrong.models.list(), () => wrong.completions.create(args)]) {
+        await assert.rejects(call(), (err) => {
+          assert.ok(err instanceof OpenAI.AuthenticationError, `not an AuthenticationError: ${err}`);
+          assert.equal(err.status, 401, "HTTP status");
+          assert.equal(err.type, "invalid_request_error", "error.type");
+          return true;
+        });
+      }
+    });
+
+    await check("/health open without a key", async () => {
+      const res = await fetch(new URL("../health", `${baseURL}/`));
+      assert.equal(res.status, 200, "HTTP status");
+    });
+  }
 } catch (err) {
   console.error(`FAIL: ${current}: ${err?.message ?? err}`);
   process.exit(1);

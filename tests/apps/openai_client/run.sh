@@ -64,7 +64,10 @@ step=serve
 # default so the server sees SIGINT as it would from a terminal.
 reset_int=()
 env --default-signal=INT true 2>/dev/null && reset_int=(env --default-signal=INT)
-"${reset_int[@]}" "$KVLAB" serve --ckpt "$ckpt" --port 0 > "$work/serve.out" 2> "$work/serve.log" &
+# The key comes from the environment (the flag's fallback); the client sends it.
+api_key=sk-kvlab-test-$$
+KVLAB_API_KEY=$api_key "${reset_int[@]}" "$KVLAB" serve --ckpt "$ckpt" --port 0 \
+  > "$work/serve.out" 2> "$work/serve.log" &
 server_pid=$!
 port=
 for _ in $(seq 300); do
@@ -82,7 +85,7 @@ done
 echo "ok: serve listening on port $port"
 
 step=client
-KVLAB_BASE_URL="http://127.0.0.1:$port/v1" KVLAB_EXPECTED_TEXT="$expected" \
+KVLAB_BASE_URL="http://127.0.0.1:$port/v1" KVLAB_EXPECTED_TEXT="$expected" KVLAB_API_KEY="$api_key" \
   timeout 180 node "$here/completions.mjs" || fail "completions.mjs failed (status $?)"
 
 step=shutdown

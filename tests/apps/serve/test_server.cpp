@@ -2,9 +2,15 @@
 // process, over a tiny random model. Completions must equal the engine's with the same
 // options and seed; log-probabilities must equal the model's log-softmax; bad requests get
 // their 4xx and the server keeps answering; a client that leaves gives its blocks back.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
@@ -495,6 +501,320 @@ TEST(Serve, AWorkloadReplayedOverHttpGetsEveryToken) {
   EXPECT_EQ(s.metric("kvlab_generation_tokens_total"), static_cast<double>(tokens))
       << "the server made exactly the tokens asked";
   EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+}
+
+// A raw loopback connection to the server: what a misbehaving client does with its socket.
+class RawConnection {
+ public:
+  // rcvbuf > 0: the receive buffer's size, set before connecting (a small window fills fast).
+  explicit RawConnection(int port, int rcvbuf = 0) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    EXPECT_GE(fd_, 0);
+    if (rcvbuf > 0) ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    EXPECT_TRUE(connected_) << "connect";
+  }
+  ~RawConnection() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RawConnection(RawConnection&& o) noexcept
+      : fd_(std::exchange(o.fd_, -1)), connected_(o.connected_) {}
+
+  void send(const std::string& s) const {
+    EXPECT_EQ(::send(fd_, s.data(), s.size(), MSG_NOSIGNAL), static_cast<ssize_t>(s.size()));
+  }
+  // What arrives until the server closes the connection or `timeout_s` pass.
+  std::string read_all(double timeout_s) const {
+    std::string out;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    char buf[4096];
+    while (std::chrono::steady_clock::now() < until) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) {
+        closed_ = true;
+        break;
+      }
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return out;
+  }
+  bool closed() const { return closed_; }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+  mutable bool closed_ = false;
+};
+
+std::string post_text(const json& body, const std::string& extra_headers = "") {
+  const std::string b = body.dump();
+  return "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" +
+         extra_headers + "Content-Length: " + std::to_string(b.size()) + "\r\n\r\n" + b;
+}
+
+// Connections that send half a request line and wait hold no worker: with more of them than
+// workers, a normal request is answered at once.
+TEST(Serve, IdleHalfOpenConnectionsHoldNoWorker) {
+  Running s;  // 128 workers
+  std::vector<RawConnection> idle;
+  for (int i = 0; i < 200; ++i) {
+    idle.emplace_back(s.port());
+    idle.back().send("POST /v1/compl");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_LT(took, 1.0) << "a normal request waited behind idle connections";
+  EXPECT_GE(s.metric("kvlab_connections{state=\"waiting\"}"), 200);
+}
+
+// A connection whose headers do not arrive within the header deadline is answered 408 and
+// closed; one that never sends a byte is closed; a kept-alive one idles out.
+TEST(Serve, SlowHeadersGet408AndSilentConnectionsClose) {
+  ServeOptions o;
+  o.header_timeout_s = 0.3;
+  o.keep_alive_timeout_s = 0.3;
+  Running s(o);
+  RawConnection slow(s.port()), silent(s.port());
+  slow.send("GET /v1/models HT");
+  const std::string answer = slow.read_all(5);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 408", 0), 0u) << answer;
+  EXPECT_TRUE(slow.closed());
+  EXPECT_EQ(silent.read_all(5), "");
+  EXPECT_TRUE(silent.closed());
+
+  RawConnection kept(s.port());
+  kept.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string health = kept.read_all(5);
+  EXPECT_EQ(health.rfind("HTTP/1.1 200", 0), 0u) << health;
+  EXPECT_TRUE(kept.closed()) << "an idle kept-alive connection should close";
+  EXPECT_GE(s.metric("kvlab_connections_refused_total{reason=\"header_timeout\"}"), 2);
+  EXPECT_GE(s.metric("kvlab_connections_cut_total{reason=\"idle\"}"), 1);
+}
+
+// A body slower than the minimum rate fails and its connection closes.
+TEST(Serve, ABodyUnderTheMinimumRateIsCutOff) {
+  ServeOptions o;
+  o.header_timeout_s = 0.2;
+  o.min_body_rate = 1000;
+  Running s(o);
+  RawConnection c(s.port());
+  const std::string req = post_text(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
+  const size_t head = req.find("\r\n\r\n") + 4;
+  c.send(req.substr(0, head + 2));  // the headers and two bytes of the body, then nothing
+  const std::string answer = c.read_all(5);
+  EXPECT_TRUE(c.closed());
+  EXPECT_EQ(answer.find("HTTP/1.1 200"), std::string::npos) << answer;
+  EXPECT_EQ(s.metric("kvlab_connections_cut_total{reason=\"slow_body\"}"), 1);
+}
+
+// With every worker busy (two long streams), a request is answered 503 with Retry-After at
+// once; once the streams end the server answers again.
+TEST(Serve, RequestsBeyondTheWorkersGet503AtOnce) {
+  ServeOptions o;
+  o.max_connections = 2;
+  Running s(o, /*block_size=*/1024);
+  std::atomic<bool> release{false};
+  std::atomic<int> streaming{0};
+  std::vector<std::thread> streams;
+  for (int i = 0; i < 2; ++i)
+    streams.emplace_back([&] {
+      httplib::Request req;
+      req.method = "POST";
+      req.path = "/v1/completions";
+      req.body =
+          json{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 1000}, {"stream", true}}.dump();
+      req.set_header("Content-Type", "application/json");
+      bool first = true;
+      req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+        if (first) ++streaming;
+        first = false;
+        while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        return false;  // leave: the stream's sequence is aborted
+      };
+      httplib::Client c = s.client();
+      c.send(req);
+    });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (streaming < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(streaming, 2);
+
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503) << r->body;
+  EXPECT_EQ(r->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(json::parse(r->body)["error"]["type"], "server_error");
+  EXPECT_LT(took, 1.0) << "a refusal should come at once";
+
+  release = true;
+  for (std::thread& t : streams) t.join();
+  // The streams' workers are free once their next write finds the client gone.
+  int status = 0;
+  std::string answer;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto again = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
+    ASSERT_TRUE(again);
+    status = again->status;
+    answer = again->body;
+    if (status != 503) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(status, 200) << answer;
+  EXPECT_GE(s.metric("kvlab_connections_refused_total{reason=\"busy\"}"), 1);
+}
+
+// A streaming client that stops reading (its window full) is cut off at the write deadline;
+// its sequence is aborted and its blocks return to the pool.
+TEST(Serve, AClientThatStopsReadingIsCutOffAndItsBlocksReturn) {
+  ServeOptions o;
+  o.write_timeout_s = 0.1;  // the tiny model makes the whole stream in under a second
+  o.send_buffer_bytes = 16 << 10;
+  Running s(o, /*block_size=*/1024);
+  RawConnection c(s.port(), /*rcvbuf=*/4096);
+  c.send(post_text(json{{"model", "tiny"},
+                        {"prompt", "abc"},
+                        {"max_tokens", 1000},
+                        {"n", 16},  // 16 chunks a step: the buffers fill within a few steps
+                        {"logprobs", 5},
+                        {"stream", true}}));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  auto cut = [&] { return s.metric("kvlab_connections_cut_total{reason=\"write_timeout\"}"); };
+  while ((cut() < 1 || s.metric("kvlab_requests_running") > 0) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(cut(), 1);
+  const double aborted = s.metric("kvlab_sequences_total{outcome=\"aborted\"}");
+  EXPECT_GE(aborted, 1) << "its sequences should have been cut off before their 1000 tokens";
+  EXPECT_EQ(aborted + s.metric("kvlab_sequences_total{outcome=\"finished\"}"), 16);
+  EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
+  EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+  c.read_all(10);
+  EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
+}
+
+// With an API key every endpoint but /health wants it: missing or wrong, 401 with OpenAI's
+// error object; right, answered.
+TEST(Serve, AnApiKeyGuardsEveryEndpointButHealth) {
+  ServeOptions o;
+  o.api_key = "sk-kvlab-secret";
+  Running s(o);
+  struct Endpoint {
+    const char* method;
+    const char* path;
+  };
+  const json body{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 2}};
+  for (const Endpoint& e : {Endpoint{"GET", "/v1/models"}, Endpoint{"GET", "/metrics"},
+                            Endpoint{"POST", "/v1/completions"}, Endpoint{"GET", "/v1/chat"}}) {
+    for (const char* key :
+         {"", "sk-kvlab-secre", "sk-kvlab-secretx", "sk-kvlab-public", "sk-kvlab-secret"}) {
+      SCOPED_TRACE(detail::cat(e.method, " ", e.path, " key '", key, "'"));
+      httplib::Client c = s.client();
+      httplib::Headers h;
+      if (*key != '\0') h.emplace("Authorization", detail::cat("Bearer ", key));
+      const auto r = std::string(e.method) == "GET"
+                         ? c.Get(e.path, h)
+                         : c.Post(e.path, h, body.dump(), "application/json");
+      ASSERT_TRUE(r);
+      if (std::string(key) == "sk-kvlab-secret") {
+        EXPECT_EQ(r->status, std::string(e.path) == "/v1/chat" ? 404 : 200) << r->body;
+        continue;
+      }
+      EXPECT_EQ(r->status, 401) << r->body;
+      const json err = json::parse(r->body, nullptr, false);
+      ASSERT_TRUE(err.is_object() && err.contains("error")) << r->body;
+      EXPECT_EQ(err["error"]["type"], "invalid_request_error");
+      EXPECT_FALSE(err["error"]["message"].get<std::string>().empty());
+    }
+  }
+  httplib::Client c = s.client();
+  const auto basic = c.Get("/v1/models", {{"Authorization", "Basic sk-kvlab-secret"}});
+  ASSERT_TRUE(basic);
+  EXPECT_EQ(basic->status, 401);
+  const auto health = c.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+// OpenAI's ranges and the server's caps: each field out of range is a 400 naming it; the
+// edges themselves are accepted.
+TEST(Serve, OutOfRangeFieldsGet400NamingThem) {
+  ServeOptions o;
+  o.limits.max_request_tokens = 40;
+  Running s(o);
+  const json ok{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 2}};
+  auto with = [&](const char* key, json value) {
+    json b = ok;
+    b[key] = std::move(value);
+    return b;
+  };
+  const std::vector<std::pair<json, const char*>> refused = {
+      {with("temperature", 1e308), "temperature"},
+      {with("temperature", 2.01), "temperature"},
+      {with("temperature", -0.5), "temperature"},
+      {with("top_p", 1.5), "top_p"},
+      {with("top_p", -1), "top_p"},
+      {with("n", 17), "n"},
+      {with("logprobs", 6), "logprobs"},
+      {with("logprobs", -1), "logprobs"},
+      {with("seed", -1), "seed"},
+      {with("seed", 1.5), "seed"},
+      {with("seed", 18446744073709551615ull), "seed"},
+      {[&] {
+         json b = with("n", 4);
+         b["max_tokens"] = 9;  // 4 * (2 + 9) = 44 positions > 40
+         return b;
+       }(),
+       "max_tokens"},
+  };
+  for (const auto& [body, param] : refused) {
+    SCOPED_TRACE(body.dump());
+    const auto r = s.post(body);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    const json e = json::parse(r->body);
+    EXPECT_EQ(e["error"]["param"], param);
+    EXPECT_EQ(e["error"]["type"], "invalid_request_error");
+  }
+  for (const json& body : {with("temperature", 2), with("top_p", 1), with("logprobs", 5),
+                           with("seed", 0), with("n", 4)}) {
+    SCOPED_TRACE(body.dump());
+    const auto r = s.post(body);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+  }
+}
+
+// A stream's chunks are written without building their object: the same bytes as dumping it.
+TEST(Serve, ChunkEventsAreTheDumpedChunkObjects) {
+  const std::string tail = chunk_tail("cmpl-0123", "tiny \"q\"", 1796442543);
+  const json lp{{"tokens", {"a"}},
+                {"token_logprobs", {-0.5}},
+                {"top_logprobs", {{{"a", -0.5}}}},
+                {"text_offset", {3}}};
+  for (const std::string& text : {std::string(""), std::string("ab \"c\"\n\\"),
+                                  std::string("\xff\xfe x"), std::string("\u00e9\t")})
+    for (const json& l : {json(nullptr), lp})
+      for (const auto fin : {std::optional<StopReason>(), std::optional(StopReason::StopString),
+                             std::optional(StopReason::MaxNewTokens)}) {
+        std::string out;
+        append_chunk_event(out, tail, 7, text, l, fin);
+        EXPECT_EQ(
+            out,
+            "data: " + dump(chunk_json("cmpl-0123", "tiny \"q\"", 1796442543, 7, text, l, fin)) +
+                "\n\n");
+      }
 }
 
 }  // namespace
