@@ -21,13 +21,13 @@
 #include "apps/serve/http_bench.h"
 #include "apps/serve/server.h"
 #include "apps/train_flags.h"
-#include "platform/atomic_file.h"
-#include "platform/blas_core.h"
-#include "platform/cpu.h"
 #include "checkpoints/model_io.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/bench.h"
 #include "infer/measure/kv_quality.h"
+#include "platform/atomic_file.h"
+#include "platform/blas_core.h"
+#include "platform/cpu.h"
 
 namespace kvlab {
 

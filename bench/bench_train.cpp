@@ -11,8 +11,8 @@
 #include <iostream>
 
 #include "autograd/backend/kernels.h"
-#include "platform/threads.h"
 #include "bench/bench_util.h"
+#include "platform/threads.h"
 #include "train/trainer.h"
 
 using namespace kvlab;

@@ -2,11 +2,11 @@
 
 #include <system_error>
 
-#include "platform/atomic_file.h"
-#include "platform/error.h"
 #include "checkpoints/h5.h"
 #include "checkpoints/h5_layout.h"
 #include "checkpoints/sealed_image.h"
+#include "platform/atomic_file.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

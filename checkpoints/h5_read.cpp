@@ -5,8 +5,8 @@
 #include <map>
 #include <variant>
 
-#include "platform/error.h"
 #include "checkpoints/h5_layout.h"
+#include "platform/error.h"
 
 namespace kvlab::checkpoint_detail {
 namespace {

@@ -3,8 +3,8 @@
 #include <set>
 #include <variant>
 
-#include "platform/error.h"
 #include "checkpoints/h5_layout.h"
+#include "platform/error.h"
 
 namespace kvlab::checkpoint_detail {
 namespace {

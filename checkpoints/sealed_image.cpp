@@ -12,8 +12,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "platform/error.h"
 #include "checkpoints/h5.h"
+#include "platform/error.h"
 
 namespace kvlab::checkpoint_detail {
 namespace {

@@ -9,8 +9,8 @@
 
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
-#include "platform/random.h"
 #include "infer/kv_scales.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

@@ -5,8 +5,8 @@
 #include <unordered_set>
 
 #include "autograd/backend/kv_format.h"
-#include "platform/error.h"
 #include "infer/kv_cache.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

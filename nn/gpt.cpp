@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "platform/memory.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
+#include "platform/memory.h"
 
 namespace kvlab {
 

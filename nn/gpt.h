@@ -14,9 +14,9 @@
 #include <utility>
 #include <vector>
 
-#include "platform/random.h"
 #include "nn/kv_cache_interface.h"
 #include "nn/layers.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

@@ -5,8 +5,8 @@
 #include <utility>
 #include <vector>
 
-#include "platform/random.h"
 #include "autograd/tensor.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

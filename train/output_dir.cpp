@@ -9,8 +9,8 @@
 #include <cstring>
 #include <thread>
 
-#include "platform/error.h"
 #include "checkpoints/checkpoint.h"
+#include "platform/error.h"
 #include "train/trainer.h"
 
 namespace kvlab {

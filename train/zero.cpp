@@ -5,8 +5,8 @@
 #include <cmath>
 
 #include "autograd/backend/dispatch.h"
-#include "platform/error.h"
 #include "checkpoints/model_io.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

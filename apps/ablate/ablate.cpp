@@ -11,13 +11,11 @@
 #include <fstream>
 #include <functional>
 
-#include "apps/progress.h"
 #include "apps/ablate/uptrain.h"
+#include "apps/progress.h"
 #include "apps/report/report.h"
 #include "apps/train_progress.h"
 #include "autograd/graph.h"
-#include "platform/blas_core.h"
-#include "platform/cpu.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
 #include "infer/engine.h"
@@ -25,6 +23,8 @@
 #include "infer/measure/bench.h"
 #include "infer/measure/kv_quality.h"
 #include "infer/measure/kv_workload.h"
+#include "platform/blas_core.h"
+#include "platform/cpu.h"
 #include "train/output_dir.h"
 
 namespace kvlab {

@@ -9,10 +9,10 @@
 #include <string_view>
 #include <vector>
 
-#include "platform/error.h"
 #include "data/tokenizer.h"
 #include "infer/engine.h"
 #include "infer/sampler.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

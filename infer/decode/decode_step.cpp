@@ -38,13 +38,13 @@
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
-#include "platform/parallel.h"
 #include "infer/decode/attend_gqa.h"
 #include "infer/decode/attend_mla.h"
 #include "infer/decode/block_stages.h"
 #include "infer/decode/cache_rows.h"
 #include "infer/decode/packed_weights.h"
 #include "infer/decode/step.h"
+#include "platform/parallel.h"
 
 namespace kvlab {
 

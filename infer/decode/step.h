@@ -14,11 +14,11 @@
 
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kernels.h"
-#include "platform/parallel.h"
 #include "infer/decode/cache_rows.h"
 #include "infer/decode/packed_weights.h"
 #include "infer/decode/thread_rows.h"
 #include "nn/gpt.h"
+#include "platform/parallel.h"
 
 namespace kvlab::decode {
 

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <utility>
 
-#include "platform/parallel.h"
 #include "nn/gpt.h"
+#include "platform/parallel.h"
 
 namespace kvlab::decode {
 

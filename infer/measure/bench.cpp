@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cmath>
 
-#include "platform/memory.h"
-#include "platform/random.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/kv_workload.h"
+#include "platform/memory.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

@@ -7,12 +7,12 @@
 #include <cmath>
 #include <thread>
 
-#include "platform/error.h"
-#include "platform/random.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/bench.h"
 #include "infer/measure/kv_workload.h"
 #include "infer/scheduler.h"
+#include "platform/error.h"
+#include "platform/random.h"
 
 namespace kvlab {
 

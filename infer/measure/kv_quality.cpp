@@ -4,11 +4,11 @@
 #include <cmath>
 
 #include "autograd/backend/kv_format.h"
-#include "platform/error.h"
 #include "autograd/graph.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
 #include "infer/kv_cache.h"
+#include "platform/error.h"
 
 namespace kvlab {
 

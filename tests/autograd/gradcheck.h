@@ -13,8 +13,8 @@
 
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
-#include "platform/random.h"
 #include "autograd/tensor.h"
+#include "platform/random.h"
 
 namespace kvtest {
 

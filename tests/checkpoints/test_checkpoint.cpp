@@ -12,8 +12,8 @@
 #include <limits>
 #include <sstream>
 
-#include "platform/error.h"
 #include "checkpoints/checkpoint.h"
+#include "platform/error.h"
 #include "tests/test_dir.h"
 
 namespace kvlab {

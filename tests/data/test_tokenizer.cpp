@@ -1,8 +1,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "platform/random.h"
 #include "data/tokenizer.h"
+#include "platform/random.h"
 #include "tests/data/data_test_util.h"
 
 namespace kvlab {

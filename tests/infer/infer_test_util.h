@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "platform/random.h"
 #include "data/tokenizer.h"
 #include "infer/kv_cache.h"
 #include "nn/gpt.h"
+#include "platform/random.h"
 
 namespace kvlab::test {
 

@@ -4,8 +4,8 @@
 #include <random>
 #include <vector>
 
-#include "platform/error.h"
 #include "infer/block_manager.h"
+#include "platform/error.h"
 
 namespace kvlab {
 namespace {

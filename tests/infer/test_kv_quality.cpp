@@ -12,7 +12,6 @@
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
-#include "platform/random.h"
 #include "infer/block_manager.h"
 #include "infer/decode/decode_step.h"
 #include "infer/engine.h"
@@ -20,6 +19,7 @@
 #include "infer/paged_kv_cache.h"
 #include "infer_test_util.h"
 #include "nn/adamw.h"
+#include "platform/random.h"
 
 namespace kvlab {
 namespace {

@@ -10,11 +10,11 @@
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/kv_quant.h"
 #include "autograd/backend/kv_format.h"
-#include "platform/error.h"
-#include "platform/random.h"
 #include "infer/block_manager.h"
 #include "infer/kv_cache.h"
 #include "infer/paged_kv_cache.h"
+#include "platform/error.h"
+#include "platform/random.h"
 
 namespace kvlab {
 namespace {

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "platform/error.h"
 #include "infer/measure/kv_workload.h"
+#include "platform/error.h"
 
 namespace kvlab {
 namespace {

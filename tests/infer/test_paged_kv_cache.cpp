@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "platform/error.h"
 #include "autograd/graph.h"
 #include "infer/decode/decode_step.h"
 #include "infer/paged_kv_cache.h"
+#include "platform/error.h"
 #include "tests/infer/infer_test_util.h"
 
 namespace kvlab {

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <set>
 
-#include "platform/error.h"
 #include "infer/sampler.h"
+#include "platform/error.h"
 
 namespace kvlab {
 namespace {

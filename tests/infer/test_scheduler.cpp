@@ -5,10 +5,10 @@
 #include <map>
 #include <tuple>
 
-#include "platform/random.h"
 #include "infer/engine.h"
 #include "infer/scheduler.h"
 #include "infer_test_util.h"
+#include "platform/random.h"
 
 namespace kvlab {
 namespace {
