@@ -15,6 +15,23 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A checkpoint of a tiny GQA model (1 layer, 2 heads, 1 KV head) with `tok` as its tokenizer.
+Checkpoint tiny_model_checkpoint(const Tokenizer& tok) {
+  GPTConfig cfg;
+  cfg.vocab_size = tok.vocab_size();
+  cfg.block_size = 8;
+  cfg.n_layer = 1;
+  cfg.n_head = 2;
+  cfg.n_kv_head = 1;
+  cfg.n_embd = 8;
+  GPT model(cfg, 1);
+  Checkpoint c;
+  put_gpt_config(c.config, cfg);
+  put_tokenizer(c, tok);
+  c.model = to_arrays(model.named_parameters());
+  return c;
+}
+
 class ModelIoTest : public testing::TestDirFixture {
  protected:
   ModelIoTest() : TestDirFixture("kvlab-model-io") {}
@@ -25,19 +42,7 @@ class ModelIoTest : public testing::TestDirFixture {
   fs::path write(
       const std::string& target, float poison,
       const std::function<void(NamedArrays&)>& edit = [](NamedArrays&) {}) {
-    const Tokenizer tok = Tokenizer::build_char("abcdefgh");
-    GPTConfig cfg;
-    cfg.vocab_size = tok.vocab_size();
-    cfg.block_size = 8;
-    cfg.n_layer = 1;
-    cfg.n_head = 2;
-    cfg.n_kv_head = 1;
-    cfg.n_embd = 8;
-    GPT model(cfg, 1);
-    Checkpoint c;
-    put_gpt_config(c.config, cfg);
-    put_tokenizer(c, tok);
-    c.model = to_arrays(model.named_parameters());
+    Checkpoint c = tiny_model_checkpoint(Tokenizer::build_char("abcdefgh"));
     for (auto& [name, array] : c.model)
       if (name == target) array.data[3] = poison;
     edit(c.model);
@@ -214,19 +219,7 @@ TEST_F(TokenizerFileTest, BpeRoundTripsThroughHdf5) {
   EXPECT_EQ(back.bpe()->pattern(), SplitPattern::Gpt2);
   EXPECT_EQ(back.encode(corpus), tok.encode(corpus));
 
-  GPTConfig cfg;
-  cfg.vocab_size = tok.vocab_size();
-  cfg.block_size = 8;
-  cfg.n_layer = 1;
-  cfg.n_head = 2;
-  cfg.n_kv_head = 1;
-  cfg.n_embd = 8;
-  GPT model(cfg, 1);
-  Checkpoint c;
-  put_gpt_config(c.config, cfg);
-  put_tokenizer(c, tok);
-  c.model = to_arrays(model.named_parameters());
-  save_checkpoint(dir_ / "model.h5", c);
+  save_checkpoint(dir_ / "model.h5", tiny_model_checkpoint(tok));
   EXPECT_EQ(load_model(dir_ / "model.h5").tokenizer, tok);
   EXPECT_EQ(load_tokenizer(dir_ / "model.h5"), tok);
 }

@@ -4,25 +4,8 @@
 # input that must give a one-line error and the documented exit code (2 usage, 1 runtime).
 set -u
 KVLAB=$1
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-fails=0
-pass=0
-
-check() {  # check NAME EXPECTED_RC NEEDLE -- command...
-  local name=$1 want=$2 needle=$3
-  shift 4
-  local out rc
-  out=$("$@" 2>&1)
-  rc=$?
-  if [ "$rc" -ne "$want" ] || ! grep -qF -- "$needle" <<<"$out"; then
-    echo "FAIL $name: rc=$rc (want $want), output:"
-    echo "$out" | tail -5
-    fails=$((fails + 1))
-  else
-    pass=$((pass + 1))
-  fi
-}
+# shellcheck source=check.sh
+. "$(dirname "$0")/check.sh"
 
 for i in $(seq 300); do echo "the lord is my shepherd; i shall not want $((i * 37)). Don't!"; done > "$work/corpus.txt"
 printf 'h\xc3\xa9llo \xff\xfe w\xe2\x82orld\n' > "$work/odd.txt"
