@@ -60,7 +60,8 @@ double number(const json& body, const char* name, double fallback) {
 bool boolean(const json& body, const char* name) {
   const json* v = field(body, name);
   if (v == nullptr) return false;
-  if (!v->is_boolean()) bad(name, detail::cat("'", name, "' must be true or false, got ", v->dump()));
+  if (!v->is_boolean())
+    bad(name, detail::cat("'", name, "' must be true or false, got ", v->dump()));
   return v->get<bool>();
 }
 
@@ -69,8 +70,8 @@ bool boolean(const json& body, const char* name) {
 void unsupported(const json& body, const char* name, const json& neutral) {
   const json* v = field(body, name);
   if (v != nullptr && *v != neutral)
-    bad(name, detail::cat("'", name, "' is not supported by kvlab serve (only ", neutral.dump(),
-                          ")"));
+    bad(name,
+        detail::cat("'", name, "' is not supported by kvlab serve (only ", neutral.dump(), ")"));
 }
 
 std::vector<int32_t> token_ids(const json& list, const Tokenizer& tok, const std::string& what) {
@@ -86,9 +87,10 @@ std::vector<int32_t> token_ids(const json& list, const Tokenizer& tok, const std
 
 }  // namespace
 
-CompletionRequest parse_completion_request(std::string_view body_text, const ApiLimits& limits,
-                                           const std::string& model_name,
-                                           const Tokenizer& tokenizer, int64_t block_size) {
+namespace {
+
+// The body as JSON: an object, nested no deeper than any field needs.
+json parse_body(std::string_view body_text) {
   // Values nested deeper than any field needs are refused while parsing: copying or printing
   // one recurses, and a body of brackets could exhaust the stack.
   constexpr int kMaxDepth = 16;
@@ -103,17 +105,12 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
   if (deep) bad("", detail::cat("the request body nests deeper than ", kMaxDepth, " levels"));
   if (body.is_discarded()) bad("", "the request body is not valid JSON");
   if (!body.is_object()) bad("", "the request body must be a JSON object");
-  CompletionRequest r;
+  return body;
+}
 
-  if (const json* m = field(body, "model")) {
-    if (!m->is_string()) bad("model", "'model' must be a string");
-    r.model = m->get<std::string>();
-    if (r.model != model_name)
-      throw ApiError(404, detail::cat("the model '", r.model, "' does not exist: this server serves '",
-                                      model_name, "'"),
-                     "model", "not_found_error");
-  }
-
+// Each prompt's token ids and its text.
+void parse_prompts(const json& body, const ApiLimits& limits, const Tokenizer& tokenizer,
+                   int64_t block_size, CompletionRequest& r) {
   // prompt: a string, a list of strings, a list of token ids, or a list of such lists.
   const json* p = field(body, "prompt");
   if (p == nullptr) bad("prompt", "'prompt' is required");
@@ -126,8 +123,8 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
     bad("prompt", "'prompt' must be a string, a list of strings or a list of token ids");
   if (items.empty()) bad("prompt", "'prompt' is an empty list");
   if (static_cast<int64_t>(items.size()) > limits.max_prompts)
-    bad("prompt", detail::cat("at most ", limits.max_prompts, " prompts per request, got ",
-                              items.size()));
+    bad("prompt",
+        detail::cat("at most ", limits.max_prompts, " prompts per request, got ", items.size()));
   for (size_t i = 0; i < items.size(); ++i) {
     const std::string what = items.size() > 1 ? detail::cat("prompt ", i) : std::string("prompt");
     std::vector<int32_t> ids;
@@ -151,20 +148,10 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
     r.prompt_texts.push_back(tokenizer.decode(ids));
     r.prompts.push_back(std::move(ids));
   }
+}
 
-  const int64_t max_tokens = limits.max_tokens > 0 ? limits.max_tokens : block_size;
-  r.echo = boolean(body, "echo");
-  r.max_tokens = integer(body, "max_tokens", std::min<int64_t>(16, max_tokens), 0, max_tokens);
-  if (r.max_tokens == 0 && !r.echo)
-    bad("max_tokens", "'max_tokens' must be >= 1 unless 'echo' is true");
-  r.n = integer(body, "n", 1, 1, limits.max_n);
-  r.logprobs = integer(body, "logprobs", -1, 0, limits.max_logprobs);
-  r.stream = boolean(body, "stream");
-  if (const json* so = field(body, "stream_options")) {
-    if (!so->is_object()) bad("stream_options", "'stream_options' must be an object");
-    if (!r.stream) bad("stream_options", "'stream_options' needs 'stream': true");
-    r.include_usage = boolean(*so, "include_usage");
-  }
+// Temperature, top_p, top_k and the seed, in OpenAI's ranges.
+void parse_sampling(const json& body, CompletionRequest& r) {
   r.sampling.temperature = number(body, "temperature", 1.0);
   r.sampling.top_p = number(body, "top_p", 1.0);
   const int64_t top_k = integer(body, "top_k", 0, -1, std::numeric_limits<int32_t>::max());
@@ -180,7 +167,9 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
         static_cast<uint64_t>(integer(body, "seed", 0, 0, std::numeric_limits<int64_t>::max()));
   else
     r.sampling.seed = std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}();
+}
 
+void parse_stops(const json& body, const ApiLimits& limits, CompletionRequest& r) {
   if (const json* s = field(body, "stop")) {
     if (s->is_string()) {
       r.stop.push_back(s->get<std::string>());
@@ -197,6 +186,10 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
     for (const std::string& x : r.stop)
       if (x.empty()) bad("stop", "a stop string is empty");
   }
+}
+
+// One request may not take more of the pool than limits.max_request_tokens positions.
+void check_request_tokens(const ApiLimits& limits, const CompletionRequest& r) {
   if (limits.max_request_tokens > 0) {
     int64_t positions = 0;
     for (const auto& p : r.prompts)
@@ -208,6 +201,44 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
                       "the limit of ",
                       limits.max_request_tokens, "; lower max_tokens, n or the prompts"));
   }
+}
+
+}  // namespace
+
+CompletionRequest parse_completion_request(std::string_view body_text, const ApiLimits& limits,
+                                           const std::string& model_name,
+                                           const Tokenizer& tokenizer, int64_t block_size) {
+  const json body = parse_body(body_text);
+  CompletionRequest r;
+
+  if (const json* m = field(body, "model")) {
+    if (!m->is_string()) bad("model", "'model' must be a string");
+    r.model = m->get<std::string>();
+    if (r.model != model_name)
+      throw ApiError(404,
+                     detail::cat("the model '", r.model, "' does not exist: this server serves '",
+                                 model_name, "'"),
+                     "model", "not_found_error");
+  }
+
+  parse_prompts(body, limits, tokenizer, block_size, r);
+
+  const int64_t max_tokens = limits.max_tokens > 0 ? limits.max_tokens : block_size;
+  r.echo = boolean(body, "echo");
+  r.max_tokens = integer(body, "max_tokens", std::min<int64_t>(16, max_tokens), 0, max_tokens);
+  if (r.max_tokens == 0 && !r.echo)
+    bad("max_tokens", "'max_tokens' must be >= 1 unless 'echo' is true");
+  r.n = integer(body, "n", 1, 1, limits.max_n);
+  r.logprobs = integer(body, "logprobs", -1, 0, limits.max_logprobs);
+  r.stream = boolean(body, "stream");
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) bad("stream_options", "'stream_options' must be an object");
+    if (!r.stream) bad("stream_options", "'stream_options' needs 'stream': true");
+    r.include_usage = boolean(*so, "include_usage");
+  }
+  parse_sampling(body, r);
+  parse_stops(body, limits, r);
+  check_request_tokens(limits, r);
   unsupported(body, "best_of", 1);
   unsupported(body, "suffix", "");
   unsupported(body, "presence_penalty", 0);
@@ -243,7 +274,9 @@ nlohmann::json logprobs_json(const Tokenizer& tokenizer, const std::vector<int32
     for (size_t i = 0; i < prompt->size(); ++i)
       add((*prompt)[i], i == 0 || i > prompt_logprobs.size() ? nullptr : &prompt_logprobs[i - 1]);
   for (const TokenLogprob& lp : made) add(lp.token, &lp);
-  return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops},
+  return {{"tokens", tokens},
+          {"token_logprobs", lps},
+          {"top_logprobs", tops},
           {"text_offset", offsets}};
 }
 
@@ -254,9 +287,9 @@ nlohmann::json usage_json(const CompletionRequest& req, const std::vector<Choice
   return {{"prompt_tokens", prompt}, {"completion_tokens", made}, {"total_tokens", prompt + made}};
 }
 
-nlohmann::json completion_json(const CompletionRequest& req, const std::vector<ChoiceState>& choices,
-                               const Tokenizer& tokenizer, const std::string& id,
-                               const std::string& model, int64_t created) {
+nlohmann::json completion_json(const CompletionRequest& req,
+                               const std::vector<ChoiceState>& choices, const Tokenizer& tokenizer,
+                               const std::string& id, const std::string& model, int64_t created) {
   json out = json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const ChoiceState& c = choices[i];
@@ -271,8 +304,9 @@ nlohmann::json completion_json(const CompletionRequest& req, const std::vector<C
                    {"logprobs", lp},
                    {"finish_reason", finish_reason_name(c.reason)}});
   }
-  return {{"id", id},        {"object", "text_completion"}, {"created", created},
-          {"model", model},  {"choices", out},              {"usage", usage_json(req, choices)}};
+  return {{"id", id},           {"object", "text_completion"},
+          {"created", created}, {"model", model},
+          {"choices", out},     {"usage", usage_json(req, choices)}};
 }
 
 nlohmann::json chunk_json(const std::string& id, const std::string& model, int64_t created,
@@ -282,12 +316,11 @@ nlohmann::json chunk_json(const std::string& id, const std::string& model, int64
           {"object", "text_completion"},
           {"created", created},
           {"model", model},
-          {"choices",
-           json::array({{{"index", index},
-                         {"text", text},
-                         {"logprobs", std::move(logprobs)},
-                         {"finish_reason", finished ? json(finish_reason_name(*finished))
-                                                    : json(nullptr)}}})}};
+          {"choices", json::array({{{"index", index},
+                                    {"text", text},
+                                    {"logprobs", std::move(logprobs)},
+                                    {"finish_reason", finished ? json(finish_reason_name(*finished))
+                                                               : json(nullptr)}}})}};
 }
 
 }  // namespace kvlab
