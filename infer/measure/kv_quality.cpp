@@ -8,6 +8,7 @@
 #include "data/corpus.h"
 #include "data/sampler.h"
 #include "infer/kv_cache.h"
+#include "infer/measure/model_eval.h"
 #include "platform/error.h"
 
 namespace kvlab {
@@ -21,20 +22,6 @@ Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
                           kv_cache_scales(model, dtype));
   return model.forward(tokens, &cache).contiguous();
 }
-
-namespace {
-
-// log-softmax of one row of V logits into out (double).
-void log_softmax(const float* logits, int64_t V, std::vector<double>& out) {
-  out.resize(static_cast<size_t>(V));
-  const float mx = *std::max_element(logits, logits + V);
-  double sum = 0;
-  for (int64_t i = 0; i < V; ++i) sum += std::exp(double(logits[i]) - mx);
-  const double lse = mx + std::log(sum);
-  for (int64_t i = 0; i < V; ++i) out[static_cast<size_t>(i)] = logits[i] - lse;
-}
-
-}  // namespace
 
 std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
                                         std::span<const int32_t> y, int64_t T,
@@ -50,47 +37,25 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
     const std::string problem = kv_dtype_problem(d, c.cache_width());
     KVLAB_CHECK(problem.empty(), "kv cache quality: ", problem);
   }
-  const int64_t N = static_cast<int64_t>(x.size()) / T, V = c.vocab_size;
+  // The f32 cache is the reference every dtype's KL and top-1 agreement are taken against.
+  auto with_cache = [&model](DType d) -> LogitsFn {
+    return [&model, d](const Tensor& tokens) { return cached_prefill_logits(model, tokens, d); };
+  };
+  std::vector<LogitsFn> caches{with_cache(DType::F32)};
+  for (const DType d : dtypes) caches.push_back(with_cache(d));
+  const std::vector<WindowScores> scores = score_windows(caches, x, y, T, c.vocab_size, batch);
+  const double ref_loss = mean_of(scores[0].token_loss);
   std::vector<KVQuality> out(dtypes.size());
-  double ref_loss = 0;
-  std::vector<double> ref, lp;
-  for (int64_t n0 = 0; n0 < N; n0 += batch) {
-    const int64_t b = std::min(batch, N - n0);
-    const Tensor tokens = Tensor::from_vector(
-        std::vector<int32_t>(x.begin() + n0 * T, x.begin() + (n0 + b) * T), {b, T});
-    const Tensor f32 = cached_prefill_logits(model, tokens, DType::F32);  // (b, T, V)
-    std::vector<Tensor> quant;
-    for (const DType d : dtypes) quant.push_back(cached_prefill_logits(model, tokens, d));
-    for (int64_t r = 0; r < b * T; ++r) {
-      const int32_t target = y[static_cast<size_t>(n0 * T + r)];
-      const float* fl = f32.data<float>() + r * V;
-      log_softmax(fl, V, ref);
-      ref_loss -= ref[static_cast<size_t>(target)];
-      const int64_t ref_top = std::max_element(fl, fl + V) - fl;
-      for (size_t i = 0; i < dtypes.size(); ++i) {
-        const float* ql = quant[i].data<float>() + r * V;
-        log_softmax(ql, V, lp);
-        double kl = 0;
-        for (int64_t v = 0; v < V; ++v) {
-          const auto vi = static_cast<size_t>(v);
-          kl += std::exp(ref[vi]) * (ref[vi] - lp[vi]);
-        }
-        out[i].loss -= lp[static_cast<size_t>(target)];
-        out[i].kl += kl;
-        out[i].top1 += (std::max_element(ql, ql + V) - ql) == ref_top ? 1 : 0;
-      }
-    }
-  }
-  const double positions = static_cast<double>(N * T);
   for (size_t i = 0; i < dtypes.size(); ++i) {
     KVQuality& q = out[i];
+    const WindowScores& s = scores[i + 1];
     q.dtype = dtypes[i];
     q.bytes_per_token = kv_bytes_per_token(c, q.dtype);
-    q.loss /= positions;
-    q.delta_loss = q.loss - ref_loss / positions;
-    q.kl /= positions;
-    q.top1 /= positions;
-    q.positions = N * T;
+    q.loss = mean_of(s.token_loss);
+    q.delta_loss = q.loss - ref_loss;
+    q.kl = s.kl;
+    q.top1 = s.top1;
+    q.positions = static_cast<int64_t>(x.size());
   }
   return out;
 }

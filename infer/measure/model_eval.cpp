@@ -1,0 +1,244 @@
+#include "infer/measure/model_eval.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "autograd/graph.h"
+#include "platform/error.h"
+#include "platform/random.h"
+
+namespace kvlab {
+
+LogitsFn logits_of(GPT& model) {
+  return [&model](const Tensor& tokens) {
+    const NoGradGuard no_grad;
+    return model.forward(tokens).contiguous();
+  };
+}
+
+namespace {
+
+// log-softmax of one row of V logits into out, in double.
+void log_softmax(const float* logits, int64_t V, std::vector<double>& out) {
+  out.resize(static_cast<size_t>(V));
+  const float mx = *std::max_element(logits, logits + V);
+  double sum = 0;
+  for (int64_t i = 0; i < V; ++i) sum += std::exp(double(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  for (int64_t i = 0; i < V; ++i) out[static_cast<size_t>(i)] = logits[i] - lse;
+}
+
+Tensor checked_logits(const LogitsFn& model, const Tensor& tokens, int64_t vocab) {
+  Tensor logits = model(tokens);
+  KVLAB_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) &&
+                  logits.size(1) == tokens.size(1) && logits.size(2) == vocab &&
+                  logits.dtype() == DType::F32 && logits.is_contiguous(),
+              "eval: a model gave logits ", logits.shape_str(), " for tokens ",
+              tokens.shape_str(), "; expected contiguous f32 (B, T, ", vocab, ")");
+  return logits;
+}
+
+int64_t argmax(const float* row, int64_t V) { return std::max_element(row, row + V) - row; }
+
+}  // namespace
+
+std::vector<WindowScores> score_windows(std::span<const LogitsFn> models,
+                                        std::span<const int32_t> x, std::span<const int32_t> y,
+                                        int64_t T, int64_t vocab, int64_t batch,
+                                        const std::function<void(int64_t)>& on_batch) {
+  KVLAB_CHECK(!models.empty(), "eval: no model to score");
+  KVLAB_CHECK(T >= 1 && x.size() == y.size() && !x.empty() &&
+                  x.size() % static_cast<size_t>(T) == 0 && batch >= 1 && vocab >= 1,
+              "eval: ", x.size(), " inputs and ", y.size(), " targets are not (N, T) windows of T = ",
+              T);
+  const int64_t N = static_cast<int64_t>(x.size()) / T, V = vocab;
+  std::vector<WindowScores> out(models.size());
+  for (WindowScores& s : out) s.token_loss.resize(x.size());
+  std::vector<double> ref, lp;
+  for (int64_t n0 = 0; n0 < N; n0 += batch) {
+    const int64_t b = std::min(batch, N - n0);
+    const Tensor tokens = Tensor::from_vector(
+        std::vector<int32_t>(x.begin() + n0 * T, x.begin() + (n0 + b) * T), {b, T});
+    std::vector<Tensor> logits;
+    for (const LogitsFn& m : models) logits.push_back(checked_logits(m, tokens, V));
+    for (int64_t r = 0; r < b * T; ++r) {
+      const auto at = static_cast<size_t>(n0 * T + r);
+      const int32_t target = y[at];
+      KVLAB_CHECK(target >= 0 && target < V, "eval: target token ", target,
+                  " is outside the vocabulary of ", V);
+      const float* rl = logits[0].data<float>() + r * V;
+      log_softmax(rl, V, ref);
+      const int64_t ref_top = argmax(rl, V);
+      out[0].token_loss[at] = -ref[static_cast<size_t>(target)];
+      out[0].top1 += 1;
+      for (size_t i = 1; i < models.size(); ++i) {
+        const float* ml = logits[i].data<float>() + r * V;
+        log_softmax(ml, V, lp);
+        double kl = 0;
+        for (size_t v = 0; v < static_cast<size_t>(V); ++v) kl += std::exp(ref[v]) * (ref[v] - lp[v]);
+        out[i].token_loss[at] = -lp[static_cast<size_t>(target)];
+        out[i].kl += kl;
+        out[i].top1 += argmax(ml, V) == ref_top ? 1 : 0;
+      }
+    }
+    if (on_batch) on_batch(n0 + b);
+  }
+  for (WindowScores& s : out) {
+    s.kl /= static_cast<double>(x.size());
+    s.top1 /= static_cast<double>(x.size());
+  }
+  return out;
+}
+
+double mean_of(std::span<const double> v) {
+  double sum = 0;
+  for (double e : v) sum += e;
+  return v.empty() ? 0 : sum / static_cast<double>(v.size());
+}
+
+std::vector<double> window_means(std::span<const double> token_loss, int64_t T) {
+  const size_t N = token_loss.size() / static_cast<size_t>(T);
+  std::vector<double> out(N);
+  for (size_t n = 0; n < N; ++n)
+    out[n] = mean_of(token_loss.subspan(n * static_cast<size_t>(T), static_cast<size_t>(T)));
+  return out;
+}
+
+std::vector<double> position_means(std::span<const double> token_loss, int64_t T) {
+  const auto t_count = static_cast<size_t>(T);
+  const size_t N = token_loss.size() / t_count;
+  std::vector<double> out(t_count, 0.0);
+  for (size_t n = 0; n < N; ++n)
+    for (size_t t = 0; t < t_count; ++t) out[t] += token_loss[n * t_count + t];
+  for (double& v : out) v /= static_cast<double>(N);
+  return out;
+}
+
+std::vector<PositionBucket> position_buckets(std::span<const double> position_loss) {
+  const auto T = static_cast<int64_t>(position_loss.size());
+  std::vector<PositionBucket> out;
+  for (int64_t first = 1; first <= T; first *= 2) {
+    PositionBucket b;
+    b.first = first;
+    b.last = std::min(2 * first - 1, T);
+    b.loss = mean_of(position_loss.subspan(static_cast<size_t>(b.first - 1),
+                                           static_cast<size_t>(b.last - b.first + 1)));
+    out.push_back(b);
+  }
+  return out;
+}
+
+double icl_score(std::span<const double> position_loss) {
+  const auto T = static_cast<int64_t>(position_loss.size());
+  KVLAB_CHECK(T >= 1, "icl score: no positions");
+  // Positions are 1-based here: [lo, hi] inclusive, at least one position each.
+  auto range_mean = [&](int64_t lo, int64_t hi) {
+    lo = std::clamp<int64_t>(lo, 1, T);
+    hi = std::clamp<int64_t>(hi, lo, T);
+    return mean_of(position_loss.subspan(static_cast<size_t>(lo - 1), static_cast<size_t>(hi - lo + 1)));
+  };
+  const double late = range_mean(T - T / 10, T);
+  const double early = range_mean(static_cast<int64_t>(std::llround(0.08 * static_cast<double>(T))),
+                                  static_cast<int64_t>(std::llround(0.12 * static_cast<double>(T))));
+  return late - early;
+}
+
+PairedInterval paired_bootstrap(std::span<const double> a, std::span<const double> b,
+                                int resamples, uint64_t seed) {
+  KVLAB_CHECK(a.size() == b.size() && !a.empty(), "paired bootstrap: ", a.size(), " and ",
+              b.size(), " samples are not pairs");
+  KVLAB_CHECK(resamples >= 1, "paired bootstrap: resamples must be >= 1, got ", resamples);
+  std::vector<double> d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = b[i] - a[i];
+  PairedInterval out;
+  out.mean = mean_of(d);
+  Generator gen(seed);
+  std::vector<double> means(static_cast<size_t>(resamples));
+  for (double& m : means) {
+    double sum = 0;
+    for (size_t i = 0; i < d.size(); ++i) sum += d[gen.below(d.size())];
+    m = sum / static_cast<double>(d.size());
+  }
+  std::sort(means.begin(), means.end());
+  // Percentiles by the nearest rank: the 2.5th and 97.5th of the sorted means.
+  auto pct = [&](double p) {
+    const auto k = static_cast<size_t>(std::ceil(p * static_cast<double>(resamples)));
+    return means[std::clamp<size_t>(k, 1, means.size()) - 1];
+  };
+  out.lo = pct(0.025);
+  out.hi = pct(0.975);
+  return out;
+}
+
+std::vector<int64_t> recall_distances(int64_t T) {
+  std::vector<int64_t> out;
+  for (int64_t L = 4; 2 * L <= T; L *= 2) out.push_back(L);
+  return out;
+}
+
+std::vector<RecallPoint> recall_probe(const LogitsFn& model, int64_t vocab,
+                                      std::span<const int64_t> distances, int sequences,
+                                      uint64_t seed) {
+  KVLAB_CHECK(sequences >= 1, "recall probe: sequences must be >= 1, got ", sequences);
+  KVLAB_CHECK(vocab >= 2, "recall probe: a vocabulary of ", vocab, " holds no random string");
+  Generator gen(seed);
+  std::vector<RecallPoint> out;
+  for (const int64_t L : distances) {
+    KVLAB_CHECK(L >= 2, "recall probe: distance ", L, " leaves nothing to predict");
+    // Each row: L random tokens, then the same L again.
+    std::vector<int32_t> rows(static_cast<size_t>(sequences * 2 * L));
+    for (int s = 0; s < sequences; ++s) {
+      int32_t* row = rows.data() + static_cast<size_t>(s) * static_cast<size_t>(2 * L);
+      for (int64_t t = 0; t < L; ++t) row[t] = static_cast<int32_t>(gen.below(static_cast<uint64_t>(vocab)));
+      std::copy(row, row + L, row + L);
+    }
+    const Tensor logits =
+        checked_logits(model, Tensor::from_vector(rows, {sequences, 2 * L}), vocab);
+    RecallPoint p;
+    p.distance = L;
+    std::vector<double> lp;
+    // Positions L .. 2L-2 of the second copy predict a token seen L positions back.
+    for (int s = 0; s < sequences; ++s)
+      for (int64_t t = L; t + 1 < 2 * L; ++t) {
+        const size_t at = static_cast<size_t>(s) * static_cast<size_t>(2 * L) + static_cast<size_t>(t);
+        const float* row = logits.data<float>() + static_cast<int64_t>(at) * vocab;
+        const int32_t target = rows[at + 1];
+        log_softmax(row, vocab, lp);
+        p.loss -= lp[static_cast<size_t>(target)];
+        p.accuracy += argmax(row, vocab) == target ? 1 : 0;
+        ++p.predictions;
+      }
+    p.loss /= static_cast<double>(p.predictions);
+    p.accuracy /= static_cast<double>(p.predictions);
+    out.push_back(p);
+  }
+  return out;
+}
+
+double distinct_n(std::span<const std::vector<int32_t>> samples, int n) {
+  KVLAB_CHECK(n >= 1, "distinct-n: n must be >= 1, got ", n);
+  std::set<std::vector<int32_t>> seen;
+  int64_t total = 0;
+  for (const auto& s : samples)
+    for (size_t i = 0; i + static_cast<size_t>(n) <= s.size(); ++i, ++total)
+      seen.emplace(s.begin() + static_cast<std::ptrdiff_t>(i),
+                   s.begin() + static_cast<std::ptrdiff_t>(i) + n);
+  return total == 0 ? 0 : static_cast<double>(seen.size()) / static_cast<double>(total);
+}
+
+double repeated_ngram_rate(std::span<const std::vector<int32_t>> samples, int n) {
+  KVLAB_CHECK(n >= 1, "repeated n-grams: n must be >= 1, got ", n);
+  int64_t total = 0, repeated = 0;
+  for (const auto& s : samples) {
+    std::set<std::vector<int32_t>> seen;
+    for (size_t i = 0; i + static_cast<size_t>(n) <= s.size(); ++i, ++total)
+      if (!seen.emplace(s.begin() + static_cast<std::ptrdiff_t>(i),
+                        s.begin() + static_cast<std::ptrdiff_t>(i) + n)
+               .second)
+        ++repeated;
+  }
+  return total == 0 ? 0 : static_cast<double>(repeated) / static_cast<double>(total);
+}
+
+}  // namespace kvlab

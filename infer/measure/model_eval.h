@@ -1,0 +1,84 @@
+#pragma once
+// Generation quality of models that differ in one knob, measured on the same windows so that
+// every difference is paired (kvlab eval): per-token losses, their paired difference with a
+// bootstrap interval over windows, loss by context position and the in-context learning
+// score (Olsson et al. 2022), KL and top-1 agreement against a reference model, an in-context
+// recall probe (random tokens repeated twice), and the diversity of generated samples.
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "autograd/tensor.h"
+#include "nn/gpt.h"
+
+namespace kvlab {
+
+// A model as the measurements see it: tokens (B, T) int32 -> logits (B, T, V) f32, contiguous,
+// without gradients. Tests give hand-built ones; logits_of wraps a GPT.
+using LogitsFn = std::function<Tensor(const Tensor& tokens)>;
+LogitsFn logits_of(GPT& model);
+
+// One model's scores on N windows of T positions.
+struct WindowScores {
+  std::vector<double> token_loss;  // (N, T): next-token cross-entropy in nats
+  double kl = 0;    // mean KL(p_reference || p_model) a position; 0 for the reference itself
+  double top1 = 0;  // fraction of positions whose argmax is the reference's
+};
+
+// x and y (N, T) row-major, y the next tokens (data/sampler.h's fill_windows). models[0] is
+// the reference the others' KL and top-1 agreement are taken against. Forwards `batch`
+// windows at a time through every model; on_batch(windows done) after each batch.
+std::vector<WindowScores> score_windows(std::span<const LogitsFn> models,
+                                        std::span<const int32_t> x, std::span<const int32_t> y,
+                                        int64_t T, int64_t vocab, int64_t batch = 8,
+                                        const std::function<void(int64_t)>& on_batch = {});
+
+double mean_of(std::span<const double> v);
+// Each window's mean loss (N), and each position's mean over the windows (T).
+std::vector<double> window_means(std::span<const double> token_loss, int64_t T);
+std::vector<double> position_means(std::span<const double> token_loss, int64_t T);
+
+// Positions 1..T (the first predicts from one token) in log-spaced buckets 1, 2-3, 4-7, ...,
+// the last ending at T: each bucket's mean loss.
+struct PositionBucket {
+  int64_t first = 0, last = 0;  // 1-based positions, inclusive
+  double loss = 0;
+};
+std::vector<PositionBucket> position_buckets(std::span<const double> position_loss);
+
+// Olsson et al.'s in-context learning score scaled to a context of T: the mean loss over the
+// last tenth of the positions minus the mean over positions 0.08T..0.12T (their token 500
+// against token 50 of 512). Negative: later tokens are predicted better, from the context.
+double icl_score(std::span<const double> position_loss);
+
+// The mean of b - a over paired samples (windows) and its percentile bootstrap interval:
+// `resamples` draws of as many windows with replacement, from Generator(seed).
+struct PairedInterval {
+  double mean = 0, lo = 0, hi = 0;
+  bool excludes_zero() const { return lo > 0 || hi < 0; }
+};
+PairedInterval paired_bootstrap(std::span<const double> a, std::span<const double> b,
+                                int resamples = 2000, uint64_t seed = 7);
+
+// In-context recall: `sequences` random token strings of length L (uniform over the vocab,
+// from Generator(seed)) each followed by itself; scored on the second copy, where every
+// target has been seen L positions back (L = the distance). Powers of two 4..T/2 by default.
+struct RecallPoint {
+  int64_t distance = 0;
+  double loss = 0;      // mean cross-entropy of the second copy's predictable targets
+  double accuracy = 0;  // fraction of them that are the argmax
+  int64_t predictions = 0;
+};
+std::vector<int64_t> recall_distances(int64_t T);
+std::vector<RecallPoint> recall_probe(const LogitsFn& model, int64_t vocab,
+                                      std::span<const int64_t> distances, int sequences = 16,
+                                      uint64_t seed = 99);
+
+// Generated samples' diversity: the distinct n-grams over all n-grams of the samples
+// (distinct-n), and the fraction of each sample's n-grams already seen earlier in the same
+// sample (repetition), averaged over the samples weighted by n-grams.
+double distinct_n(std::span<const std::vector<int32_t>> samples, int n);
+double repeated_ngram_rate(std::span<const std::vector<int32_t>> samples, int n);
+
+}  // namespace kvlab
