@@ -107,5 +107,6 @@ void add_inspect_command(CLI::App& root);
 void add_serve_command(CLI::App& root);
 void add_convert_command(CLI::App& root);
 void add_tokenizer_command(CLI::App& root);
+void add_eval_command(CLI::App& root);
 
 }  // namespace kvlab

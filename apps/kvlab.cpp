@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
   kvlab::add_serve_command(app);
   kvlab::add_convert_command(app);
   kvlab::add_tokenizer_command(app);
+  kvlab::add_eval_command(app);
   try {
     std::vector<std::string> args(argv, argv + argc);
     check_command_names(app, args);
