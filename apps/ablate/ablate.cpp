@@ -21,6 +21,7 @@
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/bench.h"
+#include "apps/ablate/generation_quality.h"
 #include "infer/measure/kv_quality.h"
 #include "infer/measure/kv_workload.h"
 #include "platform/blas_core.h"
@@ -600,10 +601,12 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
   std::vector<double> serve_rates;  // the serving sweep's, set by the first variant
   for (const AblateVariant& var : ablation_variants(cfg))
     variants.push_back(measure_variant(cfg, var, prompt_len, serve_rates));
+  json quality = record_generation_quality(cfg);  // on the CPU, where load_model puts them
   json uptrain;
   if (cfg.uptrain != 0) uptrain = run_uptrain(cfg, runs, variants, stats);
   json results = assemble_results(cfg, std::move(variants), stats, started,
                                   std::chrono::duration<double>(Clock::now() - t_start).count());
+  results["generation_quality"] = std::move(quality);
   if (!uptrain.is_null()) results["uptrain"] = std::move(uptrain);
   write_report(results, cfg.out_dir);
   if (stats_out) *stats_out = stats;

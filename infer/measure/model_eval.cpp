@@ -5,6 +5,7 @@
 #include <set>
 
 #include "autograd/graph.h"
+#include "data/sampler.h"
 #include "platform/error.h"
 #include "platform/random.h"
 
@@ -239,6 +240,121 @@ double repeated_ngram_rate(std::span<const std::vector<int32_t>> samples, int n)
         ++repeated;
   }
   return total == 0 ? 0 : static_cast<double>(repeated) / static_cast<double>(total);
+}
+
+namespace {
+
+// The window starts evaluate_models scores: fixed random ones, or (count 0) the split tiled.
+std::vector<int64_t> window_starts(int64_t n_tokens, int64_t T, const EvalOptions& o) {
+  KVLAB_CHECK(n_tokens > T, "eval: the validation split's ", n_tokens,
+              " tokens hold no window of ", T, " tokens and its targets");
+  if (o.windows > 0) return fixed_windows(n_tokens, static_cast<int>(T), o.windows, o.seed);
+  std::vector<int64_t> starts;
+  for (int64_t s = 0; s + T + 1 <= n_tokens; s += T) starts.push_back(s);
+  return starts;
+}
+
+// Bytes of text the targets spell, each token by its own bytes.
+int64_t spelled_bytes(std::span<const int32_t> targets, const Tokenizer& tokenizer) {
+  std::vector<int64_t> bytes(static_cast<size_t>(tokenizer.vocab_size()), -1);
+  int64_t total = 0;
+  for (const int32_t t : targets) {
+    int64_t& b = bytes.at(static_cast<size_t>(t));
+    if (b < 0) b = static_cast<int64_t>(tokenizer.decode_one(t).size());
+    total += b;
+  }
+  return total;
+}
+
+}  // namespace
+
+EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std::string> names,
+                           int64_t vocab, const std::vector<int32_t>& ids,
+                           const Tokenizer& tokenizer, const EvalOptions& o,
+                           const std::function<void(int64_t, int64_t)>& on_progress) {
+  KVLAB_CHECK(models.size() == names.size() && !models.empty(), "eval: ", models.size(),
+              " models and ", names.size(), " names");
+  KVLAB_CHECK(o.window >= 2, "eval: the window must be >= 2 tokens, got ", o.window);
+  KVLAB_CHECK(o.windows >= 0, "eval: windows must be >= 0, got ", o.windows);
+  EvalResult r;
+  r.window = o.window;
+  const int64_t T = o.window;
+  const std::vector<int64_t> starts = window_starts(static_cast<int64_t>(ids.size()), T, o);
+  r.windows = static_cast<int64_t>(starts.size());
+  std::vector<int32_t> x, y;
+  fill_windows(ids, starts, static_cast<int>(T), x, y);
+  r.predictions = static_cast<int64_t>(y.size());
+  r.target_bytes = spelled_bytes(y, tokenizer);
+  const std::vector<int64_t> distances = recall_distances(T);
+  const int64_t total = r.windows + static_cast<int64_t>(models.size() * distances.size());
+
+  // Phase 1: every model on the same windows.
+  const std::vector<WindowScores> scores = score_windows(
+      models, x, y, T, vocab, o.batch, [&](int64_t done) {
+        if (on_progress) on_progress(done, total);
+      });
+  // Phase 2: what each model's per-token losses say, and its recall of a repeated string.
+  for (size_t i = 0; i < models.size(); ++i) {
+    ModelQuality q;
+    q.name = names[i];
+    q.loss = mean_of(scores[i].token_loss);
+    q.bits_per_byte = q.loss * static_cast<double>(r.predictions) /
+                      (std::log(2.0) * static_cast<double>(std::max<int64_t>(r.target_bytes, 1)));
+    q.kl = scores[i].kl;
+    q.top1 = scores[i].top1;
+    q.window_loss = window_means(scores[i].token_loss, T);
+    q.position_loss = position_means(scores[i].token_loss, T);
+    q.buckets = position_buckets(q.position_loss);
+    q.icl = icl_score(q.position_loss);
+    q.recall = recall_probe(models[i], vocab, distances, o.recall_sequences);
+    if (on_progress)
+      on_progress(r.windows + static_cast<int64_t>((i + 1) * distances.size()), total);
+    r.models.push_back(std::move(q));
+  }
+  // Phase 3: every pair, paired over the windows.
+  for (size_t a = 0; a < models.size(); ++a)
+    for (size_t b = a + 1; b < models.size(); ++b)
+      r.pairs.push_back({a, b,
+                         paired_bootstrap(r.models[a].window_loss, r.models[b].window_loss,
+                                          o.resamples, o.bootstrap_seed)});
+  return r;
+}
+
+nlohmann::json eval_json(const EvalResult& r) {
+  using nlohmann::json;
+  json models = json::array();
+  for (const ModelQuality& q : r.models) {
+    json buckets = json::array(), recall = json::array();
+    for (const PositionBucket& b : q.buckets)
+      buckets.push_back({{"first", b.first}, {"last", b.last}, {"loss", b.loss}});
+    for (const RecallPoint& p : q.recall)
+      recall.push_back({{"distance", p.distance},
+                        {"loss", p.loss},
+                        {"accuracy", p.accuracy},
+                        {"predictions", p.predictions}});
+    models.push_back({{"name", q.name},
+                      {"loss", q.loss},
+                      {"bits_per_byte", q.bits_per_byte},
+                      {"icl_score", q.icl},
+                      {"kl_vs_first", q.kl},
+                      {"top1_vs_first", q.top1},
+                      {"loss_by_position", q.position_loss},
+                      {"position_buckets", buckets},
+                      {"recall", recall}});
+  }
+  json pairs = json::array();
+  for (const PairedComparison& p : r.pairs)
+    pairs.push_back({{"a", r.models[p.a].name},
+                     {"b", r.models[p.b].name},
+                     {"mean_diff", p.diff.mean},
+                     {"ci95", {p.diff.lo, p.diff.hi}},
+                     {"distinguishable", p.diff.excludes_zero()}});
+  return {{"windows", r.windows},
+          {"window", r.window},
+          {"predictions", r.predictions},
+          {"target_bytes", r.target_bytes},
+          {"models", models},
+          {"pairs", pairs}};
 }
 
 }  // namespace kvlab

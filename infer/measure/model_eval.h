@@ -6,10 +6,13 @@
 // recall probe (random tokens repeated twice), and the diversity of generated samples.
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "autograd/tensor.h"
+#include "data/tokenizer.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
@@ -80,5 +83,53 @@ std::vector<RecallPoint> recall_probe(const LogitsFn& model, int64_t vocab,
 // sample (repetition), averaged over the samples weighted by n-grams.
 double distinct_n(std::span<const std::vector<int32_t>> samples, int n);
 double repeated_ngram_rate(std::span<const std::vector<int32_t>> samples, int n);
+
+// evaluate_models' settings: `windows` fixed windows of `window` tokens (0: the smallest
+// context of the models) drawn from Generator(seed) over the split, or with windows 0 every
+// whole window of the split, end to end.
+struct EvalOptions {
+  int windows = 256;
+  int64_t window = 0;
+  uint64_t seed = 1234;
+  int resamples = 2000;
+  uint64_t bootstrap_seed = 7;
+  int recall_sequences = 16;
+  int64_t batch = 8;
+};
+
+struct ModelQuality {
+  std::string name;
+  double loss = 0;           // mean next-token cross-entropy, nats
+  double bits_per_byte = 0;  // the same over the bytes of the targets' text
+  double icl = 0;            // icl_score
+  double kl = 0, top1 = 0;   // against the first model
+  std::vector<double> window_loss, position_loss;
+  std::vector<PositionBucket> buckets;
+  std::vector<RecallPoint> recall;
+};
+
+// Model b against model a: the paired difference of their mean per-token losses (b - a).
+struct PairedComparison {
+  size_t a = 0, b = 0;
+  PairedInterval diff;
+};
+
+struct EvalResult {
+  int64_t windows = 0, window = 0;
+  int64_t predictions = 0;   // per model
+  int64_t target_bytes = 0;  // bytes of text the predicted tokens spell
+  std::vector<ModelQuality> models;
+  std::vector<PairedComparison> pairs;  // every pair a < b
+};
+
+// Every model scored on the same windows of `ids` (one tokenizer's ids, `tokenizer` spelling
+// them for bits per byte), then the pairs compared and the recall probe run on each.
+// on_progress(done, total) counts windows scored by every model, then recall distances.
+EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std::string> names,
+                           int64_t vocab, const std::vector<int32_t>& ids,
+                           const Tokenizer& tokenizer, const EvalOptions& options,
+                           const std::function<void(int64_t, int64_t)>& on_progress = {});
+
+nlohmann::json eval_json(const EvalResult& r);
 
 }  // namespace kvlab

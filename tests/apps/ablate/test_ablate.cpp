@@ -110,6 +110,24 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
     EXPECT_EQ(quality[0]["top1_mean"].get<double>(), 1.0);
     EXPECT_GT(quality[4]["kl_mean"].get<double>(), quality[3]["kl_mean"].get<double>());
   }
+  // Generation quality: each seed's variants paired on the same windows, MHA the reference.
+  const auto& gq = r["generation_quality"];
+  EXPECT_EQ(gq["reference"], "kv4");
+  ASSERT_EQ(gq["variants"].size(), 3u);
+  ASSERT_EQ(gq["pairs"].size(), 3u);  // every pair of three
+  EXPECT_EQ(gq["variants"][0]["kl_vs_reference"], json({0.0, 0.0}));
+  EXPECT_EQ(gq["variants"][0]["top1_vs_reference"], json({1.0, 1.0}));
+  for (const auto& v : gq["variants"]) {
+    ASSERT_EQ(v["loss"].size(), 2u);  // a figure per seed
+    EXPECT_GT(v["bits_per_byte"][0].get<double>(), 0.0);
+    EXPECT_FALSE(v["position_buckets"].empty());
+    EXPECT_FALSE(v["recall"].empty());
+  }
+  for (const auto& p : gq["pairs"]) {
+    ASSERT_EQ(p["seeds"].size(), 2u);
+    for (const auto& s : p["seeds"])
+      EXPECT_LE(s["ci95"][0].get<double>(), s["ci95"][1].get<double>());
+  }
   for (const char* f : {"results.json", "results.csv", "report.md", "report.html",
                         "val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
                         "tokens_per_s_vs_kv.svg", "served_vs_rate.svg", "ttft_p99_vs_rate.svg",
