@@ -110,6 +110,17 @@ constexpr const char* kQualityNote =
     "token: K and V of every layer, a quantised row's scales included. Frontier: no other "
     "point has as few bytes at a lower loss.";
 
+constexpr const char* kGenerationNote =
+    "Every variant's final model of each seed scored on the same validation windows (kvlab "
+    "eval's measurements), mean ± std over seeds. Bits per byte: the loss over the bytes of text "
+    "the predicted tokens spell, comparable across tokenizers. ICL score: loss over the last "
+    "tenth of the context minus loss near a tenth of it (Olsson et al. 2022): negative when "
+    "later tokens gain from the context. KL and top-1: against the reference's predictions. "
+    "Recall: random tokens repeated once, top-1 accuracy on the second copy. A pair is "
+    "distinguishable by the paired bootstrap when every seed's 95% interval for the mean "
+    "per-token loss difference (resampling windows) excludes 0 on the same side; the seed-spread "
+    "verdict is the one below (mean ± std intervals that do not overlap).";
+
 constexpr const char* kServingNote =
     "The workload's 256 requests, all at once, served with the trained model at the same "
     "KV memory by continuous batching over the paged cache and by static batching over "
@@ -250,6 +261,14 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
     for (const std::string& f : uptrain_findings(*p.uptrain)) md << "\n- " << md_escape(f);
     md << '\n';
   }
+  if (p.gen) {
+    md << "\n## Generation quality: paired on shared windows\n\n"
+       << render_markdown(generation_table(p, *p.gen)) << '\n'
+       << kGenerationNote << "\n\n"
+       << render_markdown(paired_table(p, *p.gen)) << '\n';
+    for (const std::string& f : generation_findings(p, *p.gen)) md << "\n- " << md_escape(f);
+    md << '\n';
+  }
   md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
   for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
   md << "\n## Plots\n\n";
@@ -330,6 +349,13 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
       << render_html(uptrain_table(*p.uptrain)) << "<p>" << e(uptrain_note(*p.uptrain))
       << "</p>\n<ul>\n";
     for (const std::string& f : uptrain_findings(*p.uptrain)) h << "<li>" << e(f) << "</li>\n";
+    h << "</ul>\n";
+  }
+  if (p.gen) {
+    h << "<h2>Generation quality: paired on shared windows</h2>\n"
+      << render_html(generation_table(p, *p.gen)) << "<p>" << kGenerationNote << "</p>\n"
+      << render_html(paired_table(p, *p.gen)) << "<ul>\n";
+    for (const std::string& f : generation_findings(p, *p.gen)) h << "<li>" << e(f) << "</li>\n";
     h << "</ul>\n";
   }
   h << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
@@ -423,6 +449,10 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
   if (p.uptrain)
     for (const int kv : uptrain_kvs(*p.uptrain))
       svgs.push_back(svg::render(uptrain_plot(*p.uptrain, kv)));
+  if (p.gen) {
+    svgs.push_back(svg::render(position_plot(p, *p.gen)));
+    svgs.push_back(svg::render(recall_plot(p, *p.gen)));
+  }
   for (std::size_t i = 0; i < svgs.size(); ++i)
     write_file_atomic(out_dir / (names[i] + ".svg"), svgs[i]);
   write_file_atomic(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));

@@ -43,6 +43,83 @@ std::optional<Uptrain> parse_uptrain(const json& results) {
   return u;
 }
 
+// A number array of obj[key], each element a number; "what" names it in the error.
+std::vector<double> numbers(const json& obj, const char* key, const std::string& what) {
+  const auto it = obj.find(key);
+  KVLAB_CHECK(it != obj.end() && it->is_array(), "report: ", what, " has no array '", key, "'");
+  std::vector<double> out;
+  for (const json& x : *it) {
+    KVLAB_CHECK(x.is_number(), "report: ", what, "'s '", key, "' holds ", x.dump());
+    out.push_back(x.get<double>());
+  }
+  return out;
+}
+
+// The index of the variant ablate names "kv<n>" or "mla<rank>".
+size_t variant_named(const Parsed& p, const std::string& name) {
+  for (size_t i = 0; i < p.variants.size(); ++i) {
+    const Variant& v = p.variants[i];
+    if (name == (v.mla() ? "mla" + std::to_string(v.rank) : "kv" + std::to_string(v.n_kv))) return i;
+  }
+  throw Error(detail::cat("report: generation_quality names '", name, "', which is no variant"));
+}
+
+std::optional<GenQuality> parse_generation_quality(const json& results, const Parsed& p) {
+  const auto it = results.find("generation_quality");
+  if (it == results.end() || it->is_null()) return std::nullopt;
+  const json& j = *it;
+  KVLAB_CHECK(j.is_object() && j.contains("variants") && j["variants"].is_array() &&
+                  j.contains("pairs") && j["pairs"].is_array(),
+              "report: generation_quality needs 'variants' and 'pairs' arrays");
+  GenQuality g;
+  g.reference = variant_named(p, text_field(j, "reference"));
+  g.windows = static_cast<int64_t>(number(j, "windows").value_or(0));
+  g.window = static_cast<int64_t>(number(j, "window").value_or(0));
+  for (const json& e : j["variants"]) {
+    KVLAB_CHECK(e.is_object(), "report: generation_quality.variants holds ", e.dump());
+    GenVariant v;
+    const std::string name = text_field(e, "name");
+    v.v = variant_named(p, name);
+    v.loss = numbers(e, "loss", name);
+    v.bpb = numbers(e, "bits_per_byte", name);
+    v.icl = numbers(e, "icl_score", name);
+    v.kl = numbers(e, "kl_vs_reference", name);
+    v.top1 = numbers(e, "top1_vs_reference", name);
+    for (const json& b : e.value("position_buckets", json::array())) {
+      KVLAB_CHECK(b.is_object() && number(b, "first") && number(b, "last") && number(b, "loss"),
+                  "report: ", name, "'s position bucket ", b.dump());
+      v.bucket_first.push_back(static_cast<int64_t>(*number(b, "first")));
+      v.bucket_last.push_back(static_cast<int64_t>(*number(b, "last")));
+      v.bucket_loss.push_back(*number(b, "loss"));
+    }
+    for (const json& r : e.value("recall", json::array())) {
+      KVLAB_CHECK(r.is_object() && number(r, "distance") && number(r, "accuracy"),
+                  "report: ", name, "'s recall point ", r.dump());
+      v.distance.push_back(static_cast<int64_t>(*number(r, "distance")));
+      v.recall.push_back(*number(r, "accuracy"));
+    }
+    g.variants.push_back(std::move(v));
+  }
+  for (const json& e : j["pairs"]) {
+    KVLAB_CHECK(e.is_object() && e.contains("seeds") && e["seeds"].is_array(),
+                "report: generation_quality.pairs holds ", e.dump());
+    GenPair pair;
+    pair.a = variant_named(p, text_field(e, "a"));
+    pair.b = variant_named(p, text_field(e, "b"));
+    pair.distinguishable = e.value("distinguishable", false);
+    for (const json& s : e["seeds"]) {
+      KVLAB_CHECK(s.is_object() && number(s, "mean_diff") && s.contains("ci95") &&
+                      s["ci95"].is_array() && s["ci95"].size() == 2 && s["ci95"][0].is_number() &&
+                      s["ci95"][1].is_number(),
+                  "report: a pair's seed holds ", s.dump());
+      pair.seeds.push_back({*number(s, "mean_diff"), s["ci95"][0].get<double>(),
+                            s["ci95"][1].get<double>()});
+    }
+    g.pairs.push_back(std::move(pair));
+  }
+  return g;
+}
+
 }  // namespace
 
 std::optional<double> number(const json& obj, const char* key) {
@@ -92,6 +169,7 @@ Parsed parse(const json& results) {
   for (Variant& v : p.variants)
     v.kind = v.mla() ? "MLA" : v.n_kv == p.n_head ? "MHA" : v.n_kv == 1 ? "MQA" : "GQA";
   p.uptrain = parse_uptrain(results);
+  p.gen = parse_generation_quality(results, p);
   return p;
 }
 

@@ -69,6 +69,10 @@ std::vector<std::string> plot_names(const Parsed& p) {
   }
   if (p.uptrain)
     for (const int kv : uptrain_kvs(*p.uptrain)) names.push_back("uptrain_kv" + std::to_string(kv));
+  if (p.gen) {
+    names.push_back("loss_by_position");
+    names.push_back("recall_by_distance");
+  }
   return names;
 }
 
@@ -360,6 +364,58 @@ svg::Plot uptrain_plot(const Uptrain& u, int kv) {
   const json& src = u.j->value("source_val_loss", json::object());
   if (const auto m = src.is_object() ? number(src, "mean") : std::nullopt)
     level("MHA source", *m, "#bbbbbb");
+  return plot;
+}
+
+}  // namespace kvlab::report_detail
+
+namespace kvlab::report_detail {
+
+// A line per variant over its log-spaced position buckets (each at its geometric middle).
+svg::Plot position_plot(const Parsed& p, const GenQuality& g) {
+  svg::Plot plot;
+  plot.title = "Loss by position in the context";
+  plot.note = "mean over " + std::to_string(g.windows) + " shared validation windows and the seeds";
+  plot.x_label = "position (log2 axis)";
+  plot.y_label = "loss (nats/token)";
+  plot.x_log2 = true;
+  for (size_t i = 0; i < g.variants.size(); ++i) {
+    const GenVariant& v = g.variants[i];
+    svg::Series s;
+    s.label = p.variants[v.v].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    s.line_width = 1.5;
+    for (size_t k = 0; k < v.bucket_loss.size(); ++k) {
+      s.x.push_back(std::sqrt(static_cast<double>(v.bucket_first[k] * v.bucket_last[k])));
+      s.y.push_back(v.bucket_loss[k]);
+    }
+    plot.series.push_back(std::move(s));
+  }
+  return plot;
+}
+
+svg::Plot recall_plot(const Parsed& p, const GenQuality& g) {
+  svg::Plot plot;
+  plot.title = "In-context recall by distance";
+  plot.note = "random tokens repeated once: top-1 accuracy on the second copy, mean over seeds";
+  plot.x_label = "distance between the copies (tokens, log2 axis)";
+  plot.y_label = "top-1 accuracy";
+  plot.x_log2 = true;
+  plot.y_from_zero = true;
+  for (size_t i = 0; i < g.variants.size(); ++i) {
+    const GenVariant& v = g.variants[i];
+    svg::Series s;
+    s.label = p.variants[v.v].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    s.line_width = 1.5;
+    for (size_t k = 0; k < v.recall.size(); ++k) {
+      s.x.push_back(static_cast<double>(v.distance[k]));
+      s.y.push_back(v.recall[k]);
+    }
+    plot.series.push_back(std::move(s));
+  }
   return plot;
 }
 

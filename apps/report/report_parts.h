@@ -57,10 +57,34 @@ struct Uptrain {
   const json* j = nullptr;
 };
 
+// ablate's paired evaluation (results.json's generation_quality): variants and pairs by their
+// index in Parsed::variants, each figure per seed.
+struct SeedInterval {
+  double mean = 0, lo = 0, hi = 0;
+};
+struct GenVariant {
+  size_t v = 0;
+  std::vector<double> loss, bpb, icl, kl, top1;
+  std::vector<int64_t> bucket_first, bucket_last, distance;
+  std::vector<double> bucket_loss, recall;  // seed means
+};
+struct GenPair {
+  size_t a = 0, b = 0;
+  std::vector<SeedInterval> seeds;  // b - a
+  bool distinguishable = false;     // every seed's interval excludes 0, on one side
+};
+struct GenQuality {
+  size_t reference = 0;
+  int64_t windows = 0, window = 0;
+  std::vector<GenVariant> variants;
+  std::vector<GenPair> pairs;
+};
+
 struct Parsed {
   std::vector<Variant> variants;   // n_kv_head descending, then MLA's ranks descending
   int n_head = 0;                  // config.n_head, else the largest n_kv_head
   std::optional<Uptrain> uptrain;  // kvlab ablate --uptrain
+  std::optional<GenQuality> gen;   // absent in results written before it was measured
   bool has_mla() const { return variants.back().mla(); }
   // The tables' first column header.
   std::string id_header() const { return has_mla() ? "n_kv_head / MLA rank" : "n_kv_head"; }
@@ -121,6 +145,8 @@ std::optional<Table> serving_table(const Parsed& p);
 std::optional<Table> mla_table(const Parsed& p, Bytes style);
 std::optional<Table> quality_table(const Parsed& p);
 Table uptrain_table(const Uptrain& u);
+Table generation_table(const Parsed& p, const GenQuality& g);
+Table paired_table(const Parsed& p, const GenQuality& g);
 
 std::string md_escape(const std::string& s);
 std::string render_markdown(const Table& t);
@@ -136,6 +162,9 @@ std::vector<std::string> mla_findings(const Parsed& p);
 std::vector<std::string> quality_findings(const Parsed& p);
 std::vector<std::string> serving_findings(const Parsed& p);
 std::vector<std::string> uptrain_findings(const Uptrain& u);
+// The seed-spread verdict (compare_variants' rule) of variants a and b.
+bool spread_distinguishable(const Variant& a, const Variant& b);
+std::vector<std::string> generation_findings(const Parsed& p, const GenQuality& g);
 
 // --- plots.cpp ---------------------------------------------------------------------------
 
@@ -147,5 +176,7 @@ svg::Plot speed_plot(const Parsed& p);
 svg::Plot serving_plot(const Parsed& p, bool ttft);
 svg::Plot quality_plot(const Parsed& p, bool kl);
 svg::Plot uptrain_plot(const Uptrain& u, int kv);
+svg::Plot position_plot(const Parsed& p, const GenQuality& g);
+svg::Plot recall_plot(const Parsed& p, const GenQuality& g);
 
 }  // namespace kvlab::report_detail

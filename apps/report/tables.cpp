@@ -192,6 +192,49 @@ std::optional<Table> quality_table(const Parsed& p) {
   return t;
 }
 
+namespace {
+// Mean ± sample std of per-seed figures (± 0 for one seed).
+std::string seeds_pm(const std::vector<double>& xs, const char* format) {
+  double mean = 0, var = 0;
+  for (double x : xs) mean += x / static_cast<double>(xs.size());
+  for (double x : xs) var += (x - mean) * (x - mean);
+  return pm(mean, xs.size() > 1 ? std::sqrt(var / static_cast<double>(xs.size() - 1)) : 0.0,
+            format);
+}
+}  // namespace
+
+// Every variant's paired figures: loss and bits per byte on the shared windows, the ICL score,
+// KL and top-1 agreement against the reference, and recall at the longest distance probed.
+Table generation_table(const Parsed& p, const GenQuality& g) {
+  const std::string ref = p.variants[g.reference].id();
+  const int64_t far = g.variants.front().distance.empty() ? 0 : g.variants.front().distance.back();
+  Table t{{p.id_header(), "loss", "bits/byte", "ICL score", "KL vs " + ref, "top-1 vs " + ref,
+           "recall at " + std::to_string(far)},
+          {}};
+  for (const GenVariant& v : g.variants)
+    t.rows.push_back({p.variants[v.v].id(), seeds_pm(v.loss, "%.4f"), seeds_pm(v.bpb, "%.4f"),
+                      seeds_pm(v.icl, "%+.4f"), seeds_pm(v.kl, "%.2e"), seeds_pm(v.top1, "%.4f"),
+                      v.recall.empty() ? "-" : fmt("%.3f", v.recall.back())});
+  return t;
+}
+
+// Every pair: each seed's paired loss difference with its 95% interval, and the two verdicts.
+Table paired_table(const Parsed& p, const GenQuality& g) {
+  Table t{{"pair (b - a)", "Δ loss per seed [95% interval]", "paired verdict", "seed-spread verdict"},
+          {}};
+  for (const GenPair& pair : g.pairs) {
+    std::string per_seed;
+    for (const SeedInterval& s : pair.seeds)
+      per_seed += (per_seed.empty() ? "" : "; ") + fmt("%+.4f", s.mean) + " [" +
+                  fmt("%+.4f", s.lo) + ", " + fmt("%+.4f", s.hi) + "]";
+    const Variant &a = p.variants[pair.a], &b = p.variants[pair.b];
+    t.rows.push_back({b.id() + " - " + a.id(), per_seed,
+                      pair.distinguishable ? "distinguishable" : "not distinguishable",
+                      spread_distinguishable(a, b) ? "distinguishable" : "not distinguishable"});
+  }
+  return t;
+}
+
 // Markdown-safe cell text: HTML-escaped, markdown punctuation backslashed, newlines as <br>.
 // The '#' of a character reference (an apostrophe's &#39;) stays: backslashed, it would break
 // the reference and the page would show it.

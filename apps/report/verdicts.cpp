@@ -88,6 +88,48 @@ const Variant* nearest_in_bytes(const Parsed& p, const Variant& m) {
 // Among the GQA variants (n_kv_head descending): adjacent pairs, then each remaining one
 // against MHA. Each MLA variant against the GQA variant nearest in cache bytes, and against
 // MHA where that is another.
+bool spread_distinguishable(const Variant& a, const Variant& b) {
+  return compare(a, b).distinguishable;
+}
+
+// How many pairs each method tells apart, and what loss by position and recall add.
+std::vector<std::string> generation_findings(const Parsed& p, const GenQuality& g) {
+  int paired = 0, spread = 0;
+  for (const GenPair& pair : g.pairs) {
+    paired += pair.distinguishable ? 1 : 0;
+    spread += spread_distinguishable(p.variants[pair.a], p.variants[pair.b]) ? 1 : 0;
+  }
+  const size_t seeds = g.variants.front().loss.size();
+  std::vector<std::string> out{
+      "On " + std::to_string(g.windows) + " shared windows of " + std::to_string(g.window) +
+      " tokens, the paired bootstrap tells " + std::to_string(paired) + " of " +
+      std::to_string(g.pairs.size()) + " pairs apart (" +
+      (seeds > 1 ? "every seed's 95% interval excluding 0, on one side"
+                 : "1 seed: its 95% interval excluding 0") +
+      "); the seed spread of the val loss tells " + std::to_string(spread) + " apart."};
+  // Where the reference's lead is largest along the context.
+  const GenVariant& ref = g.variants.front();
+  for (const GenVariant& v : g.variants) {
+    if (v.v == ref.v || v.bucket_loss.size() != ref.bucket_loss.size() || v.bucket_loss.empty())
+      continue;
+    size_t worst = 0;
+    for (size_t k = 0; k < v.bucket_loss.size(); ++k)
+      if (v.bucket_loss[k] - ref.bucket_loss[k] > v.bucket_loss[worst] - ref.bucket_loss[worst])
+        worst = k;
+    out.push_back(p.variants[v.v].label() + " against " + p.variants[ref.v].label() +
+                  ": the largest loss gap by position is " +
+                  fmt("%+.4f", v.bucket_loss[worst] - ref.bucket_loss[worst]) + " at positions " +
+                  std::to_string(v.bucket_first[worst]) + "-" + std::to_string(v.bucket_last[worst]) +
+                  (v.recall.empty() || ref.recall.empty()
+                       ? ""
+                       : "; recall at distance " + std::to_string(v.distance.back()) + ": " +
+                             fmt("%.3f", v.recall.back()) + " against " +
+                             fmt("%.3f", ref.recall.back())) +
+                  ".");
+  }
+  return out;
+}
+
 std::vector<Verdict> verdicts(const Parsed& p) {
   std::vector<const Variant*> vs;
   for (const Variant& v : p.variants)

@@ -131,8 +131,13 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
   for (const char* f : {"results.json", "results.csv", "report.md", "report.html",
                         "val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
                         "tokens_per_s_vs_kv.svg", "served_vs_rate.svg", "ttft_p99_vs_rate.svg",
-                        "val_loss_vs_cache_bytes.svg", "kl_vs_cache_bytes.svg"})
+                        "val_loss_vs_cache_bytes.svg", "kl_vs_cache_bytes.svg",
+                        "loss_by_position.svg", "recall_by_distance.svg"})
     EXPECT_TRUE(fs::exists(dir_ / "out" / f)) << f;
+  std::ifstream md(dir_ / "out" / "report.md");
+  const std::string report((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+  EXPECT_NE(report.find("## Generation quality: paired on shared windows"), std::string::npos);
+  EXPECT_NE(report.find("the paired bootstrap tells "), std::string::npos);
 }
 
 TEST_F(AblateTest, ResumeRetrainsNothingThatFinished) {
