@@ -85,6 +85,15 @@ void print_result(const EvalResult& r, const std::string& corpus) {
     for (const ModelQuality& q : r.models) std::printf(" %12.4f", q.recall[k].accuracy);
   }
   std::printf("\n");
+  if (!r.models.front().samples) return;
+  std::printf("\n%lld samples a model at temperature 0.8, stopping at a blank line:\n%-28s %10s %10s "
+              "%10s %11s %11s %8s\n",
+              static_cast<long long>(r.models.front().samples->samples), "model", "distinct-1",
+              "distinct-2", "distinct-3", "repeated-3", "mean bytes", "stopped");
+  for (const ModelQuality& q : r.models)
+    std::printf("%-28s %10.4f %10.4f %10.4f %11.4f %11.1f %8.2f\n", q.name.c_str(),
+                q.samples->distinct[0], q.samples->distinct[1], q.samples->distinct[2],
+                q.samples->repeated3, q.samples->mean_bytes, q.samples->stopped);
 }
 
 void run_eval(EvalArgs a) {
@@ -92,16 +101,11 @@ void run_eval(EvalArgs a) {
   a.options.window = checked_window(a, loaded);
   std::string corpus;
   const std::vector<int32_t> val = checkpoint_validation_ids(loaded.front(), a.corpus, &corpus);
-  std::vector<LogitsFn> models;
-  std::vector<std::string> names;
-  for (size_t i = 0; i < loaded.size(); ++i) {
-    models.push_back(logits_of(*loaded[i].model));
-    names.push_back(a.ckpts[i]);
-  }
+  std::vector<GPT*> models;
+  for (LoadedModel& m : loaded) models.push_back(m.model.get());
   std::optional<ProgressBar> bar;  // its total is known at the first report
   const EvalResult r = evaluate_models(
-      models, names, loaded.front().model->config().vocab_size, val, loaded.front().tokenizer,
-      a.options, [&](int64_t done, int64_t total) {
+      models, a.ckpts, val, loaded.front().tokenizer, a.options, [&](int64_t done, int64_t total) {
         if (!bar) bar.emplace("eval", total, "windows");
         bar->update(done, "");
       });
@@ -150,10 +154,19 @@ void add_eval_command(CLI::App& root) {
                   "Random strings a distance in the recall probe")
       ->check(integer_of<int>())
       ->capture_default_str();
+  args->options.samples = 8;
+  cmd->add_option("--samples", args->options.samples,
+                  "Prompts (the first tokens of fixed validation windows) each model samples a "
+                  "continuation from at temperature 0.8, for distinct-n, repeated 3-grams and the "
+                  "length before a blank line; 0: none")
+      ->check(integer_of<int>())
+      ->capture_default_str();
   cmd->add_option("--json", args->json_path, "Also write every figure to this JSON file");
   cmd->callback([args] {
     KVLAB_USAGE_CHECK(args->options.windows >= 0, "--windows must be >= 0, got ",
                       args->options.windows);
+    KVLAB_USAGE_CHECK(args->options.samples >= 0, "--samples must be >= 0, got ",
+                      args->options.samples);
     KVLAB_USAGE_CHECK(args->options.resamples >= 1, "--bootstrap must be >= 1, got ",
                       args->options.resamples);
     KVLAB_USAGE_CHECK(args->options.recall_sequences >= 1, "--recall-sequences must be >= 1, got ",

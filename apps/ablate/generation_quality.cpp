@@ -27,18 +27,19 @@ std::vector<AblateVariant> reference_first(const AblateConfig& cfg) {
 EvalResult evaluate_seed(const AblateConfig& cfg, const std::vector<AblateVariant>& vars,
                          int seed, const std::vector<int32_t>& val) {
   std::vector<LoadedModel> loaded;
-  std::vector<LogitsFn> models;
+  std::vector<GPT*> models;
   std::vector<std::string> names;
   for (const AblateVariant& var : vars) {
     loaded.push_back(load_model(ablation_run_dir(cfg, var, seed) / "final.h5"));
+    models.push_back(loaded.back().model.get());
     names.push_back(var.name());
   }
-  for (LoadedModel& m : loaded) models.push_back(logits_of(*m.model));
   EvalOptions o;
   o.windows = cfg.quality_windows;
   o.window = cfg.base.model.block_size;
-  return evaluate_models(models, names, cfg.base.model.vocab_size, val, loaded.front().tokenizer,
-                         o);
+  o.samples = 8;
+  o.sampling.max_new_tokens = cfg.sample_tokens;
+  return evaluate_models(models, names, val, loaded.front().tokenizer, o);
 }
 
 json interval_json(const PairedInterval& d) {
@@ -64,6 +65,19 @@ json variant_json(const std::vector<EvalResult>& seeds, size_t i) {
     std::vector<double> per_seed;
     for (const EvalResult& r : seeds) per_seed.push_back(r.models[i].*field);
     v[key] = per_seed;
+  }
+  for (const auto& [key, field] : {std::pair{"distinct_1", 0}, std::pair{"distinct_2", 1},
+                                   std::pair{"distinct_3", 2}}) {
+    std::vector<double> per_seed;
+    for (const EvalResult& r : seeds) per_seed.push_back(r.models[i].samples->distinct[field]);
+    v["samples"][key] = per_seed;
+  }
+  for (const auto& [key, field] : {std::pair{"repeated_3grams", &SampleStats::repeated3},
+                                   std::pair{"mean_bytes", &SampleStats::mean_bytes},
+                                   std::pair{"stopped", &SampleStats::stopped}}) {
+    std::vector<double> per_seed;
+    for (const EvalResult& r : seeds) per_seed.push_back(*r.models[i].samples.*field);
+    v["samples"][key] = per_seed;
   }
   const double n = static_cast<double>(seeds.size());
   for (size_t k = 0; k < seeds[0].models[i].buckets.size(); ++k) {

@@ -116,7 +116,9 @@ constexpr const char* kGenerationNote =
     "the predicted tokens spell, comparable across tokenizers. ICL score: loss over the last "
     "tenth of the context minus loss near a tenth of it (Olsson et al. 2022): negative when "
     "later tokens gain from the context. KL and top-1: against the reference's predictions. "
-    "Recall: random tokens repeated once, top-1 accuracy on the second copy. A pair is "
+    "Recall: random tokens repeated once, top-1 accuracy on the second copy. Samples: 8 "
+    "continuations at temperature 0.8 (the same prompts and seed for every model), their "
+    "distinct bigrams over all bigrams and the share of 3-grams repeated within a sample. A pair is "
     "distinguishable by the paired bootstrap when every seed's 95% interval for the mean "
     "per-token loss difference (resampling windows) excludes 0 on the same side; the seed-spread "
     "verdict is the one below (mean ± std intervals that do not overlap).";

@@ -85,6 +85,10 @@ std::optional<GenQuality> parse_generation_quality(const json& results, const Pa
     v.icl = numbers(e, "icl_score", name);
     v.kl = numbers(e, "kl_vs_reference", name);
     v.top1 = numbers(e, "top1_vs_reference", name);
+    if (e.contains("samples") && e["samples"].is_object()) {
+      v.distinct2 = numbers(e["samples"], "distinct_2", name + "'s samples");
+      v.repeated3 = numbers(e["samples"], "repeated_3grams", name + "'s samples");
+    }
     for (const json& b : e.value("position_buckets", json::array())) {
       KVLAB_CHECK(b.is_object() && number(b, "first") && number(b, "last") && number(b, "loss"),
                   "report: ", name, "'s position bucket ", b.dump());

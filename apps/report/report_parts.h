@@ -65,6 +65,7 @@ struct SeedInterval {
 struct GenVariant {
   size_t v = 0;
   std::vector<double> loss, bpb, icl, kl, top1;
+  std::vector<double> distinct2, repeated3;  // of its samples, per seed (empty without)
   std::vector<int64_t> bucket_first, bucket_last, distance;
   std::vector<double> bucket_loss, recall;  // seed means
 };

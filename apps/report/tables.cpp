@@ -209,12 +209,14 @@ Table generation_table(const Parsed& p, const GenQuality& g) {
   const std::string ref = p.variants[g.reference].id();
   const int64_t far = g.variants.front().distance.empty() ? 0 : g.variants.front().distance.back();
   Table t{{p.id_header(), "loss", "bits/byte", "ICL score", "KL vs " + ref, "top-1 vs " + ref,
-           "recall at " + std::to_string(far)},
+           "recall at " + std::to_string(far), "samples: distinct-2", "repeated 3-grams"},
           {}};
   for (const GenVariant& v : g.variants)
     t.rows.push_back({p.variants[v.v].id(), seeds_pm(v.loss, "%.4f"), seeds_pm(v.bpb, "%.4f"),
                       seeds_pm(v.icl, "%+.4f"), seeds_pm(v.kl, "%.2e"), seeds_pm(v.top1, "%.4f"),
-                      v.recall.empty() ? "-" : fmt("%.3f", v.recall.back())});
+                      v.recall.empty() ? "-" : fmt("%.3f", v.recall.back()),
+                      v.distinct2.empty() ? "-" : seeds_pm(v.distinct2, "%.3f"),
+                      v.repeated3.empty() ? "-" : seeds_pm(v.repeated3, "%.3f")});
   return t;
 }
 

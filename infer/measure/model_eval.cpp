@@ -6,6 +6,7 @@
 
 #include "autograd/graph.h"
 #include "data/sampler.h"
+#include "infer/engine.h"
 #include "platform/error.h"
 #include "platform/random.h"
 
@@ -254,6 +255,19 @@ std::vector<int64_t> window_starts(int64_t n_tokens, int64_t T, const EvalOption
   return starts;
 }
 
+// The prompts sample_stats draws from: the first tokens (a quarter of the window, at most
+// 16) of fixed windows, the same for every model; none without options.samples.
+std::vector<std::vector<int32_t>> sample_prompts(const std::vector<int32_t>& ids, int64_t T,
+                                                 const EvalOptions& o) {
+  std::vector<std::vector<int32_t>> out;
+  if (o.samples == 0) return out;
+  const int64_t len = std::clamp<int64_t>(T / 4, 1, 16);
+  for (const int64_t s : fixed_windows(static_cast<int64_t>(ids.size()), static_cast<int>(T),
+                                       o.samples, o.seed + 1))
+    out.emplace_back(ids.begin() + s, ids.begin() + s + len);
+  return out;
+}
+
 // Bytes of text the targets spell, each token by its own bytes.
 int64_t spelled_bytes(std::span<const int32_t> targets, const Tokenizer& tokenizer) {
   std::vector<int64_t> bytes(static_cast<size_t>(tokenizer.vocab_size()), -1);
@@ -268,14 +282,22 @@ int64_t spelled_bytes(std::span<const int32_t> targets, const Tokenizer& tokeniz
 
 }  // namespace
 
-EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std::string> names,
-                           int64_t vocab, const std::vector<int32_t>& ids,
-                           const Tokenizer& tokenizer, const EvalOptions& o,
+EvalResult evaluate_models(std::span<GPT* const> gpts, std::span<const std::string> names,
+                           const std::vector<int32_t>& ids, const Tokenizer& tokenizer,
+                           const EvalOptions& o,
                            const std::function<void(int64_t, int64_t)>& on_progress) {
-  KVLAB_CHECK(models.size() == names.size() && !models.empty(), "eval: ", models.size(),
+  KVLAB_CHECK(gpts.size() == names.size() && !gpts.empty(), "eval: ", gpts.size(),
               " models and ", names.size(), " names");
   KVLAB_CHECK(o.window >= 2, "eval: the window must be >= 2 tokens, got ", o.window);
-  KVLAB_CHECK(o.windows >= 0, "eval: windows must be >= 0, got ", o.windows);
+  KVLAB_CHECK(o.windows >= 0 && o.samples >= 0, "eval: windows and samples must be >= 0, got ",
+              o.windows, " and ", o.samples);
+  const int64_t vocab = gpts.front()->config().vocab_size;
+  std::vector<LogitsFn> models;
+  for (GPT* g : gpts) {
+    KVLAB_CHECK(g->config().vocab_size == vocab, "eval: the models' vocabularies differ (",
+                vocab, " and ", g->config().vocab_size, " tokens)");
+    models.push_back(logits_of(*g));
+  }
   EvalResult r;
   r.window = o.window;
   const int64_t T = o.window;
@@ -293,7 +315,13 @@ EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std
       models, x, y, T, vocab, o.batch, [&](int64_t done) {
         if (on_progress) on_progress(done, total);
       });
-  // Phase 2: what each model's per-token losses say, and its recall of a repeated string.
+  // Phase 2: what each model's per-token losses say, its recall of a repeated string and
+  // its samples.
+  const std::vector<std::vector<int32_t>> prompts = sample_prompts(ids, T, o);
+  SampleOptions sampling = o.sampling;  // a sample stays inside the window's context
+  if (!prompts.empty())
+    sampling.max_new_tokens = std::min<int64_t>(
+        sampling.max_new_tokens, T - static_cast<int64_t>(prompts.front().size()));
   for (size_t i = 0; i < models.size(); ++i) {
     ModelQuality q;
     q.name = names[i];
@@ -307,6 +335,7 @@ EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std
     q.buckets = position_buckets(q.position_loss);
     q.icl = icl_score(q.position_loss);
     q.recall = recall_probe(models[i], vocab, distances, o.recall_sequences);
+    if (!prompts.empty()) q.samples = sample_stats(*gpts[i], tokenizer, prompts, sampling);
     if (on_progress)
       on_progress(r.windows + static_cast<int64_t>((i + 1) * distances.size()), total);
     r.models.push_back(std::move(q));
@@ -318,6 +347,31 @@ EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std
                          paired_bootstrap(r.models[a].window_loss, r.models[b].window_loss,
                                           o.resamples, o.bootstrap_seed)});
   return r;
+}
+
+SampleStats sample_stats(GPT& model, const Tokenizer& tokenizer,
+                         const std::vector<std::vector<int32_t>>& prompts,
+                         const SampleOptions& o) {
+  Engine engine(model, tokenizer);
+  GenerateOptions g;
+  g.max_new_tokens = o.max_new_tokens;
+  g.sampling.temperature = o.temperature;
+  g.sampling.seed = o.seed;
+  g.stop = o.stop;
+  const GenerationResult out = engine.generate_ids(prompts, g);
+  SampleStats s;
+  std::vector<std::vector<int32_t>> samples;
+  for (const RowResult& row : out.rows) {
+    samples.push_back(row.tokens);
+    s.mean_bytes += static_cast<double>(row.text.size());
+    s.stopped += row.stop_reason == StopReason::StopString ? 1 : 0;
+  }
+  s.samples = static_cast<int64_t>(samples.size());
+  for (int n = 1; n <= 3; ++n) s.distinct[n - 1] = distinct_n(samples, n);
+  s.repeated3 = repeated_ngram_rate(samples, 3);
+  s.mean_bytes /= static_cast<double>(std::max<int64_t>(s.samples, 1));
+  s.stopped /= static_cast<double>(std::max<int64_t>(s.samples, 1));
+  return s;
 }
 
 nlohmann::json eval_json(const EvalResult& r) {
@@ -332,6 +386,15 @@ nlohmann::json eval_json(const EvalResult& r) {
                         {"loss", p.loss},
                         {"accuracy", p.accuracy},
                         {"predictions", p.predictions}});
+    json samples = nullptr;
+    if (q.samples)
+      samples = {{"samples", q.samples->samples},
+                 {"distinct_1", q.samples->distinct[0]},
+                 {"distinct_2", q.samples->distinct[1]},
+                 {"distinct_3", q.samples->distinct[2]},
+                 {"repeated_3grams", q.samples->repeated3},
+                 {"mean_bytes", q.samples->mean_bytes},
+                 {"stopped", q.samples->stopped}};
     models.push_back({{"name", q.name},
                       {"loss", q.loss},
                       {"bits_per_byte", q.bits_per_byte},
@@ -340,7 +403,8 @@ nlohmann::json eval_json(const EvalResult& r) {
                       {"top1_vs_first", q.top1},
                       {"loss_by_position", q.position_loss},
                       {"position_buckets", buckets},
-                      {"recall", recall}});
+                      {"recall", recall},
+                      {"samples", samples}});
   }
   json pairs = json::array();
   for (const PairedComparison& p : r.pairs)

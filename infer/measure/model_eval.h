@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -84,6 +85,26 @@ std::vector<RecallPoint> recall_probe(const LogitsFn& model, int64_t vocab,
 double distinct_n(std::span<const std::vector<int32_t>> samples, int n);
 double repeated_ngram_rate(std::span<const std::vector<int32_t>> samples, int n);
 
+// Samples drawn from a model and what they look like: one sample a prompt at `temperature`
+// (Generator streams from `seed`, the same for every model), up to max_new_tokens, stopping
+// at any of `stop`.
+struct SampleOptions {
+  int64_t max_new_tokens = 64;
+  double temperature = 0.8;
+  uint64_t seed = 1;
+  std::vector<std::string> stop = {"\n\n"};
+};
+struct SampleStats {
+  int64_t samples = 0;
+  double distinct[3] = {0, 0, 0};  // distinct-1, -2, -3 over the generated tokens
+  double repeated3 = 0;            // repeated_ngram_rate of 3-grams
+  double mean_bytes = 0;           // text before a stop string (or the token limit), in bytes
+  double stopped = 0;              // fraction that met a stop string
+};
+SampleStats sample_stats(GPT& model, const Tokenizer& tokenizer,
+                         const std::vector<std::vector<int32_t>>& prompts,
+                         const SampleOptions& options);
+
 // evaluate_models' settings: `windows` fixed windows of `window` tokens (0: the smallest
 // context of the models) drawn from Generator(seed) over the split, or with windows 0 every
 // whole window of the split, end to end.
@@ -95,6 +116,8 @@ struct EvalOptions {
   uint64_t bootstrap_seed = 7;
   int recall_sequences = 16;
   int64_t batch = 8;
+  int samples = 0;  // prompts sampled from for sample_stats (the first tokens of fixed windows)
+  SampleOptions sampling;
 };
 
 struct ModelQuality {
@@ -106,6 +129,7 @@ struct ModelQuality {
   std::vector<double> window_loss, position_loss;
   std::vector<PositionBucket> buckets;
   std::vector<RecallPoint> recall;
+  std::optional<SampleStats> samples;  // with EvalOptions::samples
 };
 
 // Model b against model a: the paired difference of their mean per-token losses (b - a).
@@ -122,12 +146,13 @@ struct EvalResult {
   std::vector<PairedComparison> pairs;  // every pair a < b
 };
 
-// Every model scored on the same windows of `ids` (one tokenizer's ids, `tokenizer` spelling
-// them for bits per byte), then the pairs compared and the recall probe run on each.
+// Every model (CPU, eval mode) scored on the same windows of `ids` (one tokenizer's ids,
+// `tokenizer` spelling them for bits per byte), then the pairs compared, the recall probe run
+// on each, and with options.samples each sampled from the same prompts.
 // on_progress(done, total) counts windows scored by every model, then recall distances.
-EvalResult evaluate_models(std::span<const LogitsFn> models, std::span<const std::string> names,
-                           int64_t vocab, const std::vector<int32_t>& ids,
-                           const Tokenizer& tokenizer, const EvalOptions& options,
+EvalResult evaluate_models(std::span<GPT* const> models, std::span<const std::string> names,
+                           const std::vector<int32_t>& ids, const Tokenizer& tokenizer,
+                           const EvalOptions& options,
                            const std::function<void(int64_t, int64_t)>& on_progress = {});
 
 nlohmann::json eval_json(const EvalResult& r);
