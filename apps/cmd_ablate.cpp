@@ -1,5 +1,9 @@
 // kvlab ablate: the n_kv_head sweep (the main job).
+#include <omp.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -8,6 +12,7 @@
 #include "apps/ablate/ablate.h"
 #include "apps/ablate/uptrain.h"
 #include "apps/cli.h"
+#include "train/comm.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
 #include "autograd/backend/kv_format.h"
@@ -32,8 +37,24 @@ struct AblateArgs {
   bool quick = false;
   double uptrain = 0;
   std::string uptrain_methods = "mean,first,random";
+  double comm_timeout = 120;
   std::string command;
 };
+
+// Under an MPI launcher, OpenMP threads a rank: OMP_NUM_THREADS where set, else Slurm's
+// cpus-per-task, else this machine's cores shared by the ranks the launcher put on it.
+int threads_per_rank() {
+  if (std::getenv("OMP_NUM_THREADS") != nullptr) return omp_get_max_threads();
+  auto env_int = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr ? std::atoi(v) : 0;
+  };
+  if (const int cpus = env_int("SLURM_CPUS_PER_TASK"); cpus > 0) return cpus;
+  int local = env_int("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (local <= 0) local = env_int("MPI_LOCALNRANKS");
+  if (local <= 0) local = env_int("SLURM_NTASKS_PER_NODE");
+  return std::max(1, omp_get_num_procs() / std::max(1, local));
+}
 
 // Defaults of the sweep: 4 layers, 8 heads, n_embd 128, block 64 -> n_kv_head 8, 4, 2, 1 with
 // 3 seeds, 600 steps each: about 5 minutes of training and measuring on 2 cores.
@@ -176,9 +197,28 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
     KVLAB_USAGE_CHECK(cmd->count("--uptrain-methods") == 0,
                       "--uptrain-methods names the conversions --uptrain F trains; give --uptrain");
   }
-  if (const std::string note = blas_kernels_note(); !note.empty())
+  KVLAB_USAGE_CHECK(a.comm_timeout > 0 && a.comm_timeout <= 1e9,
+                    "--comm-timeout must be a number of seconds in (0, 1e9], got ", a.comm_timeout);
+  // Under mpirun or srun the runs are spread over the ranks; MPI is never started otherwise.
+  std::shared_ptr<Communicator> comm;
+  if (launched_by_mpi()) {
+    comm = world_communicator(a.comm_timeout);
+    omp_set_num_threads(threads_per_rank());
+    std::fprintf(stderr, "kvlab ablate: rank %d of %d on %d threads\n", comm->rank(),
+                 comm->world_size(), omp_get_max_threads());
+  }
+  const bool rank0 = comm == nullptr || comm->rank() == 0;
+  if (const std::string note = blas_kernels_note(); rank0 && !note.empty())
     std::fprintf(stderr, "kvlab ablate: note: %s\n", note.c_str());
-  const auto results = run_ablation(cfg);
+  nlohmann::json results;
+  try {
+    results = run_ablation(cfg, nullptr, comm.get());
+  } catch (...) {
+    // A rank that fails ends the whole job at exit: no rank waits for it in MPI_Finalize.
+    if (comm != nullptr && comm->world_size() > 1) comm->fail();
+    throw;
+  }
+  if (!rank0) return;
   std::printf("\n%s\n", format_table(results).c_str());
   std::printf("sweep wall time %.0f s; report: %s/report.html (also report.md, results.json, "
               "results.csv, *.svg)\n",
@@ -234,6 +274,9 @@ void add_ablate_command(CLI::App& root) {
   cmd->add_option("--uptrain-methods", args->uptrain_methods,
                   "Conversions --uptrain compares, comma separated: mean, first, random")
       ->capture_default_str();
+  add_number(cmd, "--comm-timeout", args->comm_timeout,
+             "Under mpirun or srun: seconds a rank waits for the others at the sweep's start "
+             "before the job fails naming them; at most 1e9");
   cmd->add_flag("--quick", args->quick,
                 "Smoke-test size (2 layers, n_embd 64, 300 steps): under a minute");
   cmd->callback([cmd, args] {

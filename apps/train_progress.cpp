@@ -45,10 +45,10 @@ void clear_checkpoint_temporaries(const std::filesystem::path& dir, const std::s
                  who.c_str(), name.c_str());
 }
 
-bool train_with_progress(Trainer& trainer, const std::string& label) {
-  // A Trainer without the MPI communicator under mpirun -np N (kvlab ablate, for one) would
-  // run N identical copies writing the same files.
-  KVLAB_CHECK(trainer.world_size() > 1 || launcher_world_size() <= 1, label,
+bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_owns_run) {
+  // A Trainer without the MPI communicator under mpirun -np N would run N identical copies
+  // writing the same files, unless each rank was given a run of its own (kvlab ablate's).
+  KVLAB_CHECK(rank_owns_run || trainer.world_size() > 1 || launcher_world_size() <= 1, label,
               ": this command does not train data-parallel, but mpirun started ",
               launcher_world_size(),
               " ranks that would each run it and write the same files; "

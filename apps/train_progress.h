@@ -1,6 +1,7 @@
 #pragma once
 // Runs a Trainer with a progress bar on stderr and stops cleanly (checkpoint written) on
-// Ctrl-C, SIGTERM or SIGHUP. Returns true when every step is done.
+// Ctrl-C, SIGTERM or SIGHUP. Returns true when every step is done. Under mpirun a trainer of
+// one rank is refused unless rank_owns_run (each rank trains runs of its own: kvlab ablate).
 #include <filesystem>
 #include <string>
 
@@ -8,7 +9,7 @@
 
 namespace kvlab {
 
-bool train_with_progress(Trainer& trainer, const std::string& label);
+bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_owns_run = false);
 
 // The bar's text after step r: "loss 2.1234 | val 2.2000 | 25.1k tok/s" (the loss "-" at step
 // 0, which trained nothing), where val is the latest val loss, plus " | comm 12%" when

@@ -28,36 +28,55 @@ std::string holder_pid(int fd) {
   return pid;
 }
 
+// Writes the holder's pid into the lock file. It only serves a refusal's message: the lock
+// holds even if writing it fails.
+void write_holder_pid(int fd) {
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) == 0) {
+    [[maybe_unused]] const ssize_t n = ::pwrite(fd, pid.data(), pid.size(), 0);
+  }
+}
+
 }  // namespace
 
-OutputDirLock::OutputDirLock(const fs::path& dir, const std::string& who) {
+int OutputDirLock::open_and_lock(const fs::path& dir, const std::string& who,
+                                 std::string* holder) {
   KVLAB_CHECK(!dir.empty(), who, ": no output folder");
   ensure_writable_dir(dir, who);
   const fs::path file = dir / ".lock";
   // CLOEXEC: a child (rsvg-convert for the report's PNGs) must not keep the lock alive.
-  fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  KVLAB_CHECK(fd_ >= 0, who, ": cannot open the lock file ", file.string(), ": ",
+  const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  KVLAB_CHECK(fd >= 0, who, ": cannot open the lock file ", file.string(), ": ",
               std::strerror(errno));
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    std::string pid;
-    if (err == EWOULDBLOCK) {
-      // The holder writes its pid right after taking the lock; two processes started together
-      // can look in between.
-      for (int i = 0; i < 20 && (pid = holder_pid(fd_)).empty(); ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    ::close(fd_);
-    KVLAB_CHECK(err != EWOULDBLOCK, who, ": output folder ", dir.string(),
-                " is in use by another kvlab process (pid ", pid.empty() ? "unknown" : pid,
-                "); wait for it to end, or choose another --out");
-    KVLAB_CHECK(false, who, ": cannot lock ", file.string(), ": ", std::strerror(err));
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    write_holder_pid(fd);
+    return fd;
   }
-  // The pid only serves the refusal above: the lock holds even if writing it fails.
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) == 0) {
-    [[maybe_unused]] const ssize_t n = ::pwrite(fd_, pid.data(), pid.size(), 0);
+  const int err = errno;
+  if (err == EWOULDBLOCK) {
+    // The holder writes its pid right after taking the lock; two processes started together
+    // can look in between.
+    for (int i = 0; i < 20 && (*holder = holder_pid(fd)).empty(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  ::close(fd);
+  KVLAB_CHECK(err == EWOULDBLOCK, who, ": cannot lock ", file.string(), ": ", std::strerror(err));
+  return -1;
+}
+
+OutputDirLock::OutputDirLock(const fs::path& dir, const std::string& who) {
+  std::string holder;
+  fd_ = open_and_lock(dir, who, &holder);
+  KVLAB_CHECK(fd_ >= 0, who, ": output folder ", dir.string(),
+              " is in use by another kvlab process (pid ", holder.empty() ? "unknown" : holder,
+              "); wait for it to end, or choose another --out");
+}
+
+std::unique_ptr<OutputDirLock> OutputDirLock::try_acquire(const fs::path& dir,
+                                                          const std::string& who) {
+  std::string holder;
+  const int fd = open_and_lock(dir, who, &holder);
+  return fd >= 0 ? std::unique_ptr<OutputDirLock>(new OutputDirLock(Held{}, fd)) : nullptr;
 }
 
 OutputDirLock::~OutputDirLock() { ::close(fd_); }

@@ -3,6 +3,7 @@
 // folder for the whole run, so a second process started on it refuses at once instead of
 // interleaving its log and checkpoints with the first's.
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,11 +18,20 @@ class OutputDirLock {
   // Creates `dir` if needed (ensure_writable_dir). Throws kvlab::Error naming the folder and
   // the holder's pid when another process holds it; `who` ("train", "ablate") starts messages.
   OutputDirLock(const std::filesystem::path& dir, const std::string& who);
+  // The lock if no other process holds it, else nullptr (a sweep's ranks claiming runs).
+  static std::unique_ptr<OutputDirLock> try_acquire(const std::filesystem::path& dir,
+                                                    const std::string& who);
   ~OutputDirLock();
   OutputDirLock(const OutputDirLock&) = delete;
   OutputDirLock& operator=(const OutputDirLock&) = delete;
 
  private:
+  struct Held {};  // try_acquire's: fd_ already holds the lock
+  OutputDirLock(Held, int fd) : fd_(fd) {}
+  // Opens dir's lock file and takes the lock without waiting: the fd, or -1 when another
+  // process holds it, *holder then the pid it wrote ("" if none).
+  static int open_and_lock(const std::filesystem::path& dir, const std::string& who,
+                           std::string* holder);
   int fd_ = -1;
 };
 

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,8 @@
 #include <fstream>
 #include <functional>
 
+#include "apps/ablate/generation_quality.h"
+#include "apps/ablate/train_runs.h"
 #include "apps/ablate/uptrain.h"
 #include "apps/progress.h"
 #include "apps/report/report.h"
@@ -21,7 +24,6 @@
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/bench.h"
-#include "apps/ablate/generation_quality.h"
 #include "infer/measure/kv_quality.h"
 #include "infer/measure/kv_workload.h"
 #include "platform/blas_core.h"
@@ -230,70 +232,6 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
 }
 
 namespace {
-
-// Trains every run of the sweep; a run finished earlier (same config) is reused, one stopped
-// part-way is resumed. Throws Interrupted on Ctrl-C, with the runs done so far kept.
-void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats) {
-  using Clock = std::chrono::steady_clock;
-  double train_s = 0;
-  int trained_runs = 0;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const TrainConfig& c = runs[i];
-    const fs::path dir = c.out_dir, final_ckpt = dir / "final.h5", last = dir / "last.h5";
-    char label[96];
-    std::snprintf(label, sizeof label, "run %zu/%zu %s=%lld seed=%llu", i + 1, runs.size(),
-                  c.model.mla() ? "mla" : "kv",
-                  static_cast<long long>(c.model.mla() ? c.model.kv_lora_rank : c.model.n_kv_head),
-                  static_cast<unsigned long long>(c.seed));
-    if (fs::exists(final_ckpt)) {
-      const Checkpoint done = load_checkpoint(final_ckpt, false);
-      const auto diffs = config_differences(done.config, c.to_attrs());
-      if (!diffs.empty()) {
-        std::string msg;
-        for (const auto& d : diffs) msg += (msg.empty() ? "" : "; ") + d;
-        KVLAB_CHECK(false, "ablate: ", final_ckpt.string(),
-                    " was trained with a different config (checkpoint vs now): ", msg,
-                    ". Use another --out, or delete that folder to retrain");
-      }
-      ++stats.runs_reused;
-      std::fprintf(stderr, "%s: finished earlier, reusing %s\n", label, final_ckpt.string().c_str());
-      continue;
-    }
-    const int runs_left = static_cast<int>(runs.size() - i);
-    if (trained_runs > 0)
-      std::fprintf(stderr, "sweep: %d of %zu runs left, ETA %s\n", runs_left, runs.size(),
-                   ProgressBar::clock(train_s / trained_runs * runs_left).c_str());
-    // The run's own folder too, which `kvlab train --out` could be given.
-    const OutputDirLock run_hold(dir, "ablate");
-    clear_checkpoint_temporaries(dir, label);
-    if (!fs::exists(last) && fs::exists(dir / "log.jsonl"))
-      std::fprintf(stderr,
-                   "%s: starting over (its log.jsonl is of a run that saved no checkpoint)\n",
-                   label);
-    const auto t0 = Clock::now();
-    Trainer trainer(c);
-    int64_t from = 0;
-    if (fs::exists(last)) {
-      try {
-        trainer.resume(last);
-      } catch (const Error& e) {  // another config or corpus than the run in that folder
-        KVLAB_CHECK(false, "ablate: ", e.what(), ". Use another --out, or delete ", dir.string(),
-                    " to retrain");
-      }
-      from = trainer.step();
-    }
-    if (from > 0) ++stats.runs_resumed;
-    const bool done = train_with_progress(trainer, label);
-    stats.steps_trained += trainer.step() - from;
-    if (!done)
-      throw Interrupted(detail::cat("ablate: interrupted during ", label,
-                                    "; rerun the same command to continue where it stopped"),
-                        stop_signal());
-    train_s += std::chrono::duration<double>(Clock::now() - t0).count();
-    ++trained_runs;
-  }
-
-}
 
 // What n_kv_head buys a server: the serving workload (infer/measure/kv_workload.h; 256 requests,
 // lengths scaled to the context) at one KV memory for every variant, that of 16 full-context
@@ -584,16 +522,39 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
 
 }  // namespace
 
-json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
+json run_ablation(AblateConfig cfg, AblateStats* stats_out, Communicator* comm) {
   using Clock = std::chrono::steady_clock;
   const auto t_start = Clock::now();
   const std::string started = now_iso();
-  // Held until the report is written: a second sweep on the same folder refuses at once.
-  const OutputDirLock hold(cfg.out_dir, "ablate");
+  const bool ranks = comm != nullptr && comm->world_size() > 1;
+  const bool rank0 = !ranks || comm->rank() == 0;
+  // Held by rank 0 until the report is written: a second sweep on the same folder refuses at
+  // once, every rank of it.
+  std::optional<OutputDirLock> hold;
+  std::string refused;
+  if (rank0) {
+    try {
+      hold.emplace(cfg.out_dir, "ablate");
+    } catch (const Error& e) {
+      if (!ranks) throw;
+      refused = e.what();
+    }
+  }
+  if (ranks) {
+    std::array<std::byte, 1> ok{std::byte(refused.empty() ? 1 : 0)};
+    comm->broadcast(ok, 0, "the sweep folder's lock");
+    KVLAB_CHECK(ok[0] == std::byte(1), rank0 ? refused
+                                             : "ablate: rank 0 could not take the output folder "
+                                               "(its message says why)");
+  }
   const std::vector<TrainConfig> runs = plan_ablation(cfg);
   AblateStats stats;
+  train_runs(runs, stats, comm);
   stats.runs_total = static_cast<int>(runs.size());
-  train_runs(runs, stats);
+  if (!rank0) {  // rank 0 measures every run and writes the report
+    if (stats_out) *stats_out = stats;
+    return json();
+  }
 
   json variants = json::array();
   const int64_t prompt_len =
@@ -608,6 +569,7 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out) {
                                   std::chrono::duration<double>(Clock::now() - t_start).count());
   results["generation_quality"] = std::move(quality);
   if (!uptrain.is_null()) results["uptrain"] = std::move(uptrain);
+  if (ranks) results["sweep"]["ranks"] = comm->world_size();
   write_report(results, cfg.out_dir);
   if (stats_out) *stats_out = stats;
   return results;

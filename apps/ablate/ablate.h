@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "nn/kv_convert.h"
+#include "train/comm.h"
 #include "train/trainer.h"
 
 namespace kvlab {
@@ -98,7 +99,11 @@ nlohmann::json read_curve(const std::filesystem::path& dir);
 std::pair<double, double> mean_std(const std::vector<double>& xs);
 
 // Trains (or reuses / resumes) every run, measures, writes the report into cfg.out_dir and
-// returns results.json's document. Progress goes to stderr.
-nlohmann::json run_ablation(AblateConfig cfg, AblateStats* stats = nullptr);
+// returns results.json's document. Progress goes to stderr. With `comm` of several MPI ranks
+// (every rank calls it) the runs are spread over the ranks (apps/ablate/train_runs.h); rank 0
+// then measures them alone, on the whole machine, and writes the report; the other ranks
+// return null once no run is left for them.
+nlohmann::json run_ablation(AblateConfig cfg, AblateStats* stats = nullptr,
+                            Communicator* comm = nullptr);
 
 }  // namespace kvlab
