@@ -151,6 +151,9 @@ void train_on_ranks(const std::vector<TrainConfig>& runs, AblateStats& stats, Co
   // Phase 1: what finished before this sweep, seen by every rank before any trains.
   std::vector<bool> done(runs.size()), before(runs.size());
   for (size_t i = 0; i < runs.size(); ++i) done[i] = before[i] = finished(runs[i]);
+  if (const auto reused = std::count(before.begin(), before.end(), true); rank == 0 && reused > 0)
+    std::fprintf(stderr, "sweep: %lld of %zu runs finished earlier, reusing them\n",
+                 static_cast<long long>(reused), runs.size());
   comm.barrier("the sweep's start");
   // Phase 2: each free rank claims the next run nobody holds. Rank 0 stays until every run
   // is done (a run whose rank died is free again: its lock went with the process).
