@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -129,6 +130,7 @@ struct HttpServer::Gate {
   std::mutex m;
   std::unordered_map<socket_t, Watched> watched;  // under m
   int epfd = -1;
+  int wake = -1;  // an eventfd in epfd: a stop, or a deadline sooner than the gate's wait
   std::atomic<bool> stopping{false};
   std::thread thread;
   std::vector<char> scratch = std::vector<char>(kMaxHead);  // the gate thread's
@@ -150,6 +152,12 @@ struct HttpServer::Gate {
   // A connection to watch: new (requests 0), or back from a worker after a request.
   void admit(socket_t sock, int64_t requests);
   void loop();
+  void wake_gate() {
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(wake, &one, sizeof one);
+  }
+  // Under m: milliseconds until the first deadline (at least 1), -1 with nothing watched.
+  int wait_ms(Clock::time_point now) const;
   void work();
   // Under m: what a readable connection holds; hands it on, refuses it, or watches on.
   void examine(socket_t sock, Watched& w);
@@ -267,6 +275,13 @@ void HttpServer::Gate::start() {
   stopping = false;
   epfd = ::epoll_create1(EPOLL_CLOEXEC);
   KVLAB_CHECK(epfd >= 0, "serve: epoll_create1: ", std::strerror(errno));
+  wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  KVLAB_CHECK(wake >= 0, "serve: eventfd: ", std::strerror(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = wake;
+  KVLAB_CHECK(::epoll_ctl(epfd, EPOLL_CTL_ADD, wake, &ev) == 0, "serve: epoll_ctl: ",
+              std::strerror(errno));
   thread = std::thread([this] { loop(); });
   for (int64_t i = 0; i < o.max_connections; ++i) workers.emplace_back([this] { work(); });
 }
@@ -278,6 +293,7 @@ void HttpServer::Gate::shutdown() {
     // A worker waiting for a body returns at once; one writing keeps its write deadline.
     for (const socket_t sock : busy) ::shutdown(sock, SHUT_RD);
   }
+  wake_gate();
   jobs_cv.notify_all();
   if (thread.joinable()) thread.join();
   for (std::thread& t : workers) t.join();
@@ -289,7 +305,8 @@ void HttpServer::Gate::shutdown() {
   jobs.clear();
   waiting = 0;
   if (epfd >= 0) ::close(epfd);
-  epfd = -1;
+  if (wake >= 0) ::close(wake);
+  epfd = wake = -1;
 }
 
 void HttpServer::Gate::admit(socket_t sock, int64_t requests) {
@@ -318,15 +335,31 @@ void HttpServer::Gate::admit(socket_t sock, int64_t requests) {
     ++refused_busy;
     refuse(sock, w, busy_response());
   }
+  wake_gate();  // its deadline may come before the gate's wait ends
 }
 
+int HttpServer::Gate::wait_ms(Clock::time_point now) const {
+  if (watched.empty()) return -1;
+  Clock::time_point first = Clock::time_point::max();
+  for (const auto& [sock, w] : watched) first = std::min(first, w.deadline);
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(first - now).count();
+  return static_cast<int>(std::clamp<int64_t>(ms, 1, 60'000));
+}
+
+// Sleeps until a socket is readable, the first deadline passes, or wake_gate: no polling.
 void HttpServer::Gate::loop() {
   std::vector<epoll_event> events(256);
+  int timeout_ms = -1;
   while (!stopping) {
-    const int n = ::epoll_wait(epfd, events.data(), static_cast<int>(events.size()), 50);
+    const int n = ::epoll_wait(epfd, events.data(), static_cast<int>(events.size()), timeout_ms);
     std::lock_guard lk(m);
     for (int i = 0; i < n; ++i) {
       const socket_t sock = events[static_cast<size_t>(i)].data.fd;
+      if (sock == wake) {
+        uint64_t count;
+        [[maybe_unused]] const ssize_t r = ::read(wake, &count, sizeof count);
+        continue;
+      }
       const auto it = watched.find(sock);
       if (it != watched.end()) examine(sock, it->second);
     }
@@ -335,6 +368,7 @@ void HttpServer::Gate::loop() {
     for (const auto& [sock, w] : watched)
       if (w.deadline <= now) due.push_back(sock);
     for (const socket_t sock : due) expire(sock, watched.at(sock), now);
+    timeout_ms = wait_ms(now);
   }
 }
 
