@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <mutex>
+#include <charconv>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "apps/serve/server.h"
@@ -38,6 +40,16 @@ double metric(httplib::Client& c, const std::string& name) {
   return 0;
 }
 
+// The "index" of a text chunk's one choice (kvlab's chunks carry a choice each), or 0.
+int64_t choice_index(std::string_view chunk) {
+  const size_t at = chunk.find("\"index\":");
+  if (at == std::string_view::npos) return 0;
+  int64_t index = 0;
+  const char* p = chunk.data() + at + 8;
+  std::from_chars(p, chunk.data() + chunk.size(), index);
+  return index;
+}
+
 // Streams one completion; calls on_text with the choice of each chunk that carries one.
 // Returns the tokens made (the usage chunk's count), or throws kvlab::Error.
 int64_t stream_completion(const std::string& url, const json& body,
@@ -51,19 +63,28 @@ int64_t stream_completion(const std::string& url, const json& body,
   req.path = "/v1/completions";
   req.body = body.dump();
   req.set_header("Content-Type", "application/json");
+  // The client shares the machine with the server it measures: a text chunk is read for its
+  // choice index alone, and only the usage and error events are parsed whole.
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     buffer.append(data, n);
-    for (size_t end; (end = buffer.find("\n\n")) != std::string::npos;) {
-      const std::string event = buffer.substr(0, end);
-      buffer.erase(0, end + 2);
-      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
-      const json j = json::parse(event.substr(6), nullptr, false);
-      if (j.contains("error")) error = j["error"].value("message", "error");
-      if (j.contains("usage") && j["usage"].is_object())
-        made = j["usage"]["completion_tokens"].get<int64_t>();
-      if (j.contains("choices") && !j["choices"].empty())
-        on_text(j["choices"][0].value("index", int64_t{0}));
+    size_t start = 0;
+    for (size_t end; (end = buffer.find("\n\n", start)) != std::string::npos; start = end + 2) {
+      const std::string_view event(buffer.data() + start, end - start);
+      if (!event.starts_with("data: ") || event == "data: [DONE]") continue;
+      const std::string_view body = event.substr(6);
+      if (body.find("\"usage\"") != std::string_view::npos ||
+          body.find("\"error\"") != std::string_view::npos) {
+        const json j = json::parse(body, nullptr, false);
+        if (j.contains("error")) error = j["error"].value("message", "error");
+        if (j.contains("usage") && j["usage"].is_object())
+          made = j["usage"]["completion_tokens"].get<int64_t>();
+        if (j.contains("choices") && !j["choices"].empty())
+          on_text(j["choices"][0].value("index", int64_t{0}));
+        continue;
+      }
+      on_text(choice_index(body));
     }
+    buffer.erase(0, start);
     return true;
   };
   const auto res = c.send(req);

@@ -515,7 +515,12 @@ void Server::Impl::loop() {
     waiting = scheduler.waiting();
     preemptions = scheduler.preemptions();
     blocks = scheduler.block_stats();
-    if (wake) done_cv.notify_all();
+    if (wake) {
+      // Woken after the unlock, an HTTP thread finds m free instead of blocking on it at once.
+      lk.unlock();
+      done_cv.notify_all();
+      lk.lock();
+    }
   }
   // Stopping: what is still running or queued ends here.
   for (auto& [id, owner] : owners) {
