@@ -32,12 +32,11 @@ std::string model_problem(const Checkpoint& c, const std::string& file, int64_t 
   return "";
 }
 
-// Tokens in the file's vocabulary: a bpe vocabulary is packed (docs/checkpoint-format.md), so
-// its array's length is not its size; -1 when it does not unpack.
-int64_t tokenizer_size(const Checkpoint& c) {
-  if (c.tokenizer_kind != "bpe") return static_cast<int64_t>(c.tokenizer_vocab.size());
+// Tokens in the file's vocabulary: get_tokenizer's, so that a bpe vocabulary (not one array)
+// and one that does not hold together (-1) are counted as every command sees them.
+int64_t tokenizer_size(const Checkpoint& c, const std::string& file) {
   try {
-    return BpeTokenizer::unpack(c.tokenizer_vocab).vocab_size();
+    return get_tokenizer(c, file).vocab_size();
   } catch (const Error&) {
     return -1;
   }
@@ -59,7 +58,7 @@ void run_inspect(const InspectArgs& a) {
     nlohmann::json j;
     for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
     j["parameters"] = n_params;
-    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c)}};
+    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c, a.ckpt)}};
     for (const auto& [name, arr] : c.model)
       j["tensors"].push_back(
           {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
@@ -85,7 +84,7 @@ void run_inspect(const InspectArgs& a) {
     }, v);
   }
   std::printf("\ntokenizer: %s, %lld symbols\nparameters: %lld in %zu tensors\n",
-              c.tokenizer_kind.c_str(), static_cast<long long>(tokenizer_size(c)),
+              c.tokenizer_kind.c_str(), static_cast<long long>(tokenizer_size(c, a.ckpt)),
               static_cast<long long>(n_params), c.model.size());
   bool any_non_finite = false;
   for (const auto& [name, arr] : c.model) {

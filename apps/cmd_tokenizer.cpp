@@ -38,9 +38,12 @@ std::string read_all(const std::string& file) {
 
 void print_summary(const std::string& verb, const Tokenizer& tok, const std::string& out) {
   const BpeTokenizer& bpe = *tok.bpe();
-  std::printf("%s %s: bpe, pattern %s, %d tokens (256 bytes, %zu merges, %d special)\n",
+  const size_t n_special = bpe.special_ids().size();
+  const size_t unused = static_cast<size_t>(bpe.n_special()) - n_special;
+  std::printf("%s %s: bpe, pattern %s, %d tokens (256 bytes, %zu merges, %zu special%s)\n",
               verb.c_str(), out.c_str(), pattern_name(bpe.pattern()).c_str(), bpe.vocab_size(),
-              bpe.merges().size(), bpe.n_special());
+              bpe.merges().size(), n_special,
+              unused ? detail::cat(", ", unused, " unused ids").c_str() : "");
 }
 
 void run_train(const TokenizerArgs& a) {
@@ -124,8 +127,7 @@ void run_inspect(const TokenizerArgs& a) {
     if (bpe != nullptr) {
       j["pattern"] = pattern_name(bpe->pattern());
       j["merges"] = bpe->merges().size();
-      for (int i = bpe->vocab_size() - bpe->n_special(); i < bpe->vocab_size(); ++i)
-        j["special"][bpe->token(i)] = i;
+      for (const int32_t id : bpe->special_ids()) j["special"][bpe->token(id)] = id;
     }
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return;
@@ -135,8 +137,8 @@ void run_inspect(const TokenizerArgs& a) {
   if (bpe == nullptr) return;
   std::printf("pattern: %s\nmerges: %zu\n", pattern_name(bpe->pattern()).c_str(),
               bpe->merges().size());
-  for (int i = bpe->vocab_size() - bpe->n_special(); i < bpe->vocab_size(); ++i)
-    std::printf("special: %d %s\n", i, bpe->token(i).c_str());
+  for (const int32_t id : bpe->special_ids())
+    std::printf("special: %d %s\n", id, bpe->token(id).c_str());
 }
 
 }  // namespace
