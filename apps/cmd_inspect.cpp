@@ -1,5 +1,6 @@
 // kvlab inspect: what a checkpoint holds, without loading a model.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <variant>
@@ -42,6 +43,13 @@ int64_t tokenizer_size(const Checkpoint& c, const std::string& file) {
   }
 }
 
+// The validation text's tokens per byte a run recorded (0: a file from before it was).
+double tokens_per_byte(const Checkpoint& c) {
+  const auto it = c.train_extra.find("val_tokens_per_byte");
+  const double* v = it != c.train_extra.end() ? std::get_if<double>(&it->second) : nullptr;
+  return v != nullptr && std::isfinite(*v) && *v > 0 ? *v : 0.0;
+}
+
 void run_inspect(const InspectArgs& a) {
   // One load: a damaged training state is reported with the rest of the file (--resume refuses
   // such a file; generate and bench read only the model).
@@ -64,6 +72,10 @@ void run_inspect(const InspectArgs& a) {
           {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
     if (c.has_train_state)
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
+    if (c.has_train_state && tokens_per_byte(c) > 0 && std::isfinite(c.best_val_loss)) {
+      j["train"]["val_tokens_per_byte"] = tokens_per_byte(c);
+      j["train"]["best_val_bpb"] = bits_per_byte(c.best_val_loss, tokens_per_byte(c));
+    }
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
     if (!problem.empty()) j["model_problem"] = problem;
     if (!state_problems.empty()) j["training_state_problems"] = state_problems;
@@ -100,7 +112,7 @@ void run_inspect(const InspectArgs& a) {
                 problem.c_str());
   if (c.has_train_state)
     std::printf("\ntraining state: iteration %lld, %s\n", static_cast<long long>(c.iteration),
-                best_val_text(c.best_val_loss).c_str());
+                best_val_text(c.best_val_loss, tokens_per_byte(c)).c_str());
   if (c.has_optimizer)
     std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
   if (!state_problems.empty()) {

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/cli.h"
-#include "apps/progress.h"
+#include "apps/train_progress.h"
 #include "checkpoints/model_io.h"
 
 namespace kvlab {
@@ -51,12 +51,8 @@ void run_train(const TokenizerArgs& a) {
                     " is below the 256 bytes plus <|endoftext|>; it must be at least 257");
   const SplitPattern pattern = parse_pattern(a.train_pattern);
   const std::string corpus = read_all(a.corpus);
-  ProgressBar bar("bpe", std::max(1, a.vocab_size - 257), "merges");
-  BpeTokenizer bpe = train_bpe(corpus, a.vocab_size, pattern, [&](int64_t done, int64_t total) {
-    bar.update(done, detail::cat(total - done, " to go"));
-  });
-  bar.finish();
-  const Tokenizer tok = Tokenizer::bpe(std::move(bpe));
+  const Tokenizer tok =
+      Tokenizer::bpe(train_bpe(corpus, a.vocab_size, pattern, bpe_progress_bar("bpe")));
   save_tokenizer(a.out, tok);
   print_summary("wrote", tok, a.out);
 }
