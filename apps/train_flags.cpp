@@ -29,7 +29,9 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
                   "flags win)");
   cmd->add_option("--corpus", c.corpus,
                   "UTF-8 text file to train on (90/10 train/val split); its tokens are cached "
-                  "beside it as FILE.<hash>.<tokenizer>.kvlab-cache (an edit replaces it)")
+                  "beside it as FILE.<hash>.<tokenizer>.kvlab-cache (bpe: "
+                  "FILE.<hash>.bpe-<vocab size>-kvlab-val<fraction>.kvlab-cache; an edit "
+                  "replaces it)")
       ->capture_default_str();
   cmd->add_option("--tokenizer", c.tokenizer,
                   "char (code points of the corpus), byte, or bpe (a byte-level BPE vocabulary "
