@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 
+#include "data/corpus.h"
 #include "platform/blas_core.h"
 #include "platform/error.h"
 
@@ -42,10 +43,15 @@ inline std::string blas_kernels_note() {
 
 // "best val loss 1.2345", or, before the first evaluation after a step (the best is then
 // +inf), "no best val loss yet".
-inline std::string best_val_text(double best) {
+// "best val loss 1.2345", then " (1.7810 bits per byte)" when the validation text's tokens
+// per byte are known (0: not).
+inline std::string best_val_text(double best, double tokens_per_byte = 0) {
   if (!std::isfinite(best)) return "no best val loss yet";
-  char text[64];
-  std::snprintf(text, sizeof text, "best val loss %.4f", best);
+  char text[96];
+  int n = std::snprintf(text, sizeof text, "best val loss %.4f", best);
+  if (tokens_per_byte > 0)
+    std::snprintf(text + n, sizeof text - static_cast<size_t>(n), " (%.4f bits per byte)",
+                  bits_per_byte(best, tokens_per_byte));
   return text;
 }
 

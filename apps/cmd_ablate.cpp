@@ -15,6 +15,7 @@
 #include "train/comm.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
+#include "apps/train_progress.h"
 #include "autograd/backend/kv_format.h"
 
 namespace kvlab {
@@ -155,6 +156,7 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
                       " must be a fraction of the sweep's steps in (0, 1], e.g. 0.05");
   AblateConfig cfg;
   cfg.base = finish_train_flags(a.flags);
+  cfg.base.tokenizer_progress = bpe_progress_bar("bpe");
   if (cmd->count("--kv-heads") > 0) {
     cfg.kv_heads = parse_counts("--kv-heads", a.kv_heads);
     const std::string problem = kv_heads_problem(cfg.kv_heads, cfg.base.model.n_head);

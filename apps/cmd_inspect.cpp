@@ -1,5 +1,6 @@
 // kvlab inspect: what a checkpoint holds, without loading a model.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <variant>
@@ -32,15 +33,21 @@ std::string model_problem(const Checkpoint& c, const std::string& file, int64_t 
   return "";
 }
 
-// Tokens in the file's vocabulary: a bpe vocabulary is packed (docs/checkpoint-format.md), so
-// its array's length is not its size; -1 when it does not unpack.
-int64_t tokenizer_size(const Checkpoint& c) {
-  if (c.tokenizer_kind != "bpe") return static_cast<int64_t>(c.tokenizer_vocab.size());
+// Tokens in the file's vocabulary: get_tokenizer's, so that a bpe vocabulary (not one array)
+// and one that does not hold together (-1) are counted as every command sees them.
+int64_t tokenizer_size(const Checkpoint& c, const std::string& file) {
   try {
-    return BpeTokenizer::unpack(c.tokenizer_vocab).vocab_size();
+    return get_tokenizer(c, file).vocab_size();
   } catch (const Error&) {
     return -1;
   }
+}
+
+// The validation text's tokens per byte a run recorded (0: a file from before it was).
+double tokens_per_byte(const Checkpoint& c) {
+  const auto it = c.train_extra.find("val_tokens_per_byte");
+  const double* v = it != c.train_extra.end() ? std::get_if<double>(&it->second) : nullptr;
+  return v != nullptr && std::isfinite(*v) && *v > 0 ? *v : 0.0;
 }
 
 void run_inspect(const InspectArgs& a) {
@@ -59,12 +66,16 @@ void run_inspect(const InspectArgs& a) {
     nlohmann::json j;
     for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
     j["parameters"] = n_params;
-    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c)}};
+    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c, a.ckpt)}};
     for (const auto& [name, arr] : c.model)
       j["tensors"].push_back(
           {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
     if (c.has_train_state)
       j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
+    if (c.has_train_state && tokens_per_byte(c) > 0 && std::isfinite(c.best_val_loss)) {
+      j["train"]["val_tokens_per_byte"] = tokens_per_byte(c);
+      j["train"]["best_val_bpb"] = bits_per_byte(c.best_val_loss, tokens_per_byte(c));
+    }
     if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
     if (!problem.empty()) j["model_problem"] = problem;
     if (!state_problems.empty()) j["training_state_problems"] = state_problems;
@@ -85,7 +96,7 @@ void run_inspect(const InspectArgs& a) {
     }, v);
   }
   std::printf("\ntokenizer: %s, %lld symbols\nparameters: %lld in %zu tensors\n",
-              c.tokenizer_kind.c_str(), static_cast<long long>(tokenizer_size(c)),
+              c.tokenizer_kind.c_str(), static_cast<long long>(tokenizer_size(c, a.ckpt)),
               static_cast<long long>(n_params), c.model.size());
   bool any_non_finite = false;
   for (const auto& [name, arr] : c.model) {
@@ -101,7 +112,7 @@ void run_inspect(const InspectArgs& a) {
                 problem.c_str());
   if (c.has_train_state)
     std::printf("\ntraining state: iteration %lld, %s\n", static_cast<long long>(c.iteration),
-                best_val_text(c.best_val_loss).c_str());
+                best_val_text(c.best_val_loss, tokens_per_byte(c)).c_str());
   if (c.has_optimizer)
     std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
   if (!state_problems.empty()) {

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/cli.h"
-#include "apps/progress.h"
+#include "apps/train_progress.h"
 #include "checkpoints/model_io.h"
 
 namespace kvlab {
@@ -38,9 +38,12 @@ std::string read_all(const std::string& file) {
 
 void print_summary(const std::string& verb, const Tokenizer& tok, const std::string& out) {
   const BpeTokenizer& bpe = *tok.bpe();
-  std::printf("%s %s: bpe, pattern %s, %d tokens (256 bytes, %zu merges, %d special)\n",
+  const size_t n_special = bpe.special_ids().size();
+  const size_t unused = static_cast<size_t>(bpe.n_special()) - n_special;
+  std::printf("%s %s: bpe, pattern %s, %d tokens (256 bytes, %zu merges, %zu special%s)\n",
               verb.c_str(), out.c_str(), pattern_name(bpe.pattern()).c_str(), bpe.vocab_size(),
-              bpe.merges().size(), bpe.n_special());
+              bpe.merges().size(), n_special,
+              unused ? detail::cat(", ", unused, " unused ids").c_str() : "");
 }
 
 void run_train(const TokenizerArgs& a) {
@@ -48,12 +51,8 @@ void run_train(const TokenizerArgs& a) {
                     " is below the 256 bytes plus <|endoftext|>; it must be at least 257");
   const SplitPattern pattern = parse_pattern(a.train_pattern);
   const std::string corpus = read_all(a.corpus);
-  ProgressBar bar("bpe", std::max(1, a.vocab_size - 257), "merges");
-  BpeTokenizer bpe = train_bpe(corpus, a.vocab_size, pattern, [&](int64_t done, int64_t total) {
-    bar.update(done, detail::cat(total - done, " to go"));
-  });
-  bar.finish();
-  const Tokenizer tok = Tokenizer::bpe(std::move(bpe));
+  const Tokenizer tok =
+      Tokenizer::bpe(train_bpe(corpus, a.vocab_size, pattern, bpe_progress_bar("bpe")));
   save_tokenizer(a.out, tok);
   print_summary("wrote", tok, a.out);
 }
@@ -124,8 +123,7 @@ void run_inspect(const TokenizerArgs& a) {
     if (bpe != nullptr) {
       j["pattern"] = pattern_name(bpe->pattern());
       j["merges"] = bpe->merges().size();
-      for (int i = bpe->vocab_size() - bpe->n_special(); i < bpe->vocab_size(); ++i)
-        j["special"][bpe->token(i)] = i;
+      for (const int32_t id : bpe->special_ids()) j["special"][bpe->token(id)] = id;
     }
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return;
@@ -135,8 +133,8 @@ void run_inspect(const TokenizerArgs& a) {
   if (bpe == nullptr) return;
   std::printf("pattern: %s\nmerges: %zu\n", pattern_name(bpe->pattern()).c_str(),
               bpe->merges().size());
-  for (int i = bpe->vocab_size() - bpe->n_special(); i < bpe->vocab_size(); ++i)
-    std::printf("special: %d %s\n", i, bpe->token(i).c_str());
+  for (const int32_t id : bpe->special_ids())
+    std::printf("special: %d %s\n", id, bpe->token(id).c_str());
 }
 
 }  // namespace

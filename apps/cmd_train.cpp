@@ -91,6 +91,7 @@ int run_train(const TrainArgs& a) {
   const std::shared_ptr<Communicator> comm = world_communicator(a.comm_timeout);
   const int world = comm->world_size();
   const bool rank0 = comm->rank() == 0;
+  if (rank0) cfg.tokenizer_progress = bpe_progress_bar("bpe");
   try {
     // Rank 0 alone writes the folder, so it alone holds it, for the whole run, and before
     // anything in it is looked at: a run holding it may be changing it.
@@ -131,7 +132,7 @@ int run_train(const TrainArgs& a) {
     if (rank0) {
       std::printf("%s at step %lld: %s; checkpoints in %s\n", done ? "finished" : "interrupted",
                   static_cast<long long>(trainer.step()),
-                  best_val_text(trainer.best_val_loss()).c_str(), a.out.c_str());
+                  best_val_text(trainer.best_val_loss(), val_tokens_per_byte(trainer.corpus())).c_str(), a.out.c_str());
       if (!done)
         std::printf(a.init_from.empty()
                         ? "resume with the same command plus --resume\n"

@@ -29,11 +29,20 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
                   "flags win)");
   cmd->add_option("--corpus", c.corpus,
                   "UTF-8 text file to train on (90/10 train/val split); its tokens are cached "
-                  "beside it as FILE.<hash>.<tokenizer>.kvlab-cache (an edit replaces it)")
+                  "beside it as FILE.<hash>.<tokenizer>.kvlab-cache (bpe: "
+                  "FILE.<hash>.bpe-<vocab size>-kvlab-val<fraction>.kvlab-cache; an edit "
+                  "replaces it)")
       ->capture_default_str();
-  cmd->add_option("--tokenizer", c.tokenizer, "char (code points of the corpus) or byte")
-      ->check(CLI::IsMember({"char", "byte"}))
+  cmd->add_option("--tokenizer", c.tokenizer,
+                  "char (code points of the corpus), byte, or bpe (a byte-level BPE vocabulary "
+                  "of --vocab-size tokens learnt from the training split, cached beside the "
+                  "corpus)")
+      ->check(CLI::IsMember({"char", "byte", "bpe"}))
       ->capture_default_str();
+  cmd->add_option("--vocab-size", c.model.vocab_size,
+                  "With --tokenizer bpe: tokens in the vocabulary and the model (256 bytes, the "
+                  "merges and <|endoftext|>; at least 257)")
+      ->check(integer_of<int64_t>());
   add_number(cmd, "--n-layer", c.model.n_layer, "Transformer blocks");
   add_number(cmd, "--n-head", c.model.n_head, "Query heads");
   if (with_n_kv_head)
@@ -329,9 +338,13 @@ TrainConfig finish_train_flags(const TrainFlags& f) {
   KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,
                     ": no such file (pass --corpus FILE, or run scripts/setup.sh for the "
                     "default corpus)");
+  const CLI::Option* vocab = f.cmd != nullptr ? f.cmd->get_option_no_throw("--vocab-size") : nullptr;
+  KVLAB_USAGE_CHECK(c.tokenizer == "bpe" || vocab == nullptr || vocab->count() == 0,
+                    "--vocab-size is for --tokenizer bpe; a ", c.tokenizer,
+                    " vocabulary is what the corpus holds");
   try {
     TrainConfig probe = c;
-    probe.model.vocab_size = 1;
+    if (c.tokenizer != "bpe") probe.model.vocab_size = 1;  // the corpus's, known later
     probe.validate();
   } catch (const Error& e) {
     throw UsageError(e.what());

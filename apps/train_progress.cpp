@@ -45,6 +45,15 @@ void clear_checkpoint_temporaries(const std::filesystem::path& dir, const std::s
                  who.c_str(), name.c_str());
 }
 
+BpeProgress bpe_progress_bar(const std::string& label) {
+  std::shared_ptr<ProgressBar> bar;  // made at the first merge, when the total is known
+  return [label, bar](int64_t done, int64_t total) mutable {
+    if (!bar) bar = std::make_shared<ProgressBar>(label, total, "merges");
+    bar->update(done, detail::cat(total - done, " to go"));
+    if (done == total) bar->finish();
+  };
+}
+
 bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_owns_run) {
   // A Trainer without the MPI communicator under mpirun -np N would run N identical copies
   // writing the same files, unless each rank was given a run of its own (kvlab ablate's).

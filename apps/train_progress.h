@@ -11,6 +11,10 @@ namespace kvlab {
 
 bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_owns_run = false);
 
+// A bar for learning a bpe vocabulary ("bpe ... 900/1791 merges ... | 891 to go"):
+// TrainConfig::tokenizer_progress and kvlab tokenizer train.
+BpeProgress bpe_progress_bar(const std::string& label);
+
 // The bar's text after step r: "loss 2.1234 | val 2.2000 | 25.1k tok/s" (the loss "-" at step
 // 0, which trained nothing), where val is the latest val loss, plus " | comm 12%" when
 // `parallel`.

@@ -26,10 +26,22 @@ using Attrs = std::map<std::string, AttrValue>;  // sorted: written in a stable 
 using NamedArrays = std::vector<std::pair<std::string, ArrayF32>>;
 using ShapeList = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
+// A byte-level BPE vocabulary as /tokenizer of kind "bpe" stores it (docs/checkpoint-format.md).
+// The reader checks every length and offset; what the ids mean is data/bpe.h's to check.
+struct BpeArrays {
+  std::string pattern;                 // the pre-split regex's name: gpt2, cl100k or kvlab
+  std::vector<uint32_t> merges;        // (M, 2) in rank order: left id, right id
+  std::vector<uint8_t> token_bytes;    // every id's bytes, one after another
+  std::vector<uint64_t> token_offsets;  // (V + 1,): id i is token_bytes[off[i], off[i + 1])
+  std::vector<uint32_t> special_ids;   // (S,) ascending; an id with no bytes is unused
+};
+
 struct Checkpoint {
   Attrs config;                           // every model and training hyper-parameter
-  std::string tokenizer_kind;             // "char" | "byte"
-  std::vector<uint32_t> tokenizer_vocab;  // code points
+  std::string tokenizer_kind;             // "char" | "byte" | "bpe"
+  std::vector<uint32_t> tokenizer_vocab;  // char and byte: code points (bpe: empty, or the
+                                          // packed words of files written before BpeArrays)
+  BpeArrays tokenizer_bpe;                // kind bpe
   NamedArrays model;                      // state_dict names ("blocks.0.attn.q_proj.weight")
                                           // in module order; Linear weights (out, in)
   bool has_optimizer = false;

@@ -40,6 +40,7 @@ struct Dtype {
   const char* name;
 };
 const Dtype kFloat32{H5T_FLOAT, 4, H5T_SGN_ERROR, "float32"};
+const Dtype kUint8{H5T_INTEGER, 1, H5T_SGN_NONE, "uint8"};
 const Dtype kUint32{H5T_INTEGER, 4, H5T_SGN_NONE, "uint32"};
 const Dtype kUint64{H5T_INTEGER, 8, H5T_SGN_NONE, "uint64"};
 
@@ -49,8 +50,14 @@ const Dtype kUint64{H5T_INTEGER, 8, H5T_SGN_NONE, "uint64"};
 // would then convert into others, silently.
 bool standard_layout(hid_t type, const Dtype& want) {
   const bool f = want.cls == H5T_FLOAT;
-  const hid_t le = f ? H5T_IEEE_F32LE : want.size == 4 ? H5T_STD_U32LE : H5T_STD_U64LE;
-  const hid_t be = f ? H5T_IEEE_F32BE : want.size == 4 ? H5T_STD_U32BE : H5T_STD_U64BE;
+  const hid_t le = f                ? H5T_IEEE_F32LE
+                   : want.size == 1 ? H5T_STD_U8LE
+                   : want.size == 4 ? H5T_STD_U32LE
+                                    : H5T_STD_U64LE;
+  const hid_t be = f                ? H5T_IEEE_F32BE
+                   : want.size == 1 ? H5T_STD_U8BE
+                   : want.size == 4 ? H5T_STD_U32BE
+                                    : H5T_STD_U64BE;
   return H5Tequal(type, le) > 0 || H5Tequal(type, be) > 0;
 }
 
@@ -111,12 +118,7 @@ class Loader {
     }
     ShapeList expected;
     if (options.expected_model) expected = options.expected_model(ckpt.config);
-    {
-      H5Id tok = open_group(file, "tokenizer", "/tokenizer");
-      ckpt.tokenizer_kind = string_attr(tok, "kind", "/tokenizer");
-      ckpt.tokenizer_vocab =
-          read<uint32_t>(tok, "vocab", "/tokenizer/vocab", kUint32, H5T_NATIVE_UINT32, 1).second;
-    }
+    read_tokenizer(file, ckpt);
     {
       H5Id model = open_group(file, "model", "/model");
       ckpt.model = read_arrays(model, "/model", options.expected_model ? &expected : nullptr);
@@ -148,6 +150,50 @@ class Loader {
       if (std::memcmp(image_.data() + at, kSignature, 8) == 0) return true;
     }
     return false;
+  }
+
+  // /vocab for char and byte (and bpe files written before the separate datasets); bpe's
+  // datasets with every length and offset checked, so that a damaged file cannot make a token
+  // reach outside the bytes.
+  void read_tokenizer(hid_t file, Checkpoint& ckpt) const {
+    H5Id tok = open_group(file, "tokenizer", "/tokenizer");
+    ckpt.tokenizer_kind = string_attr(tok, "kind", "/tokenizer");
+    if (ckpt.tokenizer_kind != "bpe" || !has_link(tok, "merges", "/tokenizer/merges")) {
+      ckpt.tokenizer_vocab =
+          read<uint32_t>(tok, "vocab", "/tokenizer/vocab", kUint32, H5T_NATIVE_UINT32, 1).second;
+      return;
+    }
+    BpeArrays& bpe = ckpt.tokenizer_bpe;
+    bpe.pattern = string_attr(tok, "pattern", "/tokenizer");
+    auto [merge_shape, merges] =
+        read<uint32_t>(tok, "merges", "/tokenizer/merges", kUint32, H5T_NATIVE_UINT32, 2);
+    check(merge_shape[1] == 2, "/tokenizer/merges: shape ", shape_str(merge_shape),
+          ", expected (M, 2): a left and a right id per merge");
+    bpe.merges = std::move(merges);
+    bpe.token_bytes = read<uint8_t>(tok, "token_bytes", "/tokenizer/token_bytes", kUint8,
+                                    H5T_NATIVE_UINT8, 1)
+                          .second;
+    bpe.token_offsets = read<uint64_t>(tok, "token_offsets", "/tokenizer/token_offsets", kUint64,
+                                       H5T_NATIVE_UINT64, 1)
+                            .second;
+    bpe.special_ids = read<uint32_t>(tok, "special_ids", "/tokenizer/special_ids", kUint32,
+                                     H5T_NATIVE_UINT32, 1)
+                          .second;
+    const std::vector<uint64_t>& off = bpe.token_offsets;
+    check(!off.empty() && off.front() == 0, "/tokenizer/token_offsets: must start at 0 (",
+          off.empty() ? "it is empty" : detail::cat("it starts at ", off.front()), ")");
+    for (size_t i = 1; i < off.size(); ++i)
+      check(off[i - 1] <= off[i], "/tokenizer/token_offsets: offset ", i, " (", off[i],
+            ") is below offset ", i - 1, " (", off[i - 1], ")");
+    check(off.back() == bpe.token_bytes.size(), "/tokenizer/token_offsets: the last offset is ",
+          off.back(), " but /tokenizer/token_bytes holds ", bpe.token_bytes.size(), " bytes");
+    const size_t n_tokens = off.size() - 1;
+    for (const uint32_t id : bpe.merges)
+      check(id < n_tokens, "/tokenizer/merges: id ", id, " is outside the ", n_tokens, " tokens");
+    for (size_t i = 0; i < bpe.special_ids.size(); ++i)
+      check(bpe.special_ids[i] < n_tokens && (i == 0 || bpe.special_ids[i - 1] < bpe.special_ids[i]),
+            "/tokenizer/special_ids: entry ", i, " (", bpe.special_ids[i],
+            ") is not an id below ", n_tokens, " above the one before it");
   }
 
   void read_training_state(hid_t file, Checkpoint& ckpt) const {

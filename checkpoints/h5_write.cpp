@@ -111,6 +111,28 @@ void write_vector(hid_t loc, const char* name, hid_t file_type, hid_t mem_type,
   write_dataset(loc, name, file_type, mem_type, {static_cast<int64_t>(v.size())}, v.data(), what);
 }
 
+// Kind bpe: the pattern as an attribute and BpeArrays' four datasets; the others: /vocab.
+void write_tokenizer(hid_t file, const Checkpoint& ckpt, const std::string& pre) {
+  H5Id tok = create_group(file, "tokenizer", pre);
+  if (ckpt.tokenizer_kind != "bpe") {
+    write_attrs(tok, {{"kind", ckpt.tokenizer_kind}}, pre, "/tokenizer");
+    write_vector(tok, "vocab", H5T_STD_U32LE, H5T_NATIVE_UINT32, ckpt.tokenizer_vocab,
+                 pre + "writing /tokenizer/vocab");
+    return;
+  }
+  const BpeArrays& bpe = ckpt.tokenizer_bpe;
+  write_attrs(tok, {{"kind", ckpt.tokenizer_kind}, {"pattern", bpe.pattern}}, pre, "/tokenizer");
+  write_dataset(tok, "merges", H5T_STD_U32LE, H5T_NATIVE_UINT32,
+                {static_cast<int64_t>(bpe.merges.size() / 2), 2}, bpe.merges.data(),
+                pre + "writing /tokenizer/merges");
+  write_vector(tok, "token_bytes", H5T_STD_U8LE, H5T_NATIVE_UINT8, bpe.token_bytes,
+               pre + "writing /tokenizer/token_bytes");
+  write_vector(tok, "token_offsets", H5T_STD_U64LE, H5T_NATIVE_UINT64, bpe.token_offsets,
+               pre + "writing /tokenizer/token_offsets");
+  write_vector(tok, "special_ids", H5T_STD_U32LE, H5T_NATIVE_UINT32, bpe.special_ids,
+               pre + "writing /tokenizer/special_ids");
+}
+
 size_t bytes_of(const NamedArrays& arrays) {
   size_t n = 0;
   for (const auto& [name, array] : arrays) n += array.data.size() * sizeof(float);
@@ -135,6 +157,13 @@ H5Id string_type(H5T_cset_t cset) {
 
 void validate_for_save(const Checkpoint& ckpt, const std::string& pre) {
   KVLAB_CHECK(!ckpt.tokenizer_kind.empty(), pre, "tokenizer kind is empty");
+  if (ckpt.tokenizer_kind == "bpe") {
+    const BpeArrays& bpe = ckpt.tokenizer_bpe;
+    KVLAB_CHECK(bpe.merges.size() % 2 == 0, pre, "bpe merges hold ", bpe.merges.size(),
+                " ids, not pairs");
+    KVLAB_CHECK(!bpe.token_offsets.empty() && bpe.token_offsets.back() == bpe.token_bytes.size(),
+                pre, "bpe token offsets do not end at the ", bpe.token_bytes.size(), " token bytes");
+  }
   validate_arrays(ckpt.model, "/model", pre);
   if (ckpt.has_optimizer) {
     validate_arrays(ckpt.optimizer_m, "/optimizer/m", pre);
@@ -157,6 +186,8 @@ std::vector<char> build_image(const fs::path& name, const Checkpoint& ckpt,
                               const std::string& pre) {
   const size_t estimate = (size_t{1} << 20) + bytes_of(ckpt.model) + bytes_of(ckpt.optimizer_m) +
                           bytes_of(ckpt.optimizer_v) + 4 * ckpt.tokenizer_vocab.size() +
+                          4 * ckpt.tokenizer_bpe.merges.size() +
+                          9 * ckpt.tokenizer_bpe.token_bytes.size() +
                           8 * ckpt.rng_state.size();
   H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS), pre, "creating the file"), H5Pclose);
   H5_CHECK(H5Pset_fapl_core(fapl, estimate, /*backing_store=*/0), pre, "creating the file");
@@ -171,12 +202,7 @@ std::vector<char> build_image(const fs::path& name, const Checkpoint& ckpt,
     H5Id config = create_group(file, "config", pre);
     write_attrs(config, ckpt.config, pre, "/config");
   }
-  {
-    H5Id tok = create_group(file, "tokenizer", pre);
-    write_attrs(tok, {{"kind", ckpt.tokenizer_kind}}, pre, "/tokenizer");
-    write_vector(tok, "vocab", H5T_STD_U32LE, H5T_NATIVE_UINT32, ckpt.tokenizer_vocab,
-                 pre + "writing /tokenizer/vocab");
-  }
+  write_tokenizer(file, ckpt, pre);
   {
     H5Id model = create_group(file, "model", pre);
     write_arrays(model, ckpt.model, "/model", pre);

@@ -184,14 +184,55 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
   }
 }
 
+namespace {
+BpeArrays to_bpe_arrays(const BpeTokenizer& bpe) {
+  BpeArrays a;
+  a.pattern = pattern_name(bpe.pattern());
+  for (const BpeMerge& m : bpe.merges()) {
+    a.merges.push_back(static_cast<uint32_t>(m.left));
+    a.merges.push_back(static_cast<uint32_t>(m.right));
+  }
+  a.token_offsets.push_back(0);
+  for (const std::string& t : bpe.tokens()) {
+    a.token_bytes.insert(a.token_bytes.end(), t.begin(), t.end());
+    a.token_offsets.push_back(a.token_bytes.size());
+  }
+  for (const int32_t id : bpe.special_ids()) a.special_ids.push_back(static_cast<uint32_t>(id));
+  return a;
+}
+
+// The checkpoint reader has checked the offsets and that every id is below the token count.
+BpeTokenizer from_bpe_arrays(const BpeArrays& a) {
+  std::vector<std::string> tokens;
+  tokens.reserve(a.token_offsets.size() - 1);
+  const auto* bytes = reinterpret_cast<const char*>(a.token_bytes.data());
+  for (size_t i = 0; i + 1 < a.token_offsets.size(); ++i)
+    tokens.emplace_back(bytes + a.token_offsets[i], a.token_offsets[i + 1] - a.token_offsets[i]);
+  std::vector<std::pair<int32_t, int32_t>> pairs;
+  pairs.reserve(a.merges.size() / 2);
+  for (size_t i = 0; i + 1 < a.merges.size(); i += 2)
+    pairs.emplace_back(static_cast<int32_t>(a.merges[i]), static_cast<int32_t>(a.merges[i + 1]));
+  const std::vector<int32_t> specials(a.special_ids.begin(), a.special_ids.end());
+  return BpeTokenizer::from_pairs(parse_pattern(a.pattern), std::move(tokens), pairs, specials);
+}
+}  // namespace
+
 void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok) {
   ckpt.tokenizer_kind = tok.kind_name();
-  ckpt.tokenizer_vocab = tok.vocab();
+  if (tok.bpe() != nullptr) {
+    ckpt.tokenizer_vocab.clear();
+    ckpt.tokenizer_bpe = to_bpe_arrays(*tok.bpe());
+  } else {
+    ckpt.tokenizer_vocab = tok.vocab();
+  }
 }
 
 Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file) {
   try {
-    return Tokenizer::from_vocab(Tokenizer::parse_kind(ckpt.tokenizer_kind), ckpt.tokenizer_vocab);
+    const TokenizerKind kind = Tokenizer::parse_kind(ckpt.tokenizer_kind);
+    if (kind == TokenizerKind::Bpe && !ckpt.tokenizer_bpe.token_offsets.empty())
+      return Tokenizer::bpe(from_bpe_arrays(ckpt.tokenizer_bpe));
+    return Tokenizer::from_vocab(kind, ckpt.tokenizer_vocab);
   } catch (const Error& e) {
     KVLAB_CHECK(false, "checkpoint ", file.string(), ": /tokenizer: ", e.what());
   }

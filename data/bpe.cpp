@@ -270,7 +270,7 @@ BpeTokenizer BpeTokenizer::from_parts(SplitPattern pattern, std::vector<std::str
   int n_bytes = 0;
   for (int32_t id = 0; id < n_tokens; ++id) {
     const std::string& t = tokens[static_cast<size_t>(id)];
-    KVLAB_CHECK(!t.empty(), "bpe: token ", id, " is empty");
+    KVLAB_CHECK(!t.empty() || id >= ordinary, "bpe: ordinary token ", id, " is empty");
     if (id >= ordinary || t.size() != 1) continue;
     int32_t& slot = tables->byte_token[static_cast<uint8_t>(t[0])];
     KVLAB_CHECK(slot < 0, "bpe: tokens ", slot, " and ", id, " are both the byte ", printable(t));
@@ -366,8 +366,70 @@ BpeTokenizer BpeTokenizer::from_tiktoken(std::string_view rank_file, SplitPatter
                 MergeTarget{static_cast<int32_t>(merges.size()), token});
     merges.push_back({pieces[0], pieces[1], token});
   }
-  tokens.push_back("<|endoftext|>");
-  return from_parts(pattern, std::move(tokens), std::move(merges), 1);
+  // Phase 3: the special tokens at their ids, the ids between them unused.
+  const auto n_ranks = static_cast<int32_t>(tokens.size());
+  const auto specials = tiktoken_specials(pattern, n_ranks);
+  for (const auto& [text, id] : specials) {
+    if (static_cast<size_t>(id) >= tokens.size()) tokens.resize(static_cast<size_t>(id) + 1);
+    tokens[static_cast<size_t>(id)] = text;
+  }
+  return from_parts(pattern, std::move(tokens), std::move(merges),
+                    static_cast<int>(tokens.size()) - n_ranks);
+}
+
+std::vector<std::pair<std::string, int32_t>> tiktoken_specials(SplitPattern pattern,
+                                                               int32_t n_ranks) {
+  if (pattern != SplitPattern::Cl100k) return {{"<|endoftext|>", n_ranks}};
+  // tiktoken_ext/openai_public.py's cl100k_base; its 100256 ranks end at 100255.
+  KVLAB_CHECK(n_ranks <= 100257, "tiktoken rank file: ", n_ranks,
+              " ranks overlap cl100k_base's special tokens, which start at id 100257");
+  return {{"<|endoftext|>", 100257},
+          {"<|fim_prefix|>", 100258},
+          {"<|fim_middle|>", 100259},
+          {"<|fim_suffix|>", 100260},
+          {"<|endofprompt|>", 100276}};
+}
+
+BpeTokenizer BpeTokenizer::from_pairs(SplitPattern pattern, std::vector<std::string> tokens,
+                                      std::span<const std::pair<int32_t, int32_t>> pairs,
+                                      std::span<const int32_t> special_ids) {
+  // Phase 1: the ordinary ids end at the first special or unused one; after it, an id is
+  // special exactly when it is listed.
+  const auto n_tokens = static_cast<int32_t>(tokens.size());
+  std::vector<bool> special(tokens.size());
+  for (const int32_t id : special_ids) {
+    KVLAB_CHECK(id >= 0 && id < n_tokens, "bpe: special token id ", id, " is outside [0, ",
+                n_tokens, ")");
+    KVLAB_CHECK(!special[static_cast<size_t>(id)], "bpe: special token id ", id,
+                " is listed twice");
+    KVLAB_CHECK(!tokens[static_cast<size_t>(id)].empty(), "bpe: special token ", id,
+                " has no bytes");
+    special[static_cast<size_t>(id)] = true;
+  }
+  int32_t ordinary = 0;
+  while (ordinary < n_tokens && !special[static_cast<size_t>(ordinary)] &&
+         !tokens[static_cast<size_t>(ordinary)].empty())
+    ++ordinary;
+  for (int32_t id = ordinary; id < n_tokens; ++id)
+    KVLAB_CHECK(special[static_cast<size_t>(id)] || tokens[static_cast<size_t>(id)].empty(),
+                "bpe: token ", id, " follows the first special or unused id (", ordinary,
+                ") but is not listed as special");
+  // Phase 2: each pair makes the ordinary token of its joined bytes.
+  std::unordered_map<std::string_view, int32_t> id_of;
+  for (int32_t id = 0; id < ordinary; ++id) id_of.emplace(tokens[static_cast<size_t>(id)], id);
+  std::vector<BpeMerge> merges;
+  merges.reserve(pairs.size());
+  for (size_t rank = 0; rank < pairs.size(); ++rank) {
+    const auto [left, right] = pairs[rank];
+    KVLAB_CHECK(left >= 0 && left < ordinary && right >= 0 && right < ordinary, "bpe: merge ",
+                rank, " (", left, " ", right, ") names an id outside [0, ", ordinary, ")");
+    const auto it = id_of.find(tokens[static_cast<size_t>(left)] +
+                               tokens[static_cast<size_t>(right)]);
+    KVLAB_CHECK(it != id_of.end(), "bpe: merge ", rank, " (", left, " ", right,
+                ") makes bytes no token has");
+    merges.push_back({left, right, it->second});
+  }
+  return from_parts(pattern, std::move(tokens), std::move(merges), n_tokens - ordinary);
 }
 
 BpeTokenizer BpeTokenizer::from_gpt2(std::string_view vocab_json, std::string_view merges_txt,
@@ -459,7 +521,17 @@ std::vector<int32_t> BpeTokenizer::encode(std::string_view text) const {
 const std::string& BpeTokenizer::token(int32_t id) const {
   KVLAB_CHECK(id >= 0 && id < vocab_size(), "decode: token id ", id, " is out of range [0, ",
               vocab_size(), ")");
-  return tokens_[static_cast<size_t>(id)];
+  const std::string& bytes = tokens_[static_cast<size_t>(id)];
+  KVLAB_CHECK(!bytes.empty(), "decode: token id ", id,
+              " is unused in this vocabulary (no token has it)");
+  return bytes;
+}
+
+std::vector<int32_t> BpeTokenizer::special_ids() const {
+  std::vector<int32_t> ids;
+  for (int32_t id = vocab_size() - n_special_; id < vocab_size(); ++id)
+    if (!tokens_[static_cast<size_t>(id)].empty()) ids.push_back(id);
+  return ids;
 }
 
 std::string BpeTokenizer::decode(std::span<const int32_t> ids) const {

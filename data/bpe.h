@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace kvlab {
@@ -42,13 +43,22 @@ struct BpeMerge {
 class BpeTokenizer {
  public:
   // tokens: the bytes of every id; merges: in rank order (rank 0 applies first); the last
-  // n_special tokens are special (never produced by encode). Checked: exactly 256 single-byte
-  // tokens, each other ordinary token made by exactly one merge of two earlier-ranked ones.
+  // n_special ids are special (never produced by encode) or unused: an unused id has no bytes
+  // (tiktoken's cl100k leaves 100256 free), and decoding it is an error. Checked: exactly 256
+  // single-byte tokens, each other ordinary token made by exactly one merge of two
+  // earlier-ranked ones.
   static BpeTokenizer from_parts(SplitPattern pattern, std::vector<std::string> tokens,
                                  std::vector<BpeMerge> merges, int n_special);
+  // As a checkpoint stores it: every id's bytes (empty: unused), the merges as (left, right)
+  // pairs in rank order (each makes the ordinary token of their joined bytes), and the ids of
+  // the special tokens. The ordinary ids are those below the first special or unused one.
+  static BpeTokenizer from_pairs(SplitPattern pattern, std::vector<std::string> tokens,
+                                 std::span<const std::pair<int32_t, int32_t>> pairs,
+                                 std::span<const int32_t> special_ids);
   // A tiktoken rank file ("<base64 bytes> <rank>" per line, ranks 0..N-1); the merges are
   // recovered by encoding each token with the merges of the lower ranks, which must leave two
-  // pieces. <|endoftext|> is appended as id N.
+  // pieces. The special tokens get tiktoken's ids (tiktoken_specials); ids between the ranks
+  // and them stay unused.
   static BpeTokenizer from_tiktoken(std::string_view rank_file, SplitPattern pattern);
   // GPT-2's vocab.json (token text under bytes_to_unicode -> id) and merges.txt.
   static BpeTokenizer from_gpt2(std::string_view vocab_json, std::string_view merges_txt,
@@ -62,12 +72,16 @@ class BpeTokenizer {
 
   SplitPattern pattern() const { return pattern_; }
   int vocab_size() const { return static_cast<int>(tokens_.size()); }
+  // The special and unused ids at the end of the vocabulary.
   int n_special() const { return n_special_; }
+  // The ids of the special tokens (those of the last n_special() that have bytes).
+  std::vector<int32_t> special_ids() const;
   const std::vector<std::string>& tokens() const { return tokens_; }
   const std::vector<BpeMerge>& merges() const { return merges_; }
 
-  // One uint32 array holding everything (docs/checkpoint-format.md, /tokenizer/vocab of kind
-  // bpe) and back; unpack checks it as from_parts does.
+  // One uint32 array holding everything (the token cache's vocabulary, and /tokenizer/vocab of
+  // kind bpe in checkpoints written before the separate datasets) and back; unpack checks it
+  // as from_parts does.
   std::vector<uint32_t> pack() const;
   static BpeTokenizer unpack(std::span<const uint32_t> words);
 
@@ -84,6 +98,12 @@ class BpeTokenizer {
   int n_special_ = 0;
   std::shared_ptr<Tables> tables_;
 };
+
+// tiktoken's special tokens for the encoding a pre-split pattern belongs to, given its
+// number of ranks: cl100k_base's five at their fixed ids (from 100257), otherwise
+// <|endoftext|> right after the ranks (r50k_base's 50256).
+std::vector<std::pair<std::string, int32_t>> tiktoken_specials(SplitPattern pattern,
+                                                               int32_t n_ranks);
 
 // Called after each merge of training: merges done, merges wanted.
 using BpeProgress = std::function<void(int64_t done, int64_t total)>;

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -74,14 +75,37 @@ class Reader {
   size_t pos_ = 0;
 };
 
-TokenCache tokenize(std::string_view text, TokenizerKind kind, const std::string& what) {
-  KVLAB_CHECK(kind != TokenizerKind::Bpe, what,
-              ": a bpe tokenizer is trained first (kvlab tokenizer train); char and byte are "
-              "built from the corpus");
-  Tokenizer tokenizer =
-      kind == TokenizerKind::Char ? Tokenizer::build_char(text, what) : Tokenizer::byte_level();
-  std::vector<int32_t> ids = tokenizer.encode(text, what);
+// Where bpe cuts the text: the training split's bytes.
+size_t train_bytes(size_t n_bytes, double val_fraction) {
+  return static_cast<size_t>((1.0 - val_fraction) * static_cast<double>(n_bytes));
+}
+
+TokenCache tokenize(std::string_view text, TokenizerKind kind, double val_fraction,
+                    const BpeSettings& bpe, const std::string& what) {
+  if (kind != TokenizerKind::Bpe) {
+    Tokenizer tokenizer =
+        kind == TokenizerKind::Char ? Tokenizer::build_char(text, what) : Tokenizer::byte_level();
+    std::vector<int32_t> ids = tokenizer.encode(text, what);
+    return TokenCache{std::move(tokenizer), std::move(ids)};
+  }
+  // The vocabulary never sees the validation text, whose bits per byte it would flatter.
+  const size_t cut = train_bytes(text.size(), val_fraction);
+  KVLAB_CHECK(cut > 0, what, ": the training split is empty, there is no text to learn a bpe "
+              "vocabulary from");
+  Tokenizer tokenizer = Tokenizer::bpe(
+      train_bpe(text.substr(0, cut), bpe.vocab_size, bpe.pattern, bpe.progress));
+  std::vector<int32_t> ids = tokenizer.encode(text.substr(0, cut));
+  const std::vector<int32_t> val = tokenizer.encode(text.substr(cut));
+  ids.insert(ids.end(), val.begin(), val.end());
   return TokenCache{std::move(tokenizer), std::move(ids)};
+}
+
+// Bpe's training ids: those whose bytes lie in the text's first `cut` bytes (tokenize encodes
+// the two parts apart, so one id ends exactly there).
+size_t ids_within(const Tokenizer& tokenizer, std::span<const int32_t> ids, size_t cut) {
+  size_t n = 0, bytes = 0;
+  while (n < ids.size() && bytes < cut) bytes += tokenizer.decode_one(ids[n++]).size();
+  return n;
 }
 
 const char* file_type_name(fs::file_type type) {
@@ -116,9 +140,18 @@ std::string hash_hex(uint64_t hash) {
   return buf;
 }
 
+std::string token_cache_key(TokenizerKind kind, const BpeSettings& bpe, double val_fraction) {
+  if (kind != TokenizerKind::Bpe) return kind_name(kind);
+  return detail::cat("bpe-", bpe.vocab_size, "-", pattern_name(bpe.pattern), "-val", val_fraction);
+}
+
 fs::path token_cache_path(const fs::path& file, uint64_t content_hash, TokenizerKind kind) {
+  return token_cache_path(file, content_hash, kind_name(kind));
+}
+
+fs::path token_cache_path(const fs::path& file, uint64_t content_hash, std::string_view key) {
   fs::path cache = file;
-  cache += detail::cat(".", hash_hex(content_hash), ".", kind_name(kind), ".kvlab-cache");
+  cache += detail::cat(".", hash_hex(content_hash), ".", key, ".kvlab-cache");
   return cache;
 }
 
@@ -180,8 +213,8 @@ std::optional<TokenCache> read_token_cache(const fs::path& cache, uint64_t conte
 }
 
 namespace {
-// The caches of earlier contents of `file` (<file>.<another hash>.<kind>.kvlab-cache, either
-// kind): each edit of a corpus would otherwise leave more behind, ~4x its size. Best effort.
+// The caches of earlier contents of `file` (<file>.<another hash>.<key>.kvlab-cache, any
+// key): each edit of a corpus would otherwise leave more behind, ~4x its size. Best effort.
 void remove_stale_token_caches(const fs::path& file, uint64_t content_hash) {
   const std::string prefix = file.filename().string() + ".";
   std::error_code ec;
@@ -192,21 +225,26 @@ void remove_stale_token_caches(const fs::path& file, uint64_t content_hash) {
     // The hash the name would carry; it is a cache only if token_cache_path gives it back.
     uint64_t hash = 0;
     const char* hex = name.data() + prefix.size();
-    if (std::from_chars(hex, name.data() + name.size(), hash, 16).ec != std::errc() ||
-        hash == content_hash)
+    const auto [stop, parse] = std::from_chars(hex, name.data() + name.size(), hash, 16);
+    if (parse != std::errc() || hash == content_hash || stop != hex + 16 || *stop != '.' ||
+        !name.ends_with(".kvlab-cache") || name.size() <= prefix.size() + 17 + 12)
       continue;
-    for (const TokenizerKind kind : {TokenizerKind::Char, TokenizerKind::Byte})
-      if (token_cache_path(file, hash, kind).filename() == name) {
-        std::error_code ignored;
-        fs::remove(it->path(), ignored);
-      }
+    const std::string key = name.substr(prefix.size() + 17, name.size() - prefix.size() - 17 -
+                                                                std::strlen(".kvlab-cache"));
+    if (!key.empty() && token_cache_path(file, hash, key).filename() == name) {
+      std::error_code ignored;
+      fs::remove(it->path(), ignored);
+    }
   }
 }
 }  // namespace
 
-Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction, bool use_cache) {
+Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction, bool use_cache,
+                   const BpeSettings& bpe) {
   KVLAB_CHECK(val_fraction >= 0.0 && val_fraction < 1.0,
               "corpus: val_fraction must be in [0, 1), got ", val_fraction);
+  KVLAB_CHECK(kind != TokenizerKind::Bpe || bpe.vocab_size > 0,
+              "corpus: a bpe tokenizer needs a vocabulary size (--vocab-size N)");
   const std::string name = file.string();
   std::error_code ec;
   // Anything but a regular file (a link to one is fine) is refused before it is opened: a FIFO
@@ -228,20 +266,39 @@ Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction
               " GB of memory can tokenize (about ", kBytesPerByte, " bytes for each byte of text)");
 
   const uint64_t hash = fnv1a64(*bytes);
-  const fs::path cache = token_cache_path(file, hash, kind);
+  const fs::path cache = token_cache_path(file, hash, token_cache_key(kind, bpe, val_fraction));
   std::optional<TokenCache> tokens;
   if (use_cache) tokens = read_token_cache(cache, hash, kind);
+  if (tokens && kind == TokenizerKind::Bpe &&
+      (tokens->tokenizer.vocab_size() != bpe.vocab_size ||
+       tokens->tokenizer.bpe()->pattern() != bpe.pattern))
+    tokens.reset();  // a file renamed over the cache's name
   if (!tokens) {
-    tokens = tokenize(*bytes, kind, "corpus '" + name + "'");
+    tokens = tokenize(*bytes, kind, val_fraction, bpe, "corpus '" + name + "'");
     if (use_cache && write_token_cache(cache, hash, tokens->tokenizer, tokens->ids))
       remove_stale_token_caches(file, hash);
   }
 
   const std::vector<int32_t>& ids = tokens->ids;
-  const auto n_train = static_cast<size_t>((1.0 - val_fraction) * static_cast<double>(ids.size()));
-  return Corpus{std::move(tokens->tokenizer),
+  const size_t n_train =
+      kind == TokenizerKind::Bpe
+          ? ids_within(tokens->tokenizer, ids, train_bytes(bytes->size(), val_fraction))
+          : static_cast<size_t>((1.0 - val_fraction) * static_cast<double>(ids.size()));
+  Corpus corpus{std::move(tokens->tokenizer),
                 std::vector<int32_t>(ids.begin(), ids.begin() + n_train),
                 std::vector<int32_t>(ids.begin() + n_train, ids.end()), name, hash};
+  corpus.val_bytes = static_cast<int64_t>(corpus.tokenizer.decode(corpus.val).size());
+  return corpus;
+}
+
+double val_tokens_per_byte(const Corpus& corpus) {
+  return corpus.val_bytes > 0
+             ? static_cast<double>(corpus.val.size()) / static_cast<double>(corpus.val_bytes)
+             : 0.0;
+}
+
+double bits_per_byte(double nats_per_token, double tokens_per_byte) {
+  return nats_per_token * tokens_per_byte / std::log(2.0);
 }
 
 void check_corpus_fits(const Corpus& corpus, int block_size) {

@@ -33,8 +33,15 @@ int32_t Sequence::sample(std::span<const float> logits) {
 
 std::string Sequence::release_last(const Tokenizer& tokenizer) {
   // push() may return a view of the piece itself: copied out while the piece lives.
-  const std::string piece = tokenizer.decode_one(tokens.back());
+  const std::string piece = utf8.push(tokenizer.decode_one(tokens.back()));
   return std::string(stop.push(piece));
+}
+
+std::string Sequence::flush() {
+  const std::string rest = utf8.finish();
+  std::string out(stop.push(rest));  // copied before flush() may reuse the filter's buffer
+  out += stop.flush();
+  return out;
 }
 
 std::optional<StopReason> Sequence::stop_reason(int64_t block_size) const {

@@ -26,10 +26,11 @@ struct Sequence {
 
   // Draws the next token from logits (V) and appends it.
   int32_t sample(std::span<const float> logits);
-  // The text the last token made releases: none while it may begin a stop string.
+  // The text the last token made releases: none while it may begin a stop string, or while
+  // it ends inside a UTF-8 character (a bpe or byte token may hold part of one).
   std::string release_last(const Tokenizer& tokenizer);
   // The text still held back, released because the sequence ends for another reason.
-  std::string_view flush() { return stop.flush(); }
+  std::string flush();
 
   // Why the sequence ends after the token it just made, or none while it goes on. The rules,
   // in order: its text reached a stop string, it made max_new_tokens, its context is full.
@@ -50,6 +51,7 @@ struct Sequence {
   int64_t max_new_tokens = 0;
   int64_t window_start = 0;  // tokens index at position 0 of the model's current window
   Sampler sampler;
+  Utf8StreamDecoder utf8;  // before the stop filter, which then sees whole characters
   StopStringFilter stop;
 };
 

@@ -3,8 +3,9 @@
 # installed) and writes the default corpus, the King James Bible, to data/corpora/.
 # --tests adds what only the tests (and the PyTorch baselines in bench/) run: Python with
 # h5py, NumPy, regex and PyTorch (python3-torch and what it depends on are large), and Node.js
-# with the openai npm client (tests/apps/openai_client) that drives `kvlab serve` and tiktoken
-# (tests/data/tiktoken), the reference for the BPE tokenizer's ids.
+# with the openai npm client (tests/apps/openai_client) that drives `kvlab serve`, tiktoken
+# (tests/data/tiktoken), the reference for the BPE tokenizer's ids and encode speed, and
+# Hugging Face's tokenizers (bench/hf_tokenizers), the baseline of BPE training speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,9 +43,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The npm packages the tests drive, each pinned by its folder's package-lock.json: the openai
-# client and tiktoken; reinstalled when the lock file is newer than the installed package.
-for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken; do
+# The npm packages the tests and benchmarks drive, each pinned by its folder's
+# package-lock.json: the openai client, tiktoken and tokenizers (0.23.2 carries its native
+# binaries inside the package; 0.13.3's separate ones were never published for linux-x64);
+# reinstalled when the lock file is newer than the installed package.
+for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken bench/hf_tokenizers:tokenizers; do
   folder=${pair%%:*}
   package=${pair##*:}
   if [ "$with_tests" -eq 1 ] &&

@@ -23,6 +23,9 @@ namespace kvlab {
 namespace fs = std::filesystem;
 
 void TrainConfig::validate() const {
+  KVLAB_CHECK(tokenizer != "bpe" || model.vocab_size >= 257, "train: --tokenizer bpe needs "
+              "--vocab-size N of at least 257 (the 256 bytes and <|endoftext|>), got ",
+              model.vocab_size);
   model.validate();
   // inf passes every range check below (an infinite lr or weight decay would train to NaN).
   for (const auto& [name, value] : {std::pair<const char*, double>{"lr", lr},
@@ -170,11 +173,21 @@ namespace {
 // Every setting is checked before the corpus is read (the vocabulary comes from the corpus).
 Corpus validated_corpus(const TrainConfig& cfg) {
   TrainConfig check = cfg;
-  if (check.model.vocab_size == 0) check.model.vocab_size = 1;
+  if (check.model.vocab_size == 0 && cfg.tokenizer != "bpe") check.model.vocab_size = 1;
   check.validate();
-  return load_corpus(cfg.corpus, Tokenizer::parse_kind(cfg.tokenizer), cfg.val_fraction);
+  return load_run_corpus(cfg);
 }
 }  // namespace
+
+Corpus load_run_corpus(const TrainConfig& cfg) {
+  const TokenizerKind kind = Tokenizer::parse_kind(cfg.tokenizer);
+  BpeSettings bpe;
+  if (kind == TokenizerKind::Bpe) {
+    bpe.vocab_size = static_cast<int>(cfg.model.vocab_size);
+    bpe.progress = cfg.tokenizer_progress;
+  }
+  return load_corpus(cfg.corpus, kind, cfg.val_fraction, true, bpe);
+}
 
 Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
     : cfg_(cfg),
@@ -362,6 +375,8 @@ void Trainer::save(const fs::path& file) {
   c.best_val_loss = best_val_;
   c.rng_state = std::move(words);  // 8 words per rank, in rank order
   c.train_extra["elapsed_s"] = elapsed_;
+  // What turns a val loss into bits per byte (inspect, the ablation report).
+  c.train_extra["val_tokens_per_byte"] = val_tokens_per_byte(corpus_);
   c.train_extra["world_size"] = static_cast<int64_t>(world);
   save_checkpoint(file, c);
 }
@@ -408,7 +423,10 @@ void Trainer::append_log(const StepRecord& r) {
                       {"grad_norm", r.grad_norm},
                       {"tokens_per_s", r.tokens_per_s},
                       {"elapsed_s", r.elapsed_s}};
-  if (r.val_loss) j["val_loss"] = *r.val_loss;
+  if (r.val_loss) {
+    j["val_loss"] = *r.val_loss;
+    j["val_bpb"] = bits_per_byte(*r.val_loss, val_tokens_per_byte(corpus_));
+  }
   if (comm_->world_size() > 1 && r.step > 0) {
     j["comm_s"] = r.comm_s;
     j["comm_frac"] = r.step_s > 0 ? r.comm_s / r.step_s : 0.0;

@@ -38,7 +38,12 @@ struct TrainConfig {
   uint64_t corpus_hash = 0;
   std::string tokenizer = "char";
   double val_fraction = 0.1;
-  GPTConfig model;  // vocab_size comes from the corpus
+  // vocab_size comes from the corpus for char and byte; for bpe it is the vocabulary to learn
+  // from the training split (the kvlab pre-split pattern).
+  GPTConfig model;
+  // Called after each merge while a bpe vocabulary is learnt (a progress bar). Not in
+  // to_attrs().
+  BpeProgress tokenizer_progress;
   int64_t batch_size = 12;
   int64_t grad_accum = 1;
   int64_t iters = 2000;
@@ -74,6 +79,10 @@ struct TrainConfig {
   // Every setting that defines the run, as /config attributes (model keys included).
   Attrs to_attrs() const;
 };
+
+// The corpus a run trains on: cfg's file, tokenizer and split (a bpe vocabulary of
+// cfg.model.vocab_size tokens learnt from its training split, or found in the token cache).
+Corpus load_run_corpus(const TrainConfig& cfg);
 
 // Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at `iters`.
 double learning_rate(const TrainConfig& cfg, int64_t step);

@@ -88,6 +88,7 @@ json read_curve(const fs::path& dir) {
     // train_loss is null at step 0, which trained nothing.
     curve.push_back({{"step", j["step"]},
                      {"val_loss", j["val_loss"]},
+                     {"val_bpb", j.value("val_bpb", json())},
                      {"train_loss", j.value("train_loss", json())}});
   }
   return curve;
@@ -186,7 +187,7 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   KVLAB_CHECK(!cfg.out_dir.empty(), "ablate: no output folder");
   ensure_writable_dir(cfg.out_dir, "ablate");
   // The corpus is read (and its token cache written) once here; every run reuses the cache.
-  const Corpus corpus = load_corpus(base.corpus, Tokenizer::parse_kind(base.tokenizer), base.val_fraction);
+  const Corpus corpus = load_run_corpus(base);
   check_corpus_fits(corpus, static_cast<int>(base.model.block_size));
   base.model.vocab_size = corpus.tokenizer.vocab_size();
   // Runs record the corpus's content: a finished run is reused only on the same text.
@@ -328,8 +329,7 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
 // fixed validation windows): per dtype, bytes per token and the seeds' mean and standard
 // deviation of the loss, its delta to the f32 cache, the mean KL and top-1 agreement.
 json record_kv_quality(const AblateConfig& cfg, const AblateVariant& var) {
-  const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
-                                    cfg.base.val_fraction);
+  const Corpus corpus = load_run_corpus(cfg.base);
   const std::vector<DType>& dtypes = cfg.kv_dtypes;
   std::vector<std::vector<KVQuality>> seeds;
   for (int s = 0; s < cfg.seeds; ++s) {
@@ -367,7 +367,7 @@ json record_kv_quality(const AblateConfig& cfg, const AblateVariant& var) {
 // final checkpoint, parameters, cache bytes, decode speed and sample continuations, and from
 // every seed's, the cost of each cache dtype.
 json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t prompt_len,
-                     std::vector<double>& serve_rates) {
+                     double tokens_per_byte, std::vector<double>& serve_rates) {
   json v;
   if (var.mla_rank > 0) {
     v["kv_lora_rank"] = var.mla_rank;
@@ -375,7 +375,7 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   } else {
     v["n_kv_head"] = var.n_kv_head;
   }
-  std::vector<double> vals;
+  std::vector<double> vals, bpbs;
   double train_tps = 0;
   for (int s = 0; s < cfg.seeds; ++s) {
     const fs::path dir = run_dir(cfg, var, s);
@@ -388,13 +388,20 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
     run["val_loss"] = val;
     run["train_tokens_per_s"] = mean_train_tokens_per_s(dir);
     train_tps += run["train_tokens_per_s"].get<double>();
+    run["val_bpb"] = bits_per_byte(val, tokens_per_byte);
     vals.push_back(val);
+    bpbs.push_back(run["val_bpb"].get<double>());
     v["runs"].push_back(run);
   }
   const auto [mean, sd] = mean_std(vals);
   v["val_loss_mean"] = mean;
   v["val_loss_std"] = sd;
-  v["bpc"] = mean / std::log(2.0);
+  v["bpc"] = mean / std::log(2.0);  // bits per token: per character for a char tokenizer
+  // Bits per byte of the validation text, comparable across tokenizers.
+  const auto [bpb_mean, bpb_sd] = mean_std(bpbs);
+  v["val_bpb_mean"] = bpb_mean;
+  v["val_bpb_std"] = bpb_sd;
+  v["val_tokens_per_byte"] = tokens_per_byte;
   v["train_tokens_per_s"] = train_tps / cfg.seeds;
 
   std::fprintf(stderr, "measuring %s: cache, decode speed, samples\n",
@@ -418,6 +425,9 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
     v["cache_bytes_context_measured"] = measured;
     v["cache_bytes_context_formula"] = formula;
     v["cache_bytes_per_token"] = measured / mc.block_size;
+    // What the cache holds per byte of text: fewer, longer tokens hold more text a row.
+    v["cache_bytes_per_byte"] =
+        static_cast<double>(measured) / static_cast<double>(mc.block_size) * tokens_per_byte;
     v["sequences_in_budget"] = cfg.kv_budget_bytes / measured;
     workload = record_kv_workload(v, mc, measured / mc.block_size, cfg.kv_dtype);
   }
@@ -450,8 +460,7 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
     Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype, paged);
     std::vector<std::string> prompts = cfg.prompts;
     if (prompts.empty()) {
-      const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
-                                        cfg.base.val_fraction);
+      const Corpus corpus = load_run_corpus(cfg.base);
       for (int64_t start : fixed_windows(static_cast<int64_t>(corpus.val.size()),
                                          static_cast<int>(prompt_len), 2, 99)) {
         const std::span<const int32_t> ids(corpus.val.data() + start, static_cast<size_t>(prompt_len));
@@ -560,8 +569,10 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out, Communicator* comm) 
   const int64_t prompt_len =
       std::max<int64_t>(1, std::min<int64_t>(16, cfg.base.model.block_size / 4));
   std::vector<double> serve_rates;  // the serving sweep's, set by the first variant
+  // Every run shares the corpus (and its cache): the validation split's tokens per byte once.
+  const double tokens_per_byte = val_tokens_per_byte(load_run_corpus(cfg.base));
   for (const AblateVariant& var : ablation_variants(cfg))
-    variants.push_back(measure_variant(cfg, var, prompt_len, serve_rates));
+    variants.push_back(measure_variant(cfg, var, prompt_len, tokens_per_byte, serve_rates));
   json quality = record_generation_quality(cfg);  // on the CPU, where load_model puts them
   json uptrain;
   if (cfg.uptrain != 0) uptrain = run_uptrain(cfg, runs, variants, stats);

@@ -4,7 +4,6 @@
 #include <cstdio>
 
 #include "checkpoints/model_io.h"
-#include "data/corpus.h"
 #include "infer/measure/model_eval.h"
 
 namespace kvlab {
@@ -104,8 +103,7 @@ json variant_json(const std::vector<EvalResult>& seeds, size_t i) {
 
 json record_generation_quality(const AblateConfig& cfg) {
   const std::vector<AblateVariant> vars = reference_first(cfg);
-  const Corpus corpus = load_corpus(cfg.base.corpus, Tokenizer::parse_kind(cfg.base.tokenizer),
-                                    cfg.base.val_fraction);
+  const Corpus corpus = load_run_corpus(cfg.base);
   std::vector<EvalResult> seeds;
   for (int s = 0; s < cfg.seeds; ++s) {
     std::fprintf(stderr, "seed %d: generation quality of %zu variants on %d windows\n", s,

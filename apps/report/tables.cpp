@@ -76,23 +76,26 @@ std::optional<double> speedup(const Variant& v) {
 }
 
 Table record_table(const Parsed& p, Bytes style) {
-  Table t{{p.id_header(), "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"},
+  Table t{{p.id_header(), "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss",
+           "bits/byte"},
           {}};
   for (const Variant& v : p.variants)
     t.rows.push_back({v.id(), bytes(v.get("cache_bytes_context_measured"), style),
                       bytes(v.get("cache_bytes_context_formula"), style),
                       figure(v.get("vs_mha"), "%.3fx"), rate(v.get("decode_tokens_per_s_cache")),
-                      v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)"});
+                      v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)",
+                      figure(v.get("val_bpb_mean"), "%.4f")});
   return t;
 }
 
 Table detail_table(const Parsed& p, Bytes style) {
-  Table t{{p.id_header(), "params", "bpc", "cache bytes/token", "sequences in budget",
-           "tokens/s (no cache)", "cache speed-up", "TTFT ms", "TPOT ms"},
+  Table t{{p.id_header(), "params", "bits/token", "cache bytes/token", "cache bytes/byte",
+           "sequences in budget", "tokens/s (no cache)", "cache speed-up", "TTFT ms", "TPOT ms"},
           {}};
   for (const Variant& v : p.variants)
     t.rows.push_back({v.id(), figure(v.get("params"), "%.0f"), figure(v.get("bpc"), "%.4f"),
                       bytes(v.get("cache_bytes_per_token"), style),
+                      figure(v.get("cache_bytes_per_byte"), "%.1f"),
                       figure(v.get("sequences_in_budget"), "%.0f"),
                       rate(v.get("decode_tokens_per_s_nocache")), figure(speedup(v), "%.2fx"),
                       figure(v.get("ttft_ms"), "%.3f"), figure(v.get("tpot_ms"), "%.3f")});

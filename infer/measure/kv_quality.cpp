@@ -90,8 +90,11 @@ std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const 
                                   ? std::get<double>(vf->second)
                                   : 0.1;
   const std::string kind = text("tokenizer");
-  const Corpus corpus =
-      load_corpus(file, Tokenizer::parse_kind(kind.empty() ? "char" : kind), val_fraction);
+  BpeSettings bpe;  // a bpe run's split is the one its vocabulary was learnt beside
+  if (const BpeTokenizer* vocab = loaded.tokenizer.bpe(); vocab != nullptr)
+    bpe = {vocab->vocab_size(), vocab->pattern(), {}};
+  const Corpus corpus = load_corpus(file, Tokenizer::parse_kind(kind.empty() ? "char" : kind),
+                                    val_fraction, true, bpe);
   if (used != nullptr) *used = file;
   return loaded.tokenizer.encode(corpus.tokenizer.decode(corpus.val), "the validation text");
 }

@@ -224,6 +224,77 @@ TEST_F(TokenizerFileTest, BpeRoundTripsThroughHdf5) {
   EXPECT_EQ(load_tokenizer(dir_ / "model.h5"), tok);
 }
 
+// The stored arrays are the vocabulary itself: each token's bytes at its offsets, the merges as
+// id pairs, the special ids; an unused id (an imported cl100k's 100256) has no bytes.
+TEST_F(TokenizerFileTest, BpeIsStoredAsBytesMergesAndSpecials) {
+  std::vector<std::string> tokens;
+  for (int b = 0; b < 256; ++b) tokens.emplace_back(1, static_cast<char>(b));
+  tokens.push_back("ab");
+  tokens.push_back("");  // unused
+  tokens.push_back("<|endoftext|>");
+  const Tokenizer tok = Tokenizer::bpe(BpeTokenizer::from_parts(
+      SplitPattern::Kvlab, tokens, {{'a', 'b', 256}}, 2));
+  const fs::path file = dir_ / "tok.h5";
+  save_tokenizer(file, tok);
+  const Checkpoint c = load_checkpoint(file, false);
+  EXPECT_EQ(c.tokenizer_kind, "bpe");
+  EXPECT_TRUE(c.tokenizer_vocab.empty());
+  EXPECT_EQ(c.tokenizer_bpe.pattern, "kvlab");
+  EXPECT_EQ(c.tokenizer_bpe.merges, (std::vector<uint32_t>{'a', 'b'}));
+  EXPECT_EQ(c.tokenizer_bpe.special_ids, (std::vector<uint32_t>{258}));
+  ASSERT_EQ(c.tokenizer_bpe.token_offsets.size(), 260u);
+  EXPECT_EQ(c.tokenizer_bpe.token_offsets[256], 256u);
+  EXPECT_EQ(c.tokenizer_bpe.token_offsets[257], 258u);  // "ab"
+  EXPECT_EQ(c.tokenizer_bpe.token_offsets[258], 258u);  // unused: no bytes
+  EXPECT_EQ(c.tokenizer_bpe.token_offsets.back(), c.tokenizer_bpe.token_bytes.size());
+  const Tokenizer back = load_tokenizer(file);
+  EXPECT_EQ(back, tok);
+  EXPECT_EQ(back.decode_one(258), "<|endoftext|>");
+  try {
+    back.decode_one(257);
+    ADD_FAILURE() << "decoded an unused id";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token id 257 is unused"), std::string::npos) << e.what();
+  }
+}
+
+// A damaged bpe layout is refused by name before any token is built from it.
+TEST_F(TokenizerFileTest, HostileBpeArraysAreRefused) {
+  const Tokenizer tok = Tokenizer::bpe(train_bpe(std::string(50, 'a') + "bcbcbc", 260,
+                                                 SplitPattern::Kvlab));
+  Checkpoint good;
+  put_tokenizer(good, tok);
+  const auto refused = [&](const std::function<void(BpeArrays&)>& damage) {
+    Checkpoint c = good;
+    damage(c.tokenizer_bpe);
+    const fs::path file = dir_ / "bad.h5";
+    save_checkpoint(file, c);
+    try {
+      load_tokenizer(file);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  const auto has = [](const std::string& msg, const char* needle) {
+    return msg.find(needle) != std::string::npos;
+  };
+  std::string msg = refused([](BpeArrays& a) { std::swap(a.token_offsets[3], a.token_offsets[4]); });
+  EXPECT_TRUE(has(msg, "/tokenizer/token_offsets: offset 4")) << msg;
+  msg = refused([](BpeArrays& a) { a.token_offsets.front() = 1; a.token_offsets[1] = 1; });
+  EXPECT_TRUE(has(msg, "must start at 0")) << msg;
+  msg = refused([](BpeArrays& a) { a.merges[1] = 100000; });
+  EXPECT_TRUE(has(msg, "/tokenizer/merges: id 100000 is outside the 260 tokens")) << msg;
+  msg = refused([](BpeArrays& a) { a.special_ids = {260}; });
+  EXPECT_TRUE(has(msg, "/tokenizer/special_ids: entry 0 (260)")) << msg;
+  msg = refused([](BpeArrays& a) { a.merges[0] = a.merges[1] = 'q'; });
+  EXPECT_TRUE(has(msg, "bpe: merge 0")) << msg;
+  msg = refused([](BpeArrays& a) { a.special_ids.clear(); });
+  EXPECT_TRUE(has(msg, "neither a byte nor made by a merge")) << msg;
+  msg = refused([](BpeArrays& a) { a.pattern = "o200k"; });
+  EXPECT_TRUE(has(msg, "unknown pre-split pattern 'o200k'")) << msg;
+}
+
 TEST_F(TokenizerFileTest, NotATokenizerIsAClearError) {
   const fs::path text = dir_ / "notes.h5";
   std::ofstream(text) << "just some text\n";

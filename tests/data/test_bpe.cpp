@@ -1,6 +1,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -222,6 +223,23 @@ void expect_same_as_tiktoken(const fs::path& dir, const char* encoding, SplitPat
   const fs::path ranks = dir / "ranks.tiktoken";
   ASSERT_TRUE(run(detail::cat("node ", script, " ranks ", encoding, " ", ranks), out));
   const BpeTokenizer tok = BpeTokenizer::from_tiktoken(read_file(ranks), pattern);
+  // The special tokens carry tiktoken's ids; an id between the ranks and them decodes to an
+  // error, not to text (cl100k leaves 100256 unused).
+  ASSERT_TRUE(run(detail::cat("node ", script, " specials ", encoding), out));
+  const nlohmann::json specials = nlohmann::json::parse(out);
+  std::vector<int32_t> special_ids;
+  for (auto it = specials.begin(); it != specials.end(); ++it) {
+    EXPECT_EQ(tok.token(it->get<int32_t>()), it.key());
+    special_ids.push_back(it->get<int32_t>());
+  }
+  std::sort(special_ids.begin(), special_ids.end());
+  EXPECT_EQ(tok.special_ids(), special_ids);
+  EXPECT_EQ(tok.vocab_size(), special_ids.back() + 1);
+  for (int32_t id = tok.vocab_size() - tok.n_special(); id < tok.vocab_size(); ++id) {
+    if (!std::binary_search(special_ids.begin(), special_ids.end(), id)) {
+      EXPECT_THAT(error_message([&] { tok.token(id); }), HasSubstr("is unused")) << id;
+    }
+  }
   const fs::path bible = fs::path(KVLAB_SOURCE_DIR) / "data/corpora/bible-kjv.txt";
   const fs::path torture = dir / "torture.txt";
   write_file(torture, kTorture);

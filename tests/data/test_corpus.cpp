@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <cmath>
 #include <fstream>
 
 #include "data/corpus.h"
@@ -164,6 +165,58 @@ TEST_F(CorpusTest, TokenizerKindsUseSeparateCaches) {
   // Reloading each kind still gives its own ids.
   EXPECT_EQ(load_corpus(file, TokenizerKind::Byte).train, bytes.train);
   EXPECT_EQ(load_corpus(file, TokenizerKind::Char).train, chars.train);
+}
+
+// A bpe vocabulary is learnt from the training bytes alone: the validation text's own word
+// ("zzzz") is never merged, each split decodes to its part of the text, and a second load
+// comes from the cache named by vocab size, pattern and split.
+TEST_F(CorpusTest, BpeLearnsFromTheTrainingSplitOnly) {
+  std::string text;
+  for (int i = 0; i < 90; ++i) text += "abc abd ";  // 720 bytes
+  for (int i = 0; i < 16; ++i) text += "zzzz ";     // 80 bytes: the last 10%
+  const fs::path file = write("c.txt", text);
+  BpeSettings bpe{262, SplitPattern::Kvlab, {}};
+  int64_t merges_seen = 0;
+  bpe.progress = [&](int64_t done, int64_t) { merges_seen = done; };
+  const Corpus c = load_corpus(file, TokenizerKind::Bpe, 0.1, true, bpe);
+  ASSERT_NE(c.tokenizer.bpe(), nullptr);
+  EXPECT_EQ(c.tokenizer.vocab_size(), 262);
+  EXPECT_EQ(merges_seen, 5);
+  for (const std::string& t : c.tokenizer.bpe()->tokens())
+    EXPECT_EQ(t.find("zz"), std::string::npos) << "a merge learnt from the validation text";
+  EXPECT_EQ(c.tokenizer.decode(c.train), text.substr(0, 720));
+  EXPECT_EQ(c.tokenizer.decode(c.val), text.substr(720));
+  EXPECT_EQ(c.val_bytes, 80);
+  EXPECT_DOUBLE_EQ(val_tokens_per_byte(c), static_cast<double>(c.val.size()) / 80.0);
+  EXPECT_LT(c.train.size(), 720u / 2);  // merged: fewer ids than bytes
+
+  const fs::path cache = token_cache_path(file, fnv1a64(text), "bpe-262-kvlab-val0.1");
+  EXPECT_EQ(token_cache_key(TokenizerKind::Bpe, bpe, 0.1), "bpe-262-kvlab-val0.1");
+  ASSERT_TRUE(fs::exists(cache));
+  merges_seen = 0;
+  const Corpus again = load_corpus(file, TokenizerKind::Bpe, 0.1, true, bpe);
+  EXPECT_EQ(merges_seen, 0) << "learnt again instead of read from the cache";
+  EXPECT_EQ(again.tokenizer, c.tokenizer);
+  EXPECT_EQ(again.train, c.train);
+  EXPECT_EQ(again.val, c.val);
+  // Another vocabulary size is another cache.
+  bpe.vocab_size = 261;
+  EXPECT_EQ(load_corpus(file, TokenizerKind::Bpe, 0.1, true, bpe).tokenizer.vocab_size(), 261);
+  EXPECT_EQ(caches().size(), 2u);
+  EXPECT_THAT(error_message([&] { load_corpus(file, TokenizerKind::Bpe); }),
+              HasSubstr("needs a vocabulary size (--vocab-size N)"));
+}
+
+TEST_F(CorpusTest, ValBytesCountTheValidationText) {
+  const std::string text = sample_text(1000);
+  const fs::path file = write("c.txt", text);
+  const Corpus chars = load_corpus(file, TokenizerKind::Char);
+  EXPECT_EQ(chars.val_bytes, static_cast<int64_t>(chars.tokenizer.decode(chars.val).size()));
+  EXPECT_GT(chars.val_bytes, static_cast<int64_t>(chars.val.size()));  // multi-byte characters
+  const Corpus bytes = load_corpus(file, TokenizerKind::Byte);
+  EXPECT_EQ(bytes.val_bytes, static_cast<int64_t>(bytes.val.size()));
+  EXPECT_DOUBLE_EQ(val_tokens_per_byte(bytes), 1.0);
+  EXPECT_NEAR(bits_per_byte(std::log(2.0), 0.5), 0.5, 1e-12);
 }
 
 TEST_F(CorpusTest, ChangedContentGetsNewCacheAndTheOldOnesGo) {

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "infer/sequence.h"
+
 namespace kvlab {
 namespace {
 
@@ -58,6 +60,24 @@ TEST(StopStringFilter, MultiByteCharacters) {
   // A stop string in UTF-8 whose first byte arrives alone (a byte tokenizer splits it).
   const std::string e = "\xc3\xa9";  // é
   EXPECT_EQ(run({e + "t"}, {"caf\xc3", "\xa9", "t!"}), "caf|||");
+}
+
+// A sequence streams whole characters only: a byte-level token that ends inside a UTF-8
+// character is held until the character is complete, and what is left goes out at the end.
+TEST(SequenceText, NeverReleasesHalfACharacter) {
+  std::vector<std::string> tokens;
+  for (int b = 0; b < 256; ++b) tokens.emplace_back(1, static_cast<char>(b));
+  tokens.push_back("<|endoftext|>");
+  const Tokenizer tok = Tokenizer::bpe(BpeTokenizer::from_parts(SplitPattern::Kvlab, tokens, {}, 1));
+  const std::vector<std::string> stops;
+  Sequence seq(std::vector<int32_t>{'a'}, SamplingOptions{}, 0, stops, 8);
+  std::string released;
+  for (const int id : std::vector<int>{0xC3, 0xA9, 'x', 0xE2, 0x82}) {
+    seq.tokens.push_back(id);
+    released += seq.release_last(tok) + "|";
+  }
+  EXPECT_EQ(released, "|\xC3\xA9|x|||");
+  EXPECT_EQ(seq.flush(), "\xE2\x82");  // the end: held bytes go out as they are
 }
 
 }  // namespace

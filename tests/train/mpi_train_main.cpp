@@ -77,7 +77,7 @@ TEST(MpiTrain, TwoRanksEqualOneRankOverTheSameWindows) {
   EXPECT_EQ(hashes[0], hashes[1]) << "the ranks hold different weights";
 
   if (rank() == 0) {
-    Corpus corpus = load_corpus(cfg.corpus, Tokenizer::parse_kind(cfg.tokenizer), cfg.val_fraction);
+    Corpus corpus = load_run_corpus(cfg);
     GPTConfig mc = cfg.model;
     mc.vocab_size = corpus.tokenizer.vocab_size();
     GPT ref(mc, cfg.seed);

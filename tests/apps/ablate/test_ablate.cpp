@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -138,6 +139,37 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
   const std::string report((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
   EXPECT_NE(report.find("## Generation quality: paired on shared windows"), std::string::npos);
   EXPECT_NE(report.find("the paired bootstrap tells "), std::string::npos);
+}
+
+// A bpe sweep learns its vocabulary once (the token cache) and reports bits per byte of the
+// validation text and cache bytes per byte of text beside the per-token figures.
+TEST_F(AblateTest, BpeSweepReportsBitsPerByte) {
+  AblateConfig c = config();
+  c.base.tokenizer = "bpe";
+  c.base.model.vocab_size = 280;
+  c.kv_heads = {4, 1};
+  c.seeds = 1;
+  c.kv_dtypes = {};
+  const auto r = run_ablation(c);
+  ASSERT_EQ(r["variants"].size(), 2u);
+  for (const auto& v : r["variants"]) {
+    const double loss = v["val_loss_mean"], bpb = v["val_bpb_mean"];
+    const double tokens_per_byte = v["val_tokens_per_byte"];
+    EXPECT_GT(tokens_per_byte, 0.0);
+    EXPECT_LT(tokens_per_byte, 0.5);  // merged: several bytes a token
+    EXPECT_NEAR(bpb, loss * tokens_per_byte / std::log(2.0), 1e-9);
+    EXPECT_NEAR(v["cache_bytes_per_byte"].get<double>(),
+                v["cache_bytes_per_token"].get<double>() * tokens_per_byte, 1e-9);
+    EXPECT_NEAR(v["runs"][0]["curve"].back()["val_bpb"].get<double>(), bpb, 1e-9);
+  }
+  std::ifstream md(dir_ / "out" / "report.md");
+  const std::string report{std::istreambuf_iterator<char>(md), {}};
+  EXPECT_NE(report.find("bits/byte"), std::string::npos);
+  EXPECT_NE(report.find("cache bytes/byte"), std::string::npos);
+  int bpe_caches = 0;  // one vocabulary for every run
+  for (const auto& e : fs::directory_iterator(dir_))
+    bpe_caches += e.path().string().ends_with(".bpe-280-kvlab-val0.1.kvlab-cache");
+  EXPECT_EQ(bpe_caches, 1);
 }
 
 TEST_F(AblateTest, ResumeRetrainsNothingThatFinished) {

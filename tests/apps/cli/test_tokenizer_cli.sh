@@ -30,6 +30,41 @@ check "encode --json is an array" 0 "[" -- head -c 1 "$work/ids.json"
 "$KVLAB" tokenizer decode --tokenizer "$tok" < "$work/ids.json" > "$work/back.txt"
 check "round trip through stdin and JSON" 0 "" -- cmp "$work/odd.txt" "$work/back.txt"
 
+# The h5py example of docs/checkpoint-format.md reads the file and gives kvlab's ids.
+python=""
+for p in /usr/bin/python3 python3; do
+  if "$p" -c 'import h5py, regex' 2>/dev/null; then python=$p; break; fi
+done
+if [ -n "$python" ]; then
+  awk '/^```python$/ {on = 1; block = ""; next}
+       /^```$/ {if (on && block ~ /def load_bpe/) printf "%s", block; on = 0; next}
+       on {block = block $0 "\n"}' "$(dirname "$0")/../../../docs/checkpoint-format.md" > "$work/example.py"
+  cat >> "$work/example.py" <<'PY'
+import json, sys
+print(json.dumps(encode(open(sys.argv[1], encoding="utf-8").read(), bpe), separators=(",", ":")))
+PY
+  "$KVLAB" tokenizer encode --tokenizer "$tok" --json "$work/corpus.txt" > "$work/kvlab_ids.json"
+  check "the documented h5py example gives kvlab's ids" 0 "$(cat "$work/kvlab_ids.json")" -- \
+    bash -c "cd '$work' && '$python' example.py corpus.txt"
+else
+  echo "skip: the h5py example of docs/checkpoint-format.md (no python3 with h5py and regex)"
+fi
+
+# kvlab train learns the vocabulary from the corpus's training split; the model's vocabulary
+# is --vocab-size, and inspect turns its val loss into bits per byte.
+bpe_run=(--corpus "$work/corpus.txt" --tokenizer bpe --vocab-size 290 --n-layer 1 --n-head 2
+         --n-embd 16 --block-size 16 --batch-size 4 --iters 6 --eval-interval 3 --eval-iters 2)
+check "train --tokenizer bpe" 0 "bits per byte" -- "$KVLAB" train "${bpe_run[@]}" --out "$work/run"
+check "its checkpoint holds the vocabulary" 0 "tokenizer: bpe, 290 symbols" -- "$KVLAB" inspect "$work/run/final.h5"
+check "inspect gives bits per byte" 0 "bits per byte" -- "$KVLAB" inspect "$work/run/final.h5"
+check "the log gives bits per byte" 0 '"val_bpb":' -- cat "$work/run/log.jsonl"
+check "the vocabulary is cached beside the corpus" 0 "bpe-290-kvlab-val0.1.kvlab-cache" -- ls "$work"
+check "generate decodes bpe" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord" --max-new 8
+check "--vocab-size without bpe" 2 "--vocab-size is for --tokenizer bpe" -- \
+  "$KVLAB" train --corpus "$work/corpus.txt" --vocab-size 300 --iters 1 --out "$work/run2"
+check "bpe without --vocab-size" 2 "--tokenizer bpe needs --vocab-size N of at least 257" -- \
+  "$KVLAB" train --corpus "$work/corpus.txt" --tokenizer bpe --iters 1 --out "$work/run2"
+
 check "vocab size too small" 2 "--vocab-size 100 is below the 256 bytes plus <|endoftext|>" -- \
   "$KVLAB" tokenizer train --corpus "$work/corpus.txt" --vocab-size 100 --out "$work/x.h5"
 check "empty corpus" 1 "the corpus is empty" -- \

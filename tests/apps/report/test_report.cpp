@@ -56,7 +56,9 @@ json make_variant(int n_kv, double mean, double std, int seeds) {
           {"val_loss_mean", mean},
           {"val_loss_std", std},
           {"bpc", mean / std::log(2.0)},
+          {"val_bpb_mean", mean / std::log(2.0)},  // a char run on ASCII: a token a byte
           {"cache_bytes_per_token", per_token},
+          {"cache_bytes_per_byte", per_token},
           {"cache_bytes_context_measured", per_token * 64},
           {"cache_bytes_context_formula", per_token * 64},
           {"vs_mha", n_kv / 4.0},
@@ -388,28 +390,30 @@ TEST(FormatTable, OneRowPerVariantInOrderWithTheExactHeader) {
   const auto out = lines(format_table(fixture()));
   ASSERT_GE(out.size(), 12u);
   const std::vector<std::string> header = {
-      "n_kv_head", "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss"};
+      "n_kv_head", "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss",
+      "bits/byte"};
   EXPECT_EQ(cells(out[0]), header);
   EXPECT_EQ(out[1].find_first_not_of("-+"), std::string::npos) << out[1];
   const std::vector<std::vector<std::string>> rows = {
-      {"4", "256.0 KiB", "256.0 KiB", "1.000x", "5000", "1.8800 ± 0.0100"},
-      {"2", "128.0 KiB", "128.0 KiB", "0.500x", "5800", "1.8900 ± 0.0100"},
-      {"1", "64.0 KiB", "64.0 KiB", "0.250x", "6200", "1.9500 ± 0.0100"}};
+      {"4", "256.0 KiB", "256.0 KiB", "1.000x", "5000", "1.8800 ± 0.0100", "2.7123"},
+      {"2", "128.0 KiB", "128.0 KiB", "0.500x", "5800", "1.8900 ± 0.0100", "2.7267"},
+      {"1", "64.0 KiB", "64.0 KiB", "0.250x", "6200", "1.9500 ± 0.0100", "2.8133"}};
   for (std::size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(cells(out[2 + i]), rows[i]);
   EXPECT_EQ(out[5], "");  // exactly three rows
 
   const std::vector<std::string> detail = {"n_kv_head",
                                            "params",
-                                           "bpc",
+                                           "bits/token",
                                            "cache bytes/token",
+                                           "cache bytes/byte",
                                            "sequences in budget",
                                            "tokens/s (no cache)",
                                            "cache speed-up",
                                            "TTFT ms",
                                            "TPOT ms"};
   EXPECT_EQ(cells(out[6]), detail);
-  EXPECT_EQ(cells(out[8]), (std::vector<std::string>{"4", "800000", "2.7123", "4.0 KiB", "4096",
-                                                     "800", "6.25x", "1.200", "0.200"}));
+  EXPECT_EQ(cells(out[8]), (std::vector<std::string>{"4", "800000", "2.7123", "4.0 KiB", "4096.0",
+                                                     "4096", "800", "6.25x", "1.200", "0.200"}));
   EXPECT_EQ(cells(out[10])[0], "1");
   EXPECT_EQ(out[11], "");
   EXPECT_EQ(out[12].rfind("verdicts", 0), 0u);
@@ -621,7 +625,7 @@ TEST(FormatTable, ColumnsLineUp) {
 
 TEST(FormatTable, OneSeedIsLabelled) {
   const auto out = lines(format_table(fixture(1)));
-  EXPECT_EQ(cells(out[2]).back(), "1.8800 (1 seed)");
+  EXPECT_EQ(cells(out[2])[5], "1.8800 (1 seed)");
 }
 
 // --- files -------------------------------------------------------------------------------
