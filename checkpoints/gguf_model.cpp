@@ -267,6 +267,11 @@ GPTConfig llama_config_of(const GgufFile& f, std::string_view what) {
   cfg.block_size = count("context_length");
   cfg.n_embd = count("embedding_length");
   cfg.n_layer = count("block_count");
+  // Each layer is 9 tensors of the file: a count the file cannot hold is refused before
+  // anything is sized by it.
+  KVLAB_CHECK(cfg.n_layer <= static_cast<int64_t>(f.tensors.size() / 9), what,
+              ": llama.block_count ", cfg.n_layer, " is more layers than the file's ",
+              f.tensors.size(), " tensors hold");
   cfg.mlp_hidden = count("feed_forward_length");
   cfg.n_head = count("attention.head_count");
   cfg.n_kv_head = f.find("llama.attention.head_count_kv") ? count("attention.head_count_kv")

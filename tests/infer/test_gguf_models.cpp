@@ -210,6 +210,10 @@ TEST(GgufImport, RefusesNamingTheKeyOrTensor) {
                                                    GgmlType::F32));
             }).find("blk.0.attn_q.bias"),
             std::string::npos);
+  EXPECT_NE(refusal([](GgufFile& f) {
+              f.set("llama.block_count", GgufValue::scalar(GgufType::U32, 100000000));
+            }).find("llama.block_count 100000000 is more layers"),
+            std::string::npos);
   EXPECT_NE(refusal([](GgufFile& f) { f.tensors.erase(f.tensors.begin() + 3); })
                 .find("is missing"),
             std::string::npos);
