@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -39,6 +40,16 @@ inline std::string blas_kernels_note() {
                      named != nullptr ? detail::cat(" (OPENBLAS_CORETYPE=", named, ")") : "",
                      "; this CPU can run its wider ", wider,
                      " ones, which may train faster: unset OPENBLAS_CORETYPE to let kvlab choose");
+}
+
+// Whether two paths name one file: the same file when both exist, else the same path (an
+// output that would overwrite its command's input).
+inline bool same_file(const std::filesystem::path& a, const std::filesystem::path& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec, ea, eb;
+  if (fs::equivalent(a, b, ec)) return true;
+  const fs::path ca = fs::weakly_canonical(a, ea), cb = fs::weakly_canonical(b, eb);
+  return !ea && !eb && ca == cb;
 }
 
 // "best val loss 1.2345", or, before the first evaluation after a step (the best is then
@@ -112,6 +123,8 @@ void add_ablate_command(CLI::App& root);
 void add_inspect_command(CLI::App& root);
 void add_serve_command(CLI::App& root);
 void add_convert_command(CLI::App& root);
+void add_export_command(CLI::App& root);
+void add_import_command(CLI::App& root);
 void add_tokenizer_command(CLI::App& root);
 void add_eval_command(CLI::App& root);
 

@@ -19,15 +19,6 @@ struct ConvertArgs {
   bool seed_given = false;
 };
 
-// Whether two paths name one file: the same file when both exist, else the same path.
-bool same_file(const std::filesystem::path& a, const std::filesystem::path& b) {
-  namespace fs = std::filesystem;
-  std::error_code ec, ea, eb;
-  if (fs::equivalent(a, b, ec)) return true;
-  const fs::path ca = fs::weakly_canonical(a, ea), cb = fs::weakly_canonical(b, eb);
-  return !ea && !eb && ca == cb;
-}
-
 void run_convert(const ConvertArgs& a) {
   KVLAB_USAGE_CHECK(!a.ckpt.empty(), "convert: --ckpt is empty");
   KVLAB_USAGE_CHECK(!a.out.empty(), "convert: --out is empty");

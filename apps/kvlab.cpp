@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
   kvlab::add_inspect_command(app);
   kvlab::add_serve_command(app);
   kvlab::add_convert_command(app);
+  kvlab::add_export_command(app);
+  kvlab::add_import_command(app);
   kvlab::add_tokenizer_command(app);
   kvlab::add_eval_command(app);
   try {

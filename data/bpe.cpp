@@ -128,34 +128,6 @@ std::array<uint32_t, 256> gpt2_byte_chars() {
   return chars;
 }
 
-// A vocab.json key back to bytes: UTF-8 code points, each one of gpt2_byte_chars.
-bool gpt2_text_to_bytes(const std::string& text, std::string& out) {
-  static const std::unordered_map<uint32_t, char> byte_of = [] {
-    std::unordered_map<uint32_t, char> m;
-    const auto chars = gpt2_byte_chars();
-    for (int b = 0; b < 256; ++b) m[chars[b]] = static_cast<char>(b);
-    return m;
-  }();
-  out.clear();
-  for (size_t i = 0; i < text.size();) {
-    const auto b0 = static_cast<uint8_t>(text[i]);
-    uint32_t cp;
-    size_t len;
-    if (b0 < 0x80) {
-      cp = b0, len = 1;
-    } else if ((b0 & 0xE0) == 0xC0 && i + 1 < text.size()) {
-      cp = ((b0 & 0x1Fu) << 6) | (static_cast<uint8_t>(text[i + 1]) & 0x3Fu), len = 2;
-    } else {
-      return false;  // every mapped code point is below U+0800
-    }
-    const auto it = byte_of.find(cp);
-    if (it == byte_of.end()) return false;
-    out += it->second;
-    i += len;
-  }
-  return true;
-}
-
 std::string printable(std::string_view bytes) {
   std::string out;
   for (const char c : bytes) {
@@ -809,5 +781,48 @@ std::string Utf8StreamDecoder::finish() {
   out.swap(pending_);
   return out;
 }
+
+std::string gpt2_bytes_to_text(std::string_view bytes) {
+  static const std::array<uint32_t, 256> chars = gpt2_byte_chars();
+  std::string out;
+  for (const char c : bytes) {
+    const uint32_t cp = chars[static_cast<uint8_t>(c)];  // below U+0800: one or two bytes
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+  return out;
+}
+
+bool gpt2_text_to_bytes(const std::string& text, std::string& out) {
+  static const std::unordered_map<uint32_t, char> byte_of = [] {
+    std::unordered_map<uint32_t, char> m;
+    const auto chars = gpt2_byte_chars();
+    for (int b = 0; b < 256; ++b) m[chars[b]] = static_cast<char>(b);
+    return m;
+  }();
+  out.clear();
+  for (size_t i = 0; i < text.size();) {
+    const auto b0 = static_cast<uint8_t>(text[i]);
+    uint32_t cp;
+    size_t len;
+    if (b0 < 0x80) {
+      cp = b0, len = 1;
+    } else if ((b0 & 0xE0) == 0xC0 && i + 1 < text.size()) {
+      cp = ((b0 & 0x1Fu) << 6) | (static_cast<uint8_t>(text[i + 1]) & 0x3Fu), len = 2;
+    } else {
+      return false;  // every mapped code point is below U+0800
+    }
+    const auto it = byte_of.find(cp);
+    if (it == byte_of.end()) return false;
+    out += it->second;
+    i += len;
+  }
+  return true;
+}
+
 
 }  // namespace kvlab

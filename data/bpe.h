@@ -128,4 +128,9 @@ class Utf8StreamDecoder {
   std::string pending_;
 };
 
+// GPT-2's bytes_to_unicode spelling of a token's bytes (vocab.json's, and GGUF's
+// tokenizer.ggml.tokens), and back: false for text that is not such a spelling.
+std::string gpt2_bytes_to_text(std::string_view bytes);
+bool gpt2_text_to_bytes(const std::string& text, std::string& out);
+
 }  // namespace kvlab

@@ -4,8 +4,10 @@
 # --tests adds what only the tests (and the PyTorch baselines in bench/) run: Python with
 # h5py, NumPy, regex and PyTorch (python3-torch and what it depends on are large), and Node.js
 # with the openai npm client (tests/apps/openai_client) that drives `kvlab serve`, tiktoken
-# (tests/data/tiktoken), the reference for the BPE tokenizer's ids and encode speed, and
-# Hugging Face's tokenizers (bench/hf_tokenizers), the baseline of BPE training speed.
+# (tests/data/tiktoken), the reference for the BPE tokenizer's ids and encode speed,
+# Hugging Face's tokenizers (bench/hf_tokenizers), the baseline of BPE training speed, and
+# node-llama-cpp (tests/infer/llama_cpp), whose prebuilt CPU binaries of llama.cpp run
+# kvlab's GGUF exports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,17 +46,20 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # The npm packages the tests and benchmarks drive, each pinned by its folder's
-# package-lock.json: the openai client, tiktoken and tokenizers (0.23.2 carries its native
-# binaries inside the package; 0.13.3's separate ones were never published for linux-x64);
-# reinstalled when the lock file is newer than the installed package.
-for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken bench/hf_tokenizers:tokenizers; do
+# package-lock.json: the openai client, tiktoken, tokenizers (0.23.2 carries its native
+# binaries inside the package; 0.13.3's separate ones were never published for linux-x64)
+# and node-llama-cpp; reinstalled when the lock file is newer than the installed package.
+# node-llama-cpp's prebuilt binaries come with the package: its postinstall step is told not
+# to download or build llama.cpp (the tests run it with build: "never").
+for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken \
+  bench/hf_tokenizers:tokenizers tests/infer/llama_cpp:node-llama-cpp; do
   folder=${pair%%:*}
   package=${pair##*:}
   if [ "$with_tests" -eq 1 ] &&
     { [ ! -f "$folder/node_modules/$package/package.json" ] ||
       [ "$folder/package-lock.json" -nt "$folder/node_modules/$package/package.json" ]; }; then
     echo "setup: installing the $package npm package in $folder"
-    npm ci --prefix "$folder" --no-audit --no-fund --loglevel=error
+    NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm ci --prefix "$folder" --no-audit --no-fund --loglevel=error
   fi
 done
 

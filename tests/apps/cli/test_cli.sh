@@ -161,6 +161,32 @@ check "convert --help" 0 "--n-kv-head" -- "$KVLAB" convert --help
 # train --init-from: step 0 evaluates the file's weights, whatever --seed; the model's shape is
 # the file's, with no shape flag given (the defaults would be another model).
 short=(--corpus "$work/corpus.txt" --batch-size 4 --iters 4 --eval-interval 2 --eval-iters 2)
+# export / import: a llama-block run as a GGUF file and back gives the same greedy text, and
+# the imported checkpoint is one that generate, convert and train --init-from take.
+check "train a llama-block model" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --arch llama --n-kv-head 2 --out "$work/llama_kv2"
+check "export gguf" 0 "llama architecture" -- "$KVLAB" export --ckpt "$work/llama_kv2/final.h5" --format gguf --out "$work/llama.gguf"
+check "import gguf" 0 "imported $work/llama.gguf" -- "$KVLAB" import --gguf "$work/llama.gguf" --out "$work/imported.h5"
+if [ -n "$(greedy "$work/llama_kv2/final.h5")" ] && [ "$(greedy "$work/llama_kv2/final.h5")" = "$(greedy "$work/imported.h5")" ]; then
+  pass=$((pass + 1))
+else
+  echo "FAIL import(export(ckpt)): greedy text differs from the source's"
+  fails=$((fails + 1))
+fi
+check "imported_from is the GGUF's content hash" 0 "$(fnv1a64 "$work/llama.gguf")" -- json_config "$work/imported.h5" imported_from
+check "export --dtype q8_0, imported back" 0 "imported" -- bash -c '"$0" export --ckpt "$1" --out "$2" --dtype q8_0 && "$0" import --gguf "$2" --out "$3"' "$KVLAB" "$work/llama_kv2/final.h5" "$work/q8.gguf" "$work/q8.h5"
+check "convert an imported checkpoint" 0 "(n_kv_head 1, " -- "$KVLAB" convert --ckpt "$work/imported.h5" --n-kv-head 1 --method mean --out "$work/imported_mqa.h5"
+check "train --init-from an imported checkpoint" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --init-from "$work/imported.h5" --out "$work/upgguf"
+check "export GPT-2's block as gpt2" 0 "gpt2 architecture" -- "$KVLAB" export --ckpt "$work/mha/final.h5" --out "$work/gpt2.gguf" --dtype f16
+check "import refuses gpt2" 1 "general.architecture is 'gpt2'" -- "$KVLAB" import --gguf "$work/gpt2.gguf" --out "$work/x.h5"
+check "import: not a GGUF file" 1 "not a GGUF file" -- "$KVLAB" import --gguf "$work/corpus.txt" --out "$work/x.h5"
+check "import: missing file" 1 "$work/none.gguf" -- "$KVLAB" import --gguf "$work/none.gguf" --out "$work/x.h5"
+check "import: OUT is IN" 2 "is the file --gguf reads" -- "$KVLAB" import --gguf "$work/llama.gguf" --out "$work/llama.gguf"
+check "export: unknown dtype" 2 "--dtype: q4_0 not in" -- "$KVLAB" export --ckpt "$work/llama_kv2/final.h5" --out "$work/x.gguf" --dtype q4_0
+check "export: unknown format" 2 "--format: onnx not in" -- "$KVLAB" export --ckpt "$work/llama_kv2/final.h5" --out "$work/x.gguf" --format onnx
+check "export: OUT is IN" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" export --ckpt "$work/llama_kv2/final.h5" --out "$work/llama_kv2/final.h5"
+check "export wrote nothing for bad input" 2 "No such file" -- ls "$work/x.gguf"
+check "export --help" 0 "--dtype" -- "$KVLAB" export --help
+check "import --help" 0 "--gguf" -- "$KVLAB" import --help
 check "train --init-from" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --out "$work/up"
 check "train --init-from writes final.h5" 0 "" -- ls "$work/up/final.h5"
 check "train --init-from: n_kv_head from the file" 0 "2" -- json_config "$work/up/final.h5" n_kv_head
