@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -564,6 +565,9 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out, Communicator* comm) 
     if (stats_out) *stats_out = stats;
     return json();
   }
+  // The other ranks are done: rank 0 measures on the whole machine, as one process would
+  // (at OMP_NUM_THREADS where the user set it, as one process would too).
+  if (ranks && std::getenv("OMP_NUM_THREADS") == nullptr) omp_set_num_threads(omp_get_num_procs());
 
   json variants = json::array();
   const int64_t prompt_len =
