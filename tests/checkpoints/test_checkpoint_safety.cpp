@@ -17,6 +17,7 @@
 #include <random>
 
 #include "checkpoints/model_io.h"
+#include "tests/error_of.h"
 #include "tests/test_dir.h"
 
 namespace kvlab {
@@ -31,15 +32,6 @@ std::string read_bytes(const fs::path& p) {
 
 void write_bytes(const fs::path& p, const std::string& bytes) {
   std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 // How a load ended, in a child process of the test's own, so that a crash is seen, not suffered.

@@ -14,6 +14,7 @@
 #include "checkpoints/gguf.h"
 #include "platform/error.h"
 #include "platform/random.h"
+#include "tests/error_of.h"
 
 namespace kvlab {
 namespace {
@@ -48,15 +49,6 @@ GgufFile sample_file() {
   f.tensors.push_back(make_gguf_tensor("c.bf16", ramp({9}, 2.0f), GgmlType::BF16));
   f.tensors.push_back(make_gguf_tensor("d.q8_0", ramp({2, 64}, 0.5f), GgmlType::Q8_0));
   return f;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 TEST(GgufFormat, EveryValueAndTensorTypeRoundTrips) {

@@ -15,6 +15,7 @@
 #include "checkpoints/model_io.h"
 #include "data/bpe.h"
 #include "infer/engine.h"
+#include "tests/error_of.h"
 #include "tests/infer/infer_test_util.h"
 #include "tests/test_dir.h"
 
@@ -67,15 +68,6 @@ std::unique_ptr<GPT> model_of(const Checkpoint& c) {
 }
 
 GgufFile reparsed(const GgufFile& f) { return parse_gguf(serialize_gguf(f), "test"); }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 const std::vector<int32_t> kPrompt = {7, 4, 11, 11, 14, 26, 22, 14};  // "hello wo"
 
