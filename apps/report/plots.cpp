@@ -367,32 +367,36 @@ svg::Plot uptrain_plot(const Uptrain& u, int kv) {
   return plot;
 }
 
-}  // namespace kvlab::report_detail
+// A line per variant of the paired evaluation, its points from points(v, x, y).
+static svg::Plot variant_lines(const Parsed& p, const GenQuality& g, svg::Plot plot,
+                               const std::function<void(const GenVariant&, std::vector<double>&,
+                                                        std::vector<double>&)>& points) {
+  plot.x_log2 = true;
+  for (size_t i = 0; i < g.variants.size(); ++i) {
+    svg::Series s;
+    s.label = p.variants[g.variants[i].v].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    s.line_width = 1.5;
+    points(g.variants[i], s.x, s.y);
+    plot.series.push_back(std::move(s));
+  }
+  return plot;
+}
 
-namespace kvlab::report_detail {
-
-// A line per variant over its log-spaced position buckets (each at its geometric middle).
+// Each variant over its log-spaced position buckets (each at its geometric middle).
 svg::Plot position_plot(const Parsed& p, const GenQuality& g) {
   svg::Plot plot;
   plot.title = "Loss by position in the context";
   plot.note = "mean over " + std::to_string(g.windows) + " shared validation windows and the seeds";
   plot.x_label = "position (log2 axis)";
   plot.y_label = "loss (nats/token)";
-  plot.x_log2 = true;
-  for (size_t i = 0; i < g.variants.size(); ++i) {
-    const GenVariant& v = g.variants[i];
-    svg::Series s;
-    s.label = p.variants[v.v].label();
-    s.color = svg::palette(i);
-    s.markers = true;
-    s.line_width = 1.5;
+  return variant_lines(p, g, plot, [](const GenVariant& v, auto& x, auto& y) {
     for (size_t k = 0; k < v.bucket_loss.size(); ++k) {
-      s.x.push_back(std::sqrt(static_cast<double>(v.bucket_first[k] * v.bucket_last[k])));
-      s.y.push_back(v.bucket_loss[k]);
+      x.push_back(std::sqrt(static_cast<double>(v.bucket_first[k] * v.bucket_last[k])));
+      y.push_back(v.bucket_loss[k]);
     }
-    plot.series.push_back(std::move(s));
-  }
-  return plot;
+  });
 }
 
 svg::Plot recall_plot(const Parsed& p, const GenQuality& g) {
@@ -401,22 +405,13 @@ svg::Plot recall_plot(const Parsed& p, const GenQuality& g) {
   plot.note = "random tokens repeated once: top-1 accuracy on the second copy, mean over seeds";
   plot.x_label = "distance between the copies (tokens, log2 axis)";
   plot.y_label = "top-1 accuracy";
-  plot.x_log2 = true;
   plot.y_from_zero = true;
-  for (size_t i = 0; i < g.variants.size(); ++i) {
-    const GenVariant& v = g.variants[i];
-    svg::Series s;
-    s.label = p.variants[v.v].label();
-    s.color = svg::palette(i);
-    s.markers = true;
-    s.line_width = 1.5;
+  return variant_lines(p, g, plot, [](const GenVariant& v, auto& x, auto& y) {
     for (size_t k = 0; k < v.recall.size(); ++k) {
-      s.x.push_back(static_cast<double>(v.distance[k]));
-      s.y.push_back(v.recall[k]);
+      x.push_back(static_cast<double>(v.distance[k]));
+      y.push_back(v.recall[k]);
     }
-    plot.series.push_back(std::move(s));
-  }
-  return plot;
+  });
 }
 
 }  // namespace kvlab::report_detail
