@@ -39,6 +39,7 @@ struct AblateArgs {
   double uptrain = 0;
   std::string uptrain_methods = "mean,first,random";
   double comm_timeout = 120;
+  int ranks_per_run = 1;
   std::string command;
 };
 
@@ -174,6 +175,9 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   KVLAB_USAGE_CHECK(a.sample_tokens >= 1, "--sample-tokens must be >= 1");
   KVLAB_USAGE_CHECK(a.bench_runs >= 1, "--bench-runs must be >= 1");
   cfg.seeds = a.seeds;
+  KVLAB_USAGE_CHECK(a.ranks_per_run == 1 || launched_by_mpi(), "--ranks-per-run ", a.ranks_per_run,
+                    " needs ranks: run under mpirun or srun");
+  cfg.ranks_per_run = a.ranks_per_run;
   cfg.param_matched = a.param_matched;
   cfg.kv_budget_bytes = a.kv_budget;
   cfg.kv_dtype = parse_storage_dtype(a.kv_dtype);
@@ -205,6 +209,9 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   std::shared_ptr<Communicator> comm;
   if (launched_by_mpi()) {
     comm = world_communicator(a.comm_timeout);
+    KVLAB_USAGE_CHECK(comm->world_size() % a.ranks_per_run == 0, "--ranks-per-run ",
+                      a.ranks_per_run, " does not divide the ", comm->world_size(),
+                      " ranks of this job");
     omp_set_num_threads(threads_per_rank());
     std::fprintf(stderr, "kvlab ablate: rank %d of %d on %d threads\n", comm->rank(),
                  comm->world_size(), omp_get_max_threads());
@@ -277,8 +284,14 @@ void add_ablate_command(CLI::App& root) {
                   "Conversions --uptrain compares, comma separated: mean, first, random")
       ->capture_default_str();
   add_number(cmd, "--comm-timeout", args->comm_timeout,
-             "Under mpirun or srun: seconds a rank waits for the others at the sweep's start "
-             "before the job fails naming them; at most 1e9");
+             "Under mpirun or srun: seconds a rank waits for the others (at the sweep's start, "
+             "and in a run's collectives with --ranks-per-run) before the job fails naming "
+             "them; at most 1e9");
+  cmd->add_option("--ranks-per-run", args->ranks_per_run,
+                  "Under mpirun or srun: ranks training each run data-parallel, dividing the "
+                  "job's ranks and --batch-size (each rank trains on its share of the batch)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--quick", args->quick,
                 "Smoke-test size (2 layers, n_embd 64, 300 steps): under a minute");
   cmd->callback([cmd, args] {

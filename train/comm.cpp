@@ -47,6 +47,7 @@ class LocalCommunicator final : public Communicator {
     allgatherv(mine, out, counts, what);
   }
   void barrier(std::string_view) override {}
+  std::shared_ptr<Communicator> split(int, std::string_view) override;
 };
 
 const char* env(const char* name) {
@@ -59,6 +60,10 @@ const char* env(const char* name) {
 std::shared_ptr<Communicator> local_communicator() {
   static const std::shared_ptr<Communicator> local = std::make_shared<LocalCommunicator>();
   return local;
+}
+
+std::shared_ptr<Communicator> LocalCommunicator::split(int, std::string_view) {
+  return local_communicator();
 }
 
 bool launched_by_mpi() {

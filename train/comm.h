@@ -50,6 +50,10 @@ class Communicator {
                        std::span<const int64_t> counts, int root, std::string_view what) = 0;
   virtual void barrier(std::string_view what) = 0;
 
+  // Collective: the ranks that pass the same `color` form a new communicator, ranked in this
+  // one's order, with this one's timeout (a local communicator returns itself).
+  virtual std::shared_ptr<Communicator> split(int color, std::string_view what) = 0;
+
   // Called after an error on this rank that the other ranks may not share: the process then
   // ends the whole job at exit (MPI_Abort) instead of waiting for the others in MPI_Finalize.
   virtual void fail() {}

@@ -73,6 +73,29 @@ class MpiCommunicator final : public Communicator {
   explicit MpiCommunicator(double timeout_s) : timeout_(timeout_s) {
     check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
     check(MPI_Comm_dup(MPI_COMM_WORLD, &ctrl_), "MPI_Comm_dup");
+    set_up();
+  }
+  // The ranks of `parent` with the same color (collective over parent).
+  MpiCommunicator(const MpiCommunicator& parent, int color, std::string_view what)
+      : timeout_(parent.timeout_) {
+    check(MPI_Comm_split(parent.comm_, color, parent.rank_, &comm_), what);
+    check(MPI_Comm_split(parent.ctrl_, color, parent.rank_, &ctrl_), what);
+    set_up();
+  }
+
+  std::shared_ptr<Communicator> split(int color, std::string_view what) override {
+    return std::make_shared<MpiCommunicator>(*this, color, what);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  int local_rank() const override { return local_rank_; }
+  std::string backend() const override { return "mpi"; }
+  double timeout_s() const override { return timeout_; }
+  void fail() override { g_failed = true; }
+
+ private:
+  void set_up() {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN);
     check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -85,12 +108,7 @@ class MpiCommunicator final : public Communicator {
     reply_buf_.assign(static_cast<size_t>(size_), 0);
   }
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return size_; }
-  int local_rank() const override { return local_rank_; }
-  std::string backend() const override { return "mpi"; }
-  double timeout_s() const override { return timeout_; }
-  void fail() override { g_failed = true; }
+ public:
 
   using Communicator::allreduce_mean;
 #ifdef KVLAB_WITH_NCCL

@@ -170,6 +170,9 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
   KVLAB_CHECK(problem.empty(), "ablate: ", problem);
   std::sort(cfg.kv_heads.begin(), cfg.kv_heads.end(), std::greater<>());
   KVLAB_CHECK(cfg.seeds >= 1, "ablate: --seeds must be >= 1, got ", cfg.seeds);
+  KVLAB_CHECK(cfg.ranks_per_run >= 1 && base.batch_size % cfg.ranks_per_run == 0,
+              "ablate: --ranks-per-run ", cfg.ranks_per_run, " must divide --batch-size ",
+              base.batch_size, " (each rank trains on its share of the batch)");
   if (cfg.uptrain != 0) {
     const std::string up = uptrain_problem(cfg.uptrain, base.iters, cfg.kv_heads, nh);
     KVLAB_CHECK(up.empty(), "ablate: ", up);
@@ -215,6 +218,7 @@ std::vector<TrainConfig> plan_ablation(AblateConfig& cfg) {
         c.model.q_lora_rank = cfg.mla_q_lora_rank;
       }
       c.seed = base.seed + static_cast<uint64_t>(s);
+      c.batch_size = base.batch_size / cfg.ranks_per_run;
       if (cfg.param_matched) {
         c.model.mlp_hidden = matched_hidden(c.model, target);
         const double off = std::abs(static_cast<double>(count_parameters(c.model) - target)) / target;
@@ -559,7 +563,7 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out, Communicator* comm) 
   }
   const std::vector<TrainConfig> runs = plan_ablation(cfg);
   AblateStats stats;
-  train_runs(runs, stats, comm);
+  train_runs(runs, stats, comm, cfg.ranks_per_run);
   stats.runs_total = static_cast<int>(runs.size());
   if (!rank0) {  // rank 0 measures every run and writes the report
     if (stats_out) *stats_out = stats;
@@ -584,7 +588,10 @@ json run_ablation(AblateConfig cfg, AblateStats* stats_out, Communicator* comm) 
                                   std::chrono::duration<double>(Clock::now() - t_start).count());
   results["generation_quality"] = std::move(quality);
   if (!uptrain.is_null()) results["uptrain"] = std::move(uptrain);
-  if (ranks) results["sweep"]["ranks"] = comm->world_size();
+  if (ranks) {
+    results["sweep"]["ranks"] = comm->world_size();
+    results["sweep"]["ranks_per_run"] = cfg.ranks_per_run;
+  }
   write_report(results, cfg.out_dir);
   if (stats_out) *stats_out = stats;
   return results;

@@ -27,6 +27,9 @@ struct AblateConfig {
   int64_t mla_rope_head_dim = 0;
   int64_t mla_q_lora_rank = 0;
   int seeds = 2;                  // seed index i trains with base.seed + i
+  // Under MPI: ranks training each run data-parallel (train_runs.h); the runs' batch_size is
+  // base's divided by it, each rank's share, so the sweep trains on as many tokens.
+  int ranks_per_run = 1;
   bool param_matched = false;     // widen the MLP so every variant has MHA's parameter count
   int64_t kv_budget_bytes = int64_t{1} << 30;
   DType kv_dtype = DType::F32;       // of the KV cache measured, benchmarked and sampled with

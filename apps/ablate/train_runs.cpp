@@ -7,9 +7,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <span>
 #include <thread>
 
 #include "apps/progress.h"
@@ -47,16 +49,21 @@ bool finished(const TrainConfig& c) {
   return true;
 }
 
-// Trains run c in its folder, whose lock the caller holds, resuming from last.h5. on_start
-// sees the step it starts from before the first step. Returns the steps trained.
+// Trains run c in its folder, whose lock the caller holds, resuming from last.h5, data-parallel
+// over `group` (every rank of it calls this; its rank 0 holds the lock and alone touches the
+// folder). on_start sees the step it starts from before the first step. Returns the steps
+// trained.
 int64_t train_run(const TrainConfig& c, const std::string& label, bool rank_owns_run,
+                  const std::shared_ptr<Communicator>& group,
                   const std::function<void(int64_t)>& on_start = {}) {
   const fs::path dir = c.out_dir, last = dir / "last.h5";
-  clear_checkpoint_temporaries(dir, label);
-  if (!fs::exists(last) && fs::exists(dir / "log.jsonl"))
-    std::fprintf(stderr, "%s: starting over (its log.jsonl is of a run that saved no checkpoint)\n",
-                 label.c_str());
-  Trainer trainer(c);
+  if (group->rank() == 0) {
+    clear_checkpoint_temporaries(dir, label);
+    if (!fs::exists(last) && fs::exists(dir / "log.jsonl"))
+      std::fprintf(stderr, "%s: starting over (its log.jsonl is of a run that saved no checkpoint)\n",
+                   label.c_str());
+  }
+  Trainer trainer(c, group);
   if (fs::exists(last)) {
     try {
       trainer.resume(last);
@@ -95,7 +102,7 @@ void train_serially(const std::vector<TrainConfig>& runs, AblateStats& stats) {
     // The run's own folder too, which `kvlab train --out` could be given.
     const OutputDirLock run_hold(c.out_dir, "ablate");
     const auto t0 = Clock::now();
-    stats.steps_trained += train_run(c, label, false, [&](int64_t from) {
+    stats.steps_trained += train_run(c, label, false, local_communicator(), [&](int64_t from) {
       if (from > 0) ++stats.runs_resumed;
     });
     train_s += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -132,22 +139,47 @@ std::vector<size_t> longest_first(const std::vector<TrainConfig>& runs) {
   return order;
 }
 
-// Trains run i holding its lock: the claim written first, naming this rank.
-int64_t train_claimed(const TrainConfig& c, const std::string& label, Communicator& comm) {
+// Trains run i holding its lock, with the ranks of `group`: the claim written first, naming
+// this rank.
+int64_t train_claimed(const TrainConfig& c, const std::string& label, Communicator& comm,
+                      const std::shared_ptr<Communicator>& group) {
   if (const json earlier = read_claim(c); !earlier.is_null())
     std::fprintf(stderr, "%s: left unfinished by rank %d of %d (pid %d on %s); taking it over\n",
                  label.c_str(), earlier.value("rank", -1), earlier.value("ranks", 0),
                  earlier.value("pid", 0), earlier.value("host", std::string("?")).c_str());
-  return train_run(c, label, true, [&](int64_t from) {
+  return train_run(c, label, true, group, [&](int64_t from) {
     const json claim{{"rank", comm.rank()},        {"ranks", comm.world_size()},
+                     {"ranks_per_run", group->world_size()},
                      {"host", host_name()},        {"pid", static_cast<int>(::getpid())},
                      {"from_step", from}};
     write_file_atomic(claim_file(c), claim.dump() + "\n", "ablate: the run's claim");
   });
 }
 
-void train_on_ranks(const std::vector<TrainConfig>& runs, AblateStats& stats, Communicator& comm) {
+// The runs group `group`'s rank 0 hands its other ranks (-1: none left), and whether it
+// trains them: each is trained by the whole group, data-parallel.
+void announce_run(Communicator& group, int64_t i) {
+  group.broadcast(std::as_writable_bytes(std::span<int64_t>(&i, 1)), 0, "the group's next run");
+}
+void follow_group(const std::vector<TrainConfig>& runs, Communicator& comm,
+                  const std::shared_ptr<Communicator>& group) {
+  for (;;) {
+    int64_t i = -1;
+    group->broadcast(std::as_writable_bytes(std::span<int64_t>(&i, 1)), 0, "the group's next run");
+    if (i < 0) return;
+    const TrainConfig& c = runs[static_cast<size_t>(i)];
+    train_run(c, detail::cat("rank ", comm.rank(), ": ", run_label(c, i, runs.size())), true,
+              group);
+  }
+}
+
+void train_on_ranks(const std::vector<TrainConfig>& runs, AblateStats& stats, Communicator& comm,
+                    int ranks_per_run) {
   const int rank = comm.rank();
+  // Each run is trained by a group of ranks_per_run consecutive ranks; its rank 0 claims.
+  const std::shared_ptr<Communicator> group =
+      ranks_per_run == 1 ? local_communicator() : comm.split(rank / ranks_per_run, "the run groups");
+  const bool claims = group->rank() == 0;
   // Phase 1: what finished before this sweep, seen by every rank before any trains.
   std::vector<bool> done(runs.size()), before(runs.size());
   for (size_t i = 0; i < runs.size(); ++i) done[i] = before[i] = finished(runs[i]);
@@ -155,8 +187,10 @@ void train_on_ranks(const std::vector<TrainConfig>& runs, AblateStats& stats, Co
     std::fprintf(stderr, "sweep: %lld of %zu runs finished earlier, reusing them\n",
                  static_cast<long long>(reused), runs.size());
   comm.barrier("the sweep's start");
-  // Phase 2: each free rank claims the next run nobody holds. Rank 0 stays until every run
-  // is done (a run whose rank died is free again: its lock went with the process).
+  // Phase 2: each free rank (group) claims the next run nobody holds. Rank 0 stays until
+  // every run is done (a run whose rank died is free again: its lock went with the process;
+  // rank 0 takes it over alone, so only when runs are not data-parallel).
+  if (!claims) return follow_group(runs, comm, group);
   const std::vector<size_t> order = longest_first(runs);
   for (bool waiting = false;; waiting = true) {
     bool held_elsewhere = false;
@@ -170,9 +204,13 @@ void train_on_ranks(const std::vector<TrainConfig>& runs, AblateStats& stats, Co
       if ((done[i] = finished(runs[i]))) continue;  // finished between the look and the lock
       const std::string label =
           detail::cat("rank ", rank, "/", comm.world_size(), ": ", run_label(runs[i], i, runs.size()));
-      stats.steps_trained += train_claimed(runs[i], label, comm);
+      KVLAB_CHECK(!waiting || group->world_size() == 1, "ablate: ", label,
+                  " was left unfinished by the group that held it; rerun the sweep to train it");
+      if (group->world_size() > 1) announce_run(*group, static_cast<int64_t>(i));
+      stats.steps_trained += train_claimed(runs[i], label, comm, group);
       done[i] = true;
     }
+    if (!waiting && group->world_size() > 1) announce_run(*group, -1);  // the group is done
     if (!held_elsewhere || rank != 0) break;
     if (!waiting) std::fprintf(stderr, "rank 0: waiting for the runs the other ranks hold\n");
     std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -193,11 +231,15 @@ void train_on_ranks(const std::vector<TrainConfig>& runs, AblateStats& stats, Co
 
 }  // namespace
 
-void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats, Communicator* comm) {
-  if (comm == nullptr || comm->world_size() == 1)
+void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats, Communicator* comm,
+                int ranks_per_run) {
+  const int ranks = comm == nullptr ? 1 : comm->world_size();
+  KVLAB_CHECK(ranks_per_run >= 1 && ranks % ranks_per_run == 0, "ablate: ", ranks_per_run,
+              " ranks per run for ", ranks, " ranks");
+  if (ranks == 1)
     train_serially(runs, stats);
   else
-    train_on_ranks(runs, stats, *comm);
+    train_on_ranks(runs, stats, *comm, ranks_per_run);
 }
 
 }  // namespace kvlab

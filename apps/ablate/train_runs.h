@@ -18,7 +18,10 @@ namespace kvlab {
 // is left to claim. Each rank writes <run>/.claim (rank, host, pid, first step) before it
 // trains a run: rank 0 reads the sweep's figures from them, and a rerun names the rank that
 // left a run unfinished. stats: on rank 0 the whole sweep's; elsewhere the rank's own.
+// ranks_per_run > 1 (dividing the ranks): each run is trained data-parallel by a group of that
+// many consecutive ranks, the group's first rank claiming; the runs' batch_size is then each
+// rank's (plan_ablation divides the sweep's by it).
 void train_runs(const std::vector<TrainConfig>& runs, AblateStats& stats,
-                Communicator* comm = nullptr);
+                Communicator* comm = nullptr, int ranks_per_run = 1);
 
 }  // namespace kvlab

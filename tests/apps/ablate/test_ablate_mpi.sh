@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvlab ablate over MPI ranks on one machine: a sweep under `mpirun -np 2` and `-np 3` gives
 # every run's numbers bit-identical to the serial sweep (curves, val losses, the paired
-# evaluation), each run trained once; a rank killed mid-sweep fails the job, and the rerun
+# evaluation), each run trained once; with --ranks-per-run 2 a run equals `mpirun -np 2 kvlab
+# train` of it; a rank killed mid-sweep fails the job, and the rerun
 # names the rank that left its run, reuses every finished run and trains only the rest.
 # Exits 77 (skipped) without mpirun.
 set -u
@@ -41,6 +42,32 @@ for np in 2 3; do
     same_numbers "$work/serial/results.json" "$work/np$np/results.json"
 done
 check "each run claimed once" 0 "3" -- bash -c "ls $work/np3/runs/*/.claim | wc -l"
+
+# --ranks-per-run 2: each run data-parallel over both ranks, each on half the batch, the same
+# numbers as `mpirun -np 2 kvlab train` of that run (the serial sweep's differ: another sampler
+# stream per rank, and another order of the gradient sums).
+check "-np 2 --ranks-per-run 2 sweep" 0 "sweep wall time" -- \
+  "${mpi[@]}" -np 2 "$KVLAB" "${sweep[@]}" --ranks-per-run 2 --out "$work/np2x2"
+check "--ranks-per-run 2: every run trained by both ranks" 0 "3 runs on 2 ranks" -- python3 -c "
+import glob, json
+claims = [json.load(open(f)) for f in glob.glob('$work/np2x2/runs/*/.claim')]
+assert len(claims) == 3 and all(c['ranks_per_run'] == 2 for c in claims), claims
+print(len(claims), 'runs on 2 ranks')"
+check "--ranks-per-run 2: a run equals mpirun -np 2 kvlab train" 0 "same val losses" -- bash -c "
+  ${mpi[*]} -np 2 $KVLAB train --corpus $work/corpus.txt --n-layer 1 --n-head 4 --n-kv-head 2 \
+    --n-embd 32 --block-size 32 --batch-size 2 --eval-iters 2 --iters 20 --eval-interval 10 \
+    --warmup 50 --out $work/dp2 > $work/dp2.log 2>&1 || { tail -5 $work/dp2.log; exit 1; }
+  python3 - $work/dp2/log.jsonl $work/np2x2/runs/*kv2*/log.jsonl <<'PY'
+import json, sys
+val = lambda f: [json.loads(l)['val_loss'] for l in open(f) if 'val_loss' in json.loads(l)]
+a, b = val(sys.argv[1]), val(sys.argv[2])
+assert a and a == b, (a, b)
+print('same val losses:', a)
+PY"
+check "--ranks-per-run 3 on 2 ranks is an error" 2 "does not divide" -- \
+  "${mpi[@]}" -np 2 "$KVLAB" "${sweep[@]}" --ranks-per-run 3 --out "$work/np2x3"
+check "--ranks-per-run without mpirun is an error" 2 "needs ranks" -- \
+  "$KVLAB" "${sweep[@]}" --ranks-per-run 2 --out "$work/np1x2"
 
 # A rank killed while it trains: the job fails; the rerun finishes the sweep.
 long=("${common[@]}" --iters 4000 --eval-interval 400 --kv-heads 4,2 --seeds 1)
