@@ -197,6 +197,13 @@ std::vector<std::pair<std::string, std::string>> run_facts(const json& r) {
   std::vector<std::pair<std::string, std::string>> facts;
   if (r.contains("started")) facts.emplace_back("started", text_of(r["started"]));
   if (const auto w = number(r, "wall_s")) facts.emplace_back("wall time", duration(*w));
+  const json& sweep = r.value("sweep", json::object());
+  if (const auto ranks = number(sweep, "ranks")) {
+    const auto per_run = number(sweep, "ranks_per_run");
+    facts.emplace_back("trained by", fmt("%.0f MPI ranks", *ranks) +
+                                         (per_run && *per_run > 1 ? fmt(", %.0f per run", *per_run)
+                                                                  : std::string()));
+  }
   for (const char* group : {"machine", "versions"}) {
     const json& g = r.value(group, json::object());
     if (!g.is_object() || g.empty()) continue;

@@ -41,6 +41,7 @@ for np in 2 3; do
   check "-np $np: results record the ranks" 0 "'ranks': $np" -- \
     same_numbers "$work/serial/results.json" "$work/np$np/results.json"
 done
+check "the report names the ranks" 0 "3 MPI ranks" -- cat "$work/np3/report.md"
 check "each run claimed once" 0 "3" -- bash -c "ls $work/np3/runs/*/.claim | wc -l"
 
 # --ranks-per-run 2: each run data-parallel over both ranks, each on half the batch, the same
