@@ -429,10 +429,11 @@ pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.6em;m
 .findings{background:#f4f8fc;border:1px solid #c9dcef;padding:.2em 1.2em .4em;margin:.6em 0}
 .findings h2{margin-top:.4em;border:0}.findings li{margin:.35em 0}
 .table-wrap{overflow-x:auto;margin:.8em 0}.tcap{margin:.8em 0 .2em}
-table{border-collapse:collapse;font-variant-numeric:tabular-nums}
-th,td{border:1px solid #ccc;padding:.3em .7em;text-align:right}
-th{background:#f0f0f0}td.key,th.key{text-align:left}
+table{border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:.9em}
+th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}td{white-space:nowrap}
+th{background:#f0f0f0}td.key,th.key{text-align:left;white-space:normal}
 .plots{display:flex;flex-wrap:wrap;gap:1em}figure{margin:.5em 0;max-width:760px}
+.plots figure{flex:1 1 520px;max-width:590px}
 figure svg{max-width:100%;height:auto}figcaption{font-size:.92em;color:#333}
 .samples{display:grid;gap:1em}.samples h4{margin:.2em 0}.kind{color:#666;font-size:.85em}
 dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}dd{margin:0}

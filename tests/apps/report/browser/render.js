@@ -7,7 +7,7 @@
 // check, 77 (skipped) without Chromium or playwright-core.
 //   node render.js REPORT.html [SCREENSHOT_DIR]
 // With SCREENSHOT_DIR, also writes the first screen and one PNG per section (its first
-// 1000 CSS pixels, at 0.6 device pixels per CSS pixel to keep the files small).
+// 900 CSS pixels, at 0.5 device pixels per CSS pixel to keep the files small).
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -42,7 +42,7 @@ async function main() {
   try {
     const context = await browser.newContext({
       viewport: { width: WIDTH, height: HEIGHT },
-      deviceScaleFactor: shots ? 0.6 : 1,
+      deviceScaleFactor: shots ? 0.5 : 1,
     });
     const page = await context.newPage();
     page.on("console", (m) => { if (m.type() === "error") problems.push(`console: ${m.text()}`); });
@@ -91,7 +91,7 @@ async function main() {
         await page.screenshot({
           path: path.join(shots, `${id}.png`),
           fullPage: true,
-          clip: { x: 0, y: box.y, width: WIDTH, height: Math.min(box.height, 1000) },
+          clip: { x: 0, y: box.y, width: WIDTH, height: Math.min(box.height, 900) },
         });
       }
     }
