@@ -183,17 +183,15 @@ svg::Plot cache_plot(const Parsed& p, const json& results) {
   for (const Variant& v : p.variants)
     top = std::max({top, v.get("cache_bytes_context_measured").value_or(0),
                     v.get("cache_bytes_context_formula").value_or(0)});
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (u < 3 && top >= 1024 * std::pow(1024.0, u)) ++u;
-  const double scale = std::pow(1024.0, u);
+  const ByteUnit unit = byte_unit(top);
+  const double scale = unit.scale;
   svg::Plot plot;
   plot.title = "KV-cache bytes per sequence at full context";
   const json& config = results.value("config", json::object());
   if (config.is_object() && number(config, "block_size"))
     plot.note = "context = block_size = " + fmt("%.0f", *number(config, "block_size")) + " tokens";
   plot.x_label = kv_axis_label(p);
-  plot.y_label = std::string("KV cache (") + units[u] + ")";
+  plot.y_label = std::string("KV cache (") + unit.name + ")";
   plot.x_ticks = kv_axis(p);
   plot.x_log2 = true;
   plot.y_from_zero = true;

@@ -131,6 +131,12 @@ std::string fmt(const char* format, double v);
 // counts with thousands separators ("32,768"); rates too, with a decimal under 100 ("41.5");
 // milliseconds as ms below a second, else s ("0.495 ms", "871 ms", "1.49 s"). "-" for none.
 std::string bytes(std::optional<double> b);
+// The unit bytes() shows v in, and its size in bytes (a plot's axis takes its largest value's).
+struct ByteUnit {
+  const char* name;
+  double scale;
+};
+ByteUnit byte_unit(double v);
 std::string grouped(double v);
 std::string count(std::optional<double> v);
 std::string rate(std::optional<double> v);

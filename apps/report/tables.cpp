@@ -64,16 +64,20 @@ std::string three_figures(double v) {
 }
 }  // namespace
 
+ByteUnit byte_unit(double v) {
+  static const char* const names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  if (v < 1024) return {names[0], 1};
+  double scale = 1024;
+  int u = 1;
+  // 1023.9 KiB would print as "1024 KiB": the next unit once three figures round up to it.
+  while (u < 4 && v / scale >= 1023.5) scale *= 1024, ++u;
+  return {names[u], scale};
+}
+
 std::string bytes(std::optional<double> b) {
   if (!b) return "-";
-  const double v = *b;
-  if (v < 1024) return fmt("%.0f B", v);
-  const char* units[] = {"KiB", "MiB", "GiB", "TiB"};
-  double scaled = v / 1024;
-  int u = 0;
-  // 1023.9 KiB would print as "1024 KiB": the next unit once three figures round up to it.
-  while (u < 3 && scaled >= 1023.5) scaled /= 1024, ++u;
-  return three_figures(scaled) + " " + units[u];
+  const ByteUnit u = byte_unit(*b);
+  return (u.scale == 1 ? fmt("%.0f", *b) : three_figures(*b / u.scale)) + " " + u.name;
 }
 
 std::string grouped(double v) {
