@@ -873,7 +873,7 @@ void expect_findings_match_their_tables(const Linked& l, const char* format) {
 }
 
 TEST_F(ReportFiles, EveryFigureOfTheFindingsIsTheOneItsTableShows) {
-  for (const json& r : {default_results(), fixture()}) {
+  for (const json& r : {default_results(), fixture(), mla_fixture()}) {
     write_report(r, dir_);
     const std::string html = read(dir_ / "report.html"), md = read(dir_ / "report.md");
     expect_findings_match_their_tables(html_findings(html), "html");
