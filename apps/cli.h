@@ -120,6 +120,7 @@ void add_train_command(CLI::App& root);
 void add_generate_command(CLI::App& root);
 void add_bench_command(CLI::App& root);
 void add_ablate_command(CLI::App& root);
+void add_report_command(CLI::App& root);
 void add_inspect_command(CLI::App& root);
 void add_serve_command(CLI::App& root);
 void add_convert_command(CLI::App& root);

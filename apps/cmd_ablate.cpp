@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <memory>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -297,6 +298,32 @@ void add_ablate_command(CLI::App& root) {
   cmd->callback([cmd, args] {
     args->command = command_line();
     run_ablate(cmd, *args);
+  });
+}
+
+// Rewrites an ablation's report from its results.json (after the report code changed, say)
+// without training or measuring anything again.
+void add_report_command(CLI::App& root) {
+  auto results = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  CLI::App* cmd = root.add_subcommand(
+      "report", "Write an ablation's report files again from its results.json (nothing is rerun)");
+  cmd->add_option("results", *results, "results.json of a finished `kvlab ablate`")->required();
+  cmd->add_option("--out", *out, "Output folder (default: the folder of the results file)");
+  cmd->callback([results, out] {
+    std::ifstream in(*results, std::ios::binary);
+    KVLAB_USAGE_CHECK(in.good(), "report: cannot read ", *results);
+    nlohmann::json r;
+    try {
+      r = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      KVLAB_USAGE_CHECK(false, "report: ", *results, " is not JSON: ", e.what());
+    }
+    const std::filesystem::path dir =
+        out->empty() ? std::filesystem::absolute(*results).parent_path() : std::filesystem::path(*out);
+    write_report(r, dir);
+    std::printf("%s\nreport: %s/report.html (also report.md, results.csv, *.svg)\n",
+                format_table(r).c_str(), dir.c_str());
   });
 }
 

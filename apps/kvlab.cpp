@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   kvlab::add_generate_command(app);
   kvlab::add_bench_command(app);
   kvlab::add_ablate_command(app);
+  kvlab::add_report_command(app);
   kvlab::add_inspect_command(app);
   kvlab::add_serve_command(app);
   kvlab::add_convert_command(app);

@@ -7,7 +7,8 @@
 # (tests/data/tiktoken), the reference for the BPE tokenizer's ids and encode speed,
 # Hugging Face's tokenizers (bench/hf_tokenizers), the baseline of BPE training speed, and
 # node-llama-cpp (tests/infer/llama_cpp), whose prebuilt CPU binaries of llama.cpp run
-# kvlab's GGUF exports.
+# kvlab's GGUF exports, and Debian's chromium with playwright-core (tests/apps/report/browser),
+# which renders an ablation's report.html headless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +23,7 @@ for arg in "$@"; do
   case "$arg" in
     --tests)
       with_tests=1
-      packages+=(python3 python3-numpy python3-h5py python3-regex python3-torch)
+      packages+=(python3 python3-numpy python3-h5py python3-regex python3-torch chromium)
       # A Node.js already on PATH is kept: NodeSource's bundles npm and conflicts with Debian's.
       command -v node >/dev/null || packages+=(nodejs)
       command -v npm >/dev/null || packages+=(npm)
@@ -48,18 +49,20 @@ fi
 # The npm packages the tests and benchmarks drive, each pinned by its folder's
 # package-lock.json: the openai client, tiktoken, tokenizers (0.23.2 carries its native
 # binaries inside the package; 0.13.3's separate ones were never published for linux-x64)
-# and node-llama-cpp; reinstalled when the lock file is newer than the installed package.
+# node-llama-cpp and playwright-core (which drives the chromium package: it downloads no
+# browser of its own); reinstalled when the lock file is newer than the installed package.
 # node-llama-cpp's prebuilt binaries come with the package: its postinstall step is told not
 # to download or build llama.cpp (the tests run it with build: "never").
 for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken \
-  bench/hf_tokenizers:tokenizers tests/infer/llama_cpp:node-llama-cpp; do
+  bench/hf_tokenizers:tokenizers tests/infer/llama_cpp:node-llama-cpp \
+  tests/apps/report/browser:playwright-core; do
   folder=${pair%%:*}
   package=${pair##*:}
   if [ "$with_tests" -eq 1 ] &&
     { [ ! -f "$folder/node_modules/$package/package.json" ] ||
       [ "$folder/package-lock.json" -nt "$folder/node_modules/$package/package.json" ]; }; then
     echo "setup: installing the $package npm package in $folder"
-    NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm ci --prefix "$folder" --no-audit --no-fund --loglevel=error
+    NODE_LLAMA_CPP_SKIP_DOWNLOAD=true PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --prefix "$folder" --no-audit --no-fund --loglevel=error
   fi
 done
 

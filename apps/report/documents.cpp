@@ -212,7 +212,7 @@ std::vector<std::pair<std::string, std::string>> run_facts(const json& r) {
     facts.emplace_back(group, line);
   }
   if (const auto b = number(r, "kv_budget_bytes"))
-    facts.emplace_back("KV budget", fmt("%.0f", *b) + " bytes (" + bytes(b, Bytes::human) + ")");
+    facts.emplace_back("KV budget", fmt("%.0f", *b) + " bytes (" + bytes(b) + ")");
   if (const auto d = number(r, "dtype_bytes"))
     facts.emplace_back("cache element size", fmt("%.0f", *d) + " bytes");
   if (r.contains("param_matched"))
@@ -230,68 +230,180 @@ std::string title(const Parsed& p) {
 
 bool has_config(const json& r) { return r.value("config", json()).is_object(); }
 
+// The report's body as one outline that the Markdown and HTML pages both render, so the two
+// keep one order: sections of tables, each followed by the figures that illustrate it, notes
+// and finding lists. Tables and figures are numbered in that order.
+struct Item {
+  enum Kind { paragraph, table, figure, bullets, subheading } kind;
+  std::string text;  // a paragraph, a table's caption, a subheading; a figure's name
+  Table t;
+  std::vector<std::string> list;
+  std::string id;  // a subheading's anchor
+};
+
+struct Section {
+  std::string id, heading;
+  std::vector<Item> items;
+  void para(std::string s) { items.push_back({Item::paragraph, std::move(s), {}, {}, {}}); }
+  void table(Table t, std::string caption) {
+    items.push_back({Item::table, std::move(caption), std::move(t), {}, {}});
+  }
+  void figure(const std::vector<Figure>& figs, const std::string& name) {
+    for (const Figure& f : figs)
+      if (f.name == name) items.push_back({Item::figure, name, {}, {}, {}});
+  }
+  void bullets(std::vector<std::string> l) {
+    if (!l.empty()) items.push_back({Item::bullets, {}, {}, std::move(l), {}});
+  }
+  void subheading(std::string s, std::string id) {
+    items.push_back({Item::subheading, std::move(s), {}, {}, std::move(id)});
+  }
+};
+
+std::vector<Section> outline(const Parsed& p, const std::vector<Verdict>& vs,
+                             const std::vector<Figure>& figs) {
+  std::vector<Section> out;
+  {
+    Section s{"results", "Loss, cache and speed", {}};
+    s.table(record_table(p),
+            "Each variant's KV cache at full context (measured and by the formula), decode "
+            "speed with the cache, and final validation loss (mean ± std over seeds).");
+    for (const char* f : {"val_loss_curves", "val_loss_curves_vs_mha", "val_loss_vs_kv",
+                          "cache_bytes_vs_kv"})
+      s.figure(figs, f);
+    s.subheading("Verdicts (val loss, mean ± std over seeds)", "verdicts");
+    std::vector<std::string> lines;
+    for (const Verdict& v : vs) lines.push_back(v.text);
+    s.bullets(std::move(lines));
+    s.table(detail_table(p),
+            "Parameters, bits per token and byte, cache bytes per token and per byte of text, "
+            "full-context sequences in the KV budget, and decode latency.");
+    s.figure(figs, "tokens_per_s_vs_kv");
+    out.push_back(std::move(s));
+  }
+  if (auto t = mla_table(p)) {
+    Section s{"mla", "MLA against GQA at equal cache bytes", {}};
+    s.table(std::move(*t), "Each MLA rank beside the n_kv_head variant nearest in bytes.");
+    s.para(kMlaNote);
+    s.bullets(mla_findings(p));
+    out.push_back(std::move(s));
+  }
+  if (auto t = memory_table(p)) {
+    Section s{"memory", "KV memory under a serving workload", {}};
+    s.table(std::move(*t), "Sequences held at one KV memory, paged against contiguous caches.");
+    s.para(kMemoryNote);
+    out.push_back(std::move(s));
+  }
+  if (auto t = serving_table(p)) {
+    Section s{"serving", "Serving it", {}};
+    s.table(std::move(*t), "Serving the workload: continuous against static batching.");
+    s.para(kServingNote);
+    s.figure(figs, "served_vs_rate");
+    s.figure(figs, "ttft_p99_vs_rate");
+    s.bullets(serving_findings(p));
+    out.push_back(std::move(s));
+  }
+  if (auto t = quality_table(p)) {
+    Section s{"quality", "What each cache dtype costs: the memory-quality frontier", {}};
+    s.table(std::move(*t), "Every variant read through every cache dtype, against its f32 cache.");
+    s.para(kQualityNote);
+    s.figure(figs, "val_loss_vs_cache_bytes");
+    s.figure(figs, "kl_vs_cache_bytes");
+    s.bullets(quality_findings(p));
+    out.push_back(std::move(s));
+  }
+  if (p.uptrain) {
+    Section s{"uptrain", "Uptraining converted checkpoints (the GQA paper's recipe)", {}};
+    s.table(uptrain_table(*p.uptrain), "Converted and uptrained against trained from scratch.");
+    s.para(uptrain_note(*p.uptrain));
+    for (const int kv : uptrain_kvs(*p.uptrain)) s.figure(figs, "uptrain_kv" + std::to_string(kv));
+    s.bullets(uptrain_findings(*p.uptrain));
+    out.push_back(std::move(s));
+  }
+  if (p.gen) {
+    Section s{"generation", "Generation quality: paired on shared windows", {}};
+    s.table(generation_table(p, *p.gen), "Every variant scored on the same windows.");
+    s.para(kGenerationNote);
+    s.figure(figs, "loss_by_position");
+    s.figure(figs, "recall_by_distance");
+    s.table(paired_table(p, *p.gen), "Each pair's paired loss difference and both verdicts.");
+    s.bullets(generation_findings(p, *p.gen));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// "Table 2", "Figure 3", "the verdicts" by the id a finding links to.
+std::map<std::string, std::string> labels(const std::vector<Section>& sections) {
+  std::map<std::string, std::string> out;
+  int tables = 0, figures = 0;
+  for (const Section& s : sections)
+    for (const Item& it : s.items) {
+      if (it.kind == Item::table) out[it.t.id] = "Table " + std::to_string(++tables);
+      if (it.kind == Item::figure) out["fig-" + it.text] = "Figure " + std::to_string(++figures);
+      if (it.kind == Item::subheading) out[it.id] = "verdicts";
+    }
+  return out;
+}
+
+const Figure& figure_named(const std::vector<Figure>& figs, const std::string& name) {
+  return *std::find_if(figs.begin(), figs.end(), [&](const Figure& f) { return f.name == name; });
+}
+
+// Plot titles carry no markup: the first <text> of the SVG is its title.
+std::string plot_title(const Figure& f) {
+  const auto open = f.svg.find('>', f.svg.find("<text"));
+  const auto close = f.svg.find("</text>", open);
+  return open == std::string::npos || close == std::string::npos ? f.name
+                                                                  : f.svg.substr(open + 1, close - open - 1);
+}
+
 std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verdict>& vs,
-                          bool with_png) {
+                          const std::vector<Figure>& figs, bool with_png) {
+  const std::vector<Section> sections = outline(p, vs, figs);
+  const std::map<std::string, std::string> label = labels(sections);
   std::ostringstream md;
   md << "# kvlab ablate: " << title(p) << "\n\n";
   if (r.contains("command")) md << "Command: " << md_escape(text_of(r["command"])) << "\n\n";
+  md << "<a id=\"findings\"></a>\n\n## Findings\n\n";
+  for (const Finding& f : findings(p)) {
+    md << "- " << md_escape(f.text) << " (";
+    for (std::size_t i = 0; i < f.links.size(); ++i)
+      md << (i ? ", " : "") << "[" << label.at(f.links[i]) << "](#" << f.links[i] << ")";
+    md << ")\n";
+  }
+  md << "\n## The run\n\n";
   for (const auto& [k, v] : run_facts(r)) md << "- " << k << ": " << md_escape(v) << '\n';
-  if (has_config(r)) {
-    md << "\n## Configuration\n\n| key | value |\n|---|---|\n";
-    for (const auto& [k, v] : r["config"].items())
-      md << "| " << md_escape(k) << " | " << md_escape(text_of(v)) << " |\n";
+  for (const Section& s : sections) {
+    md << "\n<a id=\"" << s.id << "\"></a>\n\n## " << md_escape(s.heading) << "\n";
+    for (const Item& it : s.items) {
+      switch (it.kind) {
+        case Item::paragraph: md << '\n' << md_escape(it.text) << '\n'; break;
+        case Item::subheading:
+          md << "\n<a id=\"" << it.id << "\"></a>\n\n### " << md_escape(it.text) << '\n';
+          break;
+        case Item::bullets:
+          md << '\n';
+          for (const std::string& b : it.list) md << "- " << md_escape(b) << '\n';
+          break;
+        case Item::table:
+          md << "\n<a id=\"" << it.t.id << "\"></a>\n\n**" << label.at(it.t.id) << ".** "
+             << md_escape(it.text) << "\n\n"
+             << render_markdown(it.t);
+          break;
+        case Item::figure: {
+          const Figure& f = figure_named(figs, it.text);
+          md << "\n<a id=\"fig-" << f.name << "\"></a>\n\n![" << md_escape(plot_title(f)) << "]("
+             << f.name << ".svg)\n\n*" << label.at("fig-" + f.name) << ".* " << md_escape(f.caption)
+             << " ([" << f.name << ".svg](" << f.name << ".svg)";
+          if (with_png) md << " · [" << f.name << ".png](" << f.name << ".png)";
+          md << ")\n";
+          break;
+        }
+      }
+    }
   }
-  md << "\n## Results\n\n"
-     << render_markdown(record_table(p, Bytes::exact)) << '\n'
-     << render_markdown(detail_table(p, Bytes::exact)) << "\nCache bytes are exact bytes.\n";
-  if (const auto t = mla_table(p, Bytes::exact)) {
-    md << "\n## MLA against GQA at equal cache bytes\n\n"
-       << render_markdown(*t) << '\n'
-       << kMlaNote << '\n';
-    for (const std::string& f : mla_findings(p)) md << "\n- " << md_escape(f);
-    md << '\n';
-  }
-  if (const auto m = memory_table(p, Bytes::exact))
-    md << "\n## KV memory under a serving workload\n\n"
-       << render_markdown(*m) << '\n'
-       << kMemoryNote << '\n';
-  if (const auto t = serving_table(p)) {
-    md << "\n## Serving it\n\n" << render_markdown(*t) << '\n' << kServingNote << '\n';
-    for (const std::string& f : serving_findings(p)) md << "\n- " << md_escape(f);
-    md << '\n';
-  }
-  if (const auto t = quality_table(p)) {
-    md << "\n## What each cache dtype costs: the memory-quality frontier\n\n"
-       << render_markdown(*t) << '\n'
-       << kQualityNote << '\n';
-    for (const std::string& f : quality_findings(p)) md << "\n- " << md_escape(f);
-    md << '\n';
-  }
-  if (p.uptrain) {
-    md << "\n## Uptraining converted checkpoints (the GQA paper's recipe)\n\n"
-       << render_markdown(uptrain_table(*p.uptrain)) << '\n'
-       << md_escape(uptrain_note(*p.uptrain)) << '\n';
-    for (const std::string& f : uptrain_findings(*p.uptrain)) md << "\n- " << md_escape(f);
-    md << '\n';
-  }
-  if (p.gen) {
-    md << "\n## Generation quality: paired on shared windows\n\n"
-       << render_markdown(generation_table(p, *p.gen)) << '\n'
-       << kGenerationNote << "\n\n"
-       << render_markdown(paired_table(p, *p.gen)) << '\n';
-    for (const std::string& f : generation_findings(p, *p.gen)) md << "\n- " << md_escape(f);
-    md << '\n';
-  }
-  md << "\n## Verdicts (val loss, mean ± std over seeds)\n\n";
-  for (const Verdict& v : vs) md << "- " << md_escape(v.text) << '\n';
-  md << "\n## Plots\n\n";
-  for (const std::string& name : plot_names(p)) {
-    md << "![" << name << name << "](" << name << ".svg)\n\n[" << name << ".svg](" << name
-       << ".svg)";
-    if (with_png) md << " · [" << name << ".png](" << name << ".png)";
-    md << "\n\n";
-  }
-  md << "## Samples\n";
+  md << "\n## Samples\n";
   for (const auto& [prompt, cells] : samples_by_prompt(p)) {
     md << "\n### Prompt: " << md_escape(prompt) << "\n\n|  |";
     for (const Variant& v : p.variants) md << ' ' << md_escape(v.label()) << " |";
@@ -305,77 +417,94 @@ std::string make_markdown(const json& r, const Parsed& p, const std::vector<Verd
          << " |";
     md << '\n';
   }
-  md << "\nAlso: results.json (everything), results.csv (one row per variant), report.html.\n";
+  if (has_config(r)) {
+    md << "\n## Configuration\n\n| key | value |\n|---|---|\n";
+    for (const auto& [k, v] : r["config"].items())
+      md << "| " << md_escape(k) << " | " << md_escape(text_of(v)) << " |\n";
+  }
+  md << "\nAlso: results.json (everything, exact values), results.csv (one row per variant), "
+        "report.html.\n";
   return md.str();
 }
 
 const char* kCss =
     R"(body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:1200px;
-margin:2em auto;padding:0 1em;color:#222;line-height:1.4}
-h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
+margin:1.2em auto;padding:0 1em;color:#222;line-height:1.4}
+h1{font-size:1.6em;margin:.2em 0 .3em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 code,pre{font-family:"DejaVu Sans Mono",Menlo,Consolas,monospace;font-size:.9em}
 pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.6em;margin:.2em 0 .8em}
-table{border-collapse:collapse;margin:.8em 0}
-th,td{border:1px solid #ccc;padding:.3em .7em;text-align:right}
-th{background:#f0f0f0}td.key,th.key{text-align:left}
-.plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}
+.findings{background:#f4f8fc;border:1px solid #c9dcef;padding:.2em 1.2em .4em;margin:.6em 0}
+.findings h2{margin-top:.4em;border:0}.findings li{margin:.35em 0}
+.table-wrap{overflow-x:auto;margin:.8em 0}.tcap{margin:.8em 0 .2em}
+table{border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:.9em}
+th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}td{white-space:nowrap}
+th{background:#f0f0f0}td.key,th.key{text-align:left;white-space:normal}
+.plots{display:flex;flex-wrap:wrap;gap:1em}figure{margin:.5em 0;max-width:760px}
+.plots figure{flex:1 1 520px;max-width:590px}
+figure svg{max-width:100%;height:auto}figcaption{font-size:.92em;color:#333}
 .samples{display:grid;gap:1em}.samples h4{margin:.2em 0}.kind{color:#666;font-size:.85em}
 dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}dd{margin:0}
+@media print{body{max-width:none;margin:0;padding:0;font-size:10pt}
+.table-wrap{overflow:visible}table,figure,.findings,pre,.tcap{break-inside:avoid;page-break-inside:avoid}
+h2,h3,.tcap{break-after:avoid;page-break-after:avoid}.plots{display:block}
+a{color:inherit;text-decoration:none}.samples{display:block}}
 )";
 
 std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>& vs,
-                      const std::vector<std::string>& svgs) {
+                      const std::vector<Figure>& figs) {
   auto e = [](const std::string& s) { return svg::escape_xml(s); };
+  const std::vector<Section> sections = outline(p, vs, figs);
+  const std::map<std::string, std::string> label = labels(sections);
   std::ostringstream h;
   h << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+    << "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
     << "<title>kvlab ablate report</title>\n<style>\n"
     << kCss << "</style>\n</head>\n<body>\n"
     << "<h1>kvlab ablate: " << title(p) << "</h1>\n";
   if (r.contains("command")) h << "<p><code>" << e(text_of(r["command"])) << "</code></p>\n";
-  h << "<dl>\n";
+  h << "<section id=\"findings\" class=\"findings\">\n<h2>Findings</h2>\n<ul>\n";
+  for (const Finding& f : findings(p)) {
+    h << "<li>" << e(f.text) << " (";
+    for (std::size_t i = 0; i < f.links.size(); ++i)
+      h << (i ? ", " : "") << "<a href=\"#" << f.links[i] << "\">" << label.at(f.links[i])
+        << "</a>";
+    h << ")</li>\n";
+  }
+  h << "</ul>\n</section>\n<h2>The run</h2>\n<dl>\n";
   for (const auto& [k, v] : run_facts(r)) h << "<dt>" << e(k) << "</dt><dd>" << e(v) << "</dd>\n";
-  h << "</dl>\n<h2>Results</h2>\n"
-    << render_html(record_table(p, Bytes::exact)) << render_html(detail_table(p, Bytes::exact))
-    << "<p>Cache bytes are exact bytes.</p>\n";
-  if (const auto t = mla_table(p, Bytes::exact)) {
-    h << "<h2>MLA against GQA at equal cache bytes</h2>\n"
-      << render_html(*t) << "<p>" << kMlaNote << "</p>\n<ul>\n";
-    for (const std::string& f : mla_findings(p)) h << "<li>" << e(f) << "</li>\n";
-    h << "</ul>\n";
+  h << "</dl>\n";
+  for (const Section& s : sections) {
+    h << "<section id=\"" << s.id << "\">\n<h2>" << e(s.heading) << "</h2>\n";
+    bool in_plots = false;  // adjacent figures share one row
+    for (const Item& it : s.items) {
+      if (in_plots && it.kind != Item::figure) h << "</div>\n", in_plots = false;
+      switch (it.kind) {
+        case Item::paragraph: h << "<p>" << e(it.text) << "</p>\n"; break;
+        case Item::subheading: h << "<h3 id=\"" << it.id << "\">" << e(it.text) << "</h3>\n"; break;
+        case Item::bullets:
+          h << "<ul>\n";
+          for (const std::string& b : it.list) h << "<li>" << e(b) << "</li>\n";
+          h << "</ul>\n";
+          break;
+        case Item::table:
+          h << "<div class=\"table-wrap\">\n<p class=\"tcap\"><b>" << label.at(it.t.id) << ".</b> "
+            << e(it.text) << "</p>\n"
+            << render_html(it.t) << "</div>\n";
+          break;
+        case Item::figure: {
+          if (!in_plots) h << "<div class=\"plots\">\n", in_plots = true;
+          const Figure& f = figure_named(figs, it.text);
+          h << "<figure id=\"fig-" << f.name << "\">\n"
+            << f.svg << "<figcaption><b>" << label.at("fig-" + f.name) << ".</b> " << e(f.caption)
+            << "</figcaption>\n</figure>\n";
+          break;
+        }
+      }
+    }
+    if (in_plots) h << "</div>\n";
+    h << "</section>\n";
   }
-  if (const auto m = memory_table(p, Bytes::exact))
-    h << "<h2>KV memory under a serving workload</h2>\n"
-      << render_html(*m) << "<p>" << kMemoryNote << "</p>\n";
-  if (const auto t = serving_table(p)) {
-    h << "<h2>Serving it</h2>\n" << render_html(*t) << "<p>" << kServingNote << "</p>\n<ul>\n";
-    for (const std::string& f : serving_findings(p)) h << "<li>" << e(f) << "</li>\n";
-    h << "</ul>\n";
-  }
-  if (const auto t = quality_table(p)) {
-    h << "<h2>What each cache dtype costs: the memory-quality frontier</h2>\n"
-      << render_html(*t) << "<p>" << kQualityNote << "</p>\n<ul>\n";
-    for (const std::string& f : quality_findings(p)) h << "<li>" << e(f) << "</li>\n";
-    h << "</ul>\n";
-  }
-  if (p.uptrain) {
-    h << "<h2>Uptraining converted checkpoints (the GQA paper's recipe)</h2>\n"
-      << render_html(uptrain_table(*p.uptrain)) << "<p>" << e(uptrain_note(*p.uptrain))
-      << "</p>\n<ul>\n";
-    for (const std::string& f : uptrain_findings(*p.uptrain)) h << "<li>" << e(f) << "</li>\n";
-    h << "</ul>\n";
-  }
-  if (p.gen) {
-    h << "<h2>Generation quality: paired on shared windows</h2>\n"
-      << render_html(generation_table(p, *p.gen)) << "<p>" << kGenerationNote << "</p>\n"
-      << render_html(paired_table(p, *p.gen)) << "<ul>\n";
-    for (const std::string& f : generation_findings(p, *p.gen)) h << "<li>" << e(f) << "</li>\n";
-    h << "</ul>\n";
-  }
-  h << "<h2>Verdicts</h2>\n<p>Val loss, mean ± std over seeds.</p>\n<ul>\n";
-  for (const Verdict& v : vs) h << "<li>" << e(v.text) << "</li>\n";
-  h << "</ul>\n<h2>Plots</h2>\n<div class=\"plots\">\n";
-  for (const std::string& s : svgs) h << "<figure>\n" << s << "</figure>\n";
-  h << "</div>\n<h2>Samples</h2>\n";
+  h << "<section id=\"samples\">\n<h2>Samples</h2>\n";
   for (const auto& [prompt, cells] : samples_by_prompt(p)) {
     h << "<h3>Prompt: <code>" << e(prompt) << "</code></h3>\n<div class=\"samples\" "
       << "style=\"grid-template-columns:repeat(" << cells.size() << ",minmax(0,1fr))\">\n";
@@ -385,12 +514,13 @@ std::string make_html(const json& r, const Parsed& p, const std::vector<Verdict>
         << e(sampled_label(cells[i])) << "</div><pre>" << e(cells[i].sampled) << "</pre></div>\n";
     h << "</div>\n";
   }
+  h << "</section>\n";
   if (has_config(r)) {
-    h << "<h2>Configuration</h2>\n<table>\n";
+    h << "<section id=\"configuration\">\n<h2>Configuration</h2>\n<table>\n";
     for (const auto& [k, v] : r["config"].items())
       h << "<tr><td class=\"key\">" << e(k) << "</td><td class=\"key\">" << e(text_of(v))
         << "</td></tr>\n";
-    h << "</table>\n";
+    h << "</table>\n</section>\n";
   }
   h << "</body>\n</html>\n";
   return h.str();
@@ -448,31 +578,13 @@ void write_report(const nlohmann::json& results, const std::filesystem::path& ou
   write_file_atomic(out_dir / "results.json",
                     results.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
   write_file_atomic(out_dir / "results.csv", make_csv(p));
-  const std::vector<std::string> names = plot_names(p);
-  std::vector<std::string> svgs = {svg::render(curves_plot(p)), svg::render(loss_vs_kv_plot(p)),
-                                   svg::render(cache_plot(p, results)), svg::render(speed_plot(p))};
-  if (!sweep_of(p.variants.front()).empty()) {
-    svgs.push_back(svg::render(serving_plot(p, false)));
-    svgs.push_back(svg::render(serving_plot(p, true)));
-  }
-  if (!quality_points(p).empty()) {
-    svgs.push_back(svg::render(quality_plot(p, false)));
-    svgs.push_back(svg::render(quality_plot(p, true)));
-  }
-  if (p.uptrain)
-    for (const int kv : uptrain_kvs(*p.uptrain))
-      svgs.push_back(svg::render(uptrain_plot(*p.uptrain, kv)));
-  if (p.gen) {
-    svgs.push_back(svg::render(position_plot(p, *p.gen)));
-    svgs.push_back(svg::render(recall_plot(p, *p.gen)));
-  }
-  for (std::size_t i = 0; i < svgs.size(); ++i)
-    write_file_atomic(out_dir / (names[i] + ".svg"), svgs[i]);
-  write_file_atomic(out_dir / "report.md", make_markdown(results, p, vs, rsvg.has_value()));
-  write_file_atomic(out_dir / "report.html", make_html(results, p, vs, svgs));
+  const std::vector<Figure> figs = figures(p, results);
+  for (const Figure& f : figs) write_file_atomic(out_dir / (f.name + ".svg"), f.svg);
+  write_file_atomic(out_dir / "report.md", make_markdown(results, p, vs, figs, rsvg.has_value()));
+  write_file_atomic(out_dir / "report.html", make_html(results, p, vs, figs));
   if (rsvg)
-    for (const std::string& name : names)
-      svg_to_png(*rsvg, out_dir / (name + ".svg"), out_dir / (name + ".png"));
+    for (const Figure& f : figs)
+      svg_to_png(*rsvg, out_dir / (f.name + ".svg"), out_dir / (f.name + ".png"));
 }
 
 }  // namespace kvlab

@@ -53,28 +53,28 @@ const char* kv_axis_label(const Parsed& p) {
                      : "n_kv_head (log2 axis)";
 }
 
-}  // namespace
-
-// The report's plots, by file name; the serving plots where the results hold a sweep.
-std::vector<std::string> plot_names(const Parsed& p) {
-  std::vector<std::string> names = {"val_loss_curves", "val_loss_vs_kv", "cache_bytes_vs_kv",
-                                    "tokens_per_s_vs_kv"};
-  if (!sweep_of(p.variants.front()).empty()) {
-    names.push_back("served_vs_rate");
-    names.push_back("ttft_p99_vs_rate");
+// A variant's mean validation curve: step -> mean over the seeds, at the steps every seed
+// reported (so the mean never mixes different sets of seeds).
+std::map<double, double> mean_curve(const Variant& v) {
+  std::map<double, std::pair<double, int>> by_step;  // step -> (sum, seeds reporting it)
+  int curves = 0;
+  for (const json& run : v.j->value("runs", json::array())) {
+    const json curve = run.is_object() ? run.value("curve", json::array()) : json::array();
+    if (!curve.is_array() || curve.empty()) continue;
+    ++curves;
+    for (const json& pt : curve) {
+      const auto step = pt.is_object() ? number(pt, "step") : std::nullopt;
+      const auto loss = pt.is_object() ? number(pt, "val_loss") : std::nullopt;
+      if (step && loss) by_step[*step].first += *loss, by_step[*step].second += 1;
+    }
   }
-  if (!quality_points(p).empty()) {
-    names.push_back("val_loss_vs_cache_bytes");
-    names.push_back("kl_vs_cache_bytes");
-  }
-  if (p.uptrain)
-    for (const int kv : uptrain_kvs(*p.uptrain)) names.push_back("uptrain_kv" + std::to_string(kv));
-  if (p.gen) {
-    names.push_back("loss_by_position");
-    names.push_back("recall_by_distance");
-  }
-  return names;
+  std::map<double, double> out;
+  for (const auto& [step, acc] : by_step)
+    if (acc.second == curves) out[step] = acc.first / curves;
+  return out;
 }
+
+}  // namespace
 
 svg::Plot curves_plot(const Parsed& p) {
   svg::Plot plot;
@@ -85,8 +85,6 @@ svg::Plot curves_plot(const Parsed& p) {
   std::vector<svg::Series> means;
   for (std::size_t i = 0; i < p.variants.size(); ++i) {
     const Variant& v = p.variants[i];
-    std::map<double, std::pair<double, int>> by_step;  // step -> (sum, seeds reporting it)
-    int curves = 0;
     for (const json& run : v.j->value("runs", json::array())) {
       const json curve = run.is_object() ? run.value("curve", json::array()) : json::array();
       if (!curve.is_array() || curve.empty()) continue;
@@ -101,23 +99,58 @@ svg::Plot curves_plot(const Parsed& p) {
         if (!step || !loss) continue;
         s.x.push_back(*step);
         s.y.push_back(*loss);
-        by_step[*step].first += *loss;
-        by_step[*step].second += 1;
       }
       plot.series.push_back(std::move(s));
-      ++curves;
     }
     svg::Series mean;
     mean.label = v.label();
     mean.color = svg::palette(i);
     mean.line_width = 2.5;
     mean.css_class = "mean";
-    // Only steps every seed reported, so the mean never mixes different sets of seeds.
-    for (const auto& [step, acc] : by_step)
-      if (acc.second == curves) mean.x.push_back(step), mean.y.push_back(acc.first / curves);
+    for (const auto& [step, loss] : mean_curve(v)) mean.x.push_back(step), mean.y.push_back(loss);
     means.push_back(std::move(mean));
   }
   for (auto& m : means) plot.series.push_back(std::move(m));  // drawn last, on top
+  return plot;
+}
+
+// The second half of training, each variant's mean curve minus MHA's at the same steps: on the
+// full curves the variants' differences are a few pixels under the early drop.
+std::optional<svg::Plot> curves_vs_mha_plot(const Parsed& p) {
+  const Variant* mha = mha_of(p);
+  if (mha == nullptr || p.variants.size() < 2) return std::nullopt;
+  const std::map<double, double> ref = mean_curve(*mha);
+  if (ref.size() < 2) return std::nullopt;
+  const double from = ref.rbegin()->first / 2;
+  svg::Plot plot;
+  plot.title = "Validation loss minus MHA's, second half of training";
+  plot.note = "mean across seeds; above 0: worse than MHA";
+  plot.x_label = "step";
+  plot.y_label = "val loss - MHA's (nats/token)";
+  plot.y_from_zero = true;
+  svg::Series zero;
+  zero.label = mha->label();
+  zero.color = "#999999";
+  zero.dashed = true;
+  zero.line_width = 1.0;
+  zero.x = {from, ref.rbegin()->first};
+  zero.y = {0, 0};
+  plot.series.push_back(std::move(zero));
+  for (std::size_t i = 0; i < p.variants.size(); ++i) {
+    if (&p.variants[i] == mha) continue;
+    svg::Series s;
+    s.label = p.variants[i].label();
+    s.color = svg::palette(i);
+    s.markers = true;
+    s.line_width = 2.0;
+    for (const auto& [step, loss] : mean_curve(p.variants[i])) {
+      const auto at = ref.find(step);
+      if (step < from || at == ref.end()) continue;
+      s.x.push_back(step);
+      s.y.push_back(loss - at->second);
+    }
+    plot.series.push_back(std::move(s));
+  }
   return plot;
 }
 
@@ -150,17 +183,15 @@ svg::Plot cache_plot(const Parsed& p, const json& results) {
   for (const Variant& v : p.variants)
     top = std::max({top, v.get("cache_bytes_context_measured").value_or(0),
                     v.get("cache_bytes_context_formula").value_or(0)});
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (u < 3 && top >= 1024 * std::pow(1024.0, u)) ++u;
-  const double scale = std::pow(1024.0, u);
+  const ByteUnit unit = byte_unit(top);
+  const double scale = unit.scale;
   svg::Plot plot;
   plot.title = "KV-cache bytes per sequence at full context";
   const json& config = results.value("config", json::object());
   if (config.is_object() && number(config, "block_size"))
     plot.note = "context = block_size = " + fmt("%.0f", *number(config, "block_size")) + " tokens";
   plot.x_label = kv_axis_label(p);
-  plot.y_label = std::string("KV cache (") + units[u] + ")";
+  plot.y_label = std::string("KV cache (") + unit.name + ")";
   plot.x_ticks = kv_axis(p);
   plot.x_log2 = true;
   plot.y_from_zero = true;
@@ -412,6 +443,63 @@ svg::Plot recall_plot(const Parsed& p, const GenQuality& g) {
       y.push_back(v.recall[k]);
     }
   });
+}
+
+// Every plot of the results, rendered, with what to look at in it; in the order the report
+// shows them.
+std::vector<Figure> figures(const Parsed& p, const json& results) {
+  std::vector<Figure> out;
+  const auto add = [&](std::string name, const svg::Plot& plot, std::string caption) {
+    out.push_back({std::move(name), svg::render(plot), std::move(caption)});
+  };
+  add("val_loss_curves", curves_plot(p),
+      "Validation loss over training, thin lines each seed, bold their mean. Look at whether the "
+      "bold lines part by the end, and by more than the thin lines of one variant spread.");
+  if (const auto diff = curves_vs_mha_plot(p))
+    add("val_loss_curves_vs_mha", *diff,
+        "The same means over the second half of training, minus MHA's at each step (above 0: "
+        "worse than MHA). Look at the last steps: whether a gap holds steady or closes as "
+        "training goes on; its end is near the Δ val loss column.");
+  add("val_loss_vs_kv", loss_vs_kv_plot(p),
+      "Final val loss against n_kv_head, bars one std over seeds. Where bars overlap, the seeds "
+      "do not rank the variants.");
+  add("cache_bytes_vs_kv", cache_plot(p, results),
+      "KV-cache bytes of one full-context sequence, measured (solid) and by the formula "
+      "(dashed). Look at the slope: bytes scale with n_kv_head, and the dashed line on the "
+      "solid one means the cache holds exactly the formula's bytes.");
+  add("tokens_per_s_vs_kv", speed_plot(p),
+      "Decode tokens/s with and without the KV cache (the median of the timed runs, on a "
+      "shared host). Look at the gap between the two lines: what the cache buys.");
+  if (!sweep_of(p.variants.front()).empty()) {
+    add("served_vs_rate", serving_plot(p, false),
+        "Requests served against requests offered at one KV memory; dashed: served = offered. "
+        "Look at where each variant leaves the diagonal: its capacity.");
+    add("ttft_p99_vs_rate", serving_plot(p, true),
+        "p99 time to first token against the offered rate. Look at the rate where a line "
+        "climbs: requests start to queue there.");
+  }
+  if (!quality_points(p).empty()) {
+    add("val_loss_vs_cache_bytes", quality_plot(p, false),
+        "Each variant through its cache dtypes (int4, fp8, int8, bf16, f32 from left to right); "
+        "lower left is better. The dashed frontier is the lowest loss within each byte budget.");
+    add("kl_vs_cache_bytes", quality_plot(p, true),
+        "How far each dtype moves the predictions from the f32 cache's (log scale). Look at "
+        "whether variants with fewer KV heads sit higher at the same dtype.");
+  }
+  if (p.uptrain)
+    for (const int kv : uptrain_kvs(*p.uptrain))
+      add("uptrain_kv" + std::to_string(kv), uptrain_plot(*p.uptrain, kv),
+          "Val loss while uptraining converted checkpoints; dashed: the from-scratch model and "
+          "the MHA source. Look at how near each method ends to the from-scratch line.");
+  if (p.gen) {
+    add("loss_by_position", position_plot(p, *p.gen),
+        "Loss by position in the context. Look for positions where a variant's gap to the "
+        "reference widens: where it uses the context less.");
+    add("recall_by_distance", recall_plot(p, *p.gen),
+        "Top-1 recall of a repeated random token by the distance between its copies. Look "
+        "for variants that fall off with distance.");
+  }
+  return out;
 }
 
 }  // namespace kvlab::report_detail

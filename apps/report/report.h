@@ -25,12 +25,16 @@ struct Verdict {
 std::vector<Verdict> compare_variants(const nlohmann::json& results);
 
 // Terminal text: the record table (n_kv_head | cache bytes (measured) | formula | vs MHA |
-// tokens/s | val loss), a second table with the other figures, then the verdict lines.
-// Byte counts are shown in B/KiB/MiB/GiB; the report files carry exact bytes.
+// tokens/s | val loss | Δ val loss vs MHA | bits/byte), a second table with the other figures,
+// then the verdict lines.
+// Figures are in human units (B/KiB/MiB/GiB, ms or s, thousands separators), as in the report
+// files' tables; results.json and results.csv carry the exact values.
 std::string format_table(const nlohmann::json& results);
 
 // Writes into out_dir (created if needed): results.json, results.csv, report.md, report.html
-// (self-contained, readable offline), val_loss_curves.svg, val_loss_vs_kv.svg,
+// (self-contained, readable offline and printable; it and report.md open with findings that
+// link the tables showing their figures), val_loss_curves.svg, val_loss_curves_vs_mha.svg
+// (with MHA in the sweep), val_loss_vs_kv.svg,
 // cache_bytes_vs_kv.svg, tokens_per_s_vs_kv.svg (and served_vs_rate.svg, ttft_p99_vs_rate.svg
 // when the results hold a serving sweep), and a PNG of each plot when rsvg-convert is on
 // PATH. Each file is written to a temporary name and renamed into place. Throws kvlab::Error

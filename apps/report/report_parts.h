@@ -126,10 +126,21 @@ std::string text_field(const json& obj, const char* key);
 // printf of one number.
 std::string fmt(const char* format, double v);
 
-enum class Bytes { human, exact };
-
-// A byte count in the style asked for; "-" for none.
-std::string bytes(std::optional<double> b, Bytes style);
+// Human units, one precision for each kind of figure (exact values stay in results.json and
+// results.csv): bytes as B, KiB, MiB, GiB to three significant figures ("1.25 KiB", "256 KiB");
+// counts with thousands separators ("32,768"); rates too, with a decimal under 100 ("41.5");
+// milliseconds as ms below a second, else s ("0.495 ms", "871 ms", "1.49 s"). "-" for none.
+std::string bytes(std::optional<double> b);
+// The unit bytes() shows v in, and its size in bytes (a plot's axis takes its largest value's).
+struct ByteUnit {
+  const char* name;
+  double scale;
+};
+ByteUnit byte_unit(double v);
+std::string grouped(double v);
+std::string count(std::optional<double> v);
+std::string rate(std::optional<double> v);
+std::string millis(std::optional<double> ms);
 // Decode tokens/s with the KV cache over without it.
 std::optional<double> speedup(const Variant& v);
 std::string pm(double mean, double sd, const char* format);
@@ -137,13 +148,27 @@ std::string pm(double mean, double sd, const char* format);
 struct Table {
   std::vector<std::string> header;
   std::vector<std::vector<std::string>> rows;
+  std::string id;  // the HTML (and Markdown anchor) id the findings link to
 };
 
-Table record_table(const Parsed& p, Bytes style);
-Table detail_table(const Parsed& p, Bytes style);
-std::optional<Table> memory_table(const Parsed& p, Bytes style);
+// The multi-head variant (n_kv_head == n_head), or null where the sweep left it out.
+const Variant* mha_of(const Parsed& p);
+
+// Cells the findings quote: one function per figure, so a finding and its table show one value.
+std::string loss_cell(const Variant& v);                          // val loss, mean ± std
+std::string loss_delta_cell(const Parsed& p, const Variant& v);   // val loss minus MHA's
+std::string cache_cell(const Variant& v);       // measured cache bytes at full context
+std::string vs_mha_cell(const Variant& v);      // those bytes over MHA's
+std::string sequences_cell(const Variant& v);   // full-context sequences in the KV budget
+std::string kv_memory_cell(const Variant& v);   // the serving workload's KV memory
+std::string peak_paged_cell(const Variant& v);  // the paged cache's peak sequences in it
+std::string quality_loss_cell(const QualityPoint& q);
+
+Table record_table(const Parsed& p);
+Table detail_table(const Parsed& p);
+std::optional<Table> memory_table(const Parsed& p);
 std::optional<Table> serving_table(const Parsed& p);
-std::optional<Table> mla_table(const Parsed& p, Bytes style);
+std::optional<Table> mla_table(const Parsed& p);
 std::optional<Table> quality_table(const Parsed& p);
 Table uptrain_table(const Uptrain& u);
 Table generation_table(const Parsed& p, const GenQuality& g);
@@ -167,10 +192,26 @@ std::vector<std::string> uptrain_findings(const Uptrain& u);
 bool spread_distinguishable(const Variant& a, const Variant& b);
 std::vector<std::string> generation_findings(const Parsed& p, const GenQuality& g);
 
+// A sentence of the report's opening findings and the ids of the tables, verdicts or figures
+// that show its figures.
+struct Finding {
+  std::string text;
+  std::vector<std::string> links;
+};
+std::vector<Finding> findings(const Parsed& p);
+
 // --- plots.cpp ---------------------------------------------------------------------------
 
-std::vector<std::string> plot_names(const Parsed& p);
+// A plot of the report: its file name (without .svg), its SVG and a caption saying what to
+// look at in it.
+struct Figure {
+  std::string name, svg, caption;
+};
+std::vector<Figure> figures(const Parsed& p, const json& results);
+
 svg::Plot curves_plot(const Parsed& p);
+// Each variant's mean curve minus MHA's over the second half of training (none without MHA).
+std::optional<svg::Plot> curves_vs_mha_plot(const Parsed& p);
 svg::Plot loss_vs_kv_plot(const Parsed& p);
 svg::Plot cache_plot(const Parsed& p, const json& results);
 svg::Plot speed_plot(const Parsed& p);

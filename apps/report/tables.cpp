@@ -1,6 +1,7 @@
 // The report's tables: each figure formatted, each table built from the parsed results, and
 // rendered as terminal text, Markdown or HTML.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string_view>
 
@@ -13,9 +14,6 @@ std::string figure(std::optional<double> v, const char* format) {
   return v ? fmt(format, *v) : "-";
 }
 
-std::string rate(std::optional<double> v) {
-  return !v ? "-" : *v < 100 ? fmt("%.1f", *v) : fmt("%.0f", *v);
-}
 
 // Terminal columns count code points, not bytes ("±" is two bytes).
 std::size_t display_width(const std::string& s) {
@@ -47,7 +45,7 @@ std::string render_text(const Table& t) {
 std::string steps_tokens(const json& e, const char* steps, const char* tokens) {
   const auto s = number(e, steps), t = number(e, tokens);
   if (!s) return "-";
-  return fmt("%.0f", *s) + (t ? " (" + fmt("%.0f", *t) + " tokens)" : std::string());
+  return grouped(*s) + (t ? " (" + grouped(*t) + " tokens)" : std::string());
 }
 
 }  // namespace
@@ -58,15 +56,51 @@ std::string fmt(const char* format, double v) {
   return buf;
 }
 
-std::string bytes(std::optional<double> b, Bytes style) {
-  if (!b) return "-";
-  if (style == Bytes::exact) return fmt("%.0f", *b);
-  const double v = *b;
-  if (v < 1024) return fmt("%.0f B", v);
-  if (v < 1024.0 * 1024) return fmt("%.1f KiB", v / 1024);
-  if (v < 1024.0 * 1024 * 1024) return fmt("%.1f MiB", v / (1024.0 * 1024));
-  return fmt("%.2f GiB", v / (1024.0 * 1024 * 1024));
+namespace {
+// Three significant figures ("0.495", "1.25", "32.0", "256"): one precision for every unit.
+std::string three_figures(double v) {
+  const double a = std::abs(v);
+  return fmt(a < 0.9995 ? "%.3f" : a < 9.995 ? "%.2f" : a < 99.95 ? "%.1f" : "%.0f", v);
 }
+}  // namespace
+
+ByteUnit byte_unit(double v) {
+  static const char* const names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  if (v < 1024) return {names[0], 1};
+  double scale = 1024;
+  int u = 1;
+  // 1023.9 KiB would print as "1024 KiB": the next unit once three figures round up to it.
+  while (u < 4 && v / scale >= 1023.5) scale *= 1024, ++u;
+  return {names[u], scale};
+}
+
+std::string bytes(std::optional<double> b) {
+  if (!b) return "-";
+  const ByteUnit u = byte_unit(*b);
+  return (u.scale == 1 ? fmt("%.0f", *b) : three_figures(*b / u.scale)) + " " + u.name;
+}
+
+std::string grouped(double v) {
+  const std::string digits = fmt("%.0f", std::abs(v));
+  // Appended a digit at a time (GCC 12's -Wrestrict misreads string::insert here).
+  std::string out = v < 0 && digits != "0" ? "-" : "";
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string rate(std::optional<double> v) {
+  return !v ? "-" : std::abs(*v) < 100 ? fmt("%.1f", *v) : grouped(*v);
+}
+
+std::string millis(std::optional<double> ms) {
+  if (!ms) return "-";
+  return *ms < 999.5 ? three_figures(*ms) + " ms" : three_figures(*ms / 1000) + " s";
+}
+
+std::string count(std::optional<double> v) { return v ? grouped(*v) : "-"; }
 
 std::optional<double> speedup(const Variant& v) {
   const auto with = v.get("decode_tokens_per_s_cache");
@@ -75,53 +109,74 @@ std::optional<double> speedup(const Variant& v) {
   return *with / *without;
 }
 
-Table record_table(const Parsed& p, Bytes style) {
-  Table t{{p.id_header(), "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss",
-           "bits/byte"},
-          {}};
+const Variant* mha_of(const Parsed& p) {
   for (const Variant& v : p.variants)
-    t.rows.push_back({v.id(), bytes(v.get("cache_bytes_context_measured"), style),
-                      bytes(v.get("cache_bytes_context_formula"), style),
-                      figure(v.get("vs_mha"), "%.3fx"), rate(v.get("decode_tokens_per_s_cache")),
-                      v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)",
-                      figure(v.get("val_bpb_mean"), "%.4f")});
+    if (!v.mla() && v.n_kv == p.n_head) return &v;
+  return nullptr;
+}
+
+std::string loss_cell(const Variant& v) {
+  return v.seeds >= 2 ? loss_pm(v) : fmt("%.4f", v.mean) + " (1 seed)";
+}
+
+std::string loss_delta_cell(const Parsed& p, const Variant& v) {
+  const Variant* m = mha_of(p);
+  return m == nullptr ? "-" : fmt("%+.4f", v.mean - m->mean);
+}
+
+std::string cache_cell(const Variant& v) { return bytes(v.get("cache_bytes_context_measured")); }
+std::string vs_mha_cell(const Variant& v) { return figure(v.get("vs_mha"), "%.3fx"); }
+std::string sequences_cell(const Variant& v) { return count(v.get("sequences_in_budget")); }
+std::string kv_memory_cell(const Variant& v) { return bytes(v.get("kv_workload_budget_bytes")); }
+std::string peak_paged_cell(const Variant& v) {
+  return count(v.get("kv_workload_peak_sequences_paged"));
+}
+
+Table record_table(const Parsed& p) {
+  Table t{{p.id_header(), "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss",
+           "Δ val loss vs MHA", "bits/byte"},
+          {},
+          "table-results"};
+  for (const Variant& v : p.variants)
+    t.rows.push_back({v.id(), cache_cell(v), bytes(v.get("cache_bytes_context_formula")),
+                      vs_mha_cell(v), rate(v.get("decode_tokens_per_s_cache")), loss_cell(v),
+                      loss_delta_cell(p, v), figure(v.get("val_bpb_mean"), "%.4f")});
   return t;
 }
 
-Table detail_table(const Parsed& p, Bytes style) {
+Table detail_table(const Parsed& p) {
   Table t{{p.id_header(), "params", "bits/token", "cache bytes/token", "cache bytes/byte",
-           "sequences in budget", "tokens/s (no cache)", "cache speed-up", "TTFT ms", "TPOT ms"},
-          {}};
+           "sequences in budget", "tokens/s (no cache)", "cache speed-up", "TTFT", "TPOT"},
+          {},
+          "table-details"};
   for (const Variant& v : p.variants)
-    t.rows.push_back({v.id(), figure(v.get("params"), "%.0f"), figure(v.get("bpc"), "%.4f"),
-                      bytes(v.get("cache_bytes_per_token"), style),
-                      figure(v.get("cache_bytes_per_byte"), "%.1f"),
-                      figure(v.get("sequences_in_budget"), "%.0f"),
+    t.rows.push_back({v.id(), count(v.get("params")), figure(v.get("bpc"), "%.4f"),
+                      bytes(v.get("cache_bytes_per_token")),
+                      figure(v.get("cache_bytes_per_byte"), "%.1f"), sequences_cell(v),
                       rate(v.get("decode_tokens_per_s_nocache")), figure(speedup(v), "%.2fx"),
-                      figure(v.get("ttft_ms"), "%.3f"), figure(v.get("tpot_ms"), "%.3f")});
+                      millis(v.get("ttft_ms")), millis(v.get("tpot_ms"))});
   return t;
 }
 
 // Under the serving workload at one KV memory for every variant (results without it, from
 // before it was measured, leave the table out).
-std::optional<Table> memory_table(const Parsed& p, Bytes style) {
+std::optional<Table> memory_table(const Parsed& p) {
   if (!p.variants.front().get("kv_workload_peak_sequences_paged")) return std::nullopt;
   Table t{{p.id_header(), "KV memory", "peak sequences paged", "contiguous", "paged / contiguous",
            "utilisation paged", "contiguous", "steps paged", "contiguous"},
-          {}};
+          {},
+          "table-memory"};
   for (const Variant& v : p.variants) {
     const auto paged = v.get("kv_workload_peak_sequences_paged");
     const auto contiguous = v.get("kv_workload_peak_sequences_contiguous");
     t.rows.push_back(
-        {v.id(), bytes(v.get("kv_workload_budget_bytes"), style), figure(paged, "%.0f"),
-         figure(contiguous, "%.0f"),
+        {v.id(), kv_memory_cell(v), peak_paged_cell(v), count(contiguous),
          figure(paged && contiguous && *contiguous > 0 ? std::optional<double>(*paged / *contiguous)
                                                        : std::nullopt,
                 "%.2fx"),
          figure(v.get("kv_workload_utilisation_paged"), "%.3f"),
          figure(v.get("kv_workload_utilisation_contiguous"), "%.3f"),
-         figure(v.get("kv_workload_steps_paged"), "%.0f"),
-         figure(v.get("kv_workload_steps_contiguous"), "%.0f")});
+         count(v.get("kv_workload_steps_paged")), count(v.get("kv_workload_steps_contiguous"))});
   }
   return t;
 }
@@ -131,19 +186,19 @@ std::optional<Table> memory_table(const Parsed& p, Bytes style) {
 std::optional<Table> serving_table(const Parsed& p) {
   if (!p.variants.front().get("serve_requests_per_s_continuous")) return std::nullopt;
   Table t{{p.id_header(), "requests/s continuous", "static", "continuous / static",
-           "peak sequences continuous", "static", "p99 TTFT ms continuous", "static",
+           "peak sequences continuous", "static", "p99 TTFT continuous", "static",
            "sustained requests/s"},
-          {}};
+          {},
+          "table-serving"};
   for (const Variant& v : p.variants) {
     const auto c = v.get("serve_requests_per_s_continuous");
     const auto s = v.get("serve_requests_per_s_static");
     t.rows.push_back(
-        {v.id(), figure(c, "%.1f"), figure(s, "%.1f"),
+        {v.id(), rate(c), rate(s),
          figure(c && s && *s > 0 ? std::optional<double>(*c / *s) : std::nullopt, "%.2fx"),
-         figure(v.get("serve_peak_sequences_continuous"), "%.0f"),
-         figure(v.get("serve_peak_sequences_static"), "%.0f"),
-         figure(v.get("serve_ttft_p99_ms_continuous"), "%.0f"),
-         figure(v.get("serve_ttft_p99_ms_static"), "%.0f"),
+         count(v.get("serve_peak_sequences_continuous")),
+         count(v.get("serve_peak_sequences_static")), millis(v.get("serve_ttft_p99_ms_continuous")),
+         millis(v.get("serve_ttft_p99_ms_static")),
          figure(v.get("serve_sustained_rate"), "%.2f")});
   }
   return t;
@@ -151,12 +206,13 @@ std::optional<Table> serving_table(const Parsed& p) {
 
 // Each MLA variant beside the n_kv_head variant nearest in cache bytes per token (results
 // without MLA leave it out).
-std::optional<Table> mla_table(const Parsed& p, Bytes style) {
+std::optional<Table> mla_table(const Parsed& p) {
   if (!p.has_mla()) return std::nullopt;
   Table t{{"MLA rank", "bytes/token", "nearest n_kv_head", "bytes/token", "MLA / it (bytes)",
            "val loss MLA", "val loss n_kv_head", "decode tokens/s MLA", "n_kv_head",
            "MLA / it (speed)"},
-          {}};
+          {},
+          "table-mla"};
   const auto ratio = [](std::optional<double> a, std::optional<double> b) {
     return a && b && *b > 0 ? std::optional<double>(*a / *b) : std::nullopt;
   };
@@ -165,10 +221,9 @@ std::optional<Table> mla_table(const Parsed& p, Bytes style) {
     if (g == nullptr) continue;
     const auto mb = m.get("cache_bytes_per_token"), gb = g->get("cache_bytes_per_token");
     const auto ms = m.get("decode_tokens_per_s_cache"), gs = g->get("decode_tokens_per_s_cache");
-    t.rows.push_back({std::to_string(m.rank), bytes(mb, style), g->id() + " (" + g->kind + ")",
-                      bytes(gb, style), figure(ratio(mb, gb), "%.2fx"),
-                      m.seeds >= 2 ? loss_pm(m) : fmt("%.4f", m.mean) + " (1 seed)",
-                      g->seeds >= 2 ? loss_pm(*g) : fmt("%.4f", g->mean) + " (1 seed)", rate(ms),
+    t.rows.push_back({std::to_string(m.rank), bytes(mb), g->id() + " (" + g->kind + ")",
+                      bytes(gb), figure(ratio(mb, gb), "%.2fx"),
+                      loss_cell(m), loss_cell(*g), rate(ms),
                       rate(gs), figure(ratio(ms, gs), "%.2fx")});
   }
   return t;
@@ -181,15 +236,18 @@ std::string pm(double mean, double sd, const char* format) {
   return fmt(format, mean) + " ± " + fmt(sd_format.c_str(), sd);
 }
 
+std::string quality_loss_cell(const QualityPoint& q) { return pm(q.loss, q.loss_std, "%.4f"); }
+
 // Every (n_kv_head, cache dtype) point (results without kv_quality leave it out).
 std::optional<Table> quality_table(const Parsed& p) {
   const std::vector<QualityPoint> pts = quality_points(p);
   if (pts.empty()) return std::nullopt;
   Table t{{p.id_header(), "cache dtype", "bytes/token", "val loss", "Δ vs f32 cache", "mean KL",
            "top-1 agreement", "frontier"},
-          {}};
+          {},
+          "table-quality"};
   for (const QualityPoint& q : pts)
-    t.rows.push_back({q.v->id(), q.dtype, fmt("%.0f", q.bytes), pm(q.loss, q.loss_std, "%.4f"),
+    t.rows.push_back({q.v->id(), q.dtype, bytes(q.bytes), quality_loss_cell(q),
                       pm(q.delta, q.delta_std, "%+.5f"), pm(q.kl, q.kl_std, "%.2e"),
                       fmt("%.4f", q.top1), q.front ? "yes" : ""});
   return t;
@@ -213,7 +271,8 @@ Table generation_table(const Parsed& p, const GenQuality& g) {
   const int64_t far = g.variants.front().distance.empty() ? 0 : g.variants.front().distance.back();
   Table t{{p.id_header(), "loss", "bits/byte", "ICL score", "KL vs " + ref, "top-1 vs " + ref,
            "recall at " + std::to_string(far), "samples: distinct-2", "repeated 3-grams"},
-          {}};
+          {},
+          "table-generation"};
   for (const GenVariant& v : g.variants)
     t.rows.push_back({p.variants[v.v].id(), seeds_pm(v.loss, "%.4f"), seeds_pm(v.bpb, "%.4f"),
                       seeds_pm(v.icl, "%+.4f"), seeds_pm(v.kl, "%.2e"), seeds_pm(v.top1, "%.4f"),
@@ -226,7 +285,8 @@ Table generation_table(const Parsed& p, const GenQuality& g) {
 // Every pair: each seed's paired loss difference with its 95% interval, and the two verdicts.
 Table paired_table(const Parsed& p, const GenQuality& g) {
   Table t{{"pair (b - a)", "Δ loss per seed [95% interval]", "paired verdict", "seed-spread verdict"},
-          {}};
+          {},
+          "table-paired"};
   for (const GenPair& pair : g.pairs) {
     std::string per_seed;
     for (const SeedInterval& s : pair.seeds)
@@ -282,7 +342,8 @@ std::string render_markdown(const Table& t) {
 }
 
 std::string render_html(const Table& t) {
-  std::string out = "<table>\n<thead><tr>";
+  std::string out = t.id.empty() ? "<table>" : "<table id=\"" + t.id + "\">";
+  out += "\n<thead><tr>";
   for (const auto& h : t.header) out += "<th>" + svg::escape_xml(h) + "</th>";
   out += "</tr></thead>\n<tbody>\n";
   for (const auto& row : t.rows) {
@@ -298,7 +359,8 @@ std::string render_html(const Table& t) {
 Table uptrain_table(const Uptrain& u) {
   Table t{{"n_kv_head", "method", "after conversion", "after uptraining", "from scratch",
            "gap to scratch", "steps (tokens) uptrained", "steps (tokens) from scratch"},
-          {}};
+          {},
+          "table-uptrain"};
   for (const UptrainEntry& e : u.entries)
     t.rows.push_back({std::to_string(e.n_kv), e.method, pm(e.conv, e.conv_sd, "%.4f"),
                       pm(e.up, e.up_sd, "%.4f"),
@@ -317,13 +379,13 @@ using namespace report_detail;
 
 std::string format_table(const nlohmann::json& results) {
   const Parsed p = parse(results);
-  std::string out = render_text(record_table(p, Bytes::human)) + '\n' +
-                    render_text(detail_table(p, Bytes::human));
-  if (const auto t = mla_table(p, Bytes::human)) {
+  std::string out = render_text(record_table(p)) + '\n' +
+                    render_text(detail_table(p));
+  if (const auto t = mla_table(p)) {
     out += "\nMLA against GQA at equal cache bytes:\n" + render_text(*t);
     for (const std::string& f : mla_findings(p)) out += "  " + f + "\n";
   }
-  if (const auto m = memory_table(p, Bytes::human))
+  if (const auto m = memory_table(p))
     out += "\nKV memory under a serving workload:\n" + render_text(*m);
   if (const auto t = serving_table(p)) {
     out += "\nserving it:\n" + render_text(*t);

@@ -292,6 +292,73 @@ std::vector<std::string> uptrain_findings(const Uptrain& u) {
   return out;
 }
 
+// The verdict's wording without its "a vs b: " prefix.
+std::string verdict_wording(const Verdict& v) {
+  const std::string prefix = v.a + " vs " + v.b + ": ";
+  return v.text.rfind(prefix, 0) == 0 ? v.text.substr(prefix.size()) : v.text;
+}
+
+// Per variant against MHA: the loss it costs with the verdict's wording, the cache it saves,
+// and the sequences the paged cache holds at the serving workload's KV memory (else the full
+// context sequences in the KV budget). Then the best cache dtype per byte budget: at each
+// variant's bf16 bytes per token, the frontier's lowest val loss within them. Every figure is
+// a cell function's (tables.cpp), so a finding shows what its table shows.
+std::vector<Finding> findings(const Parsed& p) {
+  std::vector<Finding> out;
+  const Variant* mha = mha_of(p);
+  if (mha != nullptr) {
+    const bool workload = mha->get("kv_workload_peak_sequences_paged").has_value();
+    for (const Variant& v : p.variants) {
+      if (&v == mha) continue;
+      Finding f;
+      f.text = v.label() + ": val loss " + loss_delta_cell(p, v) + " against MHA (" +
+               verdict_wording(compare(*mha, v)) + "). Its cache takes " + vs_mha_cell(v) +
+               " MHA's bytes, " + cache_cell(v) + " against " + cache_cell(*mha) +
+               " a full-context sequence";
+      f.links = {"table-results", "verdicts"};
+      if (workload) {
+        f.text += "; at " + kv_memory_cell(v) + " of KV memory the paged cache holds " +
+                  peak_paged_cell(v) + " sequences at peak against MHA's " +
+                  peak_paged_cell(*mha) + ".";
+        f.links.push_back("table-memory");
+      } else if (v.get("sequences_in_budget")) {
+        f.text += "; the KV budget holds " + sequences_cell(v) +
+                  " full-context sequences against MHA's " + sequences_cell(*mha) + ".";
+        f.links.push_back("table-details");
+      } else {
+        f.text += ".";
+      }
+      out.push_back(std::move(f));
+    }
+  }
+  const std::vector<QualityPoint> pts = quality_points(p);
+  std::vector<double> budgets;
+  for (const QualityPoint& q : pts)
+    if (q.dtype == "bf16") budgets.push_back(q.bytes);
+  const bool at_bf16 = !budgets.empty();
+  if (!at_bf16)
+    for (const QualityPoint& q : pts)
+      if (q.front) budgets.push_back(q.bytes);
+  std::sort(budgets.begin(), budgets.end());
+  budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
+  std::string best;
+  for (const double budget : budgets) {
+    const QualityPoint* pick = nullptr;
+    for (const QualityPoint& q : pts)
+      if (q.bytes <= budget && (pick == nullptr || q.loss < pick->loss)) pick = &q;
+    if (pick == nullptr) continue;
+    best += (best.empty() ? "" : "; ") + std::string("within ") + bytes(budget) + ", " +
+            pick->v->label() + " with " + pick->dtype + " (" + bytes(pick->bytes) + ", " +
+            quality_loss_cell(*pick) + ")";
+  }
+  if (!best.empty())
+    out.push_back({std::string("Lowest val loss per byte budget of cache per token (") +
+                       (at_bf16 ? "each variant's bf16 bytes" : "the frontier's points") +
+                       "): " + best + ".",
+                   {"table-quality", "fig-val_loss_vs_cache_bytes"}});
+  return out;
+}
+
 }  // namespace kvlab::report_detail
 
 namespace kvlab {

@@ -130,7 +130,7 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
       EXPECT_LE(s["ci95"][0].get<double>(), s["ci95"][1].get<double>());
   }
   for (const char* f : {"results.json", "results.csv", "report.md", "report.html",
-                        "val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
+                        "val_loss_curves.svg", "val_loss_curves_vs_mha.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
                         "tokens_per_s_vs_kv.svg", "served_vs_rate.svg", "ttft_p99_vs_rate.svg",
                         "val_loss_vs_cache_bytes.svg", "kl_vs_cache_bytes.svg",
                         "loss_by_position.svg", "recall_by_distance.svg"})
@@ -139,6 +139,10 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
   const std::string report((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
   EXPECT_NE(report.find("## Generation quality: paired on shared windows"), std::string::npos);
   EXPECT_NE(report.find("the paired bootstrap tells "), std::string::npos);
+  // The findings open the report: MHA's two fewer-head variants against it.
+  EXPECT_LT(report.find("## Findings"), report.find("## Loss, cache and speed"));
+  EXPECT_NE(report.find("- n_kv_head=2 (GQA): val loss "), std::string::npos);
+  EXPECT_NE(report.find("- n_kv_head=1 (MQA): val loss "), std::string::npos);
 }
 
 // A bpe sweep learns its vocabulary once (the token cache) and reports bits per byte of the

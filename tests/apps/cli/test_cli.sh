@@ -484,6 +484,12 @@ check "bench without its command" 2 "'kvlab bench' needs a command (commands: ge
 check "bench --help" 0 "Usage: kvlab bench" -- "$KVLAB" bench --help
 check "unexpected arguments in order" 2 "unexpected arguments: foo bar baz" -- "$KVLAB" train foo bar baz
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
+# kvlab report rewrites an ablation's report from its results.json alone.
+check "report of a missing file" 2 "report: cannot read $work/none.json" -- "$KVLAB" report "$work/none.json"
+echo '{"variants": [' > "$work/cut.json"
+check "report of a cut file" 2 "is not JSON" -- "$KVLAB" report "$work/cut.json"
+echo '{"variants": []}' > "$work/empty.json"
+check "report without variants" 1 "report: " -- "$KVLAB" report "$work/empty.json" --out "$work/empty-report"
 
 echo "cli: $pass passed, $fails failed"
 [ "$fails" -eq 0 ]

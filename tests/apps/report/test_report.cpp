@@ -2,12 +2,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <regex>
 #include <sstream>
 
 #include "apps/report/report.h"
+#include "apps/report/report_parts.h"
 #include "platform/error.h"
 #include "tests/apps/report/xml_check.h"
 #include "tests/test_dir.h"
@@ -174,7 +178,8 @@ class ReportFiles : public testing::TestDirFixture {
   ReportFiles() : TestDirFixture("kvlab-report") {}
 };
 
-const char* kSvgs[] = {"val_loss_curves.svg", "val_loss_vs_kv.svg", "cache_bytes_vs_kv.svg",
+const char* kSvgs[] = {"val_loss_curves.svg", "val_loss_curves_vs_mha.svg", "val_loss_vs_kv.svg",
+                       "cache_bytes_vs_kv.svg",
                        "tokens_per_s_vs_kv.svg"};
 
 // --- verdicts ----------------------------------------------------------------------------
@@ -314,7 +319,7 @@ TEST(FormatTable, MlaRowsAndTheEqualBytesComparison) {
   std::vector<std::string> ids;
   for (size_t i = 2; i < 7; ++i) ids.push_back(cells(ls[i])[0]);
   EXPECT_EQ(ids, (std::vector<std::string>{"4", "2", "1", "MLA 120", "MLA 56"}));
-  EXPECT_EQ(cells(ls[5])[1], "128.0 KiB");  // 2048 bytes a position, 64 positions
+  EXPECT_EQ(cells(ls[5])[1], "128 KiB");  // 2048 bytes a position, 64 positions
   EXPECT_NE(out.find("MLA against GQA at equal cache bytes:"), std::string::npos) << out;
   EXPECT_NE(out.find("At 2048 against 2048 cache bytes per token (1.00x): MLA kv_lora_rank=120 vs "
                      "n_kv_head=2 (GQA): MLA kv_lora_rank=120 has the lower val loss"),
@@ -391,13 +396,13 @@ TEST(FormatTable, OneRowPerVariantInOrderWithTheExactHeader) {
   ASSERT_GE(out.size(), 12u);
   const std::vector<std::string> header = {
       "n_kv_head", "cache bytes (measured)", "formula", "vs MHA", "tokens/s", "val loss",
-      "bits/byte"};
+      "Δ val loss vs MHA", "bits/byte"};
   EXPECT_EQ(cells(out[0]), header);
   EXPECT_EQ(out[1].find_first_not_of("-+"), std::string::npos) << out[1];
   const std::vector<std::vector<std::string>> rows = {
-      {"4", "256.0 KiB", "256.0 KiB", "1.000x", "5000", "1.8800 ± 0.0100", "2.7123"},
-      {"2", "128.0 KiB", "128.0 KiB", "0.500x", "5800", "1.8900 ± 0.0100", "2.7267"},
-      {"1", "64.0 KiB", "64.0 KiB", "0.250x", "6200", "1.9500 ± 0.0100", "2.8133"}};
+      {"4", "256 KiB", "256 KiB", "1.000x", "5,000", "1.8800 ± 0.0100", "+0.0000", "2.7123"},
+      {"2", "128 KiB", "128 KiB", "0.500x", "5,800", "1.8900 ± 0.0100", "+0.0100", "2.7267"},
+      {"1", "64.0 KiB", "64.0 KiB", "0.250x", "6,200", "1.9500 ± 0.0100", "+0.0700", "2.8133"}};
   for (std::size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(cells(out[2 + i]), rows[i]);
   EXPECT_EQ(out[5], "");  // exactly three rows
 
@@ -409,11 +414,11 @@ TEST(FormatTable, OneRowPerVariantInOrderWithTheExactHeader) {
                                            "sequences in budget",
                                            "tokens/s (no cache)",
                                            "cache speed-up",
-                                           "TTFT ms",
-                                           "TPOT ms"};
+                                           "TTFT",
+                                           "TPOT"};
   EXPECT_EQ(cells(out[6]), detail);
-  EXPECT_EQ(cells(out[8]), (std::vector<std::string>{"4", "800000", "2.7123", "4.0 KiB", "4096.0",
-                                                     "4096", "800", "6.25x", "1.200", "0.200"}));
+  EXPECT_EQ(cells(out[8]), (std::vector<std::string>{"4", "800,000", "2.7123", "4.00 KiB", "4096.0",
+                                                     "4,096", "800", "6.25x", "1.20 ms", "0.200 ms"}));
   EXPECT_EQ(cells(out[10])[0], "1");
   EXPECT_EQ(out[11], "");
   EXPECT_EQ(out[12].rfind("verdicts", 0), 0u);
@@ -549,8 +554,8 @@ TEST(FormatTable, UptrainTableAndFindings) {
   ASSERT_NE(mean_row, rows.end()) << out;
   EXPECT_EQ(cells(*mean_row),
             (std::vector<std::string>{"2", "mean", "2.0000 ± 0.0100", "1.9000 ± 0.0100",
-                                      "1.8900 ± 0.0100", "+0.0100", "2100 (1612800 tokens)",
-                                      "2000 (1536000 tokens)"}));
+                                      "1.8900 ± 0.0100", "+0.0100", "2,100 (1,612,800 tokens)",
+                                      "2,000 (1,536,000 tokens)"}));
   EXPECT_NE(out.find("At n_kv_head=2, right after conversion: mean beats first by 0.1000, beyond "
                      "the seeds' spread (2.0000 ± 0.0100 vs 2.1000 ± 0.0100); after uptraining: "
                      "mean and first are within the seeds' spread of each other (1.9000 ± "
@@ -669,7 +674,9 @@ TEST_F(ReportFiles, HtmlIsSelfContainedAndEscapesSamples) {
   const std::string html = read(dir_ / "report.html");
   EXPECT_EQ(count(html, "http://"), count(html, "xmlns=\"http://www.w3.org/2000/svg\""));
   EXPECT_EQ(count(html, "https://"), 0u);
-  EXPECT_EQ(count(html, "<svg"), 4u);
+  EXPECT_EQ(count(html, "<svg"), 5u);
+  EXPECT_NE(html.find("@media print"), std::string::npos);  // printable: tables and figures whole
+  EXPECT_NE(html.find("break-inside:avoid"), std::string::npos);
   for (const char* external : {"<script", "<link", "src=", "@import", "url("})
     EXPECT_EQ(html.find(external), std::string::npos) << external;
   for (int n_kv : {4, 2, 1}) {
@@ -712,9 +719,9 @@ TEST_F(ReportFiles, MarkdownCarriesTablesVerdictsPlotsAndSamples) {
   write_report(r, dir_);
   const std::string md = read(dir_ / "report.md");
   EXPECT_NE(
-      md.find("| n_kv_head | cache bytes (measured) | formula | vs MHA | tokens/s | val loss |"),
+      md.find("| n_kv_head | cache bytes (measured) | formula | vs MHA | tokens/s | val loss | Δ val loss vs MHA |"),
       std::string::npos);
-  EXPECT_NE(md.find("| 4 | 262144 | 262144 |"), std::string::npos);  // exact bytes
+  EXPECT_NE(md.find("| 4 | 256 KiB | 256 KiB |"), std::string::npos);  // human units
   for (const char* name : kSvgs)
     EXPECT_NE(md.find(std::string("(") + name + ")"), std::string::npos);
   EXPECT_NE(md.find("not distinguishable at this budget"), std::string::npos);
@@ -723,6 +730,192 @@ TEST_F(ReportFiles, MarkdownCarriesTablesVerdictsPlotsAndSamples) {
   EXPECT_EQ(md.find("&\\#"), std::string::npos);
   EXPECT_NE(md.find("AMD EPYC (Zen 3)"), std::string::npos);
   EXPECT_NE(md.find("123.4 s (2 min 3 s)"), std::string::npos);
+}
+
+// --- human units and the findings ---------------------------------------------------------
+
+TEST(HumanUnits, BytesCountsRatesAndTimesOnHandCheckedValues) {
+  using report_detail::bytes, report_detail::grouped, report_detail::rate,
+      report_detail::millis;
+  EXPECT_EQ(bytes(96.0), "96 B");
+  EXPECT_EQ(bytes(1023.0), "1023 B");
+  EXPECT_EQ(bytes(1280.0), "1.25 KiB");      // int8 at n_kv_head 8: 1.25 x 1024
+  EXPECT_EQ(bytes(32768.0), "32.0 KiB");
+  EXPECT_EQ(bytes(262144.0), "256 KiB");
+  EXPECT_EQ(bytes(1048575.0), "1.00 MiB");   // 1023.999 KiB rounds up into the next unit
+  EXPECT_EQ(bytes(4194304.0), "4.00 MiB");
+  EXPECT_EQ(bytes(1073741824.0), "1.00 GiB");
+  EXPECT_EQ(bytes(std::nullopt), "-");
+  EXPECT_EQ(grouped(999), "999");
+  EXPECT_EQ(grouped(1000), "1,000");
+  EXPECT_EQ(grouped(810880), "810,880");
+  EXPECT_EQ(grouped(1234567), "1,234,567");
+  EXPECT_EQ(grouped(-32768), "-32,768");
+  EXPECT_EQ(rate(41.54), "41.5");
+  EXPECT_EQ(rate(2018.4), "2,018");
+  EXPECT_EQ(millis(0.4953), "0.495 ms");
+  EXPECT_EQ(millis(3.171), "3.17 ms");
+  EXPECT_EQ(millis(871.2), "871 ms");
+  EXPECT_EQ(millis(999.7), "1.00 s");
+  EXPECT_EQ(millis(1489.0), "1.49 s");
+}
+
+// A finished default ablation's results (4 variants x 3 seeds, with the serving workload, the
+// cache-dtype frontier and the paired evaluation), as the browser test renders them.
+json default_results() {
+  return json::parse(read(fs::path(KVLAB_SOURCE_DIR) / "tests/apps/report/browser/results.json"));
+}
+
+// Text as a reader sees it: tags out, the escapes the report writes (an apostrophe's &#39;)
+// back to their characters.
+std::string strip_tags(const std::string& html) {
+  std::string out = std::regex_replace(html, std::regex("<[^>]*>"), " ");
+  for (const auto& [escape, c] : std::vector<std::pair<std::string, std::string>>{
+           {"&#39;", "'"}, {"&quot;", "\""}, {"&lt;", "<"}, {"&gt;", ">"}, {"&amp;", "&"}})
+    for (auto at = out.find(escape); at != std::string::npos; at = out.find(escape, at))
+      out.replace(at, escape.size(), c);
+  return out;
+}
+
+// Figures as a reader sees them: a number with its unit or "x".
+std::vector<std::string> numbers_in(const std::string& text) {
+  static const std::regex number(R"([-+]?[0-9]+(,[0-9]{3})*(\.[0-9]+)?(e[-+][0-9]+)?(x| (B|KiB|MiB|GiB))?)");
+  std::vector<std::string> out;
+  for (std::sregex_iterator it(text.begin(), text.end(), number), end; it != end; ++it)
+    out.push_back(it->str());
+  return out;
+}
+
+// Whether `figure` stands in `text` as a whole figure, not inside a longer one.
+bool shows(const std::string& text, const std::string& figure) {
+  const auto digit = [&](std::size_t i) {
+    return i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]));
+  };
+  for (auto at = text.find(figure); at != std::string::npos; at = text.find(figure, at + 1)) {
+    const std::size_t end = at + figure.size();
+    // A sentence's full stop ends a figure; "1.5" in "21.5" or "2" in "2.5" is part of one.
+    const bool before = at > 0 && (digit(at - 1) || (text[at - 1] == '.' && at > 1 && digit(at - 2)));
+    const bool after = digit(end) || (end < text.size() && text[end] == '.' && digit(end + 1));
+    if (!before && !after) return true;
+  }
+  return false;
+}
+
+// From the HTML: each finding's text (its links' labels taken out) and link targets, and the
+// text of each target: a table's cells, the verdicts list, a figure's caption and plot.
+struct Linked {
+  std::vector<std::pair<std::string, std::vector<std::string>>> findings;
+  std::map<std::string, std::string> targets;
+};
+
+Linked html_findings(const std::string& html) {
+  Linked out;
+  const auto begin = html.find("<section id=\"findings\""), end = html.find("</section>", begin);
+  const std::string section = html.substr(begin, end - begin);
+  const std::regex li("<li>([\\s\\S]*?)</li>"), href("<a href=\"#([^\"]+)\">[^<]*</a>");
+  for (std::sregex_iterator it(section.begin(), section.end(), li), e; it != e; ++it) {
+    const std::string body = (*it)[1];
+    std::vector<std::string> ids;
+    for (std::sregex_iterator h(body.begin(), body.end(), href), he; h != he; ++h)
+      ids.push_back((*h)[1]);
+    out.findings.emplace_back(strip_tags(std::regex_replace(body, href, "")), ids);
+  }
+  const auto element = [&](const std::string& open, const std::string& close) {
+    const auto at = html.find(open);
+    return at == std::string::npos ? std::string()
+                                   : strip_tags(html.substr(at, html.find(close, at) - at));
+  };
+  for (const auto& [text, ids] : out.findings)
+    for (const std::string& id : ids)
+      out.targets[id] = id == "verdicts"
+                            ? element("<h3 id=\"verdicts\">", "</ul>")
+                            : element((id.rfind("fig-", 0) == 0 ? "<figure id=\"" : "<table id=\"") +
+                                          id + "\"",
+                                      id.rfind("fig-", 0) == 0 ? "</figure>" : "</table>");
+  return out;
+}
+
+// From the Markdown: the same, each target the block after its <a id> anchor.
+Linked md_findings(const std::string& md) {
+  Linked out;
+  const auto begin = md.find("## Findings"), end = md.find("\n## ", begin + 1);
+  const std::regex link(R"(\[[^\]]*\]\(#([^)]+)\))");
+  for (const std::string& line : lines(md.substr(begin, end - begin))) {
+    if (line.rfind("- ", 0) != 0) continue;
+    std::vector<std::string> ids;
+    for (std::sregex_iterator h(line.begin(), line.end(), link), he; h != he; ++h)
+      ids.push_back((*h)[1]);
+    out.findings.emplace_back(strip_tags(std::regex_replace(line, link, "")), ids);
+  }
+  for (const auto& [text, ids] : out.findings)
+    for (const std::string& id : ids) {
+      const auto at = md.find("<a id=\"" + id + "\"></a>");
+      out.targets[id] = at == std::string::npos
+                            ? std::string()
+                            : strip_tags(md.substr(at, md.find("<a id=", at + 1) - at));
+    }
+  return out;
+}
+
+void expect_findings_match_their_tables(const Linked& l, const char* format) {
+  ASSERT_FALSE(l.findings.empty()) << format;
+  for (const auto& [text, ids] : l.findings) {
+    ASSERT_FALSE(ids.empty()) << format << ": " << text;
+    std::string shown;
+    for (const std::string& id : ids) {
+      ASSERT_FALSE(l.targets.at(id).empty()) << format << ": no " << id << " for " << text;
+      shown += l.targets.at(id) + "\n";
+    }
+    for (const std::string& n : numbers_in(text))
+      EXPECT_TRUE(shows(shown, n)) << format << ": " << n << " of \"" << text
+                                   << "\" is in none of its tables";
+  }
+}
+
+TEST_F(ReportFiles, EveryFigureOfTheFindingsIsTheOneItsTableShows) {
+  for (const json& r : {default_results(), fixture(), mla_fixture()}) {
+    write_report(r, dir_);
+    const std::string html = read(dir_ / "report.html"), md = read(dir_ / "report.md");
+    expect_findings_match_their_tables(html_findings(html), "html");
+    expect_findings_match_their_tables(md_findings(md), "md");
+  }
+  // The figures checked are the ones that matter: MQA's loss cost and cache against MHA's,
+  // the sequences held at the serving workload's memory, the best dtype within 256 B/token.
+  write_report(default_results(), dir_);
+  const auto l = html_findings(read(dir_ / "report.html"));
+  ASSERT_EQ(l.findings.size(), 4u);  // three variants against MHA, then the dtypes
+  const std::string& mqa = l.findings[2].first;
+  for (const char* figure : {"+0.0504", "0.125x", "32.0 KiB", "256 KiB", "4.00 MiB", "256", "82"})
+    EXPECT_TRUE(shows(mqa, figure)) << figure << " in " << mqa;
+  EXPECT_NE(mqa.find("has the lower val loss, by 0.0504"), std::string::npos) << mqa;
+  EXPECT_NE(l.findings[3].first.find("within 256 B, n_kv_head=2 (GQA) with fp8"),
+            std::string::npos)
+      << l.findings[3].first;
+}
+
+// The findings open the report, and each figure comes right after the table it illustrates,
+// in the same order in both files.
+TEST_F(ReportFiles, FindingsFirstThenEachTableWithItsFigures) {
+  write_report(default_results(), dir_);
+  const std::string html = read(dir_ / "report.html"), md = read(dir_ / "report.md");
+  const std::vector<std::string> order = {
+      "findings", "table-results", "fig-val_loss_curves", "fig-val_loss_curves_vs_mha",
+      "fig-val_loss_vs_kv", "fig-cache_bytes_vs_kv", "verdicts", "table-details",
+      "fig-tokens_per_s_vs_kv", "table-memory", "table-serving", "fig-served_vs_rate",
+      "fig-ttft_p99_vs_rate", "table-quality", "fig-val_loss_vs_cache_bytes",
+      "fig-kl_vs_cache_bytes", "table-generation", "fig-loss_by_position",
+      "fig-recall_by_distance", "table-paired"};
+  std::size_t in_html = 0, in_md = 0;
+  for (const std::string& id : order) {
+    const auto h = html.find("id=\"" + id + "\""), m = md.find("<a id=\"" + id + "\"></a>");
+    ASSERT_NE(h, std::string::npos) << id;
+    ASSERT_NE(m, std::string::npos) << id;
+    EXPECT_GT(h, in_html) << id;
+    EXPECT_GT(m, in_md) << id;
+    in_html = h, in_md = m;
+  }
+  EXPECT_LT(html.find("id=\"findings\""), html.find("<table"));
+  EXPECT_EQ(count(html, "<figcaption>"), count(html, "<svg"));
 }
 
 TEST_F(ReportFiles, UnwritableFolderNamesThePath) {
