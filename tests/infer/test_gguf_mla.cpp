@@ -221,9 +221,9 @@ std::unique_ptr<GPT> trained_mla(const Tokenizer& tok, const std::string& text) 
   const std::vector<int32_t> ids = tok.encode(text);
   AdamW opt(model->named_parameters(), AdamWConfig{});
   Generator gen(1);
-  const int64_t B = 8, T = 128;
+  const int64_t B = 8, T = 64;
   model->set_training(true);
-  for (int step = 0; step < 300; ++step) {
+  for (int step = 0; step < 200; ++step) {
     std::vector<int32_t> xs, ys;
     for (int64_t b = 0; b < B; ++b) {
       const auto at = static_cast<int64_t>(gen.below(ids.size() - T - 1));
