@@ -94,9 +94,9 @@ void add_import_command(CLI::App& root) {
   auto args = std::make_shared<ImportArgs>();
   CLI::App* cmd = root.add_subcommand(
       "import",
-      "Read a llama- or deepseek2-architecture GGUF file (f32, f16, bf16 or q8_0 tensors, a byte-level BPE "
-      "vocabulary) into a weights-only checkpoint for generate, serve, bench, convert and train "
-      "--init-from");
+      "Read a llama- or deepseek2-architecture GGUF file (f32, f16, bf16 or q8_0 tensors, a "
+      "byte-level BPE vocabulary) into a weights-only checkpoint for generate, serve, bench, "
+      "convert and train --init-from");
   cmd->add_option("--gguf", args->gguf, "GGUF file to read")->required();
   cmd->add_option("--out", args->out,
                   "Checkpoint to write: f32 weights, the config the GGUF's keys give, its "

@@ -81,7 +81,10 @@ void copy_kv_up_half(ArrayF32& up, ArrayF32& half, int64_t heads, TensorPlace::P
       for (int64_t c = 0; c < R; ++c) {
         float& u = up.data[((2 * h + (keys ? 0 : 1)) * hs + d) * R + c];
         float& v = half.data[keys ? (h * R + c) * hs + d : (h * hs + d) * R + c];
-        if (to_half) v = u; else u = v;
+        if (to_half)
+          v = u;
+        else
+          u = v;
       }
 }
 
@@ -374,7 +377,8 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
     cfg.n_kv_head = cfg.n_head;
     cfg.kv_lora_rank = count("attention.kv_lora_rank");
     cfg.rope_head_dim = count("rope.dimension_count");
-    cfg.q_lora_rank = f.find(a + "attention.q_lora_rank") ? f.get_int(a + "attention.q_lora_rank", what) : 0;
+    if (f.find(a + "attention.q_lora_rank"))
+      cfg.q_lora_rank = f.get_int(a + "attention.q_lora_rank", what);
     const int64_t R = cfg.kv_lora_rank, D = cfg.rope_head_dim;
     expect("leading_dense_block_count", count_or("leading_dense_block_count", 0), cfg.n_layer,
            "kvlab's layers are all dense (no experts), so it must be block_count,");
@@ -529,7 +533,8 @@ Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {
     }
   }
   Checkpoint c;
-  for (auto& [name, shape] : parameter_shapes(cfg)) c.model.emplace_back(name, std::move(arrays.at(name)));
+  for (auto& [name, shape] : parameter_shapes(cfg))
+    c.model.emplace_back(name, std::move(arrays.at(name)));
   put_gpt_config(c.config, cfg);
   put_tokenizer(c, tok);
   return c;

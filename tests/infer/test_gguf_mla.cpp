@@ -166,19 +166,21 @@ TEST(GgufMlaImport, RefusesNamingTheKey) {
        [&](GgufFile& f) { f.set("deepseek2.attention.head_count_kv", u32(4)); }},
       {"deepseek2.attention.kv_lora_rank",
        [](GgufFile& f) {
-         std::erase_if(f.metadata,
-                       [](const auto& kv) { return kv.first == "deepseek2.attention.kv_lora_rank"; });
+         std::erase_if(f.metadata, [](const auto& kv) {
+           return kv.first == "deepseek2.attention.kv_lora_rank";
+         });
        }},
       {"blk.1.attn_v_b.weight is missing",
        [](GgufFile& f) {
-         std::erase_if(f.tensors, [](const GgufTensor& t) { return t.name == "blk.1.attn_v_b.weight"; });
+         std::erase_if(f.tensors,
+                       [](const GgufTensor& t) { return t.name == "blk.1.attn_v_b.weight"; });
        }},
   };
   for (const auto& [key, damage] : cases)
     EXPECT_NE(refusal(damage).find(key), std::string::npos) << key << ": " << refusal(damage);
 }
 
-// ---- llama.cpp itself ------------------------------------------------------------------------------
+// ---- llama.cpp itself ----------------------------------------------------------------------
 
 // Prose with structure and without repeats: the map of the code, lower-cased, its letters,
 // spaces and a little punctuation kept (26 to 30 symbols).
@@ -272,7 +274,8 @@ TEST_F(GgufMlaLlamaCpp, SameGreedyContinuationAsKvlabAndWrongPairingDiffers) {
   // The same file with the re-pairing of the query's and the shared key's rotary rows undone.
   GgufFile planted = split;
   for (GgufTensor& t : planted.tensors) {
-    const bool q = t.name.ends_with("attn_q_b.weight"), k = t.name.ends_with("attn_kv_a_mqa.weight");
+    const bool q = t.name.ends_with("attn_q_b.weight");
+    const bool k = t.name.ends_with("attn_kv_a_mqa.weight");
     if (!q && !k) continue;
     t = make_gguf_tensor(t.name,
                          reorder_rope_rows(gguf_tensor_values(t), q ? rc.n_head : 1,
