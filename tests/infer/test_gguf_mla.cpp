@@ -182,25 +182,30 @@ TEST(GgufMlaImport, RefusesNamingTheKey) {
 
 // ---- llama.cpp itself ----------------------------------------------------------------------
 
-// Prose with structure and without repeats: the map of the code, lower-cased, its letters,
-// spaces and a little punctuation kept (26 to 30 symbols).
-std::string prose(size_t n) {
-  std::ifstream in(fs::path(KVLAB_SOURCE_DIR) / "docs/architecture.md");
-  std::stringstream ss;
-  ss << in.rdbuf();
+// Text with structure and without repeats, independent of any file: the numbers from one
+// upwards spelled out ("one hundred and forty two, one hundred and forty three, "), n
+// characters of it (20 symbols).
+std::string counting(size_t n) {
+  static const char* ones[] = {"",        "one",     "two",       "three",    "four",
+                               "five",    "six",     "seven",     "eight",    "nine",
+                               "ten",     "eleven",  "twelve",    "thirteen", "fourteen",
+                               "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"};
+  static const char* tens[] = {"",      "",      "twenty",  "thirty", "forty",
+                               "fifty", "sixty", "seventy", "eighty", "ninety"};
   std::string out;
-  for (char ch : ss.str()) {
-    char c = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    if (!((c >= 'a' && c <= 'z') || c == '.' || c == ',')) c = ' ';
-    if (c == ' ' && (out.empty() || out.back() == ' ')) continue;
-    out += c;
-    if (out.size() >= n) break;
+  for (int i = 1; out.size() < n; ++i) {
+    std::string w;
+    if (i >= 100) w = std::string(ones[i / 100]) + " hundred" + (i % 100 ? " and " : "");
+    const int r = i % 100;
+    if (r >= 20) w += std::string(tens[r / 10]) + (r % 10 ? std::string(" ") + ones[r % 10] : "");
+    else w += ones[r];
+    out += w + ", ";
   }
-  return out;
+  return out.substr(0, n);
 }
 
 // A small MLA model (queries through q_lora_rank) trained on `text` until its greedy text
-// follows the prose rather than a loop of a few characters.
+// follows the counting rather than a loop of a few characters.
 std::unique_ptr<GPT> trained_mla(const Tokenizer& tok, const std::string& text) {
   GPTConfig c;
   c.pos = "rope";
@@ -262,7 +267,7 @@ struct MlaJob {
 TEST_F(GgufMlaLlamaCpp, SameGreedyContinuationAsKvlabAndWrongPairingDiffers) {
   std::string why;
   if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
-  const std::string text = prose(6000);
+  const std::string text = counting(6000);
   const Tokenizer tok = Tokenizer::build_char(text);
   auto model = trained_mla(tok, text);
   GPTConfig rc = model->config();
