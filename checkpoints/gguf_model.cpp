@@ -327,7 +327,7 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
   };
   // A key that must hold `want` for kvlab's block, refused naming it otherwise.
   auto expect = [&](const std::string& key, int64_t got, int64_t want, const char* why) {
-    KVLAB_CHECK(got == want, what, ": ", a, key, " is ", got, "; ", why, " ", want);
+    KVLAB_CHECK(got == want, what, ": ", a, key, " is ", got, ", not ", want, ": ", why);
   };
   GPTConfig cfg;
   cfg.pos = "rope";
@@ -371,7 +371,7 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
   }
   if (arch == "llama") {
     expect("rope.dimension_count", count_or("rope.dimension_count", HS), HS,
-           "kvlab turns whole heads of");
+           "kvlab turns whole heads");
   } else {
     cfg.attn = "mla";
     cfg.n_kv_head = cfg.n_head;
@@ -381,14 +381,19 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
       cfg.q_lora_rank = f.get_int(a + "attention.q_lora_rank", what);
     const int64_t R = cfg.kv_lora_rank, D = cfg.rope_head_dim;
     expect("leading_dense_block_count", count_or("leading_dense_block_count", 0), cfg.n_layer,
-           "kvlab's layers are all dense (no experts), so it must be block_count,");
+           "kvlab's layers are all dense (no experts)");
     // The split form (key_length_mla, value_length_mla set; llama.cpp's is_mla) caches the
     // latent; the whole form is MHA. Either way a head's key is HS + D, its value HS.
     up = f.find(a + "attention.key_length_mla") ? MlaUpForm::Split : MlaUpForm::Whole;
     const bool split = up == MlaUpForm::Split;
-    const char* kvlab_heads = "kvlab's MLA heads are embedding_length / head_count wide, so";
+    const char* kvlab_heads =
+        split ? "kvlab's MLA caches kv_lora_rank + rope.dimension_count a position, and its "
+                "heads are embedding_length / head_count wide"
+              : "kvlab's MLA heads are embedding_length / head_count wide";
     expect("attention.head_count_kv", count_or("attention.head_count_kv", cfg.n_head),
-           split ? 1 : cfg.n_head, "this form of deepseek2 needs");
+           split ? 1 : cfg.n_head,
+           split ? "the split form (key_length_mla set) is one latent head"
+                 : "the whole form is one key and value per head");
     expect("attention.key_length", count("attention.key_length"), split ? R + D : HS + D,
            kvlab_heads);
     expect("attention.value_length", count("attention.value_length"), split ? R : HS,
