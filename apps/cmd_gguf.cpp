@@ -12,7 +12,7 @@ namespace kvlab {
 namespace {
 
 struct ExportArgs {
-  std::string ckpt, format = "gguf", out, dtype = "f32";
+  std::string ckpt, format = "gguf", out, dtype = "f32", mla_up = "split";
 };
 
 GgmlType parse_dtype(const std::string& name) {
@@ -35,7 +35,9 @@ void run_export(const ExportArgs& a) {
     provenance.iteration = src.checkpoint.iteration;
     provenance.best_val_loss = src.checkpoint.best_val_loss;
   }
-  const GgufFile file = model_to_gguf(*src.model, src.tokenizer, parse_dtype(a.dtype), provenance);
+  const GgufFile file =
+      model_to_gguf(*src.model, src.tokenizer, parse_dtype(a.dtype), provenance,
+                    a.mla_up == "whole" ? MlaUpForm::Whole : MlaUpForm::Split);
   const std::filesystem::path out(a.out);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
   write_gguf(out, file);
@@ -70,7 +72,8 @@ void add_export_command(CLI::App& root) {
   CLI::App* cmd = root.add_subcommand(
       "export",
       "Write a checkpoint's model and tokenizer as a GGUF file for llama.cpp or ollama: the llama "
-      "block as llama.cpp's llama architecture, GPT-2's as its gpt2 (docs/gguf.md)");
+      "block as llama.cpp's llama architecture (deepseek2 with --attn mla), GPT-2's as its gpt2 "
+      "(docs/gguf.md)");
   cmd->add_option("--ckpt", args->ckpt, "Checkpoint to export (.h5)")->required();
   cmd->add_option("--format", args->format, "File format: gguf (the only one)")
       ->check(CLI::IsMember({"gguf"}));
@@ -79,6 +82,11 @@ void add_export_command(CLI::App& root) {
                   "Type of the matrices: f32, f16, bf16 or q8_0 (norms and biases stay f32, and "
                   "q8_0 keeps a matrix f32 when its rows are not whole blocks of 32)")
       ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
+  cmd->add_option("--mla-up", args->mla_up,
+                  "MLA models: the up-projection split per head into attn_k_b and attn_v_b "
+                  "(split, llama.cpp's converter's form: it caches the latent) or whole as "
+                  "attn_kv_b (whole, the older form; llama.cpp then caches full keys and values)")
+      ->check(CLI::IsMember({"split", "whole"}));
   cmd->callback([args] { run_export(*args); });
 }
 
@@ -86,9 +94,9 @@ void add_import_command(CLI::App& root) {
   auto args = std::make_shared<ImportArgs>();
   CLI::App* cmd = root.add_subcommand(
       "import",
-      "Read a llama-architecture GGUF file (f32, f16, bf16 or q8_0 tensors, a byte-level BPE "
-      "vocabulary) into a weights-only checkpoint for generate, serve, bench, convert and train "
-      "--init-from");
+      "Read a llama- or deepseek2-architecture GGUF file (f32, f16, bf16 or q8_0 tensors, a "
+      "byte-level BPE vocabulary) into a weights-only checkpoint for generate, serve, bench, "
+      "convert and train --init-from");
   cmd->add_option("--gguf", args->gguf, "GGUF file to read")->required();
   cmd->add_option("--out", args->out,
                   "Checkpoint to write: f32 weights, the config the GGUF's keys give, its "

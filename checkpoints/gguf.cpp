@@ -324,8 +324,8 @@ float f16_to_f32(uint16_t h) {
 }
 
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type) {
-  KVLAB_CHECK(arr.shape.size() == 1 || arr.shape.size() == 2, "gguf: tensor ", name, " has ",
-              arr.shape.size(), " dimensions (1 or 2 are written)");
+  KVLAB_CHECK(!arr.shape.empty() && arr.shape.size() <= kMaxDims, "gguf: tensor ", name, " has ",
+              arr.shape.size(), " dimensions (1 to ", kMaxDims, " are written)");
   GgufTensor t;
   t.name = std::move(name);
   t.type = type;

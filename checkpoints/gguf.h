@@ -85,8 +85,8 @@ void write_gguf(const std::filesystem::path& path, const GgufFile& file);
 uint16_t f32_to_f16(float f);
 float f16_to_f32(uint16_t h);
 
-// A (rows, cols) row-major array as a tensor of `type` (dims {cols, rows}; a vector's dims
-// {n}). q8_0 as ggml's reference quantiser: per block of 32 the scale max|x| / 127 stored as
+// A row-major array as a tensor of `type`, its shape reversed: (rows, cols) has dims
+// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}. q8_0 as ggml's reference quantiser: per block of 32 the scale max|x| / 127 stored as
 // f16, codes round(x / scale).
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type);
 // The tensor's values as f32 in kvlab's order (shape: dims reversed), each type decoded

@@ -13,22 +13,46 @@ namespace {
 
 constexpr double kNormEps = 1e-5;  // every kvlab LayerNorm and RMSNorm (nn/gpt.cpp)
 
-// One parameter's place in both files. rope_heads > 0: a q or k projection of that many heads,
-// whose rows are reordered between the two RoPE conventions.
+// One parameter's place in both files. rope_width > 0: a projection of `heads` equal blocks of
+// rows whose last rope_width rows RoPE turns, reordered between the two RoPE conventions.
+// part Keys or Values: deepseek2's attn_k_b or attn_v_b, one half of MLA's kv_up per head.
 struct TensorPlace {
+  enum class Part { All, Keys, Values };
   std::string kvlab, gguf;
-  int64_t rope_heads = 0;
+  int64_t heads = 0, rope_width = 0;
+  Part part = Part::All;
 };
 
-// llama.cpp's `llama` tensors for kvlab's llama block (llama-arch.cpp's names).
-std::vector<TensorPlace> llama_places(const GPTConfig& cfg) {
+// llama.cpp's tensors for kvlab's llama block (llama-arch.cpp's names): `llama`, or with MLA
+// `deepseek2` (a dense FFN in every layer).
+std::vector<TensorPlace> tensor_places(const GPTConfig& cfg, MlaUpForm up) {
+  using Part = TensorPlace::Part;
   std::vector<TensorPlace> places = {{"wte.weight", "token_embd.weight"}};
+  const int64_t NH = cfg.n_head, D = cfg.rope_head_dim, HS = cfg.head_size();
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
     const std::string k = "blocks." + std::to_string(l) + ".", g = "blk." + std::to_string(l) + ".";
     places.push_back({k + "ln_1.weight", g + "attn_norm.weight"});
-    places.push_back({k + "attn.q_proj.weight", g + "attn_q.weight", cfg.n_head});
-    places.push_back({k + "attn.k_proj.weight", g + "attn_k.weight", cfg.n_kv_head});
-    places.push_back({k + "attn.v_proj.weight", g + "attn_v.weight"});
+    if (cfg.mla()) {
+      if (cfg.q_lora_rank > 0) {
+        places.push_back({k + "attn.q_down.weight", g + "attn_q_a.weight"});
+        places.push_back({k + "attn.q_norm.weight", g + "attn_q_a_norm.weight"});
+        places.push_back({k + "attn.q_proj.weight", g + "attn_q_b.weight", NH, D});
+      } else {
+        places.push_back({k + "attn.q_proj.weight", g + "attn_q.weight", NH, D});
+      }
+      places.push_back({k + "attn.kv_down.weight", g + "attn_kv_a_mqa.weight", 1, D});
+      places.push_back({k + "attn.kv_norm.weight", g + "attn_kv_a_norm.weight"});
+      if (up == MlaUpForm::Split) {
+        places.push_back({k + "attn.kv_up.weight", g + "attn_k_b.weight", NH, 0, Part::Keys});
+        places.push_back({k + "attn.kv_up.weight", g + "attn_v_b.weight", NH, 0, Part::Values});
+      } else {
+        places.push_back({k + "attn.kv_up.weight", g + "attn_kv_b.weight"});
+      }
+    } else {
+      places.push_back({k + "attn.q_proj.weight", g + "attn_q.weight", NH, HS});
+      places.push_back({k + "attn.k_proj.weight", g + "attn_k.weight", cfg.n_kv_head, HS});
+      places.push_back({k + "attn.v_proj.weight", g + "attn_v.weight"});
+    }
     places.push_back({k + "attn.c_proj.weight", g + "attn_output.weight"});
     places.push_back({k + "ln_2.weight", g + "ffn_norm.weight"});
     places.push_back({k + "mlp.c_fc.weight", g + "ffn_gate.weight"});
@@ -40,20 +64,36 @@ std::vector<TensorPlace> llama_places(const GPTConfig& cfg) {
   return places;
 }
 
-// kvlab's RoPE pairs channel i of a head with i + HS/2; llama.cpp's `llama` RoPE pairs 2i with
-// 2i + 1 (its converter reorders Hugging Face's rows, which pair as kvlab's, the same way). Row
-// h*HS + 2i + t of the GGUF matrix is row h*HS + t*HS/2 + i of kvlab's.
-ArrayF32 reorder_rope_rows(const ArrayF32& w, int64_t heads, bool to_gguf) {
-  const int64_t rows = w.shape[0], cols = w.shape[1], hs = rows / heads, half = hs / 2;
-  ArrayF32 out{w.shape, std::vector<float>(w.data.size())};
+// MLA's kv_up (NH * 2 HS, R: per head its HS key rows, then its HS value rows) is two tensors
+// in deepseek2's split form: attn_k_b (NH, R, HS), each head's key rows transposed (llama.cpp
+// folds them into the query), and attn_v_b (NH, HS, R), each head's value rows. `to_half`
+// copies the half out of `up`, otherwise back into it.
+void copy_kv_up_half(ArrayF32& up, ArrayF32& half, int64_t heads, TensorPlace::Part part,
+                     bool to_half) {
+  const int64_t R = up.shape[1], hs = up.shape[0] / heads / 2;
+  const bool keys = part == TensorPlace::Part::Keys;
+  if (to_half) {
+    half.shape = keys ? std::vector<int64_t>{heads, R, hs} : std::vector<int64_t>{heads, hs, R};
+    half.data.assign(up.data.size() / 2, 0.0f);
+  }
   for (int64_t h = 0; h < heads; ++h)
-    for (int64_t i = 0; i < half; ++i)
-      for (int64_t t = 0; t < 2; ++t) {
-        const int64_t g = h * hs + 2 * i + t, k = h * hs + t * half + i;
-        const int64_t from = to_gguf ? k : g, to = to_gguf ? g : k;
-        std::copy_n(w.data.begin() + from * cols, cols, out.data.begin() + to * cols);
+    for (int64_t d = 0; d < hs; ++d)
+      for (int64_t c = 0; c < R; ++c) {
+        float& u = up.data[((2 * h + (keys ? 0 : 1)) * hs + d) * R + c];
+        float& v = half.data[keys ? (h * R + c) * hs + d : (h * hs + d) * R + c];
+        if (to_half)
+          v = u;
+        else
+          u = v;
       }
-  return out;
+}
+
+// The place's tensor dims in the GGUF file, for a kvlab parameter of that shape.
+std::vector<int64_t> gguf_dims(const TensorPlace& p, const std::vector<int64_t>& shape) {
+  if (p.part == TensorPlace::Part::All) return {shape.rbegin(), shape.rend()};
+  const int64_t R = shape[1], hs = shape[0] / p.heads / 2;
+  if (p.part == TensorPlace::Part::Keys) return {hs, R, p.heads};
+  return {R, hs, p.heads};
 }
 
 // Matrices take the export's type; vectors (norms, biases) stay f32, as llama.cpp's converter
@@ -128,7 +168,8 @@ int64_t file_type(GgmlType t) {  // llama.cpp's llama_ftype: ALL_F32, MOSTLY_F16
   return 0;
 }
 
-void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& cfg) {
+void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& cfg,
+                         MlaUpForm up) {
   auto u32 = [&](const std::string& key, int64_t v) {
     f.set(arch + "." + key, GgufValue::scalar(GgufType::U32, v));
   };
@@ -138,14 +179,33 @@ void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& 
   u32("feed_forward_length", cfg.hidden());
   u32("attention.head_count", cfg.n_head);
   u32("attention.head_count_kv", cfg.n_kv_head);
-  if (arch == "llama") {
-    f.set("llama.attention.layer_norm_rms_epsilon", GgufValue::real(GgufType::F32, kNormEps));
-    f.set("llama.rope.freq_base", GgufValue::real(GgufType::F32, cfg.rope_theta));
-    u32("rope.dimension_count", cfg.head_size());
-    u32("vocab_size", cfg.vocab_size);
-  } else {
+  if (arch == "gpt2") {
     f.set("gpt2.attention.layer_norm_epsilon", GgufValue::real(GgufType::F32, kNormEps));
+    return;
   }
+  f.set(arch + ".attention.layer_norm_rms_epsilon", GgufValue::real(GgufType::F32, kNormEps));
+  f.set(arch + ".rope.freq_base", GgufValue::real(GgufType::F32, cfg.rope_theta));
+  u32("rope.dimension_count", cfg.rope_dim());
+  u32("vocab_size", cfg.vocab_size);
+  if (arch != "deepseek2") return;
+  // As llama.cpp's converter writes DeepSeek-V2 (conversion/deepseek.py). The split form is
+  // MQA over the latent: one cached "head" of R + D keys and R values, the per-head sizes after
+  // decompression in key_length_mla and value_length_mla. The whole form is plain MHA.
+  const int64_t R = cfg.kv_lora_rank, D = cfg.rope_head_dim, HS = cfg.head_size();
+  const bool split = up == MlaUpForm::Split;
+  u32("attention.head_count_kv", split ? 1 : cfg.n_head);
+  u32("attention.key_length", split ? R + D : HS + D);
+  u32("attention.value_length", split ? R : HS);
+  if (split) {
+    u32("attention.key_length_mla", HS + D);
+    u32("attention.value_length_mla", HS);
+  }
+  u32("attention.kv_lora_rank", R);
+  u32("attention.q_lora_rank", cfg.q_lora_rank);  // read unless the layer count is a "lite" one
+  // No experts: every layer's FFN is the dense one. llama.cpp requires the two expert keys.
+  u32("leading_dense_block_count", cfg.n_layer);
+  u32("expert_feed_forward_length", cfg.hidden());
+  u32("expert_shared_count", 0);
 }
 
 // The vocabulary as llama.cpp's `gpt2` (byte-level BPE) tokenizer: every token's bytes in
@@ -252,12 +312,22 @@ Tokenizer tokenizer_of(const GgufFile& f, std::string_view what) {
   return Tokenizer::bpe(BpeTokenizer::from_gpt2(vocab.dump(), merges_txt, pattern));
 }
 
-GPTConfig llama_config_of(const GgufFile& f, std::string_view what) {
+// The config a `llama` or `deepseek2` file's keys give, and (deepseek2) the form of its
+// up-projection.
+GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
+                    std::string_view what) {
+  const std::string a = arch + ".";
   auto count = [&](const std::string& key) {
-    const int64_t v = f.get_int("llama." + key, what);
-    KVLAB_CHECK(v >= 1 && v <= (int64_t{1} << 31), what, ": llama.", key, " is ", v,
-                " (1 to 2^31)");
+    const int64_t v = f.get_int(a + key, what);
+    KVLAB_CHECK(v >= 1 && v <= (int64_t{1} << 31), what, ": ", a, key, " is ", v, " (1 to 2^31)");
     return v;
+  };
+  auto count_or = [&](const std::string& key, int64_t absent) {
+    return f.find(a + key) ? count(key) : absent;
+  };
+  // A key that must hold `want` for kvlab's block, refused naming it otherwise.
+  auto expect = [&](const std::string& key, int64_t got, int64_t want, const char* why) {
+    KVLAB_CHECK(got == want, what, ": ", a, key, " is ", got, ", not ", want, ": ", why);
   };
   GPTConfig cfg;
   cfg.pos = "rope";
@@ -267,30 +337,72 @@ GPTConfig llama_config_of(const GgufFile& f, std::string_view what) {
   cfg.block_size = count("context_length");
   cfg.n_embd = count("embedding_length");
   cfg.n_layer = count("block_count");
-  // Each layer is 9 tensors of the file: a count the file cannot hold is refused before
-  // anything is sized by it.
-  KVLAB_CHECK(cfg.n_layer <= static_cast<int64_t>(f.tensors.size() / 9), what,
-              ": llama.block_count ", cfg.n_layer, " is more layers than the file's ",
-              f.tensors.size(), " tensors hold");
+  // Each layer is at least 9 tensors of the file: a count the file cannot hold is refused
+  // before anything is sized by it.
+  KVLAB_CHECK(cfg.n_layer <= static_cast<int64_t>(f.tensors.size() / 9), what, ": ", a,
+              "block_count ", cfg.n_layer, " is more layers than the file's ", f.tensors.size(),
+              " tensors hold");
   cfg.mlp_hidden = count("feed_forward_length");
   cfg.n_head = count("attention.head_count");
-  cfg.n_kv_head = f.find("llama.attention.head_count_kv") ? count("attention.head_count_kv")
-                                                          : cfg.n_head;
-  const double eps = f.get_float("llama.attention.layer_norm_rms_epsilon", what);
-  KVLAB_CHECK(std::fabs(eps - kNormEps) <= 1e-3 * kNormEps, what,
-              ": llama.attention.layer_norm_rms_epsilon is ", eps, "; kvlab's RMSNorm has ",
-              kNormEps);
-  if (f.find("llama.rope.freq_base")) cfg.rope_theta = f.get_float("llama.rope.freq_base", what);
-  KVLAB_CHECK(std::isfinite(cfg.rope_theta) && cfg.rope_theta > 1.0, what,
-              ": llama.rope.freq_base is ", cfg.rope_theta);
-  KVLAB_CHECK(cfg.n_embd % cfg.n_head == 0, what, ": llama.embedding_length ", cfg.n_embd,
-              " is not a multiple of llama.attention.head_count ", cfg.n_head);
-  if (f.find("llama.rope.dimension_count"))
-    KVLAB_CHECK(f.get_int("llama.rope.dimension_count", what) == cfg.head_size(), what,
-                ": llama.rope.dimension_count ", f.get_int("llama.rope.dimension_count", what),
-                " is not the head size ", cfg.head_size(), " (kvlab turns whole heads)");
-  for (const char* key : {"llama.rope.scaling.type", "llama.expert_count"})
-    KVLAB_CHECK(!f.find(key), what, ": ", key, " is set; kvlab's llama block has no such part");
+  cfg.n_kv_head = count_or("attention.head_count_kv", cfg.n_head);
+  const double eps = f.get_float(a + "attention.layer_norm_rms_epsilon", what);
+  KVLAB_CHECK(std::fabs(eps - kNormEps) <= 1e-3 * kNormEps, what, ": ", a,
+              "attention.layer_norm_rms_epsilon is ", eps, "; kvlab's RMSNorm has ", kNormEps);
+  if (f.find(a + "rope.freq_base")) cfg.rope_theta = f.get_float(a + "rope.freq_base", what);
+  KVLAB_CHECK(std::isfinite(cfg.rope_theta) && cfg.rope_theta > 1.0, what, ": ", a,
+              "rope.freq_base is ", cfg.rope_theta);
+  KVLAB_CHECK(cfg.n_embd % cfg.n_head == 0, what, ": ", a, "embedding_length ", cfg.n_embd,
+              " is not a multiple of ", a, "attention.head_count ", cfg.n_head);
+  const int64_t HS = cfg.head_size();
+  // What kvlab's block has no part for: scaled RoPE (YaRN and the like), experts, extra
+  // prediction layers, attention temperature.
+  if (const GgufValue* v = f.find(a + "rope.scaling.type"))
+    KVLAB_CHECK(v->type == GgufType::String && v->strings[0] == "none", what, ": ", a,
+                "rope.scaling.type is set; kvlab's RoPE is unscaled");
+  for (const char* key : {"rope.scaling.factor", "rope.scaling.yarn_log_multiplier",
+                          "rope.scaling.attn_factor", "expert_count", "expert_used_count",
+                          "expert_shared_count", "nextn_predict_layers",
+                          "attention.temperature_scale"}) {
+    const GgufValue* v = f.find(a + key);
+    const bool neutral = !v || (v->size() == 1 && (v->ints.empty() || v->ints[0] == 0) &&
+                                (v->floats.empty() || v->floats[0] == 0 ||
+                                 (std::string(key).ends_with("factor") && v->floats[0] == 1)));
+    KVLAB_CHECK(neutral, what, ": ", a, key, " is set; kvlab's block has no such part");
+  }
+  if (arch == "llama") {
+    expect("rope.dimension_count", count_or("rope.dimension_count", HS), HS,
+           "kvlab turns whole heads");
+  } else {
+    cfg.attn = "mla";
+    cfg.n_kv_head = cfg.n_head;
+    cfg.kv_lora_rank = count("attention.kv_lora_rank");
+    cfg.rope_head_dim = count("rope.dimension_count");
+    if (f.find(a + "attention.q_lora_rank"))
+      cfg.q_lora_rank = f.get_int(a + "attention.q_lora_rank", what);
+    const int64_t R = cfg.kv_lora_rank, D = cfg.rope_head_dim;
+    expect("leading_dense_block_count", count_or("leading_dense_block_count", 0), cfg.n_layer,
+           "kvlab's layers are all dense (no experts)");
+    // The split form (key_length_mla, value_length_mla set; llama.cpp's is_mla) caches the
+    // latent; the whole form is MHA. Either way a head's key is HS + D, its value HS.
+    up = f.find(a + "attention.key_length_mla") ? MlaUpForm::Split : MlaUpForm::Whole;
+    const bool split = up == MlaUpForm::Split;
+    const char* kvlab_heads =
+        split ? "kvlab's MLA caches kv_lora_rank + rope.dimension_count a position, and its "
+                "heads are embedding_length / head_count wide"
+              : "kvlab's MLA heads are embedding_length / head_count wide";
+    expect("attention.head_count_kv", count_or("attention.head_count_kv", cfg.n_head),
+           split ? 1 : cfg.n_head,
+           split ? "the split form (key_length_mla set) is one latent head"
+                 : "the whole form is one key and value per head");
+    expect("attention.key_length", count("attention.key_length"), split ? R + D : HS + D,
+           kvlab_heads);
+    expect("attention.value_length", count("attention.value_length"), split ? R : HS,
+           kvlab_heads);
+    if (split) {
+      expect("attention.key_length_mla", count("attention.key_length_mla"), HS + D, kvlab_heads);
+      expect("attention.value_length_mla", count("attention.value_length_mla"), HS, kvlab_heads);
+    }
+  }
   const GgufTensor* embd = f.tensor("token_embd.weight");
   KVLAB_CHECK(embd != nullptr, what, ": tensor token_embd.weight is missing");
   KVLAB_CHECK(embd->dims.size() == 2, what, ": token_embd.weight is not a matrix");
@@ -301,10 +413,41 @@ GPTConfig llama_config_of(const GgufFile& f, std::string_view what) {
 
 }  // namespace
 
+// kvlab's RoPE pairs channel i of the rotated part with i + W/2; llama.cpp's `llama` and
+// `deepseek2` RoPE (LLAMA_ROPE_TYPE_NORM) pair 2i with 2i + 1 (its converter reorders Hugging
+// Face's llama rows, which pair as kvlab's, the same way). With S rows a block, row
+// b*S + (S-W) + 2i + t of the GGUF matrix is row b*S + (S-W) + t*W/2 + i of kvlab's.
+ArrayF32 reorder_rope_rows(const ArrayF32& w, int64_t blocks, int64_t rope_width, bool to_gguf) {
+  const int64_t cols = w.shape[1], stride = w.shape[0] / blocks;
+  const int64_t half = rope_width / 2, first = stride - rope_width;
+  ArrayF32 out = w;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t i = 0; i < half; ++i)
+      for (int64_t t = 0; t < 2; ++t) {
+        const int64_t g = b * stride + first + 2 * i + t, k = b * stride + first + t * half + i;
+        const int64_t from = to_gguf ? k : g, to = to_gguf ? g : k;
+        std::copy_n(w.data.begin() + from * cols, cols, out.data.begin() + to * cols);
+      }
+  return out;
+}
+
 std::string gguf_architecture(const GPTConfig& cfg) {
-  KVLAB_CHECK(!cfg.mla(), "export: attn mla (multi-head latent attention) has no llama.cpp "
-              "architecture kvlab writes (deepseek2's MLA differs in its norms and rotary split)");
-  if (cfg.rope() && cfg.rms() && cfg.swiglu() && !cfg.bias) return "llama";
+  const bool llama_block = cfg.rope() && cfg.rms() && cfg.swiglu() && !cfg.bias;
+  if (cfg.mla()) {
+    KVLAB_CHECK(llama_block, "export: MLA is llama.cpp's deepseek2 only in the llama block "
+                "(rmsnorm, swiglu, no biases); this model has norm ", cfg.norm, ", mlp ", cfg.mlp,
+                ", bias ", cfg.bias ? "on" : "off");
+    // llama.cpp takes these layer counts for DeepSeek-V2-Lite and its kin, whose queries are
+    // not compressed, and reads no q_lora_rank for them (src/models/deepseek2.cpp).
+    const bool lite = cfg.n_layer == 26 || cfg.n_layer == 27 ||
+                      (cfg.n_layer == 48 && cfg.vocab_size == 128256);
+    KVLAB_CHECK(!(lite && cfg.q_lora_rank > 0), "export: llama.cpp's deepseek2 reads no "
+                "q_lora_rank for ", cfg.n_layer, " layers", cfg.n_layer == 48 ? " and a "
+                "vocabulary of 128256" : "", ", so it cannot hold this model's query compression "
+                "(q_lora_rank ", cfg.q_lora_rank, "): it would look for attn_q, which is missing");
+    return "deepseek2";
+  }
+  if (llama_block) return "llama";
   if (!cfg.rope() && !cfg.rms() && !cfg.swiglu() && cfg.bias) return "gpt2";
   throw Error(detail::cat(
       "export: this block (pos ", cfg.pos, ", norm ", cfg.norm, ", mlp ", cfg.mlp, ", bias ",
@@ -313,7 +456,7 @@ std::string gguf_architecture(const GPTConfig& cfg) {
 }
 
 GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
-                       const GgufProvenance& provenance) {
+                       const GgufProvenance& provenance, MlaUpForm mla_up) {
   const GPTConfig& cfg = model.config();
   const std::string arch = gguf_architecture(cfg);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, "export: the tokenizer has ", tok.vocab_size(),
@@ -324,7 +467,7 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
   f.set("general.name", GgufValue::string(
                             "kvlab " + std::filesystem::path(provenance.source_file).stem().string()));
   f.set("general.file_type", GgufValue::scalar(GgufType::U32, file_type(type)));
-  put_hyperparameters(f, arch, cfg);
+  put_hyperparameters(f, arch, cfg, mla_up);
   put_tokenizer_keys(f, tok);
   if (!provenance.source_hash.empty())
     f.set("kvlab.source_hash", GgufValue::string(provenance.source_hash));
@@ -338,11 +481,18 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
   for (auto& [name, arr] : to_arrays(model.named_parameters())) arrays.emplace(name, std::move(arr));
   if (arch == "gpt2") {
     f.tensors = gpt2_tensors(cfg, arrays, type);
-  } else {
-    for (const TensorPlace& p : llama_places(cfg)) {
-      const ArrayF32& a = arrays.at(p.kvlab);
+    return f;
+  }
+  for (const TensorPlace& p : tensor_places(cfg, mla_up)) {
+    ArrayF32& a = arrays.at(p.kvlab);
+    if (p.part != TensorPlace::Part::All) {
+      ArrayF32 half;
+      copy_kv_up_half(a, half, p.heads, p.part, /*to_half=*/true);
+      f.tensors.push_back(to_tensor(p.gguf, half, type));
+    } else {
       f.tensors.push_back(
-          to_tensor(p.gguf, p.rope_heads ? reorder_rope_rows(a, p.rope_heads, true) : a, type));
+          to_tensor(p.gguf, p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : a,
+                    type));
     }
   }
   return f;
@@ -351,35 +501,45 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
 Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {
   // The architecture and its hyper-parameters.
   const std::string& arch = f.get_string("general.architecture", what);
-  KVLAB_CHECK(arch == "llama", what, ": general.architecture is '", arch,
-              "'; kvlab imports the llama architecture only");
-  const GPTConfig cfg = llama_config_of(f, what);
+  KVLAB_CHECK(arch == "llama" || arch == "deepseek2", what, ": general.architecture is '", arch,
+              "'; kvlab imports the llama and deepseek2 architectures only");
+  MlaUpForm up = MlaUpForm::Split;
+  const GPTConfig cfg = config_of(f, arch, up, what);
   cfg.validate();
   const Tokenizer tok = tokenizer_of(f, what);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, what, ": tokenizer.ggml.tokens has ",
               tok.vocab_size(), " tokens, token_embd.weight ", cfg.vocab_size, " rows");
 
   // Every tensor where kvlab's llama block expects it, and nothing else.
-  const std::vector<TensorPlace> places = llama_places(cfg);
+  const std::vector<TensorPlace> places = tensor_places(cfg, up);
   std::map<std::string, const TensorPlace*> by_gguf;
   for (const TensorPlace& p : places) by_gguf[p.gguf] = &p;
   for (const GgufTensor& t : f.tensors)
-    KVLAB_CHECK(by_gguf.count(t.name), what, ": tensor ", t.name,
-                " has no place in kvlab's llama block");
+    KVLAB_CHECK(by_gguf.count(t.name), what, ": tensor ", t.name, " has no place in kvlab's ",
+                cfg.mla() ? "MLA" : "llama", " block");
   std::map<std::string, std::vector<int64_t>> shapes;
   for (auto& [name, shape] : parameter_shapes(cfg)) shapes[name] = shape;
-  Checkpoint c;
+  std::map<std::string, ArrayF32> arrays;
   for (const TensorPlace& p : places) {
     const GgufTensor* t = f.tensor(p.gguf);
     KVLAB_CHECK(t != nullptr, what, ": tensor ", p.gguf, " is missing");
     const std::vector<int64_t>& shape = shapes.at(p.kvlab);
-    const std::vector<int64_t> dims(shape.rbegin(), shape.rend());
-    KVLAB_CHECK(t->dims == dims, what, ": tensor ", p.gguf, " has the wrong shape for this config");
+    KVLAB_CHECK(t->dims == gguf_dims(p, shape), what, ": tensor ", p.gguf,
+                " has the wrong shape for this config");
     ArrayF32 a = gguf_tensor_values(*t);
     KVLAB_CHECK(count_non_finite(a) == 0, what, ": tensor ", p.gguf, " holds NaN or inf");
-    c.model.emplace_back(p.kvlab, p.rope_heads ? reorder_rope_rows(a, p.rope_heads, false)
-                                               : std::move(a));
+    if (p.part != TensorPlace::Part::All) {  // both halves land in one kv_up
+      ArrayF32& whole = arrays[p.kvlab];
+      if (whole.data.empty()) whole = {shape, std::vector<float>(a.data.size() * 2)};
+      copy_kv_up_half(whole, a, p.heads, p.part, /*to_half=*/false);
+    } else {
+      arrays[p.kvlab] = p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, false)
+                                     : std::move(a);
+    }
   }
+  Checkpoint c;
+  for (auto& [name, shape] : parameter_shapes(cfg))
+    c.model.emplace_back(name, std::move(arrays.at(name)));
   put_gpt_config(c.config, cfg);
   put_tokenizer(c, tok);
   return c;

@@ -1,8 +1,9 @@
 #pragma once
 // kvlab's models as GGUF files llama.cpp runs (docs/gguf.md), and back. The llama block
 // (RoPE, RMSNorm, SwiGLU, no biases) is llama.cpp's `llama` architecture, GPT-2's block its
-// `gpt2`; the tokenizer is a `gpt2` (byte-level BPE) vocabulary. Import takes `llama` files
-// only.
+// `gpt2`, and the llama block with multi-head latent attention its `deepseek2` (dense, no
+// experts); the tokenizer is a `gpt2` (byte-level BPE) vocabulary. Import takes `llama` and
+// `deepseek2` files.
 #include <filesystem>
 #include <string>
 
@@ -19,17 +20,27 @@ struct GgufProvenance {
   double best_val_loss = std::numeric_limits<double>::infinity();  // +inf: none
 };
 
-// llama.cpp's architecture for the model ("llama" or "gpt2"); an Error naming what keeps the
-// model from either otherwise.
+// How a deepseek2 file holds MLA's up-projection kv_up: split per head into attn_k_b and
+// attn_v_b, as llama.cpp's converter writes it today (llama.cpp then caches the latent), or
+// whole as attn_kv_b, the older form (llama.cpp then caches every head's key and value).
+enum class MlaUpForm { Split, Whole };
+
+// llama.cpp's architecture for the model ("llama", "gpt2" or "deepseek2"); an Error naming
+// what keeps the model from each otherwise.
 std::string gguf_architecture(const GPTConfig& cfg);
 
 // The model and its tokenizer as a GGUF file; `type` is the matrices' (f32, f16, bf16 or
 // q8_0; a matrix whose rows are not whole q8_0 blocks stays f32, and norms are always f32).
 GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
-                       const GgufProvenance& provenance);
+                       const GgufProvenance& provenance, MlaUpForm mla_up = MlaUpForm::Split);
 
-// A `llama` GGUF file as a weights-only checkpoint (config, tokenizer, f32 weights), what
-// generate, serve and train --init-from read. Errors name the key or tensor refused.
+// A (rows, cols) projection of `blocks` equal blocks of rows whose last `rope_width` rows RoPE
+// turns, those rows reordered from kvlab's pairing (i with i + W/2) to llama.cpp's (2i with
+// 2i + 1), or back (to_gguf false).
+ArrayF32 reorder_rope_rows(const ArrayF32& w, int64_t blocks, int64_t rope_width, bool to_gguf);
+
+// A `llama` or `deepseek2` GGUF file as a weights-only checkpoint (config, tokenizer, f32
+// weights), what generate, serve and train --init-from read. Errors name the key or tensor refused.
 Checkpoint gguf_to_checkpoint(const GgufFile& file, std::string_view what);
 
 }  // namespace kvlab

@@ -16,6 +16,7 @@
 #include "data/bpe.h"
 #include "infer/engine.h"
 #include "tests/error_of.h"
+#include "tests/infer/gguf_test_util.h"
 #include "tests/infer/infer_test_util.h"
 #include "tests/test_dir.h"
 
@@ -23,6 +24,8 @@ namespace kvlab {
 namespace {
 
 namespace fs = std::filesystem;
+using test::greedy;
+using test::model_of;
 using test::random_model;
 
 // 8 heads of 8 channels, 2 layers, a context of 128: room for a prompt of 8 and 112 new tokens.
@@ -45,27 +48,6 @@ GPTConfig llama_config(int64_t n_kv_head, bool tied = true) {
 }
 
 Tokenizer letters() { return Tokenizer::build_char("abcdefghijklmnopqrstuvwxyz "); }
-
-std::vector<int32_t> greedy(GPT& model, const Tokenizer& tok, const std::vector<int32_t>& prompt,
-                            int64_t n, std::vector<std::vector<float>>* logits = nullptr) {
-  Engine engine(model, tok);
-  GenerateOptions o;
-  o.max_new_tokens = n;
-  o.sampling.temperature = 0;
-  if (logits)
-    o.on_logits = [&](int64_t, std::span<const int32_t>, std::span<const float> l) {
-      logits->emplace_back(l.begin(), l.end());
-    };
-  return engine.generate_ids({prompt}, o).rows[0].tokens;
-}
-
-// A checkpoint's weights in a fresh GPT, as load_model makes it.
-std::unique_ptr<GPT> model_of(const Checkpoint& c) {
-  auto m = std::make_unique<GPT>(get_gpt_config(c.config, "import"), 0);
-  copy_into(m->named_parameters(), c.model, "model", "import");
-  m->set_training(false);
-  return m;
-}
 
 GgufFile reparsed(const GgufFile& f) { return parse_gguf(serialize_gguf(f), "test"); }
 
@@ -144,10 +126,6 @@ TEST(GgufExport, Gpt2BlockAsLlamaCppsGpt2) {
 }
 
 TEST(GgufExport, RefusesWhatLlamaCppHasNoArchitectureFor) {
-  auto mla = random_model(test::tiny_config(4, 16, "mla"), 1);
-  EXPECT_NE(error_of([&] { model_to_gguf(*mla, test::tiny_tokenizer(), GgmlType::F32, {}); })
-                .find("mla"),
-            std::string::npos);
   GPTConfig mixed = test::tiny_config(4, 16, "gpt2");
   mixed.pos = "rope";  // GPT-2's block with RoPE: neither architecture
   auto m = random_model(mixed, 1);
@@ -217,22 +195,6 @@ TEST(GgufImport, RefusesNamingTheKeyOrTensor) {
 
 // ---- llama.cpp itself ------------------------------------------------------------------------------
 
-// The peer: node and node-llama-cpp in tests/infer/llama_cpp (scripts/setup.sh --tests).
-const fs::path kPeer = fs::path(KVLAB_SOURCE_DIR) / "tests/infer/llama_cpp";
-
-bool have_peer(std::string& why) {
-  if (std::system("command -v node >/dev/null 2>&1") != 0) {
-    why = "node is not installed (scripts/setup.sh --tests installs it)";
-    return false;
-  }
-  if (!fs::exists(kPeer / "node_modules/node-llama-cpp/package.json")) {
-    why = "node-llama-cpp is not installed in " + kPeer.string() +
-          " (scripts/setup.sh --tests installs it)";
-    return false;
-  }
-  return true;
-}
-
 struct PeerJob {
   std::string name;
   fs::path gguf;
@@ -241,16 +203,6 @@ struct PeerJob {
   size_t min_same;                           // greedy tokens that must agree
   double tolerance;                          // on each step's log-probabilities
 };
-
-// Log-softmax of one row of logits.
-std::vector<double> log_softmax(const std::vector<float>& l) {
-  double m = -INFINITY, s = 0;
-  for (float v : l) m = std::max(m, static_cast<double>(v));
-  for (float v : l) s += std::exp(v - m);
-  std::vector<double> out;
-  for (float v : l) out.push_back(v - m - std::log(s));
-  return out;
-}
 
 class GgufLlamaCpp : public kvlab::testing::TestDirFixture {
  protected:
@@ -265,7 +217,7 @@ class GgufLlamaCpp : public kvlab::testing::TestDirFixture {
 // texts part (and that step).
 TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
   std::string why;
-  if (!have_peer(why)) GTEST_SKIP() << why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
   const Tokenizer tok = letters();
   const int64_t n_new = 112;
   std::vector<PeerJob> jobs;
@@ -304,36 +256,18 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
   for (const PeerJob& j : jobs)
     spec.push_back({{"model", j.gguf.string()}, {"prompt", kPrompt}, {"new_tokens", n_new},
                     {"threads", 1}});
-  std::ofstream(dir_ / "jobs.json") << spec.dump();
-  const std::string cmd = "cd '" + kPeer.string() + "' && node greedy.mjs '" +
-                          (dir_ / "jobs.json").string() + "' '" + (dir_ / "out.json").string() +
-                          "' > '" + (dir_ / "node.log").string() + "' 2>&1";
-  if (std::system(cmd.c_str()) != 0) {
-    std::ifstream log(dir_ / "node.log");
-    FAIL() << "llama.cpp (node greedy.mjs) failed:\n" << std::string(std::istreambuf_iterator<char>(log), {});
-  }
-  const nlohmann::json out = nlohmann::json::parse(std::ifstream(dir_ / "out.json"));
+  std::string failure;
+  const nlohmann::json out = test::llama_cpp_greedy(spec, dir_, failure);
+  if (!failure.empty()) FAIL() << failure;
   ASSERT_EQ(out.size(), jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const PeerJob& j = jobs[i];
-    const auto tokens = out[i]["tokens"].get<std::vector<int32_t>>();
-    ASSERT_EQ(tokens.size(), j.expected.size()) << j.name;
-    size_t same = 0;
-    while (same < tokens.size() && tokens[same] == j.expected[same]) ++same;
-    // The log-probabilities of every token at each step both decoded alike (and the next).
-    double worst = 0;
-    for (size_t s = 0; s <= std::min(same, tokens.size() - 1); ++s) {
-      const std::vector<double> ours = log_softmax(j.logits[s]);
-      const nlohmann::json& theirs = out[i]["logprobs"][s];
-      for (size_t id = 0; id < ours.size(); ++id) {
-        if (id >= theirs.size() || theirs[id].is_null() || ours[id] < std::log(1e-4)) continue;
-        worst = std::max(worst, std::fabs(theirs[id].get<double>() - ours[id]));
-      }
-    }
+    ASSERT_EQ(out[i]["tokens"].size(), j.expected.size()) << j.name;
+    const test::Agreement a = test::agreement(out[i], j.expected, j.logits);
     std::printf("[ llama.cpp ] %s: %zu of %zu greedy tokens the same, max |d log p| %.2e\n",
-                j.name.c_str(), same, tokens.size(), worst);
-    EXPECT_GE(same, j.min_same) << j.name;
-    EXPECT_LT(worst, j.tolerance) << j.name;
+                j.name.c_str(), a.same, j.expected.size(), a.worst);
+    EXPECT_GE(a.same, j.min_same) << j.name;
+    EXPECT_LT(a.worst, j.tolerance) << j.name;
   }
 }
 

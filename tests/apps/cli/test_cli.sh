@@ -240,6 +240,18 @@ check "--q-lora-rank without MLA" 2 "q_lora_rank are MLA's (attn mla)" -- "$KVLA
 check "generate from MLA without a cache" 0 "cache off" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --no-cache
 check "generate from MLA with the cache" 0 "cache paged f32" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8
 check "generate from MLA, contiguous int8 cache" 0 "cache contiguous int8" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --cache contiguous --kv-dtype int8
+# MLA as llama.cpp's deepseek2 and back (docs/gguf.md): the same greedy text, both up-projection forms.
+check "export MLA as deepseek2" 0 "deepseek2 architecture" -- "$KVLAB" export --ckpt "$work/mla-q/final.h5" --out "$work/mla-q.gguf"
+check "import deepseek2" 0 "imported $work/mla-q.gguf" -- "$KVLAB" import --gguf "$work/mla-q.gguf" --out "$work/mla-q-imported.h5"
+check "export MLA, whole up-projection, imported back" 0 "imported" -- bash -c '"$0" export --ckpt "$1" --out "$2" --mla-up whole && "$0" import --gguf "$2" --out "$3"' "$KVLAB" "$work/mla/final.h5" "$work/mla-whole.gguf" "$work/mla-whole.h5"
+if [ -n "$(greedy "$work/mla-q/final.h5")" ] && [ "$(greedy "$work/mla-q/final.h5")" = "$(greedy "$work/mla-q-imported.h5")" ] &&
+   [ "$(greedy "$work/mla/final.h5")" = "$(greedy "$work/mla-whole.h5")" ]; then
+  pass=$((pass + 1))
+else
+  echo "FAIL import(export(MLA ckpt)): greedy text differs from the source's"
+  fails=$((fails + 1))
+fi
+check "export: unknown --mla-up" 2 "--mla-up: half not in" -- "$KVLAB" export --ckpt "$work/mla/final.h5" --out "$work/x.gguf" --mla-up half
 check "generate from MLA, fp8 cache" 0 "cache paged fp8" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --kv-dtype fp8
 check "serve an MLA checkpoint sizes its pool by latent rows" 1 "cannot hold one sequence of the whole context (16 positions, 1 blocks)" -- "$KVLAB" serve --ckpt "$work/mla/final.h5" --kv-memory 767 --port 0
 check "bench serve on MLA" 0 "continuous" -- "$KVLAB" bench serve --ckpt "$work/mla/final.h5" --requests 8 --kv-block-size 16
