@@ -14,7 +14,8 @@
 # N is 256 for (a) and 63 for (b) (its context is 64). The sides alternate for ROUNDS rounds
 # (default 3); each figure is the median of its rounds, beside the min and max, and the load
 # average (uptime) before each round is recorded.
-# Usage: [ROUNDS=3] [RUNS=3] [THREADS="1 2"] bench/compare_llama_cpp.sh [BUILD_DIR]
+# Usage: [ROUNDS=3] [RUNS=3] [THREADS="1 2"] [LLAMA_CKPT=...] [ABLATE_CKPT=...] [CORPUS=...]
+#        bench/compare_llama_cpp.sh [BUILD_DIR]
 #        (writes BUILD_DIR/compare_llama_cpp/summary.json; llama-bench from
 #        bench/llama_cpp/build.sh, or LLAMA_BENCH)
 set -euo pipefail
@@ -32,16 +33,19 @@ mkdir -p "$out"
 
 llama_ckpt=${LLAMA_CKPT:-$out/llama22m/final.h5}
 if [[ ! -f $llama_ckpt ]]; then
-  "$kvlab" train --arch llama --n-layer 8 --n-head 8 --n-kv-head 2 --n-embd 512 --block-size 1024 \
+  corpus=${CORPUS:-data/corpora/bible-kjv.txt}
+  [[ -f $corpus ]] || { echo "no corpus at $corpus to train model (a) on: run scripts/setup.sh or set CORPUS" >&2; exit 1; }
+  "$kvlab" train --corpus "$corpus" --arch llama --n-layer 8 --n-head 8 --n-kv-head 2 --n-embd 512 --block-size 1024 \
     --iters 1 --batch-size 1 --eval-interval 1 --eval-iters 1 --warmup 0 \
     --out "$out/llama22m" >"$out/llama22m.train.log"
   llama_ckpt=$out/llama22m/final.h5
 fi
 ablate_ckpt=${ABLATE_CKPT:-/tmp/ev/default/runs/kv2_seed0/final.h5}
+[[ -f $ablate_ckpt ]] || { echo "no checkpoint at $ablate_ckpt: run kvlab ablate (its defaults) or set ABLATE_CKPT" >&2; exit 1; }
 declare -A ckpt=([llama22m]=$llama_ckpt [ablate]=$ablate_ckpt) new=([llama22m]=256 [ablate]=63)
 for m in llama22m ablate; do
   for d in f32 f16; do
-    [[ -f $out/$m.$d.gguf ]] || "$kvlab" export --ckpt "${ckpt[$m]}" --format gguf --dtype $d \
+    "$kvlab" export --ckpt "${ckpt[$m]}" --format gguf --dtype $d \
       --out "$out/$m.$d.gguf" >/dev/null
   done
 done
