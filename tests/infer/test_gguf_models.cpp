@@ -339,13 +339,15 @@ class GgufLlamaCpp : public kvlab::testing::TestDirFixture {
 // f16 and q8_0 exports, at n_kv_head 8, 2 and 1, against kvlab decoding the same rounded weights
 // (the file imported back). llama.cpp also rounds what it multiplies those weights by (the
 // activations: to f16, or to q8_0 blocks of 32 with one scale each), kvlab does not, so their
-// log-probabilities differ by up to a tolerance tau (f16 0.02, q8_0 0.3: about twice the most
-// measured over these models, docs/gguf.md). What must then hold:
+// log-probabilities differ by up to a tolerance tau = kActivationRounding W, W being what
+// rounding the weights alone moves kvlab's own (measured in the run; docs/gguf.md has the
+// figures). What must then hold:
 //  - with llama.cpp fed kvlab's greedy tokens (teacher forcing, every one of the 112 steps):
 //    each step's log-probabilities within tau, and llama.cpp's top token kvlab's wherever
 //    kvlab's top-2 margin exceeds 2 tau (a gap below tau on both cannot swap them there);
 //  - decoding freely, the same greedy tokens up to the first step whose margin is at most 2 tau
-//    (where the texts may part, and after which they need not agree).
+//    (where the texts may part, and after which they need not agree);
+//  - f16: at least half of the steps have a margin past 2 tau.
 TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
   std::string why;
   if (!have_peer(why)) GTEST_SKIP() << why;
