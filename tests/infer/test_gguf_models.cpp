@@ -305,7 +305,8 @@ std::vector<std::vector<float>> forced_logits(GPT& model, const std::vector<int3
 std::unique_ptr<GPT> rounded_copy(GPT& model, GgmlType type) {
   NamedArrays a = to_arrays(model.named_parameters());
   for (auto& [name, arr] : a)
-    if (arr.shape.size() == 2) arr.data = gguf_tensor_values(make_gguf_tensor(name, arr, type)).data;
+    if (arr.shape.size() == 2)
+      arr.data = gguf_tensor_values(make_gguf_tensor(name, arr, type)).data;
   auto m = std::make_unique<GPT>(model.config(), 0);
   copy_into(m->named_parameters(), a, "model", "test");
   m->set_training(false);
