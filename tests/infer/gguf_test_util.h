@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +40,18 @@ inline std::unique_ptr<GPT> model_of(const Checkpoint& c) {
   copy_into(m->named_parameters(), c.model, "model", "import");
   m->set_training(false);
   return m;
+}
+
+// The same names, shapes and f32 bits, in the same order.
+inline void expect_bit_identical(const NamedArrays& back, const NamedArrays& before) {
+  ASSERT_EQ(back.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(back[i].first, before[i].first);
+    EXPECT_EQ(back[i].second.shape, before[i].second.shape);
+    EXPECT_EQ(0, std::memcmp(back[i].second.data.data(), before[i].second.data.data(),
+                             before[i].second.data.size() * sizeof(float)))
+        << before[i].first;
+  }
 }
 
 // Log-softmax of one row of logits.

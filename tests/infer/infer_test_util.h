@@ -8,10 +8,33 @@
 
 #include "data/tokenizer.h"
 #include "infer/kv_cache.h"
+#include "nn/adamw.h"
 #include "nn/gpt.h"
 #include "platform/random.h"
 
 namespace kvlab::test {
+
+// `steps` of AdamW (lr 3e-3) on batches of B random windows of T tokens of `ids`, so that a test
+// model's text has structure; the model is left in eval mode.
+inline void train_briefly(GPT& model, const std::vector<int32_t>& ids, int steps, int64_t B,
+                          int64_t T) {
+  AdamW opt(model.named_parameters(), AdamWConfig{});
+  Generator gen(1);
+  model.set_training(true);
+  for (int step = 0; step < steps; ++step) {
+    std::vector<int32_t> xs, ys;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto at = static_cast<int64_t>(gen.below(ids.size() - T - 1));
+      xs.insert(xs.end(), ids.begin() + at, ids.begin() + at + T);
+      ys.insert(ys.end(), ids.begin() + at + 1, ids.begin() + at + T + 1);
+    }
+    model.zero_grad();
+    Tensor loss = model.loss(Tensor::from_vector(xs, {B, T}), Tensor::from_vector(ys, {B, T}));
+    loss.backward();
+    opt.step(3e-3);
+  }
+  model.set_training(false);
+}
 
 // arch "llama": RoPE, RMSNorm, SwiGLU and no biases instead of GPT-2's block; "mla" that block
 // with multi-head latent attention (latent rank 12, rotary width 4; n_kv_head must be 4);

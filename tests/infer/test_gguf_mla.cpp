@@ -61,14 +61,7 @@ TEST_P(GgufMlaRoundTrip, F32WeightsBitIdenticalAndSameGreedyText) {
   EXPECT_EQ(bc.q_lora_rank, c.q_lora_rank);
   EXPECT_EQ(bc.tied, c.tied);
   const NamedArrays before = to_arrays(model->named_parameters());
-  ASSERT_EQ(back.model.size(), before.size());
-  for (size_t i = 0; i < before.size(); ++i) {
-    EXPECT_EQ(back.model[i].first, before[i].first);
-    EXPECT_EQ(back.model[i].second.shape, before[i].second.shape);
-    EXPECT_EQ(0, std::memcmp(back.model[i].second.data.data(), before[i].second.data.data(),
-                             before[i].second.data.size() * sizeof(float)))
-        << before[i].first;
-  }
+  test::expect_bit_identical(back.model, before);
   const std::vector<int32_t> prompt = {1, 2, 3, 10, 4};
   auto imported = model_of(back);
   EXPECT_EQ(greedy(*imported, tok, prompt, 20), greedy(*model, tok, prompt, 20));
@@ -226,23 +219,7 @@ std::unique_ptr<GPT> trained_mla(const Tokenizer& tok, const std::string& text) 
   c.rope_theta = 500.0;  // positions up to 128 turn every pair noticeably
   auto model = std::make_unique<GPT>(c, 3);
   const std::vector<int32_t> ids = tok.encode(text);
-  AdamW opt(model->named_parameters(), AdamWConfig{});
-  Generator gen(1);
-  const int64_t B = 8, T = 64;
-  model->set_training(true);
-  for (int step = 0; step < 200; ++step) {
-    std::vector<int32_t> xs, ys;
-    for (int64_t b = 0; b < B; ++b) {
-      const auto at = static_cast<int64_t>(gen.below(ids.size() - T - 1));
-      xs.insert(xs.end(), ids.begin() + at, ids.begin() + at + T);
-      ys.insert(ys.end(), ids.begin() + at + 1, ids.begin() + at + T + 1);
-    }
-    model->zero_grad();
-    Tensor loss = model->loss(Tensor::from_vector(xs, {B, T}), Tensor::from_vector(ys, {B, T}));
-    loss.backward();
-    opt.step(3e-3);
-  }
-  model->set_training(false);
+  test::train_briefly(*model, ids, 200, 8, 64);
   return model;
 }
 

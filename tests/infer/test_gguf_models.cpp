@@ -70,14 +70,7 @@ TEST_P(GgufRoundTrip, F32WeightsBitIdenticalAndSameGreedyText) {
 
   const Checkpoint back = gguf_to_checkpoint(file, "test");
   const NamedArrays before = to_arrays(model->named_parameters());
-  ASSERT_EQ(back.model.size(), before.size());
-  for (size_t i = 0; i < before.size(); ++i) {
-    EXPECT_EQ(back.model[i].first, before[i].first);
-    EXPECT_EQ(back.model[i].second.shape, before[i].second.shape);
-    EXPECT_EQ(0, std::memcmp(back.model[i].second.data.data(), before[i].second.data.data(),
-                             before[i].second.data.size() * sizeof(float)))
-        << before[i].first;
-  }
+  test::expect_bit_identical(back.model, before);
   EXPECT_EQ(get_tokenizer(back, "import"), tok);
 
   auto imported = model_of(back);

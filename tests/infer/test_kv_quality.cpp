@@ -240,23 +240,7 @@ TEST(KVQuality, GreedyTextWithAnInt8CacheIsF32s) {
   for (int i = 0; text.size() < 6000; ++i)
     text += std::string("abc ") + char('a' + i % 10) + char('a' + (i / 10) % 10) + " defg hij ";
   const std::vector<int32_t> ids = tok.encode(text);
-  AdamW opt(model->named_parameters(), AdamWConfig{});
-  Generator gen(1);
-  const int64_t B = 8, T = c.block_size;
-  model->set_training(true);
-  for (int step = 0; step < 250; ++step) {
-    std::vector<int32_t> xs, ys;
-    for (int64_t b = 0; b < B; ++b) {
-      const auto at = static_cast<int64_t>(gen.below(ids.size() - T - 1));
-      xs.insert(xs.end(), ids.begin() + at, ids.begin() + at + T);
-      ys.insert(ys.end(), ids.begin() + at + 1, ids.begin() + at + T + 1);
-    }
-    model->zero_grad();
-    Tensor loss = model->loss(Tensor::from_vector(xs, {B, T}), Tensor::from_vector(ys, {B, T}));
-    loss.backward();
-    opt.step(3e-3);
-  }
-  model->set_training(false);
+  test::train_briefly(*model, ids, 250, 8, c.block_size);
   const std::vector<std::string> prompts{"abc ba defg", "hij abc c", "defg hij abc dd defg h"};
   GenerateOptions greedy;
   greedy.max_new_tokens = 32;
