@@ -273,6 +273,53 @@ int32_t argmax(const nlohmann::json& logprobs) {
 // W, what rounding the weights to the same type moves kvlab's (measured: 0.58 to 1.35 W).
 constexpr double kActivationRounding = 1.5;
 
+// One job: a random model of n_kv_head nkv (0: GPT-2's block with 2 KV heads; -2: 2 KV heads
+// with tamed matrices) exported at `type` into dir, with kvlab's greedy tokens and logits.
+PeerJob make_peer_job(GgmlType type, int64_t nkv, const Tokenizer& tok, const fs::path& dir,
+                      int64_t n_new) {
+  // nkv 0: GPT-2's block (llama.cpp's gpt2) with 2 KV heads.
+  GPTConfig c = llama_config(nkv > 0 ? nkv : 2, nkv != 1);
+  // nkv -2: 2 KV heads with the matrices scaled by 0.4 (std 0.14), whose log-probabilities
+  // q8_0 moves by a tenth of the large ones': there most steps decide a token.
+  const bool tame = nkv < 0;
+  if (nkv == 0) {
+    c.pos = "learned";
+    c.norm = "layernorm";
+    c.mlp = "gelu";
+    c.bias = true;
+  }
+  auto model = random_model(c, 20 + static_cast<uint64_t>(nkv));
+  if (tame)
+    for (auto& [n, t] : model->named_parameters())
+      if (t.dim() == 2) {
+        Tensor p = t;
+        for (int64_t k = 0; k < p.numel(); ++k) p.data<float>()[k] *= 0.4f;
+      }
+  PeerJob job;
+  job.name = (tame      ? std::string("tame_nkv2")
+              : nkv > 0 ? "nkv" + std::to_string(nkv)
+                        : std::string("gpt2_nkv2")) +
+             "_" +
+             ggml_type_name(type);
+  job.gguf = dir / (job.name + ".gguf");
+  job.type = type;
+  job.tame = tame;
+  job.rounded = type != GgmlType::F32;
+  // gpt2: ggml's CPU GELU rounds its input to f16 and reads a table, so 1e-2 there.
+  job.tolerance = nkv == 0 ? 1e-2 : 2e-4;  // f32; the rounded types' is kActivationRounding W
+  const GgufFile f = model_to_gguf(*model, tok, type, {});
+  write_gguf(job.gguf, f);
+  // f32 is exact (GgufRoundTrip); the rounded types are compared with their import.
+  std::unique_ptr<GPT> rounded;
+  if (job.rounded) rounded = model_of(gguf_to_checkpoint(read_gguf(job.gguf), job.name));
+  job.expected = greedy(rounded ? *rounded : *model, tok, kPrompt, n_new, &job.logits);
+  if (rounded) {
+    job.unrounded = forced_logits(*model, kPrompt, job.expected);
+    job.rounded_here = forced_logits(*rounded_copy(*model, type), kPrompt, job.expected);
+  }
+  return job;
+}
+
 class GgufLlamaCpp : public kvlab::testing::TestDirFixture {
  protected:
   GgufLlamaCpp() : TestDirFixture("kvlab-gguf-llama-cpp") {}
@@ -306,47 +353,7 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
     for (int64_t nkv : {8, 2, 1, 0, -2}) {
       if (type != GgmlType::F32 && nkv == 0) continue;
       if (type == GgmlType::F32 && nkv < 0) continue;
-      // nkv 0: GPT-2's block (llama.cpp's gpt2) with 2 KV heads.
-      GPTConfig c = llama_config(nkv > 0 ? nkv : 2, nkv != 1);
-      // nkv -2: 2 KV heads with the matrices scaled by 0.4 (std 0.14), whose log-probabilities
-      // q8_0 moves by a tenth of the large ones': there most steps decide a token.
-      const bool tame = nkv < 0;
-      if (nkv == 0) {
-        c.pos = "learned";
-        c.norm = "layernorm";
-        c.mlp = "gelu";
-        c.bias = true;
-      }
-      auto model = random_model(c, 20 + static_cast<uint64_t>(nkv));
-      if (tame)
-        for (auto& [n, t] : model->named_parameters())
-          if (t.dim() == 2) {
-            Tensor p = t;
-            for (int64_t k = 0; k < p.numel(); ++k) p.data<float>()[k] *= 0.4f;
-          }
-      PeerJob job;
-      job.name = (tame      ? std::string("tame_nkv2")
-                  : nkv > 0 ? "nkv" + std::to_string(nkv)
-                            : std::string("gpt2_nkv2")) +
-                 "_" +
-                 ggml_type_name(type);
-      job.gguf = dir_ / (job.name + ".gguf");
-      job.type = type;
-      job.tame = tame;
-      job.rounded = type != GgmlType::F32;
-      // gpt2: ggml's CPU GELU rounds its input to f16 and reads a table, so 1e-2 there.
-      job.tolerance = nkv == 0 ? 1e-2 : 2e-4;  // f32; the rounded types' is kActivationRounding W
-      const GgufFile f = model_to_gguf(*model, tok, type, {});
-      write_gguf(job.gguf, f);
-      // f32 is exact (GgufRoundTrip); the rounded types are compared with their import.
-      std::unique_ptr<GPT> rounded;
-      if (job.rounded) rounded = model_of(gguf_to_checkpoint(read_gguf(job.gguf), job.name));
-      job.expected = greedy(rounded ? *rounded : *model, tok, kPrompt, n_new, &job.logits);
-      if (rounded) {
-        job.unrounded = forced_logits(*model, kPrompt, job.expected);
-        job.rounded_here = forced_logits(*rounded_copy(*model, type), kPrompt, job.expected);
-      }
-      jobs.push_back(std::move(job));
+      jobs.push_back(make_peer_job(type, nkv, tok, dir_, n_new));
     }
   nlohmann::json spec = nlohmann::json::array();
   for (const PeerJob& j : jobs) {
@@ -389,7 +396,7 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
     size_t first_close = 0;  // the first step whose top-2 margin is at most 2 tau
     while (first_close < j.logits.size() && top2_margin(j.logits[first_close]) > 2 * tau)
       ++first_close;
-    double forced_worst = 0, min_margin = INFINITY, vs_unrounded = 0;
+    double forced_worst = 0, vs_unrounded = 0;
     size_t decided = 0, decided_alike = 0;
     for (size_t s = 0; s < forced.size(); ++s) {
       const double gap = logprob_gap(j.logits[s], forced[s]);
@@ -397,7 +404,6 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
       vs_unrounded = std::max(vs_unrounded, logprob_gap(j.unrounded[s], forced[s]));
       EXPECT_LT(gap, tau) << j.name << " step " << s << " (teacher-forced)";
       const double margin = top2_margin(j.logits[s]);
-      min_margin = std::min(min_margin, margin);
       if (margin > 2 * tau) {
         ++decided;
         decided_alike += argmax(forced[s]) == j.expected[s];
