@@ -11,6 +11,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "platform/atomic_file.h"
 #include "platform/error.h"
+#include "platform/ggml_blocks.h"
 #include "platform/memory.h"
 
 namespace kvlab {
@@ -297,32 +298,6 @@ uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims) {
   return 0;
 }
 
-uint16_t f32_to_f16(float f) {
-  uint32_t x = std::bit_cast<uint32_t>(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7fffffffu;
-  if (x >= 0x47800000u)  // 2^16 and past it, infinities and NaNs
-    return sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00);
-  if (x < 0x38800000u) {  // below half's smallest normal: adding 0.5 rounds into the mantissa
-    const float r = std::bit_cast<float>(x) + 0.5f;
-    return sign | static_cast<uint16_t>(std::bit_cast<uint32_t>(r) - 0x3f000000u);
-  }
-  const uint32_t odd = (x >> 13) & 1u;  // ties go to the even mantissa
-  x += 0xc8000fffu + odd;                // rebias the exponent (127 -> 15) and round
-  return sign | static_cast<uint16_t>(x >> 13);
-}
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24
-    const float v = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -v : v;
-  }
-  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
-  return std::bit_cast<float>(sign | ((exp + 112) << 23) | (mant << 13));
-}
-
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type) {
   KVLAB_CHECK(!arr.shape.empty() && arr.shape.size() <= kMaxDims, "gguf: tensor ", name, " has ",
               arr.shape.size(), " dimensions (1 to ", kMaxDims, " are written)");
@@ -347,16 +322,9 @@ GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type
       break;
     case GgmlType::Q8_0:
       for (size_t b = 0; b < n / kQ8Block; ++b) {
-        const float* xb = x + b * kQ8Block;
         char* ob = out + b * kQ8BlockBytes;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const uint16_t dh = f32_to_f16(d);
-        std::memcpy(ob, &dh, 2);
-        for (int64_t j = 0; j < kQ8Block; ++j)
-          ob[2 + j] = static_cast<char>(static_cast<int8_t>(std::round(xb[j] * id)));
+        const uint16_t d = quantise_q8_0(x + b * kQ8Block, reinterpret_cast<int8_t*>(ob + 2));
+        std::memcpy(ob, &d, 2);
       }
       break;
   }
@@ -389,11 +357,9 @@ ArrayF32 gguf_tensor_values(const GgufTensor& t) {
     case GgmlType::Q8_0:
       for (int64_t b = 0; b < n / kQ8Block; ++b) {
         const char* ib = in + b * kQ8BlockBytes;
-        uint16_t dh;
-        std::memcpy(&dh, ib, 2);
-        const float d = f16_to_f32(dh);
-        for (int64_t j = 0; j < kQ8Block; ++j)
-          x[b * kQ8Block + j] = static_cast<float>(static_cast<int8_t>(ib[2 + j])) * d;
+        uint16_t d;
+        std::memcpy(&d, ib, 2);
+        dequantise_q8_0(d, reinterpret_cast<const int8_t*>(ib + 2), x + b * kQ8Block);
       }
       break;
   }

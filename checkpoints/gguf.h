@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "checkpoints/checkpoint.h"
+#include "platform/ggml_blocks.h"  // the blocks' definitions, f32_to_f16 and f16_to_f32
 
 namespace kvlab {
 
@@ -23,7 +24,7 @@ enum class GgufType : uint32_t {
 
 // Tensor element types kvlab reads and writes, numbered as ggml numbers them.
 enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
-inline constexpr int64_t kQ8Block = 32;        // values a q8_0 block holds
+inline constexpr int64_t kQ8Block = kGgmlBlock;  // values a q8_0 block holds
 inline constexpr int64_t kQ8BlockBytes = 34;   // its f16 scale and 32 int8 codes
 inline constexpr uint32_t kGgufDefaultAlignment = 32;
 
@@ -81,13 +82,9 @@ GgufFile read_gguf(const std::filesystem::path& path);
 // serialize_gguf through write_file_atomic.
 void write_gguf(const std::filesystem::path& path, const GgufFile& file);
 
-// f32 <-> IEEE half, rounding to nearest even (overflow gives an infinity).
-uint16_t f32_to_f16(float f);
-float f16_to_f32(uint16_t h);
-
 // A row-major array as a tensor of `type`, its shape reversed: (rows, cols) has dims
-// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}. q8_0 as ggml's reference quantiser: per block of 32 the scale max|x| / 127 stored as
-// f16, codes round(x / scale).
+// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}; q8_0 by
+// ggml's reference quantiser (platform/ggml_blocks.h).
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type);
 // The tensor's values as f32 in kvlab's order (shape: dims reversed), each type decoded
 // exactly as ggml dequantises it.

@@ -1,0 +1,42 @@
+#pragma once
+// ggml's block formats q8_0 and q4_0 (the types of llama.cpp's GGUF files), value by value as
+// ggml's reference quantiser and dequantiser define them, and IEEE half, their scale's type.
+// One definition for the GGUF reader and writer (checkpoints/gguf.*), for GPT::round_matrices
+// and for the decode step's packed weights (autograd/backend/cpu/packed.cpp).
+//
+// A block is 32 consecutive values of a row, with one f16 scale d:
+//  - q8_0: d = max|x| / 127, codes q = round(x / d) in int8; the value is q * d.
+//  - q4_0: d = m / -8 where m is the value of largest magnitude (the first such), codes
+//    min(15, trunc(x / d + 8.5)) in 4 bits; the value is (q - 8) * d. In the file's 16 bytes
+//    byte j holds value j in its low nibble and value j + 16 in its high one.
+// Both quantisers are idempotent: quantising a block's values a second time gives the same
+// scale and codes, so the dequantised values of a file (or of round_to_*) are told apart
+// from other values by quantising them again (exact_q8_0, exact_q4_0).
+#include <cstdint>
+
+namespace kvlab {
+
+inline constexpr int64_t kGgmlBlock = 32;  // values a q8_0 or q4_0 block holds
+
+// f32 <-> IEEE half, rounding to nearest even (overflow gives an infinity).
+uint16_t f32_to_f16(float f);
+float f16_to_f32(uint16_t h);
+
+// One block of 32 values x: its f16 scale, and codes q (32 int8) or qs (16 bytes, the file's
+// nibble order).
+uint16_t quantise_q8_0(const float* x, int8_t* q);
+uint16_t quantise_q4_0(const float* x, uint8_t* qs);
+// x (32) = the block's values.
+void dequantise_q8_0(uint16_t d, const int8_t* q, float* x);
+void dequantise_q4_0(uint16_t d, const uint8_t* qs, float* x);
+
+// x (n, a multiple of 32) rounded in place, block by block, to the values the format holds.
+void round_to_q8_0(float* x, int64_t n);
+void round_to_q4_0(float* x, int64_t n);
+// Whether each block of x (n, a multiple of 32) holds exactly the values its quantisation
+// gives back; stops at the first block that does not (a matrix of other values is told apart
+// in its first block).
+bool exact_q8_0(const float* x, int64_t n);
+bool exact_q4_0(const float* x, int64_t n);
+
+}  // namespace kvlab
