@@ -266,7 +266,7 @@ void run_bench_generate(BenchArgs& a) {
   o.paged = parse_kv_cache(a.kv, a.cfg.block_size, device);
   // Each run feeds the same prompts: with prefix caching the later ones would skip prefill.
   if (o.paged) o.paged->prefix_caching = false;
-  o.weight_dtype = parse_storage_dtype(a.weight_dtype);
+  o.weight_dtype = parse_weight_dtype(a.weight_dtype);
   o.fused_decode = !a.op_by_op;
   // A bar for the setting being measured (a cache-off setting of a large model takes minutes),
   // replaced by its result line.

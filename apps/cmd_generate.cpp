@@ -128,7 +128,7 @@ void run_generate(const GenerateArgs& a) {
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
   model.to(device);
-  if (parse_storage_dtype(a.weight_dtype) == DType::BF16) model.round_matrices_to_bf16();
+  model.round_matrices(parse_weight_dtype(a.weight_dtype));
   Engine engine(model, loaded.tokenizer, kv_dtype,
                 parse_kv_cache(a.kv, model.config().block_size, device));
 

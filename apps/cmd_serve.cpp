@@ -88,7 +88,7 @@ void run_serve(const ServeArgs& a) {
 
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
-  if (parse_storage_dtype(a.weight_dtype) == DType::BF16) model.round_matrices_to_bf16();
+  model.round_matrices(parse_weight_dtype(a.weight_dtype));
   const int64_t context = model.config().block_size;
   KVCacheFlags kv{.layout = "paged", .block_size = a.kv_block_size, .memory = a.kv_memory};
   Engine engine(model, loaded.tokenizer, parse_storage_dtype(a.kv_dtype), std::nullopt);

@@ -209,11 +209,19 @@ std::optional<PagedCacheOptions> parse_kv_cache(const KVCacheFlags& flags, int64
 
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
   cmd->add_option("--weight-dtype", weight_dtype,
-                  "The products' matrices: f32, or bf16 (rounded to bf16 once, at load, on "
-                  "every path; the fused CPU decode reads them in half the bytes. Biases, "
-                  "LayerNorms and positions stay f32)")
-      ->check(CLI::IsMember({"f32", "bf16"}))
+                  "The products' matrices: f32, bf16, q8_0 or q4_0, rounded once at load on "
+                  "every path (q8_0/q4_0: ggml's blocks of 32; with q4_0 the LM head is q8_0); "
+                  "the fused CPU decode reads them in 2, 1.125 or 0.625 bytes a value. A model "
+                  "imported from a q8_0/q4_0 GGUF file already holds such values. Biases, norms, "
+                  "embeddings and positions stay f32")
+      ->check(CLI::IsMember({"f32", "bf16", "q8_0", "q4_0"}))
       ->capture_default_str();
+}
+
+WeightDtype parse_weight_dtype(const std::string& dtype) {
+  for (const WeightDtype d : {WeightDtype::BF16, WeightDtype::Q8_0, WeightDtype::Q4_0})
+    if (dtype == weight_dtype_name(d)) return d;
+  return WeightDtype::F32;  // the flag's check admits no other name
 }
 
 DType parse_storage_dtype(const std::string& dtype) {

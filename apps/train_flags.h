@@ -34,9 +34,10 @@ MatmulPrecision parse_dtype(const std::string& dtype, Device device);
 // --kv-dtype f32|bf16|fp8|int8|int4 (generate, bench, serve, ablate): the KV cache's element
 // type.
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
-// --weight-dtype f32|bf16 (generate, bench generate): the products' matrices, rounded to bf16
-// (GPT::round_matrices_to_bf16) when bf16.
+// --weight-dtype f32|bf16|q8_0|q4_0 (generate, bench generate, serve): the products'
+// matrices, rounded at load (GPT::round_matrices); parse_weight_dtype reads its value.
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
+WeightDtype parse_weight_dtype(const std::string& dtype);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
 // A comma-separated list of KV cache dtypes (--kv-dtypes), each known and listed once.

@@ -5,6 +5,7 @@
 
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
+#include "platform/ggml_blocks.h"
 #include "platform/memory.h"
 
 namespace kvlab {
@@ -301,7 +302,35 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
 
 const Tensor& GPT::lm_head_weight() const { return lm_head ? lm_head->weight : wte.weight; }
 
-void GPT::round_matrices_to_bf16() {
+const char* weight_dtype_name(WeightDtype d) {
+  switch (d) {
+    case WeightDtype::F32: return "f32";
+    case WeightDtype::BF16: return "bf16";
+    case WeightDtype::Q8_0: return "q8_0";
+    case WeightDtype::Q4_0: return "q4_0";
+  }
+  return "?";
+}
+
+namespace {
+
+// w's values rounded in place to q8_0 or q4_0 blocks along its rows, on the host (a GPU
+// tensor goes there and back); rows that are not whole blocks leave it as it is.
+void round_to_blocks(Tensor& w, WeightDtype dtype) {
+  if (w.size(1) % kGgmlBlock != 0) return;
+  Tensor host = w.to(Device::CPU);  // w itself on the CPU
+  float* x = host.data<float>();
+  if (dtype == WeightDtype::Q4_0)
+    round_to_q4_0(x, host.numel());
+  else
+    round_to_q8_0(x, host.numel());
+  if (w.device() != Device::CPU) w.copy_from(host);
+}
+
+}  // namespace
+
+void GPT::round_matrices(WeightDtype dtype) {
+  if (dtype == WeightDtype::F32) return;
   std::vector<Tensor> matrices;  // handles on the same storage
   for (const auto& b : blocks) {
     const std::vector<const Linear*> attention =
@@ -314,8 +343,17 @@ void GPT::round_matrices_to_bf16() {
     for (const Linear* l : {&b->mlp.c_fc, b->mlp.c_up.get(), &b->mlp.c_proj})
       if (l != nullptr) matrices.push_back(l->weight);
   }
-  matrices.push_back(lm_head_weight());
-  for (Tensor& w : matrices) w.copy_from(w.to(DType::BF16));
+  Tensor head = lm_head_weight();
+  for (Tensor& w : matrices) {
+    if (dtype == WeightDtype::BF16)
+      w.copy_from(w.to(DType::BF16));
+    else
+      round_to_blocks(w, dtype);
+  }
+  if (dtype == WeightDtype::BF16)
+    head.copy_from(head.to(DType::BF16));
+  else
+    round_to_blocks(head, WeightDtype::Q8_0);  // q8_0 for q4_0 too (round_matrices says why)
 }
 
 const Tensor& GPT::rope_table(int64_t positions) const {

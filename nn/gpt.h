@@ -124,6 +124,10 @@ class Block : public Module {
   double dropout;
 };
 
+// The type of the products' matrices at inference (--weight-dtype; GPT::round_matrices).
+enum class WeightDtype : uint8_t { F32, BF16, Q8_0, Q4_0 };
+const char* weight_dtype_name(WeightDtype d);
+
 class GPT : public Module {
  public:
   // Parameters drawn with GPT-2's initialisation from `seed`: N(0, 0.02), residual output
@@ -146,11 +150,15 @@ class GPT : public Module {
   std::vector<std::unique_ptr<Block>> blocks;
   LayerNorm ln_f;
   std::unique_ptr<Linear> lm_head;  // only when untied
-  // Rounds the matrices of the products (each block's six, seven with SwiGLU, and the LM
-  // head, which tied is the token table) to bf16 in place, to nearest even; biases, norms and
-  // the position table stay f32. The model is then one with bf16 matrices on every path and device, and the
-  // fused CPU decode step (infer/decode/decode_step.h) reads them in half the bytes.
-  void round_matrices_to_bf16();
+  // Rounds the matrices of the products (each block's six, seven with SwiGLU, MLA's, and the
+  // LM head, which tied is the token table) in place to the values `dtype` holds; biases,
+  // norms and the position table stay f32. bf16: to nearest even. q8_0 and q4_0: ggml's
+  // blocks of 32 along each row (platform/ggml_blocks.h), a matrix whose rows are not whole
+  // blocks staying f32; with q4_0 the LM head takes q8_0, as llama.cpp's quantiser keeps its
+  // output matrix at a higher precision: every token's logits come from it. The model is then
+  // one with those values on every path and device, and the fused CPU decode step
+  // (infer/decode/decode_step.h) reads them in the form's bytes (2, 1.125 or 0.625 a value).
+  void round_matrices(WeightDtype dtype);
   // RoPE's table (rope_table, of config().rope_dim()) in the model's dtype on its device,
   // made once per device and dtype: block_size positions, or at least `positions` for a cache row that dropped its front
   // and goes on past the context (grown by doubling, so a long generation remakes it a few

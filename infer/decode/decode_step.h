@@ -56,16 +56,17 @@ class DecodeStep {
   bool applies(const Tensor& tokens) const;
   // Packs the model's matrices (the buffer is kept for the next call). Engine::generate holds
   // one for each call, so that weights changed between calls are seen. A matrix whose values
-  // are all bf16 (GPT::round_matrices_to_bf16) is packed in the bf16 form: half the bytes,
-  // the same results.
+  // a smaller form holds exactly (bf16, q8_0 or q4_0: GPT::round_matrices) is packed in it:
+  // fewer bytes, the same results (decode::exact_form).
   [[nodiscard]] PackGuard pack();
   // tokens (B, 1) i32 on the host -> logits (B, 1, V). Writes every layer's new keys and
   // values into the cache and advances it by one; on an error (a bad token id, a row without
   // room, a cache it cannot use) nothing is written and the cache does not advance.
   Tensor forward(const Tensor& tokens, DecodeKVCache& cache);
   // Bytes of weights a decode step reads: every parameter but the position table and, when
-  // the LM head is a matrix of its own, the token table (a row of each); at 2 bytes an element
-  // for the matrices this step packs as bf16, 4 for the rest (all of MLA's: never packed).
+  // the LM head is a matrix of its own, the token table (a row of each); the matrices this
+  // step packs at their form's bytes (bf16 2 an element, q8_0 36 a block of 32 and q4_0 20,
+  // their scales f32), 4 for the rest (MLA's kv_up: never packed).
   int64_t weight_bytes() const;
 
  private:
@@ -79,9 +80,8 @@ class DecodeStep {
   std::vector<int32_t> positions_;  // each row's new position (length - 1), for RoPE
   // For each thread of the step (omp_get_max_threads at packing), its rows of each matrix
   // (per layer q, k, v, c_proj, c_fc, mlp c_proj, SwiGLU's c_up, then the LM head), each
-  // packed on their own in one of cpu::pack_weight's forms, one after another in pack_'s f32
-  // words, each from a 64-byte boundary: f32 (packed_weight_size(rows, in) words) or, for a matrix
-  // whose values are all bf16, bf16 (packed_weight_bf16_size values, two to a word); read while a
+  // packed on their own in one of cpu::pack_weight's forms (decode::exact_form's), one after
+  // another in pack_'s f32 words, each from a 64-byte boundary; read while a
   // PackGuard lives (pack_users_ of them) by steps on that many threads.
   Tensor pack_;
   int pack_users_ = 0;

@@ -10,6 +10,7 @@
 
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
+#include "platform/ggml_blocks.h"
 #include "infer/decode/decode_step.h"
 #include "infer/decode/thread_rows.h"
 
@@ -82,19 +83,44 @@ using decode::StepRows;
 using decode::whole_lines;
 
 bool DecodeStep::packing_applies() const {
-  return runs_on_model() && cpu::packed_weight_size(1, 1) > 0;
+  return runs_on_model() && cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) > 0;
 }
+
+namespace decode {
+
+cpu::PackedForm exact_form(const Tensor& w) {
+  const float* x = w.data<float>();
+  const int64_t n = w.numel(), k = w.size(1);
+  if (cpu::packed_weight_bytes(cpu::PackedForm::Q4_0, 1, k) > 0) {
+    if (exact_q4_0(x, n)) return cpu::PackedForm::Q4_0;
+    if (exact_q8_0(x, n)) return cpu::PackedForm::Q8_0;
+  }
+  return cpu::all_bf16(x, n) ? cpu::PackedForm::BF16 : cpu::PackedForm::F32;
+}
+
+// Bytes of n values in a form, without its padding: q8_0 and q4_0 count their f32 scales.
+int64_t value_bytes(cpu::PackedForm form, int64_t n) {
+  switch (form) {
+    case cpu::PackedForm::F32: return n * 4;
+    case cpu::PackedForm::BF16: return n * 2;
+    case cpu::PackedForm::Q8_0: return n / kGgmlBlock * (kGgmlBlock + 4);
+    case cpu::PackedForm::Q4_0: return n / kGgmlBlock * (kGgmlBlock / 2 + 4);
+  }
+  return n * 4;
+}
+
+}  // namespace decode
+
+using decode::exact_form;
+using decode::value_bytes;
 
 DecodeStep::PackGuard DecodeStep::pack() {
   if (!packing_applies()) return {};
   const std::vector<const Tensor*> weights = decode_matrices(model_);
   const auto count = static_cast<int64_t>(weights.size());
-  std::vector<char> bf16(weights.size());  // which matrices take the bf16 form
+  std::vector<cpu::PackedForm> form(weights.size());  // each matrix's (exact_form)
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < count; ++i) {
-    const Tensor& w = *weights[static_cast<size_t>(i)];
-    bf16[static_cast<size_t>(i)] = cpu::all_bf16(w.data<float>(), w.numel());
-  }
+  for (int64_t i = 0; i < count; ++i) form[static_cast<size_t>(i)] = exact_form(*weights[static_cast<size_t>(i)]);
   // The buffer (reused while its size fits) and the weights' pointers are taken before the
   // parallel region: nothing inside it may throw. All the parts lie in one block, so that the
   // step's streams of weights take huge pages (cpu_raw_alloc): thread t's parts of every
@@ -112,9 +138,7 @@ DecodeStep::PackGuard DecodeStep::pack() {
       const int64_t n = rows[at].second - rows[at].first, k = weights[i]->size(1);
       if (n <= 0) continue;
       offset[at] = words;
-      const int64_t size =
-          bf16[i] ? (cpu::packed_weight_bf16_size(n, k) + 1) / 2 : cpu::packed_weight_size(n, k);
-      words += whole_lines(size);
+      words += whole_lines((cpu::packed_weight_bytes(form[i], n, k) + 3) / 4);
     }
   }
   if (!pack_.defined() || pack_.numel() != words) pack_ = Tensor::empty({words});
@@ -126,16 +150,12 @@ DecodeStep::PackGuard DecodeStep::pack() {
     if (lo >= hi) continue;
     const Tensor& w = *weights[i];
     const float* src = w.data<float>() + lo * w.size(1);
-    float* p = buffer + offset[at];
-    if (bf16[i])
-      cpu::pack_weight(reinterpret_cast<uint16_t*>(p), src, hi - lo, w.size(1));
-    else
-      cpu::pack_weight(p, src, hi - lo, w.size(1));
+    cpu::pack_weight(form[i], buffer + offset[at], src, hi - lo, w.size(1));
   }
   std::vector<PackRef> pack(parts);
   for (size_t at = 0; at < parts; ++at)
     if (rows[at].first < rows[at].second)
-      pack[at] = {buffer + offset[at], bf16[at / static_cast<size_t>(threads)] != 0};
+      pack[at] = {buffer + offset[at], form[at / static_cast<size_t>(threads)]};
   refs_ = std::make_shared<const DecodeRefs>(model_, std::move(pack), threads);
   ++pack_users_;
   return PackGuard(this);
@@ -162,9 +182,8 @@ int64_t DecodeStep::weight_bytes() const {
       const auto [lo, hi] = s.of_matrix(i, weights.size(), per_block);
       return lo >= hi;
     });
-    const bool half = packs && !unpacked && cpu::all_bf16(w->data<float>(), w->numel());
     matrices += w->numel();
-    bytes += w->numel() * (half ? 2 : 4);
+    bytes += value_bytes(packs && !unpacked ? exact_form(*w) : cpu::PackedForm::F32, w->numel());
   }
   return bytes + (model_.num_parameters() - tables - matrices) * 4;
 }

@@ -8,9 +8,9 @@
 // and one thread's parts lie one after another in the order the step reads them, so that each
 // thread reads one stream from the first layer to the LM head: its prefetchers do not start
 // afresh at every product (docs/benchmarks.md). Engine::generate packs at the start of each
-// call, so weights changed between calls are always seen. A matrix whose values are all bf16
-// (GPT::round_matrices_to_bf16) is packed in bf16, which batch-1 decode, bound by reading the
-// weights, reads in half the bytes for the same results. MLA's q_proj and kv_down are split
+// call, so weights changed between calls are always seen. A matrix whose values a smaller form
+// holds exactly (GPT::round_matrices: bf16, q8_0 or q4_0; exact_form) is packed in it, which
+// batch-1 decode, bound by reading the weights, reads in fewer bytes for the same results. MLA's q_proj and kv_down are split
 // and packed like the other products; its kv_up is read whole by every thread (never packed).
 //
 // DecodeStep::pack, its guard and DecodeStep::weight_bytes are in packed_weights.cpp.
@@ -20,16 +20,23 @@
 #include <optional>
 #include <vector>
 
+#include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/tensor.h"
 #include "nn/gpt.h"
 
 namespace kvlab::decode {
 
-// Rows of a matrix packed in one of cpu::pack_weight's forms (f32, or bf16 values), or none.
+// Rows of a matrix packed in one of cpu::pack_weight's forms, or none.
 struct PackRef {
   const void* data = nullptr;
-  bool bf16 = false;
+  cpu::PackedForm form = cpu::PackedForm::F32;
 };
+
+// The form a matrix is packed in: the fewest bytes that hold its values exactly, so that the
+// step gives the bits of the f32 form whatever the form (cpu/decode_kernels.h): q4_0, then
+// q8_0 (values as GPT::round_matrices or a GGUF file's blocks leave them), bf16, else f32.
+// A matrix of other values is told apart in its first block.
+cpu::PackedForm exact_form(const Tensor& w);
 
 // A product's f32 weight (out, in), bias (out, or null) and, while packed, each thread's
 // rows of the weight (StepRows) packed on their own, a PackRef per thread (else null);

@@ -260,7 +260,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
     const int64_t m = std::min(n, cap);
     if (std::find(lengths.begin(), lengths.end(), m) == lengths.end()) lengths.push_back(m);
   }
-  if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
+  model.round_matrices(o.weight_dtype);
   Engine engine(model, tokenizer, o.cache_dtype, o.paged);
   engine.decode_step().enabled = o.fused_decode;
   const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c);
@@ -270,7 +270,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
            {"prompt_tokens", o.prompt_tokens},
            {"batch", o.batch},
            {"cache_dtype", dtype_name(o.cache_dtype)},
-           {"weight_dtype", dtype_name(o.weight_dtype)},
+           {"weight_dtype", weight_dtype_name(o.weight_dtype)},
            {"fused_decode", o.fused_decode && model.device() == Device::CPU},
            {"runs", o.runs},
            {"sampling", "greedy"},
@@ -361,7 +361,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     GPT model(c, o.seed + 1);
     model.set_training(false);
     model.to(o.device);
-    if (o.weight_dtype == DType::BF16) model.round_matrices_to_bf16();
+    model.round_matrices(o.weight_dtype);
     Engine engine(model, tok, o.cache_dtype, o.paged);
     engine.decode_step().enabled = o.fused_decode;
     GenerateOptions g;
@@ -374,7 +374,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     e["new_tokens"] = n;
     e["cache_bytes"] = m.last.cache_bytes;
     e["weights"] = "random";
-    e["weight_dtype"] = dtype_name(o.weight_dtype);
+    e["weight_dtype"] = weight_dtype_name(o.weight_dtype);
     e["batch"] = o.batch;
     add_bandwidth(e, engine, static_cast<double>(o.prompt_tokens) + static_cast<double>(n) / 2,
                   o.batch);

@@ -32,9 +32,9 @@ struct BenchGenerateOptions {
   Device device = Device::CPU;  // where the models of bench_decode_by_kv_heads run
   DType cache_dtype = DType::F32;          // of the KV cache: f32 or bf16
   std::optional<PagedCacheOptions> paged;  // the engines' paged cache; none: contiguous
-  // Of the products' matrices: bf16 rounds those of every model measured, the one passed to
-  // bench_generate included (GPT::round_matrices_to_bf16).
-  DType weight_dtype = DType::F32;
+  // Of the products' matrices: bf16, q8_0 or q4_0 rounds those of every model measured, the
+  // one passed to bench_generate included (GPT::round_matrices).
+  WeightDtype weight_dtype = WeightDtype::F32;
   bool fused_decode = true;  // DecodeStep::enabled of the engines measured (false: op by op)
   std::function<void(const std::string&)> progress;  // one line per measured setting
   // While a setting ("new tokens 256, cache off", "n_kv_head 2") is measured: every row's

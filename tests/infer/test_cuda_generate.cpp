@@ -203,15 +203,15 @@ TEST(CudaGpt, GpuTrainedWeightsGenerateTheSameGreedyTextOnTheCpu) {
   for (size_t r = 0; r < 2; ++r) EXPECT_EQ(g.rows[r].tokens, c.rows[r].tokens) << "row " << r;
 }
 
-// round_matrices_to_bf16 on the GPU rounds as the CPU does (to nearest even): the two models'
+// round_matrices on the GPU rounds as the CPU does (to nearest even): the two models'
 // parameters are equal bit for bit afterwards, and differ from the f32 ones.
 TEST(CudaGpt, RoundMatricesToBf16MatchesTheCpu) {
   REQUIRE_GPU();
   GPT cpu(small(2), 1), gpu(small(2), 1);
   gpu.to(Device::CUDA);
   const std::vector<float> before = cpu.blocks[0]->mlp.c_fc.weight.to_vector<float>();
-  cpu.round_matrices_to_bf16();
-  gpu.round_matrices_to_bf16();
+  cpu.round_matrices(WeightDtype::BF16);
+  gpu.round_matrices(WeightDtype::BF16);
   const std::vector<Tensor> c = cpu.parameters(), g = gpu.parameters();
   ASSERT_EQ(c.size(), g.size());
   for (size_t i = 0; i < c.size(); ++i)

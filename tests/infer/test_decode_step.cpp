@@ -314,13 +314,13 @@ std::vector<float> step_logits(GPT& model, DecodeStep& step, bool fused,
 class PackedDecode
     : public ::testing::TestWithParam<std::tuple<bool, int64_t, int, int64_t, std::string>> {
  protected:
-  // Twelve packed fused steps against the op path, from prompts of 3, 4, 5... tokens; with
-  // bf16_matrices the model's matrices are rounded first and packed in the bf16 form.
-  void check(bool bf16_matrices) {
+  // Twelve packed fused steps against the op path, from prompts of 3, 4, 5... tokens; the
+  // model's matrices rounded first to `matrices` and so packed in its form.
+  void check(WeightDtype matrices) {
     const auto [odd, nkv, threads, B, arch] = GetParam();
     const ThreadCount tc(threads);
     auto model = test::random_model(odd ? odd_config(nkv, arch) : decode_config(nkv, arch), 5);
-    if (bf16_matrices) model->round_matrices_to_bf16();
+    model->round_matrices(matrices);
     const GPTConfig& c = model->config();
     DecodeStep step(*model);
     NoGradGuard no_grad;
@@ -345,11 +345,18 @@ class PackedDecode
   }
 };
 
-TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) { check(false); }
+TEST_P(PackedDecode, EqualsOpByOpAtEveryStep) { check(WeightDtype::F32); }
 
 // The bf16 form gives the f32 form's bits on bf16 values (test_gemm.cpp), so the same bound
 // holds; the sizes put the products' K (40, 64, 100, 256) at every kind of 32-column tail.
-TEST_P(PackedDecode, Bf16MatricesEqualOpByOpAtEveryStep) { check(true); }
+TEST_P(PackedDecode, Bf16MatricesEqualOpByOpAtEveryStep) { check(WeightDtype::BF16); }
+
+// So do the q8_0 and q4_0 forms on their values; at the odd sizes (K 40 and 100, not whole
+// blocks) the matrices stay f32, and only the LM head... also stays, its K being n_embd.
+TEST_P(PackedDecode, BlockQuantisedMatricesEqualOpByOpAtEveryStep) {
+  check(WeightDtype::Q8_0);
+  check(WeightDtype::Q4_0);
+}
 
 std::string packed_case_name(const testing::TestParamInfo<PackedDecode::ParamType>& info) {
   std::string name = std::get<4>(info.param) + (std::get<0>(info.param) ? "_odd" : "_even");
@@ -387,7 +394,7 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   const std::vector<int32_t> prompt{4, 9, 1};
   const std::vector<float> before = step_logits(*model, step, false, prompt, 7);
   std::optional<DecodeStep::PackGuard> pack(step.pack());
-  if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), before), 1e-5 * max_abs(before));
   Tensor w = model->blocks[1]->mlp.c_fc.weight;  // changed under the guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
@@ -419,7 +426,7 @@ TEST(PackedDecode, AStepOnOtherThreadsThanThePackReadsTheWeights) {
   auto model = test::random_model(odd_config(2), 5);
   DecodeStep step(*model);
   NoGradGuard no_grad;
-  if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   const std::vector<int32_t> prompt{4, 9, 1};
   const std::vector<float> before = step_logits(*model, step, false, prompt, 7);
   std::optional<DecodeStep::PackGuard> pack;
@@ -444,7 +451,7 @@ TEST(PackedDecode, GuardsNest) {
   auto model = test::random_model(decode_config(2), 5);
   DecodeStep step(*model);
   NoGradGuard no_grad;
-  if (cpu::packed_weight_size(1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   const std::vector<int32_t> prompt{4, 9, 1};
   std::optional<DecodeStep::PackGuard> outer(step.pack());
   std::optional<DecodeStep::PackGuard> inner(step.pack());
@@ -457,7 +464,7 @@ TEST(PackedDecode, GuardsNest) {
   EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), now), 1e-5 * max_abs(now));
 }
 
-// round_matrices_to_bf16 rounds the six matrices of each block and the (tied) LM head to
+// round_matrices rounds the six matrices of each block and the (tied) LM head to
 // nearest even bf16 and nothing else; a decode step then reads them at 2 bytes an element.
 TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   auto model = test::random_model(odd_config(2), 5);
@@ -467,7 +474,7 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   for (const Tensor& p : model->parameters()) before.push_back(p.to_vector<float>());
   DecodeStep step(*model);
   const int64_t f32_bytes = step.weight_bytes();
-  model->round_matrices_to_bf16();
+  model->round_matrices(WeightDtype::BF16);
   std::vector<Tensor> matrices;
   for (const auto& b : model->blocks)
     for (const Linear* l : {&b->attn->q_proj, &b->attn->k_proj, &b->attn->v_proj, &b->attn->c_proj,
@@ -492,7 +499,7 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   EXPECT_EQ(rounded_elements, matrix_elements);           // every matrix is a parameter, once
   const int64_t rest = others - c.block_size * c.n_embd;  // the position table is not read
   EXPECT_EQ(f32_bytes, 4 * (matrix_elements + rest));
-  const bool packs = cpu::packed_weight_bf16_size(1, 1) > 0;
+  const bool packs = cpu::packed_weight_bytes(cpu::PackedForm::BF16, 1, 1) > 0;
   EXPECT_EQ(step.weight_bytes(), (packs ? 2 : 4) * matrix_elements + 4 * rest);
   step.enabled = false;  // the op path reads the f32 storage
   EXPECT_EQ(step.weight_bytes(), f32_bytes);
@@ -504,13 +511,13 @@ TEST(PackedDecode, MlaWeightBytesCountKvUpAsStored) {
   auto model = test::random_model(decode_config(8, "mla"), 5);
   DecodeStep step(*model);
   const int64_t f32_bytes = step.weight_bytes();
-  model->round_matrices_to_bf16();
+  model->round_matrices(WeightDtype::BF16);
   int64_t packed = model->lm_head_weight().numel();
   for (const auto& b : model->blocks)
     for (const Linear* l : {&b->mla->q_proj, &b->mla->kv_down, &b->mla->c_proj, &b->mlp.c_fc,
                             b->mlp.c_up.get(), &b->mlp.c_proj})
       if (l != nullptr) packed += l->weight.numel();
-  const bool packs = cpu::packed_weight_bf16_size(1, 1) > 0;
+  const bool packs = cpu::packed_weight_bytes(cpu::PackedForm::BF16, 1, 1) > 0;
   EXPECT_EQ(step.weight_bytes(), f32_bytes - (packs ? 2 * packed : 0));
 }
 

@@ -152,7 +152,7 @@ TEST(KVQuant, RowKernelEqualsTheWidenedRows) {
       for (float w : want) mag = std::max(mag, double(std::fabs(w)));
       // Where the build has row kernels, a head size of whole AVX-512 (and so AVX2) vectors
       // takes them; others may fall back (the caller then widens the rows).
-      const bool must_run = cpu::packed_weight_size(1, 1) > 0 && HS % 16 == 0;
+      const bool must_run = cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) > 0 && HS % 16 == 0;
       const bool ran = cpu::attend_one_query_kernel(got.data(), q.data(), k.data(), rb, v.data(),
                                                     rb, n, HS, scale, p.data(), fmt);
       EXPECT_TRUE(ran || !must_run) << dtype_name(t) << " HS " << HS;

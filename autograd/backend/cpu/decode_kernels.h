@@ -13,28 +13,31 @@ namespace kvlab::cpu {
 
 // ---- packed weights (packed.cpp) ----
 // Products of a few rows against a weight packed for them (decode). Row-major w (N, K) is
-// stored as blocks of 8 rows, each block as its column chunks of 8 x 16 floats (zero past row
-// N and column K), so that a product reads one sequential stream instead of eight rows at
-// once, and reads it once for all the rows. Each y[m, n] is summed in the order of gemm's
-// one-row path, so the two give the same bits, and a row's result does not depend on the
-// others. The bf16 form holds the values rounded to bf16 in half the bytes, two chunks to a
-// 64-byte line (the low and high halves of its words), widened exactly as they are read: on
-// a weight whose values are all bf16 it gives the same bits as the f32 form.
-// packed_weight_size is 0 where there is no kernel for it (neither AVX-512 nor AVX2 with FMA):
-// callers then keep to gemm.
-// Elements of the packed forms of a (N, K) weight: floats, and bf16 values.
-int64_t packed_weight_size(int64_t N, int64_t K);
-int64_t packed_weight_bf16_size(int64_t N, int64_t K);
-// packed (packed_weight_size(N, K)) = w (N, K), contiguous, in the packed form.
-void pack_weight(float* packed, const float* w, int64_t N, int64_t K);
-// packed (packed_weight_bf16_size(N, K)) = w rounded to bf16 (nearest even), in the bf16 form.
-void pack_weight(uint16_t* packed, const float* w, int64_t N, int64_t K);
+// stored as blocks of 8 rows, each block as its column chunks of 8 rows x 16 columns (zero
+// past row N and column K), so that a product reads one sequential stream instead of eight
+// rows at once, and reads it once for all the rows. Each y[m, n] is summed in the order of
+// gemm's one-row path, so the two give the same bits, and a row's result does not depend on
+// the others. Every form but f32 is widened to f32 in registers as it is read, exactly:
+//  - bf16: the values rounded to bf16 (nearest even), two chunks to a 64-byte line (the low
+//    and high halves of its words);
+//  - q8_0 and q4_0: ggml's blocks of 32 columns (platform/ggml_blocks.h), each unit of 8 rows
+//    and 32 columns its 8 scales (as f32) then the rows' codes (q4_0 in the file's nibble
+//    order), so K must be whole blocks. A value is code * scale, computed exactly in f32.
+// On a weight whose values the form holds exactly (all bf16, or exact_q8_0 / exact_q4_0),
+// every form gives the same bits as the f32 one: only the bytes read differ.
+enum class PackedForm : uint8_t { F32, BF16, Q8_0, Q4_0 };
+const char* packed_form_name(PackedForm form);
+// Bytes of the form of a (N, K) weight: 0 where there is no kernel (neither AVX-512 nor AVX2
+// with FMA: callers then keep to gemm) or the form cannot hold it (q8_0 and q4_0 with K not
+// a multiple of 32).
+int64_t packed_weight_bytes(PackedForm form, int64_t N, int64_t K);
+// packed (packed_weight_bytes(form, N, K) bytes, 64-byte aligned for speed) = w (N, K),
+// contiguous, in the form (rounded or quantised as the form defines).
+void pack_weight(PackedForm form, void* packed, const float* w, int64_t N, int64_t K);
 // y[m, n] = dot(w[n, :], a[m, :]) + beta * y[m, n] for m < M and n in [n0, n1): y (M, ldy),
-// a (M, K at stride lda), w packed by pack_weight in either form.
-void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const float* packed, int64_t M,
-                 int64_t K, int64_t n0, int64_t n1, float beta);
-void gemm_packed(float* y, int64_t ldy, const float* a, int64_t lda, const uint16_t* packed,
-                 int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
+// a (M, K at stride lda), w packed by pack_weight in that form.
+void gemm_packed(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+                 const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
 
 // ---- decode attention (attention.cpp, attend_row.cpp) ----
 // The rows of one KV head of one batch row of a paged cache (KVBlocks): row j lies at

@@ -55,6 +55,11 @@ inline Vec bf16_low(Words w) { return _mm512_castsi512_ps(_mm512_maskz_slli_epi3
 inline Vec bf16_high(Words w) {
   return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536)));
 }
+// The f32 values of the 16 int8 lanes of `bytes` (h: which vector of a chunk, only 0 here).
+// (Zero-masking forms under a full mask, as bf16_low: GCC 12 warns inside the plain ones.)
+inline Vec i8_to_f32(__m128i bytes, int64_t) {
+  return _mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepi8_epi32(0xffff, bytes));
+}
 
 // Lane i < 8 of the result is the sum of the 16 lanes of v[i]: a tree of two-source permutes and
 // adds that halves the lanes per row at each level, one pass for eight rows instead of eight
@@ -111,6 +116,10 @@ inline Vec bf16_low(Words w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 1
 inline Vec bf16_high(Words w) {
   return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
 }
+// The f32 values of the int8 lanes [8 h, 8 h + 8) of `bytes` (h: which vector of a chunk).
+inline Vec i8_to_f32(__m128i bytes, int64_t h) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h == 0 ? bytes : _mm_srli_si128(bytes, 8)));
+}
 
 // Lane i of the result is the sum of the 8 lanes of v[i]: horizontal adds pair the rows up
 // within each 128-bit half (rows 0-3 from v[0..3], rows 4-7 from v[4..7]), then the halves
@@ -154,7 +163,7 @@ struct ChunkPair {
 
 // Where dot_block reads the weights: row i's chunk c (16 columns) of a block of 8 rows, of
 // which the first n are there (a short last chunk), and (pair) a row's whole chunks c and
-// c + 1 for an even c.
+// c + 1 for an even c. F32Rows here; packed.cpp's forms (Bf16Pairs, QuantPairs) alike.
 // F32Rows: at w + i * row_step + c * chunk_step (row-major w has (ldw, 16), the packed form
 // (16, 128)); a short chunk loads under a mask.
 struct F32Rows {

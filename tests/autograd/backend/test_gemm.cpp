@@ -1,7 +1,7 @@
 // backend/cpu/gemm.cpp: products against a packed weight, which must equal gemm's one-row
 // path bit for bit, row by row, whatever the number of rows (the fused decode step relies on
 // it to match the op path at batch 1, and on a row's result not depending on the others);
-// from the bf16 form, on the weight rounded to bf16. gemm at a few rows of A, and the decode
+// from the bf16, q8_0 and q4_0 forms, on the weight rounded to the form's values. gemm at a few rows of A, and the decode
 // attention of one query, against the same in double.
 #include <gtest/gtest.h>
 
@@ -14,6 +14,7 @@
 #include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kernels.h"
+#include "platform/ggml_blocks.h"
 #include "platform/random.h"
 
 namespace kvlab {
@@ -39,12 +40,10 @@ std::vector<uint32_t> bits(const std::vector<float>& v) {
 class GemmPacked
     : public ::testing::TestWithParam<std::tuple<std::pair<int64_t, int64_t>, int64_t>> {
  protected:
-  // gemm_packed against `packed` (pack_weight of w into a buffer of `size` Packed, poisoned
-  // first: padding read as anything but zero would show in the sums) equals the one-row gemm
-  // on `w_exact`, bit for bit, on every range of rows.
-  template <class Packed>
-  void check(const std::vector<float>& w, const std::vector<float>& w_exact, int64_t size,
-             Packed poison) {
+  // gemm_packed against w packed in `form` (into a buffer poisoned first with 0xff bytes, NaN
+  // in every form: padding read as anything but zero would show in the sums) equals the
+  // one-row gemm on `w_exact`, bit for bit, on every range of rows.
+  void check(cpu::PackedForm form, const std::vector<float>& w, const std::vector<float>& w_exact) {
     const auto [NK, M] = GetParam();
     const auto [N, K] = NK;
     Generator gen(static_cast<uint64_t>((N * 1000 + K) * 10 + M));
@@ -56,8 +55,8 @@ class GemmPacked
     for (int64_t m = 0; m + 1 < M; ++m)
       std::fill_n(a.begin() + m * lda + K, lda - K, std::numeric_limits<float>::quiet_NaN());
     const std::vector<float> y0 = random_floats(M * ldy, gen);
-    std::vector<Packed> packed(static_cast<size_t>(size), poison);
-    cpu::pack_weight(packed.data(), w.data(), N, K);
+    std::vector<char> packed(static_cast<size_t>(cpu::packed_weight_bytes(form, N, K)), '\xff');
+    cpu::pack_weight(form, packed.data(), w.data(), N, K);
     // Ranges that start and end inside 8-row blocks, as the threads' shares of q/k/v do.
     const std::vector<std::pair<int64_t, int64_t>> ranges = {
         {0, N}, {0, N / 2}, {N / 2, N}, {N / 3, N - N / 3}, {N - 1, N}};
@@ -67,29 +66,55 @@ class GemmPacked
         for (int64_t m = 0; m < M && n1 > n0; ++m)
           cpu::gemm<float>(false, true, 1, n1 - n0, K, 1.0f, a.data() + m * lda, lda,
                            w_exact.data() + n0 * K, K, beta, expect.data() + m * ldy + n0, ldy);
-        cpu::gemm_packed(got.data(), ldy, a.data(), lda, packed.data(), M, K, n0, n1, beta);
+        cpu::gemm_packed(form, got.data(), ldy, a.data(), lda, packed.data(), M, K, n0, n1, beta);
         EXPECT_EQ(bits(got), bits(expect)) << "rows [" << n0 << ", " << n1 << "), beta " << beta;
       }
+  }
+  // The weight of this shape, and it rounded by `round` (the values the form holds).
+  template <class Round>
+  void check_rounded(cpu::PackedForm form, Round round) {
+    const auto [N, K] = std::get<0>(GetParam());
+    if (cpu::packed_weight_bytes(cpu::PackedForm::F32, N, K) == 0)
+      GTEST_SKIP() << "no packed kernel in this build";
+    const bool whole_blocks = K % kGgmlBlock == 0;
+    if (form == cpu::PackedForm::Q8_0 || form == cpu::PackedForm::Q4_0) {
+      // The block forms hold only whole blocks of 32 columns, and say so.
+      ASSERT_EQ(cpu::packed_weight_bytes(form, N, K) > 0, whole_blocks);
+      if (!whole_blocks) return;
+    }
+    Generator gen(static_cast<uint64_t>(N * 1000 + K));
+    const std::vector<float> w = random_floats(N * K, gen);
+    std::vector<float> rounded = w;
+    round(rounded);
+    if (form != cpu::PackedForm::F32) {
+      ASSERT_NE(bits(rounded), bits(w));  // the packing must round: the sums would differ
+    }
+    check(form, w, rounded);
   }
 };
 
 TEST_P(GemmPacked, EqualsTheOneRowGemmRowByRowOnEveryRange) {
-  const auto [N, K] = std::get<0>(GetParam());
-  if (cpu::packed_weight_size(N, K) == 0) GTEST_SKIP() << "no packed kernel in this build";
-  Generator gen(static_cast<uint64_t>(N * 1000 + K));
-  const std::vector<float> w = random_floats(N * K, gen);
-  check(w, w, cpu::packed_weight_size(N, K), std::numeric_limits<float>::quiet_NaN());
+  check_rounded(cpu::PackedForm::F32, [](std::vector<float>&) {});
 }
 
 TEST_P(GemmPacked, Bf16FormEqualsTheOneRowGemmOnTheRoundedWeight) {
-  const auto [N, K] = std::get<0>(GetParam());
-  if (cpu::packed_weight_bf16_size(N, K) == 0) GTEST_SKIP() << "no packed kernel in this build";
-  Generator gen(static_cast<uint64_t>(N * 1000 + K));
-  const std::vector<float> w = random_floats(N * K, gen);
-  std::vector<float> rounded(w.size());
-  for (size_t i = 0; i < w.size(); ++i) rounded[i] = cpu::bf16_to_f32(cpu::f32_to_bf16(w[i]));
-  ASSERT_NE(bits(rounded), bits(w));  // the packing must round: the sums would differ
-  check(w, rounded, cpu::packed_weight_bf16_size(N, K), uint16_t{0x7fc0});  // NaN
+  check_rounded(cpu::PackedForm::BF16, [](std::vector<float>& w) {
+    for (float& x : w) x = cpu::bf16_to_f32(cpu::f32_to_bf16(x));
+  });
+}
+
+// The block forms quantise as ggml does (platform/ggml_blocks.h) and widen each value exactly,
+// so their products are the one-row gemm's on the dequantised weight, bit for bit.
+TEST_P(GemmPacked, Q8FormEqualsTheOneRowGemmOnTheDequantisedWeight) {
+  check_rounded(cpu::PackedForm::Q8_0, [](std::vector<float>& w) {
+    round_to_q8_0(w.data(), static_cast<int64_t>(w.size()));
+  });
+}
+
+TEST_P(GemmPacked, Q4FormEqualsTheOneRowGemmOnTheDequantisedWeight) {
+  check_rounded(cpu::PackedForm::Q4_0, [](std::vector<float>& w) {
+    round_to_q4_0(w.data(), static_cast<int64_t>(w.size()));
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -99,7 +124,8 @@ INSTANTIATE_TEST_SUITE_P(
                           std::pair<int64_t, int64_t>{13, 40}, std::pair<int64_t, int64_t>{8, 17},
                           std::pair<int64_t, int64_t>{1, 5}, std::pair<int64_t, int64_t>{9, 1},
                           std::pair<int64_t, int64_t>{100, 1024},
-                          std::pair<int64_t, int64_t>{24, 48}, std::pair<int64_t, int64_t>{13, 56}),
+                          std::pair<int64_t, int64_t>{24, 48}, std::pair<int64_t, int64_t>{13, 56},
+                          std::pair<int64_t, int64_t>{5, 32}),
         ::testing::Values(1, 2, 3, 5, 7)),
     [](const auto& info) {
       std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
