@@ -19,7 +19,8 @@ GgmlType parse_dtype(const std::string& name) {
   if (name == "f16") return GgmlType::F16;
   if (name == "bf16") return GgmlType::BF16;
   if (name == "q8_0") return GgmlType::Q8_0;
-  return GgmlType::F32;  // CLI11 admits only the four names
+  if (name == "q4_0") return GgmlType::Q4_0;
+  return GgmlType::F32;  // CLI11 admits only the five names
 }
 
 void run_export(const ExportArgs& a) {
@@ -79,9 +80,12 @@ void add_export_command(CLI::App& root) {
       ->check(CLI::IsMember({"gguf"}));
   cmd->add_option("--out", args->out, "GGUF file to write (atomically)")->required();
   cmd->add_option("--dtype", args->dtype,
-                  "Type of the matrices: f32, f16, bf16 or q8_0 (norms and biases stay f32, and "
-                  "q8_0 keeps a matrix f32 when its rows are not whole blocks of 32)")
-      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
+                  "Type of the matrices: f32, f16, bf16, q8_0 or q4_0 (norms and biases stay "
+                  "f32; q8_0 and q4_0 keep a matrix f32 when its rows are not whole blocks of 32; "
+                  "q4_0 writes the LM head (output, or token_embd when tied) as q8_0, as "
+                  "llama.cpp's own quantiser keeps the output at a higher precision, q6_K, for "
+                  "its 4-bit types)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0", "q4_0"}));
   cmd->add_option("--mla-up", args->mla_up,
                   "MLA models: the up-projection split per head into attn_k_b and attn_v_b "
                   "(split, llama.cpp's converter's form: it caches the latent) or whole as "
@@ -94,7 +98,7 @@ void add_import_command(CLI::App& root) {
   auto args = std::make_shared<ImportArgs>();
   CLI::App* cmd = root.add_subcommand(
       "import",
-      "Read a llama- or deepseek2-architecture GGUF file (f32, f16, bf16 or q8_0 tensors, a "
+      "Read a llama- or deepseek2-architecture GGUF file (f32, f16, bf16, q8_0 or q4_0 tensors, a "
       "byte-level BPE vocabulary) into a weights-only checkpoint for generate, serve, bench, "
       "convert and train --init-from");
   cmd->add_option("--gguf", args->gguf, "GGUF file to read")->required();

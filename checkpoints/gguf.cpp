@@ -271,11 +271,14 @@ std::string ggml_type_name(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return "f32";
     case GgmlType::F16: return "f16";
+    case GgmlType::Q4_0: return "q4_0";
     case GgmlType::Q8_0: return "q8_0";
     case GgmlType::BF16: return "bf16";
   }
   return "type " + std::to_string(static_cast<uint32_t>(t));
 }
+
+bool is_block_type(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_0; }
 
 uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims) {
   KVLAB_CHECK(!dims.empty() && dims.size() <= kMaxDims, "gguf: a tensor has ", dims.size(),
@@ -289,10 +292,10 @@ uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims) {
   switch (t) {
     case GgmlType::F32: return n * 4;
     case GgmlType::F16: case GgmlType::BF16: return n * 2;
-    case GgmlType::Q8_0:
-      KVLAB_CHECK(dims[0] % kQ8Block == 0, "gguf: a q8_0 row of ", dims[0],
-                  " values is not whole blocks of ", kQ8Block);
-      return n / kQ8Block * kQ8BlockBytes;
+    case GgmlType::Q8_0: case GgmlType::Q4_0:
+      KVLAB_CHECK(dims[0] % kGgmlBlock == 0, "gguf: a ", ggml_type_name(t), " row of ", dims[0],
+                  " values is not whole blocks of ", kGgmlBlock);
+      return n / kGgmlBlock * (t == GgmlType::Q8_0 ? kQ8BlockBytes : kQ4BlockBytes);
   }
   KVLAB_CHECK(false, "gguf: tensor type ", static_cast<uint32_t>(t), " is not supported");
   return 0;
@@ -324,6 +327,13 @@ GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type
       for (size_t b = 0; b < n / kQ8Block; ++b) {
         char* ob = out + b * kQ8BlockBytes;
         const uint16_t d = quantise_q8_0(x + b * kQ8Block, reinterpret_cast<int8_t*>(ob + 2));
+        std::memcpy(ob, &d, 2);
+      }
+      break;
+    case GgmlType::Q4_0:
+      for (size_t b = 0; b < n / kGgmlBlock; ++b) {
+        char* ob = out + b * kQ4BlockBytes;
+        const uint16_t d = quantise_q4_0(x + b * kGgmlBlock, reinterpret_cast<uint8_t*>(ob + 2));
         std::memcpy(ob, &d, 2);
       }
       break;
@@ -360,6 +370,14 @@ ArrayF32 gguf_tensor_values(const GgufTensor& t) {
         uint16_t d;
         std::memcpy(&d, ib, 2);
         dequantise_q8_0(d, reinterpret_cast<const int8_t*>(ib + 2), x + b * kQ8Block);
+      }
+      break;
+    case GgmlType::Q4_0:
+      for (int64_t b = 0; b < n / kGgmlBlock; ++b) {
+        const char* ib = in + b * kQ4BlockBytes;
+        uint16_t d;
+        std::memcpy(&d, ib, 2);
+        dequantise_q4_0(d, reinterpret_cast<const uint8_t*>(ib + 2), x + b * kGgmlBlock);
       }
       break;
   }
@@ -453,9 +471,9 @@ std::vector<TensorInfo> read_tensor_infos(Reader& r, uint64_t n_tensors) {
       t.dims.push_back(static_cast<int64_t>(dim));
     }
     const uint32_t type = r.read<uint32_t>(tfield + "'s type");
-    if (type != 0 && type != 1 && type != 8 && type != 30)
+    if (type != 0 && type != 1 && type != 2 && type != 8 && type != 30)
       r.fail(tfield, "ggml type " + std::to_string(type) +
-                         " is not supported (f32, f16, bf16 and q8_0 are)");
+                         " is not supported (f32, f16, bf16, q8_0 and q4_0 are)");
     t.type = static_cast<GgmlType>(type);
     try {
       info.bytes = gguf_tensor_bytes(t.type, t.dims);

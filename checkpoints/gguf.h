@@ -23,9 +23,10 @@ enum class GgufType : uint32_t {
 };
 
 // Tensor element types kvlab reads and writes, numbered as ggml numbers them.
-enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
+enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, BF16 = 30 };
 inline constexpr int64_t kQ8Block = kGgmlBlock;  // values a q8_0 block holds
 inline constexpr int64_t kQ8BlockBytes = 34;   // its f16 scale and 32 int8 codes
+inline constexpr int64_t kQ4BlockBytes = 18;   // its f16 scale and 16 bytes of 4-bit codes
 inline constexpr uint32_t kGgufDefaultAlignment = 32;
 
 // One metadata value: a scalar (one element) or an array of scalars (no nested arrays). Integer
@@ -70,7 +71,10 @@ struct GgufFile {
 };
 
 std::string ggml_type_name(GgmlType t);
-// Bytes of a tensor of that type and shape; an Error when a q8_0 row is not whole blocks.
+// q8_0 and q4_0: a row is whole blocks of kGgmlBlock values, each block one scale and codes.
+bool is_block_type(GgmlType t);
+// Bytes of a tensor of that type and shape; an Error when a q8_0 or q4_0 row is not whole
+// blocks.
 uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims);
 
 // The file's bytes; what a GGUF reader reads.
@@ -83,8 +87,8 @@ GgufFile read_gguf(const std::filesystem::path& path);
 void write_gguf(const std::filesystem::path& path, const GgufFile& file);
 
 // A row-major array as a tensor of `type`, its shape reversed: (rows, cols) has dims
-// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}; q8_0 by
-// ggml's reference quantiser (platform/ggml_blocks.h).
+// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}; q8_0 and
+// q4_0 by ggml's reference quantisers (platform/ggml_blocks.h).
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type);
 // The tensor's values as f32 in kvlab's order (shape: dims reversed), each type decoded
 // exactly as ggml dequantises it.

@@ -96,16 +96,27 @@ std::vector<int64_t> gguf_dims(const TensorPlace& p, const std::vector<int64_t>&
   return {R, hs, p.heads};
 }
 
-// Matrices take the export's type; vectors (norms, biases) stay f32, as llama.cpp's converter
-// keeps them, and so does a matrix whose rows are not whole q8_0 blocks.
-GgmlType type_for(const ArrayF32& arr, GgmlType matrices) {
-  if (arr.shape.size() < 2) return GgmlType::F32;
-  if (matrices == GgmlType::Q8_0 && arr.shape.back() % kQ8Block != 0) return GgmlType::F32;
-  return matrices;
+// The LM head's matrix: output.weight, or token_embd.weight when the head is tied to it.
+bool is_lm_head(const std::string& gguf, const GPTConfig& cfg) {
+  return gguf == "output.weight" || (cfg.tied && gguf == "token_embd.weight");
 }
 
-GgufTensor to_tensor(const std::string& name, const ArrayF32& arr, GgmlType matrices) {
-  const GgmlType type = type_for(arr, matrices);
+// Matrices take the export's type; vectors (norms, biases) stay f32, as llama.cpp's converter
+// keeps them, and so does a matrix whose rows are not whole blocks (q8_0, q4_0). With q4_0 the
+// LM head is q8_0: llama.cpp's quantiser also keeps the output at a higher precision for its
+// 4-bit types (q6_K; kvlab has no k-quants), since its error reaches every logit directly.
+GgmlType type_for(const std::string& gguf, const ArrayF32& arr, GgmlType matrices,
+                  const GPTConfig& cfg) {
+  if (arr.shape.size() < 2) return GgmlType::F32;
+  const GgmlType t =
+      matrices == GgmlType::Q4_0 && is_lm_head(gguf, cfg) ? GgmlType::Q8_0 : matrices;
+  if (is_block_type(t) && arr.shape.back() % kGgmlBlock != 0) return GgmlType::F32;
+  return t;
+}
+
+GgufTensor to_tensor(const std::string& name, const ArrayF32& arr, GgmlType matrices,
+                     const GPTConfig& cfg) {
+  const GgmlType type = type_for(name, arr, matrices, cfg);
   if (type == GgmlType::F16)
     for (float v : arr.data)
       KVLAB_CHECK(std::fabs(v) <= 65504.0f, "export: ", name, " holds ", v,
@@ -128,7 +139,7 @@ std::vector<GgufTensor> gpt2_tensors(const GPTConfig& cfg,
                                      const std::map<std::string, ArrayF32>& a, GgmlType type) {
   std::vector<GgufTensor> out;
   auto add = [&](const std::string& kvlab, const std::string& gguf) {
-    out.push_back(to_tensor(gguf, a.at(kvlab), type));
+    out.push_back(to_tensor(gguf, a.at(kvlab), type, cfg));
   };
   add("wte.weight", "token_embd.weight");
   add("wpe.weight", "position_embd.weight");
@@ -141,7 +152,7 @@ std::vector<GgufTensor> gpt2_tensors(const GPTConfig& cfg,
       out.push_back(to_tensor(g + "attn_qkv" + p,
                               concat_rows({&a.at(k + "attn.q_proj" + p), &a.at(k + "attn.k_proj" + p),
                                            &a.at(k + "attn.v_proj" + p)}),
-                              type));
+                              type, cfg));
     }
     add(k + "attn.c_proj.weight", g + "attn_output.weight");
     add(k + "attn.c_proj.bias", g + "attn_output.bias");
@@ -158,10 +169,12 @@ std::vector<GgufTensor> gpt2_tensors(const GPTConfig& cfg,
   return out;
 }
 
-int64_t file_type(GgmlType t) {  // llama.cpp's llama_ftype: ALL_F32, MOSTLY_F16, _Q8_0, _BF16
+// llama.cpp's llama_ftype: ALL_F32, MOSTLY_F16, _Q4_0, _Q8_0, _BF16
+int64_t file_type(GgmlType t) {
   switch (t) {
     case GgmlType::F32: return 0;
     case GgmlType::F16: return 1;
+    case GgmlType::Q4_0: return 2;
     case GgmlType::Q8_0: return 7;
     case GgmlType::BF16: return 32;
   }
@@ -488,11 +501,11 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
     if (p.part != TensorPlace::Part::All) {
       ArrayF32 half;
       copy_kv_up_half(a, half, p.heads, p.part, /*to_half=*/true);
-      f.tensors.push_back(to_tensor(p.gguf, half, type));
+      f.tensors.push_back(to_tensor(p.gguf, half, type, cfg));
     } else {
       f.tensors.push_back(
           to_tensor(p.gguf, p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : a,
-                    type));
+                    type, cfg));
     }
   }
   return f;

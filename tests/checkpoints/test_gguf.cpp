@@ -1,5 +1,5 @@
 // The GGUF format alone (checkpoints/gguf.h): values and tensors of every type survive a write
-// and a read; f16 and q8_0 round as IEEE and ggml define; and damaged or hostile bytes (cut
+// and a read; f16, q8_0 and q4_0 round as IEEE and ggml define; and damaged or hostile bytes (cut
 // short, flipped, absurd counts, lengths, shapes and offsets) end in a kvlab::Error naming the
 // field, never in a signal, another exception or an allocation the file cannot justify.
 #include <gtest/gtest.h>
@@ -48,6 +48,7 @@ GgufFile sample_file() {
   f.tensors.push_back(make_gguf_tensor("b.f16", ramp({2, 7}, 3.0f), GgmlType::F16));
   f.tensors.push_back(make_gguf_tensor("c.bf16", ramp({9}, 2.0f), GgmlType::BF16));
   f.tensors.push_back(make_gguf_tensor("d.q8_0", ramp({2, 64}, 0.5f), GgmlType::Q8_0));
+  f.tensors.push_back(make_gguf_tensor("e.q4_0", ramp({3, 32}, 0.5f), GgmlType::Q4_0));
   return f;
 }
 
@@ -139,6 +140,43 @@ TEST(GgufFormat, Q8BlocksAreScaleThenCodes) {
             std::string::npos);
 }
 
+// A block worked by hand: the scale max / -8 of the value of largest magnitude (the first such),
+// then 16 bytes, byte j holding value j's code in its low nibble and value j + 16's in its high.
+TEST(GgufFormat, Q4BlocksAreScaleThenNibbles) {
+  ArrayF32 a{{1, 64}, std::vector<float>(64, 0.0f)};
+  // Block 0: codes c_j = j and c_{j+16} = 15 - j on the grid of d = -4 / -8 = 0.5 (value
+  // (c - 8) d); value 0 is -4, the largest magnitude, so byte j = j | (15 - j) << 4.
+  for (int j = 0; j < 16; ++j) {
+    a.data[j] = 0.5f * static_cast<float>(j - 8);
+    a.data[j + 16] = 0.5f * static_cast<float>(7 - j);
+  }
+  // Block 1: the largest magnitude positive, so the scale is negative: d = 2 / -8 = -0.25;
+  // 2 is code 0, -1.75 code 15, 0 code 8.
+  a.data[32 + 3] = 2.0f;
+  a.data[32 + 16 + 4] = -1.75f;
+  const GgufTensor t = make_gguf_tensor("q", a, GgmlType::Q4_0);
+  ASSERT_EQ(t.data.size(), 2u * kQ4BlockBytes);
+  EXPECT_EQ(t.dims, (std::vector<int64_t>{64, 1}));
+  const auto* bytes = reinterpret_cast<const uint8_t*>(t.data.data());
+  EXPECT_EQ(bytes[0] | bytes[1] << 8, 0x3800);  // 0.5 in f16
+  for (int j = 0; j < 16; ++j) EXPECT_EQ(bytes[2 + j], j | (15 - j) << 4) << j;
+  const uint8_t* b1 = bytes + kQ4BlockBytes;
+  EXPECT_EQ(b1[0] | b1[1] << 8, 0xb400);  // -0.25 in f16
+  for (int j = 0; j < 16; ++j)
+    EXPECT_EQ(b1[2 + j], j == 3 ? 0x80 : j == 4 ? 0xf8 : 0x88) << j;
+  // These values lie on the grid, so they come back exactly, and the bytes read back as
+  // dequantise_q4_0 gives them.
+  EXPECT_EQ(gguf_tensor_values(t).data, a.data);
+  GgufTensor u = t;
+  u.data[2] = static_cast<char>(0x7f);  // value 0 code 15 (3.5), value 16 code 7 (-0.5)
+  const ArrayF32 back = gguf_tensor_values(u);
+  EXPECT_EQ(back.data[0], 3.5f);
+  EXPECT_EQ(back.data[16], -0.5f);
+  EXPECT_NE(error_of([] { make_gguf_tensor("r", ramp({2, 40}, 1.0f), GgmlType::Q4_0); })
+                .find("a q4_0 row of 40 values is not whole blocks of 32"),
+            std::string::npos);
+}
+
 // ---- hostile bytes -------------------------------------------------------------------------------
 
 long peak_rss_kb() {
@@ -197,7 +235,7 @@ TEST(GgufFuzz, TruncatedFilesAreRefused) {
   }
   EXPECT_EQ(refused, static_cast<int>(l.last_tensor_end));
   EXPECT_NE(outcome(bytes.substr(0, 6)).find("version"), std::string::npos);
-  EXPECT_NE(outcome(bytes.substr(0, l.last_tensor_end - 1)).find("d.q8_0"), std::string::npos);
+  EXPECT_NE(outcome(bytes.substr(0, l.last_tensor_end - 1)).find("e.q4_0"), std::string::npos);
 }
 
 TEST(GgufFuzz, FlippedBytesBeforeTheDataAreRefusedOrRead) {
@@ -264,7 +302,9 @@ TEST(GgufFuzz, AbsurdCountsLengthsShapesAndOffsetsAreRefusedByName) {
          poke<uint64_t>(b, dims + 8, uint64_t{1} << 40);
        },
        "tensor 'a.f32'"},
-      {"type", [&](std::string& b) { poke<uint32_t>(b, dims + 16, 2); }, "ggml type 2"},
+      {"type", [&](std::string& b) { poke<uint32_t>(b, dims + 16, 3); }, "ggml type 3"},
+      {"q4_0 rows of 5", [&](std::string& b) { poke<uint32_t>(b, dims + 16, 2); },
+       "a q4_0 row of 5 values is not whole blocks"},
       {"offset past the end", [&](std::string& b) { poke<uint64_t>(b, dims + 20, uint64_t{1} << 63); },
        "past the data section"},
       {"unaligned offset", [&](std::string& b) { poke<uint64_t>(b, dims + 20, 4); },
