@@ -85,6 +85,24 @@ struct QuantPairs {
     std::memcpy(&scale, u + i * 4, 4);
     const Vec d = vbroadcast(scale);
     const auto* codes = reinterpret_cast<const __m128i*>(u + kScaleBytes + i * kRowBytes);
+#if defined(__AVX512F__)
+    if constexpr (kNibbles) {
+      // The 16 values a code can stand for, (code - 8) * scale (exact), looked up by each
+      // lane's code: vpermps reads only an index's low 4 bits, so a byte widened whole (its
+      // other nibble above them) indexes by its low nibble. Cheaper than widening and
+      // converting each code.
+      const Vec table =
+          vmul(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
+      const __m128i b = _mm_loadu_si128(codes);
+      auto look_up = [&](__m128i bytes) {  // (zero-masking forms: as bf16_low)
+        return _mm512_maskz_permutexvar_ps(0xffff, _mm512_maskz_cvtepu8_epi32(0xffff, bytes), table);
+      };
+      ChunkPair out;
+      out.even.v[0] = look_up(b);
+      out.odd.v[0] = look_up(_mm_srli_epi16(b, 4));
+      return out;
+    }
+#endif
     __m128i even, odd;  // the two chunks' values as int8
     if constexpr (kNibbles) {
       const __m128i b = _mm_loadu_si128(codes), low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
