@@ -224,6 +224,22 @@ WeightDtype parse_weight_dtype(const std::string& dtype) {
   return WeightDtype::F32;  // the flag's check admits no other name
 }
 
+std::vector<WeightDtype> parse_weight_dtypes(const std::string& list) {
+  std::vector<WeightDtype> out;
+  std::stringstream in(list);
+  for (std::string name; std::getline(in, name, ',');) {
+    const std::vector<std::string> known{"f32", "bf16", "q8_0", "q4_0"};
+    KVLAB_USAGE_CHECK(std::find(known.begin(), known.end(), name) != known.end(),
+                      "--weight-dtypes: '", name, "' is not a weight dtype (f32, bf16, q8_0, q4_0)");
+    const WeightDtype d = parse_weight_dtype(name);
+    KVLAB_USAGE_CHECK(std::find(out.begin(), out.end(), d) == out.end(), "--weight-dtypes: ", name,
+                      " is listed twice");
+    out.push_back(d);
+  }
+  KVLAB_USAGE_CHECK(!out.empty(), "--weight-dtypes: the list is empty");
+  return out;
+}
+
 DType parse_storage_dtype(const std::string& dtype) {
   for (const DType d : {DType::BF16, DType::FP8, DType::INT8, DType::INT4})
     if (dtype == dtype_name(d)) return d;

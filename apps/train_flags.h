@@ -38,6 +38,9 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 // matrices, rounded at load (GPT::round_matrices); parse_weight_dtype reads its value.
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
 WeightDtype parse_weight_dtype(const std::string& dtype);
+// A comma-separated list of weight dtypes (bench weight-quality, ablate --weight-dtypes), each
+// once: a usage error names a bad or repeated one.
+std::vector<WeightDtype> parse_weight_dtypes(const std::string& list);
 // The DType of either flag's value.
 DType parse_storage_dtype(const std::string& dtype);
 // A comma-separated list of KV cache dtypes (--kv-dtypes), each known and listed once.

@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <memory>
+#include <string>
 
 #include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
+#include "infer/decode/decode_step.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/model_eval.h"
 #include "platform/error.h"
@@ -23,16 +27,44 @@ Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
   return model.forward(tokens, &cache).contiguous();
 }
 
+namespace {
+
+// A copy of `model` (its config and every parameter's values) with its matrices rounded.
+std::unique_ptr<GPT> rounded_copy(const GPT& model, WeightDtype dtype) {
+  auto copy = std::make_unique<GPT>(model.config(), 0);
+  std::map<std::string, Tensor> source;
+  for (const auto& [name, t] : const_cast<GPT&>(model).named_parameters()) source.emplace(name, t);
+  for (auto& [name, t] : copy->named_parameters()) t.copy_from(source.at(name));
+  copy->round_matrices(dtype);
+  return copy;
+}
+
+// The windows (N, T) of x and y, checked as kv_cache_quality checks them.
+void check_windows(const GPT& model, std::span<const int32_t> x, std::span<const int32_t> y,
+                   int64_t T, int64_t batch, const char* what) {
+  KVLAB_CHECK(model.wte.weight.device() == Device::CPU, what, ": the model must be on the CPU");
+  KVLAB_CHECK(T >= 1 && T <= model.config().block_size && x.size() == y.size() && !x.empty() &&
+                  x.size() % static_cast<size_t>(T) == 0 && batch >= 1,
+              what, ": ", x.size(), " inputs and ", y.size(), " targets are not (N, T) windows of T = ",
+              T, " <= block_size ", model.config().block_size);
+}
+
+// fixed_windows of block_size T over ids, the same for every model measured.
+std::vector<int64_t> quality_windows(const std::vector<int32_t>& ids, int T, int windows,
+                                     uint64_t seed) {
+  KVLAB_CHECK(windows >= 1, "quality: windows must be >= 1, got ", windows);
+  KVLAB_CHECK(static_cast<int64_t>(ids.size()) > T + 1, "quality: ", ids.size(),
+              " validation tokens hold no window of block_size ", T, " and its targets");
+  return fixed_windows(static_cast<int64_t>(ids.size()), T, windows, seed);
+}
+
+}  // namespace
+
 std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
                                         std::span<const int32_t> y, int64_t T,
                                         std::span<const DType> dtypes, int64_t batch) {
   const GPTConfig& c = model.config();
-  KVLAB_CHECK(model.wte.weight.device() == Device::CPU,
-              "kv cache quality: the model must be on the CPU, where the quantised caches are");
-  KVLAB_CHECK(T >= 1 && T <= c.block_size && x.size() == y.size() && !x.empty() &&
-                  x.size() % static_cast<size_t>(T) == 0 && batch >= 1,
-              "kv cache quality: ", x.size(), " inputs and ", y.size(),
-              " targets are not (N, T) windows of T = ", T, " <= block_size ", c.block_size);
+  check_windows(model, x, y, T, batch, "kv cache quality");
   for (const DType d : dtypes) {
     const std::string problem = kv_dtype_problem(d, c.cache_width());
     KVLAB_CHECK(problem.empty(), "kv cache quality: ", problem);
@@ -60,17 +92,44 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
   return out;
 }
 
+
+std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int32_t> x,
+                                          std::span<const int32_t> y, int64_t T,
+                                          std::span<const WeightDtype> dtypes, int64_t batch) {
+  check_windows(model, x, y, T, batch, "weight quality");
+  std::vector<std::unique_ptr<GPT>> models;
+  models.push_back(rounded_copy(model, WeightDtype::F32));  // the reference
+  for (const WeightDtype d : dtypes) models.push_back(rounded_copy(model, d));
+  std::vector<LogitsFn> fns;
+  for (const auto& m : models)
+    fns.push_back([&m](const Tensor& t) { return cached_prefill_logits(*m, t, DType::F32); });
+  const std::vector<WindowScores> scores =
+      score_windows(fns, x, y, T, model.config().vocab_size, batch);
+  const double ref_loss = mean_of(scores[0].token_loss);
+  std::vector<WeightQuality> out(dtypes.size());
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    const WindowScores& s = scores[i + 1];
+    out[i] = {dtypes[i], DecodeStep(*models[i + 1]).weight_bytes(), mean_of(s.token_loss),
+              mean_of(s.token_loss) - ref_loss, s.kl, s.top1, static_cast<int64_t>(x.size())};
+  }
+  return out;
+}
+
+std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
+                                             std::span<const WeightDtype> dtypes, int windows,
+                                             uint64_t seed) {
+  const auto T = static_cast<int>(model.config().block_size);
+  std::vector<int32_t> x, y;
+  fill_windows(ids, quality_windows(ids, T, windows, seed), T, x, y);
+  return weight_quality(model, x, y, T, dtypes);
+}
+
 std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
                                            std::span<const DType> dtypes, int windows,
                                            uint64_t seed) {
   const auto T = static_cast<int>(model.config().block_size);
-  KVLAB_CHECK(windows >= 1, "kv cache quality: windows must be >= 1, got ", windows);
-  KVLAB_CHECK(static_cast<int64_t>(ids.size()) > T + 1, "kv cache quality: ", ids.size(),
-              " validation tokens hold no window of block_size ", T, " and its targets");
-  const std::vector<int64_t> starts =
-      fixed_windows(static_cast<int64_t>(ids.size()), T, windows, seed);
   std::vector<int32_t> x, y;
-  fill_windows(ids, starts, T, x, y);
+  fill_windows(ids, quality_windows(ids, T, windows, seed), T, x, y);
   return kv_cache_quality(model, x, y, T, dtypes);
 }
 

@@ -1,5 +1,5 @@
 #pragma once
-// What a KV cache's element type costs in quality. The cache type is an inference choice, so
+// What a KV cache's element type, or the matrices' (weight_quality), costs in quality. The cache type is an inference choice, so
 // a trained model is evaluated at each: every validation window is prefilled into a fresh
 // cache of that dtype and its next-token distributions are read from that cached forward, so
 // its keys and values pass through the cache's quantisation exactly as a cached decoder reads
@@ -38,6 +38,24 @@ struct KVQuality {
 std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
                                         std::span<const int32_t> y, int64_t T,
                                         std::span<const DType> dtypes, int64_t batch = 16);
+
+// What the products' matrices' type costs (GPT::round_matrices): the same measures, each
+// WeightDtype's model (a copy of `model`, its matrices rounded) against `model` itself, both
+// through an f32 cache. decode_weight_bytes: what a fused CPU decode step reads of that
+// model's weights (DecodeStep::weight_bytes).
+struct WeightQuality {
+  WeightDtype dtype = WeightDtype::F32;
+  int64_t decode_weight_bytes = 0;
+  double loss = 0, delta_loss = 0, kl = 0, top1 = 0;
+  int64_t positions = 0;
+};
+std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int32_t> x,
+                                          std::span<const int32_t> y, int64_t T,
+                                          std::span<const WeightDtype> dtypes, int64_t batch = 16);
+// weight_quality on kv_cache_quality_on's windows.
+std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
+                                             std::span<const WeightDtype> dtypes, int windows,
+                                             uint64_t seed = 4321);
 
 // kv_cache_quality over `windows` fixed windows of block_size + 1 tokens of `ids` (a corpus's
 // validation split; data/sampler.h's fixed_windows with `seed`, the same for every model).

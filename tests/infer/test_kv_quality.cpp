@@ -17,6 +17,7 @@
 #include "infer/engine.h"
 #include "infer/measure/kv_quality.h"
 #include "infer/paged_kv_cache.h"
+#include "autograd/backend/cpu/decode_kernels.h"
 #include "infer_test_util.h"
 #include "nn/adamw.h"
 #include "platform/random.h"
@@ -147,6 +148,38 @@ TEST(KVQuality, ReportsWhatItSays) {
   EXPECT_LT(q[3].kl, q[4].kl);  // int8 than int4
   EXPECT_GT(q[4].kl, 0.0);
   EXPECT_THROW(kv_cache_quality(*model, x, y, T + 1, dtypes), Error);
+}
+
+// The weights' report: the f32 matrices against themselves are exact and the model's own
+// loss, and the model measured is left as it was; each rounding costs something, q4_0 more
+// than q8_0 and q8_0 more than bf16, and a decode step reads the matrices in each form's
+// bytes (a block of 32: 36 bytes at q8_0 and 20 at q4_0; the q4_0 model's head is q8_0).
+TEST(WeightQuality, ReportsWhatItSays) {
+  auto model = test::random_model(quality_config(2), 31);
+  const GPTConfig& c = model->config();
+  const std::vector<float> before = model->blocks[0]->mlp.c_fc.weight.to_vector<float>();
+  Generator gen(9);
+  const int64_t N = 6, T = 16;
+  const std::vector<int32_t> x = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<int32_t> y = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<WeightDtype> dtypes{WeightDtype::F32, WeightDtype::BF16, WeightDtype::Q8_0,
+                                        WeightDtype::Q4_0};
+  const std::vector<WeightQuality> q = weight_quality(*model, x, y, T, dtypes, 4);
+  ASSERT_EQ(q.size(), dtypes.size());
+  EXPECT_EQ(q[0].delta_loss, 0.0);
+  EXPECT_EQ(q[0].kl, 0.0);
+  EXPECT_EQ(q[0].top1, 1.0);
+  EXPECT_EQ(model->blocks[0]->mlp.c_fc.weight.to_vector<float>(), before);
+  EXPECT_GT(q[1].kl, 0.0);
+  EXPECT_LT(q[1].kl, q[2].kl);
+  EXPECT_LT(q[2].kl, q[3].kl);
+  for (const WeightQuality& r : q) EXPECT_EQ(r.positions, N * T);
+  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) return;  // nothing packed
+  const int64_t head = model->lm_head_weight().numel();
+  const int64_t matrices = (q[0].decode_weight_bytes - q[1].decode_weight_bytes) / 2;  // bf16's half
+  EXPECT_EQ(q[0].decode_weight_bytes - q[2].decode_weight_bytes, matrices * 4 - matrices / 32 * 36);
+  EXPECT_EQ(q[0].decode_weight_bytes - q[3].decode_weight_bytes,
+            (matrices - head) * 4 - (matrices - head) / 32 * 20 + head * 4 - head / 32 * 36);
 }
 
 // MLA's latent cache through the same report: the f32 latent cache against itself is exact
