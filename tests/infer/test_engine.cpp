@@ -55,15 +55,18 @@ void expect_error(F f, const std::string& needle) {
 
 // ---- cache equals recompute --------------------------------------------------------------
 
-// (n_kv_head, prompt lengths of the batch's rows, block: gpt2 or llama). With RoPE the keys are
-// cached rotated, so a row continuing at the wrong position fails here.
-using CacheCase = std::tuple<int64_t, std::vector<int64_t>, std::string>;
+// (n_kv_head, prompt lengths of the batch's rows, block: gpt2 or llama, the matrices' dtype).
+// With RoPE the keys are cached rotated, so a row continuing at the wrong position fails here.
+// With q8_0 or q4_0 matrices the cached decode reads the packed blocks and the recompute the
+// rounded f32 weights: the same values, so the same bound.
+using CacheCase = std::tuple<int64_t, std::vector<int64_t>, std::string, WeightDtype>;
 class CacheEqualsRecompute : public ::testing::TestWithParam<CacheCase> {};
 
 TEST_P(CacheEqualsRecompute, AtEveryStepAndSameGreedyText) {
-  const auto& [nkv, lengths, arch] = GetParam();
+  const auto& [nkv, lengths, arch, weights] = GetParam();
   // Seed 2 for llama: random weights that, greedily decoded, do not repeat one token.
   auto model = tiny_model(nkv, arch == "llama" ? 2 : 7, 16, arch);
+  model->round_matrices(weights);
   const Tokenizer tok = tiny_tokenizer();
   Engine engine(*model, tok);
   std::vector<std::vector<int32_t>> prompts;
@@ -117,7 +120,12 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(std::vector<int64_t>{1}, std::vector<int64_t>{7},
                                          std::vector<int64_t>{15}, std::vector<int64_t>{1, 7, 15},
                                          std::vector<int64_t>{15, 1, 7, 7}),
-                       ::testing::Values("gpt2", "llama")));
+                       ::testing::Values("gpt2", "llama"), ::testing::Values(WeightDtype::F32)));
+INSTANTIATE_TEST_SUITE_P(
+    QuantisedMatrices, CacheEqualsRecompute,
+    ::testing::Combine(::testing::Values(2), ::testing::Values(std::vector<int64_t>{1, 7, 15}),
+                       ::testing::Values("gpt2", "llama"),
+                       ::testing::Values(WeightDtype::Q8_0, WeightDtype::Q4_0)));
 
 // ---- paged cache equals contiguous ------------------------------------------------------
 
@@ -168,12 +176,14 @@ double logit_scale(const PagedRun& run) {
 // (n_kv_head, prompt lengths, cache dtype, block): a context of 64 in blocks of 16 positions,
 // so that prompts end before, on and after block boundaries and decoding crosses them; batches
 // of 1, 3 and 8 rows.
-using PagedCase = std::tuple<int64_t, std::vector<int64_t>, DType, std::string>;
+// (The matrices' dtype last: q8_0 and q4_0 ones read packed by every decode step.)
+using PagedCase = std::tuple<int64_t, std::vector<int64_t>, DType, std::string, WeightDtype>;
 class PagedEqualsContiguous : public ::testing::TestWithParam<PagedCase> {};
 
 TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
-  const auto& [nkv, lengths, dtype, arch] = GetParam();
+  const auto& [nkv, lengths, dtype, arch, weights] = GetParam();
   auto model = tiny_model(nkv, 7, 64, arch);
+  model->round_matrices(weights);
   const Tokenizer tok = tiny_tokenizer();
   Engine contiguous(*model, tok, dtype, std::nullopt);
   // Prefix caching off: the second generation below must compute what the first did.
@@ -204,7 +214,14 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(std::vector<int64_t>{1}, std::vector<int64_t>{15, 16, 17},
                                          std::vector<int64_t>{33, 1, 16, 17, 15, 33, 16, 17}),
                        ::testing::Values(DType::F32, DType::BF16),
-                       ::testing::Values("gpt2", "llama")));
+                       ::testing::Values("gpt2", "llama"), ::testing::Values(WeightDtype::F32)));
+INSTANTIATE_TEST_SUITE_P(
+    QuantisedMatrices, PagedEqualsContiguous,
+    ::testing::Combine(::testing::Values(2),
+                       ::testing::Values(std::vector<int64_t>{33, 1, 16, 17, 15, 33, 16, 17}),
+                       ::testing::Values(DType::F32, DType::BF16),
+                       ::testing::Values("gpt2", "llama"),
+                       ::testing::Values(WeightDtype::Q8_0, WeightDtype::Q4_0)));
 
 TEST(Engine, PagedCacheSlidesLikeTheContiguousOne) {
   for (const std::string arch : {"gpt2", "llama"})
