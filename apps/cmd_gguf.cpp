@@ -81,7 +81,7 @@ void add_export_command(CLI::App& root) {
   cmd->add_option("--out", args->out, "GGUF file to write (atomically)")->required();
   cmd->add_option("--dtype", args->dtype,
                   "Type of the matrices: f32, f16, bf16, q8_0 or q4_0 (norms and biases stay "
-                  "f32; q8_0 and q4_0 keep a matrix f32 when its rows are not whole blocks of 32; "
+                  "f32; q8_0 and q4_0 write a matrix bf16 when its rows are not whole blocks of 32; "
                   "q4_0 writes the LM head (output, or token_embd when tied) as q8_0, as "
                   "llama.cpp's own quantiser keeps the output at a higher precision, q6_K, for "
                   "its 4-bit types)")

@@ -315,9 +315,9 @@ const char* weight_dtype_name(WeightDtype d) {
 namespace {
 
 // w's values rounded in place to q8_0 or q4_0 blocks along its rows, on the host (a GPU
-// tensor goes there and back); rows that are not whole blocks leave it as it is.
+// tensor goes there and back); rows that are not whole blocks take bf16 instead.
 void round_to_blocks(Tensor& w, WeightDtype dtype) {
-  if (w.size(1) % kGgmlBlock != 0) return;
+  if (w.size(1) % kGgmlBlock != 0) return w.copy_from(w.to(DType::BF16));
   Tensor host = w.to(Device::CPU);  // w itself on the CPU
   float* x = host.data<float>();
   if (dtype == WeightDtype::Q4_0)

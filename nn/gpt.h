@@ -154,7 +154,7 @@ class GPT : public Module {
   // LM head, which tied is the token table) in place to the values `dtype` holds; biases,
   // norms and the position table stay f32. bf16: to nearest even. q8_0 and q4_0: ggml's
   // blocks of 32 along each row (platform/ggml_blocks.h), a matrix whose rows are not whole
-  // blocks staying f32; with q4_0 the LM head takes q8_0, as llama.cpp's quantiser keeps its
+  // blocks taking bf16 (as `kvlab export` writes it); with q4_0 the LM head takes q8_0, as llama.cpp's quantiser keeps its
   // output matrix at a higher precision: every token's logits come from it. The model is then
   // one with those values on every path and device, and the fused CPU decode step
   // (infer/decode/decode_step.h) reads them in the form's bytes (2, 1.125 or 0.625 a value).

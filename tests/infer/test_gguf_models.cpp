@@ -11,6 +11,7 @@
 #include <fstream>
 #include <set>
 
+#include "autograd/backend/cpu/bf16.h"
 #include "autograd/graph.h"
 #include "checkpoints/gguf_model.h"
 #include "checkpoints/model_io.h"
@@ -84,8 +85,9 @@ INSTANTIATE_TEST_SUITE_P(KvHeads, GgufRoundTrip,
                          ::testing::Combine(::testing::Values(8, 2, 1), ::testing::Bool()));
 
 // q4_0: the blocks' matrices in q4_0, the LM head (output, or token_embd when the head is tied
-// to it) in q8_0, and a matrix whose rows are not whole blocks (c_proj's 80) in f32. Import
-// gives each matrix as ggml rounds it (round_to_q4_0, the head round_to_q8_0, of the original),
+// to it) in q8_0, and a matrix whose rows are not whole blocks (c_proj's 80) in bf16. Import
+// gives each matrix as ggml rounds it (round_to_q4_0, the head round_to_q8_0, of the original;
+// c_proj to nearest bf16), the values GPT::round_matrices gives too,
 // and exporting the import again gives the same bytes: the quantisers are idempotent.
 class GgufQ4RoundTrip : public ::testing::TestWithParam<bool> {};
 
@@ -104,7 +106,7 @@ TEST_P(GgufQ4RoundTrip, ImportHoldsTheRoundedMatricesAndExportsTheSameBytes) {
   EXPECT_EQ(type_of("blk.0.attn_q.weight"), "q4_0");
   EXPECT_EQ(type_of("blk.1.attn_output.weight"), "q4_0");
   EXPECT_EQ(type_of("blk.1.ffn_gate.weight"), "q4_0");
-  EXPECT_EQ(type_of("blk.1.ffn_down.weight"), "f32");  // rows of 80
+  EXPECT_EQ(type_of("blk.1.ffn_down.weight"), "bf16");  // rows of 80
   EXPECT_EQ(type_of("blk.0.attn_norm.weight"), "f32");
   EXPECT_EQ(type_of("token_embd.weight"), tied ? "q8_0" : "q4_0");
   EXPECT_EQ(type_of("output.weight"), tied ? "missing" : "q8_0");
@@ -114,12 +116,24 @@ TEST_P(GgufQ4RoundTrip, ImportHoldsTheRoundedMatricesAndExportsTheSameBytes) {
   NamedArrays rounded = original;
   int changed = 0;
   for (auto& [name, arr] : rounded) {
-    if (arr.shape.size() != 2 || arr.shape[1] % kGgmlBlock != 0) continue;
+    if (arr.shape.size() != 2) continue;
     const bool head = name == "lm_head.weight" || (tied && name == "wte.weight");
-    (head ? round_to_q8_0 : round_to_q4_0)(arr.data.data(), static_cast<int64_t>(arr.data.size()));
+    if (arr.shape[1] % kGgmlBlock != 0)
+      for (float& v : arr.data) v = cpu::bf16_to_f32(cpu::f32_to_bf16(v));
+    else
+      (head ? round_to_q8_0 : round_to_q4_0)(arr.data.data(), static_cast<int64_t>(arr.data.size()));
     changed += 1;
   }
-  EXPECT_EQ(changed, 1 + 2 * 6 + (tied ? 0 : 1));  // wte, q k v c_proj c_fc c_up a layer, lm_head
+  EXPECT_EQ(changed, 1 + 2 * 7 + (tied ? 0 : 1));  // wte, 7 matrices a layer, lm_head
+  // The same values as kvlab's own --weight-dtype q4_0 (which leaves an untied token table
+  // f32: it is read a row a token, not a product).
+  auto own = random_model(c, 31);
+  own->round_matrices(WeightDtype::Q4_0);
+  NamedArrays mine = to_arrays(own->named_parameters());
+  for (auto& [name, arr] : mine)
+    if (name == "wte.weight" && !tied) arr = rounded[0].second;
+  ASSERT_EQ(rounded[0].first, "wte.weight");
+  test::expect_bit_identical(mine, rounded);
   EXPECT_NE(rounded[0].second.data, original[0].second.data) << "nothing was rounded";
   test::expect_bit_identical(back.model, rounded);
 
