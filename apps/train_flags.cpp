@@ -224,43 +224,46 @@ WeightDtype parse_weight_dtype(const std::string& dtype) {
   return WeightDtype::F32;  // the flag's check admits no other name
 }
 
-std::vector<WeightDtype> parse_weight_dtypes(const std::string& list) {
-  std::vector<WeightDtype> out;
-  std::stringstream in(list);
-  for (std::string name; std::getline(in, name, ',');) {
-    const std::vector<std::string> known{"f32", "bf16", "q8_0", "q4_0"};
-    KVLAB_USAGE_CHECK(std::find(known.begin(), known.end(), name) != known.end(),
-                      "--weight-dtypes: '", name, "' is not a weight dtype (f32, bf16, q8_0, q4_0)");
-    const WeightDtype d = parse_weight_dtype(name);
-    KVLAB_USAGE_CHECK(std::find(out.begin(), out.end(), d) == out.end(), "--weight-dtypes: ", name,
-                      " is listed twice");
-    out.push_back(d);
-  }
-  KVLAB_USAGE_CHECK(!out.empty(), "--weight-dtypes: the list is empty");
-  return out;
-}
-
 DType parse_storage_dtype(const std::string& dtype) {
   for (const DType d : {DType::BF16, DType::FP8, DType::INT8, DType::INT4})
     if (dtype == dtype_name(d)) return d;
   return DType::F32;  // the flags' checks admit no other name
 }
 
-std::vector<DType> parse_kv_dtypes(const std::string& list) {
-  std::vector<DType> out;
+namespace {
+
+// A comma-separated list of the names in `known` (`what` in the errors), each once, parsed by
+// `parse`: a usage error names a bad or repeated one.
+template <class T, class Parse>
+std::vector<T> parse_dtype_list(const std::string& list, const char* flag,
+                                const std::vector<std::string>& known, const char* what,
+                                Parse parse) {
+  std::string names;
+  for (const std::string& k : known) names += (names.empty() ? "" : ", ") + k;
+  std::vector<T> out;
   std::stringstream in(list);
   for (std::string name; std::getline(in, name, ',');) {
-    const std::vector<std::string> known{"f32", "bf16", "fp8", "int8", "int4"};
-    KVLAB_USAGE_CHECK(std::find(known.begin(), known.end(), name) != known.end(),
-                      "--kv-dtypes: '", name, "' is not a KV cache dtype (f32, bf16, fp8, int8, "
-                      "int4)");
-    const DType d = parse_storage_dtype(name);
-    KVLAB_USAGE_CHECK(std::find(out.begin(), out.end(), d) == out.end(), "--kv-dtypes: ", name,
+    KVLAB_USAGE_CHECK(std::find(known.begin(), known.end(), name) != known.end(), flag, ": '",
+                      name, "' is not a ", what, " (", names, ")");
+    const T d = parse(name);
+    KVLAB_USAGE_CHECK(std::find(out.begin(), out.end(), d) == out.end(), flag, ": ", name,
                       " is listed twice");
     out.push_back(d);
   }
-  KVLAB_USAGE_CHECK(!out.empty(), "--kv-dtypes: the list is empty");
+  KVLAB_USAGE_CHECK(!out.empty(), flag, ": the list is empty");
   return out;
+}
+
+}  // namespace
+
+std::vector<DType> parse_kv_dtypes(const std::string& list) {
+  return parse_dtype_list<DType>(list, "--kv-dtypes", {"f32", "bf16", "fp8", "int8", "int4"},
+                                 "KV cache dtype", parse_storage_dtype);
+}
+
+std::vector<WeightDtype> parse_weight_dtypes(const std::string& list) {
+  return parse_dtype_list<WeightDtype>(list, "--weight-dtypes", {"f32", "bf16", "q8_0", "q4_0"},
+                                       "weight dtype", parse_weight_dtype);
 }
 
 namespace {

@@ -49,14 +49,20 @@ void check_windows(const GPT& model, std::span<const int32_t> x, std::span<const
               T, " <= block_size ", model.config().block_size);
 }
 
-// fixed_windows of block_size T over ids, the same for every model measured.
-std::vector<int64_t> quality_windows(const std::vector<int32_t>& ids, int T, int windows,
-                                     uint64_t seed) {
-  KVLAB_CHECK(windows >= 1, "quality: windows must be >= 1, got ", windows);
-  KVLAB_CHECK(static_cast<int64_t>(ids.size()) > T + 1, "quality: ", ids.size(),
-              " validation tokens hold no window of block_size ", T, " and its targets");
-  return fixed_windows(static_cast<int64_t>(ids.size()), T, windows, seed);
-}
+// `windows` fixed windows of block_size T over ids and their targets, the same for every
+// model measured (data/sampler.h's fixed_windows and fill_windows).
+struct QualityWindows {
+  int64_t T;
+  std::vector<int32_t> x, y;
+  QualityWindows(const GPT& model, const std::vector<int32_t>& ids, int windows, uint64_t seed)
+      : T(model.config().block_size) {
+    KVLAB_CHECK(windows >= 1, "quality: windows must be >= 1, got ", windows);
+    KVLAB_CHECK(static_cast<int64_t>(ids.size()) > T + 1, "quality: ", ids.size(),
+                " validation tokens hold no window of block_size ", T, " and its targets");
+    const auto t = static_cast<int>(T);
+    fill_windows(ids, fixed_windows(static_cast<int64_t>(ids.size()), t, windows, seed), t, x, y);
+  }
+};
 
 }  // namespace
 
@@ -118,19 +124,15 @@ std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int3
 std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
                                              std::span<const WeightDtype> dtypes, int windows,
                                              uint64_t seed) {
-  const auto T = static_cast<int>(model.config().block_size);
-  std::vector<int32_t> x, y;
-  fill_windows(ids, quality_windows(ids, T, windows, seed), T, x, y);
-  return weight_quality(model, x, y, T, dtypes);
+  const QualityWindows w(model, ids, windows, seed);
+  return weight_quality(model, w.x, w.y, w.T, dtypes);
 }
 
 std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
                                            std::span<const DType> dtypes, int windows,
                                            uint64_t seed) {
-  const auto T = static_cast<int>(model.config().block_size);
-  std::vector<int32_t> x, y;
-  fill_windows(ids, quality_windows(ids, T, windows, seed), T, x, y);
-  return kv_cache_quality(model, x, y, T, dtypes);
+  const QualityWindows w(model, ids, windows, seed);
+  return kv_cache_quality(model, w.x, w.y, w.T, dtypes);
 }
 
 std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,

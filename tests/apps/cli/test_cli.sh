@@ -46,6 +46,8 @@ check "bench kv-quality: an unknown dtype" 2 "--kv-dtypes: 'int3' is not a KV ca
 check "bench kv-quality: a dtype twice" 2 "--kv-dtypes: int8 is listed twice" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --kv-dtypes int8,int8
 check "bench kv-quality needs --ckpt" 2 "--ckpt is required" -- "$KVLAB" bench kv-quality
 check "bench kv-quality: --windows 0" 2 "--windows must be >= 1, got 0" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --windows 0
+check "bench weight-quality" 0 "q4_0" -- "$KVLAB" bench weight-quality --ckpt "$work/run/final.h5" --windows 8 --json "$work/wq.json"
+check "bench weight-quality: an unknown dtype" 2 "--weight-dtypes: 'q4_1' is not a weight dtype" -- "$KVLAB" bench weight-quality --ckpt "$work/run/final.h5" --weight-dtypes q8_0,q4_1
 check "unknown --kv-dtype" 2 "kv-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-dtype f16
 # The paged cache (the default) generates the same text as the contiguous one (blocks of 4:
 # the prompt and the new tokens cross block boundaries; two rows of different lengths leave
@@ -103,6 +105,8 @@ check "serve --stream-interval negative" 2 "--stream-interval must be >= 0 ms, g
 check "bench generate bad --kv-block-size" 2 "--kv-block-size must be a power of two, got 6" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-block-size 6
 check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype bf16
 check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16
+check "generate --weight-dtype q4_0" 0 "\"weight_dtype\": \"q4_0\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype q4_0
+check "bench generate --weight-dtype q8_0" 0 "q8_0 matrices" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype q8_0
 check "bench generate --weight-dtype bf16" 0 "bf16 matrices" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype bf16
 # The bf16 cache holds the same positions in half the bytes, and greedy text is unchanged here.
 cache_bytes() { "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --temperature 0 "$@" |
@@ -493,8 +497,8 @@ check "ablate.sh names no generator for an existing build/" 1 "" -- grep -q -- "
 check "ablate.sh passes the user's --out alone" 0 "kvlab ablate --quick --out mine" -- env PATH="$work/sh/bin:$PATH" bash "$work/sh/scripts/ablate.sh" --quick --out mine
 check "unknown command" 2 "unknown command 'nosuch' (commands: train, generate" -- "$KVLAB" nosuch
 check "no command" 2 "'kvlab' needs a command (commands: train, generate" -- "$KVLAB"
-check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate, kv-memory, serve, kv-quality)" -- "$KVLAB" bench nosuch
-check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate, kv-memory, serve, kv-quality)" -- "$KVLAB" bench
+check "unknown bench command" 2 "unknown command 'nosuch' for 'kvlab bench' (commands: generate, kv-memory, serve, kv-quality, weight-quality)" -- "$KVLAB" bench nosuch
+check "bench without its command" 2 "'kvlab bench' needs a command (commands: generate, kv-memory, serve, kv-quality, weight-quality)" -- "$KVLAB" bench
 check "bench --help" 0 "Usage: kvlab bench" -- "$KVLAB" bench --help
 check "unexpected arguments in order" 2 "unexpected arguments: foo bar baz" -- "$KVLAB" train foo bar baz
 check "help is printed" 0 "--kv-heads" -- "$KVLAB" ablate --help
