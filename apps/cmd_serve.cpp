@@ -126,10 +126,11 @@ void run_serve(const ServeArgs& a) {
       mc.mla() ? detail::cat("MLA rank ", mc.kv_lora_rank, " + ", mc.rope_head_dim)
                : detail::cat("n_kv_head ", mc.n_kv_head);
   std::fprintf(stderr,
-               "kvlab: serving %s on http://%s:%d (%s, context %lld, up to %lld "
+               "kvlab: serving %s on http://%s:%d (%s, %s matrices, context %lld, up to %lld "
                "sequences; POST /v1/completions, GET /v1/models /health /metrics)\n",
                o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
-               static_cast<long long>(context), static_cast<long long>(a.max_seqs));
+               a.weight_dtype.c_str(), static_cast<long long>(context),
+               static_cast<long long>(a.max_seqs));
   if (api_key.empty() && !is_loopback(a.host))
     std::fprintf(stderr,
                  "kvlab: warning: serving on %s without an API key: anyone who can reach it may "
