@@ -32,6 +32,7 @@ struct AblateArgs {
   int64_t kv_budget = int64_t{1} << 30;
   std::string kv_dtype = "f32";
   std::string kv_dtypes = "f32,bf16,fp8,int8,int4";
+  std::string weight_dtypes = "bf16,q8_0,q4_0";
   std::vector<std::string> prompts;
   int64_t sample_tokens = 160;
   int bench_runs = 3;
@@ -183,6 +184,8 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.kv_budget_bytes = a.kv_budget;
   cfg.kv_dtype = parse_storage_dtype(a.kv_dtype);
   cfg.kv_dtypes = a.kv_dtypes == "none" ? std::vector<DType>{} : parse_kv_dtypes(a.kv_dtypes);
+  cfg.weight_dtypes = a.weight_dtypes == "none" ? std::vector<WeightDtype>{}
+                                                : parse_weight_dtypes(a.weight_dtypes);
   KVLAB_USAGE_CHECK(cfg.base.device == Device::CPU || !is_quantised(cfg.kv_dtype),
                     "--kv-dtype ", a.kv_dtype, " is a CPU cache; on CUDA, f32 or bf16");
   cfg.prompts = a.prompts;
@@ -265,6 +268,13 @@ void add_ablate_command(CLI::App& root) {
                   "Cache dtypes every trained model's quality is measured at (val loss, KL and "
                   "top-1 against the f32 cache, every seed), for the report's memory-quality "
                   "frontier; comma separated, or none. CPU only")
+      ->capture_default_str();
+  cmd->add_option("--weight-dtypes", args->weight_dtypes,
+                  "Matrix types every trained model's quality is measured at (its matrices rounded "
+                  "as generate's --weight-dtype rounds them: val loss, KL and top-1 against its "
+                  "f32 matrices, every seed, on the validation windows --kv-dtypes uses; and the "
+                  "bytes a decode step reads); comma separated from f32, bf16, q8_0, q4_0, or "
+                  "none to measure none")
       ->capture_default_str();
   cmd->add_option("--prompt", args->prompts, "Prompt for the samples (repeatable; default: "
                                               "the start of two fixed validation windows)");

@@ -22,6 +22,7 @@
 #include "autograd/graph.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
+#include "infer/decode/decode_step.h"
 #include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/bench.h"
@@ -330,35 +331,20 @@ void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSim
   v["serve_ttft_bound_ms"] = kServeTtftBoundMs;
 }
 
-// What each cache dtype of cfg.kv_dtypes costs the variant's every seed (kv_cache_quality on
-// fixed validation windows): per dtype, bytes per token and the seeds' mean and standard
-// deviation of the loss, its delta to the f32 cache, the mean KL and top-1 agreement.
-json record_kv_quality(const AblateConfig& cfg, const AblateVariant& var) {
-  const Corpus corpus = load_run_corpus(cfg.base);
-  const std::vector<DType>& dtypes = cfg.kv_dtypes;
-  std::vector<std::vector<KVQuality>> seeds;
-  for (int s = 0; s < cfg.seeds; ++s) {
-    std::fprintf(stderr, "%s seed %d: cache quality at %zu dtypes\n",
-                 variant_label(var).c_str(), s, dtypes.size());
-    LoadedModel lm = load_model(run_dir(cfg, var, s) / "final.h5");
-    seeds.push_back(kv_cache_quality_on(*lm.model, corpus.val, dtypes, cfg.quality_windows));
-  }
-  auto stats = [&](size_t d, double KVQuality::*field) {
-    std::vector<double> per_seed;
-    for (const auto& q : seeds) per_seed.push_back(q[d].*field);
-    const auto [mean, sd] = mean_std(per_seed);
-    return std::tuple{mean, sd, json(per_seed)};
-  };
+// Per dtype (each seed's list in one order), head(seed 0's figures) and the seeds' mean,
+// standard deviation and per-seed values of loss, delta_loss, kl and top1 (KVQuality's or
+// WeightQuality's), as <name>_mean, <name>_std and <name>_seeds.
+template <class Q, class Head>
+json seed_stats(const std::vector<std::vector<Q>>& seeds, Head head) {
   json out = json::array();
-  for (size_t d = 0; d < dtypes.size(); ++d) {
-    json e{{"dtype", dtype_name(dtypes[d])},
-           {"bytes_per_token", seeds[0][d].bytes_per_token},
-           {"positions", seeds[0][d].positions}};
-    for (const auto& [name, field] : {std::pair{"loss", &KVQuality::loss},
-                                      std::pair{"delta_loss", &KVQuality::delta_loss},
-                                      std::pair{"kl", &KVQuality::kl},
-                                      std::pair{"top1", &KVQuality::top1}}) {
-      const auto [mean, sd, per_seed] = stats(d, field);
+  for (size_t d = 0; d < seeds[0].size(); ++d) {
+    json e = head(seeds[0][d]);
+    for (const auto& [name, field] :
+         {std::pair{"loss", &Q::loss}, std::pair{"delta_loss", &Q::delta_loss},
+          std::pair{"kl", &Q::kl}, std::pair{"top1", &Q::top1}}) {
+      std::vector<double> per_seed;
+      for (const auto& q : seeds) per_seed.push_back(q[d].*field);
+      const auto [mean, sd] = mean_std(per_seed);
       e[std::string(name) + "_mean"] = mean;
       e[std::string(name) + "_std"] = sd;
       e[std::string(name) + "_seeds"] = per_seed;
@@ -368,9 +354,55 @@ json record_kv_quality(const AblateConfig& cfg, const AblateVariant& var) {
   return out;
 }
 
+// What each cache dtype of cfg.kv_dtypes (kv_cache_quality) and each matrix type of
+// cfg.weight_dtypes (weight_quality) costs the variant's every seed, on the same fixed
+// validation windows: per dtype, its bytes (per token of cache; of weights a decode step
+// reads) and the seeds' mean and standard deviation of the loss, its delta to f32, the mean
+// KL and top-1 agreement. Into v's kv_quality and weight_quality (with the f32 model's
+// decode_weight_bytes_f32); either list empty leaves its key out. `dtypes`: cfg.kv_dtypes,
+// or none where the caches cannot run (on CUDA).
+void record_quality(const AblateConfig& cfg, const AblateVariant& var,
+                    const std::vector<DType>& dtypes, json& v) {
+  const std::vector<WeightDtype>& wdtypes = cfg.weight_dtypes;
+  if (dtypes.empty() && wdtypes.empty()) return;
+  const Corpus corpus = load_run_corpus(cfg.base);
+  std::vector<std::vector<KVQuality>> kv_seeds;
+  std::vector<std::vector<WeightQuality>> weight_seeds;
+  int64_t f32_weight_bytes = 0;
+  for (int s = 0; s < cfg.seeds; ++s) {
+    LoadedModel lm = load_model(run_dir(cfg, var, s) / "final.h5");
+    if (!dtypes.empty()) {
+      std::fprintf(stderr, "%s seed %d: cache quality at %zu dtypes\n",
+                   variant_label(var).c_str(), s, dtypes.size());
+      kv_seeds.push_back(kv_cache_quality_on(*lm.model, corpus.val, dtypes, cfg.quality_windows));
+    }
+    if (!wdtypes.empty()) {
+      std::fprintf(stderr, "%s seed %d: weight quality at %zu dtypes\n",
+                   variant_label(var).c_str(), s, wdtypes.size());
+      weight_seeds.push_back(
+          weight_quality_on(*lm.model, corpus.val, wdtypes, cfg.quality_windows));
+      f32_weight_bytes = DecodeStep(*lm.model).weight_bytes();
+    }
+  }
+  if (!dtypes.empty())
+    v["kv_quality"] = seed_stats(kv_seeds, [](const KVQuality& q) {
+      return json{{"dtype", dtype_name(q.dtype)},
+                  {"bytes_per_token", q.bytes_per_token},
+                  {"positions", q.positions}};
+    });
+  if (!wdtypes.empty()) {
+    v["decode_weight_bytes_f32"] = f32_weight_bytes;
+    v["weight_quality"] = seed_stats(weight_seeds, [](const WeightQuality& q) {
+      return json{{"dtype", weight_dtype_name(q.dtype)},
+                  {"decode_weight_bytes", q.decode_weight_bytes},
+                  {"positions", q.positions}};
+    });
+  }
+}
+
 // One variant's figures: its runs' validation curves and losses, then, from its first seed's
 // final checkpoint, parameters, cache bytes, decode speed and sample continuations, and from
-// every seed's, the cost of each cache dtype.
+// every seed's, the cost of each cache dtype and of each matrix type.
 json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t prompt_len,
                      double tokens_per_byte, std::vector<double>& serve_rates) {
   json v;
@@ -439,8 +471,9 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   // The scheduler's paged cache and the quantised caches run on the CPU only.
   if (cfg.base.device == Device::CPU)
     record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype, serve_rates);
-  if (cfg.base.device == Device::CPU && !cfg.kv_dtypes.empty())
-    v["kv_quality"] = record_kv_quality(cfg, var);
+  // The cache dtypes on the CPU only; the matrices' types on the models as loaded (the CPU).
+  record_quality(cfg, var, cfg.base.device == Device::CPU ? cfg.kv_dtypes : std::vector<DType>{},
+                 v);
   {
     BenchGenerateOptions bo;
     bo.prompt_tokens = prompt_len;

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "nn/gpt.h"
 #include "nn/kv_convert.h"
 #include "train/comm.h"
 #include "train/trainer.h"
@@ -36,6 +37,10 @@ struct AblateConfig {
   // The cache dtypes every trained model's quality is measured at (kv_cache_quality on the
   // validation split, every seed): the memory-quality frontier. Empty: none (and on CUDA).
   std::vector<DType> kv_dtypes = {DType::F32, DType::BF16, DType::FP8, DType::INT8, DType::INT4};
+  // The matrices' types every trained model's quality is measured at (weight_quality on the
+  // same windows, every seed), each against the model's f32 matrices. Empty: none.
+  std::vector<WeightDtype> weight_dtypes = {WeightDtype::BF16, WeightDtype::Q8_0,
+                                            WeightDtype::Q4_0};
   int quality_windows = 256;
   std::vector<std::string> prompts;  // empty: the first characters of fixed validation windows
   int64_t sample_tokens = 160;

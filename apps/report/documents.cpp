@@ -114,6 +114,14 @@ constexpr const char* kQualityNote =
     "token: K and V of every layer, a quantised row's scales included. Frontier: no other "
     "point has as few bytes at a lower loss.";
 
+constexpr const char* kWeightNote =
+    "Each trained model (every seed) evaluated on the same validation windows as the cache "
+    "dtypes, its matrices (attention, MLP and LM head) rounded as --weight-dtype rounds them "
+    "(kvlab bench weight-quality; q8_0 and q4_0 are ggml's blocks of 32, with q4_0 the LM head "
+    "q8_0, and a matrix whose rows are not whole blocks stays f32), against its f32 matrices, "
+    "both through an f32 cache: mean ± std over seeds. Decode weight bytes: what a fused CPU "
+    "decode step reads of the weights, each matrix in the fewest bytes that hold its values.";
+
 constexpr const char* kGenerationNote =
     "Every variant's final model of each seed scored on the same validation windows (kvlab "
     "eval's measurements), mean ± std over seeds. Bits per byte: the loss over the bytes of text "
@@ -310,6 +318,12 @@ std::vector<Section> outline(const Parsed& p, const std::vector<Verdict>& vs,
     s.figure(figs, "val_loss_vs_cache_bytes");
     s.figure(figs, "kl_vs_cache_bytes");
     s.bullets(quality_findings(p));
+    out.push_back(std::move(s));
+  }
+  if (auto t = weight_table(p)) {
+    Section s{"weights", "What each weight dtype costs", {}};
+    s.table(std::move(*t), "Every variant with its matrices of every type, against its f32 ones.");
+    s.para(kWeightNote);
     out.push_back(std::move(s));
   }
   if (p.uptrain) {

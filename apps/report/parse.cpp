@@ -177,15 +177,18 @@ Parsed parse(const json& results) {
   return p;
 }
 
-std::vector<QualityPoint> quality_points(const Parsed& p) {
+namespace {
+// Every variant's entries of `key` (kv_quality or weight_quality), their bytes from
+// `bytes_key`.
+std::vector<QualityPoint> points_of(const Parsed& p, const char* key, const char* bytes_key) {
   std::vector<QualityPoint> out;
   for (const Variant& v : p.variants)
-    for (const json& e : v.j->value("kv_quality", json::array())) {
-      if (!e.is_object() || !number(e, "bytes_per_token") || !number(e, "loss_mean")) continue;
+    for (const json& e : v.j->value(key, json::array())) {
+      if (!e.is_object() || !number(e, bytes_key) || !number(e, "loss_mean")) continue;
       QualityPoint q;
       q.v = &v;
       q.dtype = text_field(e, "dtype");
-      q.bytes = *number(e, "bytes_per_token");
+      q.bytes = *number(e, bytes_key);
       q.loss = *number(e, "loss_mean");
       q.loss_std = number(e, "loss_std").value_or(0);
       q.delta = number(e, "delta_loss_mean").value_or(0);
@@ -195,10 +198,25 @@ std::vector<QualityPoint> quality_points(const Parsed& p) {
       q.top1 = number(e, "top1_mean").value_or(0);
       out.push_back(q);
     }
+  return out;
+}
+}  // namespace
+
+std::vector<QualityPoint> quality_points(const Parsed& p) {
+  std::vector<QualityPoint> out = points_of(p, "kv_quality", "bytes_per_token");
   for (QualityPoint& q : out)
     q.front = std::none_of(out.begin(), out.end(), [&](const QualityPoint& o) {
       return (o.bytes <= q.bytes && o.loss < q.loss) || (o.bytes < q.bytes && o.loss <= q.loss);
     });
+  return out;
+}
+
+std::vector<QualityPoint> weight_points(const Parsed& p) {
+  std::vector<QualityPoint> out = points_of(p, "weight_quality", "decode_weight_bytes");
+  for (QualityPoint& q : out) {
+    const auto f32 = q.v->get("decode_weight_bytes_f32");
+    if (f32 && *f32 > 0) q.vs_f32 = q.bytes / *f32;
+  }
   return out;
 }
 

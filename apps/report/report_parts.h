@@ -95,17 +95,21 @@ struct Parsed {
 Parsed parse(const json& results);
 
 // One point of the memory-quality frontier: a variant's model read through one cache dtype
-// (kv_quality: every seed's figures on the same validation windows).
+// (kv_quality: every seed's figures on the same validation windows), or with its matrices of
+// one type (weight_quality, on the same windows).
 struct QualityPoint {
   const Variant* v = nullptr;
   std::string dtype;
-  double bytes = 0;  // per token
+  double bytes = 0;  // per token of cache; of weights a decode step reads
   double loss = 0, loss_std = 0, delta = 0, delta_std = 0, kl = 0, kl_std = 0, top1 = 0;
   bool front = false;  // no other point holds fewer or equal bytes at a lower loss
+  std::optional<double> vs_f32;  // a weight point's bytes over the f32 model's
 };
 
 // Every variant's kv_quality points, each marked whether it is on the frontier.
 std::vector<QualityPoint> quality_points(const Parsed& p);
+// Every variant's weight_quality points (none in results written before they were measured).
+std::vector<QualityPoint> weight_points(const Parsed& p);
 
 // The serving sweep of a variant: each rate's figures over its runs (empty without a sweep).
 struct SweepPoint {
@@ -163,6 +167,10 @@ std::string sequences_cell(const Variant& v);   // full-context sequences in the
 std::string kv_memory_cell(const Variant& v);   // the serving workload's KV memory
 std::string peak_paged_cell(const Variant& v);  // the paged cache's peak sequences in it
 std::string quality_loss_cell(const QualityPoint& q);
+std::string quality_delta_cell(const QualityPoint& q);  // loss minus f32's, mean ± std
+std::string quality_kl_cell(const QualityPoint& q);     // mean KL against f32, mean ± std
+std::string weight_bytes_cell(const QualityPoint& q);   // decode weight bytes
+std::string vs_f32_cell(const QualityPoint& q);         // those bytes over the f32 model's
 
 Table record_table(const Parsed& p);
 Table detail_table(const Parsed& p);
@@ -170,6 +178,7 @@ std::optional<Table> memory_table(const Parsed& p);
 std::optional<Table> serving_table(const Parsed& p);
 std::optional<Table> mla_table(const Parsed& p);
 std::optional<Table> quality_table(const Parsed& p);
+std::optional<Table> weight_table(const Parsed& p);
 Table uptrain_table(const Uptrain& u);
 Table generation_table(const Parsed& p, const GenQuality& g);
 Table paired_table(const Parsed& p, const GenQuality& g);

@@ -237,6 +237,10 @@ std::string pm(double mean, double sd, const char* format) {
 }
 
 std::string quality_loss_cell(const QualityPoint& q) { return pm(q.loss, q.loss_std, "%.4f"); }
+std::string quality_delta_cell(const QualityPoint& q) { return pm(q.delta, q.delta_std, "%+.5f"); }
+std::string quality_kl_cell(const QualityPoint& q) { return pm(q.kl, q.kl_std, "%.2e"); }
+std::string weight_bytes_cell(const QualityPoint& q) { return bytes(q.bytes); }
+std::string vs_f32_cell(const QualityPoint& q) { return figure(q.vs_f32, "%.3fx"); }
 
 // Every (n_kv_head, cache dtype) point (results without kv_quality leave it out).
 std::optional<Table> quality_table(const Parsed& p) {
@@ -248,8 +252,23 @@ std::optional<Table> quality_table(const Parsed& p) {
           "table-quality"};
   for (const QualityPoint& q : pts)
     t.rows.push_back({q.v->id(), q.dtype, bytes(q.bytes), quality_loss_cell(q),
-                      pm(q.delta, q.delta_std, "%+.5f"), pm(q.kl, q.kl_std, "%.2e"),
-                      fmt("%.4f", q.top1), q.front ? "yes" : ""});
+                      quality_delta_cell(q), quality_kl_cell(q), fmt("%.4f", q.top1),
+                      q.front ? "yes" : ""});
+  return t;
+}
+
+// Every (variant, matrix type) point (results without weight_quality leave it out).
+std::optional<Table> weight_table(const Parsed& p) {
+  const std::vector<QualityPoint> pts = weight_points(p);
+  if (pts.empty()) return std::nullopt;
+  Table t{{p.id_header(), "weight dtype", "decode weight bytes", "vs f32", "val loss",
+           "Δ vs f32 weights", "mean KL", "top-1 agreement"},
+          {},
+          "table-weights"};
+  for (const QualityPoint& q : pts)
+    t.rows.push_back({q.v->id(), q.dtype, weight_bytes_cell(q), vs_f32_cell(q),
+                      quality_loss_cell(q), quality_delta_cell(q), quality_kl_cell(q),
+                      fmt("%.4f", q.top1)});
   return t;
 }
 
@@ -396,6 +415,9 @@ std::string format_table(const nlohmann::json& results) {
            render_text(*t);
     for (const std::string& f : quality_findings(p)) out += "  " + f + "\n";
   }
+  if (const auto t = weight_table(p))
+    out += "\nwhat each weight dtype costs (against the f32 matrices, mean ± std over seeds):\n" +
+           render_text(*t);
   if (p.uptrain) {
     out += "\nuptraining converted MHA checkpoints (" + fmt("%g", p.uptrain->fraction * 100) +
            "% of the steps; val loss, mean ± std over seeds):\n" +

@@ -301,7 +301,8 @@ std::string verdict_wording(const Verdict& v) {
 // Per variant against MHA: the loss it costs with the verdict's wording, the cache it saves,
 // and the sequences the paged cache holds at the serving workload's KV memory (else the full
 // context sequences in the KV budget). Then the best cache dtype per byte budget: at each
-// variant's bf16 bytes per token, the frontier's lowest val loss within them. Every figure is
+// variant's bf16 bytes per token, the frontier's lowest val loss within them, and what q8_0
+// matrices cost the multi-head (else first) variant for their bytes. Every figure is
 // a cell function's (tables.cpp), so a finding shows what its table shows.
 std::vector<Finding> findings(const Parsed& p) {
   std::vector<Finding> out;
@@ -356,6 +357,15 @@ std::vector<Finding> findings(const Parsed& p) {
                        (at_bf16 ? "each variant's bf16 bytes" : "the frontier's points") +
                        "): " + best + ".",
                    {"table-quality", "fig-val_loss_vs_cache_bytes"}});
+  // What q8_0 matrices cost the first variant (MHA where the sweep has it) for their bytes.
+  const Variant* first = mha != nullptr ? mha : &p.variants.front();
+  for (const QualityPoint& q : weight_points(p))
+    if (q.v == first && q.dtype == "q8_0" && q.vs_f32)
+      out.push_back({"q8_0 matrices cost " + first->label() + " " + quality_delta_cell(q) +
+                         " nats of val loss (mean KL " + quality_kl_cell(q) + ") for " +
+                         vs_f32_cell(q) + " the decode weight bytes of f32 matrices (" +
+                         weight_bytes_cell(q) + ").",
+                     {"table-weights"}});
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -110,6 +111,23 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
     EXPECT_EQ(quality[0]["kl_mean"].get<double>(), 0.0);
     EXPECT_EQ(quality[0]["top1_mean"].get<double>(), 1.0);
     EXPECT_GT(quality[4]["kl_mean"].get<double>(), quality[3]["kl_mean"].get<double>());
+    // The default matrix types, every seed, on the same windows. At n_embd 16 only the MLP's
+    // output matrix has rows of whole 32-value blocks: q8_0 and q4_0 round it alone (the
+    // ordering of every type's cost and bytes is the bpe sweep's, at n_embd 32).
+    const auto& weights = v["weight_quality"];
+    ASSERT_EQ(weights.size(), 3u);
+    const int64_t f32_bytes = v["decode_weight_bytes_f32"];
+    for (size_t d = 0; d < weights.size(); ++d) {
+      EXPECT_EQ(weights[d]["dtype"], (std::array{"bf16", "q8_0", "q4_0"}[d]));
+      EXPECT_EQ(weights[d]["positions"], quality[0]["positions"]);
+      EXPECT_EQ(weights[d]["kl_seeds"].size(), 2u);
+      EXPECT_GT(weights[d]["kl_mean"].get<double>(), 0.0);
+      EXPECT_LT(weights[d]["top1_mean"].get<double>(), 1.0 + 1e-12);
+      EXPECT_LT(weights[d]["decode_weight_bytes"].get<int64_t>(), f32_bytes);
+    }
+    EXPECT_GT(weights[2]["kl_mean"].get<double>(), weights[1]["kl_mean"].get<double>());
+    EXPECT_LT(weights[2]["decode_weight_bytes"].get<int64_t>(),
+              weights[1]["decode_weight_bytes"].get<int64_t>());
   }
   // Generation quality: each seed's variants paired on the same windows, MHA the reference.
   const auto& gq = r["generation_quality"];
@@ -139,6 +157,10 @@ TEST_F(AblateTest, QuickSweepEndToEndInvariants) {
   const std::string report((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
   EXPECT_NE(report.find("## Generation quality: paired on shared windows"), std::string::npos);
   EXPECT_NE(report.find("the paired bootstrap tells "), std::string::npos);
+  EXPECT_LT(report.find("## What each cache dtype costs"),
+            report.find("## What each weight dtype costs"));
+  EXPECT_NE(report.find("## What each weight dtype costs"), std::string::npos);
+  EXPECT_NE(report.find("- q8_0 matrices cost n_kv_head=4 (MHA) "), std::string::npos);
   // The findings open the report: MHA's two fewer-head variants against it.
   EXPECT_LT(report.find("## Findings"), report.find("## Loss, cache and speed"));
   EXPECT_NE(report.find("- n_kv_head=2 (GQA): val loss "), std::string::npos);
@@ -154,8 +176,35 @@ TEST_F(AblateTest, BpeSweepReportsBitsPerByte) {
   c.kv_heads = {4, 1};
   c.seeds = 1;
   c.kv_dtypes = {};
+  c.base.model.n_embd = 32;  // every matrix's rows whole q8_0/q4_0 blocks of 32
+  c.weight_dtypes = {WeightDtype::Q4_0, WeightDtype::F32, WeightDtype::Q8_0, WeightDtype::BF16};
   const auto r = run_ablation(c);
   ASSERT_EQ(r["variants"].size(), 2u);
+  // The matrix types, as listed: f32 against itself is exact; each smaller type costs more
+  // (KL) for fewer bytes than the one before it.
+  for (const auto& v : r["variants"]) {
+    const auto& w = v["weight_quality"];
+    ASSERT_EQ(w.size(), 4u);
+    const auto at = [&](const char* dtype) {
+      for (const auto& e : w)
+        if (e["dtype"] == dtype) return e;
+      ADD_FAILURE() << "no " << dtype;
+      return json();
+    };
+    EXPECT_EQ(w[0]["dtype"], "q4_0");
+    EXPECT_EQ(at("f32")["kl_mean"].get<double>(), 0.0);
+    EXPECT_EQ(at("f32")["delta_loss_mean"].get<double>(), 0.0);
+    EXPECT_EQ(at("f32")["top1_mean"].get<double>(), 1.0);
+    EXPECT_EQ(at("f32")["decode_weight_bytes"], v["decode_weight_bytes_f32"]);
+    const char* order[] = {"f32", "bf16", "q8_0", "q4_0"};
+    for (int i = 1; i < 4; ++i) {
+      EXPECT_GT(at(order[i])["kl_mean"].get<double>(), at(order[i - 1])["kl_mean"].get<double>())
+          << order[i];
+      EXPECT_LT(at(order[i])["decode_weight_bytes"].get<int64_t>(),
+                at(order[i - 1])["decode_weight_bytes"].get<int64_t>())
+          << order[i];
+    }
+  }
   for (const auto& v : r["variants"]) {
     const double loss = v["val_loss_mean"], bpb = v["val_bpb_mean"];
     const double tokens_per_byte = v["val_tokens_per_byte"];

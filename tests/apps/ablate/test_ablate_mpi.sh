@@ -16,7 +16,8 @@ mpi=("$MPIRUN" --oversubscribe --bind-to none)
 
 for i in $(seq 300); do echo "the lord is my shepherd; i shall not want $((i * 37)). Selah!"; done > "$work/corpus.txt"
 common=(ablate --corpus "$work/corpus.txt" --n-layer 1 --n-head 4 --n-embd 32 --block-size 32
-        --batch-size 4 --eval-iters 2 --bench-runs 1 --kv-dtypes none --sample-tokens 8)
+        --batch-size 4 --eval-iters 2 --bench-runs 1 --kv-dtypes none --weight-dtypes none
+        --sample-tokens 8)
 sweep=("${common[@]}" --iters 20 --eval-interval 10 --seeds 1)
 
 # The numbers of every run, and how many runs the sweep trained (python3 reads both files).

@@ -466,6 +466,11 @@ check "ablate --kv-heads ''" 2 "the list is empty" -- "$KVLAB" ablate "${tiny[@]
 check "ablate --kv-heads ," 2 "item 1 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads , --out "$work/ab"
 check "ablate --kv-heads 4,4" 2 "--kv-heads: n_kv_head = 4 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,4 --out "$work/ab"
 check "ablate --kv-heads 4,,2" 2 "item 2 is empty" -- "$KVLAB" ablate "${tiny[@]}" --kv-heads 4,,2 --out "$work/ab"
+# ablate --weight-dtypes: known matrix types, each once, or none; checked before anything trains.
+check "ablate --weight-dtypes bf16,q5_0" 2 "--weight-dtypes: 'q5_0' is not a weight dtype (f32, bf16, q8_0, q4_0)" -- "$KVLAB" ablate "${tiny[@]}" --weight-dtypes bf16,q5_0 --out "$work/ab-w"
+check "ablate --weight-dtypes ''" 2 "--weight-dtypes: the list is empty" -- "$KVLAB" ablate "${tiny[@]}" --weight-dtypes "" --out "$work/ab-w"
+check "ablate --help: --weight-dtypes none" 0 "q4_0, or none to measure none" -- "$KVLAB" ablate --help
+check "ablate --weight-dtypes q8_0,q8_0" 2 "--weight-dtypes: q8_0 is listed twice" -- "$KVLAB" ablate "${tiny[@]}" --weight-dtypes q8_0,q8_0 --out "$work/ab-w"
 # ablate --uptrain F: a fraction in (0, 1] of the sweep's steps, over a sweep holding MHA and a
 # smaller n_kv_head; checked before anything trains.
 check "ablate --help says what --uptrain does" 0 "converted to every smaller n_kv_head" -- "$KVLAB" ablate --help

@@ -602,6 +602,38 @@ TEST(FormatTable, UptrainTableAndFindings) {
       << format_table(wider);
 }
 
+// weight_quality as kvlab ablate --weight-dtypes writes it: per variant the f32 model's decode
+// weight bytes and each matrix type's (1 MiB at f32: bf16 half, q8_0 and q4_0 their blocks').
+json with_weight_quality(json r) {
+  auto point = [](const char* dtype, double bytes, double delta, double kl) {
+    return json{{"dtype", dtype},           {"decode_weight_bytes", bytes},
+                {"loss_mean", 1.9 + delta}, {"loss_std", 0.01},
+                {"delta_loss_mean", delta}, {"delta_loss_std", delta / 4},
+                {"kl_mean", kl},            {"kl_std", kl / 2},
+                {"top1_mean", 1 - kl * 10}, {"positions", 16384}};
+  };
+  for (json& v : r["variants"]) {
+    v["decode_weight_bytes_f32"] = 1048576.0;
+    v["weight_quality"] = json::array({point("bf16", 524288.0, 0.00002, 1e-6),
+                                       point("q8_0", 294912.0, 0.00012, 4e-5),
+                                       point("q4_0", 163840.0, 0.004, 2e-3)});
+  }
+  return r;
+}
+
+TEST(FormatTable, WeightDtypesTableAndFinding) {
+  const std::string out = format_table(with_weight_quality(fixture()));
+  EXPECT_NE(out.find("what each weight dtype costs"), std::string::npos) << out;
+  // A row per (variant, dtype): bytes in human units, the ratio to f32, the delta with its sd.
+  EXPECT_NE(out.find(" q8_0 |             288 KiB | 0.281x | 1.9001 ± 0.0100 | +0.00012 ± "
+                     "0.00003 | 4.00e-05 ± 2.00e-05 |          0.9996"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(count(out, " q4_0 | "), 3u);
+  // Results written before the weight dtypes were measured: no table.
+  EXPECT_EQ(format_table(fixture()).find("weight dtype"), std::string::npos);
+}
+
 TEST_F(ReportFiles, UptrainSectionAndPlot) {
   write_report(with_uptrain(fixture()), dir_);
   const std::string svg = read(dir_ / "uptrain_kv2.svg");
@@ -891,6 +923,26 @@ TEST_F(ReportFiles, EveryFigureOfTheFindingsIsTheOneItsTableShows) {
   EXPECT_NE(l.findings[3].first.find("within 256 B, n_kv_head=2 (GQA) with fp8"),
             std::string::npos)
       << l.findings[3].first;
+}
+
+TEST_F(ReportFiles, WeightDtypesSectionAfterTheCacheDtypes) {
+  write_report(with_weight_quality(fixture()), dir_);
+  const std::string md = read(dir_ / "report.md"), html = read(dir_ / "report.html");
+  EXPECT_NE(md.find("## What each weight dtype costs"), std::string::npos);
+  EXPECT_NE(html.find("<table id=\"table-weights\""), std::string::npos);
+  EXPECT_NE(md.find("- q8_0 matrices cost n_kv_head=4 (MHA) +0.00012 ± 0.00003 nats of val loss "
+                    "(mean KL 4.00e-05 ± 2.00e-05) for 0.281x the decode weight bytes of f32 "
+                    "matrices (288 KiB)"),
+            std::string::npos)
+      << md;
+  // Every figure of the new finding is the one its table shows, in both files.
+  expect_findings_match_their_tables(html_findings(html), "html");
+  expect_findings_match_their_tables(md_findings(md), "md");
+  // After the cache dtypes' section where both are measured.
+  write_report(with_weight_quality(default_results()), dir_);
+  const std::string both = read(dir_ / "report.md");
+  EXPECT_LT(both.find("<a id=\"table-quality\"></a>"), both.find("<a id=\"table-weights\"></a>"));
+  EXPECT_NE(both.find("<a id=\"table-weights\"></a>"), std::string::npos);
 }
 
 // The findings open the report, and each figure comes right after the table it illustrates,
