@@ -444,6 +444,7 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   std::fprintf(stderr, "measuring %s: cache, decode speed, samples\n",
                variant_label(var).c_str());
   LoadedModel lm = load_model(run_dir(cfg, var, 0) / "final.h5");
+  lm.model->round_matrices(cfg.weight_dtype);
   lm.model->to(cfg.base.device);  // measured where the runs trained, at their precision
   const MatmulPrecisionGuard precision(cfg.base.precision);
   const GPTConfig& mc = lm.model->config();
@@ -557,6 +558,7 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
                          {"openblas_kernels", kvlab::blas_kernels()}};
   results["kv_budget_bytes"] = cfg.kv_budget_bytes;
   results["kv_dtype"] = dtype_name(cfg.kv_dtype);
+  results["weight_dtype"] = weight_dtype_name(cfg.weight_dtype);
   results["dtype_bytes"] = dtype_size(cfg.kv_dtype);
   results["quality_windows"] = cfg.quality_windows;
   results["param_matched"] = cfg.param_matched;

@@ -34,6 +34,9 @@ struct AblateConfig {
   bool param_matched = false;     // widen the MLP so every variant has MHA's parameter count
   int64_t kv_budget_bytes = int64_t{1} << 30;
   DType kv_dtype = DType::F32;       // of the KV cache measured, benchmarked and sampled with
+  // The matrices' of the model served, benchmarked and sampled (GPT::round_matrices); the
+  // quality figures always start from the trained f32 weights.
+  WeightDtype weight_dtype = WeightDtype::F32;
   // The cache dtypes every trained model's quality is measured at (kv_cache_quality on the
   // validation split, every seed): the memory-quality frontier. Empty: none (and on CUDA).
   std::vector<DType> kv_dtypes = {DType::F32, DType::BF16, DType::FP8, DType::INT8, DType::INT4};

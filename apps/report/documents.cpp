@@ -223,6 +223,9 @@ std::vector<std::pair<std::string, std::string>> run_facts(const json& r) {
     facts.emplace_back("KV budget", fmt("%.0f", *b) + " bytes (" + bytes(b) + ")");
   if (const auto d = number(r, "dtype_bytes"))
     facts.emplace_back("cache element size", fmt("%.0f", *d) + " bytes");
+  if (r.contains("weight_dtype") && r["weight_dtype"].is_string())
+    facts.emplace_back("matrices served and benchmarked", r["weight_dtype"].get<std::string>() +
+                                                              " (--weight-dtype)");
   if (r.contains("param_matched"))
     facts.emplace_back(
         "parameter-matched",

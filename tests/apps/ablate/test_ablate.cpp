@@ -178,8 +178,10 @@ TEST_F(AblateTest, BpeSweepReportsBitsPerByte) {
   c.kv_dtypes = {};
   c.base.model.n_embd = 32;  // every matrix's rows whole q8_0/q4_0 blocks of 32
   c.weight_dtypes = {WeightDtype::Q4_0, WeightDtype::F32, WeightDtype::Q8_0, WeightDtype::BF16};
+  c.weight_dtype = WeightDtype::Q8_0;  // the model served and benchmarked; quality starts at f32
   const auto r = run_ablation(c);
   ASSERT_EQ(r["variants"].size(), 2u);
+  EXPECT_EQ(r["weight_dtype"], "q8_0");
   // The matrix types, as listed: f32 against itself is exact; each smaller type costs more
   // (KL) for fewer bytes than the one before it.
   for (const auto& v : r["variants"]) {
