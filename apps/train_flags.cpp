@@ -210,10 +210,11 @@ std::optional<PagedCacheOptions> parse_kv_cache(const KVCacheFlags& flags, int64
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
   cmd->add_option("--weight-dtype", weight_dtype,
                   "The products' matrices: f32, bf16, q8_0 or q4_0, rounded once at load on "
-                  "every path (q8_0/q4_0: ggml's blocks of 32; with q4_0 the LM head is q8_0); "
-                  "the fused CPU decode reads them in 2, 1.125 or 0.625 bytes a value. A model "
-                  "imported from a q8_0/q4_0 GGUF file already holds such values. Biases, norms, "
-                  "embeddings and positions stay f32")
+                  "every path (q8_0/q4_0: ggml's blocks of 32; with q4_0 the LM head is q8_0, and "
+                  "a matrix whose rows are not whole blocks is bf16); the fused CPU decode reads "
+                  "them in 2, 1.125 or 0.625 bytes a value, and a model imported from a q8_0/q4_0 "
+                  "GGUF file in its own blocks. The token table is rounded when it is the LM head "
+                  "(tied); biases, norms and positions stay f32")
       ->check(CLI::IsMember({"f32", "bf16", "q8_0", "q4_0"}))
       ->capture_default_str();
 }

@@ -102,7 +102,7 @@ bool is_lm_head(const std::string& gguf, const GPTConfig& cfg) {
 }
 
 // Matrices take the export's type; vectors (norms, biases) stay f32, as llama.cpp's converter
-// keeps them, and so does a matrix whose rows are not whole blocks (q8_0, q4_0). With q4_0 the
+// keeps them; a matrix whose rows are not whole blocks (q8_0, q4_0) is bf16. With q4_0 the
 // LM head is q8_0: llama.cpp's quantiser also keeps the output at a higher precision for its
 // 4-bit types (q6_K; kvlab has no k-quants), since its error reaches every logit directly.
 GgmlType type_for(const std::string& gguf, const ArrayF32& arr, GgmlType matrices,

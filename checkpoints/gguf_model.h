@@ -31,7 +31,7 @@ std::string gguf_architecture(const GPTConfig& cfg);
 
 // The model and its tokenizer as a GGUF file; `type` is the matrices' (f32, f16, bf16, q8_0 or
 // q4_0; with q4_0 the LM head's matrix is q8_0; a matrix whose rows are not whole blocks of 32
-// stays f32 in q8_0 and q4_0, and norms are always f32).
+// is bf16 in q8_0 and q4_0, and norms are always f32).
 GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
                        const GgufProvenance& provenance, MlaUpForm mla_up = MlaUpForm::Split);
 

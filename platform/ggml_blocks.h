@@ -10,8 +10,12 @@
 //    min(15, trunc(x / d + 8.5)) in 4 bits; the value is (q - 8) * d. In the file's 16 bytes
 //    byte j holds value j in its low nibble and value j + 16 in its high one.
 // Both quantisers are idempotent: quantising a block's values a second time gives the same
-// scale and codes, so the dequantised values of a file (or of round_to_*) are told apart
-// from other values by quantising them again (exact_q8_0, exact_q4_0).
+// scale and codes (but where the f16 scale underflows to zero: round_to_* settles those), so
+// the dequantised values of a file (or of round_to_*) are told apart from other values by
+// quantising them again (exact_q8_0, exact_q4_0). Not the values of files quantised another
+// way (an importance matrix's scales): those are exact f32 values, not recognised blocks.
+// ggml_blocks.cpp compiles without FMA contraction, as ggml's reference does: q4_0's
+// x / d + 8.5 rounded twice, not fused, gives its codes bit for bit.
 #include <cstdint>
 
 namespace kvlab {

@@ -118,7 +118,7 @@ constexpr const char* kWeightNote =
     "Each trained model (every seed) evaluated on the same validation windows as the cache "
     "dtypes, its matrices (attention, MLP and LM head) rounded as --weight-dtype rounds them "
     "(kvlab bench weight-quality; q8_0 and q4_0 are ggml's blocks of 32, with q4_0 the LM head "
-    "q8_0, and a matrix whose rows are not whole blocks stays f32), against its f32 matrices, "
+    "q8_0, and a matrix whose rows are not whole blocks bf16), against its f32 matrices, "
     "both through an f32 cache: mean ± std over seeds. Decode weight bytes: what a fused CPU "
     "decode step reads of the weights, each matrix in the fewest bytes that hold its values.";
 

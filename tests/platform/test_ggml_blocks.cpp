@@ -6,6 +6,8 @@
 
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -69,20 +71,30 @@ TEST(GgmlBlocks, RoundingIsIdempotentAndRecognised) {
   for (float& v : x) v = normal(gen);
   std::fill_n(x.begin() + 5 * kGgmlBlock, kGgmlBlock, 0.0f);  // an all-zero block
   x[7 * kGgmlBlock + 3] = 1e-7f;  // a block whose scale is an f16 subnormal
+  // A block whose scale underflows to a zero f16 (max |x| below 127 * 2^-25 for q8_0, 8 *
+  // 2^-25 for q4_0) while its codes are not zero: rounding must still reach a fixed point.
+  for (int64_t j = 0; j < kGgmlBlock; ++j) x[9 * kGgmlBlock + j] = 1e-8f * normal(gen);
+  // A block holding a NaN: never exact, and rounding leaves it as it is.
+  x[11 * kGgmlBlock + 5] = std::numeric_limits<float>::quiet_NaN();
   for (auto [round, exact] : {std::pair{&round_to_q8_0, &exact_q8_0},
                               std::pair{&round_to_q4_0, &exact_q4_0}}) {
     std::vector<float> y = x;
     EXPECT_FALSE(exact(y.data(), static_cast<int64_t>(y.size())));
     round(y.data(), static_cast<int64_t>(y.size()));
+    EXPECT_TRUE(std::isnan(y[11 * kGgmlBlock + 5]));
+    EXPECT_FALSE(exact(y.data(), static_cast<int64_t>(y.size())));  // the NaN's block
+    std::fill_n(y.begin() + 11 * kGgmlBlock, kGgmlBlock, 0.0f);
+    round(y.data(), static_cast<int64_t>(y.size()));
     const std::vector<float> once = y;
     EXPECT_TRUE(exact(y.data(), static_cast<int64_t>(y.size())));
     round(y.data(), static_cast<int64_t>(y.size()));
-    EXPECT_EQ(y, once);
+    EXPECT_EQ(std::memcmp(y.data(), once.data(), y.size() * sizeof(float)), 0);
     y[100] = std::nextafter(y[100], 1.0f);  // one value off its grid
     EXPECT_FALSE(exact(y.data(), static_cast<int64_t>(y.size())));
   }
   // q4_0's values are q8_0's only by chance: the 4-bit grid's scale is max / -8.
   std::vector<float> y = x;
+  y[11 * kGgmlBlock + 5] = 0.0f;
   round_to_q4_0(y.data(), static_cast<int64_t>(y.size()));
   EXPECT_FALSE(exact_q8_0(y.data(), static_cast<int64_t>(y.size())));
 }
