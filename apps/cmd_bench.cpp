@@ -463,7 +463,7 @@ void print_serve(const json& r) {
   }
 }
 
-// bench serve --url: the workload against a running kvlab serve, over HTTP only.
+// bench serve --url: the workload against a running OpenAI-compatible server, over HTTP only.
 void run_bench_serve_url(BenchArgs& a) {
   const BenchServeOptions& o = a.serve;
   const ServedModel m = served_model(a.url);
@@ -675,8 +675,11 @@ void add_serve_command(CLI::App* bench) {
                 "connection per request, and measure one stream's tokens/s over HTTP against "
                 "in process");
   cmd->add_option("--url", args->url,
-                  "Replay the workload against a running kvlab serve at this URL "
-                  "(http://HOST:PORT) instead, over HTTP only");
+                  "Replay the workload against a running server at this URL (http://HOST:PORT) "
+                  "instead, over HTTP only: kvlab serve, or another OpenAI-compatible one "
+                  "whose GET /v1/models gives the context and vocabulary (llama-server does) "
+                  "and whose /v1/completions takes token ids, streams with usage and "
+                  "honours ignore_eos");
   add_number(cmd, "--stream-interval", args->stream_interval_ms,
              "With --http: the server's --stream-interval (ms)");
   add_number(cmd, "--samples", args->serve.samples,

@@ -55,45 +55,23 @@ int64_t choice_index(std::string_view chunk) {
 int64_t stream_completion(const std::string& url, const json& body,
                           const std::function<void(int64_t choice)>& on_text) {
   httplib::Client c = client_for(url);
-  std::string buffer;
-  int64_t made = -1;
-  std::string error;
+  CompletionEvents events(on_text);
   httplib::Request req;
   req.method = "POST";
   req.path = "/v1/completions";
   req.body = body.dump();
   req.set_header("Content-Type", "application/json");
-  // The client shares the machine with the server it measures: a text chunk is read for its
-  // choice index alone, and only the usage and error events are parsed whole.
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-    buffer.append(data, n);
-    size_t start = 0;
-    for (size_t end; (end = buffer.find("\n\n", start)) != std::string::npos; start = end + 2) {
-      const std::string_view event(buffer.data() + start, end - start);
-      if (!event.starts_with("data: ") || event == "data: [DONE]") continue;
-      const std::string_view body = event.substr(6);
-      if (body.find("\"usage\"") != std::string_view::npos ||
-          body.find("\"error\"") != std::string_view::npos) {
-        const json j = json::parse(body, nullptr, false);
-        if (j.contains("error")) error = j["error"].value("message", "error");
-        if (j.contains("usage") && j["usage"].is_object())
-          made = j["usage"]["completion_tokens"].get<int64_t>();
-        if (j.contains("choices") && !j["choices"].empty())
-          on_text(j["choices"][0].value("index", int64_t{0}));
-        continue;
-      }
-      on_text(choice_index(body));
-    }
-    buffer.erase(0, start);
+    events.feed(std::string_view(data, n));
     return true;
   };
   const auto res = c.send(req);
   KVLAB_CHECK(res, "bench serve: ", url, " did not answer: ", httplib::to_string(res.error()));
   KVLAB_CHECK(res->status == 200, "bench serve: ", url, " answered ", res->status, ": ",
               res->body.substr(0, 200));
-  KVLAB_CHECK(error.empty(), "bench serve: ", url, ": ", error);
-  KVLAB_CHECK(made >= 0, "bench serve: ", url, " sent no usage");
-  return made;
+  KVLAB_CHECK(events.error().empty(), "bench serve: ", url, ": ", events.error());
+  KVLAB_CHECK(events.completion_tokens() >= 0, "bench serve: ", url, " sent no usage");
+  return events.completion_tokens();
 }
 
 json completion_body(const std::string& model, const std::vector<int32_t>& prompt,
@@ -103,25 +81,79 @@ json completion_body(const std::string& model, const std::vector<int32_t>& promp
           {"max_tokens", max_tokens},
           {"n", n},
           {"temperature", 0},
+          // The figures count max_tokens a request: a server that stops at its end-of-text
+          // token is asked not to (vLLM's and llama-server's field; kvlab serve has no such
+          // stop), and each request's usage is checked against it.
+          {"ignore_eos", true},
           {"stream", true},
           {"stream_options", {{"include_usage", true}}}};
 }
 
 }  // namespace
 
+void CompletionEvents::feed(std::string_view bytes) {
+  buffer_.append(bytes);
+  size_t start = 0;
+  for (size_t end; (end = buffer_.find("\n\n", start)) != std::string::npos; start = end + 2) {
+    const std::string_view event(buffer_.data() + start, end - start);
+    if (!event.starts_with("data: ") || event == "data: [DONE]") continue;
+    const std::string_view body = event.substr(6);
+    // The client shares the machine with the server it measures: a text chunk is read for its
+    // choice index alone, and only the usage and error events are parsed whole.
+    if (body.find("\"usage\"") == std::string_view::npos &&
+        body.find("\"error\"") == std::string_view::npos) {
+      on_text_(choice_index(body));
+      continue;
+    }
+    const json j = json::parse(body, nullptr, false);
+    KVLAB_CHECK(!j.is_discarded(), "bench serve: an event that is not JSON: ",
+                body.substr(0, 200));
+    if (j.contains("error"))
+      error_ = j["error"].is_object() ? j["error"].value("message", "error") : j["error"].dump();
+    if (j.contains("usage") && j["usage"].is_object())
+      made_ = j["usage"]["completion_tokens"].get<int64_t>();
+    // kvlab serve's usage chunk has no choices (OpenAI's shape); llama-server's carries the
+    // finish_reason with empty text. A choice counts as a token only where it has text.
+    if (j.contains("choices") && !j["choices"].empty()) {
+      const json& c = j["choices"][0];
+      if (c.contains("text") && c["text"].is_string() && !c["text"].get<std::string>().empty())
+        on_text_(c.value("index", int64_t{0}));
+    }
+  }
+  buffer_.erase(0, start);
+}
+
+ServedModel served_model(const nlohmann::json& models, const std::string& url) {
+  KVLAB_CHECK(models.is_object() && models.contains("data") && models["data"].is_array() &&
+                  !models["data"].empty(),
+              url, "/v1/models lists no model");
+  const json& m = models["data"][0];
+  KVLAB_CHECK(m.contains("id") && m["id"].is_string(), url, "/v1/models: its model has no id");
+  // kvlab serve (and vLLM) give max_model_len; llama-server gives its context and vocabulary
+  // under "meta" (n_ctx: a sequence's context, n_vocab).
+  const json none = json::object();
+  const json& meta = m.contains("meta") && m["meta"].is_object() ? m["meta"] : none;
+  auto number = [&](const char* name, const char* meta_name) -> int64_t {
+    if (m.contains(name) && m[name].is_number_integer()) return m[name].get<int64_t>();
+    if (meta.contains(meta_name) && meta[meta_name].is_number_integer())
+      return meta[meta_name].get<int64_t>();
+    return 0;
+  };
+  const ServedModel out{m["id"].get<std::string>(), number("max_model_len", "n_ctx"),
+                        number("vocab_size", "n_vocab")};
+  KVLAB_CHECK(out.context > 0 && out.vocab_size > 0, url,
+              "/v1/models gives neither max_model_len and vocab_size (kvlab serve) nor "
+              "meta.n_ctx and meta.n_vocab (llama-server) for ",
+              out.id, ": the workload needs the context and the vocabulary");
+  return out;
+}
+
 ServedModel served_model(const std::string& url) {
   httplib::Client c = client_for(url);
   const auto r = c.Get("/v1/models");
   KVLAB_CHECK(r, "cannot reach ", url, ": ", httplib::to_string(r.error()));
   KVLAB_CHECK(r->status == 200, url, "/v1/models answered ", r->status);
-  const json j = json::parse(r->body, nullptr, false);
-  KVLAB_CHECK(j.is_object() && j.contains("data") && !j["data"].empty(), url,
-              "/v1/models lists no model");
-  const json& m = j["data"][0];
-  KVLAB_CHECK(m.contains("max_model_len") && m.contains("vocab_size"), url,
-              "/v1/models does not give max_model_len and vocab_size: is it kvlab serve?");
-  return {m["id"].get<std::string>(), m["max_model_len"].get<int64_t>(),
-          m["vocab_size"].get<int64_t>()};
+  return served_model(json::parse(r->body, nullptr, false), url);
 }
 
 nlohmann::json replay_over_http(const std::string& url, const std::string& model,
@@ -151,7 +183,8 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
                                            std::chrono::duration<double>(t.arrival[i])));
     clients.emplace_back([&, i] {
       try {
-        stream_completion(url,
+        const int64_t asked = reqs[i].output_tokens * reqs[i].samples;
+        const int64_t made = stream_completion(url,
                           completion_body(model, reqs[i].prompt, reqs[i].output_tokens,
                                           reqs[i].samples),
                           [&](int64_t choice) {
@@ -159,6 +192,9 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
                             std::lock_guard lk(m);
                             t.token(i, choice, now);
                           });
+        KVLAB_CHECK(made == asked, "bench serve: ", url, " made ", made, " tokens of the ",
+                    asked, " asked (max_tokens ", reqs[i].output_tokens, ", n ",
+                    reqs[i].samples, "): the figures would count tokens it did not make");
       } catch (const std::exception& e) {  // a malformed chunk's JSON, too
         std::lock_guard lk(m);
         if (failure.empty()) failure = e.what();

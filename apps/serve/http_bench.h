@@ -2,8 +2,10 @@
 // kvlab bench serve over HTTP: the serving workload replayed against kvlab serve with real
 // clients (one connection per request, streamed), and the cost of HTTP on one stream.
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "infer/engine.h"
@@ -19,11 +21,36 @@ struct ServedModel {
 };
 // url: "http://host:port". Throws kvlab::Error naming the URL when it does not answer.
 ServedModel served_model(const std::string& url);
+// From the body of GET /v1/models: its first model, with the context and vocabulary kvlab serve
+// gives (max_model_len, vocab_size) or llama-server does (meta.n_ctx, meta.n_vocab). Throws
+// kvlab::Error naming the URL when it has neither.
+ServedModel served_model(const nlohmann::json& models, const std::string& url);
+
+// An OpenAI completions event stream (server-sent events), read as its bytes arrive:
+// on_text(choice) for each chunk that carries a choice's text (a token, or tokens sent
+// together), the usage chunk's completion_tokens, an error event's message.
+class CompletionEvents {
+ public:
+  explicit CompletionEvents(std::function<void(int64_t choice)> on_text)
+      : on_text_(std::move(on_text)) {}
+  // Throws kvlab::Error on an event that should be JSON and is not.
+  void feed(std::string_view bytes);
+  int64_t completion_tokens() const { return made_; }  // -1 until a usage chunk came
+  const std::string& error() const { return error_; }
+
+ private:
+  std::function<void(int64_t)> on_text_;
+  std::string buffer_;
+  int64_t made_ = -1;
+  std::string error_;
+};
 
 // The requests at the timeline's arrivals, each a streamed completion of its prompt's token
-// ids (greedy, max_tokens its output length), on a thread of its own: serve_summary's figures
-// with the first and last tokens' arrival times at the client, and from the server's
-// /metrics, sampled as it runs, peak_sequences and preemptions.
+// ids (greedy, max_tokens its output length, ignore_eos), on a thread of its own:
+// serve_summary's figures with the first and last tokens' arrival times at the client, and
+// from the server's /metrics (kvlab's names; 0 from a server without them), sampled as it
+// runs, peak_sequences and preemptions. Throws kvlab::Error when a request's usage is not the
+// tokens it asked for.
 nlohmann::json replay_over_http(const std::string& url, const std::string& model,
                                 const std::vector<KVRequest>& reqs, ServeTimeline t);
 

@@ -20,6 +20,7 @@
 #include "apps/serve/server.h"
 #include "autograd/graph.h"
 #include "infer/engine.h"
+#include "tests/error_of.h"
 #include "tests/infer/infer_test_util.h"
 
 namespace kvlab {
@@ -501,6 +502,51 @@ TEST(Serve, AWorkloadReplayedOverHttpGetsEveryToken) {
   EXPECT_EQ(s.metric("kvlab_generation_tokens_total"), static_cast<double>(tokens))
       << "the server made exactly the tokens asked";
   EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+}
+
+// bench serve's client against another OpenAI-compatible server: llama-server's GET /v1/models
+// (as it answers, trimmed) gives its context and vocabulary under "meta".
+TEST(Serve, BenchClientReadsLlamaServersModelListing) {
+  const json llama = json::parse(R"({"object":"list","data":[{"id":"m.gguf","object":"model",
+      "owned_by":"llamacpp","meta":{"n_vocab":73,"n_ctx":1024,"n_ctx_train":2048}}]})");
+  const ServedModel m = served_model(llama, "http://x");
+  EXPECT_EQ(m.id, "m.gguf");
+  EXPECT_EQ(m.context, 1024) << "a sequence's context, not the training one";
+  EXPECT_EQ(m.vocab_size, 73);
+  const json bare = json::parse(R"({"object":"list","data":[{"id":"m","object":"model"}]})");
+  const std::string neither = error_of([&] { served_model(bare, "http://x"); });
+  EXPECT_NE(neither.find("neither max_model_len"), std::string::npos) << neither;
+  const std::string none = error_of([&] { served_model(json::parse(R"({"data":[]})"), "x"); });
+  EXPECT_NE(none.find("lists no model"), std::string::npos) << none;
+}
+
+// Its stream reader counts a token per chunk with text: llama-server sends the finish_reason
+// and the usage in one more chunk with empty text, kvlab serve the usage with no choices.
+TEST(Serve, BenchClientCountsTextChunksNotTheUsageChunk) {
+  auto count = [](const std::string& stream, size_t piece) {
+    std::vector<int64_t> choices;
+    CompletionEvents events([&](int64_t c) { choices.push_back(c); });
+    for (size_t at = 0; at < stream.size(); at += piece)  // split anywhere, as TCP may
+      events.feed(std::string_view(stream).substr(at, piece));
+    return std::pair(choices, events.completion_tokens());
+  };
+  const std::string text = R"({"choices":[{"text":".","index":0,"finish_reason":null}]})";
+  const std::string llama =
+      "data: " + text + "\n\ndata: " + text +
+      "\n\ndata: {\"choices\":[{\"text\":\"\",\"index\":0,\"finish_reason\":\"length\"}],"
+      "\"usage\":{\"completion_tokens\":2,\"prompt_tokens\":4}}\n\ndata: [DONE]\n\n";
+  const std::string kvlab =
+      "data: " + text +
+      "\n\ndata: {\"choices\":[{\"text\":\"a\",\"index\":1,\"finish_reason\":\"length\"}]}"
+      "\n\ndata: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
+  for (const size_t piece : {size_t{1}, size_t{7}, kvlab.size() + llama.size()}) {
+    EXPECT_EQ(count(llama, piece), std::pair(std::vector<int64_t>{0, 0}, int64_t{2})) << piece;
+    EXPECT_EQ(count(kvlab, piece), std::pair(std::vector<int64_t>{0, 1}, int64_t{2})) << piece;
+  }
+  CompletionEvents failed([](int64_t) {});
+  failed.feed("data: {\"error\":{\"message\":\"no room\"}}\n\n");
+  EXPECT_EQ(failed.error(), "no room");
+  EXPECT_EQ(failed.completion_tokens(), -1);
 }
 
 // A raw loopback connection to the server: what a misbehaving client does with its socket.
