@@ -138,27 +138,34 @@ TEST(Serve, CompletionEqualsTheEngineStreamedOrNot) {
     json body = sampled_body("abc a", 9, 41);
     body["stream"] = true;
     body["stream_options"] = {{"include_usage", true}};
-    const auto st = s.post(body);
-    ASSERT_TRUE(st);
-    ASSERT_EQ(st->status, 200) << st->body;
-    EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
-    bool done = false;
-    const std::vector<json> chunks = events_of(st->body, done);
-    EXPECT_TRUE(done);
-    std::string text;
-    json last_choice, usage;
-    for (const json& c : chunks) {
-      if (c["choices"].empty()) {
-        usage = c["usage"];
-        continue;
+    // The pieces a stream's HTTP thread finds waiting go as one chunk, so a thread descheduled
+    // on a busy host may send all nine tokens at once: each attempt must give the same text,
+    // and one of three must come in pieces.
+    size_t most_chunks = 0;
+    for (int attempt = 0; attempt < 3 && most_chunks < 3; ++attempt) {
+      const auto st = s.post(body);
+      ASSERT_TRUE(st);
+      ASSERT_EQ(st->status, 200) << st->body;
+      EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
+      bool done = false;
+      const std::vector<json> chunks = events_of(st->body, done);
+      EXPECT_TRUE(done);
+      std::string text;
+      json last_choice, usage;
+      for (const json& c : chunks) {
+        if (c["choices"].empty()) {
+          usage = c["usage"];
+          continue;
+        }
+        text += c["choices"][0]["text"].get<std::string>();
+        last_choice = c["choices"][0];
       }
-      text += c["choices"][0]["text"].get<std::string>();
-      last_choice = c["choices"][0];
+      EXPECT_EQ(text, ref.rows[0].text);
+      EXPECT_EQ(last_choice["finish_reason"], "length");
+      EXPECT_EQ(usage["completion_tokens"], 9);
+      most_chunks = std::max(most_chunks, chunks.size());
     }
-    EXPECT_EQ(text, ref.rows[0].text);
-    EXPECT_EQ(last_choice["finish_reason"], "length");
-    EXPECT_EQ(usage["completion_tokens"], 9);
-    EXPECT_GE(chunks.size(), 3u) << "the text came in one piece, not streamed";
+    EXPECT_GE(most_chunks, 3u) << "the text came in one piece three times: not streamed";
   }
 }
 
