@@ -119,19 +119,9 @@ nlohmann::json cache_json(const GenerateArgs& a, const GenerationStats& st, Devi
   return c;
 }
 
-void run_generate(const GenerateArgs& a) {
-  check_args(a);
-  const Device device = parse_device(a.device);
-  const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
-  const DType kv_dtype = parse_storage_dtype(a.kv_dtype);
-  const std::vector<std::string> prompts = prompts_of(a);
-  LoadedModel loaded = load_model(a.ckpt);
-  GPT& model = *loaded.model;
-  model.to(device);
-  model.round_matrices(parse_weight_dtype(a.weight_dtype));
-  Engine engine(model, loaded.tokenizer, kv_dtype,
-                parse_kv_cache(a.kv, model.config().block_size, device));
-
+// The generation's options from the flags (sampling, cache, slide, stops; the callbacks are
+// run_generate's).
+GenerateOptions options_of(const GenerateArgs& a) {
   GenerateOptions o;
   o.max_new_tokens = a.max_new;
   o.n = a.n;
@@ -142,93 +132,61 @@ void run_generate(const GenerateArgs& a) {
   o.use_cache = !a.no_cache;
   o.slide = a.slide;
   o.stop = a.stop;
-  const bool stream = !a.json && prompts.size() == 1 && a.n == 1;
-  // Result row r is sample r % n of prompt r / n.
-  auto prompt_of = [&](size_t row) -> const std::string& {
-    return prompts[row / static_cast<size_t>(a.n)];
-  };
-  if (stream) {
-    o.on_text = [](int64_t, std::string_view piece) {
-      std::fwrite(piece.data(), 1, piece.size(), stdout);
-      std::fflush(stdout);
-    };
-  } else if (!a.json) {
-    o.on_finish = [&](int64_t row, std::string_view text, StopReason why) {
-      const std::string which =
-          a.n == 1 ? detail::cat("row ", row + 1)
-                   : detail::cat("row ", row + 1, ": prompt ", row / a.n + 1, ", sample ",
-                                 row % a.n + 1);
-      std::printf("--- %s (%s) ---\n%s", which.c_str(), stop_reason_name(why),
-                  prompt_of(static_cast<size_t>(row)).c_str());
-      std::fwrite(text.data(), 1, text.size(), stdout);
-      std::printf("\n");
-      std::fflush(stdout);
-    };
-  }
-  std::vector<std::vector<int32_t>> ids;  // encoded first: a bad prompt fails before output
-  for (size_t b = 0; b < prompts.size(); ++b)
-    ids.push_back(engine.encode(prompts[b], a.has_prompt_file && prompts.size() > 1
-                                                ? detail::cat("prompt line ", b + 1)
-                                                : std::string("prompt")));
-  engine.validate(ids, o);
-  if (stream) {
-    std::fwrite(prompts[0].data(), 1, prompts[0].size(), stdout);
-    std::fflush(stdout);
-  }
-  const GenerationResult res = engine.generate_ids(ids, o);
-  const GenerationStats& st = res.stats;
-  const int64_t block = model.config().block_size;
+  return o;
+}
 
-  if (a.json) {
-    using nlohmann::json;
-    json rows = json::array();
-    json texts = json::array();
-    for (size_t b = 0; b < res.rows.size(); ++b) {
-      const RowResult& r = res.rows[b];
-      texts.push_back(r.text);
-      rows.push_back(json{{"prompt", prompt_of(b)},
-                          {"sample", b % static_cast<size_t>(a.n)},
-                          {"text", r.text},
-                          {"prompt_tokens", r.prompt.size()},
-                          {"new_tokens", r.tokens.size()},
-                          {"stop_reason", stop_reason_name(r.stop_reason)},
-                          {"slides", r.slides},
-                          {"ttft_ms", r.ttft_s * 1e3}});
-    }
-    const json out{{"texts", texts},
-                   {"rows", rows},
-                   {"timings",
-                    {{"ttft_ms", st.ttft_s * 1e3},
-                     {"prefill_ms", st.prefill_s * 1e3},
-                     {"total_s", st.total_s},
-                     {"new_tokens", st.new_tokens},
-                     {"tokens_per_s", st.tokens_per_s()},
-                     {"decode_tokens_per_s", st.decode_tokens_per_s()},
-                     {"tpot_mean_ms", st.tpot_mean_s() * 1e3},
-                     {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
-                     {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
-                   {"cache", cache_json(a, st, device)},
-                   {"sampling",
-                    {{"temperature", a.temperature},
-                     {"top_k", a.top_k},
-                     {"top_p", a.top_p},
-                     {"seed", a.seed}}},
-                   {"model",
-                    {{"n_layer", model.config().n_layer},
-                     {"n_head", model.config().n_head},
-                     {"n_kv_head", model.config().n_kv_head},
-                     {"n_embd", model.config().n_embd},
-                     {"block_size", block},
-                     {"vocab_size", model.config().vocab_size},
-                     {"weight_dtype", a.weight_dtype}}}};
-    // A byte tokenizer can produce invalid UTF-8: replace it rather than fail.
-    std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
-    return;
+// --json's document: every row, the timings, the cache, the sampling and the model.
+nlohmann::json result_json(const GenerateArgs& a, const GenerationResult& res, const GPT& model,
+                           Device device, const std::vector<std::string>& prompts) {
+  using nlohmann::json;
+  const GenerationStats& st = res.stats;
+  json rows = json::array();
+  json texts = json::array();
+  for (size_t b = 0; b < res.rows.size(); ++b) {
+    const RowResult& r = res.rows[b];
+    texts.push_back(r.text);
+    rows.push_back(json{{"prompt", prompts[b / static_cast<size_t>(a.n)]},
+                        {"sample", b % static_cast<size_t>(a.n)},
+                        {"text", r.text},
+                        {"prompt_tokens", r.prompt.size()},
+                        {"new_tokens", r.tokens.size()},
+                        {"stop_reason", stop_reason_name(r.stop_reason)},
+                        {"slides", r.slides},
+                        {"ttft_ms", r.ttft_s * 1e3}});
   }
-  if (stream) {  // ended before the notes on stderr, which a pipe may merge with stdout
-    std::printf("\n");
-    std::fflush(stdout);
-  }
+  return json{{"texts", texts},
+              {"rows", rows},
+              {"timings",
+               {{"ttft_ms", st.ttft_s * 1e3},
+                {"prefill_ms", st.prefill_s * 1e3},
+                {"total_s", st.total_s},
+                {"new_tokens", st.new_tokens},
+                {"tokens_per_s", st.tokens_per_s()},
+                {"decode_tokens_per_s", st.decode_tokens_per_s()},
+                {"tpot_mean_ms", st.tpot_mean_s() * 1e3},
+                {"tpot_p50_ms", st.tpot_quantile_s(0.5) * 1e3},
+                {"tpot_p99_ms", st.tpot_quantile_s(0.99) * 1e3}}},
+              {"cache", cache_json(a, st, device)},
+              {"sampling",
+               {{"temperature", a.temperature},
+                {"top_k", a.top_k},
+                {"top_p", a.top_p},
+                {"seed", a.seed}}},
+              {"model",
+               {{"n_layer", model.config().n_layer},
+                {"n_head", model.config().n_head},
+                {"n_kv_head", model.config().n_kv_head},
+                {"n_embd", model.config().n_embd},
+                {"block_size", model.config().block_size},
+                {"vocab_size", model.config().vocab_size},
+                {"weight_dtype", a.weight_dtype}}}};
+}
+
+// The notes on stderr after a text generation: rows stopped at the context, then the timings
+// and the cache.
+void print_notes(const GenerateArgs& a, const GenerationResult& res, int64_t block,
+                 Device device) {
+  const GenerationStats& st = res.stats;
   for (size_t b = 0; b < res.rows.size(); ++b)
     if (res.rows[b].stop_reason == StopReason::ContextLimit)
       std::fprintf(stderr,
@@ -253,6 +211,65 @@ void run_generate(const GenerateArgs& a) {
                         "% utilised");
   std::fprintf(stderr, "kvlab: %lld tokens, TTFT %.2f ms, %s, cache %s\n",
                static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, decode, cache.c_str());
+}
+
+void run_generate(const GenerateArgs& a) {
+  check_args(a);
+  const Device device = parse_device(a.device);
+  const MatmulPrecisionGuard precision(parse_dtype(a.dtype, device));
+  const DType kv_dtype = parse_storage_dtype(a.kv_dtype);
+  const std::vector<std::string> prompts = prompts_of(a);
+  LoadedModel loaded = load_model(a.ckpt);
+  GPT& model = *loaded.model;
+  model.to(device);
+  model.round_matrices(parse_weight_dtype(a.weight_dtype));
+  Engine engine(model, loaded.tokenizer, kv_dtype,
+                parse_kv_cache(a.kv, model.config().block_size, device));
+
+  GenerateOptions o = options_of(a);
+  const bool stream = !a.json && prompts.size() == 1 && a.n == 1;
+  if (stream) {
+    o.on_text = [](int64_t, std::string_view piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    };
+  } else if (!a.json) {
+    // Result row r is sample r % n of prompt r / n.
+    o.on_finish = [&](int64_t row, std::string_view text, StopReason why) {
+      const std::string which =
+          a.n == 1 ? detail::cat("row ", row + 1)
+                   : detail::cat("row ", row + 1, ": prompt ", row / a.n + 1, ", sample ",
+                                 row % a.n + 1);
+      std::printf("--- %s (%s) ---\n%s", which.c_str(), stop_reason_name(why),
+                  prompts[static_cast<size_t>(row / a.n)].c_str());
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::printf("\n");
+      std::fflush(stdout);
+    };
+  }
+  std::vector<std::vector<int32_t>> ids;  // encoded first: a bad prompt fails before output
+  for (size_t b = 0; b < prompts.size(); ++b)
+    ids.push_back(engine.encode(prompts[b], a.has_prompt_file && prompts.size() > 1
+                                                ? detail::cat("prompt line ", b + 1)
+                                                : std::string("prompt")));
+  engine.validate(ids, o);
+  if (stream) {
+    std::fwrite(prompts[0].data(), 1, prompts[0].size(), stdout);
+    std::fflush(stdout);
+  }
+  const GenerationResult res = engine.generate_ids(ids, o);
+  if (a.json) {
+    // A byte tokenizer can produce invalid UTF-8: replace it rather than fail.
+    std::printf("%s\n", result_json(a, res, model, device, prompts)
+                            .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
+                            .c_str());
+    return;
+  }
+  if (stream) {  // ended before the notes on stderr, which a pipe may merge with stdout
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  print_notes(a, res, model.config().block_size, device);
 }
 
 }  // namespace

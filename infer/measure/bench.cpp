@@ -436,6 +436,43 @@ json kv_memory_for(const GPTConfig& c, int64_t nkv, const BenchKVMemoryOptions& 
   return out;
 }
 
+// Decode speed, paged against contiguous, at each of o.decode_batches: in alternating rounds
+// after a warm-up of each (bench_kv_memory's "decode").
+template <class Say>
+json paged_decode_speed(Engine& on_pages, Engine& contiguous, const GenerateOptions& greedy,
+                        int64_t vocab, const BenchKVMemoryOptions& o, const Say& say) {
+  json out = json::array();
+  for (const int64_t batch : o.decode_batches) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int64_t b = 0; b < batch; ++b)
+      prompts.push_back(random_prompt(o.decode_prompt, vocab, o.seed + 100 + b));
+    on_pages.generate_ids(prompts, greedy);
+    contiguous.generate_ids(prompts, greedy);
+    // Each round runs both, the one going first alternating: neither side always follows
+    // the other.
+    std::vector<double> p, q, ratio;
+    auto rate = [&](Engine& e) {
+      return e.generate_ids(prompts, greedy).stats.decode_tokens_per_s();
+    };
+    for (int r = 0; r < o.rounds; ++r) {
+      if (r % 2 == 0) {
+        p.push_back(rate(on_pages));
+        q.push_back(rate(contiguous));
+      } else {
+        q.push_back(rate(contiguous));
+        p.push_back(rate(on_pages));
+      }
+      ratio.push_back(p.back() / q.back());
+    }
+    out.push_back(json{{"batch", batch},
+                       {"paged_tokens_per_s", spread(p)},
+                       {"contiguous_tokens_per_s", spread(q)},
+                       {"ratio", spread(ratio)}});
+    say(detail::cat("decode at batch ", batch, ": paged / contiguous ", median(ratio)));
+  }
+  return out;
+}
+
 }  // namespace
 
 json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemoryOptions& o) {
@@ -488,35 +525,7 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
   GenerateOptions greedy;
   greedy.sampling.temperature = 0;
   greedy.max_new_tokens = o.decode_new_tokens;
-  out["decode"] = json::array();
-  for (const int64_t batch : o.decode_batches) {
-    std::vector<std::vector<int32_t>> prompts;
-    for (int64_t b = 0; b < batch; ++b)
-      prompts.push_back(random_prompt(o.decode_prompt, c.vocab_size, o.seed + 100 + b));
-    on_pages.generate_ids(prompts, greedy);
-    contiguous.generate_ids(prompts, greedy);
-    // Each round runs both, the one going first alternating: neither side always follows
-    // the other.
-    std::vector<double> p, q, ratio;
-    auto rate = [&](Engine& e) {
-      return e.generate_ids(prompts, greedy).stats.decode_tokens_per_s();
-    };
-    for (int r = 0; r < o.rounds; ++r) {
-      if (r % 2 == 0) {
-        p.push_back(rate(on_pages));
-        q.push_back(rate(contiguous));
-      } else {
-        q.push_back(rate(contiguous));
-        p.push_back(rate(on_pages));
-      }
-      ratio.push_back(p.back() / q.back());
-    }
-    out["decode"].push_back(json{{"batch", batch},
-                                 {"paged_tokens_per_s", spread(p)},
-                                 {"contiguous_tokens_per_s", spread(q)},
-                                 {"ratio", spread(ratio)}});
-    say(detail::cat("decode at batch ", batch, ": paged / contiguous ", median(ratio)));
-  }
+  out["decode"] = paged_decode_speed(on_pages, contiguous, greedy, c.vocab_size, o, say);
 
   // Time to first token of a request whose system prompt an earlier one left in the prefix
   // cache, against the same request without prefix caching. Each request has its own user
