@@ -39,6 +39,19 @@ void pack_weight(PackedForm form, void* packed, const float* w, int64_t N, int64
 void gemm_packed(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
                  const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
 
+// llama.cpp's trade (packed_int8.cpp): gemm_packed's y for a q8_0 or q4_0 form with each row of
+// a first rounded to q8_0 blocks (quantise_q8_activations), each block's product then an exact
+// integer dot product of codes, scaled by the two blocks' scales and summed in f32 (per vector
+// lane, then across lanes). Faster, and not exact: a row's results still depend on that row
+// alone, so every batch gives it the same bits.
+void gemm_packed_int8(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+                      const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                      float beta);
+// x (K, whole blocks of 32) as llama.cpp's x86 path rounds a product's input to q8_0: per block
+// d = max|x| / 127, codes round(x * 127 / max|x|) (ties to even; 0 for a block of zeros) and
+// the scale d rounded to f16, given as f32.
+void quantise_q8_activations(const float* x, int64_t K, int8_t* codes, float* scales);
+
 // ---- decode attention (attention.cpp, attend_row.cpp) ----
 // The rows of one KV head of one batch row of a paged cache (KVBlocks): row j lies at
 // base + table[j / block_len] * block_stride + (j % block_len) * pos_stride, base being the

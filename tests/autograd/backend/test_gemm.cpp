@@ -1,8 +1,9 @@
 // backend/cpu/gemm.cpp: products against a packed weight, which must equal gemm's one-row
 // path bit for bit, row by row, whatever the number of rows (the fused decode step relies on
 // it to match the op path at batch 1, and on a row's result not depending on the others);
-// from the bf16, q8_0 and q4_0 forms, on the weight rounded to the form's values. gemm at a few rows of A, and the decode
-// attention of one query, against the same in double.
+// from the bf16, q8_0 and q4_0 forms, on the weight rounded to the form's values. The integer
+// products of the q8_0 and q4_0 forms (gemm_packed_int8) against integer sums. gemm at a few
+// rows of A, and the decode attention of one query, against the same in double.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -129,6 +130,201 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(1, 2, 3, 5, 7)),
     [](const auto& info) {
       std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
+      name += std::to_string(std::get<0>(info.param).first);
+      name += "_k";
+      name += std::to_string(std::get<0>(info.param).second);
+      name += "_m";
+      name += std::to_string(std::get<1>(info.param));
+      return name;
+    });
+
+// ---- integer products (gemm_packed_int8) ----
+
+// Activations round as llama.cpp's x86 path rounds them: d = max|x| / 127 to f16, codes
+// x * 127 / max|x| to the nearest integer, ties to even; a block of zeros gives zeros.
+TEST(GemmPackedInt8, ActivationsRoundToQ8BlocksAsLlamaCppDoes) {
+  std::vector<float> x(96, 0.0f);
+  // Block 0: max|x| = 127, so the codes are x rounded (2.5 -> 2, 3.5 -> 4, -0.5 -> 0).
+  const float b0[6] = {127, 2.5f, 3.5f, -0.5f, -126.4f, 1.5f};
+  std::copy(b0, b0 + 6, x.begin());
+  // Block 1: max|x| = 16: x * 7.9375 (1 -> 8, 2 -> 16, -16 -> -127, 3 -> 23.8 -> 24).
+  const float b1[4] = {1, 2, -16, 3};
+  std::copy(b1, b1 + 4, x.begin() + 32);
+  // Block 2: zeros.
+  std::vector<int8_t> codes(96, 99);
+  std::vector<float> scales(3, -1);
+  if (cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, 8, 32) == 0)
+    GTEST_SKIP() << "no packed kernel in this build";
+  cpu::quantise_q8_activations(x.data(), 96, codes.data(), scales.data());
+  const int8_t c0[6] = {127, 2, 4, 0, -126, 2};
+  for (int j = 0; j < 6; ++j) EXPECT_EQ(codes[j], c0[j]) << "block 0, column " << j;
+  const int8_t c1[4] = {8, 16, -127, 24};
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(codes[32 + j], c1[j]) << "block 1, column " << j;
+  for (int j = 6; j < 32; ++j) EXPECT_EQ(codes[j], 0);
+  for (int j = 64; j < 96; ++j) EXPECT_EQ(codes[j], 0);
+  EXPECT_EQ(scales[0], 1.0f);
+  EXPECT_EQ(scales[1], f16_to_f32(f32_to_f16(16.0f / 127.0f)));
+  EXPECT_NE(scales[1], 16.0f / 127.0f);  // rounded to f16
+  EXPECT_EQ(scales[2], 0.0f);
+}
+
+// gemm_packed_int8 against the integer products in double: a's rows rounded by
+// quantise_q8_activations, w's blocks by ggml's quantiser, each block's dot of codes exact.
+class GemmPackedInt8
+    : public ::testing::TestWithParam<std::tuple<std::pair<int64_t, int64_t>, int64_t>> {
+ protected:
+  struct Reference {
+    std::vector<double> y;     // the products
+    std::vector<double> size;  // each product's sum of |code products| times their scales
+  };
+  // Row m of a against row n of w, block by block (w_codes as -8..7 or -127..127).
+  static Reference reference(const std::vector<float>& a, const std::vector<float>& w, int64_t M,
+                             int64_t N, int64_t K, bool nibbles) {
+    const int64_t blocks = K / kGgmlBlock;
+    std::vector<int8_t> ac(static_cast<size_t>(M * K)), wc(static_cast<size_t>(N * K));
+    std::vector<float> as(static_cast<size_t>(M * blocks)), ws(static_cast<size_t>(N * blocks));
+    for (int64_t m = 0; m < M; ++m)
+      cpu::quantise_q8_activations(a.data() + m * K, K, ac.data() + m * K, as.data() + m * blocks);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t p = 0; p < blocks; ++p) {
+        const float* x = w.data() + n * K + p * kGgmlBlock;
+        int8_t* c = wc.data() + n * K + p * kGgmlBlock;
+        uint16_t d;
+        if (nibbles) {
+          uint8_t qs[16];
+          d = quantise_q4_0(x, qs);
+          for (int j = 0; j < 16; ++j) {
+            c[j] = static_cast<int8_t>((qs[j] & 15) - 8);
+            c[j + 16] = static_cast<int8_t>((qs[j] >> 4) - 8);
+          }
+        } else {
+          d = quantise_q8_0(x, c);
+        }
+        ws[static_cast<size_t>(n * blocks + p)] = f16_to_f32(d);
+      }
+    Reference r{std::vector<double>(static_cast<size_t>(M * N)),
+                std::vector<double>(static_cast<size_t>(M * N))};
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t p = 0; p < blocks; ++p) {
+          int64_t dot = 0, size = 0;
+          for (int64_t j = p * kGgmlBlock; j < (p + 1) * kGgmlBlock; ++j) {
+            const int64_t t = int64_t{ac[static_cast<size_t>(m * K + j)]} *
+                              wc[static_cast<size_t>(n * K + j)];
+            dot += t;
+            size += t < 0 ? -t : t;
+          }
+          const double scale = static_cast<double>(as[static_cast<size_t>(m * blocks + p)]) *
+                               ws[static_cast<size_t>(n * blocks + p)];
+          r.y[static_cast<size_t>(m * N + n)] += scale * static_cast<double>(dot);
+          r.size[static_cast<size_t>(m * N + n)] += std::fabs(scale) * static_cast<double>(size);
+        }
+    return r;
+  }
+  // gemm_packed_int8 (into y0 at stride N + 5, on every range of rows, beta 0 and 1) within
+  // `rel` of each product's sum of |terms| (0: exactly the reference rounded once to f32), and
+  // each row of a alone giving the same bits as among the others.
+  void check(cpu::PackedForm form, const std::vector<float>& w, const std::vector<float>& a,
+             double rel) {
+    const auto [NK, M] = GetParam();
+    const auto [N, K] = NK;
+    const bool nibbles = form == cpu::PackedForm::Q4_0;
+    const Reference ref = reference(a, w, M, N, K, nibbles);
+    std::vector<char> packed(static_cast<size_t>(cpu::packed_weight_bytes(form, N, K)), '\xff');
+    cpu::pack_weight(form, packed.data(), w.data(), N, K);
+    Generator gen(static_cast<uint64_t>(N + K + M));
+    const int64_t ldy = N + 5;
+    const std::vector<float> y0 = random_floats(M * ldy, gen);
+    const std::vector<std::pair<int64_t, int64_t>> ranges = {
+        {0, N}, {0, N / 2}, {N / 2, N}, {N / 3, N - N / 3}, {N - 1, N}};
+    for (const auto& [n0, n1] : ranges)
+      for (const float beta : {0.0f, 1.0f}) {
+        std::vector<float> got = y0;
+        cpu::gemm_packed_int8(form, got.data(), ldy, a.data(), K, packed.data(), M, K, n0, n1, beta);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < ldy; ++n) {
+            const size_t at = static_cast<size_t>(m * ldy + n);
+            if (n < n0 || n >= n1) {
+              ASSERT_EQ(bits({got[at]}), bits({y0[at]})) << "wrote outside its rows at " << n;
+              continue;
+            }
+            const size_t r = static_cast<size_t>(m * N + n);
+            const double expect = ref.y[r] + (beta != 0.0f ? static_cast<double>(y0[at]) : 0.0);
+            if (rel == 0) {
+              ASSERT_EQ(got[at], static_cast<float>(expect)) << "row " << m << ", column " << n;
+            } else {
+              ASSERT_NEAR(got[at], expect, rel * ref.size[r] + 0x1p-23 * std::fabs(expect))
+                  << "row " << m << ", column " << n << ", beta " << beta;
+            }
+          }
+        for (int64_t m = 0; m < M; ++m) {  // alone
+          std::vector<float> one(y0.begin() + m * ldy, y0.begin() + (m + 1) * ldy);
+          cpu::gemm_packed_int8(form, one.data(), ldy, a.data() + m * K, K, packed.data(), 1, K,
+                                n0, n1, beta);
+          ASSERT_EQ(bits(one), bits(std::vector<float>(got.begin() + m * ldy,
+                                                       got.begin() + (m + 1) * ldy)))
+              << "row " << m << " alone";
+        }
+      }
+  }
+  // Whether this build has the packed kernels (else the test skips).
+  bool applies() const {
+    const auto [N, K] = std::get<0>(GetParam());
+    return cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, N, K) > 0;
+  }
+  // Values code * 2^-e, each block's first of the largest magnitude (-8 for q4_0, +-127
+  // else), so that the scale is 2^-e exactly; e by row.
+  static std::vector<float> power_of_two_blocks(int64_t rows, int64_t K, bool nibbles,
+                                                Generator& gen) {
+    std::vector<float> v(static_cast<size_t>(rows * K));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < K; ++j) {
+        const double unit = std::ldexp(1.0, -static_cast<int>(r % 3));
+        int code = nibbles ? static_cast<int>(gen.below(16)) - 8 : static_cast<int>(gen.below(255)) - 127;
+        if (j % kGgmlBlock == 0) code = nibbles ? -8 : (r % 2 == 0 ? 127 : -127);
+        v[static_cast<size_t>(r * K + j)] = static_cast<float>(code * unit);
+      }
+    return v;
+  }
+};
+
+// Scales that are powers of two make every term and every partial sum exact in f32 (the
+// integer dots are at most 32 * 127 * 128 a block): the kernel must give the reference's
+// bits, so an integer product off by one fails.
+TEST_P(GemmPackedInt8, IntegerProductsAreExactOnPowerOfTwoScales) {
+  if (!applies()) GTEST_SKIP() << "no packed kernel in this build";
+  const auto [N, K] = std::get<0>(GetParam());
+  const int64_t M = std::get<1>(GetParam());
+  for (const cpu::PackedForm form : {cpu::PackedForm::Q8_0, cpu::PackedForm::Q4_0}) {
+    Generator gen(static_cast<uint64_t>(N * 7 + K + M));
+    const bool nibbles = form == cpu::PackedForm::Q4_0;
+    check(form, power_of_two_blocks(N, K, nibbles, gen), power_of_two_blocks(M, K, false, gen), 0);
+  }
+}
+
+// Random weights and activations: each product within (blocks + 16) f32 roundings of the sum
+// of its code products' magnitudes, scaled (any split of a block's dot into lanes stays within
+// it): a term's scale product, its fused add, the lanes' final sums.
+TEST_P(GemmPackedInt8, ScaledSumsAreWithinTheirBoundOnRandomBlocks) {
+  if (!applies()) GTEST_SKIP() << "no packed kernel in this build";
+  const auto [N, K] = std::get<0>(GetParam());
+  const int64_t M = std::get<1>(GetParam());
+  Generator gen(static_cast<uint64_t>(N * 5 + K + M));
+  const std::vector<float> w = random_floats(N * K, gen), a = random_floats(M * K, gen);
+  const double rel = static_cast<double>(K / kGgmlBlock + 16) * 0x1p-24;
+  check(cpu::PackedForm::Q8_0, w, a, rel);
+  check(cpu::PackedForm::Q4_0, w, a, rel);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmPackedInt8,
+    ::testing::Combine(
+        ::testing::Values(std::pair<int64_t, int64_t>{64, 256}, std::pair<int64_t, int64_t>{67, 64},
+                          std::pair<int64_t, int64_t>{13, 96}, std::pair<int64_t, int64_t>{100, 1024},
+                          std::pair<int64_t, int64_t>{5, 32}),
+        ::testing::Values(1, 2, 5)),
+    [](const auto& info) {
+      std::string name = "n";
       name += std::to_string(std::get<0>(info.param).first);
       name += "_k";
       name += std::to_string(std::get<0>(info.param).second);

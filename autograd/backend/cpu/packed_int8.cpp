@@ -1,0 +1,214 @@
+// The integer products of packed q8_0 and q4_0 weights (cpu/decode_kernels.h's
+// gemm_packed_int8): each row of a rounded to q8_0 blocks as llama.cpp's x86 path rounds it,
+// then per block of 32 columns an exact integer dot product of the two blocks' codes, scaled
+// by the product of their scales and summed in f32, lane by lane. AVX-512 with VNNI multiplies
+// 64 byte pairs an instruction; AVX2 (and AVX-512 without VNNI) pairs bytes into 16-bit sums.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "autograd/backend/cpu/decode_kernels.h"
+#include "autograd/backend/cpu/dot_simd.h"
+#include "platform/error.h"
+#include "platform/ggml_blocks.h"
+
+namespace kvlab::cpu {
+
+#if defined(KVLAB_ROW_KERNELS)
+namespace {
+
+// Bytes of a unit of 8 rows x 32 columns of the packed q8_0 (false) or q4_0 form: the 8 rows'
+// scales as f32, then each row's codes (packed.cpp's QuantPairs).
+template <bool kNibbles>
+constexpr int64_t kUnit = kRows * 4 + kRows * (kNibbles ? 16 : 32);
+
+// A q8_0 row of activations: codes (K) and each block's scale as f32.
+struct Q8Row {
+  const int8_t* codes;
+  const float* scales;
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Row i of an 8-row block in lane i: each accumulator holds `per` rows, 16 / per lanes each.
+inline Vec rows_of(const __m512* acc, int per) {
+  Vec v[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    const int lanes = 16 / per, first = (i % per) * lanes;
+    v[i] = _mm512_maskz_mov_ps(lane_mask(first, first + lanes), acc[i / per]);
+  }
+  return sum_lanes8(v);
+}
+
+// The 8 dot products of one 8-row block (`blocks` units at w) with one row of activations.
+template <bool kNibbles>
+Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
+  constexpr int per = kNibbles ? 4 : 2;  // rows a 64-byte load holds
+  constexpr int kVecs = kRows / per;
+  // Which of the block's 8 scales each lane of each accumulator takes: its row's.
+  __m512i idx[kVecs];
+  for (int j = 0; j < kVecs; ++j) {
+    alignas(64) int32_t lanes[16];
+    for (int l = 0; l < 16; ++l) lanes[l] = j * per + l / (16 / per);
+    idx[j] = _mm512_load_si512(lanes);
+  }
+  __m512 acc[kVecs];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t p = 0; p < blocks; ++p) {
+    const char* u = w + p * kUnit<kNibbles>;
+    const __m512 scales = _mm512_mul_ps(
+        _mm512_maskz_loadu_ps(0x00ff, reinterpret_cast<const float*>(u)), _mm512_set1_ps(x.scales[p]));
+    const int8_t* xc = x.codes + p * kGgmlBlock;
+    if constexpr (kNibbles) {
+      // Codes 0..15 stand for -8..7: dot(code, x) - 8 * sum(x), the correction starting
+      // each lane's sum. A 128-bit lane is a row: its low nibbles meet columns 0-15, the high
+      // ones 16-31.
+      const __m512i lo_x = _mm512_maskz_broadcast_i32x4(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xc)));
+      const __m512i hi_x =
+          _mm512_maskz_broadcast_i32x4(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xc + 16)));
+      const __m512i eights = _mm512_set1_epi8(8), low = _mm512_set1_epi8(0x0f);
+      const __m512i start = _mm512_sub_epi32(
+          zero, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, eights, lo_x), eights, hi_x));
+      for (int j = 0; j < kVecs; ++j) {
+        const __m512i b = _mm512_loadu_si512(u + kRows * 4 + j * 64);
+        const __m512i lo = _mm512_and_si512(b, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, lo_x), hi, hi_x);
+        acc[j] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, sum), _mm512_maskz_permutexvar_ps(0xffff, idx[j], scales),
+                                 acc[j]);
+      }
+    } else {
+      // Signed by signed as unsigned by signed: |w| times x with w's sign (|-128| reads as 128).
+      // A 256-bit half is a row.
+      const __m512i xv =
+          _mm512_maskz_broadcast_i64x4(0xff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+      for (int j = 0; j < kVecs; ++j) {
+        const __m512i wv = _mm512_loadu_si512(u + kRows * 4 + j * 64);
+        const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);
+        const __m512i sum = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx);
+        acc[j] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, sum), _mm512_maskz_permutexvar_ps(0xffff, idx[j], scales),
+                                 acc[j]);
+      }
+    }
+  }
+  return rows_of(acc, per);
+}
+#else
+// Row i's 8 lanes (acc[i]) summed into lane i.
+inline Vec rows_of(const __m256* acc) {
+#if defined(__AVX512F__)  // without VNNI: the 256-bit sums, widened for AVX-512's lane tree
+  Vec v[kRows];
+  for (int i = 0; i < kRows; ++i) v[i] = _mm512_maskz_mov_ps(0x00ff, _mm512_castps256_ps512(acc[i]));
+  return sum_lanes8(v);
+#else
+  return sum_lanes8(acc);
+#endif
+}
+
+template <bool kNibbles>
+Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
+  __m256 acc[kRows];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t p = 0; p < blocks; ++p) {
+    const char* u = w + p * kUnit<kNibbles>;
+    const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(u)),
+                                        _mm256_set1_ps(x.scales[p]));
+    const __m256i xv =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + p * kGgmlBlock));
+    // Codes 0..15 stand for -8..7: dot(code, x) - 8 * sum(x), in the same 4-column lanes.
+    const __m256i correction =
+        kNibbles ? _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), xv), ones)
+                 : _mm256_setzero_si256();
+    for (int i = 0; i < kRows; ++i) {
+      __m256i sum;
+      if constexpr (kNibbles) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + kRows * 4 + i * 16));
+        const __m128i low = _mm_set1_epi8(0x0f);
+        const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
+                                               _mm_and_si128(b, low));
+        sum = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones),
+                               correction);
+      } else {
+        // |w| times x with w's sign: a pair's sum is at most 2 * 128 * 127, within int16.
+        const __m256i wv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + kRows * 4 + i * 32));
+        sum = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), ones);
+      }
+      const __m256 s = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(i));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc[i]);
+    }
+  }
+  return rows_of(acc);
+}
+#endif
+
+// y[m, n] for one form over its 8-row blocks, every row of a against a block while it is in
+// L1.
+template <bool kNibbles>
+void products(float* y, int64_t ldy, const std::vector<Q8Row>& rows, const char* packed,
+              int64_t K, int64_t n0, int64_t n1, float beta) {
+  const int64_t blocks = K / kGgmlBlock, block_bytes = blocks * kUnit<kNibbles>;
+  for (int64_t nb = n0 / kRows; nb * kRows < n1; ++nb) {
+    const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
+    const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
+    for (size_t m = 0; m < rows.size(); ++m) {
+      alignas(64) float dots[16];  // lane i: row i of the block
+      vstore(dots, block_dots<kNibbles>(packed + nb * block_bytes, rows[m], blocks));
+      float* ym = y + static_cast<int64_t>(m) * ldy + nb * kRows;
+      for (int64_t i = i0; i < i1; ++i) ym[i] = beta == 0.0f ? dots[i] : beta * ym[i] + dots[i];
+    }
+  }
+}
+
+}  // namespace
+
+void quantise_q8_activations(const float* x, int64_t K, int8_t* codes, float* scales) {
+  for (int64_t p = 0; p < K / kGgmlBlock; ++p) {
+    const float* xb = x + p * kGgmlBlock;
+    float amax = 0;
+    for (int64_t j = 0; j < kGgmlBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    // The current rounding mode (nearest, ties to even), as cvtps2dq rounds.
+    for (int64_t j = 0; j < kGgmlBlock; ++j)
+      codes[p * kGgmlBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+    scales[p] = f16_to_f32(f32_to_f16(amax / 127.0f));
+  }
+}
+
+void gemm_packed_int8(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+                      const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                      float beta) {
+  KVLAB_ASSERT((form == PackedForm::Q8_0 || form == PackedForm::Q4_0) && K % kGgmlBlock == 0,
+               "gemm_packed_int8: a ", packed_form_name(form), " weight of K ", K);
+  // Each thread's rounded rows, kept for its next call.
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> scales;
+  codes.resize(static_cast<size_t>(M * K));
+  scales.resize(static_cast<size_t>(M * K / kGgmlBlock));
+  std::vector<Q8Row> rows(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* c = codes.data() + m * K;
+    float* s = scales.data() + m * K / kGgmlBlock;
+    quantise_q8_activations(a + m * lda, K, c, s);
+    rows[static_cast<size_t>(m)] = {c, s};
+  }
+  const auto* w = static_cast<const char*>(packed);
+  if (form == PackedForm::Q8_0)
+    products<false>(y, ldy, rows, w, K, n0, n1, beta);
+  else
+    products<true>(y, ldy, rows, w, K, n0, n1, beta);
+}
+#else
+void quantise_q8_activations(const float*, int64_t, int8_t*, float*) {
+  KVLAB_ASSERT(false, "quantise_q8_activations: this build has no packed kernel");
+}
+void gemm_packed_int8(PackedForm, float*, int64_t, const float*, int64_t, const void*, int64_t,
+                      int64_t, int64_t, int64_t, float) {
+  KVLAB_ASSERT(false, "gemm_packed_int8: this build has no packed kernel");
+}
+#endif
+
+}  // namespace kvlab::cpu
