@@ -54,6 +54,7 @@ struct BenchArgs {
   int runs = 3;
   bool skip_no_cache = false;
   bool op_by_op = false;
+  bool int8_products = false;
   std::string device = "cpu", dtype = "f32", kv_dtype = "f32", weight_dtype = "f32";
   KVCacheFlags kv;
   uint64_t seed = 0;
@@ -81,13 +82,14 @@ void print_generate_table(const json& g) {
   const json& m = g["model"];
   std::printf(
       "\nkvlab bench generate: %lld layers, %lld heads, %lld kv heads, n_embd %lld, block %lld, "
-      "vocab %lld (%.2fM parameters, %s f32; %s matrices, a decode step reads %s of "
+      "vocab %lld (%.2fM parameters, %s f32; %s matrices%s, a decode step reads %s of "
       "weights)\n%d threads, prompt %lld tokens, greedy, batch %lld, median of %d runs after one "
       "warm-up\n\n",
       m["n_layer"].get<long long>(), m["n_head"].get<long long>(), m["n_kv_head"].get<long long>(),
       m["n_embd"].get<long long>(), m["block_size"].get<long long>(),
       m["vocab_size"].get<long long>(), m["parameters"].get<double>() / 1e6,
       mib(m["weight_bytes"].get<double>()).c_str(), g["weight_dtype"].get<std::string>().c_str(),
+      g.value("int8_products", false) ? " in integer products" : "",
       mib(m["decode_weight_bytes"].get<double>()).c_str(), g["threads"].get<int>(),
       g["prompt_tokens"].get<long long>(), g["batch"].get<long long>(), g["runs"].get<int>());
   const json& rs = g["results"];
@@ -269,6 +271,7 @@ void run_bench_generate(BenchArgs& a) {
   if (o.paged) o.paged->prefix_caching = false;
   o.weight_dtype = parse_weight_dtype(a.weight_dtype);
   o.fused_decode = !a.op_by_op;
+  o.int8_products = a.int8_products;
   // A bar for the setting being measured (a cache-off setting of a large model takes minutes),
   // replaced by its result line.
   TaskBars bars("kvlab bench: ", "tok");
@@ -755,24 +758,27 @@ void run_bench_weight_quality(BenchArgs& a) {
   const std::vector<int32_t> val = checkpoint_validation_ids(loaded, a.data, &data);
   std::fprintf(stderr, "kvlab bench weight-quality: %d windows of %lld tokens, %zu weight dtypes\n",
                a.windows, static_cast<long long>(model.config().block_size), dtypes.size());
-  const std::vector<WeightQuality> q = weight_quality_on(model, val, dtypes, a.windows);
+  const std::vector<WeightQuality> q =
+      weight_quality_on(model, val, dtypes, a.windows, a.int8_products);
   const GPTConfig& c = model.config();
   const int64_t f32_bytes = DecodeStep(*loaded.model).weight_bytes();
   std::printf(
       "\nWeight dtype quality of %s (%lld layers, n_embd %lld, n_kv_head %lld) on %lld "
       "validation positions of %s, each against the f32 model (f32 cache); decode reads %s of "
-      "weights at f32:\n%-6s%14s%10s%10s%12s%12s%10s\n",
+      "weights at f32:\n%-10s%14s%10s%10s%12s%12s%10s\n",
       a.ckpt.c_str(), static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd),
       static_cast<long long>(c.n_kv_head), static_cast<long long>(q.front().positions),
       data.c_str(), mib(static_cast<double>(f32_bytes)).c_str(), "dtype", "decode bytes", "vs f32",
       "loss", "delta", "mean KL", "top-1");
   json rows = json::array();
   for (const WeightQuality& r : q) {
-    std::printf("%-6s%14s%10.3f%10.4f%+12.5f%12.2e%10.4f\n", weight_dtype_name(r.dtype),
+    const std::string name = std::string(weight_dtype_name(r.dtype)) + (r.int8_products ? "+int8" : "");
+    std::printf("%-10s%14s%10.3f%10.4f%+12.5f%12.2e%10.4f\n", name.c_str(),
                 mib(static_cast<double>(r.decode_weight_bytes)).c_str(),
                 static_cast<double>(r.decode_weight_bytes) / static_cast<double>(f32_bytes), r.loss,
                 r.delta_loss, r.kl, r.top1);
     rows.push_back({{"dtype", weight_dtype_name(r.dtype)},
+                    {"int8_products", r.int8_products},
                     {"decode_weight_bytes", r.decode_weight_bytes},
                     {"loss", r.loss},
                     {"delta_loss", r.delta_loss},
@@ -811,6 +817,9 @@ void add_weight_quality_command(CLI::App* bench, const std::shared_ptr<BenchArgs
                   "Matrix dtypes to evaluate, comma-separated (bf16, q8_0, q4_0; f32 is the "
                   "reference)")
       ->capture_default_str();
+  cmd->add_flag("--int8-products", args->int8_products,
+                "Score q8_0 and q4_0 with integer products, as generate and serve decode with "
+                "--int8-products: each window position by position through the fused decode step");
   cmd->callback([args] { run_bench_weight_quality(*args); });
 }
 
@@ -860,7 +869,7 @@ void add_bench_command(CLI::App& root) {
   add_device_flags(gen, args->device, args->dtype);
   add_kv_dtype_flag(gen, args->kv_dtype);
   add_kv_cache_flags(gen, args->kv);
-  add_weight_dtype_flag(gen, args->weight_dtype);
+  add_weight_dtype_flag(gen, args->weight_dtype, args->int8_products);
   add_number(gen, "--seed", args->seed, "Seed of the random weights and prompt");
   add_json_flag(gen, args->json_path);
   gen->callback([args, n_kv_head] {

@@ -27,6 +27,7 @@ struct GenerateArgs {
   std::string kv_dtype = "f32";
   KVCacheFlags kv;
   std::string weight_dtype = "f32";
+  bool int8_products = false;
   std::string prompt;
   std::string prompt_file;
   bool has_prompt = false, has_prompt_file = false;
@@ -179,7 +180,8 @@ nlohmann::json result_json(const GenerateArgs& a, const GenerationResult& res, c
                 {"n_embd", model.config().n_embd},
                 {"block_size", model.config().block_size},
                 {"vocab_size", model.config().vocab_size},
-                {"weight_dtype", a.weight_dtype}}}};
+                {"weight_dtype", a.weight_dtype},
+                {"int8_products", a.int8_products}}}};
 }
 
 // The notes on stderr after a text generation: rows stopped at the context, then the timings
@@ -225,6 +227,7 @@ void run_generate(const GenerateArgs& a) {
   model.round_matrices(parse_weight_dtype(a.weight_dtype));
   Engine engine(model, loaded.tokenizer, kv_dtype,
                 parse_kv_cache(a.kv, model.config().block_size, device));
+  engine.decode_step().int8_products = a.int8_products;
 
   GenerateOptions o = options_of(a);
   const bool stream = !a.json && prompts.size() == 1 && a.n == 1;
@@ -283,7 +286,7 @@ void add_generate_command(CLI::App& root) {
   add_device_flags(cmd, args->device, args->dtype);
   add_kv_dtype_flag(cmd, args->kv_dtype);
   add_kv_cache_flags(cmd, args->kv);
-  add_weight_dtype_flag(cmd, args->weight_dtype);
+  add_weight_dtype_flag(cmd, args->weight_dtype, args->int8_products);
   CLI::Option* prompt = cmd->add_option("--prompt", args->prompt, "Prompt text");
   CLI::Option* prompt_file =
       cmd->add_option("--prompt-file", args->prompt_file,

@@ -23,6 +23,7 @@ struct ServeArgs {
   int port = 8000;
   std::string kv_dtype = "f32";
   std::string weight_dtype = "f32";
+  bool int8_products = false;
   int64_t kv_block_size = 16;
   std::string kv_memory;
   int64_t max_seqs = 64;
@@ -92,6 +93,7 @@ void run_serve(const ServeArgs& a) {
   const int64_t context = model.config().block_size;
   KVCacheFlags kv{.layout = "paged", .block_size = a.kv_block_size, .memory = a.kv_memory};
   Engine engine(model, loaded.tokenizer, parse_storage_dtype(a.kv_dtype), std::nullopt);
+  engine.decode_step().int8_products = a.int8_products;
 
   ServeOptions o;
   o.host = a.host;
@@ -126,10 +128,11 @@ void run_serve(const ServeArgs& a) {
       mc.mla() ? detail::cat("MLA rank ", mc.kv_lora_rank, " + ", mc.rope_head_dim)
                : detail::cat("n_kv_head ", mc.n_kv_head);
   std::fprintf(stderr,
-               "kvlab: serving %s on http://%s:%d (%s, %s matrices, context %lld, up to %lld "
+               "kvlab: serving %s on http://%s:%d (%s, %s matrices%s, context %lld, up to %lld "
                "sequences; POST /v1/completions, GET /v1/models /health /metrics)\n",
                o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
-               a.weight_dtype.c_str(), static_cast<long long>(context),
+               a.weight_dtype.c_str(), a.int8_products ? " in integer products" : "",
+               static_cast<long long>(context),
                static_cast<long long>(a.max_seqs));
   if (api_key.empty() && !is_loopback(a.host))
     std::fprintf(stderr,
@@ -159,7 +162,7 @@ void add_serve_command(CLI::App& root) {
       ->capture_default_str();
   add_number(cmd, "--port", args->port, "Port to listen on; 0 picks a free one (printed)");
   add_kv_dtype_flag(cmd, args->kv_dtype);
-  add_weight_dtype_flag(cmd, args->weight_dtype);
+  add_weight_dtype_flag(cmd, args->weight_dtype, args->int8_products);
   add_number(cmd, "--kv-block-size", args->kv_block_size,
              "Positions per KV cache block (a power of two, at most the context)");
   cmd->add_option("--kv-memory", args->kv_memory,

@@ -219,6 +219,16 @@ void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
       ->capture_default_str();
 }
 
+void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype, bool& int8_products) {
+  add_weight_dtype_flag(cmd, weight_dtype);
+  cmd->add_flag("--int8-products", int8_products,
+                "Multiply q8_0 and q4_0 matrices (--weight-dtype, or a model imported from such "
+                "a GGUF file) in integers in the fused CPU decode, as llama.cpp does: each "
+                "product's input rounded to q8_0 blocks of 32. Faster, at a small cost in "
+                "quality (kvlab bench weight-quality --int8-products); without it the products "
+                "are exact over the rounded matrices");
+}
+
 WeightDtype parse_weight_dtype(const std::string& dtype) {
   for (const WeightDtype d : {WeightDtype::BF16, WeightDtype::Q8_0, WeightDtype::Q4_0})
     if (dtype == weight_dtype_name(d)) return d;

@@ -37,6 +37,8 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
 // --weight-dtype f32|bf16|q8_0|q4_0 (generate, bench generate, serve, ablate): the products'
 // matrices, rounded at load (GPT::round_matrices); parse_weight_dtype reads its value.
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);
+// The same, with --int8-products (DecodeStep::int8_products) beside it.
+void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype, bool& int8_products);
 WeightDtype parse_weight_dtype(const std::string& dtype);
 // A comma-separated list of weight dtypes (bench weight-quality, ablate --weight-dtypes), each
 // once: a usage error names a bad or repeated one.

@@ -50,6 +50,10 @@ class DecodeStep {
   // false: nothing applies or is packed, and the Engine runs every decode step op by op
   // (kvlab bench generate --op-by-op, the step's baseline).
   bool enabled = true;
+  // With q8_0 or q4_0 matrices, multiply them in integers as llama.cpp does: each product's
+  // input rounded to q8_0 blocks (cpu::gemm_packed_int8). Faster, and no longer the bits of
+  // GPT::forward. Taken by the next pack().
+  bool int8_products = false;
 
   // Whether a cached forward of `tokens` runs here rather than through GPT::forward: enabled,
   // the model on the CPU in f32, T = 1 and no gradients recorded.

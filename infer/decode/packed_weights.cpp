@@ -153,9 +153,12 @@ DecodeStep::PackGuard DecodeStep::pack() {
     cpu::pack_weight(form[i], buffer + offset[at], src, hi - lo, w.size(1));
   }
   std::vector<PackRef> pack(parts);
-  for (size_t at = 0; at < parts; ++at)
+  for (size_t at = 0; at < parts; ++at) {
+    const cpu::PackedForm f = form[at / static_cast<size_t>(threads)];
+    const bool blocks = f == cpu::PackedForm::Q8_0 || f == cpu::PackedForm::Q4_0;
     if (rows[at].first < rows[at].second)
-      pack[at] = {buffer + offset[at], form[at / static_cast<size_t>(threads)]};
+      pack[at] = {buffer + offset[at], f, blocks && int8_products};
+  }
   refs_ = std::make_shared<const DecodeRefs>(model_, std::move(pack), threads);
   ++pack_users_;
   return PackGuard(this);

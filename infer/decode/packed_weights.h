@@ -30,6 +30,7 @@ namespace kvlab::decode {
 struct PackRef {
   const void* data = nullptr;
   cpu::PackedForm form = cpu::PackedForm::F32;
+  bool int8 = false;  // q8_0 or q4_0 rows multiplied in integers (cpu::gemm_packed_int8)
 };
 
 // The form a matrix is packed in: the fewest bytes that hold its values exactly, so that the

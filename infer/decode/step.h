@@ -199,7 +199,8 @@ static inline void linear_rows(float* y, int64_t ldy, const float* x, int64_t B,
     for (int64_t b = 0; b < B; ++b) std::copy(lin.b + lo, lin.b + hi, y + b * ldy + lo);
   const float beta = lin.b != nullptr ? 1.0f : 0.0f;
   if (part != nullptr)
-    cpu::gemm_packed(part->form, y + lo, ldy, x, lin.in, part->data, B, lin.in, 0, hi - lo, beta);
+    (part->int8 ? cpu::gemm_packed_int8 : cpu::gemm_packed)(part->form, y + lo, ldy, x, lin.in,
+                                                             part->data, B, lin.in, 0, hi - lo, beta);
   else
     cpu::gemm<float>(false, true, B, hi - lo, lin.in, 1.0f, x, lin.in, lin.w + lo * lin.in, lin.in,
                      beta, y + lo, ldy);

@@ -263,6 +263,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
   model.round_matrices(o.weight_dtype);
   Engine engine(model, tokenizer, o.cache_dtype, o.paged);
   engine.decode_step().enabled = o.fused_decode;
+  engine.decode_step().int8_products = o.int8_products;
   const std::vector<std::vector<int32_t>> prompt = random_prompts(o, c);
 
   json out{{"model", model_json(engine)},
@@ -272,6 +273,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
            {"cache_dtype", dtype_name(o.cache_dtype)},
            {"weight_dtype", weight_dtype_name(o.weight_dtype)},
            {"fused_decode", o.fused_decode && model.device() == Device::CPU},
+           {"int8_products", o.int8_products},
            {"runs", o.runs},
            {"sampling", "greedy"},
            {"results", json::array()}};
@@ -364,6 +366,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     model.round_matrices(o.weight_dtype);
     Engine engine(model, tok, o.cache_dtype, o.paged);
     engine.decode_step().enabled = o.fused_decode;
+    engine.decode_step().int8_products = o.int8_products;
     GenerateOptions g;
     g.max_new_tokens = n;
     g.sampling.temperature = 0;

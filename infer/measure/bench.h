@@ -36,6 +36,7 @@ struct BenchGenerateOptions {
   // one passed to bench_generate included (GPT::round_matrices).
   WeightDtype weight_dtype = WeightDtype::F32;
   bool fused_decode = true;  // DecodeStep::enabled of the engines measured (false: op by op)
+  bool int8_products = false;  // DecodeStep::int8_products of the engines measured
   std::function<void(const std::string&)> progress;  // one line per measured setting
   // While a setting ("new tokens 256, cache off", "n_kv_head 2") is measured: every row's
   // tokens made so far, its warm-up included, and the setting's total; first with done = 0.

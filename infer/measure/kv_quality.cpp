@@ -27,6 +27,27 @@ Tensor cached_prefill_logits(GPT& model, const Tensor& tokens, DType dtype) {
   return model.forward(tokens, &cache).contiguous();
 }
 
+Tensor stepwise_logits(const GPT& model, const Tensor& tokens, bool int8_products) {
+  const GPTConfig& c = model.config();
+  const int64_t B = tokens.size(0), T = tokens.size(1), V = c.vocab_size;
+  DecodeStep step(model);
+  step.int8_products = int8_products;
+  const DecodeStep::PackGuard pack = step.pack();
+  const NoGradGuard no_grad;
+  ContiguousKVCache cache(kv_cache_layout(c, DType::F32), B, T, Device::CPU,
+                          kv_cache_scales(model, DType::F32));
+  Tensor out = Tensor::empty({B, T, V});
+  const Tensor ids = tokens.contiguous();
+  std::vector<int32_t> column(static_cast<size_t>(B));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t b = 0; b < B; ++b) column[static_cast<size_t>(b)] = ids.data<int32_t>()[b * T + t];
+    const Tensor logits = step.forward(Tensor::from_vector(column, {B, 1}), cache).contiguous();
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(logits.data<float>() + b * V, V, out.data<float>() + (b * T + t) * V);
+  }
+  return out;
+}
+
 namespace {
 
 // A copy of `model` (its config and every parameter's values) with its matrices rounded.
@@ -101,21 +122,29 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
 
 std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int32_t> x,
                                           std::span<const int32_t> y, int64_t T,
-                                          std::span<const WeightDtype> dtypes, int64_t batch) {
+                                          std::span<const WeightDtype> dtypes,
+                                          bool int8_products, int64_t batch) {
   check_windows(model, x, y, T, batch, "weight quality");
   std::vector<std::unique_ptr<GPT>> models;
   models.push_back(rounded_copy(model, WeightDtype::F32));  // the reference
   for (const WeightDtype d : dtypes) models.push_back(rounded_copy(model, d));
+  auto in_integers = [&](size_t i) {  // whether models[i] is scored with integer products
+    return int8_products && i > 0 &&
+           (dtypes[i - 1] == WeightDtype::Q8_0 || dtypes[i - 1] == WeightDtype::Q4_0);
+  };
   std::vector<LogitsFn> fns;
-  for (const auto& m : models)
-    fns.push_back([&m](const Tensor& t) { return cached_prefill_logits(*m, t, DType::F32); });
+  for (size_t i = 0; i < models.size(); ++i)
+    if (in_integers(i))
+      fns.push_back([&m = *models[i]](const Tensor& t) { return stepwise_logits(m, t, true); });
+    else
+      fns.push_back([&m = *models[i]](const Tensor& t) { return cached_prefill_logits(m, t, DType::F32); });
   const std::vector<WindowScores> scores =
       score_windows(fns, x, y, T, model.config().vocab_size, batch);
   const double ref_loss = mean_of(scores[0].token_loss);
   std::vector<WeightQuality> out(dtypes.size());
   for (size_t i = 0; i < dtypes.size(); ++i) {
     const WindowScores& s = scores[i + 1];
-    out[i] = {dtypes[i], DecodeStep(*models[i + 1]).weight_bytes(), mean_of(s.token_loss),
+    out[i] = {dtypes[i], in_integers(i + 1), DecodeStep(*models[i + 1]).weight_bytes(), mean_of(s.token_loss),
               mean_of(s.token_loss) - ref_loss, s.kl, s.top1, static_cast<int64_t>(x.size())};
   }
   return out;
@@ -123,9 +152,9 @@ std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int3
 
 std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
                                              std::span<const WeightDtype> dtypes, int windows,
-                                             uint64_t seed) {
+                                             bool int8_products, uint64_t seed) {
   const QualityWindows w(model, ids, windows, seed);
-  return weight_quality(model, w.x, w.y, w.T, dtypes);
+  return weight_quality(model, w.x, w.y, w.T, dtypes, int8_products);
 }
 
 std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,

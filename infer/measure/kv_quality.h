@@ -42,20 +42,27 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
 // What the products' matrices' type costs (GPT::round_matrices): the same measures, each
 // WeightDtype's model (a copy of `model`, its matrices rounded) against `model` itself, both
 // through an f32 cache. decode_weight_bytes: what a fused CPU decode step reads of that
-// model's weights (DecodeStep::weight_bytes).
+// model's weights (DecodeStep::weight_bytes). int8_products: the q8_0 and q4_0 models are
+// scored through the fused decode step with integer products (DecodeStep::int8_products),
+// each window position by position, as serving them computes; the others as above.
 struct WeightQuality {
   WeightDtype dtype = WeightDtype::F32;
+  bool int8_products = false;
   int64_t decode_weight_bytes = 0;
   double loss = 0, delta_loss = 0, kl = 0, top1 = 0;
   int64_t positions = 0;
 };
 std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int32_t> x,
                                           std::span<const int32_t> y, int64_t T,
-                                          std::span<const WeightDtype> dtypes, int64_t batch = 16);
+                                          std::span<const WeightDtype> dtypes,
+                                          bool int8_products = false, int64_t batch = 16);
 // weight_quality on kv_cache_quality_on's windows.
 std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
                                              std::span<const WeightDtype> dtypes, int windows,
-                                             uint64_t seed = 4321);
+                                             bool int8_products = false, uint64_t seed = 4321);
+// Logits (B, T, V) of tokens (B, T), every position one fused decode step into an f32 cache
+// (int8_products: DecodeStep's), as a decoder computes them token by token.
+Tensor stepwise_logits(const GPT& model, const Tensor& tokens, bool int8_products);
 
 // kv_cache_quality over `windows` fixed windows of block_size + 1 tokens of `ids` (a corpus's
 // validation split; data/sampler.h's fixed_windows with `seed`, the same for every model).

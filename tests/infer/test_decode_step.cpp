@@ -316,13 +316,16 @@ class PackedDecode
  protected:
   // Twelve packed fused steps against the op path, from prompts of 3, 4, 5... tokens; the
   // model's matrices rounded first to `matrices` and so packed in its form.
-  void check(WeightDtype matrices) {
+  // With int8_products the step rounds each product's input to q8_0 blocks, which the op path
+  // does not: within `bound` of the logits' scale.
+  void check(WeightDtype matrices, bool int8_products = false, double bound = 1e-5) {
     const auto [odd, nkv, threads, B, arch] = GetParam();
     const ThreadCount tc(threads);
     auto model = test::random_model(odd ? odd_config(nkv, arch) : decode_config(nkv, arch), 5);
     model->round_matrices(matrices);
     const GPTConfig& c = model->config();
     DecodeStep step(*model);
+    step.int8_products = int8_products;
     NoGradGuard no_grad;
     ContiguousKVCache fused(c.n_layer, B, c.block_size, c.cache_heads(), c.cache_width(),
                             DType::F32, Device::CPU, {}, c.mla());
@@ -340,8 +343,8 @@ class PackedDecode
     for (int i = 0; i < 12; ++i) tokens.push_back(test::random_tokens(gen, c.vocab_size, B));
     const StepDiff d = fused_against_op(*model, step, fused, plain, tokens);
     EXPECT_GT(d.scale, 1.0);
-    EXPECT_LE(d.worst, 1e-5 * d.scale) << "logit scale " << d.scale;
-    expect_same_cache(fused, plain, c.n_layer, 1e-5);
+    EXPECT_LE(d.worst, bound * d.scale) << "logit scale " << d.scale;
+    expect_same_cache(fused, plain, c.n_layer, bound);
   }
 };
 
@@ -356,6 +359,15 @@ TEST_P(PackedDecode, Bf16MatricesEqualOpByOpAtEveryStep) { check(WeightDtype::BF
 TEST_P(PackedDecode, BlockQuantisedMatricesEqualOpByOpAtEveryStep) {
   check(WeightDtype::Q8_0);
   check(WeightDtype::Q4_0);
+}
+
+// With integer products each product's input is rounded to q8_0 blocks, which the op path does
+// not do, and these small random models amplify it: measured up to 6.4% of the logits' scale
+// over twelve steps (a key at the wrong position moves them by their scale). That the rounding
+// is llama.cpp's own is held in test_gguf_models.cpp against llama.cpp itself.
+TEST_P(PackedDecode, IntegerProductsStayNearOpByOpAtEveryStep) {
+  check(WeightDtype::Q8_0, true, 0.1);
+  check(WeightDtype::Q4_0, true, 0.1);
 }
 
 std::string packed_case_name(const testing::TestParamInfo<PackedDecode::ParamType>& info) {

@@ -180,14 +180,17 @@ double logit_scale(const PagedRun& run) {
 using PagedCase = std::tuple<int64_t, std::vector<int64_t>, DType, std::string, WeightDtype>;
 class PagedEqualsContiguous : public ::testing::TestWithParam<PagedCase> {};
 
-TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
-  const auto& [nkv, lengths, dtype, arch, weights] = GetParam();
+// int8_products: both engines' decode steps multiply the q8_0/q4_0 matrices in integers.
+void expect_paged_equals_contiguous(int64_t nkv, const std::vector<int64_t>& lengths, DType dtype,
+                                    const std::string& arch, WeightDtype weights,
+                                    bool int8_products) {
   auto model = tiny_model(nkv, 7, 64, arch);
   model->round_matrices(weights);
   const Tokenizer tok = tiny_tokenizer();
   Engine contiguous(*model, tok, dtype, std::nullopt);
   // Prefix caching off: the second generation below must compute what the first did.
   Engine paged(*model, tok, dtype, PagedCacheOptions{.prefix_caching = false});
+  contiguous.decode_step().int8_products = paged.decode_step().int8_products = int8_products;
   std::vector<std::vector<int32_t>> prompts;
   for (size_t b = 0; b < lengths.size(); ++b) prompts.push_back(random_ids(lengths[b], 30 + b));
   const PagedRun c = run_engine(contiguous, prompts, greedy(20));
@@ -206,6 +209,28 @@ TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
   // Reused for a second generation: its rows start empty again.
   expect_same_generation(run_engine(paged, prompts, greedy(5)),
                          run_engine(contiguous, prompts, greedy(5)), tol);
+  if (int8_products) {  // and they were integer products, not the exact ones
+    Engine exact(*model, tok, dtype, std::nullopt);
+    EXPECT_NE(run_engine(exact, prompts, greedy(20)).logits, c.logits);
+  }
+}
+
+TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
+  const auto& [nkv, lengths, dtype, arch, weights] = GetParam();
+  expect_paged_equals_contiguous(nkv, lengths, dtype, arch, weights, false);
+}
+
+// A row's integer products depend on that row alone (cpu::gemm_packed_int8), so the paged
+// cache's batches give the contiguous one's results within the same bound (the cases of
+// QuantisedMatrices below).
+TEST(Engine, PagedEqualsContiguousWithIntegerProducts) {
+  for (const std::string arch : {"gpt2", "llama"})
+    for (const DType dtype : {DType::F32, DType::BF16})
+      for (const WeightDtype weights : {WeightDtype::Q8_0, WeightDtype::Q4_0}) {
+        SCOPED_TRACE(arch + " " + dtype_name(dtype) + " cache, " + weight_dtype_name(weights));
+        expect_paged_equals_contiguous(2, {33, 1, 16, 17, 15, 33, 16, 17}, dtype, arch, weights,
+                                       true);
+      }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -273,6 +273,8 @@ struct PeerJob {
   // Rounded types: the unrounded (f32) model's logits before each of kvlab's greedy tokens,
   // and those of the model rounded apart from the file (rounded_copy) to the activations' type.
   std::vector<std::vector<float>> unrounded, rounded_here;
+  // q8_0 and q4_0: kvlab's logits before each greedy token with integer products (int8_logits).
+  std::vector<std::vector<float>> int8;
   double tolerance;                          // f32: on each step's log-probabilities
 };
 
@@ -316,6 +318,27 @@ std::vector<std::vector<float>> forced_logits(GPT& model, const std::vector<int3
   std::vector<std::vector<float>> rows;
   for (int64_t t = static_cast<int64_t>(prompt.size()) - 1; t < T; ++t)
     rows.emplace_back(d + t * V, d + (t + 1) * V);
+  return rows;
+}
+
+// forced_logits through the fused decode step with integer products (DecodeStep::int8_products):
+// every position a step, the prompt's too, so that each product's input is rounded to q8_0
+// blocks as llama.cpp rounds it.
+std::vector<std::vector<float>> int8_logits(const GPT& model, const std::vector<int32_t>& prompt,
+                                            const std::vector<int32_t>& tokens) {
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), tokens.begin(), tokens.end() - 1);
+  const GPTConfig& c = model.config();
+  DecodeStep step(model);
+  step.int8_products = true;
+  const DecodeStep::PackGuard pack = step.pack();
+  ContiguousKVCache cache(c.n_layer, 1, c.block_size, c.n_kv_head, c.head_size());
+  NoGradGuard no_grad;
+  std::vector<std::vector<float>> rows;
+  for (size_t t = 0; t < seq.size(); ++t) {
+    const Tensor logits = step.forward(Tensor::from_vector(std::vector<int32_t>{seq[t]}, {1, 1}), cache);
+    if (t + 1 >= prompt.size()) rows.push_back(logits.to_vector<float>());
+  }
   return rows;
 }
 
@@ -396,6 +419,8 @@ PeerJob make_peer_job(GgmlType type, int64_t nkv, const Tokenizer& tok, const fs
     job.unrounded = forced_logits(*model, kPrompt, job.expected);
     job.rounded_here =
         forced_logits(*rounded_copy(*model, activation_type(type)), kPrompt, job.expected);
+    if (type == GgmlType::Q8_0 || type == GgmlType::Q4_0)
+      job.int8 = int8_logits(*rounded, kPrompt, job.expected);
   }
   return job;
 }
@@ -426,6 +451,9 @@ class GgufLlamaCpp : public kvlab::testing::TestDirFixture {
 //    2 tau;
 //  - q4_0: the same comparison with kvlab decoding the unrounded model instead of the import
 //    (a planted error: weights other than the file's) fails, its gap past tau.
+// q8_0 and q4_0 again with kvlab's integer products (DecodeStep::int8_products, which round the
+// activations as llama.cpp does), teacher-forced: within 1e-4 on the tame model, 0.35 W on the
+// large random ones.
 TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
   std::string why;
   if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
@@ -479,9 +507,10 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
     size_t first_close = 0;  // the first step whose top-2 margin is at most 2 tau
     while (first_close < j.logits.size() && top2_margin(j.logits[first_close]) > 2 * tau)
       ++first_close;
-    double forced_worst = 0, vs_unrounded = 0;
+    double forced_worst = 0, vs_unrounded = 0, int8_worst = 0;
     size_t decided = 0, decided_alike = 0;
     for (size_t s = 0; s < forced.size(); ++s) {
+      if (!j.int8.empty()) int8_worst = std::max(int8_worst, logprob_gap(j.int8[s], forced[s]));
       const double gap = logprob_gap(j.logits[s], forced[s]);
       forced_worst = std::max(forced_worst, gap);
       vs_unrounded = std::max(vs_unrounded, logprob_gap(j.unrounded[s], forced[s]));
@@ -503,6 +532,15 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
         forced.size(), decided_alike, decided, same, tokens.size(), first_close, vs_unrounded,
         vs_unrounded / weight_rounding);
     EXPECT_GE(same, first_close) << j.name << ": the texts part before any close step";
+    // With integer products kvlab rounds the activations as llama.cpp does: what is left is
+    // the order of float sums, and a code where that moves a value across a rounding edge,
+    // which the large random weights amplify (measured 0.02-0.2 W) and the tame ones do not
+    // (5e-7: the same numbers).
+    if (!j.int8.empty()) {
+      std::printf("[ llama.cpp ] %s: kvlab with integer products: max |d log p| %.2e (%.3f W)\n",
+                  j.name.c_str(), int8_worst, int8_worst / weight_rounding);
+      EXPECT_LT(int8_worst, j.tame ? 1e-4 : 0.35 * weight_rounding) << j.name << ": integer products";
+    }
     // q8_0 moves the large random weights' log-probabilities by 1 to 1.6: few steps have a
     // margin past 2 tau there, and the top-token check is nearly empty; the tame model's have.
     if (j.type == GgmlType::F16 || j.tame) {

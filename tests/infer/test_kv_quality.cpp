@@ -164,7 +164,7 @@ TEST(WeightQuality, ReportsWhatItSays) {
   const std::vector<int32_t> y = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
   const std::vector<WeightDtype> dtypes{WeightDtype::F32, WeightDtype::BF16, WeightDtype::Q8_0,
                                         WeightDtype::Q4_0};
-  const std::vector<WeightQuality> q = weight_quality(*model, x, y, T, dtypes, 4);
+  const std::vector<WeightQuality> q = weight_quality(*model, x, y, T, dtypes, false, 4);
   ASSERT_EQ(q.size(), dtypes.size());
   EXPECT_EQ(q[0].delta_loss, 0.0);
   EXPECT_EQ(q[0].kl, 0.0);
@@ -180,6 +180,43 @@ TEST(WeightQuality, ReportsWhatItSays) {
   EXPECT_EQ(q[0].decode_weight_bytes - q[2].decode_weight_bytes, matrices * 4 - matrices / 32 * 36);
   EXPECT_EQ(q[0].decode_weight_bytes - q[3].decode_weight_bytes,
             (matrices - head) * 4 - (matrices - head) / 32 * 20 + head * 4 - head / 32 * 36);
+}
+
+// Position by position through the fused decode step, the exact products give the cached
+// prefill's logits (within the float rounding of other product heights); with integer
+// products the q8_0 and q4_0 rows are scored that way, and their rounding of the activations
+// costs more than the exact rows' (q8_0: the weights' own rounding is small beside it).
+TEST(WeightQuality, IntegerProductsAreScoredStepByStep) {
+  auto model = test::random_model(quality_config(2), 31);
+  const GPTConfig& c = model->config();
+  Generator gen(9);
+  const int64_t N = 6, T = 16;
+  const Tensor tokens = test::random_tokens(gen, c.vocab_size, N, T);
+  model->round_matrices(WeightDtype::Q8_0);
+  const std::vector<float> prefill = cached_prefill_logits(*model, tokens, DType::F32).to_vector<float>();
+  const std::vector<float> steps = stepwise_logits(*model, tokens, false).to_vector<float>();
+  ASSERT_EQ(steps.size(), prefill.size());
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    worst = std::max(worst, static_cast<double>(std::fabs(steps[i] - prefill[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(prefill[i])));
+  }
+  EXPECT_LE(worst, 1e-5 * scale);
+  if (cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, 32, 32) == 0) return;  // no integer kernel
+  model = test::random_model(quality_config(2), 31);
+  const std::vector<int32_t> x = tokens.to_vector<int32_t>();
+  const std::vector<int32_t> y = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();
+  const std::vector<WeightDtype> dtypes{WeightDtype::BF16, WeightDtype::Q8_0, WeightDtype::Q4_0};
+  const std::vector<WeightQuality> exact = weight_quality(*model, x, y, T, dtypes, false, 4);
+  const std::vector<WeightQuality> int8 = weight_quality(*model, x, y, T, dtypes, true, 4);
+  EXPECT_FALSE(int8[0].int8_products);  // bf16 has no integer products
+  EXPECT_EQ(int8[0].kl, exact[0].kl);
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_TRUE(int8[i].int8_products);
+    EXPECT_FALSE(exact[i].int8_products);
+    EXPECT_GT(int8[i].kl, exact[i].kl) << weight_dtype_name(dtypes[i]);
+    EXPECT_EQ(int8[i].decode_weight_bytes, exact[i].decode_weight_bytes);
+  }
 }
 
 // MLA's latent cache through the same report: the f32 latent cache against itself is exact

@@ -47,6 +47,7 @@ check "bench kv-quality: a dtype twice" 2 "--kv-dtypes: int8 is listed twice" --
 check "bench kv-quality needs --ckpt" 2 "--ckpt is required" -- "$KVLAB" bench kv-quality
 check "bench kv-quality: --windows 0" 2 "--windows must be >= 1, got 0" -- "$KVLAB" bench kv-quality --ckpt "$work/run/final.h5" --windows 0
 check "bench weight-quality" 0 "q4_0" -- "$KVLAB" bench weight-quality --ckpt "$work/run/final.h5" --windows 8 --json "$work/wq.json"
+check "bench weight-quality --int8-products" 0 "q4_0+int8" -- "$KVLAB" bench weight-quality --ckpt "$work/run/final.h5" --windows 8 --int8-products
 check "bench weight-quality: an unknown dtype" 2 "--weight-dtypes: 'q4_1' is not a weight dtype" -- "$KVLAB" bench weight-quality --ckpt "$work/run/final.h5" --weight-dtypes q8_0,q4_1
 check "unknown --kv-dtype" 2 "kv-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --kv-dtype f16
 # The paged cache (the default) generates the same text as the contiguous one (blocks of 4:
@@ -107,6 +108,8 @@ check "generate --weight-dtype bf16" 0 "\"weight_dtype\": \"bf16\"" -- "$KVLAB" 
 check "unknown --weight-dtype" 2 "weight-dtype" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt a --max-new 2 --weight-dtype f16
 check "generate --weight-dtype q4_0" 0 "\"weight_dtype\": \"q4_0\"" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype q4_0
 check "bench generate --weight-dtype q8_0" 0 "q8_0 matrices" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype q8_0
+check "generate --int8-products" 0 "\"int8_products\": true" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --weight-dtype q8_0 --int8-products
+check "bench generate --int8-products" 0 "q4_0 matrices in integer products" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype q4_0 --int8-products
 check "bench generate --weight-dtype bf16" 0 "bf16 matrices" -- "$KVLAB" bench generate --n-layer 1 --n-head 2 --n-kv-head 2 --n-embd 32 --block-size 24 --new-tokens 4 --runs 1 --kv-heads 2 --skip-no-cache --weight-dtype bf16
 # The bf16 cache holds the same positions in half the bytes, and greedy text is unchanged here.
 cache_bytes() { "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the" --max-new 4 --json --temperature 0 "$@" |
