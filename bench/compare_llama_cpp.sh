@@ -11,8 +11,9 @@
 # llama.cpp: `llama-bench -p 0 -n N -t T -r 3` (its text-generation test: N single-token decode
 # steps from position 0, mean of 3 repetitions after a warm-up) on the export of each PAIRS
 # type, with its defaults otherwise (f16 KV cache, mmap, flash attention auto).
-# PAIRS: kvlab weight dtype:llama.cpp type, default "f32:f32 bf16:f16 q8_0:q8_0 q4_0:q4_0"
-# (llama.cpp has no bf16 matrix kernel of its own on every CPU: f16 is its 2-byte type).
+# PAIRS: kvlab weight dtype:llama.cpp type, default "f32:f32 bf16:f16 q8_0:q8_0 q8_0+int8:q8_0
+# q4_0:q4_0 q4_0+int8:q4_0" (llama.cpp has no bf16 matrix kernel of its own on every CPU: f16
+# is its 2-byte type; "+int8": kvlab with --int8-products, llama.cpp's own trade).
 # N is 256 for (a) and 63 for (b) (its context is 64). The sides alternate for ROUNDS rounds
 # (default 3); each figure is the median of its rounds, beside the min and max, and the load
 # average (uptime) before each round is recorded.
@@ -27,7 +28,7 @@ build=${1:-build}
 rounds=${ROUNDS:-3}
 runs=${RUNS:-3}  # kvlab --runs and llama-bench -r per round
 threads=${THREADS:-"1 2"}
-pairs=${PAIRS:-"f32:f32 bf16:f16 q8_0:q8_0 q4_0:q4_0"}
+pairs=${PAIRS:-"f32:f32 bf16:f16 q8_0:q8_0 q8_0+int8:q8_0 q4_0:q4_0 q4_0+int8:q4_0"}
 models=${MODELS:-"llama22m ablate"}
 kvlab=$build/apps/kvlab
 llama_bench=${LLAMA_BENCH:-bench/llama_cpp/build/bin/llama-bench}
@@ -63,9 +64,11 @@ for r in $(seq "$rounds"); do
     for m in $models; do
       for pair in $pairs; do
         w=${pair%:*} d=${pair#*:}
+        int8=()
+        [[ $w == *+int8 ]] && int8=(--int8-products)
         OMP_NUM_THREADS=$t "$kvlab" bench generate --ckpt "${ckpt[$m]}" --prompt-tokens 1 \
-          --new-tokens "${new[$m]}" --runs "$runs" --skip-no-cache --kv-heads 2 --weight-dtype $w \
-          --json "$out/kvlab.$m.$w.t$t.$r.json" >/dev/null
+          --new-tokens "${new[$m]}" --runs "$runs" --skip-no-cache --kv-heads 2 \
+          --weight-dtype "${w%+int8}" "${int8[@]}" --json "$out/kvlab.$m.$w.t$t.$r.json" >/dev/null
         "$llama_bench" -m "$out/$m.$d.gguf" -p 0 -n "${new[$m]}" -t "$t" -r "$runs" -o json \
           >"$out/llama.$m.$d.t$t.$r.json" 2>/dev/null
       done
