@@ -32,6 +32,7 @@ struct AblateArgs {
   int64_t kv_budget = int64_t{1} << 30;
   std::string kv_dtype = "f32";
   std::string weight_dtype = "f32";
+  bool int8_products = false;
   std::string kv_dtypes = "f32,bf16,fp8,int8,int4";
   std::string weight_dtypes = "bf16,q8_0,q4_0";
   std::vector<std::string> prompts;
@@ -185,6 +186,7 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.kv_budget_bytes = a.kv_budget;
   cfg.kv_dtype = parse_storage_dtype(a.kv_dtype);
   cfg.weight_dtype = parse_weight_dtype(a.weight_dtype);
+  cfg.int8_products = a.int8_products;
   cfg.kv_dtypes = a.kv_dtypes == "none" ? std::vector<DType>{} : parse_kv_dtypes(a.kv_dtypes);
   cfg.weight_dtypes = a.weight_dtypes == "none" ? std::vector<WeightDtype>{}
                                                 : parse_weight_dtypes(a.weight_dtypes);
@@ -266,7 +268,7 @@ void add_ablate_command(CLI::App& root) {
       ->check(integer_of<int64_t>())
       ->capture_default_str();
   add_kv_dtype_flag(cmd, args->kv_dtype);
-  add_weight_dtype_flag(cmd, args->weight_dtype);
+  add_weight_dtype_flag(cmd, args->weight_dtype, args->int8_products);
   cmd->add_option("--kv-dtypes", args->kv_dtypes,
                   "Cache dtypes every trained model's quality is measured at (val loss, KL and "
                   "top-1 against the f32 cache, every seed), for the report's memory-quality "

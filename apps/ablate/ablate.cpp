@@ -287,12 +287,13 @@ constexpr double kServeTtftBoundMs = 1000;
 // the host while its peak concurrency does not); then the continuous side alone at the sweep's
 // Poisson rates (set by the first variant measured, in `rates`).
 void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSimOptions& so,
-                    DType kv_dtype, std::vector<double>& rates) {
+                    const AblateConfig& cfg, std::vector<double>& rates) {
   BenchServeOptions o;
   o.requests = 256;
   o.budget_bytes = so.budget_bytes;
   o.kv_block_size = so.kv_block_size;
-  o.cache_dtype = kv_dtype;
+  o.cache_dtype = cfg.kv_dtype;
+  o.int8_products = cfg.int8_products;
   const json r = bench_serve(model, tokenizer, o)["runs"][0];
   for (const auto& [side, name] : {std::pair{"continuous_paged", "continuous"},
                                    std::pair{"static_contiguous", "static"}}) {
@@ -379,8 +380,8 @@ void record_quality(const AblateConfig& cfg, const AblateVariant& var,
     if (!wdtypes.empty()) {
       std::fprintf(stderr, "%s seed %d: weight quality at %zu dtypes\n",
                    variant_label(var).c_str(), s, wdtypes.size());
-      weight_seeds.push_back(
-          weight_quality_on(*lm.model, corpus.val, wdtypes, cfg.quality_windows));
+      weight_seeds.push_back(weight_quality_on(*lm.model, corpus.val, wdtypes,
+                                               cfg.quality_windows, cfg.int8_products));
       f32_weight_bytes = DecodeStep(*lm.model).weight_bytes();
     }
   }
@@ -394,6 +395,7 @@ void record_quality(const AblateConfig& cfg, const AblateVariant& var,
     v["decode_weight_bytes_f32"] = f32_weight_bytes;
     v["weight_quality"] = seed_stats(weight_seeds, [](const WeightQuality& q) {
       return json{{"dtype", weight_dtype_name(q.dtype)},
+                  {"int8_products", q.int8_products},
                   {"decode_weight_bytes", q.decode_weight_bytes},
                   {"positions", q.positions}};
     });
@@ -471,7 +473,7 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   }
   // The scheduler's paged cache and the quantised caches run on the CPU only.
   if (cfg.base.device == Device::CPU)
-    record_serving(v, *lm.model, lm.tokenizer, workload, cfg.kv_dtype, serve_rates);
+    record_serving(v, *lm.model, lm.tokenizer, workload, cfg, serve_rates);
   // The cache dtypes on the CPU only; the matrices' types on the models as loaded (the CPU).
   record_quality(cfg, var, cfg.base.device == Device::CPU ? cfg.kv_dtypes : std::vector<DType>{},
                  v);
@@ -482,6 +484,7 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
     bo.runs = cfg.bench_runs;
     bo.position_points = 0;
     bo.cache_dtype = cfg.kv_dtype;
+    bo.int8_products = cfg.int8_products;
     bo.paged = paged;
     if (bo.paged) bo.paged->prefix_caching = false;  // each run feeds the same prompts
     TaskBars bars(variant_label(var) + " decode: ", "tok");
@@ -497,6 +500,7 @@ json measure_variant(const AblateConfig& cfg, const AblateVariant& var, int64_t 
   }
   {
     Engine engine(*lm.model, lm.tokenizer, cfg.kv_dtype, paged);
+    engine.decode_step().int8_products = cfg.int8_products;
     std::vector<std::string> prompts = cfg.prompts;
     if (prompts.empty()) {
       const Corpus corpus = load_run_corpus(cfg.base);
@@ -559,6 +563,7 @@ json assemble_results(const AblateConfig& cfg, json variants, const AblateStats&
   results["kv_budget_bytes"] = cfg.kv_budget_bytes;
   results["kv_dtype"] = dtype_name(cfg.kv_dtype);
   results["weight_dtype"] = weight_dtype_name(cfg.weight_dtype);
+  results["int8_products"] = cfg.int8_products;
   results["dtype_bytes"] = dtype_size(cfg.kv_dtype);
   results["quality_windows"] = cfg.quality_windows;
   results["param_matched"] = cfg.param_matched;

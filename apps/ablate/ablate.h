@@ -37,6 +37,9 @@ struct AblateConfig {
   // The matrices' of the model served, benchmarked and sampled (GPT::round_matrices); the
   // quality figures always start from the trained f32 weights.
   WeightDtype weight_dtype = WeightDtype::F32;
+  // The fused decode's products of q8_0/q4_0 matrices in integers (DecodeStep::int8_products)
+  // where the model is served, benchmarked and sampled, and in the quality of weight_dtypes.
+  bool int8_products = false;
   // The cache dtypes every trained model's quality is measured at (kv_cache_quality on the
   // validation split, every seed): the memory-quality frontier. Empty: none (and on CUDA).
   std::vector<DType> kv_dtypes = {DType::F32, DType::BF16, DType::FP8, DType::INT8, DType::INT4};

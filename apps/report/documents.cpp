@@ -224,8 +224,10 @@ std::vector<std::pair<std::string, std::string>> run_facts(const json& r) {
   if (const auto d = number(r, "dtype_bytes"))
     facts.emplace_back("cache element size", fmt("%.0f", *d) + " bytes");
   if (r.contains("weight_dtype") && r["weight_dtype"].is_string())
-    facts.emplace_back("matrices served and benchmarked", r["weight_dtype"].get<std::string>() +
-                                                              " (--weight-dtype)");
+    facts.emplace_back("matrices served and benchmarked",
+                       r["weight_dtype"].get<std::string>() + " (--weight-dtype)" +
+                           (r.value("int8_products", false) ? ", in integer products (--int8-products)"
+                                                            : ""));
   if (r.contains("param_matched"))
     facts.emplace_back(
         "parameter-matched",

@@ -188,6 +188,7 @@ std::vector<QualityPoint> points_of(const Parsed& p, const char* key, const char
       QualityPoint q;
       q.v = &v;
       q.dtype = text_field(e, "dtype");
+      if (e.value("int8_products", false)) q.dtype += "+int8";  // DecodeStep::int8_products
       q.bytes = *number(e, bytes_key);
       q.loss = *number(e, "loss_mean");
       q.loss_std = number(e, "loss_std").value_or(0);

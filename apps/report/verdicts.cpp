@@ -357,11 +357,12 @@ std::vector<Finding> findings(const Parsed& p) {
                        (at_bf16 ? "each variant's bf16 bytes" : "the frontier's points") +
                        "): " + best + ".",
                    {"table-quality", "fig-val_loss_vs_cache_bytes"}});
-  // What q8_0 matrices cost the first variant (MHA where the sweep has it) for their bytes.
+  // What q8_0 matrices cost the first variant (MHA where the sweep has it) for their bytes
+  // (in integer products where the sweep measured them so: "q8_0+int8").
   const Variant* first = mha != nullptr ? mha : &p.variants.front();
   for (const QualityPoint& q : weight_points(p))
-    if (q.v == first && q.dtype == "q8_0" && q.vs_f32)
-      out.push_back({"q8_0 matrices cost " + first->label() + " " + quality_delta_cell(q) +
+    if (q.v == first && q.dtype.starts_with("q8_0") && q.vs_f32)
+      out.push_back({q.dtype + " matrices cost " + first->label() + " " + quality_delta_cell(q) +
                          " nats of val loss (mean KL " + quality_kl_cell(q) + ") for " +
                          vs_f32_cell(q) + " the decode weight bytes of f32 matrices (" +
                          weight_bytes_cell(q) + ").",

@@ -177,6 +177,7 @@ struct BenchServeOptions {
   int64_t samples = 1;           // sequences per request (n), which share its prompt
   uint64_t seed = 0;
   DType cache_dtype = DType::F32;
+  bool int8_products = false;  // DecodeStep::int8_products of the engine served
   std::function<void(const std::string&)> progress;  // a line per served run
   // Sequences (samples) finished of the run's total, as they finish, per side ("static",
   // "continuous").

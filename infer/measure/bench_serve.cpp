@@ -202,6 +202,7 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   // Static batching generates over the engine's contiguous cache; the scheduler keeps a
   // paged one of its own.
   Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);
+  engine.decode_step().int8_products = o.int8_products;
   SchedulerOptions so;
   so.max_batch_tokens = o.max_batch_tokens;
   so.max_seqs = std::min<int64_t>(o.requests, o.max_batch_tokens);

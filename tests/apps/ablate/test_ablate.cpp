@@ -179,9 +179,11 @@ TEST_F(AblateTest, BpeSweepReportsBitsPerByte) {
   c.base.model.n_embd = 32;  // every matrix's rows whole q8_0/q4_0 blocks of 32
   c.weight_dtypes = {WeightDtype::Q4_0, WeightDtype::F32, WeightDtype::Q8_0, WeightDtype::BF16};
   c.weight_dtype = WeightDtype::Q8_0;  // the model served and benchmarked; quality starts at f32
+  c.int8_products = true;  // served so, and q8_0 and q4_0 scored so
   const auto r = run_ablation(c);
   ASSERT_EQ(r["variants"].size(), 2u);
   EXPECT_EQ(r["weight_dtype"], "q8_0");
+  EXPECT_EQ(r["int8_products"], true);
   // The matrix types, as listed: f32 against itself is exact; each smaller type costs more
   // (KL) for fewer bytes than the one before it.
   for (const auto& v : r["variants"]) {
@@ -194,6 +196,8 @@ TEST_F(AblateTest, BpeSweepReportsBitsPerByte) {
       return json();
     };
     EXPECT_EQ(w[0]["dtype"], "q4_0");
+    for (const char* d : {"q8_0", "q4_0"}) EXPECT_EQ(at(d)["int8_products"], true) << d;
+    for (const char* d : {"f32", "bf16"}) EXPECT_EQ(at(d)["int8_products"], false) << d;
     EXPECT_EQ(at("f32")["kl_mean"].get<double>(), 0.0);
     EXPECT_EQ(at("f32")["delta_loss_mean"].get<double>(), 0.0);
     EXPECT_EQ(at("f32")["top1_mean"].get<double>(), 1.0);
@@ -221,6 +225,9 @@ TEST_F(AblateTest, BpeSweepReportsBitsPerByte) {
   const std::string report{std::istreambuf_iterator<char>(md), {}};
   EXPECT_NE(report.find("bits/byte"), std::string::npos);
   EXPECT_NE(report.find("cache bytes/byte"), std::string::npos);
+  EXPECT_NE(report.find("in integer products (--int8-products)"), std::string::npos);
+  EXPECT_NE(report.find("q4_0+int8"), std::string::npos);
+  EXPECT_NE(report.find("q8_0+int8 matrices cost"), std::string::npos);
   int bpe_caches = 0;  // one vocabulary for every run
   for (const auto& e : fs::directory_iterator(dir_))
     bpe_caches += e.path().string().ends_with(".bpe-280-kvlab-val0.1.kvlab-cache");
