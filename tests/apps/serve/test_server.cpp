@@ -757,6 +757,61 @@ TEST(Serve, AClientThatStopsReadingIsCutOffAndItsBlocksReturn) {
   EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
 }
 
+// The body of an HTTP/1.1 response with chunked transfer coding, its chunks joined; a malformed
+// chunk (a size line that is not hex, a chunk without its CRLF) fails the test.
+std::string dechunked_body(const std::string& response) {
+  size_t at = response.find("\r\n\r\n");
+  EXPECT_NE(at, std::string::npos) << "no end of headers";
+  EXPECT_NE(response.find("Transfer-Encoding: chunked"), std::string::npos);
+  std::string body;
+  for (at += 4; at < response.size();) {
+    const size_t eol = response.find("\r\n", at);
+    if (eol == std::string::npos) break;
+    const std::string size_line = response.substr(at, eol - at);
+    EXPECT_TRUE(!size_line.empty() && size_line.find_first_not_of("0123456789abcdef") ==
+                                          std::string::npos)
+        << "chunk size line '" << size_line.substr(0, 40) << "'";
+    const size_t n = std::stoul(size_line, nullptr, 16);
+    if (n == 0) return body;
+    EXPECT_EQ(response.compare(eol + 2 + n, 2, "\r\n"), 0) << "a chunk without its CRLF";
+    body.append(response, eol + 2, n);
+    at = eol + 2 + n + 2;
+  }
+  ADD_FAILURE() << "the stream ended before its last chunk";
+  return body;
+}
+
+// A client that stops reading for a while fills the buffers and the stream's writes wait for
+// it (within the write timeout); once it reads again every byte arrives, framed, in order, the
+// text the whole completion's.
+TEST(Serve, AStreamPausedByItsClientArrivesWholeWhenItReadsAgain) {
+  ServeOptions o;
+  o.write_timeout_s = 30;
+  o.send_buffer_bytes = 16 << 10;
+  Running s(o, /*block_size=*/1024);
+  json body{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 300},
+            {"n", 4},          {"logprobs", 5},     {"temperature", 0}};
+  const auto whole = s.post(body);
+  ASSERT_TRUE(whole);
+  ASSERT_EQ(whole->status, 200) << whole->body;
+  const json expected = json::parse(whole->body)["choices"];
+  body["stream"] = true;
+  RawConnection c(s.port(), /*rcvbuf=*/4096);
+  // Asking for gzip as well: httplib leaves event streams uncompressed.
+  c.send(post_text(body, "Connection: close\r\nAccept-Encoding: gzip, deflate\r\n"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // 4 x 300 chunks: buffers fill
+  const std::string response = c.read_all(60);
+  EXPECT_TRUE(c.closed());
+  bool done = false;
+  std::vector<std::string> texts(4);
+  for (const json& e : events_of(dechunked_body(response), done))
+    for (const json& choice : e["choices"])
+      texts.at(choice["index"].get<size_t>()) += choice["text"].get<std::string>();
+  EXPECT_TRUE(done);
+  for (const json& choice : expected)
+    EXPECT_EQ(texts.at(choice["index"].get<size_t>()), choice["text"].get<std::string>());
+}
+
 // With an API key every endpoint but /health wants it: missing or wrong, 401 with OpenAI's
 // error object; right, answered.
 TEST(Serve, AnApiKeyGuardsEveryEndpointButHealth) {
