@@ -34,6 +34,18 @@ std::vector<uint32_t> bits(const std::vector<float>& v) {
   return b;
 }
 
+// A case's name: "n<N>_k<K>_m<M>" of its ((N, K), M).
+std::string shape_name(
+    const ::testing::TestParamInfo<std::tuple<std::pair<int64_t, int64_t>, int64_t>>& info) {
+  std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
+  name += std::to_string(std::get<0>(info.param).first);
+  name += "_k";
+  name += std::to_string(std::get<0>(info.param).second);
+  name += "_m";
+  name += std::to_string(std::get<1>(info.param));
+  return name;
+}
+
 // (N, K, M): whole blocks, a short last block of rows, K with and without a 16-column tail,
 // and for the bf16 form's pairs of chunks: K = 40 ends on a lone short chunk, 48 on a lone
 // whole one, 56 on a whole and a short one, 17 within one pair; one row, one column; 1 to 7
@@ -128,21 +140,13 @@ INSTANTIATE_TEST_SUITE_P(
                           std::pair<int64_t, int64_t>{24, 48}, std::pair<int64_t, int64_t>{13, 56},
                           std::pair<int64_t, int64_t>{5, 32}),
         ::testing::Values(1, 2, 3, 5, 7)),
-    [](const auto& info) {
-      std::string name = "n";  // not "n" + ...: GCC 12's -Wrestrict
-      name += std::to_string(std::get<0>(info.param).first);
-      name += "_k";
-      name += std::to_string(std::get<0>(info.param).second);
-      name += "_m";
-      name += std::to_string(std::get<1>(info.param));
-      return name;
-    });
+    shape_name);
 
 // ---- integer products (gemm_packed_int8) ----
 
 // Activations round as llama.cpp's x86 path rounds them: d = max|x| / 127 to f16, codes
 // x * 127 / max|x| to the nearest integer, ties to even; a block of zeros gives zeros.
-TEST(GemmPackedInt8, ActivationsRoundToQ8BlocksAsLlamaCppDoes) {
+TEST(Q8Activations, RoundToQ8BlocksAsLlamaCppDoes) {
   std::vector<float> x(96, 0.0f);
   // Block 0: max|x| = 127, so the codes are x rounded (2.5 -> 2, 3.5 -> 4, -0.5 -> 0).
   const float b0[6] = {127, 2.5f, 3.5f, -0.5f, -126.4f, 1.5f};
@@ -323,15 +327,7 @@ INSTANTIATE_TEST_SUITE_P(
                           std::pair<int64_t, int64_t>{13, 96}, std::pair<int64_t, int64_t>{100, 1024},
                           std::pair<int64_t, int64_t>{5, 32}),
         ::testing::Values(1, 2, 5)),
-    [](const auto& info) {
-      std::string name = "n";
-      name += std::to_string(std::get<0>(info.param).first);
-      name += "_k";
-      name += std::to_string(std::get<0>(info.param).second);
-      name += "_m";
-      name += std::to_string(std::get<1>(info.param));
-      return name;
-    });
+    shape_name);
 
 // gemm<float> at a few rows of A (the row kernels: attention's q k^T and p v over the cache at
 // decode, a Linear at a small batch) and past them (the BLAS) equals the product in double,
