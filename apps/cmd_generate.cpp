@@ -136,9 +136,11 @@ GenerateOptions options_of(const GenerateArgs& a) {
   return o;
 }
 
-// --json's document: every row, the timings, the cache, the sampling and the model.
+// --json's document: every row, the timings, the cache, the sampling and the model (its
+// matrices multiplied in integers or not: DecodeStep::multiplies_in_integers).
 nlohmann::json result_json(const GenerateArgs& a, const GenerationResult& res, const GPT& model,
-                           Device device, const std::vector<std::string>& prompts) {
+                           bool integer_products, Device device,
+                           const std::vector<std::string>& prompts) {
   using nlohmann::json;
   const GenerationStats& st = res.stats;
   json rows = json::array();
@@ -181,7 +183,7 @@ nlohmann::json result_json(const GenerateArgs& a, const GenerationResult& res, c
                 {"block_size", model.config().block_size},
                 {"vocab_size", model.config().vocab_size},
                 {"weight_dtype", a.weight_dtype},
-                {"int8_products", a.int8_products}}}};
+                {"int8_products", integer_products}}}};
 }
 
 // The notes on stderr after a text generation: rows stopped at the context, then the timings
@@ -263,7 +265,7 @@ void run_generate(const GenerateArgs& a) {
   const GenerationResult res = engine.generate_ids(ids, o);
   if (a.json) {
     // A byte tokenizer can produce invalid UTF-8: replace it rather than fail.
-    std::printf("%s\n", result_json(a, res, model, device, prompts)
+    std::printf("%s\n", result_json(a, res, model, engine.decode_step().multiplies_in_integers(), device, prompts)
                             .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
     return;

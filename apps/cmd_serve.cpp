@@ -131,7 +131,8 @@ void run_serve(const ServeArgs& a) {
                "kvlab: serving %s on http://%s:%d (%s, %s matrices%s, context %lld, up to %lld "
                "sequences; POST /v1/completions, GET /v1/models /health /metrics)\n",
                o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
-               a.weight_dtype.c_str(), a.int8_products ? " in integer products" : "",
+               a.weight_dtype.c_str(),
+               engine.decode_step().multiplies_in_integers() ? " in integer products" : "",
                static_cast<long long>(context),
                static_cast<long long>(a.max_seqs));
   if (api_key.empty() && !is_loopback(a.host))

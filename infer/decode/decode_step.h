@@ -54,6 +54,9 @@ class DecodeStep {
   // input rounded to q8_0 blocks (cpu::gemm_packed_int8). Faster, and no longer the bits of
   // GPT::forward. Taken by the next pack().
   bool int8_products = false;
+  // Whether the step's products are integer ones: int8_products, the packed kernels in this
+  // build, and a matrix whose values q8_0 or q4_0 blocks hold (decode::exact_form).
+  bool multiplies_in_integers() const;
 
   // Whether a cached forward of `tokens` runs here rather than through GPT::forward: enabled,
   // the model on the CPU in f32, T = 1 and no gradients recorded.

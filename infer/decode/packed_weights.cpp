@@ -168,6 +168,15 @@ DecodeStep::PackGuard::~PackGuard() {
   if (step_ != nullptr) --step_->pack_users_;
 }
 
+bool DecodeStep::multiplies_in_integers() const {
+  if (!int8_products || !packing_applies()) return false;
+  for (const Tensor* w : decode_matrices(model_)) {
+    const cpu::PackedForm f = exact_form(*w);
+    if (f == cpu::PackedForm::Q8_0 || f == cpu::PackedForm::Q4_0) return true;
+  }
+  return false;
+}
+
 int64_t DecodeStep::weight_bytes() const {
   const int64_t tables = (model_.wpe ? model_.wpe->weight.numel() : 0) +
                          (model_.lm_head ? model_.wte.weight.numel() : 0);

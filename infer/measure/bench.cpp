@@ -273,7 +273,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
            {"cache_dtype", dtype_name(o.cache_dtype)},
            {"weight_dtype", weight_dtype_name(o.weight_dtype)},
            {"fused_decode", o.fused_decode && model.device() == Device::CPU},
-           {"int8_products", o.int8_products},
+           {"int8_products", engine.decode_step().multiplies_in_integers()},
            {"runs", o.runs},
            {"sampling", "greedy"},
            {"results", json::array()}};

@@ -128,13 +128,15 @@ std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int3
   std::vector<std::unique_ptr<GPT>> models;
   models.push_back(rounded_copy(model, WeightDtype::F32));  // the reference
   for (const WeightDtype d : dtypes) models.push_back(rounded_copy(model, d));
-  auto in_integers = [&](size_t i) {  // whether models[i] is scored with integer products
-    return int8_products && i > 0 &&
-           (dtypes[i - 1] == WeightDtype::Q8_0 || dtypes[i - 1] == WeightDtype::Q4_0);
-  };
+  std::vector<char> in_integers(models.size());  // models[i] scored with integer products
+  for (size_t i = 1; i < models.size(); ++i) {
+    DecodeStep step(*models[i]);
+    step.int8_products = int8_products;
+    in_integers[i] = step.multiplies_in_integers();
+  }
   std::vector<LogitsFn> fns;
   for (size_t i = 0; i < models.size(); ++i)
-    if (in_integers(i))
+    if (in_integers[i] != 0)
       fns.push_back([&m = *models[i]](const Tensor& t) { return stepwise_logits(m, t, true); });
     else
       fns.push_back([&m = *models[i]](const Tensor& t) { return cached_prefill_logits(m, t, DType::F32); });
@@ -144,7 +146,7 @@ std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int3
   std::vector<WeightQuality> out(dtypes.size());
   for (size_t i = 0; i < dtypes.size(); ++i) {
     const WindowScores& s = scores[i + 1];
-    out[i] = {dtypes[i], in_integers(i + 1), DecodeStep(*models[i + 1]).weight_bytes(), mean_of(s.token_loss),
+    out[i] = {dtypes[i], in_integers[i + 1] != 0, DecodeStep(*models[i + 1]).weight_bytes(), mean_of(s.token_loss),
               mean_of(s.token_loss) - ref_loss, s.kl, s.top1, static_cast<int64_t>(x.size())};
   }
   return out;

@@ -188,7 +188,7 @@ TEST(WeightQuality, ReportsWhatItSays) {
 // costs more than the exact rows' (q8_0: the weights' own rounding is small beside it).
 TEST(WeightQuality, IntegerProductsAreScoredStepByStep) {
   auto model = test::random_model(quality_config(2), 31);
-  const GPTConfig& c = model->config();
+  const GPTConfig c = model->config();  // a copy: the model is made again below
   Generator gen(9);
   const int64_t N = 6, T = 16;
   const Tensor tokens = test::random_tokens(gen, c.vocab_size, N, T);

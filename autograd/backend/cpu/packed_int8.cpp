@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <memory>
+#include <new>
 
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/dot_simd.h"
@@ -28,6 +29,32 @@ struct Q8Row {
   const int8_t* codes;
   const float* scales;
 };
+
+// Each thread's rows of a rounded to q8_0 (M rows of K), kept for its next call: null where
+// it cannot grow (this runs inside the decode step's parallel region, which must not throw).
+Q8Row* rounded_rows(const float* a, int64_t lda, int64_t M, int64_t K) {
+  struct Scratch {
+    std::unique_ptr<char[]> bytes;
+    size_t size = 0;
+  };
+  thread_local Scratch s;
+  const size_t blocks = static_cast<size_t>(M * K / kGgmlBlock);
+  const size_t need = static_cast<size_t>(M) * sizeof(Q8Row) + blocks * sizeof(float) +
+                      static_cast<size_t>(M * K);
+  if (need > s.size) {
+    s.bytes.reset(new (std::nothrow) char[need]);
+    s.size = s.bytes ? need : 0;
+    if (!s.bytes) return nullptr;
+  }
+  auto* rows = reinterpret_cast<Q8Row*>(s.bytes.get());
+  auto* scales = reinterpret_cast<float*>(rows + M);
+  auto* codes = reinterpret_cast<int8_t*>(scales + blocks);
+  for (int64_t m = 0; m < M; ++m) {
+    rows[m] = {codes + m * K, scales + m * K / kGgmlBlock};
+    quantise_q8_activations(a + m * lda, K, codes + m * K, scales + m * K / kGgmlBlock);
+  }
+  return rows;
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Row i of an 8-row block in lane i: each accumulator holds `per` rows, 16 / per lanes each.
@@ -148,16 +175,16 @@ Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
 // y[m, n] for one form over its 8-row blocks, every row of a against a block while it is in
 // L1.
 template <bool kNibbles>
-void products(float* y, int64_t ldy, const std::vector<Q8Row>& rows, const char* packed,
+void products(float* y, int64_t ldy, const Q8Row* rows, int64_t M, const char* packed,
               int64_t K, int64_t n0, int64_t n1, float beta) {
   const int64_t blocks = K / kGgmlBlock, block_bytes = blocks * kUnit<kNibbles>;
   for (int64_t nb = n0 / kRows; nb * kRows < n1; ++nb) {
     const int64_t i0 = std::max(n0, nb * kRows) - nb * kRows;
     const int64_t i1 = std::min(n1, (nb + 1) * kRows) - nb * kRows;
-    for (size_t m = 0; m < rows.size(); ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       alignas(64) float dots[16];  // lane i: row i of the block
       vstore(dots, block_dots<kNibbles>(packed + nb * block_bytes, rows[m], blocks));
-      float* ym = y + static_cast<int64_t>(m) * ldy + nb * kRows;
+      float* ym = y + m * ldy + nb * kRows;
       for (int64_t i = i0; i < i1; ++i) ym[i] = beta == 0.0f ? dots[i] : beta * ym[i] + dots[i];
     }
   }
@@ -169,12 +196,21 @@ void quantise_q8_activations(const float* x, int64_t K, int8_t* codes, float* sc
   for (int64_t p = 0; p < K / kGgmlBlock; ++p) {
     const float* xb = x + p * kGgmlBlock;
     float amax = 0;
-    for (int64_t j = 0; j < kGgmlBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    bool finite = true;
+    for (int64_t j = 0; j < kGgmlBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
     const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    // The current rounding mode (nearest, ties to even), as cvtps2dq rounds.
-    for (int64_t j = 0; j < kGgmlBlock; ++j)
-      codes[p * kGgmlBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-    scales[p] = f16_to_f32(f32_to_f16(amax / 127.0f));
+    for (int64_t j = 0; j < kGgmlBlock; ++j) {
+      // The current rounding mode (nearest, ties to even), as cvtps2dq rounds. Within
+      // [-127, 127] but where x * id is not a number (a non-finite block, or one so small
+      // that id overflows): 0.
+      const float q = std::nearbyint(xb[j] * id);
+      codes[p * kGgmlBlock + j] = q >= -127.0f && q <= 127.0f ? static_cast<int8_t>(q) : 0;
+    }
+    // A NaN scale carries a non-finite block into every product, as the exact products do.
+    scales[p] = finite ? f16_to_f32(f32_to_f16(amax / 127.0f)) : std::nanf("");
   }
 }
 
@@ -183,23 +219,15 @@ void gemm_packed_int8(PackedForm form, float* y, int64_t ldy, const float* a, in
                       float beta) {
   KVLAB_ASSERT((form == PackedForm::Q8_0 || form == PackedForm::Q4_0) && K % kGgmlBlock == 0,
                "gemm_packed_int8: a ", packed_form_name(form), " weight of K ", K);
-  // Each thread's rounded rows, kept for its next call.
-  thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> scales;
-  codes.resize(static_cast<size_t>(M * K));
-  scales.resize(static_cast<size_t>(M * K / kGgmlBlock));
-  std::vector<Q8Row> rows(static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* c = codes.data() + m * K;
-    float* s = scales.data() + m * K / kGgmlBlock;
-    quantise_q8_activations(a + m * lda, K, c, s);
-    rows[static_cast<size_t>(m)] = {c, s};
-  }
+  const Q8Row* rows = rounded_rows(a, lda, M, K);
+  // Out of memory for a few rows of codes: the exact products, rather than an exception
+  // inside the decode step's parallel region.
+  if (rows == nullptr) return gemm_packed(form, y, ldy, a, lda, packed, M, K, n0, n1, beta);
   const auto* w = static_cast<const char*>(packed);
   if (form == PackedForm::Q8_0)
-    products<false>(y, ldy, rows, w, K, n0, n1, beta);
+    products<false>(y, ldy, rows, M, w, K, n0, n1, beta);
   else
-    products<true>(y, ldy, rows, w, K, n0, n1, beta);
+    products<true>(y, ldy, rows, M, w, K, n0, n1, beta);
 }
 #else
 void quantise_q8_activations(const float*, int64_t, int8_t*, float*) {

@@ -170,6 +170,17 @@ TEST(Q8Activations, RoundToQ8BlocksAsLlamaCppDoes) {
   EXPECT_EQ(scales[1], f16_to_f32(f32_to_f16(16.0f / 127.0f)));
   EXPECT_NE(scales[1], 16.0f / 127.0f);  // rounded to f16
   EXPECT_EQ(scales[2], 0.0f);
+  // A block holding NaN or an infinity: a NaN scale (carried into every product) and codes
+  // within range; one so small that 127 / max|x| overflows: finite codes, its f16 scale 0.
+  std::fill(x.begin(), x.end(), 1.0f);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[40] = -std::numeric_limits<float>::infinity();
+  std::fill(x.begin() + 64, x.end(), 1e-39f);
+  cpu::quantise_q8_activations(x.data(), 96, codes.data(), scales.data());
+  EXPECT_TRUE(std::isnan(scales[0]));
+  EXPECT_TRUE(std::isnan(scales[1]));
+  EXPECT_EQ(scales[2], 0.0f);
+  for (int j = 0; j < 96; ++j) EXPECT_GE(codes[j], -127) << j;
 }
 
 // gemm_packed_int8 against the integer products in double: a's rows rounded by
