@@ -265,7 +265,8 @@ void run_generate(const GenerateArgs& a) {
   const GenerationResult res = engine.generate_ids(ids, o);
   if (a.json) {
     // A byte tokenizer can produce invalid UTF-8: replace it rather than fail.
-    std::printf("%s\n", result_json(a, res, model, engine.decode_step().multiplies_in_integers(), device, prompts)
+    const bool integer_products = engine.decode_step().multiplies_in_integers();
+    std::printf("%s\n", result_json(a, res, model, integer_products, device, prompts)
                             .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
     return;

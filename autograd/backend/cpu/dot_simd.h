@@ -133,6 +133,15 @@ Vec sum_lanes8(const Vec v[8]) {
 #endif
 
 constexpr int64_t kRows = 8, kCols = 16;  // a block of w: 8 rows, in chunks of 16 columns
+
+// The packed q8_0 (kNibbles false) and q4_0 forms' unit of 8 rows x 32 columns (packed.cpp's
+// QuantPairs, read by gemm_packed and gemm_packed_int8): the rows' scales as f32, then each
+// row's codes.
+template <bool kNibbles>
+struct QuantUnit {
+  static constexpr int64_t kScaleBytes = kRows * 4, kRowBytes = kNibbles ? 16 : 32;
+  static constexpr int64_t kBytes = kScaleBytes + kRows * kRowBytes;
+};
 constexpr int64_t kParts = kCols / kLanes;  // vectors a chunk
 
 // 16 columns of one row, as kParts vectors.

@@ -71,8 +71,9 @@ struct Bf16Pairs {
 // 2p + 1 are its block p, widened exactly: code * scale has at most 19 significant bits.
 template <bool kNibbles>
 struct QuantPairs {
-  static constexpr int64_t kScaleBytes = kRows * 4, kRowBytes = kNibbles ? 16 : 32;
-  static constexpr int64_t kUnit = kScaleBytes + kRows * kRowBytes;
+  static constexpr int64_t kScaleBytes = QuantUnit<kNibbles>::kScaleBytes;
+  static constexpr int64_t kRowBytes = QuantUnit<kNibbles>::kRowBytes;
+  static constexpr int64_t kUnit = QuantUnit<kNibbles>::kBytes;
   const char* w;
   template <bool kOdd>
   [[gnu::always_inline]] Chunk load(int64_t i, int64_t c, int64_t) const {

@@ -19,10 +19,11 @@ namespace kvlab::cpu {
 #if defined(KVLAB_ROW_KERNELS)
 namespace {
 
-// Bytes of a unit of 8 rows x 32 columns of the packed q8_0 (false) or q4_0 form: the 8 rows'
-// scales as f32, then each row's codes (packed.cpp's QuantPairs).
+// Bytes of a unit of 8 rows x 32 columns, and of its scales, which its codes follow.
 template <bool kNibbles>
-constexpr int64_t kUnit = kRows * 4 + kRows * (kNibbles ? 16 : 32);
+constexpr int64_t kUnit = QuantUnit<kNibbles>::kBytes;
+template <bool kNibbles>
+constexpr int64_t kScales = QuantUnit<kNibbles>::kScaleBytes;
 
 // A q8_0 row of activations: codes (K) and each block's scale as f32.
 struct Q8Row {
@@ -82,40 +83,47 @@ Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
   __m512 acc[kVecs];
   for (auto& a : acc) a = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
+  // Accumulator j takes the block's integer sums, each lane times its row's two scales.
+  auto accumulate = [&](int j, __m512i sum, __m512 scales) {
+    acc[j] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, sum),
+                             _mm512_maskz_permutexvar_ps(0xffff, idx[j], scales), acc[j]);
+  };
+  // 16 activation codes from p, in each 128-bit lane.
+  auto codes16 = [](const int8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_maskz_broadcast_i32x4(0xffff, v);
+  };
   for (int64_t p = 0; p < blocks; ++p) {
     const char* u = w + p * kUnit<kNibbles>;
-    const __m512 scales = _mm512_mul_ps(
-        _mm512_maskz_loadu_ps(0x00ff, reinterpret_cast<const float*>(u)), _mm512_set1_ps(x.scales[p]));
+    const __m512 scales =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(0x00ff, reinterpret_cast<const float*>(u)),
+                      _mm512_set1_ps(x.scales[p]));
     const int8_t* xc = x.codes + p * kGgmlBlock;
     if constexpr (kNibbles) {
       // Codes 0..15 stand for -8..7: dot(code, x) - 8 * sum(x), the correction starting
       // each lane's sum. A 128-bit lane is a row: its low nibbles meet columns 0-15, the high
       // ones 16-31.
-      const __m512i lo_x = _mm512_maskz_broadcast_i32x4(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xc)));
-      const __m512i hi_x =
-          _mm512_maskz_broadcast_i32x4(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xc + 16)));
+      const __m512i lo_x = codes16(xc), hi_x = codes16(xc + 16);
       const __m512i eights = _mm512_set1_epi8(8), low = _mm512_set1_epi8(0x0f);
       const __m512i start = _mm512_sub_epi32(
           zero, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, eights, lo_x), eights, hi_x));
       for (int j = 0; j < kVecs; ++j) {
-        const __m512i b = _mm512_loadu_si512(u + kRows * 4 + j * 64);
+        const __m512i b = _mm512_loadu_si512(u + kScales<kNibbles> + j * 64);
         const __m512i lo = _mm512_and_si512(b, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
         const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, lo_x), hi, hi_x);
-        acc[j] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, sum), _mm512_maskz_permutexvar_ps(0xffff, idx[j], scales),
-                                 acc[j]);
+        accumulate(j, sum, scales);
       }
     } else {
       // Signed by signed as unsigned by signed: |w| times x with w's sign (|-128| reads as 128).
       // A 256-bit half is a row.
-      const __m512i xv =
-          _mm512_maskz_broadcast_i64x4(0xff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+      const __m512i xv = _mm512_maskz_broadcast_i64x4(
+          0xff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
       for (int j = 0; j < kVecs; ++j) {
-        const __m512i wv = _mm512_loadu_si512(u + kRows * 4 + j * 64);
+        const __m512i wv = _mm512_loadu_si512(u + kScales<kNibbles> + j * 64);
         const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);
         const __m512i sum = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx);
-        acc[j] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, sum), _mm512_maskz_permutexvar_ps(0xffff, idx[j], scales),
-                                 acc[j]);
+        accumulate(j, sum, scales);
       }
     }
   }
@@ -126,7 +134,8 @@ Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
 inline Vec rows_of(const __m256* acc) {
 #if defined(__AVX512F__)  // without VNNI: the 256-bit sums, widened for AVX-512's lane tree
   Vec v[kRows];
-  for (int i = 0; i < kRows; ++i) v[i] = _mm512_maskz_mov_ps(0x00ff, _mm512_castps256_ps512(acc[i]));
+  for (int i = 0; i < kRows; ++i)
+    v[i] = _mm512_maskz_mov_ps(0x00ff, _mm512_castps256_ps512(acc[i]));
   return sum_lanes8(v);
 #else
   return sum_lanes8(acc);
@@ -151,7 +160,8 @@ Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
     for (int i = 0; i < kRows; ++i) {
       __m256i sum;
       if constexpr (kNibbles) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + kRows * 4 + i * 16));
+        const char* row = u + kScales<kNibbles> + i * 16;
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
         const __m128i low = _mm_set1_epi8(0x0f);
         const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
                                                _mm_and_si128(b, low));
@@ -160,7 +170,7 @@ Vec block_dots(const char* w, Q8Row x, int64_t blocks) {
       } else {
         // |w| times x with w's sign: a pair's sum is at most 2 * 128 * 127, within int16.
         const __m256i wv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + kRows * 4 + i * 32));
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + kScales<kNibbles> + i * 32));
         sum = _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), ones);
       }
