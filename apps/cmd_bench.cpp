@@ -456,13 +456,18 @@ void print_serve(const json& r) {
     const json& h = r["http_overhead"];
     std::printf("\none stream of %lld + %lld tokens, %lld rounds: in process %.1f tok/s "
                 "(through the scheduler %.1f), over HTTP (stream interval %g ms) %.1f tok/s, "
-                "HTTP / in process %.3f (min %.3f, max %.3f)\n",
+                "HTTP / in process %.3f (min %.3f, max %.3f)\n  the server's side alone (its "
+                "client woken per %lld KiB, not per chunk): %.3f (min %.3f, max %.3f)\n",
                 h["prompt_tokens"].get<long long>(), h["new_tokens"].get<long long>(),
                 h["rounds"].get<long long>(), h["in_process_tokens_per_s"].get<double>(),
                 h["scheduler_tokens_per_s"].get<double>(), h["stream_interval_ms"].get<double>(),
                 h["http_tokens_per_s"].get<double>(),
                 h["ratio"]["median"].get<double>(),
-                h["ratio"]["min"].get<double>(), h["ratio"]["max"].get<double>());
+                h["ratio"]["min"].get<double>(), h["ratio"]["max"].get<double>(),
+                h["batched_reads_bytes"].get<long long>() / 1024,
+                h["batched_reads_ratio"]["median"].get<double>(),
+                h["batched_reads_ratio"]["min"].get<double>(),
+                h["batched_reads_ratio"]["max"].get<double>());
   }
 }
 
@@ -676,7 +681,8 @@ void add_serve_command(CLI::App* bench) {
   cmd->add_flag("--http", args->http,
                 "Also serve the workload through kvlab serve on loopback, one streamed HTTP "
                 "connection per request, and measure one stream's tokens/s over HTTP against "
-                "in process");
+                "in process, also with a client woken per 16 KiB instead of per chunk (the "
+                "server's side alone, where the client shares the machine's cores)");
   cmd->add_option("--url", args->url,
                   "Replay the workload against a running server at this URL (http://HOST:PORT) "
                   "instead, over HTTP only: kvlab serve, or another OpenAI-compatible one "

@@ -56,9 +56,12 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
 
 // One greedy request of `prompt_tokens` + `new_tokens`, made `rounds` times by the engine in
 // process (Engine::generate, as kvlab generate) and streamed over HTTP from an in-process
-// server on loopback (ServeOptions::stream_interval_s), alternately. Tokens/s of each (start to last token) and each round's
-// HTTP / in-process ratio: {in_process_tokens_per_s, http_tokens_per_s, ratio {median, min,
-// max}, rounds}.
+// server on loopback (ServeOptions::stream_interval_s), alternately. Tokens/s of each (start
+// to last token) and each round's HTTP / in-process ratio: {in_process_tokens_per_s,
+// http_tokens_per_s, ratio {median, min, max}, rounds}. Each round streams the request once
+// more to a client woken per batched_reads_bytes rather than per chunk
+// (http_batched_reads_tokens_per_s, batched_reads_ratio): on a machine whose cores all run
+// the model, what the server's side costs without the client's wake-ups.
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
                              int64_t new_tokens, int rounds, double stream_interval_s);
 
