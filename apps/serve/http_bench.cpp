@@ -54,8 +54,10 @@ int64_t choice_index(std::string_view chunk) {
 // Streams one completion; calls on_text with the choice of each chunk that carries one.
 // Returns the tokens made (the usage chunk's count), or throws kvlab::Error. With
 // read_low_water > 0 the client is woken only once that many bytes wait (SO_RCVLOWAT) or the
-// response ends, instead of at every chunk: the server still sends every chunk, but the
-// client's own wake-ups no longer take time from a server on the same cores.
+// connection closes, instead of at every chunk: the server still sends every chunk, but the
+// client's own wake-ups no longer take time from a server on the same cores. The request asks
+// `Connection: close`, so that the last bytes arrive with the close rather than wait below the
+// mark.
 int64_t stream_completion(const std::string& url, const json& body,
                           const std::function<void(int64_t choice)>& on_text,
                           int read_low_water = 0) {
@@ -70,6 +72,7 @@ int64_t stream_completion(const std::string& url, const json& body,
   req.path = "/v1/completions";
   req.body = body.dump();
   req.set_header("Content-Type", "application/json");
+  req.set_header("Connection", "close");
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     events.feed(std::string_view(data, n));
     return true;
