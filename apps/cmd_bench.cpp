@@ -679,10 +679,12 @@ void add_serve_command(CLI::App* bench) {
   add_kv_dtype_flag(cmd, args->kv_dtype);
   add_number(cmd, "--seed", args->seed, "Seed of the workload and the random weights");
   cmd->add_flag("--http", args->http,
-                "Also serve the workload through kvlab serve on loopback, one streamed HTTP "
-                "connection per request, and measure one stream's tokens/s over HTTP against "
-                "in process, also with a client woken per 16 KiB instead of per chunk (the "
-                "server's side alone, where the client shares the machine's cores)");
+                detail::cat("Also serve the workload through kvlab serve on loopback, one "
+                            "streamed HTTP connection per request, and measure one stream's "
+                            "tokens/s over HTTP against in process, also with a client woken per ",
+                            kBatchedReadBytes / 1024,
+                            " KiB instead of per chunk (the server's side alone, where the "
+                            "client shares the machine's cores)"));
   cmd->add_option("--url", args->url,
                   "Replay the workload against a running server at this URL (http://HOST:PORT) "
                   "instead, over HTTP only: kvlab serve, or another OpenAI-compatible one "

@@ -256,8 +256,14 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   const std::string url = detail::cat("http://127.0.0.1:", server.bind());
   std::thread serving([&] { server.run(); });
 
-  // The client reading in batches of this many bytes: the server's side of the cost alone.
-  constexpr int kBatchedReadBytes = 16 * 1024;
+  // Tokens/s of the request streamed over HTTP to a client woken per read_low_water bytes
+  // (0: per chunk).
+  auto streamed_rate = [&](int read_low_water) {
+    const auto t0 = Clock::now();
+    const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens),
+                                           [](int64_t) {}, read_low_water);
+    return static_cast<double>(made) / seconds_since(t0);
+  };
   std::vector<double> local_rate, sched_rate, http_rate, ratio, batched_rate, batched_ratio;
   std::string failure;
   try {
@@ -271,14 +277,9 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
       while (!scheduler.idle())
         for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
       sched_rate.push_back(static_cast<double>(n) / seconds_since(t0));
-      t0 = Clock::now();
-      const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens), [](int64_t) {});
-      http_rate.push_back(static_cast<double>(made) / seconds_since(t0));
+      http_rate.push_back(streamed_rate(0));
       ratio.push_back(http_rate.back() / local_rate.back());
-      t0 = Clock::now();
-      const int64_t batched = stream_completion(url, completion_body("bench", prompt, new_tokens),
-                                                [](int64_t) {}, kBatchedReadBytes);
-      batched_rate.push_back(static_cast<double>(batched) / seconds_since(t0));
+      batched_rate.push_back(streamed_rate(kBatchedReadBytes));
       batched_ratio.push_back(batched_rate.back() / local_rate.back());
     }
   } catch (const Error& e) {

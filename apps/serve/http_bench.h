@@ -62,6 +62,8 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
 // more to a client woken per batched_reads_bytes rather than per chunk
 // (http_batched_reads_tokens_per_s, batched_reads_ratio): on a machine whose cores all run
 // the model, what the server's side costs without the client's wake-ups.
+// http_overhead's second client reads in batches of this many bytes: the server's side alone.
+inline constexpr int kBatchedReadBytes = 16 * 1024;
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
                              int64_t new_tokens, int rounds, double stream_interval_s);
 
