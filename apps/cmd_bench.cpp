@@ -65,6 +65,7 @@ struct BenchArgs {
   bool http = false;               // serve: also over HTTP, through an in-process kvlab serve
   std::string url;                 // serve: only over HTTP, against a running kvlab serve
   double stream_interval_ms = 0;   // serve --http: the server's
+  int64_t http_streams = 32;       // serve --http: the many-streams measurement's streams
   // kv-quality's own settings
   std::string data;                                       // corpus (default: the checkpoint's)
   std::string kv_dtypes = "f32,bf16,fp8,int8,int4";
@@ -468,6 +469,19 @@ void print_serve(const json& r) {
                 h["batched_reads_ratio"]["median"].get<double>(),
                 h["batched_reads_ratio"]["min"].get<double>(),
                 h["batched_reads_ratio"]["max"].get<double>());
+    if (h.contains("many_streams")) {
+      const json& s = h["many_streams"];
+      std::printf("%lld streams at once, %lld + %lld tokens each: through the scheduler in "
+                  "process %.1f tok/s, over HTTP %.1f tok/s, HTTP / in process %.3f (min %.3f, "
+                  "max %.3f)\n  the server's side alone: %.3f (min %.3f, max %.3f)\n",
+                  s["streams"].get<long long>(), h["prompt_tokens"].get<long long>(),
+                  s["new_tokens"].get<long long>(), s["scheduler_tokens_per_s"].get<double>(),
+                  s["http_tokens_per_s"].get<double>(), s["ratio"]["median"].get<double>(),
+                  s["ratio"]["min"].get<double>(), s["ratio"]["max"].get<double>(),
+                  s["batched_reads_ratio"]["median"].get<double>(),
+                  s["batched_reads_ratio"]["min"].get<double>(),
+                  s["batched_reads_ratio"]["max"].get<double>());
+    }
   }
 }
 
@@ -523,6 +537,7 @@ void run_bench_serve(BenchArgs& a) {
   }
   KVLAB_USAGE_CHECK(o.max_batch_tokens >= 1, "--max-batch-tokens must be >= 1, got ",
                     o.max_batch_tokens);
+  KVLAB_USAGE_CHECK(a.http_streams >= 1, "--http-streams must be >= 1, got ", a.http_streams);
   auto [model, tok] = bench_model(a);
   o.seed = a.seed;
   o.cache_dtype = parse_storage_dtype(a.kv_dtype);
@@ -568,7 +583,7 @@ void run_bench_serve(BenchArgs& a) {
   if (a.http) {
     const int64_t context = model->config().block_size;
     r["http_overhead"] = http_overhead(*model, tok, 16, std::min<int64_t>(1000, context - 16), 9,
-                                       a.stream_interval_ms / 1e3);
+                                       a.stream_interval_ms / 1e3, a.http_streams);
   }
   print_serve(r);
   if (!a.json_path.empty()) {
@@ -681,10 +696,12 @@ void add_serve_command(CLI::App* bench) {
   cmd->add_flag("--http", args->http,
                 detail::cat("Also serve the workload through kvlab serve on loopback, one "
                             "streamed HTTP connection per request, and measure one stream's "
-                            "tokens/s over HTTP against in process, also with a client woken per ",
+                            "tokens/s over HTTP against in process, and --http-streams "
+                            "streams at once against the same requests through the scheduler "
+                            "in process; each also with clients woken per ",
                             kBatchedReadBytes / 1024,
                             " KiB instead of per chunk (the server's side alone, where the "
-                            "client shares the machine's cores)"));
+                            "clients share the machine's cores)"));
   cmd->add_option("--url", args->url,
                   "Replay the workload against a running server at this URL (http://HOST:PORT) "
                   "instead, over HTTP only: kvlab serve, or another OpenAI-compatible one "
@@ -693,6 +710,8 @@ void add_serve_command(CLI::App* bench) {
                   "honours ignore_eos");
   add_number(cmd, "--stream-interval", args->stream_interval_ms,
              "With --http: the server's --stream-interval (ms)");
+  add_number(cmd, "--http-streams", args->http_streams,
+             "With --http: the streams at once of the many-streams measurement (1: none)");
   add_number(cmd, "--samples", args->serve.samples,
              "Samples a request asks for (n): sequences that share its prompt");
   add_number(cmd, "--system-prompt", args->serve.system_prompt,

@@ -226,61 +226,112 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
 }
 
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
-                             int64_t new_tokens, int rounds, double stream_interval_s) {
+                             int64_t new_tokens, int rounds, double stream_interval_s,
+                             int64_t streams) {
   const GPTConfig& c = model.config();
   KVLAB_CHECK(prompt_tokens >= 1 && new_tokens >= 1 && prompt_tokens + new_tokens <= c.block_size,
               "bench serve: a prompt of ", prompt_tokens, " and ", new_tokens,
               " new tokens must fit the context of ", c.block_size);
-  std::vector<int32_t> prompt;
-  for (int64_t i = 0; i < prompt_tokens; ++i)
-    prompt.push_back(static_cast<int32_t>((i * 7 + 3) % c.vocab_size));
+  KVLAB_CHECK(streams >= 1, "bench serve: --http-streams must be >= 1, got ", streams);
+  // Stream i's prompt; the streams' prompts differ from their first token, so that no stream
+  // reads another's blocks from the prefix cache.
+  auto prompt_of = [&](int64_t i) {
+    std::vector<int32_t> p;
+    for (int64_t j = 0; j < prompt_tokens; ++j)
+      p.push_back(static_cast<int32_t>((j * 7 + 3 + i * 13) % c.vocab_size));
+    return p;
+  };
+  const std::vector<int32_t> prompt = prompt_of(0);
+  std::vector<std::vector<int32_t>> many;
+  if (streams > 1)
+    for (int64_t i = 0; i < streams; ++i) many.push_back(prompt_of(i));
+  // Each of the many streams makes a quarter of the one stream's tokens: the rounds stay short.
+  const int64_t many_tokens = std::max<int64_t>(1, new_tokens / 4);
   Engine local(model, tokenizer);
   GenerateOptions g;
   g.max_new_tokens = new_tokens;
   g.sampling.temperature = 0;
 
-  // The server's path without HTTP: the same request through a scheduler in process.
+  // The server's path without HTTP: the same requests through a scheduler in process.
   Engine scheduled(model, tokenizer);
   SchedulerOptions sched;
-  sched.max_seqs = 1;
+  sched.max_seqs = streams;
   sched.max_batch_tokens = std::max<int64_t>(512, prompt_tokens);
   Scheduler scheduler(scheduled, sched);
+  // Tokens/s of the prompts through it, all added at once, to the last token.
+  auto scheduled_rate = [&](const std::vector<std::vector<int32_t>>& prompts, int64_t tokens) {
+    GenerateOptions o = g;
+    o.max_new_tokens = tokens;
+    const auto t0 = Clock::now();
+    for (const auto& p : prompts) scheduler.add(p, o);
+    int64_t n = 0;
+    while (!scheduler.idle())
+      for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
+    return static_cast<double>(n) / seconds_since(t0);
+  };
 
   Engine served(model, tokenizer);
   ServeOptions so;
   so.port = 0;
   so.model_name = "bench";
   so.scheduler = sched;
+  so.max_connections = std::max<int64_t>(so.max_connections, streams + 8);
   so.stream_interval_s = stream_interval_s;
   Server server(served, so);
   const std::string url = detail::cat("http://127.0.0.1:", server.bind());
   std::thread serving([&] { server.run(); });
 
-  // Tokens/s of the request streamed over HTTP to a client woken per read_low_water bytes
-  // (0: per chunk).
-  auto streamed_rate = [&](int read_low_water) {
+  // Tokens/s of the prompts streamed over HTTP at once, each to a client of its own woken per
+  // read_low_water bytes (0: per chunk), to the last token.
+  auto streamed_rate = [&](const std::vector<std::vector<int32_t>>& prompts, int64_t tokens,
+                           int read_low_water) {
+    auto one = [&](const std::vector<int32_t>& p) {
+      return stream_completion(url, completion_body("bench", p, tokens), [](int64_t) {},
+                               read_low_water);
+    };
     const auto t0 = Clock::now();
-    const int64_t made = stream_completion(url, completion_body("bench", prompt, new_tokens),
-                                           [](int64_t) {}, read_low_water);
+    int64_t made = 0;
+    if (prompts.size() == 1) {
+      made = one(prompts[0]);  // on this thread, as a client of one stream would
+    } else {
+      std::mutex mu;
+      std::string failure;
+      std::vector<std::thread> clients;
+      for (const auto& p : prompts)
+        clients.emplace_back([&, &p = p] {
+          try {
+            const int64_t n = one(p);
+            std::lock_guard lk(mu);
+            made += n;
+          } catch (const std::exception& e) {
+            std::lock_guard lk(mu);
+            if (failure.empty()) failure = e.what();
+          }
+        });
+      for (std::thread& t : clients) t.join();
+      KVLAB_CHECK(failure.empty(), failure);
+    }
     return static_cast<double>(made) / seconds_since(t0);
   };
   std::vector<double> local_rate, sched_rate, http_rate, ratio, batched_rate, batched_ratio;
+  std::vector<double> many_sched, many_http, many_ratio, many_batched, many_batched_ratio;
   std::string failure;
   try {
     for (int r = 0; r < rounds; ++r) {
       auto t0 = Clock::now();
       const GenerationResult res = local.generate_ids({prompt}, g);
       local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / seconds_since(t0));
-      t0 = Clock::now();
-      scheduler.add(prompt, g);
-      int64_t n = 0;
-      while (!scheduler.idle())
-        for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
-      sched_rate.push_back(static_cast<double>(n) / seconds_since(t0));
-      http_rate.push_back(streamed_rate(0));
+      sched_rate.push_back(scheduled_rate({prompt}, new_tokens));
+      http_rate.push_back(streamed_rate({prompt}, new_tokens, 0));
       ratio.push_back(http_rate.back() / local_rate.back());
-      batched_rate.push_back(streamed_rate(kBatchedReadBytes));
+      batched_rate.push_back(streamed_rate({prompt}, new_tokens, kBatchedReadBytes));
       batched_ratio.push_back(batched_rate.back() / local_rate.back());
+      if (many.empty()) continue;
+      many_sched.push_back(scheduled_rate(many, many_tokens));
+      many_http.push_back(streamed_rate(many, many_tokens, 0));
+      many_ratio.push_back(many_http.back() / many_sched.back());
+      many_batched.push_back(streamed_rate(many, many_tokens, kBatchedReadBytes));
+      many_batched_ratio.push_back(many_batched.back() / many_sched.back());
     }
   } catch (const Error& e) {
     failure = e.what();
@@ -288,17 +339,26 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   server.stop();
   serving.join();
   KVLAB_CHECK(failure.empty(), failure);
-  return {{"prompt_tokens", prompt_tokens},
-          {"stream_interval_ms", stream_interval_s * 1e3},
-          {"new_tokens", new_tokens},
-          {"rounds", rounds},
-          {"in_process_tokens_per_s", median(local_rate)},
-          {"scheduler_tokens_per_s", median(sched_rate)},
-          {"http_tokens_per_s", median(http_rate)},
-          {"ratio", spread(ratio)},
-          {"batched_reads_bytes", kBatchedReadBytes},
-          {"http_batched_reads_tokens_per_s", median(batched_rate)},
-          {"batched_reads_ratio", spread(batched_ratio)}};
+  json out{{"prompt_tokens", prompt_tokens},
+           {"stream_interval_ms", stream_interval_s * 1e3},
+           {"new_tokens", new_tokens},
+           {"rounds", rounds},
+           {"in_process_tokens_per_s", median(local_rate)},
+           {"scheduler_tokens_per_s", median(sched_rate)},
+           {"http_tokens_per_s", median(http_rate)},
+           {"ratio", spread(ratio)},
+           {"batched_reads_bytes", kBatchedReadBytes},
+           {"http_batched_reads_tokens_per_s", median(batched_rate)},
+           {"batched_reads_ratio", spread(batched_ratio)}};
+  if (!many.empty())
+    out["many_streams"] = {{"streams", streams},
+                           {"new_tokens", many_tokens},
+                           {"scheduler_tokens_per_s", median(many_sched)},
+                           {"http_tokens_per_s", median(many_http)},
+                           {"ratio", spread(many_ratio)},
+                           {"http_batched_reads_tokens_per_s", median(many_batched)},
+                           {"batched_reads_ratio", spread(many_batched_ratio)}};
+  return out;
 }
 
 }  // namespace kvlab

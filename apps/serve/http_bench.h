@@ -54,6 +54,9 @@ class CompletionEvents {
 nlohmann::json replay_over_http(const std::string& url, const std::string& model,
                                 const std::vector<KVRequest>& reqs, ServeTimeline t);
 
+// http_overhead's second clients read in batches of this many bytes: the server's side alone.
+inline constexpr int kBatchedReadBytes = 16 * 1024;
+
 // One greedy request of `prompt_tokens` + `new_tokens`, made `rounds` times by the engine in
 // process (Engine::generate, as kvlab generate) and streamed over HTTP from an in-process
 // server on loopback (ServeOptions::stream_interval_s), alternately. Tokens/s of each (start
@@ -62,9 +65,13 @@ nlohmann::json replay_over_http(const std::string& url, const std::string& model
 // more to a client woken per batched_reads_bytes rather than per chunk
 // (http_batched_reads_tokens_per_s, batched_reads_ratio): on a machine whose cores all run
 // the model, what the server's side costs without the client's wake-ups.
-// http_overhead's second client reads in batches of this many bytes: the server's side alone.
-inline constexpr int kBatchedReadBytes = 16 * 1024;
+// With streams > 1 each round also streams that many requests at once (distinct prompts, a
+// quarter of new_tokens each) and runs the same requests through the server's scheduler in
+// process: "many_streams" {streams, new_tokens, scheduler_tokens_per_s, http_tokens_per_s,
+// ratio, http_batched_reads_tokens_per_s, batched_reads_ratio}, over HTTP against the
+// scheduler.
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
-                             int64_t new_tokens, int rounds, double stream_interval_s);
+                             int64_t new_tokens, int rounds, double stream_interval_s,
+                             int64_t streams);
 
 }  // namespace kvlab

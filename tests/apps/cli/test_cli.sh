@@ -90,6 +90,8 @@ check "bench serve" 0 "continuous" -- "$KVLAB" bench serve --n-layer 1 --n-head 
 check "bench serve --rates 0" 2 "--rates must be > 0 requests/s, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --rates 0
 check "bench serve --requests 0" 2 "--requests must be >= 1, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 0
 check "bench serve --http" 0 "the server's side alone" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 8 --kv-block-size 8 --http
+check "bench serve --http-streams" 0 "4 streams at once, 16 + 12 tokens each" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 8 --kv-block-size 8 --http --http-streams 4
+check "bench serve --http-streams 0" 2 "--http-streams must be >= 1, got 0" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --http --http-streams 0
 check "bench serve --samples past static's rows" 1 "20 samples a request need as many rows of static batching, but its KV memory holds 16" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 4 --samples 20
 check "bench serve --samples --system-prompt" 0 "continuous" -- "$KVLAB" bench serve --n-layer 1 --n-head 2 --n-embd 32 --block-size 64 --requests 8 --kv-block-size 8 --samples 2 --system-prompt 8
 check "bench serve --shared-fraction 2" 2 "--shared-fraction must be in [0, 1], got 2" -- "$KVLAB" bench serve --shared-fraction 2
