@@ -101,6 +101,57 @@ json completion_body(const std::string& model, const std::vector<int32_t>& promp
           {"stream_options", {{"include_usage", true}}}};
 }
 
+// Stream i's prompt of n tokens; the streams' prompts differ from their first token, so that
+// no stream reads another's blocks from the prefix cache.
+std::vector<int32_t> bench_prompt(int64_t i, int64_t n, int64_t vocab_size) {
+  std::vector<int32_t> p;
+  for (int64_t j = 0; j < n; ++j)
+    p.push_back(static_cast<int32_t>((j * 7 + 3 + i * 13) % vocab_size));
+  return p;
+}
+
+// Tokens/s of the prompts through the scheduler, all added at once, to the last token.
+double scheduled_rate(Scheduler& scheduler, const std::vector<std::vector<int32_t>>& prompts,
+                      const GenerateOptions& g) {
+  const auto t0 = Clock::now();
+  for (const auto& p : prompts) scheduler.add(p, g);
+  int64_t n = 0;
+  while (!scheduler.idle())
+    for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
+  return static_cast<double>(n) / seconds_since(t0);
+}
+
+// Tokens/s of the prompts streamed from url at once, each to a client of its own woken per
+// read_low_water bytes (0: per chunk), to the last token.
+double streamed_rate(const std::string& url, const std::vector<std::vector<int32_t>>& prompts,
+                     int64_t tokens, int read_low_water) {
+  auto one = [&](const std::vector<int32_t>& p) {
+    return stream_completion(url, completion_body("bench", p, tokens), [](int64_t) {},
+                             read_low_water);
+  };
+  const auto t0 = Clock::now();
+  if (prompts.size() == 1)  // on this thread, as a client of one stream would
+    return static_cast<double>(one(prompts[0])) / seconds_since(t0);
+  int64_t made = 0;
+  std::mutex m;
+  std::string failure;
+  std::vector<std::thread> clients;
+  for (const auto& p : prompts)
+    clients.emplace_back([&, &p = p] {
+      try {
+        const int64_t n = one(p);
+        std::lock_guard lk(m);
+        made += n;
+      } catch (const std::exception& e) {
+        std::lock_guard lk(m);
+        if (failure.empty()) failure = e.what();
+      }
+    });
+  for (std::thread& t : clients) t.join();
+  KVLAB_CHECK(failure.empty(), failure);
+  return static_cast<double>(made) / seconds_since(t0);
+}
+
 }  // namespace
 
 void CompletionEvents::feed(std::string_view bytes) {
@@ -233,24 +284,18 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
               "bench serve: a prompt of ", prompt_tokens, " and ", new_tokens,
               " new tokens must fit the context of ", c.block_size);
   KVLAB_CHECK(streams >= 1, "bench serve: --http-streams must be >= 1, got ", streams);
-  // Stream i's prompt; the streams' prompts differ from their first token, so that no stream
-  // reads another's blocks from the prefix cache.
-  auto prompt_of = [&](int64_t i) {
-    std::vector<int32_t> p;
-    for (int64_t j = 0; j < prompt_tokens; ++j)
-      p.push_back(static_cast<int32_t>((j * 7 + 3 + i * 13) % c.vocab_size));
-    return p;
-  };
-  const std::vector<int32_t> prompt = prompt_of(0);
+  const std::vector<int32_t> prompt = bench_prompt(0, prompt_tokens, c.vocab_size);
   std::vector<std::vector<int32_t>> many;
   if (streams > 1)
-    for (int64_t i = 0; i < streams; ++i) many.push_back(prompt_of(i));
+    for (int64_t i = 0; i < streams; ++i) many.push_back(bench_prompt(i, prompt_tokens, c.vocab_size));
   // Each of the many streams makes a quarter of the one stream's tokens: the rounds stay short.
   const int64_t many_tokens = std::max<int64_t>(1, new_tokens / 4);
   Engine local(model, tokenizer);
   GenerateOptions g;
   g.max_new_tokens = new_tokens;
   g.sampling.temperature = 0;
+  GenerateOptions g_many = g;
+  g_many.max_new_tokens = many_tokens;
 
   // The server's path without HTTP: the same requests through a scheduler in process.
   Engine scheduled(model, tokenizer);
@@ -258,17 +303,6 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   sched.max_seqs = streams;
   sched.max_batch_tokens = std::max<int64_t>(512, prompt_tokens);
   Scheduler scheduler(scheduled, sched);
-  // Tokens/s of the prompts through it, all added at once, to the last token.
-  auto scheduled_rate = [&](const std::vector<std::vector<int32_t>>& prompts, int64_t tokens) {
-    GenerateOptions o = g;
-    o.max_new_tokens = tokens;
-    const auto t0 = Clock::now();
-    for (const auto& p : prompts) scheduler.add(p, o);
-    int64_t n = 0;
-    while (!scheduler.idle())
-      for (const SchedulerEvent& e : scheduler.step()) n += e.token >= 0;
-    return static_cast<double>(n) / seconds_since(t0);
-  };
 
   Engine served(model, tokenizer);
   ServeOptions so;
@@ -281,38 +315,6 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   const std::string url = detail::cat("http://127.0.0.1:", server.bind());
   std::thread serving([&] { server.run(); });
 
-  // Tokens/s of the prompts streamed over HTTP at once, each to a client of its own woken per
-  // read_low_water bytes (0: per chunk), to the last token.
-  auto streamed_rate = [&](const std::vector<std::vector<int32_t>>& prompts, int64_t tokens,
-                           int read_low_water) {
-    auto one = [&](const std::vector<int32_t>& p) {
-      return stream_completion(url, completion_body("bench", p, tokens), [](int64_t) {},
-                               read_low_water);
-    };
-    const auto t0 = Clock::now();
-    int64_t made = 0;
-    if (prompts.size() == 1) {
-      made = one(prompts[0]);  // on this thread, as a client of one stream would
-    } else {
-      std::mutex mu;
-      std::string failure;
-      std::vector<std::thread> clients;
-      for (const auto& p : prompts)
-        clients.emplace_back([&, &p = p] {
-          try {
-            const int64_t n = one(p);
-            std::lock_guard lk(mu);
-            made += n;
-          } catch (const std::exception& e) {
-            std::lock_guard lk(mu);
-            if (failure.empty()) failure = e.what();
-          }
-        });
-      for (std::thread& t : clients) t.join();
-      KVLAB_CHECK(failure.empty(), failure);
-    }
-    return static_cast<double>(made) / seconds_since(t0);
-  };
   std::vector<double> local_rate, sched_rate, http_rate, ratio, batched_rate, batched_ratio;
   std::vector<double> many_sched, many_http, many_ratio, many_batched, many_batched_ratio;
   std::string failure;
@@ -321,16 +323,16 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
       auto t0 = Clock::now();
       const GenerationResult res = local.generate_ids({prompt}, g);
       local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / seconds_since(t0));
-      sched_rate.push_back(scheduled_rate({prompt}, new_tokens));
-      http_rate.push_back(streamed_rate({prompt}, new_tokens, 0));
+      sched_rate.push_back(scheduled_rate(scheduler, {prompt}, g));
+      http_rate.push_back(streamed_rate(url, {prompt}, new_tokens, 0));
       ratio.push_back(http_rate.back() / local_rate.back());
-      batched_rate.push_back(streamed_rate({prompt}, new_tokens, kBatchedReadBytes));
+      batched_rate.push_back(streamed_rate(url, {prompt}, new_tokens, kBatchedReadBytes));
       batched_ratio.push_back(batched_rate.back() / local_rate.back());
       if (many.empty()) continue;
-      many_sched.push_back(scheduled_rate(many, many_tokens));
-      many_http.push_back(streamed_rate(many, many_tokens, 0));
+      many_sched.push_back(scheduled_rate(scheduler, many, g_many));
+      many_http.push_back(streamed_rate(url, many, many_tokens, 0));
       many_ratio.push_back(many_http.back() / many_sched.back());
-      many_batched.push_back(streamed_rate(many, many_tokens, kBatchedReadBytes));
+      many_batched.push_back(streamed_rate(url, many, many_tokens, kBatchedReadBytes));
       many_batched_ratio.push_back(many_batched.back() / many_sched.back());
     }
   } catch (const Error& e) {
