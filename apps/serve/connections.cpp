@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -48,6 +49,8 @@ constexpr double kLingerS = 1;
 
 // Set by close_after_response on the worker thread that serves the request.
 thread_local bool t_close_after = false;
+// The connection of the request the worker thread serves (serve_one's).
+thread_local httplib::Stream* t_stream = nullptr;
 
 // An answer the gate writes itself; the connection closes after it. The body is OpenAI's
 // error object.
@@ -508,12 +511,45 @@ bool HttpServer::process_and_close_socket(socket_t sock) {
 
 void HttpServer::close_after_response() { t_close_after = true; }
 
+httplib::Stream& HttpServer::current_stream() {
+  KVLAB_CHECK(t_stream != nullptr, "current_stream: this thread serves no request");
+  return *t_stream;
+}
+
 bool HttpServer::serve_one(socket_t sock, std::string head, bool last) {
   GateStream strm(sock, std::move(head), options_, *gate_);
   bool closed = false;
   t_close_after = false;
+  t_stream = &strm;
   const bool ok = process_request(strm, last, closed, nullptr);
+  t_stream = nullptr;
   return ok && !closed && !last && !t_close_after && !strm.failed() && svr_sock_ != INVALID_SOCKET;
+}
+
+void append_http_chunk(std::string& out, std::string_view data) {
+  char size[20];
+  const int n = std::snprintf(size, sizeof size, "%zx\r\n", data.size());
+  out.append(size, static_cast<size_t>(n));
+  out += data;
+  out += "\r\n";
+}
+
+int64_t send_now(socket_t sock, std::string_view data) {
+  for (;;) {
+    const ssize_t n = ::send(sock, data.data(), data.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n >= 0) return n;
+    if (errno == EINTR) continue;
+    return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+  }
+}
+
+bool write_all(httplib::Stream& strm, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = strm.write(data.data(), data.size());
+    if (n <= 0) return false;
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
 }
 
 }  // namespace kvlab

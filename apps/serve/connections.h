@@ -20,6 +20,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 
 namespace kvlab {
 
@@ -60,6 +62,9 @@ class HttpServer : public httplib::Server {
   // From a handler: the connection closes once this response is written (a refused request
   // whose body was not read).
   static void close_after_response();
+  // From a handler or its content provider: the connection of the request this worker thread
+  // serves. Its writes wait at most write_timeout_s; it lives until the response is written.
+  static httplib::Stream& current_stream();
 
   struct Gate;
 
@@ -74,5 +79,13 @@ class HttpServer : public httplib::Server {
   ConnectionOptions options_;
   std::unique_ptr<Gate> gate_;
 };
+
+// Appends `data` framed as one chunk of a chunked body (RFC 9112, 7.1).
+void append_http_chunk(std::string& out, std::string_view data);
+// Writes to `sock` what it takes now, without waiting: the bytes written (0: its buffer is
+// full), or -1 when the connection failed (the client left).
+int64_t send_now(socket_t sock, std::string_view data);
+// Writes all of `data`; false when the connection failed (or did not take it in time).
+bool write_all(httplib::Stream& strm, std::string_view data);
 
 }  // namespace kvlab

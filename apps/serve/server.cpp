@@ -95,6 +95,13 @@ bool same_key(std::string_view given, std::string_view key) {
 // One HTTP completion request: its choices, each one scheduler request. The scheduler thread
 // writes the choices and pieces under the server's mutex; the HTTP thread reads them there,
 // and once done() the choices no longer change.
+//
+// A stream's writes to its client are one thread's at a time. The HTTP thread hands the stream
+// to the scheduler thread (`direct`) whenever it has nothing left to write: the scheduler
+// thread then writes each step's released pieces itself, one send() per stream per step,
+// without waking a thread per stream (on few cores a woken thread takes the core a step's
+// kernels need next). What the socket does not take at once, the end of the stream, a failed
+// send, and the server stopping go back to the HTTP thread, which may wait on the client.
 struct Call {
   struct Piece {  // what a stream sends next for one choice
     int64_t choice;
@@ -120,6 +127,12 @@ struct Call {
   std::string failure;      // set when it cannot finish (the server stops)
   std::vector<size_t> streamed;  // bytes of text each choice has streamed (the HTTP thread's)
   std::string chunk_tail;        // with stream: what every chunk ends with (chunk_tail())
+  // With stream: the connection (set by its HTTP thread), and who writes to it.
+  httplib::Stream* stream = nullptr;
+  bool direct = false;       // the scheduler thread writes released pieces
+  bool sending = false;      // the scheduler thread is writing now (outside the mutex)
+  bool send_failed = false;  // its send failed: the client left
+  std::string backlog;       // bytes the socket did not take, for the HTTP thread to write
 
   bool done() const { return unfinished == 0 || !failure.empty(); }
 };
@@ -144,6 +157,8 @@ struct Server::Impl {
   };
   std::unordered_map<RequestId, Owner> owners;
   std::vector<std::shared_ptr<Call>> held;  // streams with pieces not yet released
+  // Released pieces of direct streams, for the scheduler thread to write after the step.
+  std::vector<std::pair<std::shared_ptr<Call>, std::deque<Call::Piece>>> direct_sends;
 
   // Metrics, under m.
   int64_t running = 0, waiting = 0, preemptions = 0;
@@ -176,12 +191,23 @@ struct Server::Impl {
   // Hands a step's events to their calls; true when an HTTP thread has something to do (a
   // call ended, or a stream's pieces were released).
   bool dispatch(const std::vector<SchedulerEvent>& events);
+  // The scheduler thread writes direct_sends (m held on entry and exit, released meanwhile);
+  // true when an HTTP thread has something to do (a backlog, a failed send, a stream handed back).
+  bool send_direct(std::unique_lock<std::mutex>& lk);
   void completions(const httplib::Request& hreq, httplib::Response& res);
   bool stream_some(Call& call, httplib::DataSink& sink);
+  // A stream's pieces as one chunk of its body: an event per choice.
+  std::string events_chunk(Call& call, std::deque<Call::Piece> pieces);
+  // A stream's last chunk: an error, or its usage; then [DONE].
+  std::string end_chunk(const Call& call, bool stop, const std::string& failure);
   std::string metrics_text();
 
+  // When a stream's response ends (written, failed, or the server stopping): its socket is
+  // the scheduler thread's no longer, and the call ends if it has not.
   void cancel(const std::shared_ptr<Call>& call) {
-    std::lock_guard lk(m);
+    std::unique_lock lk(m);
+    call->direct = false;
+    done_cv.wait(lk, [&] { return !call->sending; });
     if (call->done() || call->cancelled) return;
     call->cancelled = true;
     cancels.push_back(call);
@@ -315,14 +341,23 @@ void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& 
 
 bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
   std::deque<Call::Piece> pieces;
+  std::string out;
   bool done, stop;
   std::string failure;
   {
     std::unique_lock lk(m);
+    if (!call.stream) call.stream = &HttpServer::current_stream();
+    // Nothing left to write: the scheduler thread writes what comes next.
+    if (!call.ready && call.backlog.empty() && !call.send_failed) call.direct = true;
     // The timeout only lets httplib see a server shutting down between waits.
-    if (!done_cv.wait_for(lk, std::chrono::milliseconds(200),
-                          [&] { return call.ready || call.done() || stopping; }))
+    if (!done_cv.wait_for(lk, std::chrono::milliseconds(200), [&] {
+          return !call.sending && (call.ready || !call.backlog.empty() || call.send_failed ||
+                                   call.done() || stopping);
+        }))
       return true;
+    call.direct = false;  // this thread writes now
+    if (call.send_failed) return false;  // the client left
+    out.swap(call.backlog);
     pieces.swap(call.pieces);
     call.ready = false;
     call.pending_since.reset();
@@ -330,7 +365,15 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
     stop = stopping && !done;
     failure = call.failure;
   }
-  // Pieces of one choice sent together make one chunk: its text, its tokens' log-probabilities.
+  out += events_chunk(call, std::move(pieces));
+  if (done || stop) out += end_chunk(call, stop, failure);
+  if (!write_all(*call.stream, out)) return false;  // the client left
+  if (done || stop) sink.done();
+  return true;
+}
+
+std::string Server::Impl::events_chunk(Call& call, std::deque<Call::Piece> pieces) {
+  // Pieces of one choice sent together make one event: its text, its tokens' log-probabilities.
   std::deque<Call::Piece> merged;
   for (Call::Piece& p : pieces) {
     if (!merged.empty() && merged.back().choice == p.choice && !merged.back().finished) {
@@ -343,7 +386,7 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
     }
   }
   const CompletionRequest& req = call.req;
-  std::string out;
+  std::string events;
   for (Call::Piece& p : merged) {
     const size_t b = static_cast<size_t>(p.choice / req.n);
     const bool echo = req.echo && p.first;
@@ -358,25 +401,62 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
                          call.streamed[static_cast<size_t>(p.choice)]);
     }
     call.streamed[static_cast<size_t>(p.choice)] += text.size();
-    append_chunk_event(out, call.chunk_tail, p.choice, text, lp, p.finished);
+    append_chunk_event(events, call.chunk_tail, p.choice, text, lp, p.finished);
   }
-  if (done || stop) {
-    if (!failure.empty() || stop) {
-      out += sse(error_json(ApiError(503, stop ? "the server is stopping" : failure, "",
-                                     "server_error")));
-    } else if (req.include_usage) {
-      out += sse({{"id", call.id},
-                  {"object", "text_completion"},
-                  {"created", call.created},
-                  {"model", options.model_name},
-                  {"choices", json::array()},
-                  {"usage", usage_json(req, call.choices)}});
-    }
-    out += "data: [DONE]\n\n";
+  std::string out;
+  if (!events.empty()) append_http_chunk(out, events);
+  return out;
+}
+
+std::string Server::Impl::end_chunk(const Call& call, bool stop, const std::string& failure) {
+  std::string events;
+  if (!failure.empty() || stop) {
+    events += sse(error_json(
+        ApiError(503, stop ? "the server is stopping" : failure, "", "server_error")));
+  } else if (call.req.include_usage) {
+    events += sse({{"id", call.id},
+                   {"object", "text_completion"},
+                   {"created", call.created},
+                   {"model", options.model_name},
+                   {"choices", json::array()},
+                   {"usage", usage_json(call.req, call.choices)}});
   }
-  if (!out.empty() && !sink.write(out.data(), out.size())) return false;  // the client left
-  if (done || stop) sink.done();
-  return true;
+  events += "data: [DONE]\n\n";
+  std::string out;
+  append_http_chunk(out, events);
+  return out;
+}
+
+bool Server::Impl::send_direct(std::unique_lock<std::mutex>& lk) {
+  if (direct_sends.empty()) return false;
+  std::vector<std::pair<std::shared_ptr<Call>, std::deque<Call::Piece>>> sends;
+  sends.swap(direct_sends);
+  lk.unlock();
+  // Each call is this thread's alone while `sending`: its HTTP thread waits.
+  std::vector<std::string> left(sends.size());
+  std::vector<char> failed(sends.size(), 0);
+  for (size_t i = 0; i < sends.size(); ++i) {
+    Call& call = *sends[i].first;
+    std::string out = events_chunk(call, std::move(sends[i].second));
+    const int64_t n = send_now(call.stream->socket(), out);
+    if (n < 0)
+      failed[i] = true;
+    else
+      left[i] = out.substr(static_cast<size_t>(n));
+  }
+  lk.lock();
+  bool wake = false;
+  for (size_t i = 0; i < sends.size(); ++i) {
+    Call& call = *sends[i].first;
+    call.sending = false;
+    call.send_failed = failed[i];
+    call.backlog = std::move(left[i]);
+    // What the socket did not take waits for the client on the HTTP thread.
+    if (failed[i] || !call.backlog.empty()) call.direct = false;
+    // Its HTTP thread (or the end of its response) waits for the send to end.
+    if (!call.direct || stopping) wake = true;
+  }
+  return wake;
 }
 
 bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
@@ -434,8 +514,16 @@ bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
     if (!c->done() && c->sent_first &&
         seconds(*c->pending_since, now) < options.stream_interval_s)
       return false;
-    c->ready = c->sent_first = true;
-    wake = true;
+    c->sent_first = true;
+    if (c->direct && !c->done()) {
+      c->sending = true;
+      direct_sends.emplace_back(c, std::move(c->pieces));
+      c->pieces.clear();
+      c->pending_since.reset();
+    } else {
+      c->ready = true;  // its HTTP thread writes them (and the stream's end)
+      wake = true;
+    }
     return true;
   });
   tokens += made;
@@ -511,6 +599,7 @@ void Server::Impl::loop() {
     }
     for (const auto& [call, why] : failed) call->failure = why;
     bool wake = dispatch(events) || !failed.empty();
+    wake = send_direct(lk) || wake;
     running = scheduler.admitted();
     waiting = scheduler.waiting();
     preemptions = scheduler.preemptions();

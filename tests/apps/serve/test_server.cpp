@@ -56,6 +56,7 @@ class Running {
     return client().Post("/v1/completions", body.dump(), "application/json");
   }
   int port() const { return port_; }
+  void stop() { server_->stop(); }
   GPT& model() { return *model_; }
   const Tokenizer& tokenizer() const { return tok_; }
   // The reference: a separate engine over the same model (the server's is busy).
@@ -810,6 +811,46 @@ TEST(Serve, AStreamPausedByItsClientArrivesWholeWhenItReadsAgain) {
   EXPECT_TRUE(done);
   for (const json& choice : expected)
     EXPECT_EQ(texts.at(choice["index"].get<size_t>()), choice["text"].get<std::string>());
+}
+
+// A server stopped mid-stream ends the stream with its error event and [DONE], the body framed
+// whole: the stream's writes pass from the scheduler thread back to its HTTP thread, and
+// nothing is written after the end.
+TEST(Serve, AStreamCutByTheServerStoppingEndsWithItsErrorFramedWhole) {
+  Running s({}, /*block_size=*/1024);
+  RawConnection c(s.port());
+  c.send(post_text(json{{"model", "tiny"},
+                        {"prompt", "abc"},
+                        {"max_tokens", 1000},
+                        {"n", 16},
+                        {"logprobs", 5},
+                        {"stream", true}},
+                   "Connection: close\r\n"));
+  std::string response;
+  // Its first events: the stream has begun (and 16 x 1000 tokens take the tiny model a while).
+  while (response.find("\"index\":") == std::string::npos) {
+    const std::string more = c.read_all(0.05);
+    ASSERT_FALSE(more.empty() && c.closed()) << "the stream ended before it began";
+    response += more;
+  }
+  s.stop();
+  response += c.read_all(30);
+  EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
+  bool done = false;
+  const std::vector<json> events = events_of(dechunked_body(response), done);
+  EXPECT_TRUE(done);
+  ASSERT_FALSE(events.empty());
+  int finished = 0;
+  for (const json& e : events)
+    if (e.contains("choices"))
+      for (const json& choice : e["choices"]) finished += !choice["finish_reason"].is_null();
+  const json& last = events.back();
+  if (finished < 16) {
+    ASSERT_TRUE(last.contains("error")) << "a stream cut short ends with its error: " << last;
+    EXPECT_EQ(last["error"]["type"], "server_error");
+    EXPECT_NE(last["error"]["message"].get<std::string>().find("stop"), std::string::npos)
+        << last;
+  }
 }
 
 // With an API key every endpoint but /health wants it: missing or wrong, 401 with OpenAI's
