@@ -1,6 +1,7 @@
 #include "apps/serve/server.h"
 
 #include <httplib.h>
+#include <omp.h>
 
 #include <atomic>
 #include <cerrno>
@@ -96,12 +97,13 @@ bool same_key(std::string_view given, std::string_view key) {
 // writes the choices and pieces under the server's mutex; the HTTP thread reads them there,
 // and once done() the choices no longer change.
 //
-// A stream's writes to its client are one thread's at a time. The HTTP thread hands the stream
-// to the scheduler thread (`direct`) whenever it has nothing left to write: the scheduler
-// thread then writes each step's released pieces itself, one send() per stream per step,
-// without waking a thread per stream (on few cores a woken thread takes the core a step's
-// kernels need next). What the socket does not take at once, the end of the stream, a failed
-// send, and the server stopping go back to the HTTP thread, which may wait on the client.
+// A stream's writes to its client are one thread's at a time. Where the scheduler thread writes
+// streams (ServeOptions::scheduler_writes_streams), the HTTP thread hands the stream to it
+// (`direct`) whenever it has nothing left to write: the scheduler thread then writes each
+// step's released pieces itself, one send() per stream per step, without waking a thread per
+// stream (where the steps take every core, a woken thread takes the one a step's kernels need
+// next). What the socket does not take at once, the end of the stream, a failed send, and the
+// server stopping go back to the HTTP thread, which may wait on the client.
 struct Call {
   struct Piece {  // what a stream sends next for one choice
     int64_t choice;
@@ -148,6 +150,9 @@ struct Server::Impl {
   std::condition_variable done_cv;  // HTTP threads wait for their calls
   bool stopping = false;
   bool listening = false;  // run() is in (or about to enter) httplib's listen loop
+  // ServeOptions::scheduler_writes_streams as the scheduler thread, whose OpenMP threads run
+  // the steps, decided it.
+  bool scheduler_writes = false;
   std::vector<std::shared_ptr<Call>> incoming, cancels;
 
   // The scheduler thread's: which call and choice each scheduler request belongs to.
@@ -348,7 +353,8 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
     std::unique_lock lk(m);
     if (!call.stream) call.stream = &HttpServer::current_stream();
     // Nothing left to write: the scheduler thread writes what comes next.
-    if (!call.ready && call.backlog.empty() && !call.send_failed) call.direct = true;
+    if (scheduler_writes && !call.ready && call.backlog.empty() && !call.send_failed)
+      call.direct = true;
     // The timeout only lets httplib see a server shutting down between waits.
     if (!done_cv.wait_for(lk, std::chrono::milliseconds(200), [&] {
           return !call.sending && (call.ready || !call.backlog.empty() || call.send_failed ||
@@ -534,6 +540,8 @@ bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
 
 void Server::Impl::loop() {
   std::unique_lock lk(m);
+  scheduler_writes =
+      options.scheduler_writes_streams.value_or(omp_get_max_threads() >= omp_get_num_procs());
   for (;;) {
     work_cv.wait(lk, [&] {
       return stopping || !incoming.empty() || !cancels.empty() || !scheduler.idle();

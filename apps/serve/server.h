@@ -2,10 +2,12 @@
 // kvlab serve: the OpenAI completions API over HTTP (cpp-httplib), a thin layer over the
 // scheduler. One thread runs the scheduler: it takes the requests the HTTP threads queue,
 // steps, and hands each step's events to the calls they belong to; an HTTP thread waits on
-// its call and writes the response, or streams it as server-sent events. A call whose client
+// its call and writes the response, or streams it as server-sent events (on few cores the
+// scheduler thread writes a stream's chunks itself). A call whose client
 // went away (a failed write) has its sequences aborted, which frees their blocks.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "apps/serve/openai.h"
@@ -42,10 +44,16 @@ struct ServeOptions {
   std::string api_key;
   // A stream sends its first piece at once, then what has accumulated once its oldest
   // unsent piece is this old (and at the end): 0 sends every token as it is made. Each send
-  // wakes an HTTP thread and its client, which on a machine whose cores all compute take
-  // their time from the model's steps; a few milliseconds cut that cost by the tokens each
-  // send then carries.
+  // costs a send() and wakes the client, which on a machine whose cores all compute take their
+  // time from the model's steps; a few milliseconds cut that cost by the tokens each send then
+  // carries.
   double stream_interval_s = 0;
+  // Who writes a stream's chunks while it has nothing unsent: the scheduler thread, a send per
+  // stream per step (true), or the stream's HTTP thread, woken per chunk (false). Unset: the
+  // scheduler thread where the model's threads take every core (a thread woken per chunk would
+  // take one from the next step), the HTTP threads where a core is left free (they send there
+  // while the step runs).
+  std::optional<bool> scheduler_writes_streams;
 };
 
 class Server {

@@ -100,6 +100,16 @@ json sampled_body(const std::string& prompt, int64_t max_tokens, uint64_t seed) 
           {"top_k", 6},      {"top_p", 0.95},     {"seed", seed}};
 }
 
+// The stream tests run with each writer of a stream's chunks (ServeOptions::
+// scheduler_writes_streams): the scheduler thread, and the stream's HTTP thread.
+ServeOptions written_by(bool scheduler, ServeOptions o = {}) {
+  o.scheduler_writes_streams = scheduler;
+  return o;
+}
+std::string writer_name(bool scheduler) {
+  return scheduler ? "written by the scheduler thread" : "written by the HTTP thread";
+}
+
 // The data lines of a server-sent event stream: each chunk's JSON, and whether [DONE] ended it.
 std::vector<json> events_of(const std::string& body, bool& done) {
   std::vector<json> out;
@@ -119,55 +129,56 @@ std::vector<json> events_of(const std::string& body, bool& done) {
 
 // A real client's completion, whole and streamed, is the engine's, for GPT-2's block and MLA's.
 TEST(Serve, CompletionEqualsTheEngineStreamedOrNot) {
-  for (const std::string arch : {"gpt2", "mla"}) {
-    SCOPED_TRACE(arch);
-    Running s({}, 16, arch);
-    const GenerationResult ref = s.generate({"abc a"}, sampled(9, 41));
-    const auto r = s.post(sampled_body("abc a", 9, 41));
-    ASSERT_TRUE(r);
-    ASSERT_EQ(r->status, 200) << r->body;
-    const json j = json::parse(r->body);
-    EXPECT_EQ(j["object"], "text_completion");
-    EXPECT_EQ(j["model"], "tiny");
-    ASSERT_EQ(j["choices"].size(), 1u);
-    EXPECT_EQ(j["choices"][0]["text"], ref.rows[0].text);
-    EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
-    EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
-    EXPECT_EQ(j["usage"]["completion_tokens"], 9);
-    EXPECT_EQ(j["usage"]["total_tokens"], 14);
+  for (const std::string arch : {"gpt2", "mla"})
+    for (const bool by_scheduler : {true, false}) {
+      SCOPED_TRACE(arch + ", " + writer_name(by_scheduler));
+      Running s(written_by(by_scheduler), 16, arch);
+      const GenerationResult ref = s.generate({"abc a"}, sampled(9, 41));
+      const auto r = s.post(sampled_body("abc a", 9, 41));
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->status, 200) << r->body;
+      const json j = json::parse(r->body);
+      EXPECT_EQ(j["object"], "text_completion");
+      EXPECT_EQ(j["model"], "tiny");
+      ASSERT_EQ(j["choices"].size(), 1u);
+      EXPECT_EQ(j["choices"][0]["text"], ref.rows[0].text);
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+      EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
+      EXPECT_EQ(j["usage"]["completion_tokens"], 9);
+      EXPECT_EQ(j["usage"]["total_tokens"], 14);
 
-    json body = sampled_body("abc a", 9, 41);
-    body["stream"] = true;
-    body["stream_options"] = {{"include_usage", true}};
-    // The pieces a stream's HTTP thread finds waiting go as one chunk, so a thread descheduled
-    // on a busy host may send all nine tokens at once: each attempt must give the same text,
-    // and one of three must come in pieces.
-    size_t most_chunks = 0;
-    for (int attempt = 0; attempt < 3 && most_chunks < 3; ++attempt) {
-      const auto st = s.post(body);
-      ASSERT_TRUE(st);
-      ASSERT_EQ(st->status, 200) << st->body;
-      EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
-      bool done = false;
-      const std::vector<json> chunks = events_of(st->body, done);
-      EXPECT_TRUE(done);
-      std::string text;
-      json last_choice, usage;
-      for (const json& c : chunks) {
-        if (c["choices"].empty()) {
-          usage = c["usage"];
-          continue;
+      json body = sampled_body("abc a", 9, 41);
+      body["stream"] = true;
+      body["stream_options"] = {{"include_usage", true}};
+      // The pieces a stream's HTTP thread finds waiting go as one chunk, so a thread descheduled
+      // on a busy host may send all nine tokens at once: each attempt must give the same text,
+      // and one of three must come in pieces.
+      size_t most_chunks = 0;
+      for (int attempt = 0; attempt < 3 && most_chunks < 3; ++attempt) {
+        const auto st = s.post(body);
+        ASSERT_TRUE(st);
+        ASSERT_EQ(st->status, 200) << st->body;
+        EXPECT_EQ(st->get_header_value("Content-Type"), "text/event-stream");
+        bool done = false;
+        const std::vector<json> chunks = events_of(st->body, done);
+        EXPECT_TRUE(done);
+        std::string text;
+        json last_choice, usage;
+        for (const json& c : chunks) {
+          if (c["choices"].empty()) {
+            usage = c["usage"];
+            continue;
+          }
+          text += c["choices"][0]["text"].get<std::string>();
+          last_choice = c["choices"][0];
         }
-        text += c["choices"][0]["text"].get<std::string>();
-        last_choice = c["choices"][0];
+        EXPECT_EQ(text, ref.rows[0].text);
+        EXPECT_EQ(last_choice["finish_reason"], "length");
+        EXPECT_EQ(usage["completion_tokens"], 9);
+        most_chunks = std::max(most_chunks, chunks.size());
       }
-      EXPECT_EQ(text, ref.rows[0].text);
-      EXPECT_EQ(last_choice["finish_reason"], "length");
-      EXPECT_EQ(usage["completion_tokens"], 9);
-      most_chunks = std::max(most_chunks, chunks.size());
+      EXPECT_GE(most_chunks, 3u) << "the text came in one piece three times: not streamed";
     }
-    EXPECT_GE(most_chunks, 3u) << "the text came in one piece three times: not streamed";
-  }
 }
 
 // With a stream interval, tokens made within it travel together: the same text, in fewer
@@ -461,32 +472,35 @@ TEST(Serve, BadRequestsGetTheir4xxAndTheServerKeepsAnswering) {
 // A client that closes its connection mid-stream: the next write fails, the server aborts its
 // sequence and the blocks return.
 TEST(Serve, AClientLeavingMidStreamGivesItsBlocksBack) {
-  Running s({}, /*block_size=*/1024);
-  json body{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 1000}, {"stream", true}};
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.body = body.dump();
-  req.set_header("Content-Type", "application/json");
-  int chunks = 0;
-  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 2; };
-  httplib::Client c = s.client();
-  const auto r = c.send(req);
-  EXPECT_EQ(chunks, 2) << "the stream should have begun";
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (s.metric("kvlab_sequences_total{outcome=\"aborted\"}") < 1 &&
-         std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(s.metric("kvlab_sequences_total{outcome=\"aborted\"}"), 1);
-  EXPECT_EQ(s.metric("kvlab_sequences_total{outcome=\"finished\"}"), 0)
-      << "it should have been aborted before its 1000 tokens";
-  EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
-  EXPECT_EQ(s.metric("kvlab_requests_waiting"), 0);
-  EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
-  // And it still serves.
-  const auto again = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
-  ASSERT_TRUE(again);
-  EXPECT_EQ(again->status, 200);
+  for (const bool by_scheduler : {true, false}) {
+    SCOPED_TRACE(writer_name(by_scheduler));
+    Running s(written_by(by_scheduler), /*block_size=*/1024);
+    json body{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 1000}, {"stream", true}};
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = body.dump();
+    req.set_header("Content-Type", "application/json");
+    int chunks = 0;
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 2; };
+    httplib::Client c = s.client();
+    const auto r = c.send(req);
+    EXPECT_EQ(chunks, 2) << "the stream should have begun";
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (s.metric("kvlab_sequences_total{outcome=\"aborted\"}") < 1 &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(s.metric("kvlab_sequences_total{outcome=\"aborted\"}"), 1);
+    EXPECT_EQ(s.metric("kvlab_sequences_total{outcome=\"finished\"}"), 0)
+        << "it should have been aborted before its 1000 tokens";
+    EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
+    EXPECT_EQ(s.metric("kvlab_requests_waiting"), 0);
+    EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+    // And it still serves.
+    const auto again = s.post(json{{"model", "tiny"}, {"prompt", "ab"}, {"max_tokens", 3}});
+    ASSERT_TRUE(again);
+    EXPECT_EQ(again->status, 200);
+  }
 }
 
 // bench serve's HTTP side: a small workload replayed by real clients at once; every request
@@ -732,30 +746,33 @@ TEST(Serve, RequestsBeyondTheWorkersGet503AtOnce) {
 // A streaming client that stops reading (its window full) is cut off at the write deadline;
 // its sequence is aborted and its blocks return to the pool.
 TEST(Serve, AClientThatStopsReadingIsCutOffAndItsBlocksReturn) {
-  ServeOptions o;
-  o.write_timeout_s = 0.1;  // the tiny model makes the whole stream in under a second
-  o.send_buffer_bytes = 16 << 10;
-  Running s(o, /*block_size=*/1024);
-  RawConnection c(s.port(), /*rcvbuf=*/4096);
-  c.send(post_text(json{{"model", "tiny"},
-                        {"prompt", "abc"},
-                        {"max_tokens", 1000},
-                        {"n", 16},  // 16 chunks a step: the buffers fill within a few steps
-                        {"logprobs", 5},
-                        {"stream", true}}));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  auto cut = [&] { return s.metric("kvlab_connections_cut_total{reason=\"write_timeout\"}"); };
-  while ((cut() < 1 || s.metric("kvlab_requests_running") > 0) &&
-         std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(cut(), 1);
-  const double aborted = s.metric("kvlab_sequences_total{outcome=\"aborted\"}");
-  EXPECT_GE(aborted, 1) << "its sequences should have been cut off before their 1000 tokens";
-  EXPECT_EQ(aborted + s.metric("kvlab_sequences_total{outcome=\"finished\"}"), 16);
-  EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
-  EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
-  c.read_all(10);
-  EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
+  for (const bool by_scheduler : {true, false}) {
+    SCOPED_TRACE(writer_name(by_scheduler));
+    ServeOptions o;
+    o.write_timeout_s = 0.1;  // the tiny model makes the whole stream in under a second
+    o.send_buffer_bytes = 16 << 10;
+    Running s(written_by(by_scheduler, o), /*block_size=*/1024);
+    RawConnection c(s.port(), /*rcvbuf=*/4096);
+    c.send(post_text(json{{"model", "tiny"},
+                          {"prompt", "abc"},
+                          {"max_tokens", 1000},
+                          {"n", 16},  // 16 chunks a step: the buffers fill within a few steps
+                          {"logprobs", 5},
+                          {"stream", true}}));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    auto cut = [&] { return s.metric("kvlab_connections_cut_total{reason=\"write_timeout\"}"); };
+    while ((cut() < 1 || s.metric("kvlab_requests_running") > 0) &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(cut(), 1);
+    const double aborted = s.metric("kvlab_sequences_total{outcome=\"aborted\"}");
+    EXPECT_GE(aborted, 1) << "its sequences should have been cut off before their 1000 tokens";
+    EXPECT_EQ(aborted + s.metric("kvlab_sequences_total{outcome=\"finished\"}"), 16);
+    EXPECT_EQ(s.metric("kvlab_requests_running"), 0);
+    EXPECT_EQ(s.metric("kvlab_kv_blocks{state=\"used\"}"), 0);
+    c.read_all(10);
+    EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
+  }
 }
 
 // The body of an HTTP/1.1 response with chunked transfer coding, its chunks joined; a malformed
@@ -786,70 +803,76 @@ std::string dechunked_body(const std::string& response) {
 // it (within the write timeout); once it reads again every byte arrives, framed, in order, the
 // text the whole completion's.
 TEST(Serve, AStreamPausedByItsClientArrivesWholeWhenItReadsAgain) {
-  ServeOptions o;
-  o.write_timeout_s = 30;
-  o.send_buffer_bytes = 16 << 10;
-  Running s(o, /*block_size=*/1024);
-  json body{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 300},
-            {"n", 4},          {"logprobs", 5},     {"temperature", 0}};
-  const auto whole = s.post(body);
-  ASSERT_TRUE(whole);
-  ASSERT_EQ(whole->status, 200) << whole->body;
-  const json expected = json::parse(whole->body)["choices"];
-  body["stream"] = true;
-  RawConnection c(s.port(), /*rcvbuf=*/4096);
-  // Asking for gzip as well: httplib leaves event streams uncompressed.
-  c.send(post_text(body, "Connection: close\r\nAccept-Encoding: gzip, deflate\r\n"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // 4 x 300 chunks: buffers fill
-  const std::string response = c.read_all(60);
-  EXPECT_TRUE(c.closed());
-  bool done = false;
-  std::vector<std::string> texts(4);
-  for (const json& e : events_of(dechunked_body(response), done))
-    for (const json& choice : e["choices"])
-      texts.at(choice["index"].get<size_t>()) += choice["text"].get<std::string>();
-  EXPECT_TRUE(done);
-  for (const json& choice : expected)
-    EXPECT_EQ(texts.at(choice["index"].get<size_t>()), choice["text"].get<std::string>());
+  for (const bool by_scheduler : {true, false}) {
+    SCOPED_TRACE(writer_name(by_scheduler));
+    ServeOptions o;
+    o.write_timeout_s = 30;
+    o.send_buffer_bytes = 16 << 10;
+    Running s(written_by(by_scheduler, o), /*block_size=*/1024);
+    json body{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 300},
+              {"n", 4},          {"logprobs", 5},     {"temperature", 0}};
+    const auto whole = s.post(body);
+    ASSERT_TRUE(whole);
+    ASSERT_EQ(whole->status, 200) << whole->body;
+    const json expected = json::parse(whole->body)["choices"];
+    body["stream"] = true;
+    RawConnection c(s.port(), /*rcvbuf=*/4096);
+    // Asking for gzip as well: httplib leaves event streams uncompressed.
+    c.send(post_text(body, "Connection: close\r\nAccept-Encoding: gzip, deflate\r\n"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // 4 x 300 chunks: buffers fill
+    const std::string response = c.read_all(60);
+    EXPECT_TRUE(c.closed());
+    bool done = false;
+    std::vector<std::string> texts(4);
+    for (const json& e : events_of(dechunked_body(response), done))
+      for (const json& choice : e["choices"])
+        texts.at(choice["index"].get<size_t>()) += choice["text"].get<std::string>();
+    EXPECT_TRUE(done);
+    for (const json& choice : expected)
+      EXPECT_EQ(texts.at(choice["index"].get<size_t>()), choice["text"].get<std::string>());
+  }
 }
 
 // A server stopped mid-stream ends the stream with its error event and [DONE], the body framed
 // whole: the stream's writes pass from the scheduler thread back to its HTTP thread, and
 // nothing is written after the end.
 TEST(Serve, AStreamCutByTheServerStoppingEndsWithItsErrorFramedWhole) {
-  Running s({}, /*block_size=*/1024);
-  RawConnection c(s.port());
-  c.send(post_text(json{{"model", "tiny"},
-                        {"prompt", "abc"},
-                        {"max_tokens", 1000},
-                        {"n", 16},
-                        {"logprobs", 5},
-                        {"stream", true}},
-                   "Connection: close\r\n"));
-  std::string response;
-  // Its first events: the stream has begun (and 16 x 1000 tokens take the tiny model a while).
-  while (response.find("\"index\":") == std::string::npos) {
-    const std::string more = c.read_all(0.05);
-    ASSERT_FALSE(more.empty() && c.closed()) << "the stream ended before it began";
-    response += more;
-  }
-  s.stop();
-  response += c.read_all(30);
-  EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
-  bool done = false;
-  const std::vector<json> events = events_of(dechunked_body(response), done);
-  EXPECT_TRUE(done);
-  ASSERT_FALSE(events.empty());
-  int finished = 0;
-  for (const json& e : events)
-    if (e.contains("choices"))
-      for (const json& choice : e["choices"]) finished += !choice["finish_reason"].is_null();
-  const json& last = events.back();
-  if (finished < 16) {
-    ASSERT_TRUE(last.contains("error")) << "a stream cut short ends with its error: " << last;
-    EXPECT_EQ(last["error"]["type"], "server_error");
-    EXPECT_NE(last["error"]["message"].get<std::string>().find("stop"), std::string::npos)
-        << last;
+  for (const bool by_scheduler : {true, false}) {
+    SCOPED_TRACE(writer_name(by_scheduler));
+    Running s(written_by(by_scheduler), /*block_size=*/1024);
+    RawConnection c(s.port());
+    c.send(post_text(json{{"model", "tiny"},
+                          {"prompt", "abc"},
+                          {"max_tokens", 1000},
+                          {"n", 16},
+                          {"logprobs", 5},
+                          {"stream", true}},
+                     "Connection: close\r\n"));
+    std::string response;
+    // Its first events: the stream has begun (and 16 x 1000 tokens take the tiny model a while).
+    while (response.find("\"index\":") == std::string::npos) {
+      const std::string more = c.read_all(0.05);
+      ASSERT_FALSE(more.empty() && c.closed()) << "the stream ended before it began";
+      response += more;
+    }
+    s.stop();
+    response += c.read_all(30);
+    EXPECT_TRUE(c.closed()) << "the server should have closed the connection";
+    bool done = false;
+    const std::vector<json> events = events_of(dechunked_body(response), done);
+    EXPECT_TRUE(done);
+    ASSERT_FALSE(events.empty());
+    int finished = 0;
+    for (const json& e : events)
+      if (e.contains("choices"))
+        for (const json& choice : e["choices"]) finished += !choice["finish_reason"].is_null();
+    const json& last = events.back();
+    if (finished < 16) {
+      ASSERT_TRUE(last.contains("error")) << "a stream cut short ends with its error: " << last;
+      EXPECT_EQ(last["error"]["type"], "server_error");
+      EXPECT_NE(last["error"]["message"].get<std::string>().find("stop"), std::string::npos)
+          << last;
+    }
   }
 }
 
