@@ -434,6 +434,14 @@ void print_served_row(const json& run, const char* side, const char* label) {
                                         : "-");
 }
 
+// A ratio's median over rounds with its range: "0.912 (min 0.851, max 0.944)".
+std::string spread_text(const json& spread) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3f (min %.3f, max %.3f)", spread["median"].get<double>(),
+                spread["min"].get<double>(), spread["max"].get<double>());
+  return buf;
+}
+
 void print_serve(const json& r) {
   const json& m = r["model"];
   std::printf(
@@ -457,30 +465,23 @@ void print_serve(const json& r) {
     const json& h = r["http_overhead"];
     std::printf("\none stream of %lld + %lld tokens, %lld rounds: in process %.1f tok/s "
                 "(through the scheduler %.1f), over HTTP (stream interval %g ms) %.1f tok/s, "
-                "HTTP / in process %.3f (min %.3f, max %.3f)\n  the server's side alone (its "
-                "client woken per %lld KiB, not per chunk): %.3f (min %.3f, max %.3f)\n",
+                "HTTP / in process %s\n  the server's side alone (its client woken per %lld KiB, "
+                "not per chunk): %s\n",
                 h["prompt_tokens"].get<long long>(), h["new_tokens"].get<long long>(),
                 h["rounds"].get<long long>(), h["in_process_tokens_per_s"].get<double>(),
                 h["scheduler_tokens_per_s"].get<double>(), h["stream_interval_ms"].get<double>(),
-                h["http_tokens_per_s"].get<double>(),
-                h["ratio"]["median"].get<double>(),
-                h["ratio"]["min"].get<double>(), h["ratio"]["max"].get<double>(),
+                h["http_tokens_per_s"].get<double>(), spread_text(h["ratio"]).c_str(),
                 h["batched_reads_bytes"].get<long long>() / 1024,
-                h["batched_reads_ratio"]["median"].get<double>(),
-                h["batched_reads_ratio"]["min"].get<double>(),
-                h["batched_reads_ratio"]["max"].get<double>());
+                spread_text(h["batched_reads_ratio"]).c_str());
     if (h.contains("many_streams")) {
       const json& s = h["many_streams"];
       std::printf("%lld streams at once, %lld + %lld tokens each: through the scheduler in "
-                  "process %.1f tok/s, over HTTP %.1f tok/s, HTTP / in process %.3f (min %.3f, "
-                  "max %.3f)\n  the server's side alone: %.3f (min %.3f, max %.3f)\n",
+                  "process %.1f tok/s, over HTTP %.1f tok/s, HTTP / in process %s\n  the "
+                  "server's side alone: %s\n",
                   s["streams"].get<long long>(), h["prompt_tokens"].get<long long>(),
                   s["new_tokens"].get<long long>(), s["scheduler_tokens_per_s"].get<double>(),
-                  s["http_tokens_per_s"].get<double>(), s["ratio"]["median"].get<double>(),
-                  s["ratio"]["min"].get<double>(), s["ratio"]["max"].get<double>(),
-                  s["batched_reads_ratio"]["median"].get<double>(),
-                  s["batched_reads_ratio"]["min"].get<double>(),
-                  s["batched_reads_ratio"]["max"].get<double>());
+                  s["http_tokens_per_s"].get<double>(), spread_text(s["ratio"]).c_str(),
+                  spread_text(s["batched_reads_ratio"]).c_str());
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <charconv>
 #include <sstream>
 #include <string_view>
+#include <system_error>
 #include <thread>
 
 #include "apps/serve/server.h"
@@ -136,17 +137,22 @@ double streamed_rate(const std::string& url, const std::vector<std::vector<int32
   std::mutex m;
   std::string failure;
   std::vector<std::thread> clients;
-  for (const auto& p : prompts)
-    clients.emplace_back([&, &p = p] {
-      try {
-        const int64_t n = one(p);
-        std::lock_guard lk(m);
-        made += n;
-      } catch (const std::exception& e) {
-        std::lock_guard lk(m);
-        if (failure.empty()) failure = e.what();
-      }
-    });
+  try {
+    for (const auto& p : prompts)
+      clients.emplace_back([&, &p = p] {
+        try {
+          const int64_t n = one(p);
+          std::lock_guard lk(m);
+          made += n;
+        } catch (const std::exception& e) {
+          std::lock_guard lk(m);
+          if (failure.empty()) failure = e.what();
+        }
+      });
+  } catch (const std::system_error& e) {  // out of threads: the started ones end first
+    std::lock_guard lk(m);
+    failure = detail::cat("bench serve: cannot start ", prompts.size(), " clients: ", e.what());
+  }
   for (std::thread& t : clients) t.join();
   KVLAB_CHECK(failure.empty(), failure);
   return static_cast<double>(made) / seconds_since(t0);
@@ -287,7 +293,8 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   const std::vector<int32_t> prompt = bench_prompt(0, prompt_tokens, c.vocab_size);
   std::vector<std::vector<int32_t>> many;
   if (streams > 1)
-    for (int64_t i = 0; i < streams; ++i) many.push_back(bench_prompt(i, prompt_tokens, c.vocab_size));
+    for (int64_t i = 0; i < streams; ++i)
+      many.push_back(bench_prompt(i, prompt_tokens, c.vocab_size));
   // Each of the many streams makes a quarter of the one stream's tokens: the rounds stay short.
   const int64_t many_tokens = std::max<int64_t>(1, new_tokens / 4);
   Engine local(model, tokenizer);
