@@ -521,12 +521,15 @@ bool HttpServer::serve_one(socket_t sock, std::string head, bool last) {
   bool closed = false;
   t_close_after = false;
   t_stream = &strm;
+  struct Forget {
+    ~Forget() { t_stream = nullptr; }
+  } forget;
   const bool ok = process_request(strm, last, closed, nullptr);
-  t_stream = nullptr;
   return ok && !closed && !last && !t_close_after && !strm.failed() && svr_sock_ != INVALID_SOCKET;
 }
 
 void append_http_chunk(std::string& out, std::string_view data) {
+  if (data.empty()) return;  // an empty chunk would end the body
   char size[20];
   const int n = std::snprintf(size, sizeof size, "%zx\r\n", data.size());
   out.append(size, static_cast<size_t>(n));

@@ -80,7 +80,7 @@ class HttpServer : public httplib::Server {
   std::unique_ptr<Gate> gate_;
 };
 
-// Appends `data` framed as one chunk of a chunked body (RFC 9112, 7.1).
+// Appends `data` framed as one chunk of a chunked body (RFC 9112, 7.1); nothing for no data.
 void append_http_chunk(std::string& out, std::string_view data);
 // Writes to `sock` what it takes now, without waiting: the bytes written (0: its buffer is
 // full), or -1 when the connection failed (the client left).

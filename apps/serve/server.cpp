@@ -127,7 +127,7 @@ struct Call {
   int64_t unfinished = 0;
   bool cancelled = false;   // its client went away
   std::string failure;      // set when it cannot finish (the server stops)
-  std::vector<size_t> streamed;  // bytes of text each choice has streamed (the HTTP thread's)
+  std::vector<size_t> streamed;  // bytes of text each choice has streamed (its writer's)
   std::string chunk_tail;        // with stream: what every chunk ends with (chunk_tail())
   // With stream: the connection (set by its HTTP thread), and who writes to it.
   httplib::Stream* stream = nullptr;
@@ -150,6 +150,7 @@ struct Server::Impl {
   std::condition_variable done_cv;  // HTTP threads wait for their calls
   bool stopping = false;
   bool listening = false;  // run() is in (or about to enter) httplib's listen loop
+  int64_t open_streams = 0;  // streamed responses not yet ended
   // ServeOptions::scheduler_writes_streams as the scheduler thread, whose OpenMP threads run
   // the steps, decided it.
   bool scheduler_writes = false;
@@ -209,10 +210,12 @@ struct Server::Impl {
 
   // When a stream's response ends (written, failed, or the server stopping): its socket is
   // the scheduler thread's no longer, and the call ends if it has not.
-  void cancel(const std::shared_ptr<Call>& call) {
+  void end_stream(const std::shared_ptr<Call>& call) {
     std::unique_lock lk(m);
     call->direct = false;
     done_cv.wait(lk, [&] { return !call->sending; });
+    --open_streams;
+    if (open_streams == 0 && stopping) done_cv.notify_all();  // stop() waits for it
     if (call->done() || call->cancelled) return;
     call->cancelled = true;
     cancels.push_back(call);
@@ -338,10 +341,14 @@ void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& 
     return;
   }
   res.set_header("Cache-Control", "no-cache");
+  {
+    std::lock_guard lk(m);
+    ++open_streams;
+  }
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, call](size_t, httplib::DataSink& sink) { return stream_some(*call, sink); },
-      [this, call](bool) { cancel(call); });  // a no-op once the call is done
+      [this, call](bool) { end_stream(call); });  // httplib's releaser: always called once
 }
 
 bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
@@ -378,6 +385,8 @@ bool Server::Impl::stream_some(Call& call, httplib::DataSink& sink) {
   return true;
 }
 
+// Framed here rather than by httplib's sink, so that either thread writes the same bytes;
+// httplib leaves text/event-stream uncompressed whatever the client accepts.
 std::string Server::Impl::events_chunk(Call& call, std::deque<Call::Piece> pieces) {
   // Pieces of one choice sent together make one event: its text, its tokens' log-probabilities.
   std::deque<Call::Piece> merged;
@@ -443,12 +452,16 @@ bool Server::Impl::send_direct(std::unique_lock<std::mutex>& lk) {
   std::vector<char> failed(sends.size(), 0);
   for (size_t i = 0; i < sends.size(); ++i) {
     Call& call = *sends[i].first;
-    std::string out = events_chunk(call, std::move(sends[i].second));
-    const int64_t n = send_now(call.stream->socket(), out);
-    if (n < 0)
+    try {
+      std::string out = events_chunk(call, std::move(sends[i].second));
+      const int64_t n = send_now(call.stream->socket(), out);
+      if (n < 0)
+        failed[i] = true;
+      else
+        left[i] = out.substr(static_cast<size_t>(n));
+    } catch (const std::exception&) {  // its stream is cut; the others and the server go on
       failed[i] = true;
-    else
-      left[i] = out.substr(static_cast<size_t>(n));
+    }
   }
   lk.lock();
   bool wake = false;
@@ -522,8 +535,8 @@ bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
       return false;
     c->sent_first = true;
     if (c->direct && !c->done()) {
-      c->sending = true;
       direct_sends.emplace_back(c, std::move(c->pieces));
+      c->sending = true;
       c->pieces.clear();
       c->pending_since.reset();
     } else {
@@ -768,6 +781,12 @@ void Server::stop() {
   }
   s.work_cv.notify_all();
   s.done_cv.notify_all();
+  // Woken, each stream writes its error event and [DONE]; once httplib stops, a stream ends at
+  // its next write without them. A client that does not read is not waited for long.
+  {
+    std::unique_lock lk(s.m);
+    s.done_cv.wait_for(lk, std::chrono::seconds(1), [&] { return s.open_streams == 0; });
+  }
   // httplib's stop() does nothing until its listen loop runs: a stop that comes just after
   // run() began waits for it (a moment), or it would listen for ever.
   while (listening && !s.http.is_running()) {

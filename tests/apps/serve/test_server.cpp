@@ -834,8 +834,8 @@ TEST(Serve, AStreamPausedByItsClientArrivesWholeWhenItReadsAgain) {
 }
 
 // A server stopped mid-stream ends the stream with its error event and [DONE], the body framed
-// whole: the stream's writes pass from the scheduler thread back to its HTTP thread, and
-// nothing is written after the end.
+// whole: stop() lets each stream write its end before httplib stops, the stream's writes pass
+// from the scheduler thread back to its HTTP thread, and nothing is written after the end.
 TEST(Serve, AStreamCutByTheServerStoppingEndsWithItsErrorFramedWhole) {
   for (const bool by_scheduler : {true, false}) {
     SCOPED_TRACE(writer_name(by_scheduler));
