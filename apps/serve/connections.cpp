@@ -221,10 +221,9 @@ class GateStream final : public httplib::Stream {
     if (failed_) return -1;
     const Clock::time_point until = Clock::now() + span(o_.write_timeout_s);
     for (;;) {
-      const ssize_t n = ::send(sock_, ptr, size, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (n >= 0) return n;
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) return fail();
+      const int64_t n = send_now(sock_, std::string_view(ptr, size));
+      if (n < 0) return fail();
+      if (n > 0 || size == 0) return n;
       if (!wait_ready(sock_, POLLOUT, until)) {
         ++gate_.write_timeouts;
         return fail();
