@@ -465,7 +465,7 @@ void print_serve(const json& r) {
     const json& h = r["http_overhead"];
     std::printf("\none stream of %lld + %lld tokens, %lld rounds: in process %.1f tok/s "
                 "(through the scheduler %.1f), over HTTP (stream interval %g ms) %.1f tok/s, "
-                "HTTP / in process %s\n  the server's side alone (its client woken per %lld KiB, "
+                "HTTP / in process %s\n  the server's side alone (its socket read per %lld KiB, "
                 "not per chunk): %s\n",
                 h["prompt_tokens"].get<long long>(), h["new_tokens"].get<long long>(),
                 h["rounds"].get<long long>(), h["in_process_tokens_per_s"].get<double>(),
@@ -476,8 +476,8 @@ void print_serve(const json& r) {
     if (h.contains("many_streams")) {
       const json& s = h["many_streams"];
       std::printf("%lld streams at once, %lld + %lld tokens each: through the scheduler in "
-                  "process %.1f tok/s, over HTTP %.1f tok/s, HTTP / in process %s\n  the "
-                  "server's side alone: %s\n",
+                  "process %.1f tok/s, over HTTP (one client thread reading every stream) %.1f "
+                  "tok/s, HTTP / in process %s\n  the server's side alone: %s\n",
                   s["streams"].get<long long>(), h["prompt_tokens"].get<long long>(),
                   s["new_tokens"].get<long long>(), s["scheduler_tokens_per_s"].get<double>(),
                   s["http_tokens_per_s"].get<double>(), spread_text(s["ratio"]).c_str(),
@@ -699,10 +699,12 @@ void add_serve_command(CLI::App* bench) {
                             "streamed HTTP connection per request, and measure one stream's "
                             "tokens/s over HTTP against in process, and --http-streams "
                             "streams at once against the same requests through the scheduler "
-                            "in process; each also with clients woken per ",
+                            "in process (the streams read by one client thread that waits "
+                            "on all their sockets and reads each chunk as it comes); each "
+                            "also with sockets read per ",
                             kBatchedReadBytes / 1024,
                             " KiB instead of per chunk (the server's side alone, where the "
-                            "clients share the machine's cores)"));
+                            "client shares the machine's cores)"));
   cmd->add_option("--url", args->url,
                   "Replay the workload against a running server at this URL (http://HOST:PORT) "
                   "instead, over HTTP only: kvlab serve, or another OpenAI-compatible one "

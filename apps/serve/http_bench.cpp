@@ -1,14 +1,22 @@
 #include "apps/serve/http_bench.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
-#include <mutex>
+#include <cctype>
 #include <charconv>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <string_view>
 #include <system_error>
@@ -53,27 +61,16 @@ int64_t choice_index(std::string_view chunk) {
 }
 
 // Streams one completion; calls on_text with the choice of each chunk that carries one.
-// Returns the tokens made (the usage chunk's count), or throws kvlab::Error. With
-// read_low_water > 0 the client is woken only once that many bytes wait (SO_RCVLOWAT) or the
-// connection closes, instead of at every chunk: the server still sends every chunk, but the
-// client's own wake-ups no longer take time from a server on the same cores. The request asks
-// `Connection: close`, so that the last bytes arrive with the close rather than wait below the
-// mark.
+// Returns the tokens made (the usage chunk's count), or throws kvlab::Error.
 int64_t stream_completion(const std::string& url, const json& body,
-                          const std::function<void(int64_t choice)>& on_text,
-                          int read_low_water = 0) {
+                          const std::function<void(int64_t choice)>& on_text) {
   httplib::Client c = client_for(url);
-  if (read_low_water > 0)
-    c.set_socket_options([read_low_water](socket_t sock) {
-      ::setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &read_low_water, sizeof read_low_water);
-    });
   CompletionEvents events(on_text);
   httplib::Request req;
   req.method = "POST";
   req.path = "/v1/completions";
   req.body = body.dump();
   req.set_header("Content-Type", "application/json");
-  req.set_header("Connection", "close");
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     events.feed(std::string_view(data, n));
     return true;
@@ -122,39 +119,140 @@ double scheduled_rate(Scheduler& scheduler, const std::vector<std::vector<int32_
   return static_cast<double>(n) / seconds_since(t0);
 }
 
-// Tokens/s of the prompts streamed from url at once, each to a client of its own woken per
-// read_low_water bytes (0: per chunk), to the last token.
-double streamed_rate(const std::string& url, const std::vector<std::vector<int32_t>>& prompts,
-                     int64_t tokens, int read_low_water) {
-  auto one = [&](const std::vector<int32_t>& p) {
-    return stream_completion(url, completion_body("bench", p, tokens), [](int64_t) {},
-                             read_low_water);
-  };
-  const auto t0 = Clock::now();
-  if (prompts.size() == 1)  // on this thread, as a client of one stream would
-    return static_cast<double>(one(prompts[0])) / seconds_since(t0);
-  int64_t made = 0;
-  std::mutex m;
-  std::string failure;
-  std::vector<std::thread> clients;
-  try {
-    for (const auto& p : prompts)
-      clients.emplace_back([&, &p = p] {
-        try {
-          const int64_t n = one(p);
-          std::lock_guard lk(m);
-          made += n;
-        } catch (const std::exception& e) {
-          std::lock_guard lk(m);
-          if (failure.empty()) failure = e.what();
-        }
-      });
-  } catch (const std::system_error& e) {  // out of threads: the started ones end first
-    std::lock_guard lk(m);
-    failure = detail::cat("bench serve: cannot start ", prompts.size(), " clients: ", e.what());
+// A file descriptor, closed with its owner.
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
   }
-  for (std::thread& t : clients) t.join();
-  KVLAB_CHECK(failure.empty(), failure);
+};
+
+// One streamed completion of streamed_rate's: its request written whole on connecting, then
+// its response taken as the bytes arrive (status line and headers, then the chunked body's
+// events).
+class LoopbackStream {
+ public:
+  LoopbackStream(int port, const json& body, int read_low_water) : sock_(connect_to(port)) {
+    if (read_low_water > 0)
+      ::setsockopt(sock_.fd, SOL_SOCKET, SO_RCVLOWAT, &read_low_water, sizeof read_low_water);
+    const std::string b = body.dump();
+    const std::string req = detail::cat(
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:", port,
+        "\r\nContent-Type: application/json\r\nContent-Length: ", b.size(),
+        "\r\nConnection: close\r\n\r\n", b);
+    for (size_t sent = 0; sent < req.size();) {
+      const ssize_t n = ::send(sock_.fd, req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
+      KVLAB_CHECK(n > 0 || errno == EINTR, "bench serve: sending a request to 127.0.0.1:",
+                  port, ": ", std::strerror(errno));
+      sent += n > 0 ? static_cast<size_t>(n) : 0;
+    }
+    ::fcntl(sock_.fd, F_SETFL, ::fcntl(sock_.fd, F_GETFL) | O_NONBLOCK);
+  }
+  int fd() const { return sock_.fd; }
+
+  void take(std::string_view bytes) {
+    if (status_ == 0) {  // still in the status line and headers
+      head_.append(bytes);
+      const size_t end = head_.find("\r\n\r\n");
+      if (end == std::string::npos) return;
+      KVLAB_CHECK(head_.starts_with("HTTP/1.") && head_.size() > 12,
+                  "bench serve: a response that is not HTTP: ", head_.substr(0, 40));
+      status_ = std::atoi(head_.c_str() + 9);
+      std::string lower = head_.substr(0, end);
+      std::transform(lower.begin(), lower.end(), lower.begin(),
+                     [](unsigned char c) { return std::tolower(c); });
+      KVLAB_CHECK(status_ != 200 || lower.find("transfer-encoding: chunked") != std::string::npos,
+                  "bench serve: a stream's response is not chunked");
+      bytes = std::string_view(head_).substr(end + 4);
+    }
+    if (status_ == 200)
+      body_.feed(bytes);
+    else if (refused_.size() < 200)
+      refused_.append(bytes.substr(0, 200));
+  }
+
+  // The connection closed: the tokens the usage chunk counts. Throws kvlab::Error when the
+  // response was not a whole, successful stream.
+  int64_t finish() const {
+    KVLAB_CHECK(status_ == 200, "bench serve: a stream answered ", status_, ": ", refused_);
+    KVLAB_CHECK(body_.ended(), "bench serve: a stream ended before its last chunk");
+    KVLAB_CHECK(events_.error().empty(), "bench serve: ", events_.error());
+    KVLAB_CHECK(events_.completion_tokens() >= 0, "bench serve: a stream sent no usage");
+    return events_.completion_tokens();
+  }
+
+ private:
+  static int connect_to(int port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    KVLAB_CHECK(fd >= 0, "bench serve: socket: ", std::strerror(errno));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0) {
+      const int err = errno;
+      ::close(fd);
+      KVLAB_CHECK(false, "bench serve: cannot connect to 127.0.0.1:", port, ": ",
+                  std::strerror(err));
+    }
+    return fd;
+  }
+
+  Fd sock_;
+  int status_ = 0;
+  std::string head_, refused_;
+  CompletionEvents events_{[](int64_t) {}};
+  ChunkedBody body_{[this](std::string_view data) { events_.feed(data); }};
+};
+
+// Tokens/s of the prompts streamed at once from the server on 127.0.0.1:port, to the last
+// token. One thread reads them all, as an event-loop client (vLLM's benchmark, asyncio) does:
+// it waits on every socket at once (epoll) and reads each as its bytes arrive, so a chunk is
+// read when it comes, and the chunks one scheduler step sends take one wake-up, not one per
+// stream. read_low_water > 0: a socket is read only once that many bytes wait (SO_RCVLOWAT) or
+// it closes; the server still sends every chunk, but the client's wake-ups no longer take time
+// from a server on the same cores. The requests ask `Connection: close`, so that the last bytes
+// arrive with the close rather than wait below the mark.
+double streamed_rate(int port, const std::vector<std::vector<int32_t>>& prompts, int64_t tokens,
+                     int read_low_water) {
+  const auto t0 = Clock::now();
+  const Fd ep(::epoll_create1(EPOLL_CLOEXEC));
+  KVLAB_CHECK(ep.fd >= 0, "bench serve: epoll_create1: ", std::strerror(errno));
+  std::vector<std::unique_ptr<LoopbackStream>> streams;
+  for (const auto& p : prompts) {
+    streams.push_back(std::make_unique<LoopbackStream>(
+        port, completion_body("bench", p, tokens), read_low_water));
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = streams.back().get();
+    KVLAB_CHECK(::epoll_ctl(ep.fd, EPOLL_CTL_ADD, streams.back()->fd(), &ev) == 0,
+                "bench serve: epoll_ctl: ", std::strerror(errno));
+  }
+  int64_t made = 0;
+  std::vector<epoll_event> ready(64);
+  std::vector<char> buf(64 << 10);
+  for (size_t open = streams.size(); open > 0;) {
+    const int n = ::epoll_wait(ep.fd, ready.data(), static_cast<int>(ready.size()), 600'000);
+    KVLAB_CHECK(n > 0 || (n < 0 && errno == EINTR), "bench serve: no bytes from 127.0.0.1:",
+                port, " for 600 s", n < 0 ? std::strerror(errno) : "");
+    for (int i = 0; i < n; ++i) {
+      auto& s = *static_cast<LoopbackStream*>(ready[i].data.ptr);
+      const ssize_t got = ::recv(s.fd(), buf.data(), buf.size(), 0);
+      if (got > 0) {
+        s.take(std::string_view(buf.data(), static_cast<size_t>(got)));
+      } else if (got == 0) {  // closed: the stream's end (level-triggered, so reported once)
+        made += s.finish();
+        ::epoll_ctl(ep.fd, EPOLL_CTL_DEL, s.fd(), nullptr);
+        --open;
+      } else {
+        KVLAB_CHECK(errno == EAGAIN || errno == EINTR, "bench serve: reading a stream: ",
+                    std::strerror(errno));
+      }
+    }
+  }
   return static_cast<double>(made) / seconds_since(t0);
 }
 
@@ -190,6 +288,42 @@ void CompletionEvents::feed(std::string_view bytes) {
     }
   }
   buffer_.erase(0, start);
+}
+
+void ChunkedBody::feed(std::string_view bytes) {
+  while (!bytes.empty()) {
+    KVLAB_CHECK(phase_ != Phase::kEnded, "bytes after a chunked body's last chunk");
+    if (phase_ == Phase::kData) {
+      const size_t n = std::min(left_, bytes.size());
+      on_data_(bytes.substr(0, n));
+      bytes.remove_prefix(n);
+      left_ -= n;
+      if (left_ == 0) phase_ = Phase::kDataEnd;
+      continue;
+    }
+    // A line: a chunk's size, the CRLF that ends its data, or the trailer.
+    const size_t eol = bytes.find('\n');
+    const size_t take = eol == std::string_view::npos ? bytes.size() : eol + 1;
+    line_.append(bytes.substr(0, take));
+    bytes.remove_prefix(take);
+    KVLAB_CHECK(line_.size() <= 1024, "a chunked body's line of over 1 KiB");
+    if (eol == std::string_view::npos) continue;
+    KVLAB_CHECK(line_.ends_with("\r\n"), "a chunked body's line without its CRLF");
+    const std::string_view line = std::string_view(line_).substr(0, line_.size() - 2);
+    if (phase_ == Phase::kSize) {
+      const std::string_view digits = line.substr(0, line.find(';'));  // no extensions
+      const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), left_, 16);
+      KVLAB_CHECK(!digits.empty() && ec == std::errc() && end == digits.data() + digits.size(),
+                  "a chunk size line that is not hex: '", line.substr(0, 40), "'");
+      phase_ = left_ == 0 ? Phase::kTrailer : Phase::kData;
+    } else if (phase_ == Phase::kDataEnd) {
+      KVLAB_CHECK(line.empty(), "a chunk's data longer than its size");
+      phase_ = Phase::kSize;
+    } else if (line.empty()) {  // the trailer's end
+      phase_ = Phase::kEnded;
+    }
+    line_.clear();
+  }
 }
 
 ServedModel served_model(const nlohmann::json& models, const std::string& url) {
@@ -319,7 +453,7 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   so.max_connections = std::max<int64_t>(so.max_connections, streams + 8);
   so.stream_interval_s = stream_interval_s;
   Server server(served, so);
-  const std::string url = detail::cat("http://127.0.0.1:", server.bind());
+  const int port = server.bind();
   std::thread serving([&] { server.run(); });
 
   std::vector<double> local_rate, sched_rate, http_rate, ratio, batched_rate, batched_ratio;
@@ -331,15 +465,15 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
       const GenerationResult res = local.generate_ids({prompt}, g);
       local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / seconds_since(t0));
       sched_rate.push_back(scheduled_rate(scheduler, {prompt}, g));
-      http_rate.push_back(streamed_rate(url, {prompt}, new_tokens, 0));
+      http_rate.push_back(streamed_rate(port, {prompt}, new_tokens, 0));
       ratio.push_back(http_rate.back() / local_rate.back());
-      batched_rate.push_back(streamed_rate(url, {prompt}, new_tokens, kBatchedReadBytes));
+      batched_rate.push_back(streamed_rate(port, {prompt}, new_tokens, kBatchedReadBytes));
       batched_ratio.push_back(batched_rate.back() / local_rate.back());
       if (many.empty()) continue;
       many_sched.push_back(scheduled_rate(scheduler, many, g_many));
-      many_http.push_back(streamed_rate(url, many, many_tokens, 0));
+      many_http.push_back(streamed_rate(port, many, many_tokens, 0));
       many_ratio.push_back(many_http.back() / many_sched.back());
-      many_batched.push_back(streamed_rate(url, many, many_tokens, kBatchedReadBytes));
+      many_batched.push_back(streamed_rate(port, many, many_tokens, kBatchedReadBytes));
       many_batched_ratio.push_back(many_batched.back() / many_sched.back());
     }
   } catch (const Error& e) {

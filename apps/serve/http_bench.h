@@ -45,6 +45,24 @@ class CompletionEvents {
   std::string error_;
 };
 
+// The body of an HTTP/1.1 response with chunked transfer coding, decoded as its bytes arrive:
+// on_data(bytes) for each piece of a chunk's data. Throws kvlab::Error on a malformed chunk (a
+// size line that is not hex, data without its CRLF) or bytes after the last chunk.
+class ChunkedBody {
+ public:
+  explicit ChunkedBody(std::function<void(std::string_view)> on_data)
+      : on_data_(std::move(on_data)) {}
+  void feed(std::string_view bytes);
+  bool ended() const { return phase_ == Phase::kEnded; }  // the last (empty) chunk came
+
+ private:
+  enum class Phase { kSize, kData, kDataEnd, kTrailer, kEnded };
+  std::function<void(std::string_view)> on_data_;
+  Phase phase_ = Phase::kSize;
+  std::string line_;   // the size line or trailer line read so far
+  size_t left_ = 0;    // the current chunk's data bytes still to come
+};
+
 // The requests at the timeline's arrivals, each a streamed completion of its prompt's token
 // ids (greedy, max_tokens its output length, ignore_eos), on a thread of its own:
 // serve_summary's figures with the first and last tokens' arrival times at the client, and
@@ -54,7 +72,7 @@ class CompletionEvents {
 nlohmann::json replay_over_http(const std::string& url, const std::string& model,
                                 const std::vector<KVRequest>& reqs, ServeTimeline t);
 
-// http_overhead's second clients read in batches of this many bytes: the server's side alone.
+// http_overhead's second reads take batches of this many bytes: the server's side alone.
 inline constexpr int kBatchedReadBytes = 16 * 1024;
 
 // One greedy request of `prompt_tokens` + `new_tokens`, made `rounds` times by the engine in
@@ -62,14 +80,15 @@ inline constexpr int kBatchedReadBytes = 16 * 1024;
 // server on loopback (ServeOptions::stream_interval_s), alternately. Tokens/s of each (start
 // to last token) and each round's HTTP / in-process ratio: {in_process_tokens_per_s,
 // http_tokens_per_s, ratio {median, min, max}, rounds}. Each round streams the request once
-// more to a client woken per batched_reads_bytes rather than per chunk
+// more with its socket read per batched_reads_bytes rather than per chunk
 // (http_batched_reads_tokens_per_s, batched_reads_ratio): on a machine whose cores all run
 // the model, what the server's side costs without the client's wake-ups.
 // With streams > 1 each round also streams that many requests at once (distinct prompts, a
 // quarter of new_tokens each) and runs the same requests through the server's scheduler in
 // process: "many_streams" {streams, new_tokens, scheduler_tokens_per_s, http_tokens_per_s,
 // ratio, http_batched_reads_tokens_per_s, batched_reads_ratio}, over HTTP against the
-// scheduler.
+// scheduler. One client thread reads all the streams of a round, as an event-loop client does
+// (epoll; vLLM's benchmark reads its streams from one asyncio loop).
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
                              int64_t new_tokens, int rounds, double stream_interval_s,
                              int64_t streams);
