@@ -161,6 +161,8 @@ class LoopbackStream {
       KVLAB_CHECK(head_.starts_with("HTTP/1.") && head_.size() > 12,
                   "bench serve: a response that is not HTTP: ", head_.substr(0, 40));
       status_ = std::atoi(head_.c_str() + 9);
+      KVLAB_CHECK(status_ >= 100, "bench serve: a response without a status: ",
+                  head_.substr(0, 40));
       std::string lower = head_.substr(0, end);
       std::transform(lower.begin(), lower.end(), lower.begin(),
                      [](unsigned char c) { return std::tolower(c); });
@@ -177,6 +179,7 @@ class LoopbackStream {
   // The connection closed: the tokens the usage chunk counts. Throws kvlab::Error when the
   // response was not a whole, successful stream.
   int64_t finish() const {
+    KVLAB_CHECK(status_ != 0, "bench serve: a stream closed before its headers ended");
     KVLAB_CHECK(status_ == 200, "bench serve: a stream answered ", status_, ": ", refused_);
     KVLAB_CHECK(body_.ended(), "bench serve: a stream ended before its last chunk");
     KVLAB_CHECK(events_.error().empty(), "bench serve: ", events_.error());
