@@ -246,7 +246,7 @@ double streamed_rate(int port, const std::vector<std::vector<int32_t>>& prompts,
       const ssize_t got = ::recv(s.fd(), buf.data(), buf.size(), 0);
       if (got > 0) {
         s.take(std::string_view(buf.data(), static_cast<size_t>(got)));
-      } else if (got == 0) {  // closed: the stream's end (level-triggered, so reported once)
+      } else if (got == 0) {  // closed: the stream's end (a closed socket stays readable)
         made += s.finish();
         ::epoll_ctl(ep.fd, EPOLL_CTL_DEL, s.fd(), nullptr);
         --open;
@@ -315,8 +315,9 @@ void ChunkedBody::feed(std::string_view bytes) {
     const std::string_view line = std::string_view(line_).substr(0, line_.size() - 2);
     if (phase_ == Phase::kSize) {
       const std::string_view digits = line.substr(0, line.find(';'));  // no extensions
-      const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), left_, 16);
-      KVLAB_CHECK(!digits.empty() && ec == std::errc() && end == digits.data() + digits.size(),
+      const char* last = digits.data() + digits.size();
+      const auto [end, ec] = std::from_chars(digits.data(), last, left_, 16);
+      KVLAB_CHECK(!digits.empty() && ec == std::errc() && end == last,
                   "a chunk size line that is not hex: '", line.substr(0, 40), "'");
       phase_ = left_ == 0 ? Phase::kTrailer : Phase::kData;
     } else if (phase_ == Phase::kDataEnd) {

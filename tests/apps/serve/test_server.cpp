@@ -809,7 +809,8 @@ std::string dechunked_body(const std::string& response) {
   EXPECT_NE(response.find("Transfer-Encoding: chunked"), std::string::npos);
   std::string body;
   ChunkedBody chunks([&](std::string_view data) { body.append(data); });
-  const std::string error = error_of([&] { chunks.feed(std::string_view(response).substr(at + 4)); });
+  const std::string_view rest = std::string_view(response).substr(at + 4);
+  const std::string error = error_of([&] { chunks.feed(rest); });
   EXPECT_EQ(error, "no error");
   EXPECT_TRUE(chunks.ended()) << "the stream ended before its last chunk";
   return body;
