@@ -13,11 +13,11 @@
 #include "apps/ablate/ablate.h"
 #include "apps/ablate/uptrain.h"
 #include "apps/cli.h"
-#include "train/comm.h"
 #include "apps/report/report.h"
 #include "apps/train_flags.h"
 #include "apps/train_progress.h"
-#include "autograd/backend/kv_format.h"
+#include "platform/kv_rows.h"
+#include "train/comm.h"
 
 namespace kvlab {
 

@@ -16,11 +16,8 @@ struct ExportArgs {
 };
 
 GgmlType parse_dtype(const std::string& name) {
-  if (name == "f16") return GgmlType::F16;
-  if (name == "bf16") return GgmlType::BF16;
-  if (name == "q8_0") return GgmlType::Q8_0;
-  if (name == "q4_0") return GgmlType::Q4_0;
-  return GgmlType::F32;  // CLI11 admits only the five names
+  const Format* f = format_named(name, kGgufTensor);
+  return f ? static_cast<GgmlType>(f->ggml_type) : GgmlType::F32;  // CLI11 admits no other name
 }
 
 void run_export(const ExportArgs& a) {
@@ -85,7 +82,7 @@ void add_export_command(CLI::App& root) {
                   "q4_0 writes the LM head (output, or token_embd when tied) as q8_0, as "
                   "llama.cpp's own quantiser keeps the output at a higher precision, q6_K, for "
                   "its 4-bit types)")
-      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0", "q4_0"}));
+      ->check(CLI::IsMember(format_name_list(kGgufTensor)));
   cmd->add_option("--mla-up", args->mla_up,
                   "MLA models: the up-projection split per head into attn_k_b and attn_v_b "
                   "(split, llama.cpp's converter's form: it caches the latent) or whole as "

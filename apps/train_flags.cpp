@@ -140,7 +140,7 @@ void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {
                   "as cached: fp8 (E4M3, a scale per layer and KV head), int8 (a scale per "
                   "position and KV head) or int4 (a scale and minimum per group of up to 32 "
                   "channels). `kvlab bench kv-quality` measures what each costs a model")
-      ->check(CLI::IsMember({"f32", "bf16", "fp8", "int8", "int4"}))
+      ->check(CLI::IsMember(format_name_list(kKVEntries)))
       ->capture_default_str();
 }
 
@@ -215,7 +215,7 @@ void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype) {
                   "them in 2, 1.125 or 0.625 bytes a value, and a model imported from a q8_0/q4_0 "
                   "GGUF file in its own blocks. The token table is rounded when it is the LM head "
                   "(tied); biases, norms and positions stay f32")
-      ->check(CLI::IsMember({"f32", "bf16", "q8_0", "q4_0"}))
+      ->check(CLI::IsMember(format_name_list(kWeights)))
       ->capture_default_str();
 }
 
@@ -230,15 +230,13 @@ void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype, bool& int8_
 }
 
 WeightDtype parse_weight_dtype(const std::string& dtype) {
-  for (const WeightDtype d : {WeightDtype::BF16, WeightDtype::Q8_0, WeightDtype::Q4_0})
-    if (dtype == weight_dtype_name(d)) return d;
-  return WeightDtype::F32;  // the flag's check admits no other name
+  const Format* f = format_named(dtype, kWeights);
+  return f ? subset_member<WeightDtype>(*f) : WeightDtype::F32;  // the flag's check admits no other name
 }
 
 DType parse_storage_dtype(const std::string& dtype) {
-  for (const DType d : {DType::BF16, DType::FP8, DType::INT8, DType::INT4})
-    if (dtype == dtype_name(d)) return d;
-  return DType::F32;  // the flags' checks admit no other name
+  const Format* f = format_named(dtype, kKVEntries);
+  return f ? subset_member<DType>(*f) : DType::F32;  // the flags' checks admit no other name
 }
 
 namespace {
@@ -268,12 +266,12 @@ std::vector<T> parse_dtype_list(const std::string& list, const char* flag,
 }  // namespace
 
 std::vector<DType> parse_kv_dtypes(const std::string& list) {
-  return parse_dtype_list<DType>(list, "--kv-dtypes", {"f32", "bf16", "fp8", "int8", "int4"},
+  return parse_dtype_list<DType>(list, "--kv-dtypes", format_name_list(kKVEntries),
                                  "KV cache dtype", parse_storage_dtype);
 }
 
 std::vector<WeightDtype> parse_weight_dtypes(const std::string& list) {
-  return parse_dtype_list<WeightDtype>(list, "--weight-dtypes", {"f32", "bf16", "q8_0", "q4_0"},
+  return parse_dtype_list<WeightDtype>(list, "--weight-dtypes", format_name_list(kWeights),
                                        "weight dtype", parse_weight_dtype);
 }
 

@@ -23,13 +23,13 @@
 #include <string>
 #include <vector>
 
-#include "autograd/backend/cpu/kv_quant.h"
-#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "checkpoints/model_io.h"
 #include "data/sampler.h"
 #include "infer/kv_cache.h"
 #include "infer/measure/kv_quality.h"
+#include "platform/kv_rows.h"
+#include "platform/kv_rows.h"
 
 using namespace kvlab;
 using nlohmann::json;
@@ -44,8 +44,8 @@ void fake_int4(float* x, int64_t n, int64_t st) {
   float column[32];
   uint8_t row[64];
   for (int64_t i = 0; i < n; ++i) column[i] = x[i * st];
-  cpu::quantise_kv_row(DType::INT4, row, column, n, 0.0f);
-  cpu::dequantise_kv_row(DType::INT4, column, row, n, 0.0f);
+  quantise_kv_row(DType::INT4, row, column, n, 0.0f);
+  dequantise_kv_row(DType::INT4, column, row, n, 0.0f);
   for (int64_t i = 0; i < n; ++i) x[i * st] = column[i];
 }
 
@@ -71,8 +71,8 @@ void quantise_cache(ContiguousKVCache& cache, int64_t len, Keys keys) {
           const int64_t n =
               which == 0 && keys == Keys::PerPositionResidual ? len / kBlock * kBlock : len;
           for (int64_t p = 0; p < n; ++p) {
-            cpu::quantise_kv_row(DType::INT4, row.data(), head + p * HS, HS, 0.0f);
-            cpu::dequantise_kv_row(DType::INT4, head + p * HS, row.data(), HS, 0.0f);
+            quantise_kv_row(DType::INT4, row.data(), head + p * HS, HS, 0.0f);
+            dequantise_kv_row(DType::INT4, head + p * HS, row.data(), HS, 0.0f);
           }
         }
       }

@@ -8,7 +8,6 @@
 #include <limits>
 #include <set>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "platform/atomic_file.h"
 #include "platform/error.h"
 #include "platform/ggml_blocks.h"
@@ -267,18 +266,14 @@ void GgufFile::set(std::string key, GgufValue value) {
 
 // --- tensors ----------------------------------------------------------------------------------
 
-std::string ggml_type_name(GgmlType t) {
-  switch (t) {
-    case GgmlType::F32: return "f32";
-    case GgmlType::F16: return "f16";
-    case GgmlType::Q4_0: return "q4_0";
-    case GgmlType::Q8_0: return "q8_0";
-    case GgmlType::BF16: return "bf16";
-  }
-  return "type " + std::to_string(static_cast<uint32_t>(t));
+const Format& format_of(GgmlType t) {
+  const Format* f = format_of_ggml_type(static_cast<uint32_t>(t));
+  KVLAB_CHECK(f && f->holds(kGgufTensor), "gguf: tensor type ", static_cast<uint32_t>(t),
+              " is not supported (", format_names(kGgufTensor), " are)");
+  return *f;
 }
 
-bool is_block_type(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_0; }
+std::string ggml_type_name(GgmlType t) { return format_of(t).name; }
 
 uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims) {
   KVLAB_CHECK(!dims.empty() && dims.size() <= kMaxDims, "gguf: a tensor has ", dims.size(),
@@ -289,16 +284,10 @@ uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims) {
     n = checked_mul(n, static_cast<uint64_t>(d), "gguf: element count");
     KVLAB_CHECK(n <= static_cast<uint64_t>(kMaxElements), "gguf: ", n, " elements is too many");
   }
-  switch (t) {
-    case GgmlType::F32: return n * 4;
-    case GgmlType::F16: case GgmlType::BF16: return n * 2;
-    case GgmlType::Q8_0: case GgmlType::Q4_0:
-      KVLAB_CHECK(dims[0] % kGgmlBlock == 0, "gguf: a ", ggml_type_name(t), " row of ", dims[0],
-                  " values is not whole blocks of ", kGgmlBlock);
-      return n / kGgmlBlock * (t == GgmlType::Q8_0 ? kQ8BlockBytes : kQ4BlockBytes);
-  }
-  KVLAB_CHECK(false, "gguf: tensor type ", static_cast<uint32_t>(t), " is not supported");
-  return 0;
+  const Format& f = format_of(t);
+  KVLAB_CHECK(dims[0] % f.block_values == 0, "gguf: a ", f.name, " row of ", dims[0],
+              " values is not whole blocks of ", f.block_values);
+  return static_cast<uint64_t>(format_row_bytes(f, static_cast<int64_t>(n)));
 }
 
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type) {
@@ -309,35 +298,7 @@ GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type
   t.type = type;
   t.dims.assign(arr.shape.rbegin(), arr.shape.rend());
   t.data.resize(gguf_tensor_bytes(type, t.dims));
-  const float* x = arr.data.data();
-  const size_t n = arr.data.size();
-  char* out = t.data.data();
-  switch (type) {
-    case GgmlType::F32:
-      std::memcpy(out, x, n * 4);
-      break;
-    case GgmlType::F16:
-    case GgmlType::BF16:
-      for (size_t i = 0; i < n; ++i) {
-        const uint16_t h = type == GgmlType::F16 ? f32_to_f16(x[i]) : cpu::f32_to_bf16(x[i]);
-        std::memcpy(out + 2 * i, &h, 2);
-      }
-      break;
-    case GgmlType::Q8_0:
-      for (size_t b = 0; b < n / kQ8Block; ++b) {
-        char* ob = out + b * kQ8BlockBytes;
-        const uint16_t d = quantise_q8_0(x + b * kQ8Block, reinterpret_cast<int8_t*>(ob + 2));
-        std::memcpy(ob, &d, 2);
-      }
-      break;
-    case GgmlType::Q4_0:
-      for (size_t b = 0; b < n / kGgmlBlock; ++b) {
-        char* ob = out + b * kQ4BlockBytes;
-        const uint16_t d = quantise_q4_0(x + b * kGgmlBlock, reinterpret_cast<uint8_t*>(ob + 2));
-        std::memcpy(ob, &d, 2);
-      }
-      break;
-  }
+  format_of(type).quantise(arr.data.data(), static_cast<int64_t>(arr.data.size()), t.data.data());
   return t;
 }
 
@@ -350,37 +311,7 @@ ArrayF32 gguf_tensor_values(const GgufTensor& t) {
   int64_t n = 1;
   for (int64_t d : t.dims) n *= d;
   arr.data.resize(static_cast<size_t>(n));
-  const char* in = t.data.data();
-  float* x = arr.data.data();
-  switch (t.type) {
-    case GgmlType::F32:
-      std::memcpy(x, in, static_cast<size_t>(n) * 4);
-      break;
-    case GgmlType::F16:
-    case GgmlType::BF16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, in + 2 * i, 2);
-        x[i] = t.type == GgmlType::F16 ? f16_to_f32(h) : cpu::bf16_to_f32(h);
-      }
-      break;
-    case GgmlType::Q8_0:
-      for (int64_t b = 0; b < n / kQ8Block; ++b) {
-        const char* ib = in + b * kQ8BlockBytes;
-        uint16_t d;
-        std::memcpy(&d, ib, 2);
-        dequantise_q8_0(d, reinterpret_cast<const int8_t*>(ib + 2), x + b * kQ8Block);
-      }
-      break;
-    case GgmlType::Q4_0:
-      for (int64_t b = 0; b < n / kGgmlBlock; ++b) {
-        const char* ib = in + b * kQ4BlockBytes;
-        uint16_t d;
-        std::memcpy(&d, ib, 2);
-        dequantise_q4_0(d, reinterpret_cast<const uint8_t*>(ib + 2), x + b * kGgmlBlock);
-      }
-      break;
-  }
+  format_of(t.type).dequantise(t.data.data(), n, arr.data.data());
   return arr;
 }
 
@@ -471,9 +402,10 @@ std::vector<TensorInfo> read_tensor_infos(Reader& r, uint64_t n_tensors) {
       t.dims.push_back(static_cast<int64_t>(dim));
     }
     const uint32_t type = r.read<uint32_t>(tfield + "'s type");
-    if (type != 0 && type != 1 && type != 2 && type != 8 && type != 30)
-      r.fail(tfield, "ggml type " + std::to_string(type) +
-                         " is not supported (f32, f16, bf16, q8_0 and q4_0 are)");
+    const Format* format = format_of_ggml_type(type);
+    if (!format || !format->holds(kGgufTensor))
+      r.fail(tfield, "ggml type " + std::to_string(type) + " is not supported (" +
+                         format_names(kGgufTensor) + " are)");
     t.type = static_cast<GgmlType>(type);
     try {
       info.bytes = gguf_tensor_bytes(t.type, t.dims);

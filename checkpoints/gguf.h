@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "checkpoints/checkpoint.h"
-#include "platform/ggml_blocks.h"  // the blocks' definitions, f32_to_f16 and f16_to_f32
+#include "platform/formats.h"
 
 namespace kvlab {
 
@@ -22,11 +22,18 @@ enum class GgufType : uint32_t {
   Array = 9, U64 = 10, I64 = 11, F64 = 12,
 };
 
-// Tensor element types kvlab reads and writes, numbered as ggml numbers them.
-enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, BF16 = 30 };
-inline constexpr int64_t kQ8Block = kGgmlBlock;  // values a q8_0 block holds
-inline constexpr int64_t kQ8BlockBytes = 34;   // its f16 scale and 32 int8 codes
-inline constexpr int64_t kQ4BlockBytes = 18;   // its f16 scale and 16 bytes of 4-bit codes
+// Tensor element types kvlab reads and writes: the format table's rows with the kGgufTensor
+// role (platform/formats.h), each numbered as ggml numbers it (the row's ggml_type).
+constexpr uint32_t ggml_id(Fmt f) { return static_cast<uint32_t>(format(f).ggml_type); }
+enum class GgmlType : uint32_t {
+  F32 = ggml_id(Fmt::F32),
+  F16 = ggml_id(Fmt::F16),
+  Q4_0 = ggml_id(Fmt::Q4_0),
+  Q8_0 = ggml_id(Fmt::Q8_0),
+  BF16 = ggml_id(Fmt::BF16),
+};
+// The row of a type (every GgmlType has one: parse_gguf admits no other id).
+const Format& format_of(GgmlType t);
 inline constexpr uint32_t kGgufDefaultAlignment = 32;
 
 // One metadata value: a scalar (one element) or an array of scalars (no nested arrays). Integer
@@ -71,8 +78,6 @@ struct GgufFile {
 };
 
 std::string ggml_type_name(GgmlType t);
-// q8_0 and q4_0: a row is whole blocks of kGgmlBlock values, each block one scale and codes.
-bool is_block_type(GgmlType t);
 // Bytes of a tensor of that type and shape; an Error when a q8_0 or q4_0 row is not whole
 // blocks.
 uint64_t gguf_tensor_bytes(GgmlType t, const std::vector<int64_t>& dims);
@@ -87,8 +92,8 @@ GgufFile read_gguf(const std::filesystem::path& path);
 void write_gguf(const std::filesystem::path& path, const GgufFile& file);
 
 // A row-major array as a tensor of `type`, its shape reversed: (rows, cols) has dims
-// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}; q8_0 and
-// q4_0 by ggml's reference quantisers (platform/ggml_blocks.h).
+// {cols, rows}, a vector {n}, a stack of matrices (n, rows, cols) {cols, rows, n}, by the
+// format's codec (platform/formats.h: q8_0 and q4_0 by ggml's reference quantisers).
 GgufTensor make_gguf_tensor(std::string name, const ArrayF32& arr, GgmlType type);
 // The tensor's values as f32 in kvlab's order (shape: dims reversed), each type decoded
 // exactly as ggml dequantises it.

@@ -112,7 +112,7 @@ GgmlType type_for(const std::string& gguf, const ArrayF32& arr, GgmlType matrice
       matrices == GgmlType::Q4_0 && is_lm_head(gguf, cfg) ? GgmlType::Q8_0 : matrices;
   // bf16, not f32: llama.cpp's quantiser too falls back to a 2-byte type, and kvlab's
   // --weight-dtype rounds such a matrix to the same values (GPT::round_matrices).
-  if (is_block_type(t) && arr.shape.back() % kGgmlBlock != 0) return GgmlType::BF16;
+  if (arr.shape.back() % format_of(t).block_values != 0) return GgmlType::BF16;
   return t;
 }
 

@@ -7,9 +7,9 @@
 
 #include <zlib.h>
 
-#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "infer/kv_scales.h"
+#include "platform/kv_rows.h"
 #include "platform/random.h"
 
 namespace kvlab {

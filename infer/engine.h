@@ -154,7 +154,7 @@ class Engine {
   // The engine borrows both; the model should be in eval mode (load_model returns it so).
   // cache_dtype: f32, or bf16 (keys and values rounded to bf16 as they are stored: half the
   // cache memory and the bytes each decode step reads), on either device; or on the CPU fp8,
-  // int8 or int4 (quantised as stored, kv_format.h; fp8 with fp8_kv_scales). paged: the paged
+  // int8 or int4 (quantised as stored, platform/kv_rows.h; fp8 with fp8_kv_scales). paged: the paged
   // cache with these options, the default (the model must be on the CPU); none: the
   // contiguous one, which CUDA needs.
   Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype = DType::F32,

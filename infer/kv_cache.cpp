@@ -5,9 +5,9 @@
 #include <cstring>
 #include <numeric>
 
-#include "autograd/backend/cpu/bf16.h"
-#include "autograd/backend/cpu/kv_quant.h"
-#include "autograd/backend/kv_format.h"
+#include "platform/kv_rows.h"
+#include "platform/kv_rows.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab {
 
@@ -59,10 +59,10 @@ bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int6
     for (int64_t i = 0; i < HS; ++i) d[i] = src[i * stride];
   } else if (dtype == DType::BF16) {
     auto* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < HS; ++i) d[i] = cpu::f32_to_bf16(src[i * stride]);
+    for (int64_t i = 0; i < HS; ++i) d[i] = f32_to_bf16(src[i * stride]);
   } else {
     KVLAB_ASSERT(stride == 1, "store_kv_row: a quantised row is read contiguous");
-    return cpu::quantise_kv_row(dtype, static_cast<uint8_t*>(dst), src, HS, fp8_scale);
+    return quantise_kv_row(dtype, static_cast<uint8_t*>(dst), src, HS, fp8_scale);
   }
   return true;
 }

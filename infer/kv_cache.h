@@ -46,7 +46,7 @@ struct KVCacheLayout {
 KVCacheLayout kv_cache_layout(const GPTConfig& c, DType dtype);
 
 // 2 (K and V) * L * B * S * NKV * kv_row_bytes(dtype, HS): what a (B, NKV, S, HS) cache per
-// layer for K and for V must take, a quantised row's scales included (kv_format.h). An fp8
+// layer for K and for V must take, a quantised row's scales included (platform/kv_rows.h). An fp8
 // cache also holds its 2 * L * NKV f32 scales, which this counts too.
 int64_t kv_cache_formula_bytes(int64_t L, int64_t B, int64_t S, int64_t NKV, int64_t HS,
                                DType dtype);
@@ -62,7 +62,7 @@ int64_t kv_cache_formula_bytes(const GPTConfig& c, int64_t B, int64_t S, DType d
 
 // Writes one (position, KV head) row of HS f32 values (src, at element stride `stride`) into a
 // cache's row of dtype at dst: f32 as they are, bf16 rounded to nearest even, fp8, int8 and
-// int4 quantised (cpu/kv_quant.h; fp8 with its head's scale; src then contiguous). False,
+// int4 quantised (platform/kv_rows.h; fp8 with its head's scale; src then contiguous). False,
 // having written a zeroed row, where a quantised row meets an infinity or a NaN: the caller
 // refuses it, naming where (kv_nonfinite_error).
 bool store_kv_row(DType dtype, void* dst, const float* src, int64_t stride, int64_t HS,
@@ -89,7 +89,7 @@ struct KVRows {
   int64_t rows = 0, n_kv_head = 0, head_size = 0;
   int64_t positions = 0;  // S = max(lengths) + T: the positions a step's rows reach
   int64_t head_stride = 0, pos_stride = 0;
-  // f32, bf16, or quantised (kv_format.h): then strides count bytes, and a row is
+  // f32, bf16, or quantised (platform/kv_rows.h): then strides count bytes, and a row is
   // kv_row_bytes(dtype, head_size) of them.
   DType dtype = DType::F32;
   Device device = Device::CPU;
@@ -160,7 +160,7 @@ class GenerationKVCache : public DecodeKVCache {
 // Per layer, K and V as (B_max, NKV, S_max, HS) buffers allocated once; row b's positions
 // 0 .. lengths()[b] - 1 are valid. Only NKV heads are stored, never repeated per query head.
 // dtype f32, f64 or bf16, or on the CPU fp8, int8 or int4, whose buffers' last dim is a row's
-// bytes (kv_format.h); fp8 takes its scales, (L, 2 NKV) as KVRows::scales reads them.
+// bytes (platform/kv_rows.h); fp8 takes its scales, (L, 2 NKV) as KVRows::scales reads them.
 // values_are_keys (MLA's latent cache; fp8 with equal key and value scales): one buffer per
 // layer, which append() and the views give as K and as V alike; append() stores only k.
 class ContiguousKVCache final : public GenerationKVCache {

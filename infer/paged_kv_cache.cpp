@@ -4,9 +4,9 @@
 #include <cstring>
 #include <unordered_set>
 
-#include "autograd/backend/kv_format.h"
 #include "infer/kv_cache.h"
 #include "platform/error.h"
+#include "platform/kv_rows.h"
 
 namespace kvlab {
 

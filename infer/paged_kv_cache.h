@@ -39,7 +39,7 @@ class PagedKVCache final : public GenerationKVCache {
   // capacity: positions one sequence may reach (its block table's width is capacity /
   // kv_block_size, rounded up). dtype f32 or bf16 (f32 keys and values rounded as stored), or
   // fp8, int8 or int4 (quantised as stored; a pool's last dim is then a row's bytes,
-  // kv_format.h), fp8 with its scales, (L, 2 NKV) as KVRows::scales reads them.
+  // platform/kv_rows.h), fp8 with its scales, (L, 2 NKV) as KVRows::scales reads them.
   // max_batch > 0 makes that many fresh sequences the rows (as reset() does); 0 leaves the
   // rows to set_rows().
   // values_are_keys (MLA's latent cache; fp8 with equal key and value scales): one pool per
@@ -136,7 +136,7 @@ class PagedKVCache final : public GenerationKVCache {
   BlockManager& blocks_;
   int64_t n_layer_, n_kv_head_, head_size_, capacity_, block_len_, width_;
   DType dtype_;
-  int64_t row_;                // elements of dtype_ a (position, head) row (kv_format.h)
+  int64_t row_;                // elements of dtype_ a (position, head) row (platform/kv_rows.h)
   std::vector<float> scales_;  // fp8: (L, 2 NKV)
   bool values_are_keys_;       // v_ is k_
   std::vector<Tensor> k_, v_;  // per layer (n_blocks, NKV, kv_block_size, row_)

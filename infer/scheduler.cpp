@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <span>
 
-#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
+#include "platform/kv_rows.h"
 
 namespace kvlab {
 

@@ -302,16 +302,6 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
 
 const Tensor& GPT::lm_head_weight() const { return lm_head ? lm_head->weight : wte.weight; }
 
-const char* weight_dtype_name(WeightDtype d) {
-  switch (d) {
-    case WeightDtype::F32: return "f32";
-    case WeightDtype::BF16: return "bf16";
-    case WeightDtype::Q8_0: return "q8_0";
-    case WeightDtype::Q4_0: return "q4_0";
-  }
-  return "?";
-}
-
 namespace {
 
 // w's values rounded in place to q8_0 or q4_0 blocks along its rows, on the host (a GPU

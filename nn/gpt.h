@@ -125,8 +125,6 @@ class Block : public Module {
 };
 
 // The type of the products' matrices at inference (--weight-dtype; GPT::round_matrices).
-enum class WeightDtype : uint8_t { F32, BF16, Q8_0, Q4_0 };
-const char* weight_dtype_name(WeightDtype d);
 
 class GPT : public Module {
  public:

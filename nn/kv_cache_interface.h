@@ -26,7 +26,7 @@ class KVCache {
   // Stores k, v (B, NKV, T, HS) of `layer` at each row's current length and returns what the
   // attention op reads: views (B, NKV, S, HS) with S = max(lengths) + T, or, where kv_blocks()
   // is set, the layer's pools of blocks, read through it. A quantised cache's views hold its
-  // rows' bytes, not HS values (kv_format.h). Row b's valid length is
+  // rows' bytes, not HS values (platform/kv_rows.h). Row b's valid length is
   // lengths()[b] + T.
   virtual std::pair<Tensor, Tensor> append(int layer, const Tensor& k, const Tensor& v) = 0;
   // Null for a cache whose append() returns (B, NKV, S, HS) views; a paged cache's block tables

@@ -18,9 +18,12 @@
 // x / d + 8.5 rounded twice, not fused, gives its codes bit for bit.
 #include <cstdint>
 
+#include "platform/formats.h"
+
 namespace kvlab {
 
-inline constexpr int64_t kGgmlBlock = 32;  // values a q8_0 or q4_0 block holds
+inline constexpr int64_t kGgmlBlock = format(Fmt::Q8_0).block_values;  // a q8_0 or q4_0 block's
+static_assert(format(Fmt::Q4_0).block_values == kGgmlBlock);
 
 // f32 <-> IEEE half, rounding to nearest even (overflow gives an infinity).
 uint16_t f32_to_f16(float f);

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "apps/report/report_parts.h"
+#include "platform/formats.h"
 
 namespace kvlab::report_detail {
 namespace {
@@ -186,7 +187,9 @@ std::vector<std::string> quality_findings(const Parsed& p) {
   const Variant& few = *std::find_if(p.variants.rbegin(), p.variants.rend(),
                                      [](const Variant& v) { return !v.mla(); });
   if (&many == &few) return out;
-  for (const char* dtype : {"bf16", "fp8", "int8", "int4"}) {
+  for (const Format& cache_format : formats()) {
+    if (!cache_format.holds(kKVEntries) || cache_format.id == Fmt::F32) continue;
+    const std::string dtype = cache_format.name;
     const auto at = [&](const Variant& v) {
       return std::find_if(pts.begin(), pts.end(),
                           [&](const QualityPoint& q) { return q.v == &v && q.dtype == dtype; });

@@ -9,26 +9,6 @@
 
 namespace kvlab {
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::F32:
-      return "f32";
-    case DType::F64:
-      return "f64";
-    case DType::I32:
-      return "i32";
-    case DType::BF16:
-      return "bf16";
-    case DType::FP8:
-      return "fp8";
-    case DType::INT8:
-      return "int8";
-    case DType::INT4:
-      return "int4";
-  }
-  return "?";
-}
-
 const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
 
 #ifndef KVLAB_WITH_CUDA

@@ -1,9 +1,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "autograd/backend/kv_format.h"
 #include "autograd/ops/common.h"
 #include "autograd/ops/ops.h"
+#include "platform/kv_rows.h"
 
 namespace kvlab {
 

@@ -101,7 +101,7 @@ struct AttentionOptions {
   std::span<const float> kv_scales;
 };
 // Causal attention with grouped K/V heads: q (B, NH, T, HS), k and v (B, NKV, S, HS) (for a
-// quantised KV cache's k and v, fp8, int8 or int4, HS is its rows' bytes, kv_format.h),
+// quantised KV cache's k and v, fp8, int8 or int4, HS is its rows' bytes, platform/kv_rows.h),
 // NH % NKV == 0; query head h reads KV head h / (NH / NKV), never a repeated copy. The mask is
 // bottom-right aligned: the T queries sit at positions S-T .. S-1. Any strides are accepted as
 // long as HS is contiguous, so q can be a transposed view of a (B, T, NH, HS) buffer.

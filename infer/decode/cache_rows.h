@@ -9,13 +9,13 @@
 #include <string>
 #include <type_traits>
 
-#include "autograd/backend/kv_format.h"
 #include "infer/kv_cache.h"
+#include "platform/kv_rows.h"
 
 namespace kvlab::decode {
 
 // One layer's rows of the cache for this step (DecodeKVCache::layer_rows): host memory, f32,
-// bf16 or quantised (kv_format.h), B rows of NKV heads of HS contiguous elements with room for
+// bf16 or quantised (platform/kv_rows.h), B rows of NKV heads of HS contiguous elements with room for
 // every row's length (which counts this step's position), checked before the parallel region; the
 // threads write their new keys and values straight into them. A paged cache's rows (KVRows::blocks)
 // are reached through their block tables: the new position's block for the stores, every block for

@@ -36,7 +36,6 @@
 #include <vector>
 
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "infer/decode/attend_gqa.h"
 #include "infer/decode/attend_mla.h"
@@ -44,6 +43,7 @@
 #include "infer/decode/cache_rows.h"
 #include "infer/decode/packed_weights.h"
 #include "infer/decode/step.h"
+#include "platform/kv_rows.h"
 #include "platform/parallel.h"
 
 namespace kvlab {

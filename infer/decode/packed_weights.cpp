@@ -8,11 +8,11 @@
 #include <memory>
 #include <utility>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "platform/ggml_blocks.h"
 #include "infer/decode/decode_step.h"
 #include "infer/decode/thread_rows.h"
+#include "platform/ggml_blocks.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab {
 
@@ -83,30 +83,26 @@ using decode::StepRows;
 using decode::whole_lines;
 
 bool DecodeStep::packing_applies() const {
-  return runs_on_model() && cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) > 0;
+  return runs_on_model() && cpu::packed_weight_bytes(WeightDtype::F32, 1, 1) > 0;
 }
 
 namespace decode {
 
-cpu::PackedForm exact_form(const Tensor& w) {
+WeightDtype exact_form(const Tensor& w) {
   const float* x = w.data<float>();
   const int64_t n = w.numel(), k = w.size(1);
-  if (cpu::packed_weight_bytes(cpu::PackedForm::Q4_0, 1, k) > 0) {
-    if (exact_q4_0(x, n)) return cpu::PackedForm::Q4_0;
-    if (exact_q8_0(x, n)) return cpu::PackedForm::Q8_0;
+  if (cpu::packed_weight_bytes(WeightDtype::Q4_0, 1, k) > 0) {
+    if (exact_q4_0(x, n)) return WeightDtype::Q4_0;
+    if (exact_q8_0(x, n)) return WeightDtype::Q8_0;
   }
-  return cpu::all_bf16(x, n) ? cpu::PackedForm::BF16 : cpu::PackedForm::F32;
+  return all_bf16(x, n) ? WeightDtype::BF16 : WeightDtype::F32;
 }
 
-// Bytes of n values in a form, without its padding: q8_0 and q4_0 count their f32 scales.
-int64_t value_bytes(cpu::PackedForm form, int64_t n) {
-  switch (form) {
-    case cpu::PackedForm::F32: return n * 4;
-    case cpu::PackedForm::BF16: return n * 2;
-    case cpu::PackedForm::Q8_0: return n / kGgmlBlock * (kGgmlBlock + 4);
-    case cpu::PackedForm::Q4_0: return n / kGgmlBlock * (kGgmlBlock / 2 + 4);
-  }
-  return n * 4;
+// Bytes of n values in a form, without its padding: the format's bytes, its blocks' f16
+// scales widened to the f32 ones the packed units hold.
+int64_t value_bytes(WeightDtype form, int64_t n) {
+  const Format& f = format_of(form);
+  return format_row_bytes(f, n) + (f.block_values > 1 ? n / f.block_values * 2 : 0);
 }
 
 }  // namespace decode
@@ -118,7 +114,7 @@ DecodeStep::PackGuard DecodeStep::pack() {
   if (!packing_applies()) return {};
   const std::vector<const Tensor*> weights = decode_matrices(model_);
   const auto count = static_cast<int64_t>(weights.size());
-  std::vector<cpu::PackedForm> form(weights.size());  // each matrix's (exact_form)
+  std::vector<WeightDtype> form(weights.size());  // each matrix's (exact_form)
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) form[static_cast<size_t>(i)] = exact_form(*weights[static_cast<size_t>(i)]);
   // The buffer (reused while its size fits) and the weights' pointers are taken before the
@@ -154,8 +150,8 @@ DecodeStep::PackGuard DecodeStep::pack() {
   }
   std::vector<PackRef> pack(parts);
   for (size_t at = 0; at < parts; ++at) {
-    const cpu::PackedForm f = form[at / static_cast<size_t>(threads)];
-    const bool blocks = f == cpu::PackedForm::Q8_0 || f == cpu::PackedForm::Q4_0;
+    const WeightDtype f = form[at / static_cast<size_t>(threads)];
+    const bool blocks = f == WeightDtype::Q8_0 || f == WeightDtype::Q4_0;
     if (rows[at].first < rows[at].second)
       pack[at] = {buffer + offset[at], f, blocks && int8_products};
   }
@@ -171,8 +167,8 @@ DecodeStep::PackGuard::~PackGuard() {
 bool DecodeStep::multiplies_in_integers() const {
   if (!int8_products || !packing_applies()) return false;
   for (const Tensor* w : decode_matrices(model_)) {
-    const cpu::PackedForm f = exact_form(*w);
-    if (f == cpu::PackedForm::Q8_0 || f == cpu::PackedForm::Q4_0) return true;
+    const WeightDtype f = exact_form(*w);
+    if (f == WeightDtype::Q8_0 || f == WeightDtype::Q4_0) return true;
   }
   return false;
 }
@@ -195,7 +191,7 @@ int64_t DecodeStep::weight_bytes() const {
       return lo >= hi;
     });
     matrices += w->numel();
-    bytes += value_bytes(packs && !unpacked ? exact_form(*w) : cpu::PackedForm::F32, w->numel());
+    bytes += value_bytes(packs && !unpacked ? exact_form(*w) : WeightDtype::F32, w->numel());
   }
   return bytes + (model_.num_parameters() - tables - matrices) * 4;
 }

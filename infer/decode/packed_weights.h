@@ -29,7 +29,7 @@ namespace kvlab::decode {
 // Rows of a matrix packed in one of cpu::pack_weight's forms, or none.
 struct PackRef {
   const void* data = nullptr;
-  cpu::PackedForm form = cpu::PackedForm::F32;
+  WeightDtype form = WeightDtype::F32;
   bool int8 = false;  // q8_0 or q4_0 rows multiplied in integers (cpu::gemm_packed_int8)
 };
 
@@ -37,7 +37,7 @@ struct PackRef {
 // step gives the bits of the f32 form whatever the form (cpu/decode_kernels.h): q4_0, then
 // q8_0 (values as GPT::round_matrices or a GGUF file's blocks leave them), bf16, else f32.
 // A matrix of other values is told apart in its first block.
-cpu::PackedForm exact_form(const Tensor& w);
+WeightDtype exact_form(const Tensor& w);
 
 // A product's f32 weight (out, in), bias (out, or null) and, while packed, each thread's
 // rows of the weight (StepRows) packed on their own, a PackRef per thread (else null);

@@ -6,7 +6,6 @@
 #include <memory>
 #include <string>
 
-#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "data/corpus.h"
 #include "data/sampler.h"
@@ -14,6 +13,7 @@
 #include "infer/kv_cache.h"
 #include "infer/measure/model_eval.h"
 #include "platform/error.h"
+#include "platform/kv_rows.h"
 
 namespace kvlab {
 

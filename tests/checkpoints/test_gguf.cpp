@@ -13,11 +13,17 @@
 
 #include "checkpoints/gguf.h"
 #include "platform/error.h"
+#include "platform/ggml_blocks.h"
 #include "platform/random.h"
 #include "tests/error_of.h"
 
 namespace kvlab {
 namespace {
+
+// ggml's block sizes (ggml-common.h): a q8_0 block is its f16 scale and 32 int8 codes, a q4_0
+// block its f16 scale and 16 bytes of 4-bit codes.
+constexpr size_t kQ8BlockBytes = 34;
+constexpr size_t kQ4BlockBytes = 18;
 
 ArrayF32 ramp(std::vector<int64_t> shape, float scale) {
   ArrayF32 a{shape, {}};
@@ -330,6 +336,23 @@ TEST(GgufFuzz, AbsurdCountsLengthsShapesAndOffsetsAreRefusedByName) {
   g.tensors.push_back(g.tensors.front());
   EXPECT_NE(outcome(serialize_gguf(g)).find("appears twice"), std::string::npos);
   EXPECT_LT(peak_rss_kb() - rss_before, 64 * 1024);
+}
+
+// GGUF's ids and ggml's block sizes as ggml defines them (ggml.h's enum ggml_type,
+// ggml-common.h's static_asserts on block_q8_0 and block_q4_0).
+TEST(GgufFormat, TypesAreTheFormatTablesRowsWithGgmlsIdsAndBlockSizes) {
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::F32), 0u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::F16), 1u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q4_0), 2u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q8_0), 8u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::BF16), 30u);
+  EXPECT_EQ(format(Fmt::Q8_0).block_bytes, 2 + 32);  // f16 d, 32 int8 codes
+  EXPECT_EQ(format(Fmt::Q4_0).block_bytes, 2 + 16);  // f16 d, 32 nibbles
+  EXPECT_EQ(format(Fmt::Q8_0).block_values, 32);
+  EXPECT_EQ(format(Fmt::Q4_0).block_values, 32);
+  for (const GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::BF16})
+    EXPECT_EQ(format_of(t).ggml_type, static_cast<int32_t>(t));
+  EXPECT_EQ(format_names(kGgufTensor), "f32, bf16, f16, q8_0 and q4_0");
 }
 
 }  // namespace

@@ -11,9 +11,7 @@
 #include <tuple>
 
 #include "autograd/backend/allocator.h"
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "autograd/backend/kv_format.h"
 #include "autograd/graph.h"
 #include "infer/decode/decode_step.h"
 #include "infer/engine.h"
@@ -21,6 +19,8 @@
 #include "infer/measure/bench.h"
 #include "infer/measure/kv_quality.h"
 #include "infer_test_util.h"
+#include "platform/kv_rows.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab {
 namespace {
@@ -255,10 +255,10 @@ TEST(FusedDecode, Bf16CacheHoldsTheNewKeysRoundedToNearestEven) {
         for (int64_t i = 0; i < c.head_size(); ++i) {
           const int64_t at = (h * c.block_size + 3) * c.head_size() + i;  // position 3
           const float x = wide.data<float>()[at];
-          EXPECT_EQ(n[at], cpu::f32_to_bf16(x)) << "threads " << threads << " head " << h;
+          EXPECT_EQ(n[at], f32_to_bf16(x)) << "threads " << threads << " head " << h;
           uint32_t bits;
           std::memcpy(&bits, &x, 4);
-          rounded_away += cpu::f32_to_bf16(x) != static_cast<uint16_t>(bits >> 16);
+          rounded_away += f32_to_bf16(x) != static_cast<uint16_t>(bits >> 16);
         }
     }
     EXPECT_GT(rounded_away, 0);  // truncation would have failed the comparison
@@ -410,7 +410,7 @@ TEST(PackedDecode, ReadsThePackOnlyWhileItsGuardLives) {
   const std::vector<int32_t> prompt{4, 9, 1};
   const std::vector<float> before = step_logits(*model, step, false, prompt, 7);
   std::optional<DecodeStep::PackGuard> pack(step.pack());
-  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  if (cpu::packed_weight_bytes(WeightDtype::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   EXPECT_LE(max_diff(step_logits(*model, step, true, prompt, 7), before), 1e-5 * max_abs(before));
   Tensor w = model->blocks[1]->mlp.c_fc.weight;  // changed under the guard
   for (int64_t i = 0; i < w.numel(); ++i) w.data<float>()[i] *= -1.0f;
@@ -442,7 +442,7 @@ TEST(PackedDecode, AStepOnOtherThreadsThanThePackReadsTheWeights) {
   auto model = test::random_model(odd_config(2), 5);
   DecodeStep step(*model);
   NoGradGuard no_grad;
-  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  if (cpu::packed_weight_bytes(WeightDtype::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   const std::vector<int32_t> prompt{4, 9, 1};
   const std::vector<float> before = step_logits(*model, step, false, prompt, 7);
   std::optional<DecodeStep::PackGuard> pack;
@@ -467,7 +467,7 @@ TEST(PackedDecode, GuardsNest) {
   auto model = test::random_model(decode_config(2), 5);
   DecodeStep step(*model);
   NoGradGuard no_grad;
-  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
+  if (cpu::packed_weight_bytes(WeightDtype::F32, 1, 1) == 0) GTEST_SKIP() << "no packed kernel in this build";
   const std::vector<int32_t> prompt{4, 9, 1};
   std::optional<DecodeStep::PackGuard> outer(step.pack());
   std::optional<DecodeStep::PackGuard> inner(step.pack());
@@ -505,7 +505,7 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
     });
     const std::vector<float> now = params[i].to_vector<float>();
     for (size_t j = 0; j < now.size(); ++j) {
-      const float expect = matrix ? cpu::bf16_to_f32(cpu::f32_to_bf16(before[i][j])) : before[i][j];
+      const float expect = matrix ? bf16_to_f32(f32_to_bf16(before[i][j])) : before[i][j];
       ASSERT_EQ(std::memcmp(&now[j], &expect, 4), 0) << "parameter " << i << " element " << j;
     }
     (matrix ? rounded_elements : others) += params[i].numel();
@@ -515,7 +515,7 @@ TEST(PackedDecode, RoundMatricesToBf16RoundsTheMatricesOnly) {
   EXPECT_EQ(rounded_elements, matrix_elements);           // every matrix is a parameter, once
   const int64_t rest = others - c.block_size * c.n_embd;  // the position table is not read
   EXPECT_EQ(f32_bytes, 4 * (matrix_elements + rest));
-  const bool packs = cpu::packed_weight_bytes(cpu::PackedForm::BF16, 1, 1) > 0;
+  const bool packs = cpu::packed_weight_bytes(WeightDtype::BF16, 1, 1) > 0;
   EXPECT_EQ(step.weight_bytes(), (packs ? 2 : 4) * matrix_elements + 4 * rest);
   step.enabled = false;  // the op path reads the f32 storage
   EXPECT_EQ(step.weight_bytes(), f32_bytes);
@@ -533,7 +533,7 @@ TEST(PackedDecode, MlaWeightBytesCountKvUpAsStored) {
     for (const Linear* l : {&b->mla->q_proj, &b->mla->kv_down, &b->mla->c_proj, &b->mlp.c_fc,
                             b->mlp.c_up.get(), &b->mlp.c_proj})
       if (l != nullptr) packed += l->weight.numel();
-  const bool packs = cpu::packed_weight_bytes(cpu::PackedForm::BF16, 1, 1) > 0;
+  const bool packs = cpu::packed_weight_bytes(WeightDtype::BF16, 1, 1) > 0;
   EXPECT_EQ(step.weight_bytes(), f32_bytes - (packs ? 2 * packed : 0));
 }
 

@@ -225,7 +225,7 @@ TEST_P(PagedEqualsContiguous, SameGreedyTextTokensAndLogits) {
 // cache's batches give the contiguous one's results within the same bound (the cases of
 // QuantisedMatrices below).
 TEST(Engine, PagedEqualsContiguousWithIntegerProducts) {
-  if (cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, 8, 32) == 0)
+  if (cpu::packed_weight_bytes(WeightDtype::Q8_0, 8, 32) == 0)
     GTEST_SKIP() << "no packed kernel in this build: no integer products";
   for (const std::string arch : {"gpt2", "llama"})
     for (const DType dtype : {DType::F32, DType::BF16})

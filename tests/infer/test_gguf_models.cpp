@@ -11,12 +11,13 @@
 #include <fstream>
 #include <set>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/graph.h"
 #include "checkpoints/gguf_model.h"
 #include "checkpoints/model_io.h"
 #include "data/bpe.h"
 #include "infer/engine.h"
+#include "platform/ggml_blocks.h"
+#include "platform/scalar_codecs.h"
 #include "tests/error_of.h"
 #include "tests/infer/gguf_test_util.h"
 #include "tests/infer/infer_test_util.h"
@@ -119,7 +120,7 @@ TEST_P(GgufQ4RoundTrip, ImportHoldsTheRoundedMatricesAndExportsTheSameBytes) {
     if (arr.shape.size() != 2) continue;
     const bool head = name == "lm_head.weight" || (tied && name == "wte.weight");
     if (arr.shape[1] % kGgmlBlock != 0)
-      for (float& v : arr.data) v = cpu::bf16_to_f32(cpu::f32_to_bf16(v));
+      for (float& v : arr.data) v = bf16_to_f32(f32_to_bf16(v));
     else
       (head ? round_to_q8_0 : round_to_q4_0)(arr.data.data(), static_cast<int64_t>(arr.data.size()));
     changed += 1;

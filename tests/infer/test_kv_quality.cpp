@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "autograd/backend/kv_format.h"
+#include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
 #include "infer/block_manager.h"
@@ -17,9 +17,9 @@
 #include "infer/engine.h"
 #include "infer/measure/kv_quality.h"
 #include "infer/paged_kv_cache.h"
-#include "autograd/backend/cpu/decode_kernels.h"
 #include "infer_test_util.h"
 #include "nn/adamw.h"
+#include "platform/kv_rows.h"
 #include "platform/random.h"
 
 namespace kvlab {
@@ -174,7 +174,7 @@ TEST(WeightQuality, ReportsWhatItSays) {
   EXPECT_LT(q[1].kl, q[2].kl);
   EXPECT_LT(q[2].kl, q[3].kl);
   for (const WeightQuality& r : q) EXPECT_EQ(r.positions, N * T);
-  if (cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) == 0) return;  // nothing packed
+  if (cpu::packed_weight_bytes(WeightDtype::F32, 1, 1) == 0) return;  // nothing packed
   const int64_t head = model->lm_head_weight().numel();
   const int64_t matrices = (q[0].decode_weight_bytes - q[1].decode_weight_bytes) / 2;  // bf16's half
   EXPECT_EQ(q[0].decode_weight_bytes - q[2].decode_weight_bytes, matrices * 4 - matrices / 32 * 36);
@@ -202,7 +202,7 @@ TEST(WeightQuality, IntegerProductsAreScoredStepByStep) {
     scale = std::max(scale, static_cast<double>(std::fabs(prefill[i])));
   }
   EXPECT_LE(worst, 1e-5 * scale);
-  if (cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, 32, 32) == 0) return;  // no integer kernel
+  if (cpu::packed_weight_bytes(WeightDtype::Q8_0, 32, 32) == 0) return;  // no integer kernel
   model = test::random_model(quality_config(2), 31);
   const std::vector<int32_t> x = tokens.to_vector<int32_t>();
   const std::vector<int32_t> y = test::random_tokens(gen, c.vocab_size, N, T).to_vector<int32_t>();

@@ -1,4 +1,4 @@
-// Quantised KV-cache rows (autograd/backend/cpu/kv_quant.h, kv_format.h): each format's round
+// Quantised KV-cache rows (platform/kv_rows.h): each format's round
 // trip within its bound, adversarial rows, the row kernel that reads them in place against
 // the same rows widened, and the caches' bytes against the formula.
 #include <gtest/gtest.h>
@@ -8,12 +8,12 @@
 #include <vector>
 
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "autograd/backend/cpu/kv_quant.h"
-#include "autograd/backend/kv_format.h"
 #include "infer/block_manager.h"
 #include "infer/kv_cache.h"
 #include "infer/paged_kv_cache.h"
 #include "platform/error.h"
+#include "platform/kv_rows.h"
+#include "platform/kv_rows.h"
 #include "platform/random.h"
 
 namespace kvlab {
@@ -30,9 +30,9 @@ std::vector<float> normal_row(Generator& gen, int64_t n, double sd) {
 std::vector<float> round_trip(DType t, const std::vector<float>& x, float fp8_scale) {
   const auto HS = static_cast<int64_t>(x.size());
   std::vector<uint8_t> row(static_cast<size_t>(kv_row_bytes(t, HS)), 0xAB);
-  EXPECT_TRUE(cpu::quantise_kv_row(t, row.data(), x.data(), HS, fp8_scale));
+  EXPECT_TRUE(quantise_kv_row(t, row.data(), x.data(), HS, fp8_scale));
   std::vector<float> y(x.size());
-  cpu::dequantise_kv_row(t, y.data(), row.data(), HS, fp8_scale);
+  dequantise_kv_row(t, y.data(), row.data(), HS, fp8_scale);
   return y;
 }
 
@@ -68,7 +68,7 @@ TEST(KVQuant, RoundTripWithinEachFormatsBound) {
       for (const double sd : {1e-3, 1.0, 40.0})
         for (int rep = 0; rep < 20; ++rep) {
           const std::vector<float> x = normal_row(gen, HS, sd);
-          const auto scale = static_cast<float>(6 * sd / cpu::kFp8Max);
+          const auto scale = static_cast<float>(6 * sd / kFp8Max);
           const std::vector<float> y = round_trip(t, x, scale);
           for (int64_t i = 0; i < HS; ++i)
             ASSERT_LE(std::fabs(y[i] - x[i]), bound(t, x, i, scale))
@@ -84,7 +84,7 @@ TEST(KVQuant, AdversarialRows) {
     // One huge outlier: it survives, and the rest stay within the bound it sets.
     std::vector<float> outlier(32, 0.25f);
     outlier[7] = -3e30f;
-    const float big_scale = 3e30f / cpu::kFp8Max;
+    const float big_scale = 3e30f / kFp8Max;
     const std::vector<float> y = round_trip(t, outlier, big_scale);
     for (int64_t i = 0; i < 32; ++i)
       EXPECT_LE(std::fabs(y[i] - outlier[i]), bound(t, outlier, i, big_scale))
@@ -102,7 +102,7 @@ TEST(KVQuant, AdversarialRows) {
       std::vector<float> x(32, 1.0f);
       x[5] = bad;
       std::vector<uint8_t> row(static_cast<size_t>(kv_row_bytes(t, 32)), 0xAB);
-      EXPECT_FALSE(cpu::quantise_kv_row(t, row.data(), x.data(), 32, 1.0f)) << dtype_name(t);
+      EXPECT_FALSE(quantise_kv_row(t, row.data(), x.data(), 32, 1.0f)) << dtype_name(t);
       EXPECT_EQ(row, std::vector<uint8_t>(row.size(), 0)) << dtype_name(t);
     }
   }
@@ -113,15 +113,15 @@ TEST(KVQuant, Fp8EncodesEveryE4M3ValueToItself) {
   for (int b = 0; b < 256; ++b) {
     if ((b & 0x7F) == 0x7F) continue;  // NaN: never stored
     const auto code = static_cast<uint8_t>(b);
-    EXPECT_EQ(cpu::fp8_encode(cpu::fp8_value(code)), code) << b;
+    EXPECT_EQ(fp8_encode(fp8_value(code)), code) << b;
   }
-  EXPECT_EQ(cpu::fp8_value(0x7E), 448.0f);
-  EXPECT_EQ(cpu::fp8_value(0x01), std::ldexp(1.0f, -9));
-  EXPECT_EQ(cpu::fp8_encode(1e9f), 0x7E);
-  EXPECT_EQ(cpu::fp8_encode(-1e9f), 0xFE);
+  EXPECT_EQ(fp8_value(0x7E), 448.0f);
+  EXPECT_EQ(fp8_value(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(fp8_encode(1e9f), 0x7E);
+  EXPECT_EQ(fp8_encode(-1e9f), 0xFE);
   // Ties go to even: 1 + 1/16 lies halfway between 1 and 1 + 1/8.
-  EXPECT_EQ(cpu::fp8_value(cpu::fp8_encode(1.0f + 1.0f / 16)), 1.0f);
-  EXPECT_EQ(cpu::fp8_value(cpu::fp8_encode(1.0f + 3.0f / 16)), 1.25f);
+  EXPECT_EQ(fp8_value(fp8_encode(1.0f + 1.0f / 16)), 1.0f);
+  EXPECT_EQ(fp8_value(fp8_encode(1.0f + 3.0f / 16)), 1.25f);
 }
 
 // The row kernel reads quantised rows in place; the same rows widened to f32 and attended by
@@ -139,8 +139,8 @@ TEST(KVQuant, RowKernelEqualsTheWidenedRows) {
       for (int64_t j = 0; j < n; ++j) {
         for (auto [rows, wide, s] : {std::tuple{&k, &kw, fmt.k_scale}, std::tuple{&v, &vw, fmt.v_scale}}) {
           const std::vector<float> x = normal_row(gen, HS, 3.0);
-          ASSERT_TRUE(cpu::quantise_kv_row(t, rows->data() + j * rb, x.data(), HS, s));
-          cpu::dequantise_kv_row(t, wide->data() + j * HS, rows->data() + j * rb, HS, s);
+          ASSERT_TRUE(quantise_kv_row(t, rows->data() + j * rb, x.data(), HS, s));
+          dequantise_kv_row(t, wide->data() + j * HS, rows->data() + j * rb, HS, s);
         }
       }
       const std::vector<float> q = normal_row(gen, HS, 1.0);
@@ -152,7 +152,7 @@ TEST(KVQuant, RowKernelEqualsTheWidenedRows) {
       for (float w : want) mag = std::max(mag, double(std::fabs(w)));
       // Where the build has row kernels, a head size of whole AVX-512 (and so AVX2) vectors
       // takes them; others may fall back (the caller then widens the rows).
-      const bool must_run = cpu::packed_weight_bytes(cpu::PackedForm::F32, 1, 1) > 0 && HS % 16 == 0;
+      const bool must_run = cpu::packed_weight_bytes(WeightDtype::F32, 1, 1) > 0 && HS % 16 == 0;
       const bool ran = cpu::attend_one_query_kernel(got.data(), q.data(), k.data(), rb, v.data(),
                                                     rb, n, HS, scale, p.data(), fmt);
       EXPECT_TRUE(ran || !must_run) << dtype_name(t) << " HS " << HS;

@@ -8,8 +8,8 @@
 
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/dot_simd.h"
-#include "autograd/backend/cpu/kv_quant.h"
 #include "autograd/backend/cpu/vec_math.h"  // attend_rows's softmax
+#include "platform/kv_rows.h"
 
 namespace kvlab::cpu {
 
@@ -36,7 +36,7 @@ struct StridedRows {
 // code * scale(row) + offset(row) (int8's scale; int4's scale and minimum, its row one group),
 // applied once a row's product is summed (a score) or to the row's weight (a value); one with
 // kHead has them times `head` (fp8's scale of the KV head), applied to the scores and the
-// output. Both give kv_quant.h's values up to f32 rounding.
+// output. Both give platform/kv_rows.h's values up to f32 rounding.
 template <int NV>
 struct F32Row {
   static constexpr bool kPerRow = false, kHead = false;
@@ -117,7 +117,7 @@ inline Vec fp8_values(const uint8_t* p) {
 }
 #endif
 
-// Where each vector of an int4 row's codes lies (kv_format.h: in a group of G, byte i holds
+// Where each vector of an int4 row's codes lies (platform/kv_rows.h: in a group of G, byte i holds
 // channel i and i + G / 2): vector h is the low (shift 0) or high (4) nibbles of the kLanes
 // bytes at byte[h], which vector shared[h] (or none, -1) read before it, or, where a vector is
 // a whole group (`both`), the kLanes / 2 bytes' low nibbles then their high ones. Worked out

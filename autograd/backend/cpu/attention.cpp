@@ -5,12 +5,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
-#include "autograd/backend/cpu/kv_quant.h"
 #include "autograd/backend/cpu/vec_math.h"
 #include "autograd/backend/kernels.h"
+#include "platform/kv_rows.h"
 #include "platform/random.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab::cpu {
 

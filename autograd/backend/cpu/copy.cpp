@@ -1,10 +1,10 @@
 #include <cstring>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/index.h"
 #include "autograd/backend/kernels.h"
 #include "platform/error.h"
 #include "platform/parallel.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab::cpu {
 

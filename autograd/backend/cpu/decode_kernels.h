@@ -24,19 +24,19 @@ namespace kvlab::cpu {
 //    and 32 columns its 8 scales (as f32) then the rows' codes (q4_0 in the file's nibble
 //    order), so K must be whole blocks. A value is code * scale, computed exactly in f32.
 // On a weight whose values the form holds exactly (all bf16, or exact_q8_0 / exact_q4_0),
-// every form gives the same bits as the f32 one: only the bytes read differ.
-enum class PackedForm : uint8_t { F32, BF16, Q8_0, Q4_0 };
-const char* packed_form_name(PackedForm form);
+// every form gives the same bits as the f32 one: only the bytes read differ. The forms are the
+// formats that hold weights (WeightDtype, platform/formats.h).
+//
 // Bytes of the form of a (N, K) weight: 0 where there is no kernel (neither AVX-512 nor AVX2
 // with FMA: callers then keep to gemm) or the form cannot hold it (q8_0 and q4_0 with K not
 // a multiple of 32).
-int64_t packed_weight_bytes(PackedForm form, int64_t N, int64_t K);
+int64_t packed_weight_bytes(WeightDtype form, int64_t N, int64_t K);
 // packed (packed_weight_bytes(form, N, K) bytes, 64-byte aligned for speed) = w (N, K),
 // contiguous, in the form (rounded or quantised as the form defines).
-void pack_weight(PackedForm form, void* packed, const float* w, int64_t N, int64_t K);
+void pack_weight(WeightDtype form, void* packed, const float* w, int64_t N, int64_t K);
 // y[m, n] = dot(w[n, :], a[m, :]) + beta * y[m, n] for m < M and n in [n0, n1): y (M, ldy),
 // a (M, K at stride lda), w packed by pack_weight in that form.
-void gemm_packed(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+void gemm_packed(WeightDtype form, float* y, int64_t ldy, const float* a, int64_t lda,
                  const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1, float beta);
 
 // llama.cpp's trade (packed_int8.cpp): gemm_packed's y for a q8_0 or q4_0 form with each row of
@@ -44,7 +44,7 @@ void gemm_packed(PackedForm form, float* y, int64_t ldy, const float* a, int64_t
 // integer dot product of codes, scaled by the two blocks' scales and summed in f32 (per vector
 // lane, then across lanes). Faster, and not exact: a row's results still depend on that row
 // alone, so every batch gives it the same bits.
-void gemm_packed_int8(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+void gemm_packed_int8(WeightDtype form, float* y, int64_t ldy, const float* a, int64_t lda,
                       const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1,
                       float beta);
 // x (K, whole blocks of 32) as llama.cpp's x86 path rounds a product's input to q8_0: per block
@@ -76,7 +76,7 @@ struct BlockRows {
   int64_t stride() const { return pos_stride; }
 };
 
-// How a quantised cache's rows read (backend/kv_format.h): the dtype (fp8, int8 or int4) and,
+// How a quantised cache's rows read (platform/kv_rows.h): the dtype (fp8, int8 or int4) and,
 // for fp8, the scales of the KV head's keys and values.
 struct KVQuant {
   DType dtype;

@@ -3,23 +3,13 @@
 #include <algorithm>
 #include <cstring>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/cpu/dot_simd.h"
 #include "platform/error.h"
 #include "platform/ggml_blocks.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab::cpu {
-
-const char* packed_form_name(PackedForm form) {
-  switch (form) {
-    case PackedForm::F32: return "f32";
-    case PackedForm::BF16: return "bf16";
-    case PackedForm::Q8_0: return "q8_0";
-    case PackedForm::Q4_0: return "q4_0";
-  }
-  return "?";
-}
 
 #if defined(KVLAB_ROW_KERNELS)
 namespace {
@@ -188,63 +178,63 @@ void pack_quant(char* packed, const float* w, int64_t N, int64_t K) {
 
 }  // namespace
 
-int64_t packed_weight_bytes(PackedForm form, int64_t N, int64_t K) {
+int64_t packed_weight_bytes(WeightDtype form, int64_t N, int64_t K) {
   const int64_t blocks_of_rows = round_up(N, kRows) / kRows;
   switch (form) {
-    case PackedForm::F32: return round_up(N, kRows) * round_up(K, kCols) * 4;
-    case PackedForm::BF16: return round_up(N, kRows) * round_up(K, 2 * kCols) * 2;
-    case PackedForm::Q8_0:
+    case WeightDtype::F32: return round_up(N, kRows) * round_up(K, kCols) * 4;
+    case WeightDtype::BF16: return round_up(N, kRows) * round_up(K, 2 * kCols) * 2;
+    case WeightDtype::Q8_0:
       return K % kGgmlBlock == 0 ? blocks_of_rows * quant_block_bytes<false>(K) : 0;
-    case PackedForm::Q4_0:
+    case WeightDtype::Q4_0:
       return K % kGgmlBlock == 0 ? blocks_of_rows * quant_block_bytes<true>(K) : 0;
   }
   return 0;
 }
 
-void pack_weight(PackedForm form, void* packed, const float* w, int64_t N, int64_t K) {
-  KVLAB_ASSERT(packed_weight_bytes(form, N, K) > 0, "pack_weight: the ", packed_form_name(form),
+void pack_weight(WeightDtype form, void* packed, const float* w, int64_t N, int64_t K) {
+  KVLAB_ASSERT(packed_weight_bytes(form, N, K) > 0, "pack_weight: the ", weight_dtype_name(form),
                " form cannot hold a (", N, ", ", K, ") weight");
   switch (form) {
-    case PackedForm::F32: return pack_f32(static_cast<float*>(packed), w, N, K);
-    case PackedForm::BF16: return pack_bf16(static_cast<uint16_t*>(packed), w, N, K);
-    case PackedForm::Q8_0: return pack_quant<false>(static_cast<char*>(packed), w, N, K);
-    case PackedForm::Q4_0: return pack_quant<true>(static_cast<char*>(packed), w, N, K);
+    case WeightDtype::F32: return pack_f32(static_cast<float*>(packed), w, N, K);
+    case WeightDtype::BF16: return pack_bf16(static_cast<uint16_t*>(packed), w, N, K);
+    case WeightDtype::Q8_0: return pack_quant<false>(static_cast<char*>(packed), w, N, K);
+    case WeightDtype::Q4_0: return pack_quant<true>(static_cast<char*>(packed), w, N, K);
   }
 }
 
-void gemm_packed(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+void gemm_packed(WeightDtype form, float* y, int64_t ldy, const float* a, int64_t lda,
                  const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1, float beta) {
   // Each form's source of the 8-row block nb, through the one loop.
   auto run = [&](auto block_src) {
     row_blocks(y, ldy, a, lda, block_src, M, K, n0, n1, round_up(n1, kRows), 1.0f, beta);
   };
   switch (form) {
-    case PackedForm::F32: {
+    case WeightDtype::F32: {
       const int64_t block = round_up(K, kCols) * kRows;
       const auto* w = static_cast<const float*>(packed);
       return run([&](int64_t nb) { return F32Rows{w + nb * block, kCols, kRows * kCols}; });
     }
-    case PackedForm::BF16: {
+    case WeightDtype::BF16: {
       const int64_t block = round_up(K, 2 * kCols) * kRows / 2;  // words
       const auto* words = static_cast<const uint32_t*>(packed);
       return run([&](int64_t nb) { return Bf16Pairs{words + nb * block, bf16_prefetch_bytes}; });
     }
-    case PackedForm::Q8_0: {
+    case WeightDtype::Q8_0: {
       const auto* w = static_cast<const char*>(packed);
       return run([&](int64_t nb) { return QuantPairs<false>{w + nb * quant_block_bytes<false>(K)}; });
     }
-    case PackedForm::Q4_0: {
+    case WeightDtype::Q4_0: {
       const auto* w = static_cast<const char*>(packed);
       return run([&](int64_t nb) { return QuantPairs<true>{w + nb * quant_block_bytes<true>(K)}; });
     }
   }
 }
 #else
-int64_t packed_weight_bytes(PackedForm, int64_t, int64_t) { return 0; }
-void pack_weight(PackedForm, void*, const float*, int64_t, int64_t) {
+int64_t packed_weight_bytes(WeightDtype, int64_t, int64_t) { return 0; }
+void pack_weight(WeightDtype, void*, const float*, int64_t, int64_t) {
   KVLAB_ASSERT(false, "pack_weight: this build has no packed kernel (packed_weight_bytes is 0)");
 }
-void gemm_packed(PackedForm, float*, int64_t, const float*, int64_t, const void*, int64_t, int64_t,
+void gemm_packed(WeightDtype, float*, int64_t, const float*, int64_t, const void*, int64_t, int64_t,
                  int64_t, int64_t, float) {
   KVLAB_ASSERT(false, "gemm_packed: this build has no packed kernel (packed_weight_bytes is 0)");
 }

@@ -224,17 +224,17 @@ void quantise_q8_activations(const float* x, int64_t K, int8_t* codes, float* sc
   }
 }
 
-void gemm_packed_int8(PackedForm form, float* y, int64_t ldy, const float* a, int64_t lda,
+void gemm_packed_int8(WeightDtype form, float* y, int64_t ldy, const float* a, int64_t lda,
                       const void* packed, int64_t M, int64_t K, int64_t n0, int64_t n1,
                       float beta) {
-  KVLAB_ASSERT((form == PackedForm::Q8_0 || form == PackedForm::Q4_0) && K % kGgmlBlock == 0,
-               "gemm_packed_int8: a ", packed_form_name(form), " weight of K ", K);
+  KVLAB_ASSERT((form == WeightDtype::Q8_0 || form == WeightDtype::Q4_0) && K % kGgmlBlock == 0,
+               "gemm_packed_int8: a ", weight_dtype_name(form), " weight of K ", K);
   const Q8Row* rows = rounded_rows(a, lda, M, K);
   // Out of memory for a few rows of codes: the exact products, rather than an exception
   // inside the decode step's parallel region.
   if (rows == nullptr) return gemm_packed(form, y, ldy, a, lda, packed, M, K, n0, n1, beta);
   const auto* w = static_cast<const char*>(packed);
-  if (form == PackedForm::Q8_0)
+  if (form == WeightDtype::Q8_0)
     products<false>(y, ldy, rows, M, w, K, n0, n1, beta);
   else
     products<true>(y, ldy, rows, M, w, K, n0, n1, beta);
@@ -243,7 +243,7 @@ void gemm_packed_int8(PackedForm form, float* y, int64_t ldy, const float* a, in
 void quantise_q8_activations(const float*, int64_t, int8_t*, float*) {
   KVLAB_ASSERT(false, "quantise_q8_activations: this build has no packed kernel");
 }
-void gemm_packed_int8(PackedForm, float*, int64_t, const float*, int64_t, const void*, int64_t,
+void gemm_packed_int8(WeightDtype, float*, int64_t, const float*, int64_t, const void*, int64_t,
                       int64_t, int64_t, int64_t, float) {
   KVLAB_ASSERT(false, "gemm_packed_int8: this build has no packed kernel");
 }

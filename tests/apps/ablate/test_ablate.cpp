@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "apps/ablate/ablate.h"
-#include "autograd/backend/kv_format.h"
+#include "platform/kv_rows.h"
 #include "tests/test_dir.h"
 #include "train/output_dir.h"
 

@@ -12,11 +12,11 @@
 #include <tuple>
 #include <vector>
 
-#include "autograd/backend/cpu/bf16.h"
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/backend/kernels.h"
 #include "platform/ggml_blocks.h"
 #include "platform/random.h"
+#include "platform/scalar_codecs.h"
 
 namespace kvlab {
 namespace {
@@ -56,7 +56,7 @@ class GemmPacked
   // gemm_packed against w packed in `form` (into a buffer poisoned first with 0xff bytes, NaN
   // in every form: padding read as anything but zero would show in the sums) equals the
   // one-row gemm on `w_exact`, bit for bit, on every range of rows.
-  void check(cpu::PackedForm form, const std::vector<float>& w, const std::vector<float>& w_exact) {
+  void check(WeightDtype form, const std::vector<float>& w, const std::vector<float>& w_exact) {
     const auto [NK, M] = GetParam();
     const auto [N, K] = NK;
     Generator gen(static_cast<uint64_t>((N * 1000 + K) * 10 + M));
@@ -85,12 +85,12 @@ class GemmPacked
   }
   // The weight of this shape, and it rounded by `round` (the values the form holds).
   template <class Round>
-  void check_rounded(cpu::PackedForm form, Round round) {
+  void check_rounded(WeightDtype form, Round round) {
     const auto [N, K] = std::get<0>(GetParam());
-    if (cpu::packed_weight_bytes(cpu::PackedForm::F32, N, K) == 0)
+    if (cpu::packed_weight_bytes(WeightDtype::F32, N, K) == 0)
       GTEST_SKIP() << "no packed kernel in this build";
     const bool whole_blocks = K % kGgmlBlock == 0;
-    if (form == cpu::PackedForm::Q8_0 || form == cpu::PackedForm::Q4_0) {
+    if (form == WeightDtype::Q8_0 || form == WeightDtype::Q4_0) {
       // The block forms hold only whole blocks of 32 columns, and say so.
       ASSERT_EQ(cpu::packed_weight_bytes(form, N, K) > 0, whole_blocks);
       if (!whole_blocks) return;
@@ -99,7 +99,7 @@ class GemmPacked
     const std::vector<float> w = random_floats(N * K, gen);
     std::vector<float> rounded = w;
     round(rounded);
-    if (form != cpu::PackedForm::F32) {
+    if (form != WeightDtype::F32) {
       ASSERT_NE(bits(rounded), bits(w));  // the packing must round: the sums would differ
     }
     check(form, w, rounded);
@@ -107,25 +107,25 @@ class GemmPacked
 };
 
 TEST_P(GemmPacked, EqualsTheOneRowGemmRowByRowOnEveryRange) {
-  check_rounded(cpu::PackedForm::F32, [](std::vector<float>&) {});
+  check_rounded(WeightDtype::F32, [](std::vector<float>&) {});
 }
 
 TEST_P(GemmPacked, Bf16FormEqualsTheOneRowGemmOnTheRoundedWeight) {
-  check_rounded(cpu::PackedForm::BF16, [](std::vector<float>& w) {
-    for (float& x : w) x = cpu::bf16_to_f32(cpu::f32_to_bf16(x));
+  check_rounded(WeightDtype::BF16, [](std::vector<float>& w) {
+    for (float& x : w) x = bf16_to_f32(f32_to_bf16(x));
   });
 }
 
 // The block forms quantise as ggml does (platform/ggml_blocks.h) and widen each value exactly,
 // so their products are the one-row gemm's on the dequantised weight, bit for bit.
 TEST_P(GemmPacked, Q8FormEqualsTheOneRowGemmOnTheDequantisedWeight) {
-  check_rounded(cpu::PackedForm::Q8_0, [](std::vector<float>& w) {
+  check_rounded(WeightDtype::Q8_0, [](std::vector<float>& w) {
     round_to_q8_0(w.data(), static_cast<int64_t>(w.size()));
   });
 }
 
 TEST_P(GemmPacked, Q4FormEqualsTheOneRowGemmOnTheDequantisedWeight) {
-  check_rounded(cpu::PackedForm::Q4_0, [](std::vector<float>& w) {
+  check_rounded(WeightDtype::Q4_0, [](std::vector<float>& w) {
     round_to_q4_0(w.data(), static_cast<int64_t>(w.size()));
   });
 }
@@ -157,7 +157,7 @@ TEST(Q8Activations, RoundToQ8BlocksAsLlamaCppDoes) {
   // Block 2: zeros.
   std::vector<int8_t> codes(96, 99);
   std::vector<float> scales(3, -1);
-  if (cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, 8, 32) == 0)
+  if (cpu::packed_weight_bytes(WeightDtype::Q8_0, 8, 32) == 0)
     GTEST_SKIP() << "no packed kernel in this build";
   cpu::quantise_q8_activations(x.data(), 96, codes.data(), scales.data());
   const int8_t c0[6] = {127, 2, 4, 0, -126, 2};
@@ -239,11 +239,11 @@ class GemmPackedInt8
   // gemm_packed_int8 (into y0 at stride N + 5, on every range of rows, beta 0 and 1) within
   // `rel` of each product's sum of |terms| (0: exactly the reference rounded once to f32), and
   // each row of a alone giving the same bits as among the others.
-  void check(cpu::PackedForm form, const std::vector<float>& w, const std::vector<float>& a,
+  void check(WeightDtype form, const std::vector<float>& w, const std::vector<float>& a,
              double rel) {
     const auto [NK, M] = GetParam();
     const auto [N, K] = NK;
-    const bool nibbles = form == cpu::PackedForm::Q4_0;
+    const bool nibbles = form == WeightDtype::Q4_0;
     const Reference ref = reference(a, w, M, N, K, nibbles);
     std::vector<char> packed(static_cast<size_t>(cpu::packed_weight_bytes(form, N, K)), '\xff');
     cpu::pack_weight(form, packed.data(), w.data(), N, K);
@@ -285,7 +285,7 @@ class GemmPackedInt8
   // Whether this build has the packed kernels (else the test skips).
   bool applies() const {
     const auto [N, K] = std::get<0>(GetParam());
-    return cpu::packed_weight_bytes(cpu::PackedForm::Q8_0, N, K) > 0;
+    return cpu::packed_weight_bytes(WeightDtype::Q8_0, N, K) > 0;
   }
   // Values code * 2^-e, each block's first of the largest magnitude (-8 for q4_0, +-127
   // else), so that the scale is 2^-e exactly; e by row.
@@ -310,9 +310,9 @@ TEST_P(GemmPackedInt8, IntegerProductsAreExactOnPowerOfTwoScales) {
   if (!applies()) GTEST_SKIP() << "no packed kernel in this build";
   const auto [N, K] = std::get<0>(GetParam());
   const int64_t M = std::get<1>(GetParam());
-  for (const cpu::PackedForm form : {cpu::PackedForm::Q8_0, cpu::PackedForm::Q4_0}) {
+  for (const WeightDtype form : {WeightDtype::Q8_0, WeightDtype::Q4_0}) {
     Generator gen(static_cast<uint64_t>(N * 7 + K + M));
-    const bool nibbles = form == cpu::PackedForm::Q4_0;
+    const bool nibbles = form == WeightDtype::Q4_0;
     check(form, power_of_two_blocks(N, K, nibbles, gen), power_of_two_blocks(M, K, false, gen), 0);
   }
 }
@@ -327,8 +327,8 @@ TEST_P(GemmPackedInt8, ScaledSumsAreWithinTheirBoundOnRandomBlocks) {
   Generator gen(static_cast<uint64_t>(N * 5 + K + M));
   const std::vector<float> w = random_floats(N * K, gen), a = random_floats(M * K, gen);
   const double rel = static_cast<double>(K / kGgmlBlock + 16) * 0x1p-24;
-  check(cpu::PackedForm::Q8_0, w, a, rel);
-  check(cpu::PackedForm::Q4_0, w, a, rel);
+  check(WeightDtype::Q8_0, w, a, rel);
+  check(WeightDtype::Q4_0, w, a, rel);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -457,13 +457,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttendOneQuery,
 TEST(AllBf16, FindsTheOneValueThatIsNotBf16) {
   Generator gen(7);
   std::vector<float> v = random_floats(2500, gen);
-  for (float& x : v) x = cpu::bf16_to_f32(cpu::f32_to_bf16(x));
-  EXPECT_TRUE(cpu::all_bf16(v.data(), static_cast<int64_t>(v.size())));
-  EXPECT_TRUE(cpu::all_bf16(v.data(), 0));
+  for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+  EXPECT_TRUE(all_bf16(v.data(), static_cast<int64_t>(v.size())));
+  EXPECT_TRUE(all_bf16(v.data(), 0));
   for (const size_t i : {size_t{0}, size_t{1500}, size_t{2499}}) {
     std::vector<float> w = v;
     w[i] = std::nextafter(w[i], 1e9f);  // one ulp of f32 off a bf16 value
-    EXPECT_FALSE(cpu::all_bf16(w.data(), static_cast<int64_t>(w.size()))) << "at " << i;
+    EXPECT_FALSE(all_bf16(w.data(), static_cast<int64_t>(w.size()))) << "at " << i;
   }
 }
 

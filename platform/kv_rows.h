@@ -1,41 +1,51 @@
 #pragma once
-// Quantised KV-cache rows on the CPU (layouts in backend/kv_format.h): one row of head_size f32
-// values to its bytes and back. The caches quantise what they store with quantise_kv_row; the
-// attention reads rows either dequantised in registers by its row kernel (attend_row.cpp) or
-// widened by dequantise_kv_row. Both compute each value with the same f32 operations
-// (int8: code * scale; int4: fma(code, scale, min); fp8: its exact value times the scale), so
-// every reader sees the same values.
+// How a KV cache lays out one (position, KV head) row of head_size values for each cache dtype,
+// and the codecs of its quantised rows: one row of f32 values to its bytes and back. Shared by
+// the caches (infer/), the attention op and the CPU kernels. The caches quantise what they
+// store with quantise_kv_row; the attention reads rows either dequantised in registers by its
+// row kernel (autograd/backend/cpu/attend_row.cpp) or widened by dequantise_kv_row. Both
+// compute each value with the same f32 operations (int8: code * scale; int4: fma(code, scale,
+// min); fp8: its exact value times the scale), so every reader sees the same values.
+//
+//   f32, bf16  head_size values.
+//   fp8        head_size E4M3 bytes; the scale is per (layer, KV head), held by the cache
+//              beside its pools (KVRows::scales), not in the row.
+//   int8       an f32 scale, then head_size int8 codes in [-127, 127]: x = code * scale.
+//   int4       per group of kv_int4_group(head_size) channels a bf16 scale and a bf16 minimum
+//              (all groups' pairs first), then the codes in [0, 15], two a byte: in a group of
+//              G, byte i holds channel i in its low nibble and channel i + G / 2 in its high
+//              one, so that a vector of a half's channels is one load and one shift:
+//              x = code * scale + min.
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
-#include "autograd/backend/cpu/bf16.h"
-#include "autograd/backend/kv_format.h"
+#include "platform/formats.h"
+#include "platform/scalar_codecs.h"
 
-namespace kvlab::cpu {
+namespace kvlab {
 
-// The largest finite E4M3 value; fp8 rows saturate there (E4M3 has no infinity).
-constexpr float kFp8Max = 448.0f;
-
-// The exact value of an E4M3 byte: its sign, exponent and mantissa moved into an f32's places
-// (a number 2^120 too small, subnormals included), scaled back by a power of two.
-inline float fp8_value(uint8_t b) {
-  const uint32_t bits = (uint32_t{b} & 0x80u) << 24 | (uint32_t{b} & 0x7Fu) << 20;
-  return std::bit_cast<float>(bits) * 0x1p120f;
+inline bool is_quantised(DType t) {
+  return t == DType::FP8 || t == DType::INT8 || t == DType::INT4;
 }
 
-// y (finite) to the nearest E4M3 value (ties to even), saturating at +-448.
-inline uint8_t fp8_encode(float y) {
-  const auto sign = static_cast<uint8_t>(std::signbit(y) ? 0x80 : 0);
-  const float a = std::min(std::fabs(y), kFp8Max);
-  if (a < 0x1p-6f)  // subnormal: multiples of 2^-9 (8 of them is the smallest normal, 0x08)
-    return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f)));
-  uint32_t bits = std::bit_cast<uint32_t>(a);
-  bits += 0x7FFFFu + ((bits >> 20) & 1u);  // round to 3 mantissa bits, ties to even
-  const uint32_t exponent = (bits >> 23) - 127 + 7, mantissa = (bits >> 20) & 7u;
-  return static_cast<uint8_t>(sign | exponent << 3 | mantissa);
+// Bytes of one (position, KV head) row of head_size values.
+inline int64_t kv_row_bytes(DType t, int64_t head_size) {
+  return format_row_bytes(format_of(t), head_size);
+}
+
+// What keeps a KV cache of dtype t with this head size from existing, or "" (the formats with
+// the kKVEntries role; int4 packs two channels a byte, so it needs an even head size).
+inline std::string kv_dtype_problem(DType t, int64_t head_size) {
+  if (!format_of(t).holds(kKVEntries))
+    return std::string("KV cache dtype ") + dtype_name(t) + " is not supported (" +
+           format_names(kKVEntries, " or ") + ")";
+  if (t == DType::INT4 && head_size % 2 != 0)
+    return "an int4 KV cache packs two channels a byte: head size " + std::to_string(head_size) +
+           " is odd";
+  return "";
 }
 
 inline float int8_row_scale(const uint8_t* row) {
@@ -121,4 +131,4 @@ inline void dequantise_kv_row(DType t, float* x, const uint8_t* row, int64_t HS,
   }
 }
 
-}  // namespace kvlab::cpu
+}  // namespace kvlab
