@@ -13,7 +13,7 @@
 #include "apps/ablate/ablate.h"
 #include "apps/ablate/uptrain.h"
 #include "apps/cli.h"
-#include "apps/report/report.h"
+#include "report/report.h"
 #include "apps/train_flags.h"
 #include "apps/train_progress.h"
 #include "platform/kv_rows.h"

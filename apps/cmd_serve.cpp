@@ -1,4 +1,4 @@
-// kvlab serve: a checkpoint behind the OpenAI completions API (apps/serve/server.h).
+// kvlab serve: a checkpoint behind the OpenAI completions API (serve/server.h).
 #include <pthread.h>
 
 #include <csignal>
@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "apps/cli.h"
-#include "apps/serve/server.h"
+#include "serve/server.h"
 #include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
 

@@ -14,7 +14,7 @@
 # its default 128; llama-server -c P*context), KV cache KV_DTYPE for kvlab (default bf16)
 # and f16 (its default) for llama-server; llama-server's other settings are its defaults
 # (flash attention auto, prompt cache on).
-# The client is `kvlab bench serve --url` (apps/serve/http_bench.h) for both: REQUESTS requests
+# The client is `kvlab bench serve --url` (apps/bench/http_bench.h) for both: REQUESTS requests
 # (default P) of the kv workload (make_kv_workload, seed 0: prompt and output lengths drawn
 # log-normal around context/8 and context/6, random token ids) all arriving at once, one
 # streamed connection each, greedy, max_tokens each request's output length with ignore_eos,

@@ -7,7 +7,7 @@
 # (tests/data/tiktoken), the reference for the BPE tokenizer's ids and encode speed,
 # Hugging Face's tokenizers (bench/hf_tokenizers), the baseline of BPE training speed, and
 # node-llama-cpp (tests/infer/llama_cpp), whose prebuilt CPU binaries of llama.cpp run
-# kvlab's GGUF exports, and Debian's chromium with playwright-core (tests/apps/report/browser),
+# kvlab's GGUF exports, and Debian's chromium with playwright-core (tests/report/browser),
 # which renders an ablation's report.html headless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +55,7 @@ fi
 # to download or build llama.cpp (the tests run it with build: "never").
 for pair in tests/apps/openai_client:openai tests/data/tiktoken:tiktoken \
   bench/hf_tokenizers:tokenizers tests/infer/llama_cpp:node-llama-cpp \
-  tests/apps/report/browser:playwright-core; do
+  tests/report/browser:playwright-core; do
   folder=${pair%%:*}
   package=${pair##*:}
   if [ "$with_tests" -eq 1 ] &&

@@ -21,7 +21,8 @@ import sys
 
 # The folders whose sources make up the libraries and the CLI. Tests and benchmarks may reach
 # into any layer (they test it); they are not checked.
-CHECKED = ("platform", "autograd", "data", "nn", "checkpoints", "train", "infer", "apps")
+CHECKED = ("platform", "autograd", "data", "nn", "checkpoints", "train", "infer", "report", "serve",
+           "apps")
 SOURCE_SUFFIXES = (".h", ".cpp", ".cu", ".cuh")
 HEADING = "## The layer table"
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')

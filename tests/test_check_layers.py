@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The layer check refuses what it exists to refuse: on a copy of the tree, an include of a
-layer above (nn/ naming infer/) and the BLAS's header in apps/ each fail it, naming the file,
-while the unchanged copy passes.
+layer above (nn/ or report/ naming infer/, serve/ naming the measurement code or apps/) and
+the BLAS's header in apps/ each fail it, naming the file, while the unchanged copy passes.
 
 usage: test_check_layers.py SOURCE_DIR
 """
@@ -45,13 +45,19 @@ def main():
         rc, out = run_check(tree)
         expect(rc == 0, f"the unchanged copy passes (exit {rc}): {out.strip()}")
 
-        planted = os.path.join(tree, "nn", "planted.h")
-        with open(planted, "w") as f:
-            f.write('#pragma once\n#include "infer/engine.h"\n')
-        rc, out = run_check(tree)
-        expect(rc == 1 and "nn/planted.h:2: nn may not include infer" in out,
-               f"an upward include is refused (exit {rc}): {out.strip()}")
-        os.remove(planted)
+        # An upward include into each library: nn naming the runtime, the report naming the
+        # runtime, the server naming the measurement code or the command line.
+        upward = [("nn", "infer/engine.h", "infer"), ("report", "infer/engine.h", "infer"),
+                  ("serve", "infer/measure/bench.h", "measure"), ("serve", "apps/cli.h", "apps")]
+        for unit, header, above in upward:
+            planted = os.path.join(tree, unit, "planted.h")
+            with open(planted, "w") as f:
+                f.write(f'#pragma once\n#include "{header}"\n')
+            rc, out = run_check(tree)
+            expect(rc == 1 and f"{unit}/planted.h:2: {unit} may not include {above}" in out,
+                   f"an upward include from {unit}/ into {above} is refused (exit {rc}): "
+                   f"{out.strip()}")
+            os.remove(planted)
 
         planted = os.path.join(tree, "apps", "planted.cpp")
         with open(planted, "w") as f:
@@ -59,7 +65,7 @@ def main():
         rc, out = run_check(tree)
         expect(rc == 1 and "apps/planted.cpp:1: apps may not include blas's <cblas.h>" in out,
                f"<cblas.h> in apps/ is refused (exit {rc}): {out.strip()}")
-    print("2 planted includes refused, the clean copy passes")
+    print(f"{len(upward) + 1} planted includes refused, the clean copy passes")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@
 #include "apps/ablate/train_runs.h"
 #include "apps/ablate/uptrain.h"
 #include "apps/progress.h"
-#include "apps/report/report.h"
+#include "report/report.h"
 #include "apps/train_progress.h"
 #include "autograd/graph.h"
 #include "checkpoints/model_io.h"

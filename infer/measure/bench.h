@@ -155,7 +155,7 @@ struct ServeTimeline {
 // tpot_ms and itl_ms (inter-token latency) {p50, p90, p99}, peak_sequences.
 nlohmann::json serve_summary(const ServeTimeline& t, const std::vector<KVRequest>& reqs,
                              double duration, int64_t peak_sequences);
-// A side served elsewhere (over HTTP: apps/serve/http_bench.h) with the continuous side's
+// A side served elsewhere (over HTTP: apps/bench/http_bench.h) with the continuous side's
 // scheduler settings: the requests at the timeline's arrivals; returns serve_summary's figures.
 using ServeSide = std::function<nlohmann::json(const std::vector<KVRequest>&, ServeTimeline,
                                                const SchedulerOptions&)>;

@@ -10,10 +10,10 @@
 #include <regex>
 #include <sstream>
 
-#include "apps/report/report.h"
-#include "apps/report/report_parts.h"
+#include "report/report.h"
+#include "report/report_parts.h"
 #include "platform/error.h"
-#include "tests/apps/report/xml_check.h"
+#include "tests/report/xml_check.h"
 #include "tests/test_dir.h"
 
 namespace kvlab {
@@ -795,7 +795,7 @@ TEST(HumanUnits, BytesCountsRatesAndTimesOnHandCheckedValues) {
 // A finished default ablation's results (4 variants x 3 seeds, with the serving workload, the
 // cache-dtype frontier and the paired evaluation), as the browser test renders them.
 json default_results() {
-  return json::parse(read(fs::path(KVLAB_SOURCE_DIR) / "tests/apps/report/browser/results.json"));
+  return json::parse(read(fs::path(KVLAB_SOURCE_DIR) / "tests/report/browser/results.json"));
 }
 
 // Text as a reader sees it: tags out, the escapes the report writes (an apostrophe's &#39;)

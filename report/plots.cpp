@@ -5,7 +5,7 @@
 #include <functional>
 #include <map>
 
-#include "apps/report/report_parts.h"
+#include "report/report_parts.h"
 
 namespace kvlab::report_detail {
 namespace {

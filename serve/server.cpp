@@ -1,4 +1,4 @@
-#include "apps/serve/server.h"
+#include "serve/server.h"
 
 #include <httplib.h>
 #include <omp.h>
@@ -15,7 +15,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "apps/serve/connections.h"
+#include "serve/connections.h"
 
 namespace kvlab {
 

@@ -1,4 +1,4 @@
-#include "apps/serve/openai.h"
+#include "serve/openai.h"
 
 #include <cmath>
 #include <limits>

@@ -16,8 +16,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "apps/serve/http_bench.h"
-#include "apps/serve/server.h"
+#include "apps/bench/http_bench.h"
+#include "serve/server.h"
 #include "autograd/graph.h"
 #include "infer/engine.h"
 #include "tests/error_of.h"

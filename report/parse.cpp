@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "apps/report/report_parts.h"
+#include "report/report_parts.h"
 #include "platform/error.h"
 
 namespace kvlab::report_detail {

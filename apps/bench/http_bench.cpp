@@ -1,4 +1,4 @@
-#include "apps/serve/http_bench.h"
+#include "apps/bench/http_bench.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -22,7 +22,7 @@
 #include <system_error>
 #include <thread>
 
-#include "apps/serve/server.h"
+#include "serve/server.h"
 #include "platform/error.h"
 
 namespace kvlab {

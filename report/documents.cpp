@@ -15,7 +15,7 @@
 #include <set>
 #include <sstream>
 
-#include "apps/report/report_parts.h"
+#include "report/report_parts.h"
 #include "platform/atomic_file.h"
 #include "platform/error.h"
 

@@ -1,5 +1,5 @@
 #pragma once
-// What the files of the ablation report share (internal to apps/report): the results as
+// What the files of the ablation report share (internal to report): the results as
 // parse.cpp reads them, the figures and tables of tables.cpp, the verdicts and findings of
 // verdicts.cpp and the plots of plots.cpp, which documents.cpp assembles into report files.
 #include <cstdint>
@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "apps/report/report.h"
-#include "apps/report/svg_plot.h"
+#include "report/report.h"
+#include "report/svg_plot.h"
 
 namespace kvlab::report_detail {
 

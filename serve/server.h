@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "apps/serve/openai.h"
+#include "serve/openai.h"
 #include "infer/engine.h"
 #include "infer/scheduler.h"
 
@@ -25,10 +25,10 @@ struct ServeOptions {
   size_t max_body_bytes = 1 << 20;
   // Requests read, handled and answered at once (a thread each); a request beyond them is
   // answered 503 with Retry-After. Idle connections and ones still sending their headers wait
-  // apart (apps/serve/connections.h), up to max_waiting_connections.
+  // apart (serve/connections.h), up to max_waiting_connections.
   int64_t max_connections = 128;
   int64_t max_waiting_connections = 4096;
-  // Deadlines (apps/serve/connections.h): request line and headers within header_timeout_s of
+  // Deadlines (serve/connections.h): request line and headers within header_timeout_s of
   // their first byte (408 after); an idle kept-alive connection closed after
   // keep_alive_timeout_s; a body at min_body_rate bytes/s or faster (after header_timeout_s);
   // a write the client does not take within write_timeout_s fails, and a stream's sequences

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <set>
 
-#include "apps/report/report_parts.h"
+#include "report/report_parts.h"
 #include "platform/formats.h"
 
 namespace kvlab::report_detail {

@@ -1,4 +1,4 @@
-#include "apps/report/svg_plot.h"
+#include "report/svg_plot.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "apps/serve/connections.h"
+#include "serve/connections.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

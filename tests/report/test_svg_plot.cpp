@@ -2,8 +2,8 @@
 
 #include <cmath>
 
-#include "apps/report/svg_plot.h"
-#include "tests/apps/report/xml_check.h"
+#include "report/svg_plot.h"
+#include "tests/report/xml_check.h"
 
 namespace kvlab::svg {
 namespace {

@@ -1,7 +1,7 @@
 #pragma once
 // The ablation report: turns the results document of `kvlab ablate` (one entry per n_kv_head,
 // each trained with one or more seeds) into verdicts, the terminal table and report files.
-// The schema of the document is in apps/report/README.md.
+// The schema of the document is in report/README.md.
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
