@@ -13,10 +13,10 @@
 #include "apps/ablate/ablate.h"
 #include "apps/ablate/uptrain.h"
 #include "apps/cli.h"
-#include "report/report.h"
 #include "apps/train_flags.h"
 #include "apps/train_progress.h"
 #include "platform/kv_rows.h"
+#include "report/report.h"
 #include "train/comm.h"
 
 namespace kvlab {

@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "apps/cli.h"
-#include "serve/server.h"
 #include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
+#include "serve/server.h"
 
 namespace kvlab {
 

@@ -15,9 +15,9 @@
 #include <set>
 #include <sstream>
 
-#include "report/report_parts.h"
 #include "platform/atomic_file.h"
 #include "platform/error.h"
+#include "report/report_parts.h"
 
 extern char** environ;
 

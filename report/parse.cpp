@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "report/report_parts.h"
 #include "platform/error.h"
+#include "report/report_parts.h"
 
 namespace kvlab::report_detail {
 namespace {

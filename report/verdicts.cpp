@@ -4,8 +4,8 @@
 #include <cmath>
 #include <set>
 
-#include "report/report_parts.h"
 #include "platform/formats.h"
+#include "report/report_parts.h"
 
 namespace kvlab::report_detail {
 namespace {

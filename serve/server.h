@@ -10,9 +10,9 @@
 #include <optional>
 #include <string>
 
-#include "serve/openai.h"
 #include "infer/engine.h"
 #include "infer/scheduler.h"
+#include "serve/openai.h"
 
 namespace kvlab {
 

@@ -80,6 +80,9 @@ struct AblateVariant {
   std::string name() const;  // "kv4" or "mla32": its runs' folders
 };
 
+// How progress lines name a variant ("n_kv_head=4", "MLA rank 32").
+std::string variant_label(const AblateVariant& var);
+
 // The sweep's variants: kv_heads as given, then the MLA ranks.
 std::vector<AblateVariant> ablation_variants(const AblateConfig& cfg);
 

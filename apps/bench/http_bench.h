@@ -63,6 +63,11 @@ class ChunkedBody {
   size_t left_ = 0;    // the current chunk's data bytes still to come
 };
 
+// The body of one streamed completion request of prompt's token ids: greedy, max_tokens,
+// ignore_eos, usage in the stream.
+nlohmann::json completion_body(const std::string& model, const std::vector<int32_t>& prompt,
+                               int64_t max_tokens, int64_t n = 1);
+
 // The requests at the timeline's arrivals, each a streamed completion of its prompt's token
 // ids (greedy, max_tokens its output length, ignore_eos), on a thread of its own:
 // serve_summary's figures with the first and last tokens' arrival times at the client, and

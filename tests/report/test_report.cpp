@@ -10,9 +10,9 @@
 #include <regex>
 #include <sstream>
 
+#include "platform/error.h"
 #include "report/report.h"
 #include "report/report_parts.h"
-#include "platform/error.h"
 #include "tests/report/xml_check.h"
 #include "tests/test_dir.h"
 

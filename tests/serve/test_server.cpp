@@ -17,9 +17,9 @@
 #include <thread>
 
 #include "apps/bench/http_bench.h"
-#include "serve/server.h"
 #include "autograd/graph.h"
 #include "infer/engine.h"
+#include "serve/server.h"
 #include "tests/error_of.h"
 #include "tests/infer/infer_test_util.h"
 
