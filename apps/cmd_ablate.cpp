@@ -138,30 +138,30 @@ std::vector<KVHeadInit> parse_uptrain_methods(const std::string& text) {
   return out;
 }
 
-void run_ablate(CLI::App* cmd, AblateArgs& a) {
-  if (a.quick) apply_quick(cmd, a);
-  KVLAB_USAGE_CHECK(!a.out.empty(), "ablate: no output folder (--out is empty)");
-  // MLA enters the sweep as variants of their own: the base model stays GQA's.
+// The MLA variants' settings given as the base model's flags (--rope-head-dim,
+// --q-lora-rank), taken off it: the base model stays GQA's.
+struct MlaSettings {
+  int64_t rope_head_dim = 0, q_lora_rank = 0;
+};
+MlaSettings take_mla_settings(CLI::App* cmd, AblateArgs& a) {
   KVLAB_USAGE_CHECK(cmd->count("--attn") == 0 && cmd->count("--kv-lora-rank") == 0,
                     "ablate: --attn and --kv-lora-rank set one model's attention; the sweep adds "
                     "MLA variants with --mla-ranks R1,R2 (and --rope-head-dim, --q-lora-rank)");
-  // The MLA variants' other settings, taken off the base model (which stays GQA's).
-  const auto mla_setting = [&](const char* flag, int64_t& value, int64_t min) {
+  const auto take = [&](const char* flag, int64_t& value, int64_t min) {
     if (cmd->count(flag) == 0) return int64_t{0};
     KVLAB_USAGE_CHECK(cmd->count("--mla-ranks") > 0, "ablate: ", flag,
                       " is the MLA variants'; give --mla-ranks");
     KVLAB_USAGE_CHECK(value >= min, flag, " must be >= ", min, ", got ", value);
     return std::exchange(value, 0);
   };
-  const int64_t mla_rope_head_dim = mla_setting("--rope-head-dim", a.flags.cfg.model.rope_head_dim, 1);
-  const int64_t mla_q_lora_rank = mla_setting("--q-lora-rank", a.flags.cfg.model.q_lora_rank, 0);
-  // Before the corpus is read: a fraction out of range is wrong whatever the sweep.
-  if (cmd->count("--uptrain") > 0)
-    KVLAB_USAGE_CHECK(a.uptrain > 0 && a.uptrain <= 1, "--uptrain ", a.uptrain,
-                      " must be a fraction of the sweep's steps in (0, 1], e.g. 0.05");
-  AblateConfig cfg;
-  cfg.base = finish_train_flags(a.flags);
-  cfg.base.tokenizer_progress = bpe_progress_bar("bpe");
+  MlaSettings m;
+  m.rope_head_dim = take("--rope-head-dim", a.flags.cfg.model.rope_head_dim, 1);
+  m.q_lora_rank = take("--q-lora-rank", a.flags.cfg.model.q_lora_rank, 0);
+  return m;
+}
+
+// --kv-heads and --mla-ranks: the sweep's variants.
+void set_variants(CLI::App* cmd, const AblateArgs& a, const MlaSettings& mla, AblateConfig& cfg) {
   if (cmd->count("--kv-heads") > 0) {
     cfg.kv_heads = parse_counts("--kv-heads", a.kv_heads);
     const std::string problem = kv_heads_problem(cfg.kv_heads, cfg.base.model.n_head);
@@ -171,16 +171,20 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
     cfg.mla_ranks = parse_counts("--mla-ranks", a.mla_ranks);
     const std::string problem = mla_ranks_problem(cfg.mla_ranks, cfg.base.model);
     KVLAB_USAGE_CHECK(problem.empty(), "--mla-ranks: ", problem);
-    cfg.mla_rope_head_dim = mla_rope_head_dim;
-    cfg.mla_q_lora_rank = mla_q_lora_rank;
+    cfg.mla_rope_head_dim = mla.rope_head_dim;
+    cfg.mla_q_lora_rank = mla.q_lora_rank;
   }
+}
+
+// What the sweep measures of each variant: seeds, cache and matrix dtypes, samples, speed.
+void set_measurements(const AblateArgs& a, AblateConfig& cfg) {
   KVLAB_USAGE_CHECK(a.seeds >= 1, "--seeds must be >= 1, got ", a.seeds);
   KVLAB_USAGE_CHECK(a.kv_budget > 0, "--kv-budget must be positive");
   KVLAB_USAGE_CHECK(a.sample_tokens >= 1, "--sample-tokens must be >= 1");
   KVLAB_USAGE_CHECK(a.bench_runs >= 1, "--bench-runs must be >= 1");
-  cfg.seeds = a.seeds;
   KVLAB_USAGE_CHECK(a.ranks_per_run == 1 || launched_by_mpi(), "--ranks-per-run ", a.ranks_per_run,
                     " needs ranks: run under mpirun or srun");
+  cfg.seeds = a.seeds;
   cfg.ranks_per_run = a.ranks_per_run;
   cfg.param_matched = a.param_matched;
   cfg.kv_budget_bytes = a.kv_budget;
@@ -197,33 +201,57 @@ void run_ablate(CLI::App* cmd, AblateArgs& a) {
   cfg.bench_runs = a.bench_runs;
   cfg.out_dir = a.out;
   cfg.command = a.command;
-  if (cmd->count("--uptrain") > 0) {
-    std::vector<int64_t> sweep = cfg.kv_heads;
-    if (sweep.empty())  // plan_ablation's default: every divisor of n_head
-      for (int64_t k = cfg.base.model.n_head; k >= 1; --k)
-        if (cfg.base.model.n_head % k == 0) sweep.push_back(k);
-    const std::string problem =
-        uptrain_problem(a.uptrain, cfg.base.iters, sweep, cfg.base.model.n_head);
-    KVLAB_USAGE_CHECK(problem.empty(), problem);
-    cfg.uptrain = a.uptrain;
-    cfg.uptrain_methods = parse_uptrain_methods(a.uptrain_methods);
-  } else {
+}
+
+// --uptrain F: each MHA run converted and uptrained for a fraction of the sweep's steps.
+void set_uptrain(CLI::App* cmd, const AblateArgs& a, AblateConfig& cfg) {
+  if (cmd->count("--uptrain") == 0) {
     KVLAB_USAGE_CHECK(cmd->count("--uptrain-methods") == 0,
                       "--uptrain-methods names the conversions --uptrain F trains; give --uptrain");
+    return;
   }
+  std::vector<int64_t> sweep = cfg.kv_heads;
+  if (sweep.empty())  // plan_ablation's default: every divisor of n_head
+    for (int64_t k = cfg.base.model.n_head; k >= 1; --k)
+      if (cfg.base.model.n_head % k == 0) sweep.push_back(k);
+  const std::string problem =
+      uptrain_problem(a.uptrain, cfg.base.iters, sweep, cfg.base.model.n_head);
+  KVLAB_USAGE_CHECK(problem.empty(), problem);
+  cfg.uptrain = a.uptrain;
+  cfg.uptrain_methods = parse_uptrain_methods(a.uptrain_methods);
+}
+
+// Under mpirun or srun the runs are spread over the ranks; MPI is never started otherwise
+// (null then).
+std::shared_ptr<Communicator> sweep_communicator(const AblateArgs& a) {
   KVLAB_USAGE_CHECK(a.comm_timeout > 0 && a.comm_timeout <= 1e9,
                     "--comm-timeout must be a number of seconds in (0, 1e9], got ", a.comm_timeout);
-  // Under mpirun or srun the runs are spread over the ranks; MPI is never started otherwise.
-  std::shared_ptr<Communicator> comm;
-  if (launched_by_mpi()) {
-    comm = world_communicator(a.comm_timeout);
-    KVLAB_USAGE_CHECK(comm->world_size() % a.ranks_per_run == 0, "--ranks-per-run ",
-                      a.ranks_per_run, " does not divide the ", comm->world_size(),
-                      " ranks of this job");
-    omp_set_num_threads(threads_per_rank());
-    std::fprintf(stderr, "kvlab ablate: rank %d of %d on %d threads\n", comm->rank(),
-                 comm->world_size(), omp_get_max_threads());
-  }
+  if (!launched_by_mpi()) return nullptr;
+  std::shared_ptr<Communicator> comm = world_communicator(a.comm_timeout);
+  KVLAB_USAGE_CHECK(comm->world_size() % a.ranks_per_run == 0, "--ranks-per-run ",
+                    a.ranks_per_run, " does not divide the ", comm->world_size(),
+                    " ranks of this job");
+  omp_set_num_threads(threads_per_rank());
+  std::fprintf(stderr, "kvlab ablate: rank %d of %d on %d threads\n", comm->rank(),
+               comm->world_size(), omp_get_max_threads());
+  return comm;
+}
+
+void run_ablate(CLI::App* cmd, AblateArgs& a) {
+  if (a.quick) apply_quick(cmd, a);
+  KVLAB_USAGE_CHECK(!a.out.empty(), "ablate: no output folder (--out is empty)");
+  const MlaSettings mla = take_mla_settings(cmd, a);
+  // Before the corpus is read: a fraction out of range is wrong whatever the sweep.
+  if (cmd->count("--uptrain") > 0)
+    KVLAB_USAGE_CHECK(a.uptrain > 0 && a.uptrain <= 1, "--uptrain ", a.uptrain,
+                      " must be a fraction of the sweep's steps in (0, 1], e.g. 0.05");
+  AblateConfig cfg;
+  cfg.base = finish_train_flags(a.flags);
+  cfg.base.tokenizer_progress = bpe_progress_bar("bpe");
+  set_variants(cmd, a, mla, cfg);
+  set_measurements(a, cfg);
+  set_uptrain(cmd, a, cfg);
+  const std::shared_ptr<Communicator> comm = sweep_communicator(a);
   const bool rank0 = comm == nullptr || comm->rank() == 0;
   if (const std::string note = blas_kernels_note(); rank0 && !note.empty())
     std::fprintf(stderr, "kvlab ablate: note: %s\n", note.c_str());

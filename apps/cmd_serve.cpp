@@ -1,6 +1,7 @@
 // kvlab serve: a checkpoint behind the OpenAI completions API (serve/server.h).
 #include <pthread.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -46,7 +47,9 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
 
-void run_serve(const ServeArgs& a) {
+// The flags as the server's options, each checked before the model loads (a usage error names
+// the flag); the model's name and the KV pool, which take the model, are set once it has.
+ServeOptions serve_options(const ServeArgs& a) {
   KVLAB_USAGE_CHECK(a.port >= 0 && a.port <= 65535, "--port must be in [0, 65535], got ", a.port);
   KVLAB_USAGE_CHECK(a.max_seqs >= 1, "--max-seqs must be >= 1, got ", a.max_seqs);
   KVLAB_USAGE_CHECK(a.max_batch_tokens >= a.max_seqs, "--max-batch-tokens (", a.max_batch_tokens,
@@ -67,42 +70,17 @@ void run_serve(const ServeArgs& a) {
                     a.keep_alive_timeout_s);
   KVLAB_USAGE_CHECK(a.write_timeout_s > 0, "--write-timeout must be > 0 s, got ",
                     a.write_timeout_s);
-  const int64_t send_buffer =
-      a.send_buffer.empty() ? 0 : parse_bytes(a.send_buffer, "--send-buffer");
   const int64_t min_body_rate = parse_bytes(a.min_body_rate, "--min-body-rate");
   KVLAB_USAGE_CHECK(min_body_rate >= 1, "--min-body-rate must be at least 1 byte/s");
   KVLAB_USAGE_CHECK(a.max_request_tokens >= 0, "--max-request-tokens must be >= 0, got ",
                     a.max_request_tokens);
-  std::string api_key = a.api_key;
-  if (api_key.empty())
-    if (const char* env = std::getenv("KVLAB_API_KEY")) api_key = env;
-
-  // SIGINT and SIGTERM are taken by one thread (sigwait): blocked here, before any thread
-  // starts, so that every thread inherits the mask. A write to a client that left fails
-  // instead of killing the process.
-  std::signal(SIGPIPE, SIG_IGN);
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-
-  LoadedModel loaded = load_model(a.ckpt);
-  GPT& model = *loaded.model;
-  model.round_matrices(parse_weight_dtype(a.weight_dtype));
-  const int64_t context = model.config().block_size;
-  KVCacheFlags kv{.layout = "paged", .block_size = a.kv_block_size, .memory = a.kv_memory};
-  Engine engine(model, loaded.tokenizer, parse_storage_dtype(a.kv_dtype), std::nullopt);
-  engine.decode_step().int8_products = a.int8_products;
-
   ServeOptions o;
   o.host = a.host;
   o.port = a.port;
-  o.model_name = a.model_name.empty() ? std::filesystem::path(a.ckpt).stem().string() : a.model_name;
   o.scheduler.max_seqs = a.max_seqs;
   o.scheduler.max_batch_tokens = a.max_batch_tokens;
-  o.scheduler.cache = *parse_kv_cache(kv, context, Device::CPU);
   o.limits.max_tokens = a.max_tokens;
+  o.limits.max_request_tokens = a.max_request_tokens;
   o.max_body_bytes = static_cast<size_t>(max_body);
   o.max_connections = a.max_connections;
   o.max_waiting_connections = a.max_waiting_connections;
@@ -110,20 +88,53 @@ void run_serve(const ServeArgs& a) {
   o.keep_alive_timeout_s = a.keep_alive_timeout_s;
   o.min_body_rate = static_cast<double>(min_body_rate);
   o.write_timeout_s = a.write_timeout_s;
-  o.send_buffer_bytes = send_buffer;
-  o.limits.max_request_tokens = a.max_request_tokens;
-  o.api_key = api_key;
+  o.send_buffer_bytes = a.send_buffer.empty() ? 0 : parse_bytes(a.send_buffer, "--send-buffer");
+  o.api_key = a.api_key;
+  if (o.api_key.empty())
+    if (const char* env = std::getenv("KVLAB_API_KEY")) o.api_key = env;
   o.stream_interval_s = a.stream_interval_ms / 1e3;
-  Server server(engine, o);
-  const int port = server.bind();
+  return o;
+}
 
-  std::thread watcher([&] {
-    int sig = 0;
-    sigwait(&stop_signals, &sig);
-    if (sig != 0) std::fprintf(stderr, "kvlab: %s: stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-    server.stop();
-  });
-  const GPTConfig& mc = model.config();
+// SIGINT and SIGTERM, taken by one thread (sigwait) that stops the server. Blocked before any
+// thread starts, so that every thread inherits the mask; a write to a client that left fails
+// instead of killing the process.
+class StopSignals {
+ public:
+  StopSignals() {
+    std::signal(SIGPIPE, SIG_IGN);
+    sigemptyset(&signals_);
+    sigaddset(&signals_, SIGINT);
+    sigaddset(&signals_, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &signals_, nullptr);
+  }
+  void watch(Server& server) {
+    watcher_ = std::thread([this, &server] {
+      int sig = 0;
+      sigwait(&signals_, &sig);
+      if (done_) return;  // woken by join: the server stopped, or is gone
+      if (sig != 0)
+        std::fprintf(stderr, "kvlab: %s: stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+      server.stop();
+    });
+  }
+  // Ends the watcher; before the server it watches is destroyed.
+  void join() {
+    if (!watcher_.joinable()) return;
+    done_ = true;
+    pthread_kill(watcher_.native_handle(), SIGTERM);  // wakes it if no signal stopped the server
+    watcher_.join();
+  }
+  ~StopSignals() { join(); }
+
+ private:
+  sigset_t signals_;
+  std::atomic<bool> done_{false};
+  std::thread watcher_;
+};
+
+void print_serving(const ServeArgs& a, const ServeOptions& o, int port, Engine& engine,
+                   const GPTConfig& mc) {
   const std::string attention =
       mc.mla() ? detail::cat("MLA rank ", mc.kv_lora_rank, " + ", mc.rope_head_dim)
                : detail::cat("n_kv_head ", mc.n_kv_head);
@@ -133,16 +144,31 @@ void run_serve(const ServeArgs& a) {
                o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
                a.weight_dtype.c_str(),
                engine.decode_step().multiplies_in_integers() ? " in integer products" : "",
-               static_cast<long long>(context),
-               static_cast<long long>(a.max_seqs));
-  if (api_key.empty() && !is_loopback(a.host))
+               static_cast<long long>(mc.block_size), static_cast<long long>(a.max_seqs));
+  if (o.api_key.empty() && !is_loopback(a.host))
     std::fprintf(stderr,
                  "kvlab: warning: serving on %s without an API key: anyone who can reach it may "
                  "use it (--api-key or KVLAB_API_KEY)\n",
                  a.host.c_str());
+}
+
+void run_serve(const ServeArgs& a) {
+  ServeOptions o = serve_options(a);
+  StopSignals stop_signals;
+  LoadedModel loaded = load_model(a.ckpt);
+  GPT& model = *loaded.model;
+  o.model_name = a.model_name.empty() ? std::filesystem::path(a.ckpt).stem().string() : a.model_name;
+  const KVCacheFlags kv{.layout = "paged", .block_size = a.kv_block_size, .memory = a.kv_memory};
+  o.scheduler.cache = *parse_kv_cache(kv, model.config().block_size, Device::CPU);
+  model.round_matrices(parse_weight_dtype(a.weight_dtype));
+  Engine engine(model, loaded.tokenizer, parse_storage_dtype(a.kv_dtype), std::nullopt);
+  engine.decode_step().int8_products = a.int8_products;
+  Server server(engine, o);
+  const int port = server.bind();
+  stop_signals.watch(server);
+  print_serving(a, o, port, engine, model.config());
   server.run();
-  pthread_kill(watcher.native_handle(), SIGTERM);  // wakes it if no signal stopped the server
-  watcher.join();
+  stop_signals.join();
   std::fprintf(stderr, "kvlab: server stopped\n");
 }
 

@@ -16,10 +16,11 @@ namespace kvlab {
 
 std::string default_corpus() { return KVLAB_DEFAULT_CORPUS; }
 
-void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
+namespace {
+
+// --config, the corpus and its tokenizer.
+void add_data_flags(CLI::App* cmd, TrainFlags& f) {
   TrainConfig& c = f.cfg;
-  c.corpus = default_corpus();
-  f.cmd = cmd;
   // Expanded into flags before parsing (apps/config_file.h); declared here for --help, and its
   // keys are checked against this command's flags.
   register_config_command(cmd);
@@ -43,6 +44,11 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
                   "With --tokenizer bpe: tokens in the vocabulary and the model (256 bytes, the "
                   "merges and <|endoftext|>; at least 257)")
       ->check(integer_of<int64_t>());
+}
+
+// The model's size and its block's parts (positions, norm, MLP, attention).
+void add_model_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
+  TrainConfig& c = f.cfg;
   add_number(cmd, "--n-layer", c.model.n_layer, "Transformer blocks");
   add_number(cmd, "--n-head", c.model.n_head, "Query heads");
   if (with_n_kv_head)
@@ -89,6 +95,10 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   add_number(cmd, "--block-size", c.model.block_size, "Context length in tokens");
   add_number(cmd, "--dropout", c.model.dropout, "Dropout on attention and residual paths");
   cmd->add_flag("--untied", f.untied, "Separate LM head instead of the token embedding");
+}
+
+// The optimiser, its schedule, evaluations and checkpoints.
+void add_optimiser_flags(CLI::App* cmd, TrainConfig& c) {
   add_number(cmd, "--batch-size", c.batch_size, "Sequences per micro-batch");
   add_number(cmd, "--grad-accum", c.grad_accum, "Micro-batches per optimizer step");
   add_number(cmd, "--iters", c.iters, "Optimizer steps");
@@ -105,6 +115,16 @@ void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
   add_number(cmd, "--ckpt-interval", c.ckpt_interval,
              "Steps between checkpoints; 0 means at every evaluation");
   add_number(cmd, "--seed", c.seed, "Seed of the initial weights, batches and dropout");
+}
+
+}  // namespace
+
+void add_train_flags(CLI::App* cmd, TrainFlags& f, bool with_n_kv_head) {
+  f.cfg.corpus = default_corpus();
+  f.cmd = cmd;
+  add_data_flags(cmd, f);
+  add_model_flags(cmd, f, with_n_kv_head);
+  add_optimiser_flags(cmd, f.cfg);
   add_device_flags(cmd, f.device, f.dtype);
 }
 

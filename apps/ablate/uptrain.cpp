@@ -151,20 +151,15 @@ void uptrain_one(const TrainConfig& planned, const LoadedModel& src, const std::
                       stop_signal());
 }
 
-}  // namespace
-
-json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
-                 const json& variants, AblateStats& stats) {
-  using Clock = std::chrono::steady_clock;
-  const auto t0 = Clock::now();
+// Each seed's MHA run converted to every target n_kv_head by every method and uptrained (or
+// reused, or resumed): each run's curve and its loss converted and uptrained, by (kv, method,
+// seed).
+using UptrainRuns = std::map<std::tuple<int64_t, int, int>, json>;
+UptrainRuns train_uptrain_runs(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
+                               const std::vector<int64_t>& targets, int64_t steps,
+                               AblateStats& stats) {
   const int64_t nh = cfg.base.model.n_head;
-  std::vector<int64_t> targets;
-  for (int64_t k : cfg.kv_heads)
-    if (k < nh) targets.push_back(k);
-  const int64_t steps = uptrain_steps(cfg.uptrain, cfg.base.iters);
-  stats.uptrain_runs_total =
-      static_cast<int>(targets.size() * cfg.uptrain_methods.size()) * cfg.seeds;
-  std::map<std::tuple<int64_t, int, int>, json> seed_runs;  // (kv, method, seed) -> run
+  UptrainRuns seed_runs;
   int done = 0;
   for (int s = 0; s < cfg.seeds; ++s) {
     const auto mha = std::find_if(runs.begin(), runs.end(), [&](const TrainConfig& c) {
@@ -194,6 +189,14 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
         seed_runs[{kv, static_cast<int>(m), s}] = std::move(run);
       }
   }
+  return seed_runs;
+}
+
+// One entry per (target n_kv_head, method): the seeds' losses converted and uptrained beside
+// the from-scratch variant's, with each side's parameters, steps and tokens.
+json uptrain_entries(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
+                     const json& variants, const std::vector<int64_t>& targets, int64_t steps,
+                     UptrainRuns& seed_runs) {
   const TrainConfig& b = cfg.base;
   const int64_t tokens_per_step = b.batch_size * b.model.block_size * b.grad_accum;
   json entries = json::array();
@@ -233,11 +236,30 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
       entries.push_back(std::move(e));
     }
   }
+  return entries;
+}
+
+}  // namespace
+
+json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
+                 const json& variants, AblateStats& stats) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  const int64_t nh = cfg.base.model.n_head;
+  std::vector<int64_t> targets;
+  for (int64_t k : cfg.kv_heads)
+    if (k < nh) targets.push_back(k);
+  const int64_t steps = uptrain_steps(cfg.uptrain, cfg.base.iters);
+  stats.uptrain_runs_total =
+      static_cast<int>(targets.size() * cfg.uptrain_methods.size()) * cfg.seeds;
+  UptrainRuns seed_runs = train_uptrain_runs(cfg, runs, targets, steps, stats);
+  const json entries = uptrain_entries(cfg, runs, variants, targets, steps, seed_runs);
   json methods = json::array();
   for (KVHeadInit m : cfg.uptrain_methods) methods.push_back(kv_head_init_name(m));
   json mha_loss;
   for (const json& v : variants)
     if (v.value("n_kv_head", json()) == nh) mha_loss = {{"mean", v["val_loss_mean"]}, {"std", v["val_loss_std"]}};
+  const TrainConfig& b = cfg.base;
   const TrainConfig shape = uptrain_run_config(runs.front(), 1, cfg.uptrain, "");
   return {{"fraction", cfg.uptrain},
           {"steps", steps},
@@ -252,7 +274,7 @@ json run_uptrain(const AblateConfig& cfg, const std::vector<TrainConfig>& runs,
            detail::cat("the sweep's schedule scaled to the ", steps, " steps: linear warmup over ",
                        shape.warmup, " steps to lr ", b.lr, ", cosine decay to ", b.min_lr,
                        "; a new AdamW, batch size ", b.batch_size)},
-          {"tokens_per_step", tokens_per_step},
+          {"tokens_per_step", b.batch_size * b.model.block_size * b.grad_accum},
           {"entries", entries},
           {"runs", stats.uptrain_runs_total},
           {"reused", stats.uptrain_runs_reused},

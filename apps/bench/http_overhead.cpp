@@ -184,6 +184,66 @@ double streamed_rate(int port, const std::vector<std::vector<int32_t>>& prompts,
   return static_cast<double>(made) / seconds_since(t0);
 }
 
+// What every round measures: the one request, and (when streams > 1) the many at once.
+struct OverheadWork {
+  std::vector<int32_t> prompt;
+  std::vector<std::vector<int32_t>> many;
+  GenerateOptions one, each_of_many;
+};
+
+// Each round's tokens/s, per side, and the HTTP / in-process ratios.
+struct RoundRates {
+  std::vector<double> local, sched, http, ratio, batched, batched_ratio;
+  std::vector<double> many_sched, many_http, many_ratio, many_batched, many_batched_ratio;
+};
+
+// One round: the request by the engine in process, through the scheduler, then streamed over
+// HTTP read per chunk and per kBatchedReadBytes; then the many streams through the scheduler
+// and over HTTP, read both ways.
+void overhead_round(Engine& local, Scheduler& scheduler, int port, const OverheadWork& w,
+                    RoundRates& r) {
+  const auto t0 = Clock::now();
+  const GenerationResult res = local.generate_ids({w.prompt}, w.one);
+  r.local.push_back(static_cast<double>(res.rows[0].tokens.size()) / seconds_since(t0));
+  r.sched.push_back(scheduled_rate(scheduler, {w.prompt}, w.one));
+  const int64_t tokens = w.one.max_new_tokens;
+  r.http.push_back(streamed_rate(port, {w.prompt}, tokens, 0));
+  r.ratio.push_back(r.http.back() / r.local.back());
+  r.batched.push_back(streamed_rate(port, {w.prompt}, tokens, kBatchedReadBytes));
+  r.batched_ratio.push_back(r.batched.back() / r.local.back());
+  if (w.many.empty()) return;
+  const int64_t many_tokens = w.each_of_many.max_new_tokens;
+  r.many_sched.push_back(scheduled_rate(scheduler, w.many, w.each_of_many));
+  r.many_http.push_back(streamed_rate(port, w.many, many_tokens, 0));
+  r.many_ratio.push_back(r.many_http.back() / r.many_sched.back());
+  r.many_batched.push_back(streamed_rate(port, w.many, many_tokens, kBatchedReadBytes));
+  r.many_batched_ratio.push_back(r.many_batched.back() / r.many_sched.back());
+}
+
+json overhead_json(const OverheadWork& w, const RoundRates& r, int rounds,
+                   double stream_interval_s) {
+  json out{{"prompt_tokens", w.prompt.size()},
+           {"stream_interval_ms", stream_interval_s * 1e3},
+           {"new_tokens", w.one.max_new_tokens},
+           {"rounds", rounds},
+           {"in_process_tokens_per_s", median(r.local)},
+           {"scheduler_tokens_per_s", median(r.sched)},
+           {"http_tokens_per_s", median(r.http)},
+           {"ratio", spread(r.ratio)},
+           {"batched_reads_bytes", kBatchedReadBytes},
+           {"http_batched_reads_tokens_per_s", median(r.batched)},
+           {"batched_reads_ratio", spread(r.batched_ratio)}};
+  if (!w.many.empty())
+    out["many_streams"] = {{"streams", w.many.size()},
+                           {"new_tokens", w.each_of_many.max_new_tokens},
+                           {"scheduler_tokens_per_s", median(r.many_sched)},
+                           {"http_tokens_per_s", median(r.many_http)},
+                           {"ratio", spread(r.many_ratio)},
+                           {"http_batched_reads_tokens_per_s", median(r.many_batched)},
+                           {"batched_reads_ratio", spread(r.many_batched_ratio)}};
+  return out;
+}
+
 }  // namespace
 
 nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t prompt_tokens,
@@ -194,27 +254,24 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
               "bench serve: a prompt of ", prompt_tokens, " and ", new_tokens,
               " new tokens must fit the context of ", c.block_size);
   KVLAB_CHECK(streams >= 1, "bench serve: --http-streams must be >= 1, got ", streams);
-  const std::vector<int32_t> prompt = bench_prompt(0, prompt_tokens, c.vocab_size);
-  std::vector<std::vector<int32_t>> many;
+  OverheadWork w;
+  w.prompt = bench_prompt(0, prompt_tokens, c.vocab_size);
   if (streams > 1)
     for (int64_t i = 0; i < streams; ++i)
-      many.push_back(bench_prompt(i, prompt_tokens, c.vocab_size));
+      w.many.push_back(bench_prompt(i, prompt_tokens, c.vocab_size));
+  w.one.max_new_tokens = new_tokens;
+  w.one.sampling.temperature = 0;
   // Each of the many streams makes a quarter of the one stream's tokens: the rounds stay short.
-  const int64_t many_tokens = std::max<int64_t>(1, new_tokens / 4);
-  Engine local(model, tokenizer);
-  GenerateOptions g;
-  g.max_new_tokens = new_tokens;
-  g.sampling.temperature = 0;
-  GenerateOptions g_many = g;
-  g_many.max_new_tokens = many_tokens;
+  w.each_of_many = w.one;
+  w.each_of_many.max_new_tokens = std::max<int64_t>(1, new_tokens / 4);
 
+  Engine local(model, tokenizer);
   // The server's path without HTTP: the same requests through a scheduler in process.
   Engine scheduled(model, tokenizer);
   SchedulerOptions sched;
   sched.max_seqs = streams;
   sched.max_batch_tokens = std::max<int64_t>(512, prompt_tokens);
   Scheduler scheduler(scheduled, sched);
-
   Engine served(model, tokenizer);
   ServeOptions so;
   so.port = 0;
@@ -226,52 +283,17 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
   const int port = server.bind();
   std::thread serving([&] { server.run(); });
 
-  std::vector<double> local_rate, sched_rate, http_rate, ratio, batched_rate, batched_ratio;
-  std::vector<double> many_sched, many_http, many_ratio, many_batched, many_batched_ratio;
+  RoundRates rates;
   std::string failure;
   try {
-    for (int r = 0; r < rounds; ++r) {
-      auto t0 = Clock::now();
-      const GenerationResult res = local.generate_ids({prompt}, g);
-      local_rate.push_back(static_cast<double>(res.rows[0].tokens.size()) / seconds_since(t0));
-      sched_rate.push_back(scheduled_rate(scheduler, {prompt}, g));
-      http_rate.push_back(streamed_rate(port, {prompt}, new_tokens, 0));
-      ratio.push_back(http_rate.back() / local_rate.back());
-      batched_rate.push_back(streamed_rate(port, {prompt}, new_tokens, kBatchedReadBytes));
-      batched_ratio.push_back(batched_rate.back() / local_rate.back());
-      if (many.empty()) continue;
-      many_sched.push_back(scheduled_rate(scheduler, many, g_many));
-      many_http.push_back(streamed_rate(port, many, many_tokens, 0));
-      many_ratio.push_back(many_http.back() / many_sched.back());
-      many_batched.push_back(streamed_rate(port, many, many_tokens, kBatchedReadBytes));
-      many_batched_ratio.push_back(many_batched.back() / many_sched.back());
-    }
+    for (int r = 0; r < rounds; ++r) overhead_round(local, scheduler, port, w, rates);
   } catch (const Error& e) {
     failure = e.what();
   }
   server.stop();
   serving.join();
   KVLAB_CHECK(failure.empty(), failure);
-  json out{{"prompt_tokens", prompt_tokens},
-           {"stream_interval_ms", stream_interval_s * 1e3},
-           {"new_tokens", new_tokens},
-           {"rounds", rounds},
-           {"in_process_tokens_per_s", median(local_rate)},
-           {"scheduler_tokens_per_s", median(sched_rate)},
-           {"http_tokens_per_s", median(http_rate)},
-           {"ratio", spread(ratio)},
-           {"batched_reads_bytes", kBatchedReadBytes},
-           {"http_batched_reads_tokens_per_s", median(batched_rate)},
-           {"batched_reads_ratio", spread(batched_ratio)}};
-  if (!many.empty())
-    out["many_streams"] = {{"streams", streams},
-                           {"new_tokens", many_tokens},
-                           {"scheduler_tokens_per_s", median(many_sched)},
-                           {"http_tokens_per_s", median(many_http)},
-                           {"ratio", spread(many_ratio)},
-                           {"http_batched_reads_tokens_per_s", median(many_batched)},
-                           {"batched_reads_ratio", spread(many_batched_ratio)}};
-  return out;
+  return overhead_json(w, rates, rounds, stream_interval_s);
 }
 
 }  // namespace kvlab
