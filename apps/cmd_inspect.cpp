@@ -50,40 +50,35 @@ double tokens_per_byte(const Checkpoint& c) {
   return v != nullptr && std::isfinite(*v) && *v > 0 ? *v : 0.0;
 }
 
-void run_inspect(const InspectArgs& a) {
-  // One load: a damaged training state is reported with the rest of the file (--resume refuses
-  // such a file; generate and bench read only the model).
-  LoadOptions options;
-  options.report_training_state = true;
-  const Checkpoint c = load_checkpoint(a.ckpt, options);
-  std::vector<std::string> state_problems;
-  if (!c.training_state_problem.empty()) state_problems.push_back(c.training_state_problem);
-  for (const std::string& p : training_state_problems(c)) state_problems.push_back(p);
-  int64_t n_params = 0;
-  for (const auto& [name, arr] : c.model) n_params += static_cast<int64_t>(arr.data.size());
-  const std::string problem = model_problem(c, a.ckpt, n_params);
-  if (a.json) {
-    nlohmann::json j;
-    for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
-    j["parameters"] = n_params;
-    j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c, a.ckpt)}};
-    for (const auto& [name, arr] : c.model)
-      j["tensors"].push_back(
-          {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
-    if (c.has_train_state)
-      j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
-    if (c.has_train_state && tokens_per_byte(c) > 0 && std::isfinite(c.best_val_loss)) {
-      j["train"]["val_tokens_per_byte"] = tokens_per_byte(c);
-      j["train"]["best_val_bpb"] = bits_per_byte(c.best_val_loss, tokens_per_byte(c));
-    }
-    if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
-    if (!problem.empty()) j["model_problem"] = problem;
-    if (!state_problems.empty()) j["training_state_problems"] = state_problems;
-    // Paths in it are bytes, not always UTF-8: replace what is not, rather than fail.
-    std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
-    return;
+// What inspect reports of a checkpoint beyond its arrays.
+struct Inspection {
+  int64_t parameters = 0;
+  std::string model_problem;                // why the model cannot load, or ""
+  std::vector<std::string> state_problems;  // why --resume refuses the training state
+};
+
+void print_json(const InspectArgs& a, const Checkpoint& c, const Inspection& in) {
+  nlohmann::json j;
+  for (const auto& [k, v] : c.config) std::visit([&](const auto& x) { j["config"][k] = x; }, v);
+  j["parameters"] = in.parameters;
+  j["tokenizer"] = {{"kind", c.tokenizer_kind}, {"vocab_size", tokenizer_size(c, a.ckpt)}};
+  for (const auto& [name, arr] : c.model)
+    j["tensors"].push_back(
+        {{"name", name}, {"shape", arr.shape}, {"non_finite", count_non_finite(arr)}});
+  if (c.has_train_state)
+    j["train"] = {{"iteration", c.iteration}, {"best_val_loss", c.best_val_loss}};
+  if (c.has_train_state && tokens_per_byte(c) > 0 && std::isfinite(c.best_val_loss)) {
+    j["train"]["val_tokens_per_byte"] = tokens_per_byte(c);
+    j["train"]["best_val_bpb"] = bits_per_byte(c.best_val_loss, tokens_per_byte(c));
   }
-  std::printf("checkpoint %s\n\nconfig:\n", a.ckpt.c_str());
+  if (c.has_optimizer) j["optimizer_step"] = c.optimizer_step;
+  if (!in.model_problem.empty()) j["model_problem"] = in.model_problem;
+  if (!in.state_problems.empty()) j["training_state_problems"] = in.state_problems;
+  // Paths in it are bytes, not always UTF-8: replace what is not, rather than fail.
+  std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+}
+
+void print_config(const Checkpoint& c) {
   int width = 14;  // the keys' column, wider for a longer key (converted_from_n_kv_head)
   for (const auto& entry : c.config) width = std::max(width, static_cast<int>(entry.first.size()));
   for (const auto& [k, v] : c.config) {
@@ -95,9 +90,14 @@ void run_inspect(const InspectArgs& a) {
       else std::printf("%lld\n", static_cast<long long>(x));
     }, v);
   }
+}
+
+void print_text(const InspectArgs& a, const Checkpoint& c, const Inspection& in) {
+  std::printf("checkpoint %s\n\nconfig:\n", a.ckpt.c_str());
+  print_config(c);
   std::printf("\ntokenizer: %s, %lld symbols\nparameters: %lld in %zu tensors\n",
               c.tokenizer_kind.c_str(), static_cast<long long>(tokenizer_size(c, a.ckpt)),
-              static_cast<long long>(n_params), c.model.size());
+              static_cast<long long>(in.parameters), c.model.size());
   bool any_non_finite = false;
   for (const auto& [name, arr] : c.model) {
     const int64_t bad = count_non_finite(arr);
@@ -107,18 +107,35 @@ void run_inspect(const InspectArgs& a) {
   }
   if (any_non_finite)
     std::printf("(tensors holding NaN or inf: generate, bench and --resume refuse this file)\n");
-  if (!problem.empty())
+  if (!in.model_problem.empty())
     std::printf("(not a loadable model: %s; generate, bench and --resume refuse this file)\n",
-                problem.c_str());
+                in.model_problem.c_str());
   if (c.has_train_state)
     std::printf("\ntraining state: iteration %lld, %s\n", static_cast<long long>(c.iteration),
                 best_val_text(c.best_val_loss, tokens_per_byte(c)).c_str());
   if (c.has_optimizer)
     std::printf("optimizer: AdamW, step %lld\n", static_cast<long long>(c.optimizer_step));
-  if (!state_problems.empty()) {
+  if (!in.state_problems.empty()) {
     std::printf("\ntraining state not usable (--resume refuses this file):\n");
-    for (const std::string& p : state_problems) std::printf("  %s\n", p.c_str());
+    for (const std::string& p : in.state_problems) std::printf("  %s\n", p.c_str());
   }
+}
+
+void run_inspect(const InspectArgs& a) {
+  // One load: a damaged training state is reported with the rest of the file (--resume refuses
+  // such a file; generate and bench read only the model).
+  LoadOptions options;
+  options.report_training_state = true;
+  const Checkpoint c = load_checkpoint(a.ckpt, options);
+  Inspection in;
+  if (!c.training_state_problem.empty()) in.state_problems.push_back(c.training_state_problem);
+  for (const std::string& p : training_state_problems(c)) in.state_problems.push_back(p);
+  for (const auto& [name, arr] : c.model) in.parameters += static_cast<int64_t>(arr.data.size());
+  in.model_problem = model_problem(c, a.ckpt, in.parameters);
+  if (a.json)
+    print_json(a, c, in);
+  else
+    print_text(a, c, in);
 }
 
 }  // namespace

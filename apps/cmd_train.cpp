@@ -78,6 +78,31 @@ TrainConfig train_config(const TrainArgs& a) {
   return finish_train_flags(flags);
 }
 
+// The run's shape and where it starts, on rank 0.
+void print_start(const TrainArgs& a, const TrainConfig& cfg, Trainer& trainer,
+                 Communicator& comm, bool resume) {
+  const std::string start = resume                ? "resumed"
+                            : a.init_from.empty() ? "from scratch"
+                                                  : "from the weights of " + a.init_from;
+  std::fprintf(stderr,
+               "kvlab train: %lld parameters, n_head %lld, n_kv_head %lld, vocab %d, "
+               "%zu train / %zu val tokens, %s\n",
+               static_cast<long long>(trainer.model().num_parameters()),
+               static_cast<long long>(cfg.model.n_head),
+               static_cast<long long>(cfg.model.n_kv_head),
+               trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
+               trainer.corpus().val.size(), start.c_str());
+  if (const std::string note = blas_kernels_note(); !note.empty())
+    std::fprintf(stderr, "kvlab train: note: %s\n", note.c_str());
+  if (comm.world_size() > 1)
+    std::fprintf(stderr,
+                 "kvlab train: data parallel over %d %s ranks, batch %lld per rank "
+                 "(%lld sequences per step)%s\n",
+                 comm.world_size(), comm.backend().c_str(), static_cast<long long>(cfg.batch_size),
+                 static_cast<long long>(cfg.batch_size * cfg.grad_accum * comm.world_size()),
+                 cfg.zero == 1 ? ", ZeRO-1 (AdamW moments sharded)" : "");
+}
+
 // Returns the exit code: 0 when every step is done, 128 + the signal when one stopped it.
 int run_train(const TrainArgs& a) {
   KVLAB_USAGE_CHECK(!a.out.empty(), "train: no output folder (--out is empty)");
@@ -106,28 +131,7 @@ int run_train(const TrainArgs& a) {
       trainer.resume(std::filesystem::path(a.out) / "last.h5");
     else if (!a.init_from.empty())
       trainer.init_from(a.init_from);
-    const std::string start = resume                ? "resumed"
-                              : a.init_from.empty() ? "from scratch"
-                                                    : "from the weights of " + a.init_from;
-    if (rank0) {
-      std::fprintf(stderr,
-                   "kvlab train: %lld parameters, n_head %lld, n_kv_head %lld, vocab %d, "
-                   "%zu train / %zu val tokens, %s\n",
-                   static_cast<long long>(trainer.model().num_parameters()),
-                   static_cast<long long>(cfg.model.n_head),
-                   static_cast<long long>(cfg.model.n_kv_head),
-                   trainer.corpus().tokenizer.vocab_size(), trainer.corpus().train.size(),
-                   trainer.corpus().val.size(), start.c_str());
-      if (const std::string note = blas_kernels_note(); !note.empty())
-        std::fprintf(stderr, "kvlab train: note: %s\n", note.c_str());
-      if (world > 1)
-        std::fprintf(stderr,
-                     "kvlab train: data parallel over %d %s ranks, batch %lld per rank "
-                     "(%lld sequences per step)%s\n",
-                     world, comm->backend().c_str(), static_cast<long long>(cfg.batch_size),
-                     static_cast<long long>(cfg.batch_size * cfg.grad_accum * world),
-                     cfg.zero == 1 ? ", ZeRO-1 (AdamW moments sharded)" : "");
-    }
+    if (rank0) print_start(a, cfg, trainer, *comm, resume);
     const bool done = train_with_progress(trainer, "train");
     if (rank0) {
       std::printf("%s at step %lld: %s; checkpoints in %s\n", done ? "finished" : "interrupted",

@@ -8,6 +8,7 @@
 
 #include "apps/ablate/ablate.h"
 #include "apps/cli.h"
+#include "platform/atomic_file.h"
 #include "checkpoints/model_io.h"
 #include "platform/blas_core.h"
 #include "platform/cpu.h"
@@ -102,6 +103,13 @@ void add_json_flag(CLI::App* cmd, std::string& path) {
   cmd->add_option("--json", path, "Write the results as JSON to this file")
       ->check(CLI::Validator(
           [](const std::string& p) { return p.empty() ? "the path is empty" : ""; }, "PATH"));
+}
+
+void write_json(const BenchArgs& a, json r) {
+  if (a.json_path.empty()) return;
+  r["machine"] = machine_json();
+  write_file_atomic(a.json_path, r.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+  std::printf("\nwrote %s\n", a.json_path.c_str());
 }
 
 }  // namespace kvlab::bench_cli

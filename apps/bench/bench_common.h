@@ -69,6 +69,8 @@ std::pair<std::unique_ptr<GPT>, Tokenizer> bench_model(BenchArgs& a);
 void check_kv_heads(BenchArgs& a);
 void check_json_path(const BenchArgs& a);
 json machine_json();
+// With --json: r with the machine's record, written atomically, and a line saying where.
+void write_json(const BenchArgs& a, json r);
 // The random model's shape flags (a checkpoint brings its own); returns --n-kv-head.
 CLI::Option* add_shape_flags(CLI::App* cmd, BenchArgs& a, CLI::Option* ckpt);
 void add_json_flag(CLI::App* cmd, std::string& path);

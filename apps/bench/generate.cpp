@@ -171,15 +171,11 @@ void run_bench_generate(BenchArgs& a) {
   const json speed = bench_decode_by_kv_heads(by_kv, a.kv_heads, 256, o);
   print_generate_table(gen);
   print_cache_report(report, speed, kv_dtype, a.batch);
-  if (!a.json_path.empty()) {
-    const json out{{"generate", gen},
-                   {"cache_report", report},
-                   {"decode_by_kv_heads", speed},
-                   {"checkpoint", a.ckpt},
-                   {"machine", machine_json()}};
-    write_file_atomic(a.json_path, out.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-    std::printf("\nwrote %s\n", a.json_path.c_str());
-  }
+  const json out{{"generate", gen},
+                 {"cache_report", report},
+                 {"decode_by_kv_heads", speed},
+                 {"checkpoint", a.ckpt}};
+  write_json(a, out);
 }
 
 }  // namespace

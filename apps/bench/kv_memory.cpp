@@ -113,12 +113,8 @@ void run_bench_kv_memory(BenchArgs& a) {
   };
   json r = bench_kv_memory(*model, tok, o);
   print_kv_memory(r);
-  if (!a.json_path.empty()) {
-    r["checkpoint"] = a.ckpt;
-    r["machine"] = machine_json();
-    write_file_atomic(a.json_path, r.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-    std::printf("\nwrote %s\n", a.json_path.c_str());
-  }
+  r["checkpoint"] = a.ckpt;
+  write_json(a, r);
 }
 
 }  // namespace

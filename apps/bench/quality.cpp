@@ -52,14 +52,10 @@ void run_bench_kv_quality(BenchArgs& a) {
                 static_cast<long long>(r.bytes_per_token),
                 static_cast<double>(r.bytes_per_token) / f32_bytes, r.loss, r.delta_loss, r.kl,
                 r.top1);
-  if (!a.json_path.empty()) {
-    const json out{{"checkpoint", a.ckpt},   {"data", data},
-                   {"windows", a.windows},   {"block_size", c.block_size},
-                   {"n_kv_head", c.n_kv_head}, {"quality", kv_quality_json(q)},
-                   {"machine", machine_json()}};
-    write_file_atomic(a.json_path, out.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-    std::printf("\nwrote %s\n", a.json_path.c_str());
-  }
+  const json out{{"checkpoint", a.ckpt},   {"data", data},
+                 {"windows", a.windows},   {"block_size", c.block_size},
+                 {"n_kv_head", c.n_kv_head}, {"quality", kv_quality_json(q)}};
+  write_json(a, out);
 }
 
 void run_bench_weight_quality(BenchArgs& a) {
@@ -100,14 +96,11 @@ void run_bench_weight_quality(BenchArgs& a) {
                     {"top1", r.top1},
                     {"positions", r.positions}});
   }
-  if (!a.json_path.empty()) {
-    const json out{{"checkpoint", a.ckpt},        {"data", data},
-                   {"windows", a.windows},        {"block_size", c.block_size},
-                   {"n_kv_head", c.n_kv_head},    {"f32_decode_weight_bytes", f32_bytes},
-                   {"quality", rows},             {"machine", machine_json()}};
-    write_file_atomic(a.json_path, out.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-    std::printf("\nwrote %s\n", a.json_path.c_str());
-  }
+  const json out{{"checkpoint", a.ckpt},        {"data", data},
+                 {"windows", a.windows},        {"block_size", c.block_size},
+                 {"n_kv_head", c.n_kv_head},    {"f32_decode_weight_bytes", f32_bytes},
+                 {"quality", rows}};
+  write_json(a, out);
 }
 
 // kv-quality's options (--ckpt, --data, --windows, --json) on cmd.

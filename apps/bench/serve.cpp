@@ -115,22 +115,52 @@ void run_bench_serve_url(BenchArgs& a) {
   std::printf(kServeHeader, "arrivals", "batching", "req/s", "tok/s", "TTFT ms p50 / p99",
               "TPOT ms p50 / p99", "ITL ms p50 / p99", "KV use", "peak", "preempt");
   for (const json& run : r["runs"]) print_served_row(run, "continuous_http", "HTTP");
-  if (!a.json_path.empty()) {
-    r["machine"] = machine_json();
-    write_file_atomic(a.json_path, r.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-    std::printf("\nwrote %s\n", a.json_path.c_str());
-  }
+  write_json(a, r);
 }
 
-void run_bench_serve(BenchArgs& a) {
-  check_json_path(a);
-  BenchServeOptions& o = a.serve;
+// The workload's flags, whichever server replays it.
+void check_workload(const BenchServeOptions& o) {
   KVLAB_USAGE_CHECK(o.requests >= 1, "--requests must be >= 1, got ", o.requests);
   KVLAB_USAGE_CHECK(o.samples >= 1, "--samples must be >= 1, got ", o.samples);
   KVLAB_USAGE_CHECK(o.shared_fraction >= 0 && o.shared_fraction <= 1,
                     "--shared-fraction must be in [0, 1], got ", o.shared_fraction);
   for (const double r : o.rates)
     KVLAB_USAGE_CHECK(std::isfinite(r) && r > 0, "--rates must be > 0 requests/s, got ", r);
+}
+
+// --http: each continuous run replayed over HTTP against an in-process kvlab serve of the
+// same scheduler options, on loopback.
+auto over_http(GPT& model, const Tokenizer& tok, const BenchArgs& a) {
+  return [&model, &tok, &a](const std::vector<KVRequest>& reqs, ServeTimeline t,
+                            const SchedulerOptions& scheduler) {
+    Engine engine(model, tok, a.serve.cache_dtype);
+    ServeOptions so;
+    so.port = 0;
+    so.model_name = "bench";
+    so.scheduler = scheduler;
+    so.max_connections = a.serve.requests + 8;  // every request may be in flight at once
+    so.stream_interval_s = a.stream_interval_ms / 1e3;
+    Server server(engine, so);
+    const std::string url = detail::cat("http://127.0.0.1:", server.bind());
+    std::thread serving([&] { server.run(); });
+    json side;
+    try {
+      side = replay_over_http(url, "bench", reqs, std::move(t));
+    } catch (...) {
+      server.stop();
+      serving.join();
+      throw;
+    }
+    server.stop();
+    serving.join();
+    return side;
+  };
+}
+
+void run_bench_serve(BenchArgs& a) {
+  check_json_path(a);
+  BenchServeOptions& o = a.serve;
+  check_workload(o);
   if (!a.url.empty()) {
     KVLAB_USAGE_CHECK(a.url.rfind("http://", 0) == 0, "--url must be http://HOST:PORT, got '",
                       a.url, "'");
@@ -157,32 +187,7 @@ void run_bench_serve(BenchArgs& a) {
     bars->update(side, done, total);
   };
   o.progress = [bars](const std::string& line) { bars->line("kvlab bench: " + line); };
-  if (a.http) {
-    o.over_http = [&](const std::vector<KVRequest>& reqs, ServeTimeline t,
-                      const SchedulerOptions& scheduler) {
-      Engine engine(*model, tok, o.cache_dtype);
-      ServeOptions so;
-      so.port = 0;
-      so.model_name = "bench";
-      so.scheduler = scheduler;
-      so.max_connections = o.requests + 8;  // every request may be in flight at once
-      so.stream_interval_s = a.stream_interval_ms / 1e3;
-      Server server(engine, so);
-      const std::string url = detail::cat("http://127.0.0.1:", server.bind());
-      std::thread serving([&] { server.run(); });
-      json side;
-      try {
-        side = replay_over_http(url, "bench", reqs, std::move(t));
-      } catch (...) {
-        server.stop();
-        serving.join();
-        throw;
-      }
-      server.stop();
-      serving.join();
-      return side;
-    };
-  }
+  if (a.http) o.over_http = over_http(*model, tok, a);
   json r = bench_serve(*model, tok, o);
   if (a.http) {
     const int64_t context = model->config().block_size;
@@ -190,12 +195,8 @@ void run_bench_serve(BenchArgs& a) {
                                        a.stream_interval_ms / 1e3, a.http_streams);
   }
   print_serve(r);
-  if (!a.json_path.empty()) {
-    r["checkpoint"] = a.ckpt;
-    r["machine"] = machine_json();
-    write_file_atomic(a.json_path, r.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
-    std::printf("\nwrote %s\n", a.json_path.c_str());
-  }
+  r["checkpoint"] = a.ckpt;
+  write_json(a, r);
 }
 
 }  // namespace
