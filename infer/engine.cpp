@@ -159,11 +159,7 @@ Engine::Engine(GPT& model, const Tokenizer& tokenizer, DType cache_dtype,
   KVLAB_CHECK(!is_quantised(cache_dtype) || model.device() == Device::CPU, "engine: KV cache dtype ",
               dtype_name(cache_dtype), " is CPU-only (on CUDA: f32 or bf16)");
   if (paged) {
-    const int64_t n = paged->kv_block_size, context = model.config().block_size;
-    KVLAB_CHECK(n >= 1 && (n & (n - 1)) == 0, "engine: kv_block_size ", n,
-                " is not a power of two");
-    KVLAB_CHECK(n <= context, "engine: kv_block_size ", n, " is larger than the context (",
-                context, ")");
+    check_kv_block_size(paged->kv_block_size, model.config().block_size, "engine");
     KVLAB_CHECK(paged->pool_blocks >= 0 && paged->pool_bytes >= 0,
                 "engine: the paged cache's pool size must not be negative");
     KVLAB_CHECK(model.device() == Device::CPU,
@@ -229,10 +225,7 @@ uint64_t model_cache_key(const GPT& model) {
 GenerationKVCache& Engine::paged_cache_for(int64_t batch, int64_t capacity) {
   const KVCacheLayout layout = kv_cache_layout(model_.config(), cache_dtype_);
   const KVPoolSize size = kv_pool_size(*paged_, layout, batch, capacity);
-  KVLAB_CHECK(size.holds_one_sequence(), "engine: a paged KV cache of ", size.blocks, " blocks (",
-              size.blocks * size.block_bytes, " bytes) cannot hold one sequence of ", capacity,
-              " positions, which takes ", size.per_sequence, " blocks of ", paged_->kv_block_size,
-              " positions (", size.block_bytes, " bytes each)");
+  check_holds_one_sequence(size, capacity, paged_->kv_block_size, "engine");
   const uint64_t key = paged_->prefix_caching ? model_cache_key(model_) : 0;
   std::vector<float> scales = cache_scales();
   if (!blocks_ || key != model_key_ || scales != cache_scales_ ||

@@ -3,6 +3,7 @@
 // it, and the BlockManager and PagedKVCache it is made of, built in one place for both.
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "infer/block_manager.h"
@@ -44,6 +45,13 @@ struct KVPoolSize {
 // in pool_bytes, else room for `sequences` sequences of `positions` each.
 KVPoolSize kv_pool_size(const PagedCacheOptions& options, const KVCacheLayout& layout,
                         int64_t sequences, int64_t positions);
+
+// kvlab::Error, naming `who`, unless kv_block_size is a power of two of at most the context.
+void check_kv_block_size(int64_t kv_block_size, int64_t context, std::string_view who);
+// kvlab::Error, naming `who`, when the pool cannot hold one sequence of `positions`: its blocks
+// and bytes, and what the sequence takes.
+void check_holds_one_sequence(const KVPoolSize& size, int64_t positions, int64_t kv_block_size,
+                              std::string_view who);
 
 struct KVPool {
   std::unique_ptr<BlockManager> blocks;  // declared first, freed last

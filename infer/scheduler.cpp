@@ -48,15 +48,10 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
               "): every admitted sequence decodes one token a step");
   KVLAB_CHECK(engine.model().device() == Device::CPU,
               "scheduler: the paged KV cache runs on the CPU only");
-  const int64_t bs = p.kv_block_size;
-  KVLAB_CHECK(bs >= 1 && (bs & (bs - 1)) == 0 && bs <= c.block_size, "scheduler: kv_block_size ",
-              bs, " must be a power of two of at most the context (", c.block_size, ")");
+  check_kv_block_size(p.kv_block_size, c.block_size, "scheduler");
   const KVCacheLayout layout = kv_cache_layout(c, engine.cache_dtype());
   const KVPoolSize size = kv_pool_size(p, layout, options.max_seqs, c.block_size);
-  KVLAB_CHECK(size.holds_one_sequence(), "scheduler: a KV pool of ", size.blocks, " blocks (",
-              size.blocks * size.block_bytes,
-              " bytes) cannot hold one sequence of the whole context (", c.block_size,
-              " positions, ", size.per_sequence, " blocks)");
+  check_holds_one_sequence(size, c.block_size, p.kv_block_size, "scheduler");
   KVPool pool =
       make_kv_pool(layout, p, size.blocks, p.prefix_caching ? model_cache_key(engine.model()) : 0,
                    engine.cache_scales());

@@ -241,7 +241,7 @@ TEST(Scheduler, BadOptionsAndRequestsAreClearErrors) {
             std::string::npos);
   EXPECT_NE(error_of([&] {
               Scheduler(engine, {.cache = {.kv_block_size = 8, .pool_blocks = 7}});
-            }).find("cannot hold one sequence of the whole context (64 positions, 8 blocks)"),
+            }).find("cannot hold one sequence of 64 positions, which takes 8 blocks of 8"),
             std::string::npos);
   Scheduler s(engine, {});
   GenerateOptions two = options(4, 0, 0);

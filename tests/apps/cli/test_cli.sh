@@ -264,7 +264,7 @@ else
 fi
 check "export: unknown --mla-up" 2 "--mla-up: half not in" -- "$KVLAB" export --ckpt "$work/mla/final.h5" --out "$work/x.gguf" --mla-up half
 check "generate from MLA, fp8 cache" 0 "cache paged fp8" -- "$KVLAB" generate --ckpt "$work/mla/final.h5" --prompt "the lord" --max-new 8 --kv-dtype fp8
-check "serve an MLA checkpoint sizes its pool by latent rows" 1 "cannot hold one sequence of the whole context (16 positions, 1 blocks)" -- "$KVLAB" serve --ckpt "$work/mla/final.h5" --kv-memory 767 --port 0
+check "serve an MLA checkpoint sizes its pool by latent rows" 1 "cannot hold one sequence of 16 positions, which takes 1 blocks of 16 positions (768 bytes each)" -- "$KVLAB" serve --ckpt "$work/mla/final.h5" --kv-memory 767 --port 0
 check "bench serve on MLA" 0 "continuous" -- "$KVLAB" bench serve --ckpt "$work/mla/final.h5" --requests 8 --kv-block-size 16
 check "convert an MLA checkpoint" 1 "the source is an MLA model" -- "$KVLAB" convert --ckpt "$work/mla/final.h5" --n-kv-head 2 --method mean --out "$work/mla2.h5"
 check "MLA with learned positions" 2 "MLA's rotary key needs pos rope" -- "$KVLAB" train "${short[@]}" --attn mla --kv-lora-rank 8 --rope-head-dim 4 --out "$work/mla-x"
