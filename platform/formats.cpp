@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "platform/ggml_blocks.h"
+#include "platform/kquant_blocks.h"
 #include "platform/kv_rows.h"
 #include "platform/scalar_codecs.h"
 
@@ -26,19 +27,25 @@ void store(uint8_t* p, T v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-// A ggml block: its f16 scale, then the codes.
+// A ggml block: q8_0 and q4_0 its f16 scale, then the codes; a K-quant's super-block.
 template <Fmt F>
 void quantise_block(const float* x, uint8_t* block) {
-  const uint16_t d = F == Fmt::Q8_0 ? quantise_q8_0(x, reinterpret_cast<int8_t*>(block + 2))
-                                    : quantise_q4_0(x, block + 2);
-  store(block, d);
+  if constexpr (F == Fmt::Q8_0) store(block, quantise_q8_0(x, reinterpret_cast<int8_t*>(block + 2)));
+  if constexpr (F == Fmt::Q4_0) store(block, quantise_q4_0(x, block + 2));
+  if constexpr (F == Fmt::Q4_K) quantise_q4_k(x, block);
+  if constexpr (F == Fmt::Q5_K) quantise_q5_k(x, block);
+  if constexpr (F == Fmt::Q6_K) quantise_q6_k(x, block);
+  if constexpr (F == Fmt::Q8_K) quantise_q8_k(x, block);
 }
 template <Fmt F>
 void dequantise_block(const uint8_t* block, float* x) {
   if constexpr (F == Fmt::Q8_0)
     dequantise_q8_0(load<uint16_t>(block), reinterpret_cast<const int8_t*>(block + 2), x);
-  else
-    dequantise_q4_0(load<uint16_t>(block), block + 2, x);
+  if constexpr (F == Fmt::Q4_0) dequantise_q4_0(load<uint16_t>(block), block + 2, x);
+  if constexpr (F == Fmt::Q4_K) dequantise_q4_k(block, x);
+  if constexpr (F == Fmt::Q5_K) dequantise_q5_k(block, x);
+  if constexpr (F == Fmt::Q6_K) dequantise_q6_k(block, x);
+  if constexpr (F == Fmt::Q8_K) dequantise_q8_k(block, x);
 }
 
 }  // namespace
@@ -111,8 +118,12 @@ KVLAB_FORMAT_ENTRIES(Fmt::INT4)
 KVLAB_FORMAT_ENTRIES(Fmt::F16)
 KVLAB_FORMAT_ENTRIES(Fmt::Q8_0)
 KVLAB_FORMAT_ENTRIES(Fmt::Q4_0)
+KVLAB_FORMAT_ENTRIES(Fmt::Q4_K)
+KVLAB_FORMAT_ENTRIES(Fmt::Q5_K)
+KVLAB_FORMAT_ENTRIES(Fmt::Q6_K)
+KVLAB_FORMAT_ENTRIES(Fmt::Q8_K)
 #undef KVLAB_FORMAT_ENTRIES
-static_assert(std::size(kFormats) == 10, "a new row needs its entry points instantiated above");
+static_assert(std::size(kFormats) == 14, "a new row needs its entry points instantiated above");
 
 }  // namespace format_codec
 

@@ -20,7 +20,7 @@
 namespace kvlab {
 
 // A row's id: its index in kFormats. The first seven keep DType's values as they were.
-enum class Fmt : uint8_t { F32, F64, I32, BF16, FP8, INT8, INT4, F16, Q8_0, Q4_0 };
+enum class Fmt : uint8_t { F32, F64, I32, BF16, FP8, INT8, INT4, F16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q8_K };
 
 // What a format can hold: the bits of Format::roles.
 enum FormatRole : uint8_t {
@@ -28,6 +28,7 @@ enum FormatRole : uint8_t {
   kWeights = 2,        // a model's matrices (--weight-dtype, the decode step's packed forms)
   kKVEntries = 4,      // a KV cache's rows (--kv-dtype)
   kGgufTensor = 8,     // a GGUF tensor's type (kvlab import and export)
+  kActivations = 16,   // what integer products round their input rows to
 };
 
 namespace format_codec {
@@ -48,7 +49,8 @@ float dot(const void* src, const float* x, int64_t n);
 // How a format lays out values:
 //  - an element type (block_values 1): block_bytes a value;
 //  - a block format (ggml's q8_0, q4_0): blocks of block_values consecutive values of a row,
-//    block_bytes each, an f16 scale then the codes (platform/ggml_blocks.h);
+//    block_bytes each, an f16 scale then the codes (platform/ggml_blocks.h); the K-quants'
+//    super-blocks of 256 values, their sub-blocks' scales packed inside (kquant_blocks.h);
 //  - a row format (block_values 0: the KV caches' int8 and int4): one block is a whole row of
 //    any length, its scales then its codes (platform/kv_rows.h); a tensor of such rows holds
 //    bytes, block_bytes (1) each.
@@ -86,6 +88,10 @@ inline constexpr Format kFormats[] = {
     format_row<Fmt::F16>("f16", 1, 2, 1, kGgufTensor),
     format_row<Fmt::Q8_0>("q8_0", 32, 34, 8, kWeights | kGgufTensor),
     format_row<Fmt::Q4_0>("q4_0", 32, 18, 2, kWeights | kGgufTensor),
+    format_row<Fmt::Q4_K>("q4_k", 256, 144, 12, kGgufTensor),
+    format_row<Fmt::Q5_K>("q5_k", 256, 176, 13, kGgufTensor),
+    format_row<Fmt::Q6_K>("q6_k", 256, 210, 14, kGgufTensor),
+    format_row<Fmt::Q8_K>("q8_k", 256, 292, 15, kActivations),
 };
 
 constexpr const Format& format(Fmt f) { return kFormats[static_cast<uint8_t>(f)]; }

@@ -352,7 +352,7 @@ TEST(GgufFormat, TypesAreTheFormatTablesRowsWithGgmlsIdsAndBlockSizes) {
   EXPECT_EQ(format(Fmt::Q4_0).block_values, 32);
   for (const GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::BF16})
     EXPECT_EQ(format_of(t).ggml_type, static_cast<int32_t>(t));
-  EXPECT_EQ(format_names(kGgufTensor), "f32, bf16, f16, q8_0 and q4_0");
+  EXPECT_EQ(format_names(kGgufTensor), "f32, bf16, f16, q8_0, q4_0, q4_k, q5_k and q6_k");
 }
 
 }  // namespace

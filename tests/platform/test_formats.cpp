@@ -7,14 +7,21 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "platform/ggml_blocks.h"
+#include "platform/kquant_blocks.h"
 #include "platform/kv_rows.h"
 
 namespace kvlab {
@@ -34,6 +41,12 @@ double error_bound(const std::string& name, double amax) {
       {"q8_0", 0.5 / 127 + 0x1p-10},  // and the f16 scale's rounding over 127 codes
       {"int4", 0.5 / 15 + 0x1p-4},  // half of the range / 15, and the bf16 scale and minimum
       {"q4_0", 1.0 / 8 + 0x1p-9},   // the largest code is 7, not 8: its end of the range errs d
+      // K-quants: half a code's step over a sub-block's range (at most 2 amax), and the 6-bit
+      // (Q4_K, Q5_K) or 8-bit (Q6_K) rounding of each sub-block's scale and min.
+      {"q4_k", 1.0 / 15 + 2.0 / 63},
+      {"q5_k", 1.0 / 31 + 2.0 / 63},
+      {"q6_k", 1.0 / 32 + 1.0 / 127},  // codes -32..31 of max / -32: the positive end errs a step
+      {"q8_k", 0.5 / 127 * 1.01},
   };
   if (name == "i32") return 0.5;  // ids: rounded to the nearest integer
   const auto it = relative.find(name);
@@ -91,9 +104,11 @@ TEST(Formats, RowsAreIndexedByTheirIdsAndFoundByNameAndGgufId) {
   for (const Format& f : formats()) {
     SCOPED_TRACE(f.name);
     EXPECT_EQ(&format(f.id), &f);
-    for (const FormatRole r : {kTensorElement, kWeights, kKVEntries, kGgufTensor})
+    for (const FormatRole r : {kTensorElement, kWeights, kKVEntries, kGgufTensor, kActivations})
       EXPECT_EQ(format_named(f.name, r), f.holds(r) ? &f : nullptr);
-    EXPECT_EQ(f.holds(kGgufTensor), f.ggml_type >= 0);
+    if (f.holds(kGgufTensor)) {
+      EXPECT_GE(f.ggml_type, 0);
+    }
     if (f.ggml_type >= 0) {
       EXPECT_EQ(format_of_ggml_type(static_cast<uint32_t>(f.ggml_type)), &f);
     }
@@ -102,7 +117,8 @@ TEST(Formats, RowsAreIndexedByTheirIdsAndFoundByNameAndGgufId) {
     EXPECT_GT(f.block_bytes, 0);
   }
   EXPECT_EQ(format_named("q4_k", kWeights), nullptr);
-  EXPECT_EQ(format_of_ggml_type(12), nullptr);  // Q4_K: not a row yet
+  EXPECT_EQ(format_of_ggml_type(16), nullptr);  // IQ2_XXS: not a row
+  EXPECT_EQ(format_of_ggml_type(12), &format(Fmt::Q4_K));
 }
 
 // The subsets name their rows, and their names and sizes are the table's.
@@ -145,5 +161,198 @@ TEST(Formats, BlockRowsAreGgmlsBlocksInFileOrder) {
   }
 }
 
+
+// ---- the K-quants against llama.cpp's own numpy reference ----
+
+// gguf-py (llama.cpp's Python package, whose quants.py dequantises every ggml type in numpy),
+// from the llama.cpp source that npm's node-llama-cpp ships as a git bundle: cloned once into
+// the build folder. "" with why when the bundle or git is missing.
+std::string gguf_py_dir(std::string& why) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(KVLAB_BINARY_DIR) / "llama_cpp_src";
+  if (fs::exists(src / "gguf-py" / "gguf" / "quants.py")) return (src / "gguf-py").string();
+  const fs::path bundle = fs::path(KVLAB_SOURCE_DIR) /
+                          "tests/infer/llama_cpp/node_modules/node-llama-cpp/llama/gitRelease.bundle";
+  if (!fs::exists(bundle)) {
+    why = "node-llama-cpp's llama.cpp source bundle is not installed (scripts/setup.sh --tests)";
+    return "";
+  }
+  // Cloned beside and renamed into place: a test run elsewhere never sees half a clone.
+  const fs::path tmp = src.string() + ".tmp" + std::to_string(::getpid());
+  const std::string cmd = "git clone --quiet '" + bundle.string() + "' '" + tmp.string() +
+                          "' >/dev/null 2>&1 && mv -T '" + tmp.string() + "' '" + src.string() +
+                          "' 2>/dev/null; rm -rf '" + tmp.string() + "'";
+  if (std::system(cmd.c_str()) != 0 && !fs::exists(src / "gguf-py")) {
+    why = "git could not clone " + bundle.string();
+    return "";
+  }
+  return (src / "gguf-py").string();
+}
+
+// Runs tests/platform/ggml_reference.py with `args` on `input` (written to a file), reading
+// what it writes back as T. False with why when the peer is not there (its exit 77: the test
+// skips); any other failure fails the test.
+template <class T, class In>
+bool run_reference(const std::string& args, const std::vector<In>& input, std::vector<T>& output,
+                   std::string& why) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("kvlab_ggml_ref_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path in = dir / "in.bin", out = dir / "out.bin";
+  std::ofstream(in, std::ios::binary)
+      .write(reinterpret_cast<const char*>(input.data()),
+             static_cast<std::streamsize>(input.size() * sizeof(In)));
+  const std::string cmd = std::string(KVLAB_PYTHON3) + " '" + KVLAB_SOURCE_DIR +
+                          "/tests/platform/ggml_reference.py' " + args + " '" + in.string() +
+                          "' '" + out.string() + "'";
+  const int status = std::system(cmd.c_str());
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  const bool ok = rc == 0 && fs::exists(out);
+  if (rc != 0 && rc != 77) ADD_FAILURE() << cmd << " failed (exit " << rc << ")";
+  if (ok) {
+    output.assign(fs::file_size(out) / sizeof(T), T{});
+    std::ifstream(out, std::ios::binary)
+        .read(reinterpret_cast<char*>(output.data()),
+              static_cast<std::streamsize>(output.size() * sizeof(T)));
+  } else {
+    why = "llama.cpp's reference could not run (" + cmd + ": exit " + std::to_string(rc) + ")";
+  }
+  fs::remove_all(dir);
+  return ok;
+}
+
+// node-llama-cpp's prebuilt libggml-base.so, whose ggml_quantize_chunk llama-quantize calls.
+std::string libggml_base(std::string& why) {
+  const std::string lib = std::string(KVLAB_SOURCE_DIR) +
+                          "/tests/infer/llama_cpp/node_modules/@node-llama-cpp/linux-x64/bins/"
+                          "linux-x64/libggml-base.so";
+  if (std::filesystem::exists(lib)) return lib;
+  why = "node-llama-cpp's prebuilt libggml-base.so is not installed (scripts/setup.sh --tests)";
+  return "";
+}
+
+// Blocks that reach every part of a K-quant: random bytes under finite f16 scales (every
+// 6-bit scale and min, every code and high bit), an all-zero block, every scale byte at its
+// largest, codes counting through every byte value, and the blocks kvlab's quantiser writes.
+std::vector<uint8_t> kquant_test_blocks(const Format& f) {
+  const auto bb = static_cast<size_t>(f.block_bytes);
+  std::mt19937 gen(static_cast<uint32_t>(f.ggml_type) * 7919u);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(-2.0f, 2.0f);
+  // Where each format keeps its f16 scales (ggml-common.h).
+  const std::vector<size_t> halves = f.id == Fmt::Q6_K ? std::vector<size_t>{208}
+                                                       : std::vector<size_t>{0, 2};
+  std::vector<uint8_t> out;
+  auto add = [&](std::vector<uint8_t> b) { out.insert(out.end(), b.begin(), b.end()); };
+  for (int r = 0; r < 24; ++r) {
+    std::vector<uint8_t> b(bb);
+    for (auto& v : b) v = static_cast<uint8_t>(byte(gen));
+    for (size_t h : halves) {
+      const uint16_t d = f32_to_f16(r == 0 ? 1.0f : scale(gen) * std::ldexp(1.0f, -r % 12));
+      std::memcpy(b.data() + h, &d, 2);
+    }
+    add(b);
+  }
+  add(std::vector<uint8_t>(bb, 0));
+  std::vector<uint8_t> max(bb, 0xFF), count(bb);
+  for (size_t i = 0; i < bb; ++i) count[i] = static_cast<uint8_t>(i * 37 + 11);
+  for (size_t h : halves) {
+    const uint16_t one = f32_to_f16(1.0f);
+    std::memcpy(max.data() + h, &one, 2);
+    std::memcpy(count.data() + h, &one, 2);
+  }
+  add(max);
+  add(count);
+  const std::vector<float> x = row_of(4 * kSuperBlock, static_cast<uint32_t>(f.block_bytes));
+  std::vector<uint8_t> ours(static_cast<size_t>(format_row_bytes(f, 4 * kSuperBlock)));
+  f.quantise(x.data(), 4 * kSuperBlock, ours.data());
+  add(ours);
+  return out;
+}
+
+// The block formats and their names in ggml's (and gguf-py's) spelling.
+constexpr std::pair<Fmt, const char*> kGgmlBlockTypes[] = {
+    {Fmt::Q4_K, "Q4_K"}, {Fmt::Q5_K, "Q5_K"}, {Fmt::Q6_K, "Q6_K"}, {Fmt::Q8_0, "Q8_0"},
+    {Fmt::Q4_0, "Q4_0"}};
+
+TEST(Formats, KQuantsDequantiseBitForBitAsLlamaCppsNumpyReference) {
+  std::string why;
+  const std::string gguf_py = gguf_py_dir(why);
+  if (gguf_py.empty()) GTEST_SKIP() << why;
+  for (const auto& [id, type] : kGgmlBlockTypes) {
+    const Format& f = format(id);
+    SCOPED_TRACE(f.name);
+    const std::vector<uint8_t> blocks = kquant_test_blocks(f);
+    const int64_t n = static_cast<int64_t>(blocks.size()) / f.block_bytes * f.block_values;
+    std::vector<float> ours(static_cast<size_t>(n)), theirs;
+    f.dequantise(blocks.data(), n, ours.data());
+    if (!run_reference("dequantize '" + gguf_py + "' " + type, blocks, theirs, why))
+      GTEST_SKIP() << why;
+    ASSERT_EQ(theirs.size(), ours.size());
+    int64_t differ = 0, first = -1;
+    for (int64_t i = 0; i < n; ++i)
+      if (std::memcmp(&ours[static_cast<size_t>(i)], &theirs[static_cast<size_t>(i)], 4) != 0) {
+        if (first < 0) first = i;
+        ++differ;
+      }
+    EXPECT_EQ(differ, 0) << "first at value " << first << " (block " << first / f.block_values
+                         << "): kvlab " << ours[static_cast<size_t>(std::max<int64_t>(first, 0))]
+                         << ", gguf-py " << theirs[static_cast<size_t>(std::max<int64_t>(first, 0))];
+  }
+}
+
+
+// Rows that reach the quantisers' branches: normal values at three scales, zeros, a constant
+// row, one spike among small values, all positive, all negative, and sub-blocks of zeros
+// among values (a zero scale).
+std::vector<float> quantiser_test_rows(int64_t n) {
+  std::vector<float> rows;
+  for (const float scale : {1e-3f, 1.0f, 300.0f}) {
+    std::vector<float> r = row_of(n, static_cast<uint32_t>(scale * 1000) + 5);
+    for (float& v : r) v *= scale;
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  rows.insert(rows.end(), static_cast<size_t>(n), 0.0f);
+  rows.insert(rows.end(), static_cast<size_t>(n), 0.75f);
+  std::vector<float> spike = row_of(n, 99);
+  for (float& v : spike) v *= 1e-3f;
+  spike[static_cast<size_t>(n / 3)] = 50.0f;
+  rows.insert(rows.end(), spike.begin(), spike.end());
+  std::vector<float> pos = row_of(n, 7), neg = row_of(n, 8), holes = row_of(n, 9);
+  for (float& v : pos) v = std::fabs(v) + 0.5f;
+  for (float& v : neg) v = -std::fabs(v) - 0.25f;
+  for (int64_t i = 0; i < n; ++i)
+    if (i / 32 % 3 == 1) holes[static_cast<size_t>(i)] = 0.0f;
+  for (const auto* r : {&pos, &neg, &holes}) rows.insert(rows.end(), r->begin(), r->end());
+  return rows;
+}
+
+TEST(Formats, BlockQuantisersWriteTheBytesLlamaQuantizeWrites) {
+  std::string why;
+  const std::string lib = libggml_base(why);
+  if (lib.empty()) GTEST_SKIP() << why;
+  constexpr int64_t kRow = 4 * kSuperBlock;
+  const std::vector<float> x = quantiser_test_rows(kRow);
+  const int64_t rows = static_cast<int64_t>(x.size()) / kRow;
+  for (const auto& [id, type] : kGgmlBlockTypes) {
+    const Format& f = format(id);
+    SCOPED_TRACE(f.name);
+    std::vector<uint8_t> ours(static_cast<size_t>(rows * format_row_bytes(f, kRow))), theirs;
+    for (int64_t r = 0; r < rows; ++r)
+      f.quantise(x.data() + r * kRow, kRow, ours.data() + r * format_row_bytes(f, kRow));
+    if (!run_reference("quantize '" + lib + "' " + type + " " + std::to_string(kRow), x, theirs,
+                       why))
+      GTEST_SKIP() << why;
+    ASSERT_EQ(theirs.size(), ours.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = r * format_row_bytes(f, kRow);
+      EXPECT_EQ(0, std::memcmp(ours.data() + at, theirs.data() + at,
+                               static_cast<size_t>(format_row_bytes(f, kRow))))
+          << "row " << r << " differs";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvlab
+
