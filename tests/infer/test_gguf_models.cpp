@@ -3,6 +3,7 @@
 // itself (node-llama-cpp's prebuilt CPU binaries, tests/infer/llama_cpp/) continues a prompt
 // as kvlab does.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -277,6 +278,9 @@ struct PeerJob {
   // q8_0 and q4_0: kvlab's logits before each greedy token with integer products (int8_logits).
   std::vector<std::vector<float>> int8;
   double tolerance;                          // f32: on each step's log-probabilities
+  // The bound tau must not pass llama.cpp against the unrounded weights (4-bit matrices).
+  bool bound_excludes_unrounded = false;
+  double activation_rounding = 0;  // tau / W (kActivationRounding where 0)
 };
 
 // The largest |log p| difference between kvlab's logits and llama.cpp's log-probabilities of
@@ -345,11 +349,15 @@ std::vector<std::vector<float>> int8_logits(const GPT& model, const std::vector<
 
 // The model with every matrix rounded to `type` (norms stay f32), made here from the weights,
 // apart from the file and its import: what rounding alone moves.
-std::unique_ptr<GPT> rounded_copy(GPT& model, GgmlType type) {
+std::unique_ptr<GPT> rounded_copy(GPT& model, const Format& format) {
   NamedArrays a = to_arrays(model.named_parameters());
   for (auto& [name, arr] : a)
-    if (arr.shape.size() == 2)
-      arr.data = gguf_tensor_values(make_gguf_tensor(name, arr, type)).data;
+    if (arr.shape.size() == 2) {
+      std::vector<uint8_t> bytes(static_cast<size_t>(
+          format_row_bytes(format, static_cast<int64_t>(arr.data.size()))));
+      format.quantise(arr.data.data(), static_cast<int64_t>(arr.data.size()), bytes.data());
+      format.dequantise(bytes.data(), static_cast<int64_t>(arr.data.size()), arr.data.data());
+    }
   auto m = std::make_unique<GPT>(model.config(), 0);
   copy_into(m->named_parameters(), a, "model", "test");
   m->set_training(false);
@@ -408,6 +416,7 @@ PeerJob make_peer_job(GgmlType type, int64_t nkv, const Tokenizer& tok, const fs
   job.type = type;
   job.tame = tame;
   job.rounded = type != GgmlType::F32;
+  job.bound_excludes_unrounded = type == GgmlType::Q4_0;
   // gpt2: ggml's CPU GELU rounds its input to f16 and reads a table, so 1e-2 there.
   job.tolerance = nkv == 0 ? 1e-2 : 2e-4;  // f32; the rounded types' is kActivationRounding W
   const GgufFile f = model_to_gguf(*model, tok, type, {});
@@ -419,11 +428,75 @@ PeerJob make_peer_job(GgmlType type, int64_t nkv, const Tokenizer& tok, const fs
   if (rounded) {
     job.unrounded = forced_logits(*model, kPrompt, job.expected);
     job.rounded_here =
-        forced_logits(*rounded_copy(*model, activation_type(type)), kPrompt, job.expected);
+        forced_logits(*rounded_copy(*model, format_of(activation_type(type))), kPrompt, job.expected);
     if (type == GgmlType::Q8_0 || type == GgmlType::Q4_0)
       job.int8 = int8_logits(*rounded, kPrompt, job.expected);
   }
   return job;
+}
+
+// A rounded job against llama.cpp's output for it (out: tokens, logprobs, forced_logprobs;
+// `same` of its greedy tokens kvlab's): SameGreedyContinuationAsKvlab's rules below.
+void expect_within_activation_rounding(const PeerJob& j, const nlohmann::json& out,
+                                       const std::vector<int32_t>& tokens, size_t same) {
+  // W: what rounding the weights alone moves kvlab's log-probabilities by on these steps (the
+  // f32 model against its matrices rounded here, not through the file): the scale of what
+  // llama.cpp's rounding of the other operand of each product, the activations, moves.
+  const nlohmann::json& forced = out["forced_logprobs"];
+  ASSERT_EQ(forced.size(), j.expected.size()) << j.name;
+  double weight_rounding = 0;
+  for (size_t s = 0; s < forced.size(); ++s)
+    weight_rounding =
+        std::max(weight_rounding, logprob_gap(j.rounded_here[s], as_logprobs(j.unrounded[s])));
+  const double tau =
+      (j.activation_rounding > 0 ? j.activation_rounding : kActivationRounding) * weight_rounding;
+  size_t first_close = 0;  // the first step whose top-2 margin is at most 2 tau
+  while (first_close < j.logits.size() && top2_margin(j.logits[first_close]) > 2 * tau)
+    ++first_close;
+  double forced_worst = 0, vs_unrounded = 0, int8_worst = 0;
+  size_t decided = 0, decided_alike = 0;
+  for (size_t s = 0; s < forced.size(); ++s) {
+    if (!j.int8.empty()) int8_worst = std::max(int8_worst, logprob_gap(j.int8[s], forced[s]));
+    const double gap = logprob_gap(j.logits[s], forced[s]);
+    forced_worst = std::max(forced_worst, gap);
+    vs_unrounded = std::max(vs_unrounded, logprob_gap(j.unrounded[s], forced[s]));
+    EXPECT_LT(gap, tau) << j.name << " step " << s << " (teacher-forced)";
+    const double margin = top2_margin(j.logits[s]);
+    if (margin > 2 * tau) {
+      ++decided;
+      decided_alike += argmax(forced[s]) == j.expected[s];
+      EXPECT_EQ(argmax(forced[s]), j.expected[s])
+          << j.name << " step " << s << ": kvlab's margin " << margin;
+    }
+  }
+  std::printf(
+      "[ llama.cpp ] %s: weight rounding W %.2e, tau %.2e; teacher-forced: max |d log p| %.2e "
+      "(%.2f W) over %zu steps, top token the same at %zu of the %zu steps with margin > 2 tau; "
+      "free decode: %zu of %zu greedy tokens the same, first margin <= 2 tau at step %zu; "
+      "llama.cpp against the unrounded model: %.2e (%.2f W)\n",
+      j.name.c_str(), weight_rounding, tau, forced_worst, forced_worst / weight_rounding,
+      forced.size(), decided_alike, decided, same, tokens.size(), first_close, vs_unrounded,
+      vs_unrounded / weight_rounding);
+  EXPECT_GE(same, first_close) << j.name << ": the texts part before any close step";
+  // With integer products kvlab rounds the activations as llama.cpp does: what is left is
+  // the order of float sums, and a code where that moves a value across a rounding edge,
+  // which the large random weights amplify (measured 0.02-0.2 W) and the tame ones do not
+  // (5e-7: the same numbers).
+  if (!j.int8.empty()) {
+    std::printf("[ llama.cpp ] %s: kvlab with integer products: max |d log p| %.2e (%.3f W)\n",
+                j.name.c_str(), int8_worst, int8_worst / weight_rounding);
+    EXPECT_LT(int8_worst, j.tame ? 1e-4 : 0.35 * weight_rounding) << j.name << ": integer products";
+  }
+  // q8_0 moves the large random weights' log-probabilities by 1 to 1.6: few steps have a
+  // margin past 2 tau there, and the top-token check is nearly empty; the tame model's have.
+  if (j.type == GgmlType::F16 || j.tame) {
+    EXPECT_GE(decided, forced.size() / 2) << j.name << ": too few steps decide anything";
+  }
+  // q4_0's own rounding is some 16 times q8_0's (4 bits against 8), so the bound, scaled by
+  // the activations' q8_0 rounding, cannot pass llama.cpp against the unrounded weights.
+  if (j.bound_excludes_unrounded) {
+    EXPECT_GT(vs_unrounded, tau) << j.name << ": the bound does not tell 4-bit weights from f32";
+  }
 }
 
 class GgufLlamaCpp : public kvlab::testing::TestDirFixture {
@@ -495,63 +568,112 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
       EXPECT_LT(worst, j.tolerance) << j.name;
       continue;
     }
-    // W: what rounding the weights alone moves kvlab's log-probabilities by on these steps (the
-    // f32 model against its matrices rounded here, not through the file): the scale of what
-    // llama.cpp's rounding of the other operand of each product, the activations, moves.
-    const nlohmann::json& forced = out[i]["forced_logprobs"];
-    ASSERT_EQ(forced.size(), j.expected.size()) << j.name;
-    double weight_rounding = 0;
-    for (size_t s = 0; s < forced.size(); ++s)
-      weight_rounding =
-          std::max(weight_rounding, logprob_gap(j.rounded_here[s], as_logprobs(j.unrounded[s])));
-    const double tau = kActivationRounding * weight_rounding;
-    size_t first_close = 0;  // the first step whose top-2 margin is at most 2 tau
-    while (first_close < j.logits.size() && top2_margin(j.logits[first_close]) > 2 * tau)
-      ++first_close;
-    double forced_worst = 0, vs_unrounded = 0, int8_worst = 0;
-    size_t decided = 0, decided_alike = 0;
-    for (size_t s = 0; s < forced.size(); ++s) {
-      if (!j.int8.empty()) int8_worst = std::max(int8_worst, logprob_gap(j.int8[s], forced[s]));
-      const double gap = logprob_gap(j.logits[s], forced[s]);
-      forced_worst = std::max(forced_worst, gap);
-      vs_unrounded = std::max(vs_unrounded, logprob_gap(j.unrounded[s], forced[s]));
-      EXPECT_LT(gap, tau) << j.name << " step " << s << " (teacher-forced)";
-      const double margin = top2_margin(j.logits[s]);
-      if (margin > 2 * tau) {
-        ++decided;
-        decided_alike += argmax(forced[s]) == j.expected[s];
-        EXPECT_EQ(argmax(forced[s]), j.expected[s])
-            << j.name << " step " << s << ": kvlab's margin " << margin;
-      }
+    expect_within_activation_rounding(j, out[i], tokens, same);
+  }
+}
+
+
+// ---- llama-quantize's own files ---------------------------------------------------------------
+
+// llama-quantize's mix `ftype` (llama.h's llama_ftype) of the f32 GGUF `in`, written to `out` by
+// its own quantiser (tests/infer/llama_cpp/quantize.py: llama_model_quantize from
+// node-llama-cpp's prebuilt libllama); false with why when it cannot run.
+bool llama_quantize(const fs::path& in, const fs::path& out, int ftype, std::string& why) {
+  const fs::path bins = test::kLlamaCppPeer / "node_modules/@node-llama-cpp/linux-x64/bins/linux-x64";
+  const std::string cmd = std::string(KVLAB_PYTHON3) + " '" +
+                          (test::kLlamaCppPeer / "quantize.py").string() + "' '" + bins.string() +
+                          "' '" + in.string() + "' '" + out.string() + "' " +
+                          std::to_string(ftype) + " > '" + out.string() + ".log' 2>&1";
+  const int status = std::system(cmd.c_str());
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc == 0) return true;
+  why = "llama-quantize's library could not run (" + cmd + ": exit " + std::to_string(rc) + ")";
+  if (rc != 77) ADD_FAILURE() << why;
+  return false;
+}
+
+// One job: a random llama model of 256 channels and an MLP of 768, so that every matrix is
+// whole K-quant super-blocks and each mix keeps its own types, its matrices scaled to 0.12 of
+// the large random ones (tamer than 0.4 at 64 channels: most steps' margins then pass 2 tau),
+// written at f32 by kvlab and quantised by llama-quantize's library; kvlab decodes the import.
+// W's rounding: q8_K, what llama.cpp rounds a K-quant product's activations to (q8_0 for
+// the q4_0 mix, whose matrices are q4_0 but for its q6_K token table).
+PeerJob make_llama_quantize_job(int ftype, const std::string& name, const Tokenizer& tok,
+                                const fs::path& dir, int64_t n_new, std::string& why) {
+  GPTConfig c = llama_config(2);
+  c.n_head = 4;
+  c.n_embd = 256;
+  c.mlp_hidden = 768;
+  auto model = random_model(c, 40);
+  for (auto& [n, t] : model->named_parameters())
+    if (t.dim() == 2) {
+      Tensor p = t;
+      for (int64_t k = 0; k < p.numel(); ++k) p.data<float>()[k] *= 0.12f;
     }
-    std::printf(
-        "[ llama.cpp ] %s: weight rounding W %.2e, tau %.2e; teacher-forced: max |d log p| %.2e "
-        "(%.2f W) over %zu steps, top token the same at %zu of the %zu steps with margin > 2 tau; "
-        "free decode: %zu of %zu greedy tokens the same, first margin <= 2 tau at step %zu; "
-        "llama.cpp against the unrounded model: %.2e (%.2f W)\n",
-        j.name.c_str(), weight_rounding, tau, forced_worst, forced_worst / weight_rounding,
-        forced.size(), decided_alike, decided, same, tokens.size(), first_close, vs_unrounded,
-        vs_unrounded / weight_rounding);
-    EXPECT_GE(same, first_close) << j.name << ": the texts part before any close step";
-    // With integer products kvlab rounds the activations as llama.cpp does: what is left is
-    // the order of float sums, and a code where that moves a value across a rounding edge,
-    // which the large random weights amplify (measured 0.02-0.2 W) and the tame ones do not
-    // (5e-7: the same numbers).
-    if (!j.int8.empty()) {
-      std::printf("[ llama.cpp ] %s: kvlab with integer products: max |d log p| %.2e (%.3f W)\n",
-                  j.name.c_str(), int8_worst, int8_worst / weight_rounding);
-      EXPECT_LT(int8_worst, j.tame ? 1e-4 : 0.35 * weight_rounding) << j.name << ": integer products";
-    }
-    // q8_0 moves the large random weights' log-probabilities by 1 to 1.6: few steps have a
-    // margin past 2 tau there, and the top-token check is nearly empty; the tame model's have.
-    if (j.type == GgmlType::F16 || j.tame) {
-      EXPECT_GE(decided, forced.size() / 2) << j.name << ": too few steps decide anything";
-    }
-    // q4_0's own rounding is some 16 times q8_0's (4 bits against 8), so the bound, scaled by
-    // the activations' q8_0 rounding, cannot pass llama.cpp against the unrounded weights.
-    if (j.type == GgmlType::Q4_0) {
-      EXPECT_GT(vs_unrounded, tau) << j.name << ": the bound does not tell q4_0 from f32";
-    }
+  PeerJob job;
+  job.name = name;
+  job.gguf = dir / (name + ".gguf");
+  job.type = GgmlType::F32;  // a mix: the file's tensors say their types
+  job.tame = true;
+  job.rounded = true;
+  job.bound_excludes_unrounded = ftype == 2;
+  // q8_K's one scale per 256 activations rounds coarser than q8_0's per 32 that
+  // kActivationRounding was measured for: 1.02-1.48 W here (AVX2), so 2 W.
+  job.activation_rounding = 2.0;
+  const fs::path f32 = dir / (name + "_f32.gguf");
+  write_gguf(f32, model_to_gguf(*model, tok, GgmlType::F32, {}));
+  if (!llama_quantize(f32, job.gguf, ftype, why)) return job;
+  const auto imported = model_of(gguf_to_checkpoint(read_gguf(job.gguf), name));
+  job.expected = greedy(*imported, tok, kPrompt, n_new, &job.logits);
+  job.unrounded = forced_logits(*model, kPrompt, job.expected);
+  const Format& activations = format(ftype == 2 ? Fmt::Q8_0 : Fmt::Q8_K);
+  job.rounded_here = forced_logits(*rounded_copy(*model, activations), kPrompt, job.expected);
+  return job;
+}
+
+// The ggml types of a file's tensors, by name.
+std::map<std::string, std::string> tensor_types(const fs::path& gguf) {
+  std::map<std::string, std::string> types;
+  for (const GgufTensor& t : read_gguf(gguf).tensors) types[t.name] = ggml_type_name(t.type);
+  return types;
+}
+
+// llama-quantize's Q4_K_M, Q5_K_M, Q6_K and Q4_0 of one random model, imported by kvlab (the
+// K-quants dequantised as ggml does) and decoded by both, teacher-forced, by the rules of
+// SameGreedyContinuationAsKvlab below with W measured against q8_K (or q8_0) rounding, and
+// tau = 2 W.
+TEST_F(GgufLlamaCpp, LlamaQuantizeMixesImportAndDecodeAsLlamaCpp) {
+  std::string why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
+  const Tokenizer tok = letters();
+  const int64_t n_new = 112;
+  std::vector<PeerJob> jobs;
+  for (const auto& [ftype, name, k_type] :
+       {std::tuple{15, "q4_k_m", "q4_k"}, std::tuple{17, "q5_k_m", "q5_k"},
+        std::tuple{18, "q6_k", "q6_k"}, std::tuple{2, "q4_0", "q6_k"}}) {
+    jobs.push_back(make_llama_quantize_job(ftype, std::string("llama_quantize_") + name, tok,
+                                           dir_, n_new, why));
+    if (jobs.back().expected.empty()) GTEST_SKIP() << why;
+    // The mix holds the K-quant it is named for (the q4_0 mix: its q6_K token table).
+    const auto types = tensor_types(jobs.back().gguf);
+    EXPECT_TRUE(std::any_of(types.begin(), types.end(),
+                            [&](const auto& t) { return t.second == k_type; }))
+        << name << " holds no " << k_type << " tensor";
+  }
+  nlohmann::json spec = nlohmann::json::array();
+  for (const PeerJob& j : jobs)
+    spec.push_back({{"model", j.gguf.string()}, {"prompt", kPrompt}, {"new_tokens", n_new},
+                    {"threads", 1}, {"forced", j.expected}});
+  std::string failure;
+  const nlohmann::json out = test::llama_cpp_greedy(spec, dir_, failure);
+  if (!failure.empty()) FAIL() << failure;
+  ASSERT_EQ(out.size(), jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const auto tokens = out[i]["tokens"].get<std::vector<int32_t>>();
+    ASSERT_EQ(tokens.size(), jobs[i].expected.size()) << jobs[i].name;
+    size_t same = 0;
+    while (same < tokens.size() && tokens[same] == jobs[i].expected[same]) ++same;
+    expect_within_activation_rounding(jobs[i], out[i], tokens, same);
   }
 }
 
