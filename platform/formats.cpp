@@ -16,22 +16,12 @@ namespace kvlab {
 namespace format_codec {
 namespace {
 
-template <class T>
-T load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <class T>
-void store(uint8_t* p, T v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
 // A ggml block: q8_0 and q4_0 its f16 scale, then the codes; a K-quant's super-block.
 template <Fmt F>
 void quantise_block(const float* x, uint8_t* block) {
-  if constexpr (F == Fmt::Q8_0) store(block, quantise_q8_0(x, reinterpret_cast<int8_t*>(block + 2)));
-  if constexpr (F == Fmt::Q4_0) store(block, quantise_q4_0(x, block + 2));
+  if constexpr (F == Fmt::Q8_0)
+    store_unaligned(block, quantise_q8_0(x, reinterpret_cast<int8_t*>(block + 2)));
+  if constexpr (F == Fmt::Q4_0) store_unaligned(block, quantise_q4_0(x, block + 2));
   if constexpr (F == Fmt::Q4_K) quantise_q4_k(x, block);
   if constexpr (F == Fmt::Q5_K) quantise_q5_k(x, block);
   if constexpr (F == Fmt::Q6_K) quantise_q6_k(x, block);
@@ -40,8 +30,9 @@ void quantise_block(const float* x, uint8_t* block) {
 template <Fmt F>
 void dequantise_block(const uint8_t* block, float* x) {
   if constexpr (F == Fmt::Q8_0)
-    dequantise_q8_0(load<uint16_t>(block), reinterpret_cast<const int8_t*>(block + 2), x);
-  if constexpr (F == Fmt::Q4_0) dequantise_q4_0(load<uint16_t>(block), block + 2, x);
+    dequantise_q8_0(load_unaligned<uint16_t>(block), reinterpret_cast<const int8_t*>(block + 2),
+                    x);
+  if constexpr (F == Fmt::Q4_0) dequantise_q4_0(load_unaligned<uint16_t>(block), block + 2, x);
   if constexpr (F == Fmt::Q4_K) dequantise_q4_k(block, x);
   if constexpr (F == Fmt::Q5_K) dequantise_q5_k(block, x);
   if constexpr (F == Fmt::Q6_K) dequantise_q6_k(block, x);
@@ -63,10 +54,11 @@ void quantise(const float* x, int64_t n, void* dst) {
       quantise_block<F>(x + b * f.block_values, out + b * f.block_bytes);
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      if constexpr (F == Fmt::F64) store(out + 8 * i, static_cast<double>(x[i]));
-      if constexpr (F == Fmt::I32) store(out + 4 * i, static_cast<int32_t>(std::lrint(x[i])));
-      if constexpr (F == Fmt::BF16) store(out + 2 * i, f32_to_bf16(x[i]));
-      if constexpr (F == Fmt::F16) store(out + 2 * i, f32_to_f16(x[i]));
+      if constexpr (F == Fmt::F64) store_unaligned(out + 8 * i, static_cast<double>(x[i]));
+      if constexpr (F == Fmt::I32)
+        store_unaligned(out + 4 * i, static_cast<int32_t>(std::lrint(x[i])));
+      if constexpr (F == Fmt::BF16) store_unaligned(out + 2 * i, f32_to_bf16(x[i]));
+      if constexpr (F == Fmt::F16) store_unaligned(out + 2 * i, f32_to_f16(x[i]));
       if constexpr (F == Fmt::FP8) out[i] = fp8_encode(x[i]);
     }
   }
@@ -85,10 +77,10 @@ void dequantise(const void* src, int64_t n, float* x) {
       dequantise_block<F>(in + b * f.block_bytes, x + b * f.block_values);
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      if constexpr (F == Fmt::F64) x[i] = static_cast<float>(load<double>(in + 8 * i));
-      if constexpr (F == Fmt::I32) x[i] = static_cast<float>(load<int32_t>(in + 4 * i));
-      if constexpr (F == Fmt::BF16) x[i] = bf16_to_f32(load<uint16_t>(in + 2 * i));
-      if constexpr (F == Fmt::F16) x[i] = f16_to_f32(load<uint16_t>(in + 2 * i));
+      if constexpr (F == Fmt::F64) x[i] = static_cast<float>(load_unaligned<double>(in + 8 * i));
+      if constexpr (F == Fmt::I32) x[i] = static_cast<float>(load_unaligned<int32_t>(in + 4 * i));
+      if constexpr (F == Fmt::BF16) x[i] = bf16_to_f32(load_unaligned<uint16_t>(in + 2 * i));
+      if constexpr (F == Fmt::F16) x[i] = f16_to_f32(load_unaligned<uint16_t>(in + 2 * i));
       if constexpr (F == Fmt::FP8) x[i] = fp8_value(in[i]);
     }
   }

@@ -20,7 +20,9 @@
 namespace kvlab {
 
 // A row's id: its index in kFormats. The first seven keep DType's values as they were.
-enum class Fmt : uint8_t { F32, F64, I32, BF16, FP8, INT8, INT4, F16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q8_K };
+enum class Fmt : uint8_t {
+  F32, F64, I32, BF16, FP8, INT8, INT4, F16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q8_K,
+};
 
 // What a format can hold: the bits of Format::roles.
 enum FormatRole : uint8_t {

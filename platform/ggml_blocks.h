@@ -17,6 +17,7 @@
 // ggml_blocks.cpp compiles without FMA contraction, as ggml's reference does: q4_0's
 // x / d + 8.5 rounded twice, not fused, gives its codes bit for bit.
 #include <cstdint>
+#include <cstring>
 
 #include "platform/formats.h"
 
@@ -24,6 +25,18 @@ namespace kvlab {
 
 inline constexpr int64_t kGgmlBlock = format(Fmt::Q8_0).block_values;  // a q8_0 or q4_0 block's
 static_assert(format(Fmt::Q4_0).block_values == kGgmlBlock);
+
+// A value (a scale, a sum) at an unaligned place in a block's bytes, read or written as them.
+template <class T>
+T load_unaligned(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class T>
+void store_unaligned(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 // f32 <-> IEEE half, rounding to nearest even (overflow gives an infinity).
 uint16_t f32_to_f16(float f);

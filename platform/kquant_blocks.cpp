@@ -21,17 +21,6 @@ namespace q5k { constexpr int d = 0, dmin = 2, scales = 4, qh = 16, qs = 48; }
 namespace q6k { constexpr int ql = 0, qh = 128, scales = 192, d = 208; }
 namespace q8k { constexpr int d = 0, qs = 4, bsums = 260; }
 
-template <class T>
-T load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <class T>
-void store(uint8_t* p, T v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
 // ggml's nearest_int: round half to even through the float's mantissa (|f| < 2^22).
 int nearest_int(float f) {
   const float v = f + 12582912.0f;
@@ -203,8 +192,8 @@ void quantise_scaled_sub_blocks(const float* x, int nmax, float rmin, int nstep,
     }
   }
   const uint16_t d16 = f32_to_f16(max_scale / 63.f), dmin16 = f32_to_f16(max_min / 63.f);
-  store(block + off_d, d16);
-  store(block + off_dmin, dmin16);
+  store_unaligned(block + off_d, d16);
+  store_unaligned(block + off_dmin, dmin16);
   for (int j = 0; j < kSubBlocks; ++j) {
     uint8_t s, m;
     scale_min(j, sc, s, m);
@@ -222,8 +211,8 @@ void quantise_scaled_sub_blocks(const float* x, int nmax, float rmin, int nstep,
 template <class Code>
 void dequantise_scaled_sub_blocks(const uint8_t* block, int off_d, int off_dmin, int off_scales,
                                   float* x, Code code) {
-  const float d = f16_to_f32(load<uint16_t>(block + off_d));
-  const float min = f16_to_f32(load<uint16_t>(block + off_dmin));
+  const float d = f16_to_f32(load_unaligned<uint16_t>(block + off_d));
+  const float min = f16_to_f32(load_unaligned<uint16_t>(block + off_dmin));
   for (int j = 0; j < kSubBlocks; ++j) {
     uint8_t s, m;
     scale_min(j, block + off_scales, s, m);
@@ -304,7 +293,7 @@ void quantise_q6_k(const float* x, uint8_t* block) {
   if (max_abs_scale < kGroupMaxEps) return;  // all zero, d included
   const float iscale = -128.f / max_scale;
   const uint16_t d16 = f32_to_f16(1 / iscale);
-  store(block + q6k::d, d16);
+  store_unaligned(block + q6k::d, d16);
   auto* sc = reinterpret_cast<int8_t*>(block + q6k::scales);
   for (int ib = 0; ib < kSuperBlock / 16; ++ib)
     sc[ib] = static_cast<int8_t>(std::min(127, nearest_int(iscale * scales[ib])));
@@ -329,7 +318,7 @@ void quantise_q6_k(const float* x, uint8_t* block) {
 }
 
 void dequantise_q6_k(const uint8_t* block, float* x) {
-  const float d = f16_to_f32(load<uint16_t>(block + q6k::d));
+  const float d = f16_to_f32(load_unaligned<uint16_t>(block + q6k::d));
   const auto* sc = reinterpret_cast<const int8_t*>(block + q6k::scales);
   for (int n = 0; n < 2; ++n) {
     const uint8_t* ql = block + q6k::ql + 64 * n;
@@ -359,13 +348,13 @@ void quantise_q8_k(const float* x, uint8_t* block) {
   for (int j = 0; j < kSuperBlock / 16; ++j) {
     int sum = 0;
     for (int i = 0; i < 16; ++i) sum += qs[16 * j + i];
-    store(block + q8k::bsums + 2 * j, static_cast<int16_t>(sum));
+    store_unaligned(block + q8k::bsums + 2 * j, static_cast<int16_t>(sum));
   }
-  store(block + q8k::d, 1 / iscale);
+  store_unaligned(block + q8k::d, 1 / iscale);
 }
 
 void dequantise_q8_k(const uint8_t* block, float* x) {
-  const float d = load<float>(block + q8k::d);
+  const float d = load_unaligned<float>(block + q8k::d);
   const auto* qs = reinterpret_cast<const int8_t*>(block + q8k::qs);
   for (int j = 0; j < kSuperBlock; ++j) x[j] = d * static_cast<float>(qs[j]);
 }

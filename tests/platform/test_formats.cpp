@@ -171,8 +171,9 @@ std::string gguf_py_dir(std::string& why) {
   namespace fs = std::filesystem;
   const fs::path src = fs::path(KVLAB_BINARY_DIR) / "llama_cpp_src";
   if (fs::exists(src / "gguf-py" / "gguf" / "quants.py")) return (src / "gguf-py").string();
-  const fs::path bundle = fs::path(KVLAB_SOURCE_DIR) /
-                          "tests/infer/llama_cpp/node_modules/node-llama-cpp/llama/gitRelease.bundle";
+  const fs::path bundle =
+      fs::path(KVLAB_SOURCE_DIR) /
+      "tests/infer/llama_cpp/node_modules/node-llama-cpp/llama/gitRelease.bundle";
   if (!fs::exists(bundle)) {
     why = "node-llama-cpp's llama.cpp source bundle is not installed (scripts/setup.sh --tests)";
     return "";
@@ -295,9 +296,9 @@ TEST(Formats, KQuantsDequantiseBitForBitAsLlamaCppsNumpyReference) {
         if (first < 0) first = i;
         ++differ;
       }
+    const auto at = static_cast<size_t>(std::max<int64_t>(first, 0));
     EXPECT_EQ(differ, 0) << "first at value " << first << " (block " << first / f.block_values
-                         << "): kvlab " << ours[static_cast<size_t>(std::max<int64_t>(first, 0))]
-                         << ", gguf-py " << theirs[static_cast<size_t>(std::max<int64_t>(first, 0))];
+                         << "): kvlab " << ours[at] << ", gguf-py " << theirs[at];
   }
 }
 
