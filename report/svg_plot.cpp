@@ -131,8 +131,13 @@ const std::string& palette(std::size_t i) {
   return colors[i % colors.size()];
 }
 
-std::string render(const Plot& plot) {
-  // Data extents.
+namespace {
+
+// The data's extents (x in log2 where the axis is), the explicit x ticks included.
+struct Extents {
+  double x_min, x_max, y_min, y_max;
+};
+Extents data_extents(const Plot& plot) {
   double x_min = kNaN, x_max = kNaN, y_min = kNaN, y_max = kNaN;
   auto widen = [](double& lo, double& hi, double v) {
     lo = std::isnan(lo) ? v : std::min(lo, v);
@@ -152,13 +157,17 @@ std::string render(const Plot& plot) {
   if (std::isnan(x_min)) x_min = 0, x_max = 1;
   if (std::isnan(y_min)) y_min = 0, y_max = 1;
   if (plot.y_from_zero) widen(y_min, y_max, 0.0);
+  return {x_min, x_max, y_min, y_max};
+}
 
-  Axis y_axis = nice_axis(y_min, y_max);
+// Whether the x ticks are nice numbers (a linear axis without explicit ticks).
+bool nice_x(const Plot& plot) { return plot.x_ticks.empty() && !plot.x_log2; }
+
+Axis x_axis_of(const Plot& plot, double x_min, double x_max) {
   // x ticks are data values: nice numbers on a linear axis, else the explicit ticks, else
   // the powers of two that span the data on a log2 axis.
   Axis x_axis;
-  const bool x_nice = plot.x_ticks.empty() && !plot.x_log2;
-  if (x_nice) {
+  if (nice_x(plot)) {
     x_axis = nice_axis(x_min, x_max, 6);
   } else {
     // Ticks sit at the data; pad the range so end markers stay off the axes.
@@ -171,22 +180,22 @@ std::string render(const Plot& plot) {
       for (double k = std::floor(x_min); k <= std::ceil(x_max); ++k)
         x_axis.ticks.push_back(std::exp2(k));
   }
+  return x_axis;
+}
 
+// The plot area, right of the y labels and left of the legend.
+Frame frame_of(const Plot& plot, const Axis& x_axis, const Axis& y_axis) {
   double legend_w = 0;
   for (const Series& s : plot.series)
     if (!s.label.empty()) legend_w = std::max(legend_w, 44 + text_width(s.label));
   const double top = plot.note.empty() ? 44 : 60;
-  const Frame f{72,
-                top,
-                plot.width - 24 - legend_w,
-                plot.height - 56.0,
-                x_axis.lo,
-                x_axis.hi,
-                y_axis.lo,
-                y_axis.hi,
-                plot.x_log2};
+  return Frame{72,         top,       plot.width - 24 - legend_w, plot.height - 56.0,
+               x_axis.lo,  x_axis.hi, y_axis.lo,                  y_axis.hi,
+               plot.x_log2};
+}
 
-  std::ostringstream os;
+// The svg element, the background, the title and the note.
+void write_header(std::ostringstream& os, const Plot& plot) {
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << plot.width << "\" height=\""
      << plot.height << "\" viewBox=\"0 0 " << plot.width << ' ' << plot.height
      << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\">\n";
@@ -197,7 +206,11 @@ std::string render(const Plot& plot) {
   if (!plot.note.empty())
     os << "<text x=\"" << num(plot.width / 2.0) << "\" y=\"42\" text-anchor=\"middle\" "
        << "fill=\"#555\">" << escape_xml(plot.note) << "</text>\n";
+}
 
+void write_axes(std::ostringstream& os, const Plot& plot, const Frame& f, const Axis& x_axis,
+                const Axis& y_axis) {
+  const bool x_nice = nice_x(plot);
   // Grid, axes, ticks and tick labels.
   os << "<g class=\"axes\" stroke=\"#000\" stroke-width=\"1\">\n";
   for (double t : y_axis.ticks) {
@@ -231,7 +244,9 @@ std::string render(const Plot& plot) {
   const double y_mid = (f.top + f.bottom) / 2;
   os << "<text x=\"18\" y=\"" << num(y_mid) << "\" transform=\"rotate(-90 18 " << num(y_mid)
      << ")\" text-anchor=\"middle\" font-size=\"13\">" << escape_xml(plot.y_label) << "</text>\n";
+}
 
+void write_series(std::ostringstream& os, const Plot& plot, const Frame& f) {
   // Data: lines, then error bars, then markers on top.
   os << "<g class=\"data\">\n";
   for (const Series& s : plot.series) {
@@ -267,7 +282,9 @@ std::string render(const Plot& plot) {
            << escape_xml(s.color) << "\" stroke=\"white\" stroke-width=\"1\"/>\n";
   }
   os << "</g>\n";
+}
 
+void write_legend(std::ostringstream& os, const Plot& plot, const Frame& f) {
   // Legend, right of the plot area so it never hides data.
   os << "<g class=\"legend\">\n";
   double ly = f.top + 8;
@@ -287,7 +304,22 @@ std::string render(const Plot& plot) {
        << escape_xml(s.label) << "</text>\n";
     ly += 20;
   }
-  os << "</g>\n</svg>\n";
+  os << "</g>\n";
+}
+
+}  // namespace
+
+std::string render(const Plot& plot) {
+  const Extents e = data_extents(plot);
+  const Axis y_axis = nice_axis(e.y_min, e.y_max);
+  const Axis x_axis = x_axis_of(plot, e.x_min, e.x_max);
+  const Frame f = frame_of(plot, x_axis, y_axis);
+  std::ostringstream os;
+  write_header(os, plot);
+  write_axes(os, plot, f, x_axis, y_axis);
+  write_series(os, plot, f);
+  write_legend(os, plot, f);
+  os << "</svg>\n";
   return os.str();
 }
 
