@@ -31,6 +31,11 @@ enum class GgmlType : uint32_t {
   Q4_0 = ggml_id(Fmt::Q4_0),
   Q8_0 = ggml_id(Fmt::Q8_0),
   BF16 = ggml_id(Fmt::BF16),
+  Q5_0 = ggml_id(Fmt::Q5_0),
+  Q5_1 = ggml_id(Fmt::Q5_1),
+  Q4_K = ggml_id(Fmt::Q4_K),
+  Q5_K = ggml_id(Fmt::Q5_K),
+  Q6_K = ggml_id(Fmt::Q6_K),
 };
 // The row of a type (every GgmlType has one: parse_gguf admits no other id).
 const Format& format_of(GgmlType t);

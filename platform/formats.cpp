@@ -16,7 +16,8 @@ namespace kvlab {
 namespace format_codec {
 namespace {
 
-// A ggml block: q8_0 and q4_0 its f16 scale, then the codes; a K-quant's super-block.
+// A ggml block: q8_0 and q4_0 its f16 scale, then the codes; q5_0, q5_1 and a K-quant's
+// super-block written whole by their codecs.
 template <Fmt F>
 void quantise_block(const float* x, uint8_t* block) {
   if constexpr (F == Fmt::Q8_0)
@@ -26,6 +27,8 @@ void quantise_block(const float* x, uint8_t* block) {
   if constexpr (F == Fmt::Q5_K) quantise_q5_k(x, block);
   if constexpr (F == Fmt::Q6_K) quantise_q6_k(x, block);
   if constexpr (F == Fmt::Q8_K) quantise_q8_k(x, block);
+  if constexpr (F == Fmt::Q5_0) quantise_q5_0(x, block);
+  if constexpr (F == Fmt::Q5_1) quantise_q5_1(x, block);
 }
 template <Fmt F>
 void dequantise_block(const uint8_t* block, float* x) {
@@ -37,6 +40,8 @@ void dequantise_block(const uint8_t* block, float* x) {
   if constexpr (F == Fmt::Q5_K) dequantise_q5_k(block, x);
   if constexpr (F == Fmt::Q6_K) dequantise_q6_k(block, x);
   if constexpr (F == Fmt::Q8_K) dequantise_q8_k(block, x);
+  if constexpr (F == Fmt::Q5_0) dequantise_q5_0(block, x);
+  if constexpr (F == Fmt::Q5_1) dequantise_q5_1(block, x);
 }
 
 }  // namespace
@@ -114,8 +119,10 @@ KVLAB_FORMAT_ENTRIES(Fmt::Q4_K)
 KVLAB_FORMAT_ENTRIES(Fmt::Q5_K)
 KVLAB_FORMAT_ENTRIES(Fmt::Q6_K)
 KVLAB_FORMAT_ENTRIES(Fmt::Q8_K)
+KVLAB_FORMAT_ENTRIES(Fmt::Q5_0)
+KVLAB_FORMAT_ENTRIES(Fmt::Q5_1)
 #undef KVLAB_FORMAT_ENTRIES
-static_assert(std::size(kFormats) == 14, "a new row needs its entry points instantiated above");
+static_assert(std::size(kFormats) == 16, "a new row needs its entry points instantiated above");
 
 }  // namespace format_codec
 

@@ -21,7 +21,7 @@ namespace kvlab {
 
 // A row's id: its index in kFormats. The first seven keep DType's values as they were.
 enum class Fmt : uint8_t {
-  F32, F64, I32, BF16, FP8, INT8, INT4, F16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q8_K,
+  F32, F64, I32, BF16, FP8, INT8, INT4, F16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q8_K, Q5_0, Q5_1,
 };
 
 // What a format can hold: the bits of Format::roles.
@@ -50,8 +50,8 @@ float dot(const void* src, const float* x, int64_t n);
 
 // How a format lays out values:
 //  - an element type (block_values 1): block_bytes a value;
-//  - a block format (ggml's q8_0, q4_0): blocks of block_values consecutive values of a row,
-//    block_bytes each, an f16 scale then the codes (platform/ggml_blocks.h); the K-quants'
+//  - a block format (ggml's q8_0, q4_0, q5_0, q5_1): blocks of block_values consecutive values
+//    of a row, block_bytes each, f16 scales then the codes (platform/ggml_blocks.h); the K-quants'
 //    super-blocks of 256 values, their sub-blocks' scales packed inside (kquant_blocks.h);
 //  - a row format (block_values 0: the KV caches' int8 and int4): one block is a whole row of
 //    any length, its scales then its codes (platform/kv_rows.h); a tensor of such rows holds
@@ -94,6 +94,9 @@ inline constexpr Format kFormats[] = {
     format_row<Fmt::Q5_K>("q5_k", 256, 176, 13, kGgufTensor),
     format_row<Fmt::Q6_K>("q6_k", 256, 210, 14, kGgufTensor),
     format_row<Fmt::Q8_K>("q8_k", 256, 292, 15, kActivations),
+    // llama-quantize's types for a Q4_K or Q5_K matrix whose rows are not whole super-blocks.
+    format_row<Fmt::Q5_0>("q5_0", 32, 22, 6, kGgufTensor),
+    format_row<Fmt::Q5_1>("q5_1", 32, 24, 7, kGgufTensor),
 };
 
 constexpr const Format& format(Fmt f) { return kFormats[static_cast<uint8_t>(f)]; }

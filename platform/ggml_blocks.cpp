@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace kvlab {
 
@@ -72,6 +73,77 @@ void dequantise_q4_0(uint16_t d, const uint8_t* qs, float* x) {
     x[j] = static_cast<float>((qs[j] & 0x0f) - 8) * s;
     x[j + kGgmlBlock / 2] = static_cast<float>((qs[j] >> 4) - 8) * s;
   }
+}
+
+namespace {
+
+// q5's codes in the file's order: the low nibbles as q4_0 packs them, bit 4 of code j at bit j
+// of the 32-bit word after the scales.
+void pack_q5_codes(const uint8_t* codes, uint8_t* qh, uint8_t* qs) {
+  uint32_t high = 0;
+  for (int64_t j = 0; j < kGgmlBlock; ++j) high |= static_cast<uint32_t>(codes[j] >> 4 & 1u) << j;
+  for (int64_t j = 0; j < kGgmlBlock / 2; ++j)
+    qs[j] = static_cast<uint8_t>((codes[j] & 0x0f) | (codes[j + kGgmlBlock / 2] & 0x0f) << 4);
+  store_unaligned(qh, high);
+}
+void unpack_q5_codes(const uint8_t* qh, const uint8_t* qs, uint8_t* codes) {
+  const auto high = load_unaligned<uint32_t>(qh);
+  for (int64_t j = 0; j < kGgmlBlock / 2; ++j) {
+    codes[j] = static_cast<uint8_t>((qs[j] & 0x0f) | (high >> j & 1u) << 4);
+    codes[j + kGgmlBlock / 2] =
+        static_cast<uint8_t>((qs[j] >> 4) | (high >> (j + kGgmlBlock / 2) & 1u) << 4);
+  }
+}
+
+}  // namespace
+
+void quantise_q5_0(const float* x, uint8_t* block) {
+  float amax = 0.0f, max = 0.0f;
+  for (int64_t j = 0; j < kGgmlBlock; ++j)
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  const float d = max / -16.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  uint8_t codes[kGgmlBlock];
+  for (int64_t j = 0; j < kGgmlBlock; ++j) {  // truncated as ggml's cast to int8 truncates
+    const int code = static_cast<int8_t>(x[j] * id + 16.5f);
+    codes[j] = static_cast<uint8_t>(std::min(31, code));
+  }
+  store_unaligned(block, f32_to_f16(d));
+  pack_q5_codes(codes, block + 2, block + 6);
+}
+
+void quantise_q5_1(const float* x, uint8_t* block) {
+  float min = std::numeric_limits<float>::max(), max = -min;
+  for (int64_t j = 0; j < kGgmlBlock; ++j) {
+    min = std::min(min, x[j]);
+    max = std::max(max, x[j]);
+  }
+  const float d = (max - min) / 31.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  uint8_t codes[kGgmlBlock];
+  for (int64_t j = 0; j < kGgmlBlock; ++j)
+    codes[j] = static_cast<uint8_t>((x[j] - min) * id + 0.5f);
+  store_unaligned(block, f32_to_f16(d));
+  store_unaligned(block + 2, f32_to_f16(min));
+  pack_q5_codes(codes, block + 4, block + 8);
+}
+
+void dequantise_q5_0(const uint8_t* block, float* x) {
+  const float d = f16_to_f32(load_unaligned<uint16_t>(block));
+  uint8_t codes[kGgmlBlock];
+  unpack_q5_codes(block + 2, block + 6, codes);
+  for (int64_t j = 0; j < kGgmlBlock; ++j) x[j] = static_cast<float>(codes[j] - 16) * d;
+}
+
+void dequantise_q5_1(const uint8_t* block, float* x) {
+  const float d = f16_to_f32(load_unaligned<uint16_t>(block));
+  const float m = f16_to_f32(load_unaligned<uint16_t>(block + 2));
+  uint8_t codes[kGgmlBlock];
+  unpack_q5_codes(block + 4, block + 8, codes);
+  for (int64_t j = 0; j < kGgmlBlock; ++j) x[j] = static_cast<float>(codes[j]) * d + m;
 }
 
 namespace {

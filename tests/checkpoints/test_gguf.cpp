@@ -55,6 +55,11 @@ GgufFile sample_file() {
   f.tensors.push_back(make_gguf_tensor("c.bf16", ramp({9}, 2.0f), GgmlType::BF16));
   f.tensors.push_back(make_gguf_tensor("d.q8_0", ramp({2, 64}, 0.5f), GgmlType::Q8_0));
   f.tensors.push_back(make_gguf_tensor("e.q4_0", ramp({3, 32}, 0.5f), GgmlType::Q4_0));
+  f.tensors.push_back(make_gguf_tensor("f.q5_0", ramp({2, 32}, 0.5f), GgmlType::Q5_0));
+  f.tensors.push_back(make_gguf_tensor("g.q5_1", ramp({2, 32}, 0.5f), GgmlType::Q5_1));
+  f.tensors.push_back(make_gguf_tensor("h.q4_k", ramp({2, 256}, 0.25f), GgmlType::Q4_K));
+  f.tensors.push_back(make_gguf_tensor("i.q5_k", ramp({1, 256}, 0.25f), GgmlType::Q5_K));
+  f.tensors.push_back(make_gguf_tensor("j.q6_k", ramp({1, 256}, 0.25f), GgmlType::Q6_K));
   return f;
 }
 
@@ -241,7 +246,8 @@ TEST(GgufFuzz, TruncatedFilesAreRefused) {
   }
   EXPECT_EQ(refused, static_cast<int>(l.last_tensor_end));
   EXPECT_NE(outcome(bytes.substr(0, 6)).find("version"), std::string::npos);
-  EXPECT_NE(outcome(bytes.substr(0, l.last_tensor_end - 1)).find("e.q4_0"), std::string::npos);
+  EXPECT_NE(outcome(bytes.substr(0, l.last_tensor_end - 1)).find(f.tensors.back().name),
+            std::string::npos);
 }
 
 TEST(GgufFuzz, FlippedBytesBeforeTheDataAreRefusedOrRead) {
@@ -339,7 +345,7 @@ TEST(GgufFuzz, AbsurdCountsLengthsShapesAndOffsetsAreRefusedByName) {
 }
 
 // GGUF's ids and ggml's block sizes as ggml defines them (ggml.h's enum ggml_type,
-// ggml-common.h's static_asserts on block_q8_0 and block_q4_0).
+// ggml-common.h's static_asserts on block_q8_0, block_q4_0, block_q5_0 and block_q5_1).
 TEST(GgufFormat, TypesAreTheFormatTablesRowsWithGgmlsIdsAndBlockSizes) {
   EXPECT_EQ(static_cast<uint32_t>(GgmlType::F32), 0u);
   EXPECT_EQ(static_cast<uint32_t>(GgmlType::F16), 1u);
@@ -350,9 +356,19 @@ TEST(GgufFormat, TypesAreTheFormatTablesRowsWithGgmlsIdsAndBlockSizes) {
   EXPECT_EQ(format(Fmt::Q4_0).block_bytes, 2 + 16);  // f16 d, 32 nibbles
   EXPECT_EQ(format(Fmt::Q8_0).block_values, 32);
   EXPECT_EQ(format(Fmt::Q4_0).block_values, 32);
-  for (const GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::BF16})
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q5_0), 6u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q5_1), 7u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q4_K), 12u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q5_K), 13u);
+  EXPECT_EQ(static_cast<uint32_t>(GgmlType::Q6_K), 14u);
+  EXPECT_EQ(format(Fmt::Q5_0).block_bytes, 2 + 4 + 16);      // f16 d, 32 high bits, 32 nibbles
+  EXPECT_EQ(format(Fmt::Q5_1).block_bytes, 2 + 2 + 4 + 16);  // and the f16 minimum
+  for (const GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::Q4_0, GgmlType::Q8_0,
+                           GgmlType::BF16, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q4_K,
+                           GgmlType::Q5_K, GgmlType::Q6_K})
     EXPECT_EQ(format_of(t).ggml_type, static_cast<int32_t>(t));
-  EXPECT_EQ(format_names(kGgufTensor), "f32, bf16, f16, q8_0, q4_0, q4_k, q5_k and q6_k");
+  EXPECT_EQ(format_names(kGgufTensor),
+            "f32, bf16, f16, q8_0, q4_0, q4_k, q5_k, q6_k, q5_0 and q5_1");
 }
 
 }  // namespace

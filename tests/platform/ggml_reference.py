@@ -21,8 +21,8 @@ except ImportError as e:
     sys.exit(77)
 
 # ggml.h's enum ggml_type, for the types compared here.
-GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-              "Q8_K": 15}
+GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
+              "Q5_K": 13, "Q6_K": 14, "Q8_K": 15}
 
 
 def dequantize(gguf_py, type_name, blocks_file, values_file):

@@ -41,6 +41,8 @@ double error_bound(const std::string& name, double amax) {
       {"q8_0", 0.5 / 127 + 0x1p-10},  // and the f16 scale's rounding over 127 codes
       {"int4", 0.5 / 15 + 0x1p-4},  // half of the range / 15, and the bf16 scale and minimum
       {"q4_0", 1.0 / 8 + 0x1p-9},   // the largest code is 7, not 8: its end of the range errs d
+      {"q5_0", 1.0 / 16 + 0x1p-9},  // as q4_0 with codes to 15 of 16
+      {"q5_1", 1.0 / 31 + 0x1p-9},  // half a step of the range / 31, the f16 d and minimum
       // K-quants: half a code's step over a sub-block's range (at most 2 amax), and the 6-bit
       // (Q4_K, Q5_K) or 8-bit (Q6_K) rounding of each sub-block's scale and min.
       {"q4_k", 1.0 / 15 + 2.0 / 63},
@@ -162,7 +164,7 @@ TEST(Formats, BlockRowsAreGgmlsBlocksInFileOrder) {
 }
 
 
-// ---- the K-quants against llama.cpp's own numpy reference ----
+// ---- the block formats against llama.cpp's own numpy reference ----
 
 // gguf-py (llama.cpp's Python package, whose quants.py dequantises every ggml type in numpy),
 // from the llama.cpp source that npm's node-llama-cpp ships as a git bundle: cloned once into
@@ -232,7 +234,7 @@ std::string libggml_base(std::string& why) {
   return "";
 }
 
-// Blocks that reach every part of a K-quant: random bytes under finite f16 scales (every
+// Blocks that reach every part of a block format: random bytes under finite f16 scales (every
 // 6-bit scale and min, every code and high bit), an all-zero block, every scale byte at its
 // largest, codes counting through every byte value, and the blocks kvlab's quantiser writes.
 std::vector<uint8_t> kquant_test_blocks(const Format& f) {
@@ -241,8 +243,9 @@ std::vector<uint8_t> kquant_test_blocks(const Format& f) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(-2.0f, 2.0f);
   // Where each format keeps its f16 scales (ggml-common.h).
-  const std::vector<size_t> halves = f.id == Fmt::Q6_K ? std::vector<size_t>{208}
-                                                       : std::vector<size_t>{0, 2};
+  const std::vector<size_t> halves = f.id == Fmt::Q6_K   ? std::vector<size_t>{208}
+                                     : f.id == Fmt::Q5_0 ? std::vector<size_t>{0}
+                                                         : std::vector<size_t>{0, 2};
   std::vector<uint8_t> out;
   auto add = [&](std::vector<uint8_t> b) { out.insert(out.end(), b.begin(), b.end()); };
   for (int r = 0; r < 24; ++r) {
@@ -274,9 +277,9 @@ std::vector<uint8_t> kquant_test_blocks(const Format& f) {
 // The block formats and their names in ggml's (and gguf-py's) spelling.
 constexpr std::pair<Fmt, const char*> kGgmlBlockTypes[] = {
     {Fmt::Q4_K, "Q4_K"}, {Fmt::Q5_K, "Q5_K"}, {Fmt::Q6_K, "Q6_K"}, {Fmt::Q8_0, "Q8_0"},
-    {Fmt::Q4_0, "Q4_0"}};
+    {Fmt::Q4_0, "Q4_0"}, {Fmt::Q5_0, "Q5_0"}, {Fmt::Q5_1, "Q5_1"}};
 
-TEST(Formats, KQuantsDequantiseBitForBitAsLlamaCppsNumpyReference) {
+TEST(Formats, BlockFormatsDequantiseBitForBitAsLlamaCppsNumpyReference) {
   std::string why;
   const std::string gguf_py = gguf_py_dir(why);
   if (gguf_py.empty()) GTEST_SKIP() << why;
