@@ -2,6 +2,7 @@
 // and a llama-architecture GGUF file as a checkpoint (checkpoints/gguf_model.h, docs/gguf.md).
 #include <cstdio>
 #include <filesystem>
+#include <map>
 
 #include "apps/cli.h"
 #include "checkpoints/gguf_model.h"
@@ -13,11 +14,19 @@ namespace {
 
 struct ExportArgs {
   std::string ckpt, format = "gguf", out, dtype = "f32", mla_up = "split";
+  bool pure = false;
 };
 
-GgmlType parse_dtype(const std::string& name) {
-  const Format* f = format_named(name, kGgufTensor);
-  return f ? static_cast<GgmlType>(f->ggml_type) : GgmlType::F32;  // CLI11 admits no other name
+// "q4_k 10, q6_k 5, f32 9": how many tensors the file holds of each type.
+std::string tensor_type_counts(const GgufFile& file) {
+  std::map<std::string, int> counts;
+  std::vector<std::string> order;
+  for (const GgufTensor& t : file.tensors)
+    if (counts[ggml_type_name(t.type)]++ == 0) order.push_back(ggml_type_name(t.type));
+  std::string out;
+  for (const std::string& name : order)
+    out += (out.empty() ? "" : ", ") + name + " " + std::to_string(counts[name]);
+  return out;
 }
 
 void run_export(const ExportArgs& a) {
@@ -34,15 +43,16 @@ void run_export(const ExportArgs& a) {
     provenance.best_val_loss = src.checkpoint.best_val_loss;
   }
   const GgufFile file =
-      model_to_gguf(*src.model, src.tokenizer, parse_dtype(a.dtype), provenance,
-                    a.mla_up == "whole" ? MlaUpForm::Whole : MlaUpForm::Split);
+      model_to_gguf(*src.model, src.tokenizer, gguf_mix(a.dtype), provenance,
+                    a.mla_up == "whole" ? MlaUpForm::Whole : MlaUpForm::Split, a.pure);
   const std::filesystem::path out(a.out);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
   write_gguf(out, file);
-  std::printf("exported %s (%s architecture, %lld parameters, %s tokenizer) to %s as %s\n",
+  std::printf("exported %s (%s architecture, %lld parameters, %s tokenizer) to %s as %s%s (%s)\n",
               a.ckpt.c_str(), file.get_string("general.architecture", a.out).c_str(),
               static_cast<long long>(src.model->num_parameters()),
-              src.tokenizer.kind_name().c_str(), a.out.c_str(), a.dtype.c_str());
+              src.tokenizer.kind_name().c_str(), a.out.c_str(), a.dtype.c_str(),
+              a.pure ? " --pure" : "", tensor_type_counts(file).c_str());
 }
 
 struct ImportArgs {
@@ -77,12 +87,15 @@ void add_export_command(CLI::App& root) {
       ->check(CLI::IsMember({"gguf"}));
   cmd->add_option("--out", args->out, "GGUF file to write (atomically)")->required();
   cmd->add_option("--dtype", args->dtype,
-                  "Type of the matrices: f32, f16, bf16, q8_0 or q4_0 (norms and biases stay "
-                  "f32; q8_0 and q4_0 write a matrix bf16 when its rows are not whole blocks of 32; "
-                  "q4_0 writes the LM head (output, or token_embd when tied) as q8_0, as "
-                  "llama.cpp's own quantiser keeps the output at a higher precision, q6_K, for "
-                  "its 4-bit types)")
-      ->check(CLI::IsMember(format_name_list(kGgufTensor)));
+                  "File type, as llama-quantize makes it: f32, f16, bf16, q8_0, q4_0, q4_k_m, "
+                  "q5_k_m or q6_k. Each tensor takes the type llama.cpp's rules give it for that "
+                  "mix (the LM head q6_K in the 4- and 5-bit types; attn_v and ffn_down q6_K in "
+                  "some layers of q4_k_m and q5_k_m; q5_0, q5_1 or q8_0 where rows are not whole "
+                  "blocks of 256); norms and biases stay f32 (docs/gguf.md)")
+      ->check(CLI::IsMember(gguf_mix_names()));
+  cmd->add_flag("--pure", args->pure,
+                "Every matrix in --dtype's own type (q4_k_m: q4_K), but where its rows are not "
+                "whole blocks, as llama-quantize --pure");
   cmd->add_option("--mla-up", args->mla_up,
                   "MLA models: the up-projection split per head into attn_k_b and attn_v_b "
                   "(split, llama.cpp's converter's form: it caches the latent) or whole as "
@@ -95,9 +108,9 @@ void add_import_command(CLI::App& root) {
   auto args = std::make_shared<ImportArgs>();
   CLI::App* cmd = root.add_subcommand(
       "import",
-      "Read a llama- or deepseek2-architecture GGUF file (f32, f16, bf16, q8_0 or q4_0 tensors, a "
-      "byte-level BPE vocabulary) into a weights-only checkpoint for generate, serve, bench, "
-      "convert and train --init-from");
+      "Read a llama- or deepseek2-architecture GGUF file (" + format_names(kGgufTensor, " or ") +
+          " tensors, a byte-level BPE vocabulary) into a weights-only checkpoint for generate, "
+          "serve, bench, convert and train --init-from");
   cmd->add_option("--gguf", args->gguf, "GGUF file to read")->required();
   cmd->add_option("--out", args->out,
                   "Checkpoint to write: f32 weights, the config the GGUF's keys give, its "

@@ -4,6 +4,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "checkpoints/gguf_mix.h"
 #include "checkpoints/model_io.h"
 #include "platform/error.h"
 
@@ -96,34 +97,25 @@ std::vector<int64_t> gguf_dims(const TensorPlace& p, const std::vector<int64_t>&
   return {R, hs, p.heads};
 }
 
-// The LM head's matrix: output.weight, or token_embd.weight when the head is tied to it.
-bool is_lm_head(const std::string& gguf, const GPTConfig& cfg) {
-  return gguf == "output.weight" || (cfg.tied && gguf == "token_embd.weight");
-}
-
-// Matrices take the export's type; vectors (norms, biases) stay f32, as llama.cpp's converter
-// keeps them; a matrix whose rows are not whole blocks (q8_0, q4_0) is bf16. With q4_0 the
-// LM head is q8_0: llama.cpp's quantiser also keeps the output at a higher precision for its
-// 4-bit types (q6_K; kvlab has no k-quants), since its error reaches every logit directly.
-GgmlType type_for(const std::string& gguf, const ArrayF32& arr, GgmlType matrices,
-                  const GPTConfig& cfg) {
-  if (arr.shape.size() < 2) return GgmlType::F32;
-  const GgmlType t =
-      matrices == GgmlType::Q4_0 && is_lm_head(gguf, cfg) ? GgmlType::Q8_0 : matrices;
-  // bf16, not f32: llama.cpp's quantiser too falls back to a 2-byte type, and kvlab's
-  // --weight-dtype rounds such a matrix to the same values (GPT::round_matrices).
-  if (arr.shape.back() % format_of(t).block_values != 0) return GgmlType::BF16;
-  return t;
-}
-
-GgufTensor to_tensor(const std::string& name, const ArrayF32& arr, GgmlType matrices,
-                     const GPTConfig& cfg) {
-  const GgmlType type = type_for(name, arr, matrices, cfg);
-  if (type == GgmlType::F16)
-    for (float v : arr.data)
-      KVLAB_CHECK(std::fabs(v) <= 65504.0f, "export: ", name, " holds ", v,
-                  ", past f16's range: export it as f32, bf16 or q8_0");
-  return make_gguf_tensor(name, arr, type);
+// The file's tensors, f32, in the types the mix gives them (gguf_mix.h).
+std::vector<GgufTensor> encode_tensors(NamedArrays named, const GgufMix& mix, const GPTConfig& cfg,
+                                       const std::string& arch, bool pure) {
+  std::vector<TensorShape> shapes;
+  for (const auto& [name, arr] : named)
+    shapes.push_back({name, {arr.shape.rbegin(), arr.shape.rend()}});
+  const std::vector<GgmlType> types =
+      mix_types(mix, {arch, cfg.n_layer, cfg.n_head, cfg.n_kv_head}, shapes, pure);
+  std::vector<GgufTensor> out;
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& [name, arr] = named[i];
+    if (types[i] == GgmlType::F16)
+      for (float v : arr.data)
+        KVLAB_CHECK(std::fabs(v) <= 65504.0f, "export: ", name, " holds ", v,
+                    ", past f16's range: export it as f32, bf16 or q8_0");
+    out.push_back(make_gguf_tensor(name, arr, types[i]));
+    named[i].second = {};  // one f32 copy at a time besides the file's bytes
+  }
+  return out;
 }
 
 ArrayF32 concat_rows(const std::vector<const ArrayF32*>& parts) {
@@ -137,11 +129,10 @@ ArrayF32 concat_rows(const std::vector<const ArrayF32*>& parts) {
 }
 
 // GPT-2's tensors (llama.cpp's `gpt2`: q, k and v as one attn_qkv matrix and bias).
-std::vector<GgufTensor> gpt2_tensors(const GPTConfig& cfg,
-                                     const std::map<std::string, ArrayF32>& a, GgmlType type) {
-  std::vector<GgufTensor> out;
+NamedArrays gpt2_tensors(const GPTConfig& cfg, const std::map<std::string, ArrayF32>& a) {
+  NamedArrays out;
   auto add = [&](const std::string& kvlab, const std::string& gguf) {
-    out.push_back(to_tensor(gguf, a.at(kvlab), type, cfg));
+    out.emplace_back(gguf, a.at(kvlab));
   };
   add("wte.weight", "token_embd.weight");
   add("wpe.weight", "position_embd.weight");
@@ -151,10 +142,9 @@ std::vector<GgufTensor> gpt2_tensors(const GPTConfig& cfg,
     add(k + "ln_1.bias", g + "attn_norm.bias");
     for (const char* part : {"weight", "bias"}) {
       const std::string p = std::string(".") + part;
-      out.push_back(to_tensor(g + "attn_qkv" + p,
-                              concat_rows({&a.at(k + "attn.q_proj" + p), &a.at(k + "attn.k_proj" + p),
-                                           &a.at(k + "attn.v_proj" + p)}),
-                              type, cfg));
+      out.emplace_back(g + "attn_qkv" + p,
+                       concat_rows({&a.at(k + "attn.q_proj" + p), &a.at(k + "attn.k_proj" + p),
+                                    &a.at(k + "attn.v_proj" + p)}));
     }
     add(k + "attn.c_proj.weight", g + "attn_output.weight");
     add(k + "attn.c_proj.bias", g + "attn_output.bias");
@@ -169,18 +159,6 @@ std::vector<GgufTensor> gpt2_tensors(const GPTConfig& cfg,
   add("ln_f.bias", "output_norm.bias");
   if (!cfg.tied) add("lm_head.weight", "output.weight");
   return out;
-}
-
-// llama.cpp's llama_ftype: ALL_F32, MOSTLY_F16, _Q4_0, _Q8_0, _BF16
-int64_t file_type(GgmlType t) {
-  switch (t) {
-    case GgmlType::F32: return 0;
-    case GgmlType::F16: return 1;
-    case GgmlType::Q4_0: return 2;
-    case GgmlType::Q8_0: return 7;
-    case GgmlType::BF16: return 32;
-  }
-  return 0;
 }
 
 void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& cfg,
@@ -470,8 +448,8 @@ std::string gguf_architecture(const GPTConfig& cfg) {
       "biases) nor its gpt2 (learned, layernorm, gelu, biases)"));
 }
 
-GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
-                       const GgufProvenance& provenance, MlaUpForm mla_up) {
+GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mix,
+                       const GgufProvenance& provenance, MlaUpForm mla_up, bool pure) {
   const GPTConfig& cfg = model.config();
   const std::string arch = gguf_architecture(cfg);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, "export: the tokenizer has ", tok.vocab_size(),
@@ -481,7 +459,7 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
   f.set("general.architecture", GgufValue::string(arch));
   f.set("general.name", GgufValue::string(
                             "kvlab " + std::filesystem::path(provenance.source_file).stem().string()));
-  f.set("general.file_type", GgufValue::scalar(GgufType::U32, file_type(type)));
+  f.set("general.file_type", GgufValue::scalar(GgufType::U32, mix.file_type));
   put_hyperparameters(f, arch, cfg, mla_up);
   put_tokenizer_keys(f, tok);
   if (!provenance.source_hash.empty())
@@ -494,22 +472,24 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
   // The tensors.
   std::map<std::string, ArrayF32> arrays;
   for (auto& [name, arr] : to_arrays(model.named_parameters())) arrays.emplace(name, std::move(arr));
+  NamedArrays named;
   if (arch == "gpt2") {
-    f.tensors = gpt2_tensors(cfg, arrays, type);
-    return f;
-  }
-  for (const TensorPlace& p : tensor_places(cfg, mla_up)) {
-    ArrayF32& a = arrays.at(p.kvlab);
-    if (p.part != TensorPlace::Part::All) {
-      ArrayF32 half;
-      copy_kv_up_half(a, half, p.heads, p.part, /*to_half=*/true);
-      f.tensors.push_back(to_tensor(p.gguf, half, type, cfg));
-    } else {
-      f.tensors.push_back(
-          to_tensor(p.gguf, p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : a,
-                    type, cfg));
+    named = gpt2_tensors(cfg, arrays);
+  } else {
+    for (const TensorPlace& p : tensor_places(cfg, mla_up)) {
+      ArrayF32& a = arrays.at(p.kvlab);
+      if (p.part != TensorPlace::Part::All) {
+        ArrayF32 half;
+        copy_kv_up_half(a, half, p.heads, p.part, /*to_half=*/true);
+        named.emplace_back(p.gguf, std::move(half));
+      } else {
+        named.emplace_back(p.gguf,
+                           p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : a);
+      }
     }
   }
+  arrays.clear();
+  f.tensors = encode_tensors(std::move(named), mix, cfg, arch, pure);
   return f;
 }
 

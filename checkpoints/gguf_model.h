@@ -8,6 +8,7 @@
 #include <string>
 
 #include "checkpoints/gguf.h"
+#include "checkpoints/gguf_mix.h"
 #include "data/tokenizer.h"
 #include "nn/gpt.h"
 
@@ -29,11 +30,12 @@ enum class MlaUpForm { Split, Whole };
 // what keeps the model from each otherwise.
 std::string gguf_architecture(const GPTConfig& cfg);
 
-// The model and its tokenizer as a GGUF file; `type` is the matrices' (f32, f16, bf16, q8_0 or
-// q4_0; with q4_0 the LM head's matrix is q8_0; a matrix whose rows are not whole blocks of 32
-// is bf16 in q8_0 and q4_0, and norms are always f32).
-GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, GgmlType type,
-                       const GgufProvenance& provenance, MlaUpForm mla_up = MlaUpForm::Split);
+// The model and its tokenizer as a GGUF file of llama-quantize's file type `mix`: each tensor
+// in the type llama.cpp's rules give it (gguf_mix.h), or with `pure` every matrix in the mix's
+// type where its rows allow.
+GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mix,
+                       const GgufProvenance& provenance, MlaUpForm mla_up = MlaUpForm::Split,
+                       bool pure = false);
 
 // A (rows, cols) projection of `blocks` equal blocks of rows whose last `rope_width` rows RoPE
 // turns, those rows reordered from kvlab's pairing (i with i + W/2) to llama.cpp's (2i with

@@ -46,7 +46,7 @@ TEST_P(GgufMlaRoundTrip, F32WeightsBitIdenticalAndSameGreedyText) {
   c.tied = arch == "mla";  // both ways of the LM head
   auto model = random_model(c, 17);
   const Tokenizer tok = test::tiny_tokenizer();
-  const GgufFile f = reparsed(model_to_gguf(*model, tok, GgmlType::F32, {}, up));
+  const GgufFile f = reparsed(model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {}, up));
   EXPECT_EQ(f.get_string("general.architecture", "t"), "deepseek2");
   EXPECT_EQ(f.get_int("deepseek2.attention.q_lora_rank", "t"), c.q_lora_rank);
   EXPECT_EQ(f.tensor("blk.0.attn_q_a.weight") != nullptr, c.q_lora_rank > 0);
@@ -82,7 +82,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(GgufMlaExport, SplitFormLayoutAndKeys) {
   const GPTConfig c = test::tiny_config(4, 16, "mla");  // NH 4, HS 8, R 12, D 4, C 32
   auto model = random_model(c, 5);
-  const GgufFile f = model_to_gguf(*model, test::tiny_tokenizer(), GgmlType::F32, {});
+  const GgufFile f = model_to_gguf(*model, test::tiny_tokenizer(), gguf_mix(GgmlType::F32), {});
   const int64_t NH = 4, HS = 8, R = 12, D = 4, C = 32;
   EXPECT_EQ(f.get_int("deepseek2.attention.head_count_kv", "t"), 1);
   EXPECT_EQ(f.get_int("deepseek2.attention.key_length", "t"), R + D);
@@ -135,7 +135,7 @@ TEST(GgufMlaExport, RefusesWhatDeepseek2CannotHold) {
 
 TEST(GgufMlaImport, RefusesNamingTheKey) {
   auto model = random_model(test::tiny_config(4, 16, "mla_q"), 4);
-  const GgufFile good = model_to_gguf(*model, test::tiny_tokenizer(), GgmlType::F32, {});
+  const GgufFile good = model_to_gguf(*model, test::tiny_tokenizer(), gguf_mix(GgmlType::F32), {});
   auto refusal = [&](const std::function<void(GgufFile&)>& damage) {
     GgufFile f = good;
     damage(f);
@@ -252,7 +252,7 @@ TEST_F(GgufMlaLlamaCpp, SameGreedyContinuationAsKvlabAndWrongPairingDiffers) {
   auto plain = random_model(rc, 9);
   const int64_t n_new = 112;
 
-  const GgufFile split = model_to_gguf(*model, tok, GgmlType::F32, {});
+  const GgufFile split = model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {});
   // The same file with the re-pairing of the query's and the shared key's rotary rows undone.
   GgufFile planted = split;
   for (GgufTensor& t : planted.tensors) {
@@ -266,8 +266,8 @@ TEST_F(GgufMlaLlamaCpp, SameGreedyContinuationAsKvlabAndWrongPairingDiffers) {
   }
   const std::vector<std::pair<std::string, GgufFile>> files = {
       {"split", split},
-      {"whole", model_to_gguf(*model, tok, GgmlType::F32, {}, MlaUpForm::Whole)},
-      {"plain", model_to_gguf(*plain, tok, GgmlType::F32, {})},
+      {"whole", model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {}, MlaUpForm::Whole)},
+      {"plain", model_to_gguf(*plain, tok, gguf_mix(GgmlType::F32), {})},
       {"planted", planted}};
   for (const auto& [name, f] : files) write_gguf(dir_ / (name + ".gguf"), f);
 

@@ -66,7 +66,7 @@ TEST_P(GgufRoundTrip, F32WeightsBitIdenticalAndSameGreedyText) {
   const auto [nkv, tied] = GetParam();
   auto model = random_model(llama_config(nkv, tied), 11 + static_cast<uint64_t>(nkv));
   const Tokenizer tok = letters();
-  const GgufFile file = reparsed(model_to_gguf(*model, tok, GgmlType::F32, {}));
+  const GgufFile file = reparsed(model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {}));
   EXPECT_EQ(file.get_string("general.architecture", "t"), "llama");
   EXPECT_EQ(file.get_int("llama.attention.head_count_kv", "t"), nkv);
   EXPECT_EQ(file.tensor("output.weight") == nullptr, tied);
@@ -99,7 +99,7 @@ TEST_P(GgufQ4RoundTrip, ImportHoldsTheRoundedMatricesAndExportsTheSameBytes) {
   c.mlp_hidden = 80;
   auto model = random_model(c, 31);
   const Tokenizer tok = letters();
-  const GgufFile file = reparsed(model_to_gguf(*model, tok, GgmlType::Q4_0, {}));
+  const GgufFile file = reparsed(model_to_gguf(*model, tok, gguf_mix(GgmlType::Q4_0), {}));
   EXPECT_EQ(file.get_int("general.file_type", "t"), 2);  // llama.cpp's MOSTLY_Q4_0
   auto type_of = [&](const char* name) {
     const GgufTensor* t = file.tensor(name);
@@ -139,7 +139,8 @@ TEST_P(GgufQ4RoundTrip, ImportHoldsTheRoundedMatricesAndExportsTheSameBytes) {
   EXPECT_NE(rounded[0].second.data, original[0].second.data) << "nothing was rounded";
   test::expect_bit_identical(back.model, rounded);
 
-  const GgufFile again = reparsed(model_to_gguf(*model_of(back), tok, GgmlType::Q4_0, {}));
+  const GgufFile again =
+      reparsed(model_to_gguf(*model_of(back), tok, gguf_mix(GgmlType::Q4_0), {}));
   ASSERT_EQ(again.tensors.size(), file.tensors.size());
   for (size_t i = 0; i < file.tensors.size(); ++i) {
     const GgufTensor &a = file.tensors[i], &b = again.tensors[i];
@@ -155,7 +156,7 @@ INSTANTIATE_TEST_SUITE_P(Tied, GgufQ4RoundTrip, ::testing::Bool());
 // The q and k rows are reordered for llama.cpp's RoPE; the stored matrix is not kvlab's.
 TEST(GgufExport, ReordersQueryAndKeyRowsPerHead) {
   auto model = random_model(llama_config(2), 3);
-  const GgufFile f = model_to_gguf(*model, letters(), GgmlType::F32, {});
+  const GgufFile f = model_to_gguf(*model, letters(), gguf_mix(GgmlType::F32), {});
   const ArrayF32 q = gguf_tensor_values(*f.tensor("blk.0.attn_q.weight"));
   const ArrayF32 v = gguf_tensor_values(*f.tensor("blk.0.attn_v.weight"));
   const NamedArrays a = to_arrays(model->named_parameters());
@@ -176,7 +177,7 @@ TEST(GgufExport, ReordersQueryAndKeyRowsPerHead) {
 TEST(GgufExport, Gpt2BlockAsLlamaCppsGpt2) {
   GPTConfig c = test::tiny_config(2, 16, "gpt2");
   auto model = random_model(c, 5);
-  const GgufFile f = model_to_gguf(*model, test::tiny_tokenizer(), GgmlType::F16, {});
+  const GgufFile f = model_to_gguf(*model, test::tiny_tokenizer(), gguf_mix(GgmlType::F16), {});
   EXPECT_EQ(f.get_string("general.architecture", "t"), "gpt2");
   const GgufTensor* qkv = f.tensor("blk.1.attn_qkv.weight");
   ASSERT_NE(qkv, nullptr);
@@ -185,7 +186,7 @@ TEST(GgufExport, Gpt2BlockAsLlamaCppsGpt2) {
   EXPECT_EQ(f.tensor("blk.1.attn_qkv.bias")->type, GgmlType::F32);
   EXPECT_NE(f.tensor("position_embd.weight"), nullptr);
   // q4_0: the tied head (token_embd) in q8_0, the blocks' matrices in q4_0.
-  const GgufFile q4 = model_to_gguf(*model, test::tiny_tokenizer(), GgmlType::Q4_0, {});
+  const GgufFile q4 = model_to_gguf(*model, test::tiny_tokenizer(), gguf_mix(GgmlType::Q4_0), {});
   EXPECT_EQ(q4.tensor("token_embd.weight")->type, GgmlType::Q8_0);
   EXPECT_EQ(q4.tensor("blk.1.attn_qkv.weight")->type, GgmlType::Q4_0);
   EXPECT_EQ(q4.tensor("blk.1.ffn_down.weight")->type, GgmlType::Q4_0);
@@ -198,9 +199,10 @@ TEST(GgufExport, RefusesWhatLlamaCppHasNoArchitectureFor) {
   GPTConfig mixed = test::tiny_config(4, 16, "gpt2");
   mixed.pos = "rope";  // GPT-2's block with RoPE: neither architecture
   auto m = random_model(mixed, 1);
-  EXPECT_NE(error_of([&] { model_to_gguf(*m, test::tiny_tokenizer(), GgmlType::F32, {}); })
-                .find("neither llama.cpp's llama"),
-            std::string::npos);
+  const auto refused = [&] {
+    model_to_gguf(*m, test::tiny_tokenizer(), gguf_mix(GgmlType::F32), {});
+  };
+  EXPECT_NE(error_of(refused).find("neither llama.cpp's llama"), std::string::npos);
 }
 
 TEST(GgufExport, TokenizersComeBackEqual) {
@@ -216,7 +218,7 @@ TEST(GgufExport, TokenizersComeBackEqual) {
     c.vocab_size = tok.vocab_size();
     auto model = random_model(c, 2);
     const Checkpoint back =
-        gguf_to_checkpoint(reparsed(model_to_gguf(*model, tok, GgmlType::F32, {})), "t");
+        gguf_to_checkpoint(reparsed(model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {})), "t");
     EXPECT_EQ(get_tokenizer(back, "t"), tok) << tok.kind_name();
   }
 }
@@ -225,7 +227,7 @@ TEST(GgufExport, TokenizersComeBackEqual) {
 
 TEST(GgufImport, RefusesNamingTheKeyOrTensor) {
   auto model = random_model(llama_config(2), 4);
-  const GgufFile good = model_to_gguf(*model, letters(), GgmlType::Q8_0, {});
+  const GgufFile good = model_to_gguf(*model, letters(), gguf_mix(GgmlType::Q8_0), {});
   auto refusal = [&](const std::function<void(GgufFile&)>& damage) {
     GgufFile f = good;
     damage(f);
@@ -260,6 +262,33 @@ TEST(GgufImport, RefusesNamingTheKeyOrTensor) {
               f.set("llama.attention.head_count_kv", GgufValue::scalar(GgufType::U32, 4));
             }).find("wrong shape"),
             std::string::npos);
+}
+
+// A block tensor whose scale is an infinity or a NaN (a hostile or broken file) decodes to
+// values that are not finite: import refuses it by the tensor's name, for every block type.
+TEST(GgufImport, BlocksWithNonFiniteScalesAreRefusedByTensor) {
+  GPTConfig c = llama_config(2);
+  c.n_head = 4;
+  c.n_embd = 256;  // whole super-blocks in attn_q's rows
+  auto model = random_model(c, 4);
+  const GgufFile good = model_to_gguf(*model, letters(), gguf_mix("f32"), {});
+  const ArrayF32 q = gguf_tensor_values(*good.tensor("blk.0.attn_q.weight"));
+  for (const GgmlType type : {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q5_1,
+                              GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
+    // Where the block keeps its first f16 scale (ggml-common.h): q6_K's after its codes.
+    const size_t scale_at = type == GgmlType::Q6_K ? 208 : 0;
+    for (const uint16_t bad : {uint16_t{0x7c00}, uint16_t{0x7e00}}) {  // +inf, a NaN
+      GgufFile f = good;
+      for (GgufTensor& t : f.tensors)
+        if (t.name == "blk.0.attn_q.weight") {
+          t = make_gguf_tensor(t.name, q, type);
+          std::memcpy(t.data.data() + scale_at, &bad, 2);
+        }
+      const std::string e = error_of([&] { gguf_to_checkpoint(reparsed(f), "m.gguf"); });
+      EXPECT_NE(e.find("blk.0.attn_q.weight holds NaN or inf"), std::string::npos)
+          << ggml_type_name(type) << ": " << e;
+    }
+  }
 }
 
 // ---- llama.cpp itself ------------------------------------------------------------------------------
@@ -419,7 +448,7 @@ PeerJob make_peer_job(GgmlType type, int64_t nkv, const Tokenizer& tok, const fs
   job.bound_excludes_unrounded = type == GgmlType::Q4_0;
   // gpt2: ggml's CPU GELU rounds its input to f16 and reads a table, so 1e-2 there.
   job.tolerance = nkv == 0 ? 1e-2 : 2e-4;  // f32; the rounded types' is kActivationRounding W
-  const GgufFile f = model_to_gguf(*model, tok, type, {});
+  const GgufFile f = model_to_gguf(*model, tok, gguf_mix(type), {});
   write_gguf(job.gguf, f);
   // f32 is exact (GgufRoundTrip); the rounded types are compared with their import.
   std::unique_ptr<GPT> rounded;
@@ -577,13 +606,15 @@ TEST_F(GgufLlamaCpp, SameGreedyContinuationAsKvlab) {
 
 // llama-quantize's mix `ftype` (llama.h's llama_ftype) of the f32 GGUF `in`, written to `out` by
 // its own quantiser (tests/infer/llama_cpp/quantize.py: llama_model_quantize from
-// node-llama-cpp's prebuilt libllama); false with why when it cannot run.
-bool llama_quantize(const fs::path& in, const fs::path& out, int ftype, std::string& why) {
+// node-llama-cpp's prebuilt libllama), or its --pure form; false with why when it cannot run.
+bool llama_quantize(const fs::path& in, const fs::path& out, int ftype, std::string& why,
+                    bool pure = false) {
   const fs::path bins = test::kLlamaCppPeer / "node_modules/@node-llama-cpp/linux-x64/bins/linux-x64";
   const std::string cmd = std::string(KVLAB_PYTHON3) + " '" +
                           (test::kLlamaCppPeer / "quantize.py").string() + "' '" + bins.string() +
                           "' '" + in.string() + "' '" + out.string() + "' " +
-                          std::to_string(ftype) + " > '" + out.string() + ".log' 2>&1";
+                          std::to_string(ftype) + (pure ? " --pure" : "") + " > '" +
+                          out.string() + ".log' 2>&1";
   const int status = std::system(cmd.c_str());
   const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   if (rc == 0) return true;
@@ -621,7 +652,7 @@ PeerJob make_llama_quantize_job(int ftype, const std::string& name, const Tokeni
   // kActivationRounding was measured for: 1.02-1.48 W here (AVX2), so 2 W.
   job.activation_rounding = 2.0;
   const fs::path f32 = dir / (name + "_f32.gguf");
-  write_gguf(f32, model_to_gguf(*model, tok, GgmlType::F32, {}));
+  write_gguf(f32, model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {}));
   if (!llama_quantize(f32, job.gguf, ftype, why)) return job;
   const auto imported = model_of(gguf_to_checkpoint(read_gguf(job.gguf), name));
   job.expected = greedy(*imported, tok, kPrompt, n_new, &job.logits);
@@ -675,6 +706,68 @@ TEST_F(GgufLlamaCpp, LlamaQuantizeMixesImportAndDecodeAsLlamaCpp) {
     while (same < tokens.size() && tokens[same] == jobs[i].expected[same]) ++same;
     expect_within_activation_rounding(jobs[i], out[i], tokens, same);
   }
+}
+
+// ---- kvlab's mixes against llama-quantize's -------------------------------------------------
+
+// kvlab export --dtype D (and --pure) against llama-quantize's D (and --pure) of kvlab's f32
+// export of the same model: the same tensors (llama-quantize orders them its own way), each of
+// the same shape and type and the same bytes, and the files the same general.file_type. Eight layers, so that the _M mixes' more-bits
+// layers (0, 3, 6 and 7) and the others are both there; an FFN of 800, so that ffn_down's rows
+// are not whole super-blocks and fall back (q5_0, q5_1, q8_0); tied and untied heads, so that
+// the 6-bit rule meets token_embd and output; and GPT-2's block, whose attn_qkv is attn_v-like
+// and whose position table is left alone.
+TEST_F(GgufLlamaCpp, ExportMixesAreLlamaQuantizesTypesAndBytes) {
+  std::vector<std::pair<std::string, GPTConfig>> models;
+  for (const bool tied : {true, false}) {
+    GPTConfig c = llama_config(2, tied);
+    c.n_layer = 8;
+    c.n_head = 4;
+    c.n_embd = 256;
+    c.mlp_hidden = 800;
+    models.emplace_back(tied ? "llama_tied" : "llama_untied", c);
+  }
+  GPTConfig gpt2 = test::tiny_config(2, 16, "gpt2");
+  gpt2.n_layer = 8;
+  gpt2.n_embd = 256;
+  gpt2.vocab_size = 27;
+  models.emplace_back("gpt2", gpt2);
+  const Tokenizer tok = letters();
+  int quantised_tensors = 0;
+  std::set<std::string> types_seen;
+  for (const auto& [model_name, c] : models) {
+    auto model = random_model(c, 50);
+    const fs::path f32 = dir_ / (model_name + "_f32.gguf");
+    write_gguf(f32, model_to_gguf(*model, tok, gguf_mix("f32"), {}));
+    for (const GgufMix& mix : kGgufMixes) {
+      if (mix.file_type == 0) continue;
+      for (const bool pure : {false, true}) {
+        const std::string name = model_name + "_" + mix.name + (pure ? "_pure" : "");
+        SCOPED_TRACE(name);
+        std::string why;
+        const fs::path theirs_path = dir_ / (name + ".gguf");
+        if (!llama_quantize(f32, theirs_path, mix.file_type, why, pure)) GTEST_SKIP() << why;
+        const GgufFile theirs = read_gguf(theirs_path);
+        const GgufFile ours = reparsed(model_to_gguf(*model, tok, mix, {}, MlaUpForm::Split, pure));
+        EXPECT_EQ(ours.get_int("general.file_type", name), theirs.get_int("general.file_type", name));
+        ASSERT_EQ(ours.tensors.size(), theirs.tensors.size());
+        for (const GgufTensor& a : ours.tensors) {  // llama-quantize writes them in its order
+          const GgufTensor* found = theirs.tensor(a.name);
+          ASSERT_NE(found, nullptr) << a.name;
+          const GgufTensor& b = *found;
+          EXPECT_EQ(a.dims, b.dims) << a.name;
+          EXPECT_EQ(ggml_type_name(a.type), ggml_type_name(b.type)) << a.name;
+          EXPECT_TRUE(a.data == b.data) << a.name << ": the same type, other bytes";
+          quantised_tensors += format_of(a.type).block_values > 1;
+          types_seen.insert(ggml_type_name(a.type));
+        }
+      }
+    }
+  }
+  // The comparison reached every type the mixes write.
+  for (const char* t : {"q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"})
+    EXPECT_TRUE(types_seen.count(t)) << "no tensor was " << t;
+  EXPECT_GT(quantised_tensors, 0);
 }
 
 }  // namespace

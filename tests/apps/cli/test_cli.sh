@@ -184,6 +184,7 @@ fi
 check "imported_from is the GGUF's content hash" 0 "$(fnv1a64 "$work/llama.gguf")" -- json_config "$work/imported.h5" imported_from
 check "export --dtype q8_0, imported back" 0 "imported" -- bash -c '"$0" export --ckpt "$1" --out "$2" --dtype q8_0 && "$0" import --gguf "$2" --out "$3"' "$KVLAB" "$work/llama_kv2/final.h5" "$work/q8.gguf" "$work/q8.h5"
 check "export --dtype q4_0, imported back" 0 "imported" -- bash -c '"$0" export --ckpt "$1" --out "$2" --dtype q4_0 && "$0" import --gguf "$2" --out "$3"' "$KVLAB" "$work/llama_kv2/final.h5" "$work/q4.gguf" "$work/q4.h5"
+check "export --dtype q4_k_m, imported back" 0 "imported" -- bash -c '"$0" export --ckpt "$1" --out "$2" --dtype q4_k_m && "$0" import --gguf "$2" --out "$3"' "$KVLAB" "$work/llama_kv2/final.h5" "$work/q4km.gguf" "$work/q4km.h5"
 check "convert an imported checkpoint" 0 "(n_kv_head 1, " -- "$KVLAB" convert --ckpt "$work/imported.h5" --n-kv-head 1 --method mean --out "$work/imported_mqa.h5"
 check "train --init-from an imported checkpoint" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --init-from "$work/imported.h5" --out "$work/upgguf"
 check "export GPT-2's block as gpt2" 0 "gpt2 architecture" -- "$KVLAB" export --ckpt "$work/mha/final.h5" --out "$work/gpt2.gguf" --dtype f16
@@ -196,7 +197,8 @@ check "export: unknown format" 2 "--format: onnx not in" -- "$KVLAB" export --ck
 check "export: OUT is IN" 2 "is the checkpoint --ckpt reads" -- "$KVLAB" export --ckpt "$work/llama_kv2/final.h5" --out "$work/llama_kv2/final.h5"
 check "export wrote nothing for bad input" 2 "No such file" -- ls "$work/x.gguf"
 check "export --help" 0 "--dtype" -- "$KVLAB" export --help
-check "export --help: q4_0 keeps the LM head q8_0" 0 "q4_0 writes the LM head" -- "$KVLAB" export --help
+check "export --help: llama-quantize's mixes" 0 "q4_k_m, q5_k_m or q6_k" -- "$KVLAB" export --help
+check "export --help: --pure" 0 "llama-quantize --pure" -- "$KVLAB" export --help
 check "import --help" 0 "--gguf" -- "$KVLAB" import --help
 check "train --init-from" 0 "finished at step 4" -- "$KVLAB" train "${short[@]}" --init-from "$work/gqa.h5" --out "$work/up"
 check "train --init-from writes final.h5" 0 "" -- ls "$work/up/final.h5"

@@ -2,9 +2,10 @@
 """llama-quantize's own quantiser on a GGUF file: llama_model_quantize, the function the
 llama-quantize tool runs, from node-llama-cpp's prebuilt libllama (no build, no network).
 
-usage: quantize.py BINS_DIR IN.gguf OUT.gguf FTYPE
+usage: quantize.py BINS_DIR IN.gguf OUT.gguf FTYPE [--pure]
 FTYPE is llama.h's llama_ftype (2 Q4_0, 15 Q4_K_M, 17 Q5_K_M, 18 Q6_K, ...); default
-parameters otherwise (no importance matrix, the type mix llama-quantize picks for FTYPE).
+parameters otherwise (no importance matrix, the type mix llama-quantize picks for FTYPE), or
+with --pure every matrix in FTYPE's own type (llama-quantize --pure).
 Exit 77 when the library cannot be loaded (the caller skips).
 """
 import ctypes
@@ -26,9 +27,10 @@ class QuantizeParams(ctypes.Structure):
 
 
 def main():
-    if len(sys.argv) != 5:
+    if len(sys.argv) not in (5, 6) or sys.argv[5:] not in ([], ["--pure"]):
         sys.exit(__doc__)
     bins, src, dst, ftype = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    pure = sys.argv[5:] == ["--pure"]
     try:
         # Its dependencies first, global, so that libllama finds them beside it.
         for pattern in ("libggml-base.so", "libggml.v*.so", "libggml.so"):
@@ -45,6 +47,7 @@ def main():
     params = lib.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = 1
+    params.pure = pure
     if lib.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) != 0:
         sys.exit(f"quantize.py: llama_model_quantize failed on {src}")
 
