@@ -10,6 +10,7 @@
 
 #include "apps/cli.h"
 #include "apps/train_progress.h"
+#include "checkpoints/gguf_model.h"
 #include "checkpoints/model_io.h"
 
 namespace kvlab {
@@ -18,7 +19,7 @@ namespace {
 
 struct TokenizerArgs {
   std::string train_pattern = "kvlab";
-  std::string corpus, out, pattern, tiktoken, vocab, merges, tokenizer, input;
+  std::string corpus, out, pattern, tiktoken, vocab, merges, gguf, tokenizer, input;
   int vocab_size = 0;
   bool json = false;
 };
@@ -57,21 +58,35 @@ void run_train(const TokenizerArgs& a) {
   print_summary("wrote", tok, a.out);
 }
 
-void run_import(const TokenizerArgs& a) {
+// The tokenizer of one of import's three sources.
+Tokenizer imported_tokenizer(const TokenizerArgs& a) {
   const bool gpt2_files = !a.vocab.empty() || !a.merges.empty();
-  KVLAB_USAGE_CHECK(a.tiktoken.empty() != !gpt2_files,
-                    "tokenizer import takes either --tiktoken FILE or --vocab FILE --merges FILE");
+  KVLAB_USAGE_CHECK(!a.tiktoken.empty() + gpt2_files + !a.gguf.empty() == 1,
+                    "tokenizer import takes one of --tiktoken FILE, --vocab FILE --merges FILE "
+                    "or --gguf FILE");
+  if (!a.gguf.empty()) {
+    KVLAB_USAGE_CHECK(a.pattern.empty(), "tokenizer import --gguf: the file names its "
+                      "pre-tokenizer (tokenizer.ggml.pre); leave --pattern out");
+    return gguf_tokenizer(read_gguf(a.gguf), a.gguf);
+  }
   KVLAB_USAGE_CHECK(!gpt2_files || (!a.vocab.empty() && !a.merges.empty()),
                     "tokenizer import: --vocab and --merges go together");
-  KVLAB_USAGE_CHECK(gpt2_files || !a.pattern.empty(),
-                    "tokenizer import --tiktoken needs --pattern (gpt2, cl100k or kvlab): a rank "
-                    "file does not name its pre-split regex");
+  KVLAB_USAGE_CHECK(gpt2_files || !a.pattern.empty(), "tokenizer import --tiktoken needs --pattern (",
+                    pattern_names(), "): a rank file does not name its pre-split regex");
   const SplitPattern pattern = parse_pattern(a.pattern.empty() ? "gpt2" : a.pattern);
-  const Tokenizer tok = Tokenizer::bpe(
-      gpt2_files ? BpeTokenizer::from_gpt2(read_all(a.vocab), read_all(a.merges), pattern)
-                 : BpeTokenizer::from_tiktoken(read_all(a.tiktoken), pattern));
+  return Tokenizer::bpe(gpt2_files
+                            ? BpeTokenizer::from_gpt2(read_all(a.vocab), read_all(a.merges), pattern)
+                            : BpeTokenizer::from_tiktoken(read_all(a.tiktoken), pattern));
+}
+
+void run_import(const TokenizerArgs& a) {
+  const Tokenizer tok = imported_tokenizer(a);
   save_tokenizer(a.out, tok);
-  print_summary("wrote", tok, a.out);
+  if (tok.bpe())
+    print_summary("wrote", tok, a.out);
+  else
+    std::printf("wrote %s: %s, %d tokens\n", a.out.c_str(), tok.kind_name().c_str(),
+                tok.vocab_size());
 }
 
 void run_encode(const TokenizerArgs& a) {
@@ -144,7 +159,8 @@ void add_tokenizer_command(CLI::App& root) {
   CLI::App* cmd = root.add_subcommand(
       "tokenizer", "Train, import, and use byte-level BPE tokenizers (tok.h5 files)");
   cmd->require_subcommand(1);
-  const auto pattern_check = CLI::IsMember({"gpt2", "cl100k", "kvlab"});
+  // Training takes kvlab's own patterns; an imported vocabulary any of them.
+  const auto train_patterns = CLI::IsMember({"gpt2", "cl100k", "kvlab"});
 
   CLI::App* train = cmd->add_subcommand("train", "Learn a BPE vocabulary from a corpus");
   train->add_option("--corpus", a->corpus, "Text file to learn from")->required();
@@ -157,18 +173,22 @@ void add_tokenizer_command(CLI::App& root) {
   train
       ->add_option("--pattern", a->train_pattern,
                    "Pre-split regex: kvlab (the cl100k regex), cl100k or gpt2")
-      ->check(pattern_check)
+      ->check(train_patterns)
       ->capture_default_str();
   train->callback([a] { run_train(*a); });
 
   CLI::App* import = cmd->add_subcommand(
       "import",
-      "Write a tokenizer file from a tiktoken rank file or GPT-2's vocab.json + merges.txt");
+      "Write a tokenizer file from a tiktoken rank file, GPT-2's vocab.json + merges.txt, or a "
+      "GGUF file's vocabulary (a model, or llama.cpp's vocabulary-only files)");
   import->add_option("--tiktoken", a->tiktoken, "tiktoken rank file (<base64 token> <rank> lines)");
   import->add_option("--vocab", a->vocab, "GPT-2 vocab.json");
   import->add_option("--merges", a->merges, "GPT-2 merges.txt");
-  import->add_option("--pattern", a->pattern, "Pre-split regex: gpt2, cl100k or kvlab")
-      ->check(pattern_check);
+  import->add_option("--gguf", a->gguf,
+                     "GGUF file whose tokenizer.ggml.* vocabulary to read (byte-level BPE; "
+                     "pre-tokenizer gpt-2, llama-bpe or qwen2)");
+  import->add_option("--pattern", a->pattern, "Pre-split regex: " + pattern_names())
+      ->check(CLI::IsMember(pattern_name_list()));
   import->add_option("--out", a->out, "Tokenizer file to write (.h5)")->required();
   import->callback([a] { run_import(*a);
 });

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <map>
+#include <unordered_map>
+#include <unordered_set>
 #include <nlohmann/json.hpp>
 
 #include "checkpoints/gguf_mix.h"
@@ -13,6 +15,9 @@ namespace kvlab {
 namespace {
 
 constexpr double kNormEps = 1e-5;  // every kvlab LayerNorm and RMSNorm (nn/gpt.cpp)
+
+// llama.h's llama_token_type values a byte-level BPE vocabulary holds.
+enum TokenType : int64_t { kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5 };
 
 // One parameter's place in both files. rope_width > 0: a projection of `heads` equal blocks of
 // rows whose last rope_width rows RoPE turns, reordered between the two RoPE conventions.
@@ -203,21 +208,57 @@ void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& 
 
 // The vocabulary as llama.cpp's `gpt2` (byte-level BPE) tokenizer: every token's bytes in
 // GPT-2's byte-to-character spelling. A char or byte vocabulary is one without merges.
+// llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) for kvlab's split patterns: the
+// cl100k regex is llama-bpe's, whose llama3 rule kvlab's cl100k and kvlab patterns leave out
+// (kvlab.bpe_pattern then says which).
+constexpr std::pair<SplitPattern, const char*> kPreTokenizers[] = {
+    {SplitPattern::Gpt2, "gpt-2"},       {SplitPattern::Llama3, "llama-bpe"},
+    {SplitPattern::Qwen2, "qwen2"},      {SplitPattern::Cl100k, "llama-bpe"},
+    {SplitPattern::Kvlab, "llama-bpe"},
+};
+
+// The pattern of a file's pre-tokenizer, or of its kvlab.bpe_pattern where an export wrote one
+// (which must agree with the pre-tokenizer).
+SplitPattern split_pattern_of(const std::string& pre, const GgufValue* kvlab_pattern,
+                              std::string_view what) {
+  if (kvlab_pattern && kvlab_pattern->type == GgufType::String) {
+    const SplitPattern p = parse_pattern(kvlab_pattern->strings[0]);
+    for (const auto& [pattern, name] : kPreTokenizers)
+      if (pattern == p && pre == name) return p;
+    throw Error(detail::cat(what, ": kvlab.bpe_pattern '", kvlab_pattern->strings[0],
+                            "' is not what tokenizer.ggml.pre '", pre, "' splits by"));
+  }
+  for (const auto& [pattern, name] : kPreTokenizers)
+    if (pre == name) return pattern;
+  throw Error(detail::cat(what, ": tokenizer.ggml.pre '", pre,
+                          "' is a pre-tokenizer kvlab lacks (it has gpt-2, llama-bpe and qwen2)"));
+}
+
 void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
   std::vector<std::string> tokens;
   std::vector<int64_t> types;
   const int n = tok.vocab_size();
   const int n_special = tok.bpe() ? tok.bpe()->n_special() : 0;
   for (int32_t id = 0; id < n; ++id) {
-    tokens.push_back(gpt2_bytes_to_text(tok.decode_one(id)));
-    types.push_back(id >= n - n_special ? 3 : 1);  // llama_token_type: CONTROL, NORMAL
+    if (id < n - n_special) {
+      tokens.push_back(gpt2_bytes_to_text(tok.decode_one(id)));
+      types.push_back(kNormal);
+      continue;
+    }
+    // A special token's own text, as llama.cpp reads control tokens; an unused id empty.
+    const std::string& bytes = tok.bpe()->tokens()[static_cast<size_t>(id)];
+    tokens.push_back(bytes);
+    types.push_back(bytes.empty() ? kUnused : kControl);
   }
   std::vector<std::string> merges;
   std::string pre = "gpt-2";
   if (const BpeTokenizer* bpe = tok.bpe()) {
     for (const BpeMerge& m : bpe->merges()) merges.push_back(tokens[m.left] + " " + tokens[m.right]);
-    // llama.cpp's pre-tokenizers: "gpt-2" is GPT-2's regex, "llama-bpe" cl100k's.
-    if (bpe->pattern() != SplitPattern::Gpt2) pre = "llama-bpe";
+    for (const auto& [pattern, name] : kPreTokenizers)
+      if (pattern == bpe->pattern()) {
+        pre = name;
+        break;
+      }
     f.set("kvlab.bpe_pattern", GgufValue::string(pattern_name(bpe->pattern())));
   }
   f.set("tokenizer.ggml.model", GgufValue::string("gpt2"));
@@ -259,51 +300,6 @@ const std::vector<std::string>& string_array(const GgufFile& f, const char* key,
   return v->strings;
 }
 
-Tokenizer tokenizer_of(const GgufFile& f, std::string_view what) {
-  const std::string& model = f.get_string("tokenizer.ggml.model", what);
-  KVLAB_CHECK(model == "gpt2", what, ": tokenizer.ggml.model is '", model,
-              "'; kvlab imports only byte-level BPE vocabularies ('gpt2')");
-  const std::vector<std::string>& tokens = string_array(f, "tokenizer.ggml.tokens", what);
-  const GgufValue* kind_key = f.find("kvlab.tokenizer");
-  const std::string kind =
-      kind_key && kind_key->type == GgufType::String ? kind_key->strings[0] : "bpe";
-  std::vector<std::string> bytes(tokens.size());
-  for (size_t id = 0; id < tokens.size(); ++id)
-    KVLAB_CHECK(gpt2_text_to_bytes(tokens[id], bytes[id]), what, ": tokenizer.ggml.tokens[", id,
-                "] is not in GPT-2's byte-to-character spelling");
-  if (kind == "char" || kind == "byte") {
-    std::vector<uint32_t> vocab;
-    for (size_t id = 0; id < bytes.size(); ++id) {
-      const int64_t cp = kind == "char" ? single_code_point(bytes[id])
-                         : bytes[id].size() == 1 ? static_cast<uint8_t>(bytes[id][0]) : -1;
-      KVLAB_CHECK(cp >= 0, what, ": tokenizer.ggml.tokens[", id, "] is not one ",
-                  kind == "char" ? "character" : "byte", " of a ", kind, " vocabulary");
-      vocab.push_back(static_cast<uint32_t>(cp));
-    }
-    return Tokenizer::from_vocab(Tokenizer::parse_kind(kind), std::move(vocab));
-  }
-  KVLAB_CHECK(kind == "bpe", what, ": kvlab.tokenizer '", kind, "' is not char, byte or bpe");
-  const std::string& pre = f.find("tokenizer.ggml.pre") ? f.get_string("tokenizer.ggml.pre", what)
-                                                          : std::string("gpt-2");
-  SplitPattern pattern;
-  if (pre == "gpt-2") {
-    pattern = SplitPattern::Gpt2;
-  } else if (pre == "llama-bpe") {
-    const GgufValue* p = f.find("kvlab.bpe_pattern");
-    pattern = p && p->type == GgufType::String && p->strings[0] == "kvlab" ? SplitPattern::Kvlab
-                                                                           : SplitPattern::Cl100k;
-  } else {
-    throw Error(detail::cat(what, ": tokenizer.ggml.pre '", pre,
-                            "' is a pre-tokenizer kvlab lacks (it has gpt-2 and llama-bpe)"));
-  }
-  // GPT-2's vocab.json and merges.txt, which BpeTokenizer::from_gpt2 checks and reads.
-  nlohmann::json vocab = nlohmann::json::object();
-  for (size_t id = 0; id < tokens.size(); ++id) vocab[tokens[id]] = id;
-  KVLAB_CHECK(vocab.size() == tokens.size(), what, ": tokenizer.ggml.tokens repeats a token");
-  std::string merges_txt;
-  for (const std::string& m : string_array(f, "tokenizer.ggml.merges", what)) merges_txt += m + "\n";
-  return Tokenizer::bpe(BpeTokenizer::from_gpt2(vocab.dump(), merges_txt, pattern));
-}
 
 // The config a `llama` or `deepseek2` file's keys give, and (deepseek2) the form of its
 // up-projection.
@@ -493,6 +489,109 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mi
   return f;
 }
 
+namespace {
+
+// A kvlab export's char or byte vocabulary: one character or byte a token, spelled as GPT-2's.
+Tokenizer char_or_byte_vocabulary(const std::vector<std::string>& tokens, const std::string& kind,
+                                  std::string_view what) {
+  std::vector<uint32_t> vocab;
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    std::string bytes;
+    KVLAB_CHECK(gpt2_text_to_bytes(tokens[id], bytes), what, ": tokenizer.ggml.tokens[", id,
+                "] is not in GPT-2's byte-to-character spelling");
+    const int64_t cp = kind == "char" ? single_code_point(bytes)
+                       : bytes.size() == 1 ? static_cast<uint8_t>(bytes[0]) : -1;
+    KVLAB_CHECK(cp >= 0, what, ": tokenizer.ggml.tokens[", id, "] is not one ",
+                kind == "char" ? "character" : "byte", " of a ", kind, " vocabulary");
+    vocab.push_back(static_cast<uint32_t>(cp));
+  }
+  return Tokenizer::from_vocab(Tokenizer::parse_kind(kind), std::move(vocab));
+}
+
+// Which ids are special (never made from text): those tokenizer.ggml.token_type says are
+// control, user-defined or unused, or where a file has no types, the tokens after the last
+// that a merge makes (GPT-2's <|endoftext|>).
+std::vector<bool> special_tokens(const GgufFile& f, const std::vector<std::string>& tokens,
+                                 std::string_view what) {
+  std::vector<bool> special(tokens.size());
+  if (const GgufValue* types = f.find("tokenizer.ggml.token_type")) {
+    KVLAB_CHECK(types->is_array() && types->ints.size() == tokens.size(), what,
+                ": tokenizer.ggml.token_type is not one integer a token");
+    for (size_t id = 0; id < tokens.size(); ++id) {
+      const int64_t t = types->ints[id];
+      KVLAB_CHECK(t == kNormal || t == kControl || t == kUserDefined || t == kUnused, what,
+                  ": tokenizer.ggml.token_type[", id, "] is ", t,
+                  " (a byte-level BPE vocabulary's are 1, 3, 4 and 5)");
+      special[id] = t != kNormal;
+    }
+    return special;
+  }
+  std::unordered_set<std::string> made;
+  for (const std::string& m : string_array(f, "tokenizer.ggml.merges", what)) {
+    std::string joined = m;
+    std::erase(joined, ' ');
+    made.insert(joined);
+  }
+  for (size_t id = tokens.size(); id-- > 0 && tokens[id].size() > 1 && !made.count(tokens[id]);)
+    special[id] = true;
+  return special;
+}
+
+// A byte-level BPE vocabulary: an ordinary token's text is GPT-2's byte-to-character
+// spelling of its bytes, a special token's its own text (as llama.cpp reads them); the merges
+// are "left right" in the ordinary tokens' spelling.
+Tokenizer bpe_vocabulary(const GgufFile& f, const std::vector<std::string>& tokens,
+                         SplitPattern pattern, std::string_view what) {
+  const std::vector<bool> special = special_tokens(f, tokens, what);
+  std::vector<std::string> bytes(tokens.size());
+  std::vector<int32_t> special_ids;
+  std::unordered_map<std::string_view, int32_t> id_of;  // spelled text -> ordinary id
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    const auto i = static_cast<int32_t>(id);
+    if (special[id]) {  // an unused id without text stays empty
+      bytes[id] = tokens[id];
+      if (!bytes[id].empty()) special_ids.push_back(i);
+      continue;
+    }
+    KVLAB_CHECK(gpt2_text_to_bytes(tokens[id], bytes[id]), what, ": tokenizer.ggml.tokens[", id,
+                "] is not in GPT-2's byte-to-character spelling");
+    KVLAB_CHECK(id_of.emplace(tokens[id], i).second, what, ": tokenizer.ggml.tokens[", id,
+                "] repeats an earlier token");
+  }
+  const std::vector<std::string>& merges = string_array(f, "tokenizer.ggml.merges", what);
+  std::vector<std::pair<int32_t, int32_t>> pairs;
+  pairs.reserve(merges.size());
+  for (size_t i = 0; i < merges.size(); ++i) {
+    const std::string_view m = merges[i];
+    const size_t space = m.find(' ');
+    const auto left = id_of.find(m.substr(0, space == std::string_view::npos ? 0 : space));
+    const auto right = id_of.find(m.substr(space == std::string_view::npos ? 0 : space + 1));
+    KVLAB_CHECK(space != std::string_view::npos && left != id_of.end() && right != id_of.end(),
+                what, ": tokenizer.ggml.merges[", i, "] ('", m,
+                "') is not two ordinary tokens separated by a space");
+    pairs.emplace_back(left->second, right->second);
+  }
+  return Tokenizer::bpe(BpeTokenizer::from_pairs(pattern, std::move(bytes), pairs, special_ids));
+}
+
+}  // namespace
+
+Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
+  const std::string& model = f.get_string("tokenizer.ggml.model", what);
+  KVLAB_CHECK(model == "gpt2", what, ": tokenizer.ggml.model is '", model,
+              "'; kvlab imports only byte-level BPE vocabularies ('gpt2')");
+  const std::vector<std::string>& tokens = string_array(f, "tokenizer.ggml.tokens", what);
+  const GgufValue* kind_key = f.find("kvlab.tokenizer");
+  const std::string kind =
+      kind_key && kind_key->type == GgufType::String ? kind_key->strings[0] : "bpe";
+  if (kind == "char" || kind == "byte") return char_or_byte_vocabulary(tokens, kind, what);
+  KVLAB_CHECK(kind == "bpe", what, ": kvlab.tokenizer '", kind, "' is not char, byte or bpe");
+  const std::string& pre = f.find("tokenizer.ggml.pre") ? f.get_string("tokenizer.ggml.pre", what)
+                                                          : std::string("gpt-2");
+  const SplitPattern pattern = split_pattern_of(pre, f.find("kvlab.bpe_pattern"), what);
+  return bpe_vocabulary(f, tokens, pattern, what);
+}
+
 Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {
   // The architecture and its hyper-parameters.
   const std::string& arch = f.get_string("general.architecture", what);
@@ -501,7 +600,7 @@ Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {
   MlaUpForm up = MlaUpForm::Split;
   const GPTConfig cfg = config_of(f, arch, up, what);
   cfg.validate();
-  const Tokenizer tok = tokenizer_of(f, what);
+  const Tokenizer tok = gguf_tokenizer(f, what);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, what, ": tokenizer.ggml.tokens has ",
               tok.vocab_size(), " tokens, token_embd.weight ", cfg.vocab_size, " rows");
 

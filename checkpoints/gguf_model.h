@@ -42,6 +42,11 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mi
 // 2i + 1), or back (to_gguf false).
 ArrayF32 reorder_rope_rows(const ArrayF32& w, int64_t blocks, int64_t rope_width, bool to_gguf);
 
+// A GGUF file's vocabulary (tokenizer.ggml.*; vocabulary-only files too): a byte-level BPE
+// (tokenizer.ggml.model gpt2) split by the pre-tokenizer it names (gpt-2, llama-bpe or qwen2),
+// or the char or byte vocabulary a kvlab export wrote. Errors name the key refused.
+Tokenizer gguf_tokenizer(const GgufFile& file, std::string_view what);
+
 // A `llama` or `deepseek2` GGUF file as a weights-only checkpoint (config, tokenizer, f32
 // weights), what generate, serve and train --init-from read. Errors name the key or tensor refused.
 Checkpoint gguf_to_checkpoint(const GgufFile& file, std::string_view what);

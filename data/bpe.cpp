@@ -23,6 +23,16 @@ constexpr char kGpt2Regex[] =
 constexpr char kCl100kRegex[] =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
+// Qwen2's (its tokenizer.json): cl100k's with \p{N} one digit at a time.
+constexpr char kQwen2Regex[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+constexpr SplitPattern kPatterns[] = {SplitPattern::Gpt2, SplitPattern::Cl100k, SplitPattern::Kvlab,
+                                      SplitPattern::Llama3, SplitPattern::Qwen2};
+
+// Whether a chunk that is itself an ordinary token encodes as that token, merges unasked.
+bool whole_chunk_first(SplitPattern p) { return p == SplitPattern::Llama3; }
+
 uint64_t pair_key(int32_t left, int32_t right) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
 }
@@ -155,19 +165,38 @@ std::string pattern_name(SplitPattern pattern) {
       return "cl100k";
     case SplitPattern::Kvlab:
       return "kvlab";
+    case SplitPattern::Llama3:
+      return "llama3";
+    case SplitPattern::Qwen2:
+      return "qwen2";
   }
   return "?";
 }
 
+std::vector<std::string> pattern_name_list() {
+  std::vector<std::string> names;
+  for (const SplitPattern p : kPatterns) names.push_back(pattern_name(p));
+  return names;
+}
+
+std::string pattern_names() {
+  const std::vector<std::string> names = pattern_name_list();
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  return out;
+}
+
 SplitPattern parse_pattern(std::string_view name) {
-  for (const auto p : {SplitPattern::Gpt2, SplitPattern::Cl100k, SplitPattern::Kvlab})
+  for (const auto p : kPatterns)
     if (name == pattern_name(p)) return p;
-  throw Error(
-      detail::cat("bpe: unknown pre-split pattern '", name, "' (expected gpt2, cl100k or kvlab)"));
+  throw Error(detail::cat("bpe: unknown pre-split pattern '", name, "' (expected ",
+                          pattern_names(), ")"));
 }
 
 const char* pattern_regex(SplitPattern pattern) {
-  return pattern == SplitPattern::Gpt2 ? kGpt2Regex : kCl100kRegex;
+  if (pattern == SplitPattern::Gpt2) return kGpt2Regex;
+  return pattern == SplitPattern::Qwen2 ? kQwen2Regex : kCl100kRegex;
 }
 
 PreSplitter::PreSplitter(SplitPattern pattern) {
@@ -223,6 +252,7 @@ struct BpeTokenizer::Tables {
   PreSplitter splitter;
   std::array<int32_t, 256> byte_token{};
   MergeMap merges;
+  std::unordered_map<std::string, int32_t> whole_token;  // whole_chunk_first: bytes -> id
   // Chunk -> ids. Text repeats its words, so most chunks are found here; emptied when full.
   static constexpr size_t kCacheEntries = 1 << 18;
   std::mutex cache_mutex;
@@ -237,8 +267,8 @@ BpeTokenizer BpeTokenizer::from_parts(SplitPattern pattern, std::vector<std::str
   const int32_t ordinary = n_tokens - n_special;
   auto tables = std::make_shared<Tables>(pattern);
   tables->byte_token.fill(-1);
-  // made_at[id]: -1 for a byte, the rank of the merge that makes it, INT32_MAX for neither.
-  std::vector<int32_t> made_at(static_cast<size_t>(ordinary), INT32_MAX);
+  // made[id]: a byte, or made by a merge.
+  std::vector<bool> made(static_cast<size_t>(ordinary));
   int n_bytes = 0;
   for (int32_t id = 0; id < n_tokens; ++id) {
     const std::string& t = tokens[static_cast<size_t>(id)];
@@ -247,34 +277,30 @@ BpeTokenizer BpeTokenizer::from_parts(SplitPattern pattern, std::vector<std::str
     int32_t& slot = tables->byte_token[static_cast<uint8_t>(t[0])];
     KVLAB_CHECK(slot < 0, "bpe: tokens ", slot, " and ", id, " are both the byte ", printable(t));
     slot = id;
-    made_at[static_cast<size_t>(id)] = -1;
+    made[static_cast<size_t>(id)] = true;
     ++n_bytes;
   }
   KVLAB_CHECK(n_bytes == 256, "bpe: the vocabulary has ", n_bytes,
               " single-byte tokens; byte-level BPE needs all 256");
+  tables->merges.reserve(merges.size());
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const BpeMerge& m = merges[rank];
     const auto is_ordinary = [&](int32_t id) { return id >= 0 && id < ordinary; };
     KVLAB_CHECK(is_ordinary(m.left) && is_ordinary(m.right) && is_ordinary(m.token), "bpe: merge ",
                 rank, " (", m.left, " ", m.right, " -> ", m.token, ") names an id outside [0, ",
                 ordinary, ")");
-    const auto r = static_cast<int32_t>(rank);
-    KVLAB_CHECK(
-        made_at[static_cast<size_t>(m.left)] < r && made_at[static_cast<size_t>(m.right)] < r,
-        "bpe: merge ", rank, " uses a token no earlier merge makes");
-    KVLAB_CHECK(made_at[static_cast<size_t>(m.token)] == INT32_MAX, "bpe: merge ", rank,
-                " makes token ", m.token, ", which is a byte or made by an earlier merge");
     const std::string& left = tokens[static_cast<size_t>(m.left)];
     const std::string& right = tokens[static_cast<size_t>(m.right)];
     KVLAB_CHECK(tokens[static_cast<size_t>(m.token)] == left + right, "bpe: merge ", rank,
                 " joins '", printable(left), "' and '", printable(right), "' but token ", m.token,
                 " is '", printable(tokens[static_cast<size_t>(m.token)]), "'");
-    made_at[static_cast<size_t>(m.token)] = r;
+    made[static_cast<size_t>(m.token)] = true;
+    const auto r = static_cast<int32_t>(rank);
     KVLAB_CHECK(tables->merges.emplace(pair_key(m.left, m.right), MergeTarget{r, m.token}).second,
                 "bpe: merge ", rank, " repeats an earlier merge's pair");
   }
   for (int32_t id = 0; id < ordinary; ++id)
-    KVLAB_CHECK(made_at[static_cast<size_t>(id)] != INT32_MAX, "bpe: token ", id, " ('",
+    KVLAB_CHECK(made[static_cast<size_t>(id)], "bpe: token ", id, " ('",
                 printable(tokens[static_cast<size_t>(id)]),
                 "') is neither a byte nor made by a merge, and not special");
   BpeTokenizer tok;
@@ -282,6 +308,9 @@ BpeTokenizer BpeTokenizer::from_parts(SplitPattern pattern, std::vector<std::str
   tok.tokens_ = std::move(tokens);
   tok.merges_ = std::move(merges);
   tok.n_special_ = n_special;
+  if (whole_chunk_first(pattern))
+    for (int32_t id = 0; id < ordinary; ++id)
+      tables->whole_token.emplace(tok.tokens_[static_cast<size_t>(id)], id);
   tok.tables_ = std::move(tables);
   return tok;
 }
@@ -471,9 +500,14 @@ std::vector<int32_t> BpeTokenizer::encode_chunk(std::string_view chunk) const {
     if (it != t.cache.end()) return it->second;
   }
   std::vector<int32_t> pieces;
-  pieces.reserve(chunk.size());
-  for (const char c : chunk) pieces.push_back(t.byte_token[static_cast<uint8_t>(c)]);
-  apply_merges(pieces, t.merges);
+  const auto whole = t.whole_token.find(key);
+  if (whole != t.whole_token.end()) {
+    pieces.push_back(whole->second);
+  } else {
+    pieces.reserve(chunk.size());
+    for (const char c : chunk) pieces.push_back(t.byte_token[static_cast<uint8_t>(c)]);
+    apply_merges(pieces, t.merges);
+  }
   std::lock_guard<std::mutex> lock(t.cache_mutex);
   if (t.cache.size() >= Tables::kCacheEntries) t.cache.clear();
   t.cache.emplace(std::move(key), pieces);

@@ -16,9 +16,14 @@ namespace kvlab {
 
 // The pre-split regexes: gpt2 (GPT-2, r50k_base), cl100k (cl100k_base) and kvlab, kvlab's own
 // vocabularies' name for the cl100k regex (letters, numbers in groups of up to three,
-// punctuation, whitespace runs).
-enum class SplitPattern { Gpt2, Cl100k, Kvlab };
+// punctuation, whitespace runs); llama3 (Llama 3's vocabularies, llama.cpp's `llama-bpe`): the
+// cl100k regex, and a chunk that is itself a token is that token without merging (tiktoken's
+// rule and Hugging Face's ignore_merges, which its merges need); qwen2 (Qwen2's, llama.cpp's
+// `qwen2`): the cl100k regex with numbers one digit a chunk.
+enum class SplitPattern { Gpt2, Cl100k, Kvlab, Llama3, Qwen2 };
 std::string pattern_name(SplitPattern pattern);
+std::vector<std::string> pattern_name_list();
+std::string pattern_names();  // "gpt2, cl100k, kvlab, llama3 or qwen2"
 SplitPattern parse_pattern(std::string_view name);
 const char* pattern_regex(SplitPattern pattern);
 
@@ -45,8 +50,10 @@ class BpeTokenizer {
   // tokens: the bytes of every id; merges: in rank order (rank 0 applies first); the last
   // n_special ids are special (never produced by encode) or unused: an unused id has no bytes
   // (tiktoken's cl100k leaves 100256 free), and decoding it is an error. Checked: exactly 256
-  // single-byte tokens, each other ordinary token made by exactly one merge of two
-  // earlier-ranked ones.
+  // single-byte tokens, each other ordinary token made by at least one merge of two ordinary
+  // tokens, no pair merged twice. A vocabulary kvlab trains or reads from tiktoken's ranks makes
+  // each token by one merge of earlier-made ones; Llama 3's merges (derived from its ranks)
+  // make a token from several pairs, which rank order alone decides between.
   static BpeTokenizer from_parts(SplitPattern pattern, std::vector<std::string> tokens,
                                  std::vector<BpeMerge> merges, int n_special);
   // As a checkpoint stores it: every id's bytes (empty: unused), the merges as (left, right)

@@ -23,6 +23,7 @@
 #include "platform/ggml_blocks.h"
 #include "platform/kquant_blocks.h"
 #include "platform/kv_rows.h"
+#include "tests/llama_cpp_source.h"
 
 namespace kvlab {
 namespace {
@@ -167,29 +168,10 @@ TEST(Formats, BlockRowsAreGgmlsBlocksInFileOrder) {
 // ---- the block formats against llama.cpp's own numpy reference ----
 
 // gguf-py (llama.cpp's Python package, whose quants.py dequantises every ggml type in numpy),
-// from the llama.cpp source that npm's node-llama-cpp ships as a git bundle: cloned once into
-// the build folder. "" with why when the bundle or git is missing.
+// in llama.cpp's source; "" with why when it is missing.
 std::string gguf_py_dir(std::string& why) {
-  namespace fs = std::filesystem;
-  const fs::path src = fs::path(KVLAB_BINARY_DIR) / "llama_cpp_src";
-  if (fs::exists(src / "gguf-py" / "gguf" / "quants.py")) return (src / "gguf-py").string();
-  const fs::path bundle =
-      fs::path(KVLAB_SOURCE_DIR) /
-      "tests/infer/llama_cpp/node_modules/node-llama-cpp/llama/gitRelease.bundle";
-  if (!fs::exists(bundle)) {
-    why = "node-llama-cpp's llama.cpp source bundle is not installed (scripts/setup.sh --tests)";
-    return "";
-  }
-  // Cloned beside and renamed into place: a test run elsewhere never sees half a clone.
-  const fs::path tmp = src.string() + ".tmp" + std::to_string(::getpid());
-  const std::string cmd = "git clone --quiet '" + bundle.string() + "' '" + tmp.string() +
-                          "' >/dev/null 2>&1 && mv -T '" + tmp.string() + "' '" + src.string() +
-                          "' 2>/dev/null; rm -rf '" + tmp.string() + "'";
-  if (std::system(cmd.c_str()) != 0 && !fs::exists(src / "gguf-py")) {
-    why = "git could not clone " + bundle.string();
-    return "";
-  }
-  return (src / "gguf-py").string();
+  const std::filesystem::path src = test::llama_cpp_source(why);
+  return src.empty() ? "" : (src / "gguf-py").string();
 }
 
 // Runs tests/platform/ggml_reference.py with `args` on `input` (written to a file), reading

@@ -60,6 +60,12 @@ check "inspect gives bits per byte" 0 "bits per byte" -- "$KVLAB" inspect "$work
 check "the log gives bits per byte" 0 '"val_bpb":' -- cat "$work/run/log.jsonl"
 check "the vocabulary is cached beside the corpus" 0 "bpe-290-kvlab-val0.1.kvlab-cache" -- ls "$work"
 check "generate decodes bpe" 0 "" -- "$KVLAB" generate --ckpt "$work/run/final.h5" --prompt "the lord" --max-new 8
+check "import --gguf: an export's vocabulary" 0 "pattern kvlab, 290 tokens" -- bash -c \
+  '"$0" export --ckpt "$1" --out "$2" >/dev/null && "$0" tokenizer import --gguf "$2" --out "$3"' \
+  "$KVLAB" "$work/run/final.h5" "$work/run.gguf" "$work/run_tok.h5"
+check "import --gguf: the same ids as the run's tokenizer" 0 "same" -- bash -c \
+  '[ "$("$0" tokenizer encode --tokenizer "$1" "$3")" = "$("$0" tokenizer encode --tokenizer "$2" "$3")" ] && echo same' \
+  "$KVLAB" "$work/run/final.h5" "$work/run_tok.h5" "$work/corpus.txt"
 check "--vocab-size without bpe" 2 "--vocab-size is for --tokenizer bpe" -- \
   "$KVLAB" train --corpus "$work/corpus.txt" --vocab-size 300 --iters 1 --out "$work/run2"
 check "bpe without --vocab-size" 2 "--tokenizer bpe needs --vocab-size N of at least 257" -- \
@@ -80,8 +86,14 @@ check "bad id" 1 "decode: 'x1' is not a token id" -- \
   bash -c "echo '1 x1' | '$KVLAB' tokenizer decode --tokenizer '$tok'"
 check "id out of range" 1 "token id 300 is out of range [0, 300)" -- \
   bash -c "echo '300' | '$KVLAB' tokenizer decode --tokenizer '$tok'"
-check "import needs a source" 2 "takes either --tiktoken FILE or --vocab FILE --merges FILE" -- \
+check "import needs a source" 2 "takes one of --tiktoken FILE, --vocab FILE --merges FILE or --gguf FILE" -- \
   "$KVLAB" tokenizer import --out "$work/x.h5"
+check "import takes one source" 2 "takes one of" -- \
+  "$KVLAB" tokenizer import --gguf "$work/x.gguf" --tiktoken "$work/corpus.txt" --out "$work/x.h5"
+check "import --gguf: the file names its pattern" 2 "leave --pattern out" -- \
+  "$KVLAB" tokenizer import --gguf "$work/x.gguf" --pattern gpt2 --out "$work/x.h5"
+check "import --gguf: not a GGUF file" 1 "not a GGUF file" -- \
+  "$KVLAB" tokenizer import --gguf "$work/corpus.txt" --out "$work/x.h5"
 check "import --tiktoken needs --pattern" 2 "needs --pattern" -- \
   "$KVLAB" tokenizer import --tiktoken "$work/corpus.txt" --out "$work/x.h5"
 check "import a file that is no rank file" 1 "tiktoken rank file, line 1" -- \
