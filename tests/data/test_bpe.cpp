@@ -13,6 +13,7 @@
 #include "data/tokenizer.h"
 #include "tests/data/data_test_util.h"
 #include "tests/test_dir.h"
+#include "tests/torture_text.h"
 
 namespace kvlab {
 namespace {
@@ -21,15 +22,7 @@ namespace fs = std::filesystem;
 using testing::error_message;
 using ::testing::HasSubstr;
 
-// Contractions in both cases, digit runs, mixed scripts, emoji with joiners, and whitespace:
-// runs of spaces, tabs, \r\n, a trailing space, U+00A0 and U+3000.
-const char kTorture[] =
-    "I'm sure they'll say it's John's, we've We'RE I'D don't\n"
-    "1 12 123 1234 12345 3.14159 1,000,000 ٣٤٥ ⅷ x2y22z222\n"
-    "héllo wörld Ελληνικά русский 日本語のテキスト 한국어 עברית العربية\n"
-    "👩‍👩‍👧‍👦 🇺🇸 e\u0301 a\u00A0b c\u3000d\n"
-    "  two  spaces\tand\ttabs\r\n\r\n   \n\n\n  trailing   \n"
-    "!!!??? ... --- ((x)) {\"k\": [1, 2]} <|endoftext|> $$$ 100% @user #tag \n  ";
+constexpr const char* kTorture = test::kTortureText;
 
 std::string read_file(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);

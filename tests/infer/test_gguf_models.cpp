@@ -22,7 +22,9 @@
 #include "tests/error_of.h"
 #include "tests/infer/gguf_test_util.h"
 #include "tests/infer/infer_test_util.h"
+#include "tests/llama_cpp_source.h"
 #include "tests/test_dir.h"
+#include "tests/torture_text.h"
 
 namespace kvlab {
 namespace {
@@ -768,6 +770,97 @@ TEST_F(GgufLlamaCpp, ExportMixesAreLlamaQuantizesTypesAndBytes) {
   for (const char* t : {"q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"})
     EXPECT_TRUE(types_seen.count(t)) << "no tensor was " << t;
   EXPECT_GT(quantised_tensors, 0);
+}
+
+// ---- model families' vocabularies ---------------------------------------------------------------
+
+// A random llama block written by gguf-py around a family's vocabulary (llama.cpp's
+// models/ggml-vocab-<family>.gguf, tests/infer/llama_cpp/family_model.py); false with why when
+// the source or gguf-py is missing.
+bool write_family_model(const std::string& family, const fs::path& out, std::string& why) {
+  const fs::path src = test::llama_cpp_source(why);
+  if (src.empty()) return false;
+  const std::string cmd = std::string(KVLAB_PYTHON3) + " '" +
+                          (test::kLlamaCppPeer / "family_model.py").string() + "' '" +
+                          (src / "gguf-py").string() + "' '" +
+                          (src / "models" / ("ggml-vocab-" + family + ".gguf")).string() + "' '" +
+                          out.string() + "' 7 > '" + out.string() + ".log' 2>&1";
+  const int status = std::system(cmd.c_str());
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc == 0) return true;
+  why = "gguf-py could not write the model (" + cmd + ": exit " + std::to_string(rc) + ")";
+  if (rc != 77) ADD_FAILURE() << why;
+  return false;
+}
+
+// The largest difference between llama.cpp's log-probabilities of one step and kvlab's logits
+// (over the tokens kvlab gives at least 1e-4), each side less its mean over those tokens: the
+// logits compared up to the normaliser, whose f32 sum over a vocabulary of 150,000 tokens
+// rounds by more than the logits differ.
+double logit_gap(const nlohmann::json& theirs, const std::vector<float>& ours_logits) {
+  const std::vector<double> ours = log_softmax(ours_logits);
+  std::vector<double> d;
+  for (size_t id = 0; id < ours.size(); ++id) {
+    if (ours[id] < std::log(1e-4)) continue;
+    if (id >= theirs.size() || theirs[id].is_null()) return INFINITY;  // llama.cpp gave it 0
+    d.push_back(theirs[id].get<double>() - ours[id]);
+  }
+  double mean = 0, worst = 0;
+  for (double v : d) mean += v / static_cast<double>(d.size());
+  for (double v : d) worst = std::max(worst, std::fabs(v - mean));
+  return worst;
+}
+
+// From text to text, as llama.cpp: for GPT-2's, Llama 3's and Qwen2's vocabularies, each in a
+// random llama model written by gguf-py, kvlab's import tokenizes the prompt and the torture
+// text into llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each
+// step's logits within the f32 tolerance, 2e-4, of llama.cpp's less the normaliser), which
+// decode to llama.cpp's text.
+TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
+  std::string why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
+  const std::string prompt = "The quick brown fox jumps over the lazy dog's back";
+  const int64_t n_new = 24;
+  struct Run {
+    std::string family;
+    Tokenizer tok;
+    std::vector<int32_t> prompt, tokens;
+    std::vector<std::vector<float>> logits;
+  };
+  std::vector<Run> runs;
+  nlohmann::json spec = nlohmann::json::array();
+  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2"}) {
+    const fs::path gguf = dir_ / (family + ".gguf");
+    if (!write_family_model(family, gguf, why)) GTEST_SKIP() << why;
+    const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
+    Run r{family, get_tokenizer(c, family), {}, {}, {}};
+    r.prompt = r.tok.encode(prompt, "prompt");
+    r.tokens = greedy(*model_of(c), r.tok, r.prompt, n_new, &r.logits);
+    spec.push_back({{"model", gguf.string()}, {"text", prompt}, {"new_tokens", n_new},
+                    {"threads", 1}, {"tokenize", {std::string(test::kTortureText)}}});
+    runs.push_back(std::move(r));
+  }
+  std::string failure;
+  const nlohmann::json out = test::llama_cpp_greedy(spec, dir_, failure);
+  if (!failure.empty()) FAIL() << failure;
+  ASSERT_EQ(out.size(), runs.size());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const Run& r = runs[i];
+    SCOPED_TRACE(r.family);
+    EXPECT_EQ(out[i]["prompt"].get<std::vector<int32_t>>(), r.prompt);
+    EXPECT_EQ(out[i]["tokenized"][0].get<std::vector<int32_t>>(),
+              r.tok.encode(test::kTortureText, "torture text"));
+    const test::Agreement a = test::agreement(out[i], r.tokens, r.logits);
+    double worst = 0;
+    for (size_t step = 0; step < std::min(a.same + 1, r.tokens.size()); ++step)
+      worst = std::max(worst, logit_gap(out[i]["logprobs"][step], r.logits[step]));
+    std::printf("[ llama.cpp ] %s: %zu of %zu greedy tokens the same, max |d log p| %.2e, "
+                "%.2e less the normaliser\n",
+                r.family.c_str(), a.same, r.tokens.size(), a.worst, worst);
+    EXPECT_EQ(a.same, r.tokens.size());
+    EXPECT_LT(worst, 2e-4);
+    EXPECT_EQ(out[i]["continuation"].get<std::string>(), r.tok.decode(r.tokens));
+  }
 }
 
 }  // namespace

@@ -1,14 +1,18 @@
 // llama.cpp's greedy continuations of kvlab's GGUF exports, through node-llama-cpp's prebuilt
 // CPU binaries (no build, no network, no GPU).
 // Usage: node greedy.mjs JOBS.json OUT.json
-// JOBS.json: [{"model": path, "prompt": [ids], "new_tokens": n, "threads": t,
-//              "forced": [ids] (optional)}, ...]
+// JOBS.json: [{"model": path, "prompt": [ids] or "text": string, "new_tokens": n,
+//              "threads": t, "forced": [ids] (optional), "tokenize": [strings] (optional)}, ...]
 // OUT.json:  [{"tokens": [ids], "logprobs": [[log p of each vocabulary id], ...],
-//              "forced_logprobs": [[...], ...] (with "forced")}, ...], one row of
+//              "forced_logprobs": [[...], ...] (with "forced"),
+//              "prompt": [ids], "continuation": string (with "text"),
+//              "tokenized": [[ids], ...] (with "tokenize")}, ...], one row of
 // log-probabilities per generated token: the distribution it was chosen from. With "forced",
 // the prompt is followed by those tokens one decode step at a time instead of llama.cpp's own
 // choices (teacher forcing), and "forced_logprobs" holds the distribution before each of them:
-// the two engines are then compared at every step, also after their greedy texts part.
+// the two engines are then compared at every step, also after their greedy texts part. A
+// "text" prompt and the "tokenize" strings are tokenized by llama.cpp as text (no BOS, special
+// tokens' text not parsed), and the greedy tokens detokenized into "continuation".
 import {readFileSync, writeFileSync} from "node:fs";
 import {getLlama} from "node-llama-cpp";
 
@@ -24,6 +28,8 @@ const logRow = (probabilities) => {
 const results = [];
 for (const job of jobs) {
   const model = await llama.loadModel({modelPath: job.model, gpuLayers: 0});
+  const textPrompt = job.text !== undefined;
+  if (textPrompt) job.prompt = Array.from(model.tokenize(job.text, false));
   const newContext = () => model.createContext({
     contextSize: job.prompt.length + job.new_tokens + 1, sequences: 1, threads: job.threads,
     batchSize: job.prompt.length + 1,
@@ -41,6 +47,11 @@ for (const job of jobs) {
     if (tokens.length >= job.new_tokens) break;
   }
   const result = {tokens, logprobs};
+  if (textPrompt) {
+    result.prompt = job.prompt;
+    result.continuation = model.detokenize(tokens);
+  }
+  if (job.tokenize) result.tokenized = job.tokenize.map((t) => Array.from(model.tokenize(t, false)));
   await context.dispose();
   if (job.forced) {
     context = await newContext();
