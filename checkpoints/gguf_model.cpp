@@ -1,5 +1,6 @@
 #include "checkpoints/gguf_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <unordered_map>
@@ -543,6 +544,11 @@ std::vector<bool> special_tokens(const GgufFile& f, const std::vector<std::strin
 Tokenizer bpe_vocabulary(const GgufFile& f, const std::vector<std::string>& tokens,
                          SplitPattern pattern, std::string_view what) {
   const std::vector<bool> special = special_tokens(f, tokens, what);
+  const auto first_special = std::find(special.begin(), special.end(), true) - special.begin();
+  const auto ordinary_after = std::find(special.begin() + first_special, special.end(), false);
+  KVLAB_CHECK(ordinary_after == special.end(), what, ": token ", first_special,
+              " is special but ordinary token ", ordinary_after - special.begin(),
+              " follows it; kvlab holds the special tokens after the ordinary ones");
   std::vector<std::string> bytes(tokens.size());
   std::vector<int32_t> special_ids;
   std::unordered_map<std::string_view, int32_t> id_of;  // spelled text -> ordinary id

@@ -214,7 +214,9 @@ TEST(GgufExport, TokenizersComeBackEqual) {
   const std::vector<Tokenizer> toks = {
       Tokenizer::build_char("ab\ncd \xc3\xa9\xe2\x82\xac"), Tokenizer::byte_level(),
       Tokenizer::bpe(train_bpe(corpus, 280, SplitPattern::Gpt2)),
-      Tokenizer::bpe(train_bpe(corpus, 275, SplitPattern::Kvlab))};
+      Tokenizer::bpe(train_bpe(corpus, 275, SplitPattern::Kvlab)),
+      Tokenizer::bpe(train_bpe(corpus, 278, SplitPattern::Llama3, {}, {"<|a|>", "<|é|>"})),
+      Tokenizer::bpe(train_bpe(corpus, 276, SplitPattern::Qwen2))};
   for (const Tokenizer& tok : toks) {
     GPTConfig c = llama_config(2);
     c.vocab_size = tok.vocab_size();
@@ -222,6 +224,72 @@ TEST(GgufExport, TokenizersComeBackEqual) {
     const Checkpoint back =
         gguf_to_checkpoint(reparsed(model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {})), "t");
     EXPECT_EQ(get_tokenizer(back, "t"), tok) << tok.kind_name();
+  }
+}
+
+// A vocabulary that is damaged or hostile is refused naming the key or entry, never read
+// into a tokenizer that encodes something else.
+TEST(GgufImport, HostileVocabulariesAreRefusedByName) {
+  std::string corpus;
+  for (int i = 0; i < 20; ++i) corpus += "the quick brown fox jumps over the lazy dog. ";
+  const Tokenizer tok = Tokenizer::bpe(train_bpe(corpus, 280, SplitPattern::Llama3));
+  GPTConfig c = llama_config(2);
+  c.vocab_size = tok.vocab_size();
+  const GgufFile good = model_to_gguf(*random_model(c, 2), tok, gguf_mix("f32"), {});
+  auto refusal = [&](const std::function<void(GgufFile&)>& damage) {
+    GgufFile f = good;
+    damage(f);
+    return error_of([&] { gguf_tokenizer(reparsed(f), "v.gguf"); });
+  };
+  auto strings = [](GgufFile& f, const char* key) -> std::vector<std::string>& {
+    for (auto& [k, v] : f.metadata)
+      if (k == key) return v.strings;
+    throw std::runtime_error(key);
+  };
+  auto ints = [](GgufFile& f, const char* key) -> std::vector<int64_t>& {
+    for (auto& [k, v] : f.metadata)
+      if (k == key) return v.ints;
+    throw std::runtime_error(key);
+  };
+  EXPECT_EQ(refusal([](GgufFile&) {}), "no error");
+  const struct {
+    const char* what;
+    std::function<void(GgufFile&)> damage;
+    const char* named;
+  } cases[] = {
+      {"a token twice", [&](GgufFile& f) { strings(f, "tokenizer.ggml.tokens")[270] =
+                                               strings(f, "tokenizer.ggml.tokens")[265]; },
+       "tokenizer.ggml.tokens[270] repeats an earlier token"},
+      {"a merge of a missing token",
+       [&](GgufFile& f) { strings(f, "tokenizer.ggml.merges")[3] = "zzzq t"; },
+       "tokenizer.ggml.merges[3] ('zzzq t') is not two ordinary tokens"},
+      {"a merge without a space",
+       [&](GgufFile& f) { strings(f, "tokenizer.ggml.merges")[0] = "th"; },
+       "tokenizer.ggml.merges[0] ('th')"},
+      {"a merge making no token",
+       [&](GgufFile& f) { strings(f, "tokenizer.ggml.merges")[5] = "x q"; }, "makes bytes no token has"},
+      {"a pair merged twice",
+       [&](GgufFile& f) { strings(f, "tokenizer.ggml.merges")[7] = strings(f, "tokenizer.ggml.merges")[6]; },
+       "repeats an earlier merge's pair"},
+      {"token types of another length",
+       [&](GgufFile& f) { ints(f, "tokenizer.ggml.token_type").pop_back(); },
+       "tokenizer.ggml.token_type is not one integer a token"},
+      {"a token type a BPE has not",
+       [&](GgufFile& f) { ints(f, "tokenizer.ggml.token_type")[9] = 6; },
+       "tokenizer.ggml.token_type[9] is 6"},
+      {"a special token inside the ordinary ones",
+       [&](GgufFile& f) { ints(f, "tokenizer.ggml.token_type")[100] = 3; },
+       "token 100 is special but ordinary token 101 follows it"},
+      {"an ordinary token not in GPT-2's spelling",
+       [&](GgufFile& f) { strings(f, "tokenizer.ggml.tokens")[266] = "a b"; },
+       "tokenizer.ggml.tokens[266] is not in GPT-2's byte-to-character spelling"},
+      {"a pattern other than the pre-tokenizer's",
+       [&](GgufFile& f) { f.set("kvlab.bpe_pattern", GgufValue::string("qwen2")); },
+       "kvlab.bpe_pattern 'qwen2' is not what tokenizer.ggml.pre 'llama-bpe' splits by"},
+  };
+  for (const auto& k : cases) {
+    const std::string e = refusal(k.damage);
+    EXPECT_NE(e.find(k.named), std::string::npos) << k.what << ": " << e;
   }
 }
 
