@@ -15,8 +15,6 @@ namespace kvlab {
 
 namespace {
 
-constexpr double kNormEps = 1e-5;  // every kvlab LayerNorm and RMSNorm (nn/gpt.cpp)
-
 // llama.h's llama_token_type values a byte-level BPE vocabulary holds.
 enum TokenType : int64_t { kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5 };
 
@@ -179,10 +177,10 @@ void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& 
   u32("attention.head_count", cfg.n_head);
   u32("attention.head_count_kv", cfg.n_kv_head);
   if (arch == "gpt2") {
-    f.set("gpt2.attention.layer_norm_epsilon", GgufValue::real(GgufType::F32, kNormEps));
+    f.set("gpt2.attention.layer_norm_epsilon", GgufValue::real(GgufType::F32, cfg.norm_eps));
     return;
   }
-  f.set(arch + ".attention.layer_norm_rms_epsilon", GgufValue::real(GgufType::F32, kNormEps));
+  f.set(arch + ".attention.layer_norm_rms_epsilon", GgufValue::real(GgufType::F32, cfg.norm_eps));
   f.set(arch + ".rope.freq_base", GgufValue::real(GgufType::F32, cfg.rope_theta));
   u32("rope.dimension_count", cfg.rope_dim());
   u32("vocab_size", cfg.vocab_size);
@@ -335,9 +333,9 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
   cfg.mlp_hidden = count("feed_forward_length");
   cfg.n_head = count("attention.head_count");
   cfg.n_kv_head = count_or("attention.head_count_kv", cfg.n_head);
-  const double eps = f.get_float(a + "attention.layer_norm_rms_epsilon", what);
-  KVLAB_CHECK(std::fabs(eps - kNormEps) <= 1e-3 * kNormEps, what, ": ", a,
-              "attention.layer_norm_rms_epsilon is ", eps, "; kvlab's RMSNorm has ", kNormEps);
+  cfg.norm_eps = f.get_float(a + "attention.layer_norm_rms_epsilon", what);
+  KVLAB_CHECK(cfg.norm_eps > 0 && cfg.norm_eps < 1, what, ": ", a,
+              "attention.layer_norm_rms_epsilon is ", cfg.norm_eps, " (above 0, below 1)");
   if (f.find(a + "rope.freq_base")) cfg.rope_theta = f.get_float(a + "rope.freq_base", what);
   KVLAB_CHECK(std::isfinite(cfg.rope_theta) && cfg.rope_theta > 1.0, what, ": ", a,
               "rope.freq_base is ", cfg.rope_theta);

@@ -42,6 +42,7 @@ void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["tied"] = static_cast<int64_t>(c.tied ? 1 : 0);
   a["pos"] = c.pos;
   a["rope_theta"] = c.rope_theta;
+  a["norm_eps"] = c.norm_eps;
   a["norm"] = c.norm;
   a["mlp"] = c.mlp;
   a["bias"] = static_cast<int64_t>(c.bias ? 1 : 0);
@@ -64,6 +65,7 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   c.tied = attr<int64_t>(a, "tied", file) != 0;
   c.pos = attr_or<std::string>(a, "pos", c.pos, file);
   c.rope_theta = attr_or<double>(a, "rope_theta", c.rope_theta, file);
+  c.norm_eps = attr_or<double>(a, "norm_eps", c.norm_eps, file);  // 1e-5 before it was kept
   c.norm = attr_or<std::string>(a, "norm", c.norm, file);
   c.mlp = attr_or<std::string>(a, "mlp", c.mlp, file);
   c.bias = attr_or<int64_t>(a, "bias", 1, file) != 0;

@@ -76,6 +76,8 @@ void GPTConfig::validate() const {
   }
   KVLAB_CHECK(!rope() || (rope_theta > 1 && std::isfinite(rope_theta)), "config: rope_theta ",
               rope_theta, " must be a finite number above 1");
+  KVLAB_CHECK(norm_eps > 0 && norm_eps < 1, "config: norm_eps ", norm_eps,
+              " must be above 0 and below 1");
   // The layers are allocated one by one, each small: a model far past memory would grow
   // until the system kills the process rather than fail one large allocation.
   const double params = parameters_of(*this);
@@ -151,12 +153,12 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const ForwardContext& ctx, 
 LatentAttention::LatentAttention(const GPTConfig& cfg)
     : q_down(cfg.q_lora_rank > 0 ? std::make_unique<Linear>(cfg.n_embd, cfg.q_lora_rank, cfg.bias)
                                  : nullptr),
-      q_norm(cfg.q_lora_rank > 0 ? std::make_unique<LayerNorm>(cfg.q_lora_rank, 1e-5, true, false)
+      q_norm(cfg.q_lora_rank > 0 ? std::make_unique<LayerNorm>(cfg.q_lora_rank, cfg.norm_eps, true, false)
                                  : nullptr),
       q_proj(cfg.q_lora_rank > 0 ? cfg.q_lora_rank : cfg.n_embd,
              cfg.n_head * (cfg.head_size() + cfg.rope_head_dim), cfg.bias),
       kv_down(cfg.n_embd, cfg.kv_lora_rank + cfg.rope_head_dim, cfg.bias),
-      kv_norm(cfg.kv_lora_rank, 1e-5, true, false),
+      kv_norm(cfg.kv_lora_rank, cfg.norm_eps, true, false),
       kv_up(cfg.kv_lora_rank, 2 * cfg.n_head * cfg.head_size(), cfg.bias),
       c_proj(cfg.n_embd, cfg.n_embd, cfg.bias),
       n_head(cfg.n_head),
@@ -245,8 +247,8 @@ Tensor LatentAttention::forward_latent(const Tensor& q_nope, const Tensor& q_rot
 }
 
 Block::Block(const GPTConfig& cfg)
-    : ln_1(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
-      ln_2(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
+    : ln_1(cfg.n_embd, cfg.norm_eps, cfg.rms(), cfg.bias),
+      ln_2(cfg.n_embd, cfg.norm_eps, cfg.rms(), cfg.bias),
       mlp(cfg.n_embd, cfg.hidden(), cfg.swiglu(), cfg.bias),
       dropout(cfg.dropout) {
   register_module("ln_1", ln_1);
@@ -269,7 +271,7 @@ Tensor Block::forward(const Tensor& x_in, const ForwardContext& ctx, int layer) 
 
 GPT::GPT(const GPTConfig& cfg, uint64_t seed)
     : wte((cfg.validate(), cfg.vocab_size), cfg.n_embd),
-      ln_f(cfg.n_embd, 1e-5, cfg.rms(), cfg.bias),
+      ln_f(cfg.n_embd, cfg.norm_eps, cfg.rms(), cfg.bias),
       cfg_(cfg),
       dropout_gen_(hash64(seed, 0x64726f70)) {
   register_module("wte", wte);

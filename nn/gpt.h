@@ -33,6 +33,7 @@ struct GPTConfig {
   std::string pos = "learned";  // learned | rope
   double rope_theta = 10000.0;  // RoPE's base: channel pair j turns at theta^(-2j / head_size)
   std::string norm = "layernorm";  // layernorm | rmsnorm
+  double norm_eps = 1e-5;          // every norm's epsilon (a GGUF file may state another)
   std::string mlp = "gelu";        // gelu | swiglu (gate c_fc, up c_up, down c_proj)
   bool bias = true;                // biases of every Linear and LayerNorm
   // gqa: n_kv_head key/value heads; mla: keys and values rebuilt per head from a latent of

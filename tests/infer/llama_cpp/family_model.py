@@ -3,9 +3,9 @@
 GGUF writer (gguf-py), not kvlab's: the vocabulary's tokenizer.* keys copied as they are from
 one of llama.cpp's models/ggml-vocab-*.gguf files, and a `llama` block of random weights.
 
-usage: family_model.py GGUF_PY_DIR VOCAB.gguf OUT.gguf SEED
+usage: family_model.py GGUF_PY_DIR VOCAB.gguf OUT.gguf SEED EPS
 The block: 2 layers, 64 channels, 4 query heads and 2 KV heads of 16, an FFN of 128, a context
-of 128, RMSNorm epsilon 1e-5, RoPE base 500000, untied head; weights N(0, 0.4) for the
+of 128, RMSNorm epsilon EPS, RoPE base 500000, untied head; weights N(0, 0.4) for the
 matrices (so that the next token depends on the text), 1 + N(0, 0.1) for the norms.
 Exit 77 when gguf-py or numpy cannot be imported (the caller skips).
 """
@@ -19,9 +19,10 @@ except ImportError as e:
 
 
 def main():
-    if len(sys.argv) != 5:
+    if len(sys.argv) != 6:
         sys.exit(__doc__)
-    gguf_py, vocab_path, out_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    gguf_py, vocab_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    seed, eps = int(sys.argv[4]), float(sys.argv[5])
     try:
         sys.path.insert(0, gguf_py)
         import gguf
@@ -43,7 +44,7 @@ def main():
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head)
     w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(eps)
     w.add_file_type(0)
     # The vocabulary's keys as the family's file holds them.
     for name, field in vocab.fields.items():
