@@ -3,6 +3,9 @@
 //                                             byte-level BPE trained on CORPUS
 //   node bpe_baselines.js encode ENCODING FILE tiktoken (tests/data/tiktoken): FILE's text
 //                                             encoded (encode_ordinary)
+//   node bpe_baselines.js llama-cpp VOCAB FILE llama.cpp's tokenizer (node-llama-cpp's prebuilt
+//                                             library, tests/infer/llama_cpp) with a GGUF
+//                                             vocabulary: FILE's text tokenized as text
 // Only the work is timed: loading the package, the vocabulary and the text is not.
 'use strict';
 const fs = require('fs');
@@ -37,6 +40,24 @@ if (command === 'train') {
   process.stdout.write(JSON.stringify({side: 'tiktoken', version: '1.0.22', seconds: s, bytes,
     mb_per_s: bytes / 1e6 / s, tokens: ids.length}) + '\n');
   enc.free();
+} else if (command === 'llama-cpp') {
+  const [vocab, file] = args;
+  const url = require('url').pathToFileURL(path.join(
+      __dirname, '../tests/infer/llama_cpp/node_modules/node-llama-cpp/dist/index.js')).href;
+  (async () => {
+    const {getLlama} = await import(url);
+    const llama = await getLlama({gpu: false, build: 'never', logLevel: 'error', progressLogs: false});
+    const model = await llama.loadModel({modelPath: vocab, vocabOnly: true});
+    const text = fs.readFileSync(file, 'utf8');
+    const t0 = process.hrtime.bigint();
+    const ids = model.tokenize(text, false);
+    const s = seconds(t0);
+    const bytes = Buffer.byteLength(text);
+    process.stdout.write(JSON.stringify({side: 'llama.cpp', version: 'node-llama-cpp 3.21.1',
+      seconds: s, bytes, mb_per_s: bytes / 1e6 / s, tokens: ids.length}) + '\n');
+    await model.dispose();
+  })();
 } else {
-  throw new Error('usage: node bpe_baselines.js train CORPUS | encode ENCODING FILE');
+  throw new Error('usage: node bpe_baselines.js train CORPUS | encode ENCODING FILE | ' +
+                  'llama-cpp VOCAB FILE');
 }

@@ -8,7 +8,10 @@
 #     which a 4 MB corpus runs out of pairs before), so kvlab is asked for the largest vocab
 #     the corpus supports. KVLAB_VOCAB (default 4096) adds kvlab's rounds at that size.
 #   encoding: CORPUS under the GPT-2 vocabulary, kvlab's encode (one thread, a fresh chunk cache
-#     each round) against tiktoken 1.0.22 (WASM, one thread; tests/data/tiktoken): MB/s per core.
+#     each round) against tiktoken 1.0.22 (WASM, one thread; tests/data/tiktoken): MB/s per core;
+#     and under Llama 3's vocabulary (llama.cpp's models/ggml-vocab-llama-bpe.gguf, in the source
+#     the GGUF tests clone into BUILD_DIR/llama_cpp_src) against llama.cpp's own tokenizer
+#     (node-llama-cpp's prebuilt library, one thread), where that file is there.
 # Needs scripts/setup.sh --tests (the npm packages). Usage:
 #   bench/compare_bpe.sh BUILD_DIR CORPUS   (writes BUILD_DIR/compare_bpe.json)
 set -euo pipefail
@@ -19,6 +22,7 @@ rounds=${ROUNDS:-5}
 hf_threads=${HF_THREADS:-1}
 kvlab_vocab=${KVLAB_VOCAB:-4096}
 out=$build/compare_bpe
+llama3_vocab=$build/llama_cpp_src/models/ggml-vocab-llama-bpe.gguf
 mkdir -p "$out"
 rm -f "$out"/*.jsonl
 node tests/data/tiktoken/reference.js ranks gpt2 "$out/gpt2.tiktoken"
@@ -33,6 +37,10 @@ for r in $(seq "$rounds"); do
   "$build/bench/bench_bpe" train --corpus "$corpus" --pattern gpt2 --vocab-size "$kvlab_vocab" >> "$out/kvlab_train_small.jsonl"
   "$build/bench/bench_bpe" encode --ranks "$out/gpt2.tiktoken" --text "$corpus" >> "$out/kvlab_encode.jsonl"
   node bench/bpe_baselines.js encode gpt2 "$corpus" >> "$out/tiktoken_encode.jsonl"
+  if [ -f "$llama3_vocab" ]; then
+    "$build/bench/bench_bpe" encode --gguf "$llama3_vocab" --text "$corpus" >> "$out/kvlab_llama3.jsonl"
+    node bench/bpe_baselines.js llama-cpp "$llama3_vocab" "$corpus" 2>/dev/null >> "$out/llama_cpp_llama3.jsonl"
+  fi
 done
 /usr/bin/python3 - "$out" "$build/compare_bpe.json" "$hf_threads" "$(nproc)" "$(cat /proc/loadavg)" <<'PY'
 import json, statistics, sys
@@ -46,7 +54,14 @@ res = {name: summary(runs(name)) for name in
        ["kvlab_train", "hf_train", "kvlab_train_small", "kvlab_encode", "tiktoken_encode"]}
 res["train_ratio"] = res["kvlab_train"]["median_mb_per_s"] / res["hf_train"]["median_mb_per_s"]
 res["encode_ratio"] = res["kvlab_encode"]["median_mb_per_s"] / res["tiktoken_encode"]["median_mb_per_s"]
-res["threads"] = {"kvlab": 1, "hf_tokenizers": int(hf_threads), "tiktoken": 1, "cores": int(cores)}
+res["threads"] = {"kvlab": 1, "hf_tokenizers": int(hf_threads), "tiktoken": 1, "llama.cpp": 1,
+                  "cores": int(cores)}
+import os
+if os.path.exists(f"{out}/kvlab_llama3.jsonl"):
+    for name in ["kvlab_llama3", "llama_cpp_llama3"]:
+        res[name] = summary(runs(name))
+    res["llama3_ratio"] = (res["kvlab_llama3"]["median_mb_per_s"] /
+                           res["llama_cpp_llama3"]["median_mb_per_s"])
 res["loadavg_after"] = load
 json.dump(res, open(dest, "w"), indent=2)
 f = lambda s: f"{s['median_mb_per_s']:.3f} MB/s ({s['min']:.3f}-{s['max']:.3f})"
@@ -61,5 +76,10 @@ print(f"encoding, GPT-2 vocabulary, 1 thread each")
 print(f"  kvlab    {f(res['kvlab_encode'])}  ({res['kvlab_encode']['runs'][0]['tokens']} tokens)")
 print(f"  tiktoken {f(res['tiktoken_encode'])}  ({res['tiktoken_encode']['runs'][0]['tokens']} tokens)")
 print(f"  ratio    {res['encode_ratio']:.2f}x")
+if "llama3_ratio" in res:
+    print(f"encoding, Llama 3 vocabulary (128,256 tokens), 1 thread each")
+    print(f"  kvlab     {f(res['kvlab_llama3'])}  ({res['kvlab_llama3']['runs'][0]['tokens']} tokens)")
+    print(f"  llama.cpp {f(res['llama_cpp_llama3'])}  ({res['llama_cpp_llama3']['runs'][0]['tokens']} tokens)")
+    print(f"  ratio     {res['llama3_ratio']:.2f}x")
 print(f"load average after: {load}")
 PY
