@@ -45,14 +45,24 @@ uint16_t quantise_q8_0(const float* x, int8_t* q) {
   return f32_to_f16(d);
 }
 
-uint16_t quantise_q4_0(const float* x, uint8_t* qs) {
+namespace {
+
+// The block's value of largest magnitude, with its sign (the first of equals): q4_0's and
+// q5_0's scale is it over minus their codes' offset.
+float largest_magnitude(const float* x) {
   float amax = 0.0f, max = 0.0f;
   for (int64_t j = 0; j < kGgmlBlock; ++j)
     if (amax < std::fabs(x[j])) {
       amax = std::fabs(x[j]);
       max = x[j];
     }
-  const float d = max / -8.0f;
+  return max;
+}
+
+}  // namespace
+
+uint16_t quantise_q4_0(const float* x, uint8_t* qs) {
+  const float d = largest_magnitude(x) / -8.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   auto code = [&](float v) {  // truncation toward zero of a value >= 0.5 - tiny, as ggml's cast
     return static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>(v * id + 8.5f))));
@@ -98,13 +108,7 @@ void unpack_q5_codes(const uint8_t* qh, const uint8_t* qs, uint8_t* codes) {
 }  // namespace
 
 void quantise_q5_0(const float* x, uint8_t* block) {
-  float amax = 0.0f, max = 0.0f;
-  for (int64_t j = 0; j < kGgmlBlock; ++j)
-    if (amax < std::fabs(x[j])) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
-  const float d = max / -16.0f;
+  const float d = largest_magnitude(x) / -16.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   uint8_t codes[kGgmlBlock];
   for (int64_t j = 0; j < kGgmlBlock; ++j) {  // truncated as ggml's cast to int8 truncates

@@ -3,6 +3,7 @@
 // weights as a model, and llama.cpp itself as the peer (node-llama-cpp's prebuilt CPU
 // binaries in tests/infer/llama_cpp, driven by greedy.mjs: no build, no network, no GPU).
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -84,6 +85,19 @@ inline bool have_llama_cpp(std::string& why) {
 
 // llama.cpp's greedy continuations of `jobs` (greedy.mjs's JOBS.json), with files in `dir`:
 // its OUT.json, or an empty value and the log in `failure`.
+// Runs a peer's script (a shell command line, its output to `log`): true when it exits 0;
+// false with why when it exits 77, its peer missing (the test skips); a failure otherwise.
+inline bool run_peer_script(const std::string& cmd, const std::filesystem::path& log,
+                            const std::string& what, std::string& why) {
+  const std::string line = cmd + " > '" + log.string() + "' 2>&1";
+  const int status = std::system(line.c_str());
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc == 0) return true;
+  why = what + " could not run (" + line + ": exit " + std::to_string(rc) + ")";
+  if (rc != 77) ADD_FAILURE() << why;
+  return false;
+}
+
 inline nlohmann::json llama_cpp_greedy(const nlohmann::json& jobs,
                                        const std::filesystem::path& dir, std::string& failure) {
   std::ofstream(dir / "jobs.json") << jobs.dump();

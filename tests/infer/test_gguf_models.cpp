@@ -683,14 +683,8 @@ bool llama_quantize(const fs::path& in, const fs::path& out, int ftype, std::str
   const std::string cmd = std::string(KVLAB_PYTHON3) + " '" +
                           (test::kLlamaCppPeer / "quantize.py").string() + "' '" + bins.string() +
                           "' '" + in.string() + "' '" + out.string() + "' " +
-                          std::to_string(ftype) + (pure ? " --pure" : "") + " > '" +
-                          out.string() + ".log' 2>&1";
-  const int status = std::system(cmd.c_str());
-  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  if (rc == 0) return true;
-  why = "llama-quantize's library could not run (" + cmd + ": exit " + std::to_string(rc) + ")";
-  if (rc != 77) ADD_FAILURE() << why;
-  return false;
+                          std::to_string(ftype) + (pure ? " --pure" : "");
+  return test::run_peer_script(cmd, out.string() + ".log", "llama-quantize's library", why);
 }
 
 // One job: a random llama model of 256 channels and an MLP of 768, so that every matrix is
@@ -852,14 +846,8 @@ bool write_family_model(const std::string& family, const fs::path& out, std::str
                           (test::kLlamaCppPeer / "family_model.py").string() + "' '" +
                           (src / "gguf-py").string() + "' '" +
                           (src / "models" / ("ggml-vocab-" + family + ".gguf")).string() + "' '" +
-                          out.string() + "' 7 " + (family == "qwen2" ? "1e-6" : "1e-5") + " > '" +
-                          out.string() + ".log' 2>&1";
-  const int status = std::system(cmd.c_str());
-  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  if (rc == 0) return true;
-  why = "gguf-py could not write the model (" + cmd + ": exit " + std::to_string(rc) + ")";
-  if (rc != 77) ADD_FAILURE() << why;
-  return false;
+                          out.string() + "' 7 " + (family == "qwen2" ? "1e-6" : "1e-5");
+  return test::run_peer_script(cmd, out.string() + ".log", "gguf-py's writer", why);
 }
 
 // The largest difference between llama.cpp's log-probabilities of one step and kvlab's logits
