@@ -89,7 +89,7 @@ void add_export_command(CLI::App& root) {
   cmd->add_option("--dtype", args->dtype,
                   "File type, as llama-quantize makes it: f32, f16, bf16, q8_0, q4_0, q4_k_m, "
                   "q5_k_m or q6_k. Each tensor takes the type llama.cpp's rules give it for that "
-                  "mix (the LM head q6_K in the 4- and 5-bit types; attn_v and ffn_down q6_K in "
+                  "mix (the LM head q6_K, but q8_0 in q8_0; attn_v and ffn_down q6_K in "
                   "some layers of q4_k_m and q5_k_m; q5_0, q5_1 or q8_0 where rows are not whole "
                   "blocks of 256); norms and biases stay f32 (docs/gguf.md)")
       ->check(CLI::IsMember(gguf_mix_names()));
