@@ -132,11 +132,12 @@ ArrayF32 concat_rows(const std::vector<const ArrayF32*>& parts) {
   return out;
 }
 
-// GPT-2's tensors (llama.cpp's `gpt2`: q, k and v as one attn_qkv matrix and bias).
-NamedArrays gpt2_tensors(const GPTConfig& cfg, const std::map<std::string, ArrayF32>& a) {
+// GPT-2's tensors (llama.cpp's `gpt2`: q, k and v as one attn_qkv matrix and bias), the
+// arrays moved out of `a`.
+NamedArrays gpt2_tensors(const GPTConfig& cfg, std::map<std::string, ArrayF32>& a) {
   NamedArrays out;
   auto add = [&](const std::string& kvlab, const std::string& gguf) {
-    out.emplace_back(gguf, a.at(kvlab));
+    out.emplace_back(gguf, std::move(a.at(kvlab)));
   };
   add("wte.weight", "token_embd.weight");
   add("wpe.weight", "position_embd.weight");
@@ -479,7 +480,7 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mi
         named.emplace_back(p.gguf, std::move(half));
       } else {
         named.emplace_back(p.gguf,
-                           p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : a);
+                           p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : std::move(a));
       }
     }
   }
