@@ -1,12 +1,17 @@
 #include "infer/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 #include <span>
 
 #include "autograd/graph.h"
 #include "platform/kv_rows.h"
 
 namespace kvlab {
+
+const char* batch_policy_name(BatchPolicy p) {
+  return p == BatchPolicy::Static ? "static" : "continuous";
+}
 
 // A request and its one sequence. tokens(): the prompt, then every token made. While it
 // decodes, the cache holds positions [0, tokens().size() - 1): the last token made is fed by
@@ -258,7 +263,10 @@ std::vector<SchedulerEvent> Scheduler::step() {
   auto drop_ended = [&] { std::erase_if(admitted_, [](const auto& r) { return r->seq < 0; }); };
   decode(events);
   drop_ended();
-  prefill(options_.max_batch_tokens - last_.decode_rows, events);
+  if (options_.policy == BatchPolicy::Continuous)
+    prefill(options_.max_batch_tokens - last_.decode_rows, events);
+  else if (admitted_.empty())  // static: the batch has ended, the next one prefills whole
+    prefill(std::numeric_limits<int64_t>::max(), events);
   drop_ended();
   last_.admitted = static_cast<int64_t>(admitted_.size());
   last_.waiting = static_cast<int64_t>(waiting_.size());

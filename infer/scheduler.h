@@ -14,6 +14,11 @@
 //     than max_seqs are admitted and the pool has the blocks of its chunk; it first takes the
 //     whole blocks the prefix cache holds of its tokens. Its last chunk's logits give its
 //     first token, and it decodes from the next step.
+// That is the continuous policy. The static one runs the same loop as static batching does:
+// it admits a batch only when none is running (every waiting request, up to max_seqs, that
+// the pool has the blocks for), prefills its prompts whole in that step, and then decodes it
+// until its last request ends; requests that arrive meanwhile wait for the next batch.
+//
 // A request is one sequence: n samples of a prompt are n requests, and all but the first to
 // be prefilled take the prompt's whole blocks from the prefix cache. A request may also ask
 // for log-probabilities (the OpenAI completions API's logprobs and echo), or for no token at
@@ -37,9 +42,16 @@ namespace kvlab {
 
 using RequestId = int64_t;
 
+// When requests join the running batch (above).
+enum class BatchPolicy { Continuous, Static };
+const char* batch_policy_name(BatchPolicy p);  // "continuous", "static"
+
 struct SchedulerOptions {
+  BatchPolicy policy = BatchPolicy::Continuous;
   int64_t max_seqs = 64;            // requests admitted at once (prefilling or decoding)
-  int64_t max_batch_tokens = 512;   // positions a step computes: 1 a decode, a chunk's length
+  // Positions a step computes: 1 a decode, a chunk's length. The static policy prefills a
+  // batch's prompts whole, over this.
+  int64_t max_batch_tokens = 512;
   // The pool (kv_block_size, pool_blocks or pool_bytes; prefix_caching). With neither size
   // given: room for max_seqs sequences of the whole context.
   PagedCacheOptions cache;

@@ -81,10 +81,11 @@ constexpr double kServeKeepUp = 0.9;
 constexpr double kServeTtftBoundMs = 1000;
 
 // And what continuous batching makes of that memory with the trained model itself: the
-// workload's 256 requests, all at once, served by the scheduler over the paged cache and
-// by static batching over contiguous caches (bench_serve; one run each, so its rates move with
-// the host while its peak concurrency does not); then the continuous side alone at the sweep's
-// Poisson rates (set by the first variant measured, in `rates`).
+// workload's 256 requests, all at once, served by the scheduler's continuous batching over
+// the paged cache and by its static batching, as over contiguous caches (bench_serve; one run
+// each, so its rates move with the host while its peak concurrency does not); then the
+// continuous side alone at the sweep's Poisson rates (set by the first variant measured, in
+// `rates`).
 void record_serving(json& v, GPT& model, const Tokenizer& tokenizer, const KVSimOptions& so,
                     const AblateConfig& cfg, std::vector<double>& rates) {
   BenchServeOptions o;

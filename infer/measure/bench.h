@@ -161,10 +161,10 @@ using ServeSide = std::function<nlohmann::json(const std::vector<KVRequest>&, Se
                                                const SchedulerOptions&)>;
 
 // `kvlab bench serve`: the serving workload (infer/measure/kv_workload.h, `samples` a request,
-// greedy) as a request stream, served by static batching over contiguous caches (the arrived
-// requests, up to as many as the KV memory holds at full context, run as one batch until its
-// longest output is made) and by continuous batching (infer/scheduler.h) over the paged cache, at
-// the same KV memory.
+// greedy) as a request stream, served by the scheduler (infer/scheduler.h) under each policy
+// at the same KV memory: static batching as over contiguous caches (the arrived requests, up
+// to as many as the KV memory holds at full context, run as one batch until its longest
+// output is made) and continuous batching over the paged cache.
 struct BenchServeOptions {
   int64_t requests = 256;
   // Poisson arrival rates (requests/s), one run each; empty: every request at once.

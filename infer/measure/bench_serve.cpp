@@ -1,8 +1,10 @@
-// kvlab bench serve: a request stream served by static batching over contiguous caches and by
-// continuous batching (infer/scheduler.h) over the paged cache, at the same KV memory.
+// kvlab bench serve: a request stream served by the scheduler (infer/scheduler.h) under its
+// static policy, as static batching over contiguous caches, and under its continuous one over
+// the paged cache, at the same KV memory.
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -82,95 +84,76 @@ void wait_for(const Timeline& t, size_t next, Clock::time_point t0) {
                                            std::chrono::duration<double>(t.arrival[next])));
 }
 
-// Static batching: the arrived requests, up to `slots` rows of them (a row per sample), run as
-// one batch until its longest output is made (every row generates that long, as a batch of
-// fixed shape does); then the next batch. Each request's tokens are its first output_tokens.
-json serve_static(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t, int64_t slots,
-                  const BenchServeOptions& o) {
-  const auto t0 = Clock::now();
-  int64_t peak = 0, done = 0, sequences = 0;
-  for (const KVRequest& r : reqs) sequences += r.samples;
-  double utilisation = 0, weight = 0;  // each batch's mean, weighted by its steps
-  for (size_t next = 0; next < reqs.size();) {
-    wait_for(t, next, t0);
-    std::vector<size_t> batch;
-    int64_t rows = 0;
-    while (next < reqs.size() && rows + reqs[next].samples <= slots &&
-           t.arrival[next] <= seconds_since(t0)) {
-      rows += reqs[next].samples;
-      batch.push_back(next++);
-    }
-    std::vector<std::vector<int32_t>> prompts;
-    GenerateOptions g;
-    g.sampling.temperature = 0;
-    g.max_new_tokens = 1;
-    for (const size_t i : batch) {
-      for (int64_t s = 0; s < reqs[i].samples; ++s) prompts.push_back(reqs[i].prompt);
-      g.max_new_tokens = std::max(g.max_new_tokens, reqs[i].output_tokens);
-    }
-    // Step k makes every row's token k + 2 (the prefill makes the first).
-    std::vector<double> step_end;
-    g.on_decode_step = [&](int64_t) { step_end.push_back(seconds_since(t0)); };
-    const double start = seconds_since(t0);
-    const GenerationResult res = engine.generate_ids(prompts, g);
-    size_t row = 0;
-    for (const size_t i : batch)
-      for (int64_t s = 0; s < reqs[i].samples; ++s, ++row) {
-        t.token(i, s, start + res.rows[row].ttft_s);
-        for (int64_t k = 0; k + 1 < reqs[i].output_tokens; ++k)
-          t.token(i, s, step_end[static_cast<size_t>(k)]);
-      }
-    peak = std::max(peak, rows);
-    done += rows;
-    if (o.on_requests) o.on_requests("static", done, sequences);
-    const auto steps = static_cast<double>(std::max<size_t>(step_end.size(), 1));
-    utilisation += res.stats.utilisation_mean() * steps;
-    weight += steps;
-  }
-  json out = serve_summary(t, reqs, seconds_since(t0), peak);
-  out["kv_utilisation"] = weight > 0 ? utilisation / weight : 0.0;
-  return out;
-}
-
-json serve_continuous(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t,
-                      const SchedulerOptions& so, const BenchServeOptions& o) {
+// One side of the comparison: the scheduler's loop under so.policy, fed the requests as they
+// arrive.
+//  - Continuous: each request is added when it arrives and makes its own output_tokens.
+//  - Static, as a batch of fixed shape over contiguous caches: when no batch runs, the arrived
+//    requests, up to `slots` rows (a row per sample), form the next one; every row generates
+//    until the batch's longest output is made, and a request's tokens are its first
+//    output_tokens. Its KV utilisation is what contiguous rows of the batch's capacity (the
+//    longest prompt and output) would hold; the paged pool it runs on holds no more rows.
+json serve_policy(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t,
+                  const SchedulerOptions& so, int64_t slots, const BenchServeOptions& o) {
+  const bool fixed = so.policy == BatchPolicy::Static;
+  const char* side = batch_policy_name(so.policy);
+  const int64_t block = engine.model().config().block_size;
   Scheduler s(engine, so);
   const auto t0 = Clock::now();
-  std::vector<std::pair<size_t, int64_t>> of;  // request and sample of each RequestId
-  int64_t peak = 0, steps = 0, finished = 0, sequences = 0;
+  struct Of {
+    size_t request;
+    int64_t sample, made = 0;
+  };
+  std::vector<Of> of;  // of each RequestId
+  int64_t peak = 0, steps = 0, finished = 0, sequences = 0, capacity = 0;
   for (const KVRequest& r : reqs) sequences += r.samples;
-  double utilisation = 0;  // positions stored / held by the blocks in use, summed over steps
+  double utilisation = 0;  // positions stored / held, summed over steps
   size_t next = 0;
+  auto add = [&](size_t i, int64_t max_new) {
+    GenerateOptions g;
+    g.sampling.temperature = 0;
+    g.max_new_tokens = max_new;
+    for (int64_t k = 0; k < reqs[i].samples; ++k) {
+      const RequestId id = s.add(reqs[i].prompt, g, {.sample = k});
+      if (static_cast<size_t>(id) >= of.size()) of.resize(static_cast<size_t>(id) + 1);
+      of[static_cast<size_t>(id)] = {i, k};
+    }
+  };
   while (next < reqs.size() || !s.idle()) {
     if (s.idle()) wait_for(t, next, t0);
-    for (; next < reqs.size() && t.arrival[next] <= seconds_since(t0); ++next) {
-      GenerateOptions g;
-      g.sampling.temperature = 0;
-      g.max_new_tokens = reqs[next].output_tokens;
-      for (int64_t k = 0; k < reqs[next].samples; ++k) {
-        const RequestId id = s.add(reqs[next].prompt, g, {.sample = k});
-        if (static_cast<size_t>(id) >= of.size()) of.resize(static_cast<size_t>(id) + 1);
-        of[static_cast<size_t>(id)] = {next, k};
+    if (!fixed) {
+      for (; next < reqs.size() && t.arrival[next] <= seconds_since(t0); ++next)
+        add(next, reqs[next].output_tokens);
+    } else if (s.idle()) {
+      const size_t first = next;
+      int64_t rows = 0, longest = 1, prompt = 1;
+      for (; next < reqs.size() && rows + reqs[next].samples <= slots &&
+             t.arrival[next] <= seconds_since(t0);
+           ++next) {
+        rows += reqs[next].samples;
+        longest = std::max(longest, reqs[next].output_tokens);
+        prompt = std::max(prompt, static_cast<int64_t>(reqs[next].prompt.size()));
       }
+      for (size_t i = first; i < next; ++i) add(i, longest);
+      capacity = rows * std::min(block, prompt + longest - 1);
     }
     const std::vector<SchedulerEvent> events = s.step();
     const double now = seconds_since(t0);
     for (const SchedulerEvent& e : events) {
-      const auto [i, k] = of[static_cast<size_t>(e.request)];
-      if (e.token >= 0) t.token(i, k, now);
+      Of& x = of[static_cast<size_t>(e.request)];
+      if (e.token >= 0 && x.made++ < reqs[x.request].output_tokens) t.token(x.request, x.sample, now);
       finished += e.finished;
     }
-    if (o.on_requests) o.on_requests("continuous", finished, sequences);
+    if (o.on_requests) o.on_requests(side, finished, sequences);
     peak = std::max(peak, s.last_step().admitted);
     const BlockStats b = s.block_stats();
     if (b.in_use > 0) {
-      utilisation +=
-          static_cast<double>(b.positions) / static_cast<double>(b.in_use * so.cache.kv_block_size);
+      const int64_t held = fixed ? capacity : b.in_use * so.cache.kv_block_size;
+      utilisation += static_cast<double>(b.positions) / static_cast<double>(held);
       ++steps;
     }
   }
   json out = serve_summary(t, reqs, seconds_since(t0), peak);
-  out["preemptions"] = s.preemptions();
+  if (!fixed) out["preemptions"] = s.preemptions();
   out["kv_utilisation"] = steps > 0 ? utilisation / static_cast<double>(steps) : 0.0;
   return out;
 }
@@ -199,8 +182,7 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
                                                         .shared_fraction = o.shared_fraction,
                                                         .vocab_size = c.vocab_size,
                                                         .seed = o.seed});
-  // Static batching generates over the engine's contiguous cache; the scheduler keeps a
-  // paged one of its own.
+  // Both policies run the scheduler, over a paged pool of its own each.
   Engine engine(model, tokenizer, o.cache_dtype, std::nullopt);
   engine.decode_step().int8_products = o.int8_products;
   SchedulerOptions so;
@@ -208,6 +190,17 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
   so.max_seqs = std::min<int64_t>(o.requests, o.max_batch_tokens);
   so.cache.kv_block_size = o.kv_block_size;
   so.cache.pool_bytes = budget;
+  // Static batching over contiguous caches: at most as many rows as full-context rows of the
+  // same memory, each a row of one block (of the context where it is a power of two: then in
+  // exactly that memory), read as a contiguous row is, and no prefix cache (a row has none).
+  SchedulerOptions static_batching = so;
+  static_batching.policy = BatchPolicy::Static;
+  static_batching.max_seqs = slots;
+  static_batching.max_batch_tokens = std::max(so.max_batch_tokens, slots);
+  // The pool's size left unset: room for max_seqs sequences of the whole context.
+  static_batching.cache = {
+      .kv_block_size = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(c.block_size))),
+      .prefix_caching = false};
 
   json out{{"model", json{{"n_layer", c.n_layer},
                           {"n_head", c.n_head},
@@ -229,9 +222,9 @@ json bench_serve(GPT& model, const Tokenizer& tokenizer, const BenchServeOptions
     const Timeline t(poisson_arrivals(reqs.size(), rate, o.seed), o.samples);
     const std::string label = rate > 0 ? detail::cat(rate, " requests/s") : "all at once";
     json run{{"rate", rate > 0 ? json(rate) : json("all at once")}};
-    run["continuous_paged"] = serve_continuous(engine, reqs, t, so, o);
+    run["continuous_paged"] = serve_policy(engine, reqs, t, so, slots, o);
     if (o.with_static) {
-      run["static_contiguous"] = serve_static(engine, reqs, t, slots, o);
+      run["static_contiguous"] = serve_policy(engine, reqs, t, static_batching, slots, o);
       run["throughput_ratio"] = run["continuous_paged"]["requests_per_s"].get<double>() /
                                 run["static_contiguous"]["requests_per_s"].get<double>();
       if (o.progress)

@@ -144,6 +144,57 @@ TEST(Scheduler, EachRequestGetsWhatTheEngineGivesItAlone) {
   }
 }
 
+// The static policy: a batch is admitted only when none runs, its prompts prefill whole in
+// that step (a budget of 8 positions does not cut the 33- and 40-token ones), and a request
+// added while a batch runs waits for the next; each still makes what it makes alone.
+TEST(Scheduler, TheStaticPolicyRunsEachBatchToItsEndBeforeTheNext) {
+  for (const double temperature : {0.0, 1.0}) {
+    SCOPED_TRACE(testing::Message() << "temperature " << temperature);
+    auto model = tiny_model(2, 7, 64, "gpt2");
+    const Tokenizer tok = tiny_tokenizer();
+    Engine engine(*model, tok, DType::F32, std::nullopt);
+    const std::vector<Case> cs = cases(temperature);
+    const std::vector<GenerationResult> want = alone(engine, cs);
+    Scheduler s(engine, {.policy = BatchPolicy::Static,
+                         .max_seqs = 3,
+                         .max_batch_tokens = 8,
+                         .cache = {.kv_block_size = 8}});
+    std::vector<RequestId> ids;
+    for (size_t i = 0; i < 2; ++i) ids.push_back(s.add(cs[i].prompt, cs[i].options));
+    std::map<RequestId, Outcome> got;
+    std::map<RequestId, int> first_step, end_step;
+    int64_t most_prefilled = 0;
+    for (int step = 0; !s.idle() && step < 10000; ++step) {
+      const std::vector<SchedulerEvent> events = s.step();
+      if (step == 0)  // the rest arrive while the first batch of two runs
+        for (size_t i = 2; i < cs.size(); ++i) ids.push_back(s.add(cs[i].prompt, cs[i].options));
+      most_prefilled = std::max(most_prefilled, s.last_step().prefill_tokens);
+      EXPECT_LE(s.last_step().admitted, 3);
+      for (const SchedulerEvent& e : events) {
+        Outcome& o = got[e.request];
+        if (e.token >= 0 && o.tokens.empty()) first_step[e.request] = step;
+        if (e.token >= 0) o.tokens.push_back(e.token);
+        o.text += e.text;
+        if (e.finished) {
+          o.finished = true;
+          o.reason = e.reason;
+          end_step[e.request] = step;
+        }
+      }
+    }
+    expect_same(got, ids, want);
+    EXPECT_GE(most_prefilled, 40) << "a batch's prompts were prefilled in chunks";
+    // Every request that began before another had ended by the step that one began in.
+    for (const auto& [b, fb] : first_step)
+      for (const auto& [a, fa] : first_step)
+        if (fa < fb) {
+          EXPECT_LE(end_step.at(a), fb) << "request " << b << " joined " << a << "'s batch";
+        }
+    EXPECT_EQ(first_step.at(ids[2]), std::max(end_step.at(ids[0]), end_step.at(ids[1])))
+        << "the next batch was not admitted as the first ended";
+  }
+}
+
 // A pool of the context plus a few blocks cannot hold the running requests' growth: the most
 // recently admitted ones are preempted, prefilled again later, and still make what they make
 // alone, draws included.
