@@ -41,6 +41,7 @@ struct GenerateArgs {
   bool no_cache = false;
   bool slide = false;
   std::vector<std::string> stop;
+  bool ignore_eos = false;
   bool json = false;
 };
 
@@ -133,6 +134,7 @@ GenerateOptions options_of(const GenerateArgs& a) {
   o.use_cache = !a.no_cache;
   o.slide = a.slide;
   o.stop = a.stop;
+  o.ignore_eos = a.ignore_eos;
   return o;
 }
 
@@ -321,6 +323,9 @@ void add_generate_command(CLI::App& root) {
   cmd->add_option("--stop", args->stop,
                   "Stop a row once its text contains this string "
                   "(repeatable; not printed)");
+  cmd->add_flag("--ignore-eos", args->ignore_eos,
+                "Go on past the tokenizer's end-of-generation tokens (an imported family's EOS, "
+                "EOT and the like), which otherwise end a sample and are not printed");
   cmd->add_flag("--json", args->json, "Print the text(s) and timings as JSON instead of streaming");
   cmd->callback([args, prompt, prompt_file] {
     args->has_prompt = prompt->count() > 0;

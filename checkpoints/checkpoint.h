@@ -42,6 +42,12 @@ struct Checkpoint {
   std::vector<uint32_t> tokenizer_vocab;  // char and byte: code points (bpe: empty, or the
                                           // packed words of files written before BpeArrays)
   BpeArrays tokenizer_bpe;                // kind bpe
+  // /tokenizer's bos, eos and add_bos attributes and eog_ids (data/tokenizer.h's
+  // TokenControls), written where any is set; files without them have none.
+  int64_t tokenizer_bos = -1;
+  int64_t tokenizer_eos = -1;
+  int64_t tokenizer_add_bos = 0;
+  std::vector<uint32_t> tokenizer_eog;
   NamedArrays model;                      // state_dict names ("blocks.0.attn.q_proj.weight")
                                           // in module order; Linear weights (out, in)
   bool has_optimizer = false;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 #include <nlohmann/json.hpp>
@@ -266,11 +267,15 @@ void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
   f.set("tokenizer.ggml.tokens", GgufValue::string_array(std::move(tokens)));
   f.set("tokenizer.ggml.token_type", GgufValue::int_array(GgufType::I32, std::move(types)));
   f.set("tokenizer.ggml.merges", GgufValue::string_array(std::move(merges)));
-  if (n_special > 0) {  // the first special token (<|endoftext|> by default) ends and begins
-    f.set("tokenizer.ggml.bos_token_id", GgufValue::scalar(GgufType::U32, n - n_special));
-    f.set("tokenizer.ggml.eos_token_id", GgufValue::scalar(GgufType::U32, n - n_special));
-  }
-  f.set("tokenizer.ggml.add_bos_token", GgufValue::scalar(GgufType::Bool, 0));
+  // The tokenizer's own bos and eos (an imported family's); else the first special token
+  // (<|endoftext|> by default) ends and begins.
+  const TokenControls& c = tok.controls();
+  const int32_t first_special = n_special > 0 ? n - n_special : -1;
+  for (const auto& [key, id] : {std::pair{"tokenizer.ggml.bos_token_id", c.bos},
+                                std::pair{"tokenizer.ggml.eos_token_id", c.eos}})
+    if (const int32_t chosen = id >= 0 ? id : first_special; chosen >= 0)
+      f.set(key, GgufValue::scalar(GgufType::U32, chosen));
+  f.set("tokenizer.ggml.add_bos_token", GgufValue::scalar(GgufType::Bool, c.add_bos ? 1 : 0));
   f.set("kvlab.tokenizer", GgufValue::string(tok.kind_name()));
 }
 
@@ -579,6 +584,69 @@ Tokenizer bpe_vocabulary(const GgufFile& f, const std::vector<std::string>& toke
   return Tokenizer::bpe(BpeTokenizer::from_pairs(pattern, std::move(bytes), pairs, special_ids));
 }
 
+// The texts of the tokens llama.cpp's vocabulary loader (src/llama-vocab.cpp) ends a
+// generation at, whatever their ids, and those it takes for the fill-in-the-middle pad, repo
+// and file-separator tokens where no key names them (which end one too).
+constexpr const char* kEogTexts[] = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~["};
+const std::pair<const char*, std::vector<std::string>> kFimEnds[] = {
+    {"tokenizer.ggml.fim_pad_token_id", {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"}},
+    {"tokenizer.ggml.fim_rep_token_id",
+     {"<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"}},
+    {"tokenizer.ggml.fim_sep_token_id", {"<|file_sep|>"}},
+};
+
+// What llama.cpp makes of a byte-level BPE file's special-token keys: an id outside the
+// vocabulary is ignored; bos and eos default to 11 (llama.cpp's default for this tokenizer
+// model); add_bos defaults to true for Llama 3's pre-tokenizer; and a generation ends at eos,
+// eot, eom, the fill-in-the-middle tokens above, and every token whose text kEogTexts lists.
+// (llama.cpp's rules for gpt-oss's and Gemma 4's vocabularies, which drop one such token, are
+// not here: kvlab reads neither.)
+TokenControls gguf_token_controls(const GgufFile& f, const std::vector<std::string>& tokens,
+                                  const std::string& pre, std::string_view what) {
+  const auto V = static_cast<int64_t>(tokens.size());
+  auto id_of = [&](const char* key, int64_t fallback) -> int32_t {
+    int64_t id = fallback < V ? fallback : -1;
+    if (const GgufValue* v = f.find(key)) {
+      KVLAB_CHECK(!v->is_array() && v->ints.size() == 1, what, ": ", key, " is not an integer");
+      if (v->ints[0] >= 0 && v->ints[0] < V) id = v->ints[0];
+    }
+    return static_cast<int32_t>(id);
+  };
+  auto by_text = [&](const std::vector<std::string>& texts) -> int32_t {
+    for (int64_t id = 0; id < V; ++id)
+      for (const std::string& t : texts)
+        if (tokens[static_cast<size_t>(id)] == t) return static_cast<int32_t>(id);
+    return -1;
+  };
+  TokenControls c;
+  c.bos = id_of("tokenizer.ggml.bos_token_id", 11);
+  c.eos = id_of("tokenizer.ggml.eos_token_id", 11);
+  c.add_bos = pre == "llama-bpe";
+  if (const GgufValue* v = f.find("tokenizer.ggml.add_bos_token")) {
+    KVLAB_CHECK(v->type == GgufType::Bool && v->ints.size() == 1, what,
+                ": tokenizer.ggml.add_bos_token is not a bool");
+    c.add_bos = v->ints[0] != 0;
+  }
+  std::set<int32_t> eog;
+  for (int64_t id = 0; id < V; ++id)
+    for (const char* t : kEogTexts)
+      if (tokens[static_cast<size_t>(id)] == t) eog.insert(static_cast<int32_t>(id));
+  for (const auto& [key, texts] : kFimEnds) {
+    const int32_t id = id_of(key, -1);
+    eog.insert(id >= 0 ? id : by_text(texts));
+  }
+  for (const char* key : {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"})
+    eog.insert(id_of(key, -1));
+  eog.insert(c.eos);
+  eog.erase(-1);
+  c.eog.assign(eog.begin(), eog.end());
+  return c;
+}
+
 }  // namespace
 
 Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
@@ -594,7 +662,13 @@ Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
   const std::string& pre = f.find("tokenizer.ggml.pre") ? f.get_string("tokenizer.ggml.pre", what)
                                                           : std::string("gpt-2");
   const SplitPattern pattern = split_pattern_of(pre, f.find("kvlab.bpe_pattern"), what);
-  return bpe_vocabulary(f, tokens, pattern, what);
+  Tokenizer tok = bpe_vocabulary(f, tokens, pattern, what);
+  try {
+    tok.set_controls(gguf_token_controls(f, tokens, pre, what));
+  } catch (const Error& e) {
+    throw Error(detail::cat(what, ": ", e.what()));
+  }
+  return tok;
 }
 
 Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {

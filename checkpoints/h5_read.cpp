@@ -158,6 +158,13 @@ class Loader {
   void read_tokenizer(hid_t file, Checkpoint& ckpt) const {
     H5Id tok = open_group(file, "tokenizer", "/tokenizer");
     ckpt.tokenizer_kind = string_attr(tok, "kind", "/tokenizer");
+    if (has_link(tok, "eog_ids", "/tokenizer/eog_ids")) {  // what the ids mean: data/'s to check
+      ckpt.tokenizer_bos = int_attr(tok, "bos", "/tokenizer");
+      ckpt.tokenizer_eos = int_attr(tok, "eos", "/tokenizer");
+      ckpt.tokenizer_add_bos = int_attr(tok, "add_bos", "/tokenizer");
+      ckpt.tokenizer_eog =
+          read<uint32_t>(tok, "eog_ids", "/tokenizer/eog_ids", kUint32, H5T_NATIVE_UINT32, 1).second;
+    }
     if (ckpt.tokenizer_kind != "bpe" || !has_link(tok, "merges", "/tokenizer/merges")) {
       ckpt.tokenizer_vocab =
           read<uint32_t>(tok, "vocab", "/tokenizer/vocab", kUint32, H5T_NATIVE_UINT32, 1).second;

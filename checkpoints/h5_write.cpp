@@ -111,9 +111,24 @@ void write_vector(hid_t loc, const char* name, hid_t file_type, hid_t mem_type,
   write_dataset(loc, name, file_type, mem_type, {static_cast<int64_t>(v.size())}, v.data(), what);
 }
 
+// bos, eos, add_bos and eog_ids where the tokenizer has any (most have none: then nothing).
+void write_token_controls(hid_t tok, const Checkpoint& ckpt, const std::string& pre) {
+  if (ckpt.tokenizer_bos < 0 && ckpt.tokenizer_eos < 0 && ckpt.tokenizer_add_bos == 0 &&
+      ckpt.tokenizer_eog.empty())
+    return;
+  write_attrs(tok,
+              {{"bos", ckpt.tokenizer_bos},
+               {"eos", ckpt.tokenizer_eos},
+               {"add_bos", ckpt.tokenizer_add_bos}},
+              pre, "/tokenizer");
+  write_vector(tok, "eog_ids", H5T_STD_U32LE, H5T_NATIVE_UINT32, ckpt.tokenizer_eog,
+               pre + "writing /tokenizer/eog_ids");
+}
+
 // Kind bpe: the pattern as an attribute and BpeArrays' four datasets; the others: /vocab.
 void write_tokenizer(hid_t file, const Checkpoint& ckpt, const std::string& pre) {
   H5Id tok = create_group(file, "tokenizer", pre);
+  write_token_controls(tok, ckpt, pre);
   if (ckpt.tokenizer_kind != "bpe") {
     write_attrs(tok, {{"kind", ckpt.tokenizer_kind}}, pre, "/tokenizer");
     write_vector(tok, "vocab", H5T_STD_U32LE, H5T_NATIVE_UINT32, ckpt.tokenizer_vocab,

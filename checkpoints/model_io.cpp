@@ -227,14 +227,29 @@ void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok) {
   } else {
     ckpt.tokenizer_vocab = tok.vocab();
   }
+  const TokenControls& c = tok.controls();
+  ckpt.tokenizer_bos = c.bos;
+  ckpt.tokenizer_eos = c.eos;
+  ckpt.tokenizer_add_bos = c.add_bos;
+  ckpt.tokenizer_eog.assign(c.eog.begin(), c.eog.end());
 }
 
 Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file) {
   try {
     const TokenizerKind kind = Tokenizer::parse_kind(ckpt.tokenizer_kind);
-    if (kind == TokenizerKind::Bpe && !ckpt.tokenizer_bpe.token_offsets.empty())
-      return Tokenizer::bpe(from_bpe_arrays(ckpt.tokenizer_bpe));
-    return Tokenizer::from_vocab(kind, ckpt.tokenizer_vocab);
+    Tokenizer tok = kind == TokenizerKind::Bpe && !ckpt.tokenizer_bpe.token_offsets.empty()
+                        ? Tokenizer::bpe(from_bpe_arrays(ckpt.tokenizer_bpe))
+                        : Tokenizer::from_vocab(kind, ckpt.tokenizer_vocab);
+    for (const int64_t id : {ckpt.tokenizer_bos, ckpt.tokenizer_eos})
+      KVLAB_CHECK(id >= -1 && id <= INT32_MAX, "bos or eos ", id, " is not an id (or -1)");
+    KVLAB_CHECK(ckpt.tokenizer_add_bos == 0 || ckpt.tokenizer_add_bos == 1, "add_bos is ",
+                ckpt.tokenizer_add_bos, ", not 0 or 1");
+    TokenControls c{static_cast<int32_t>(ckpt.tokenizer_bos),
+                    static_cast<int32_t>(ckpt.tokenizer_eos), ckpt.tokenizer_add_bos == 1, {}};
+    for (const uint32_t id : ckpt.tokenizer_eog)
+      c.eog.push_back(static_cast<int32_t>(std::min<uint32_t>(id, INT32_MAX)));
+    tok.set_controls(std::move(c));
+    return tok;
   } catch (const Error& e) {
     KVLAB_CHECK(false, "checkpoint ", file.string(), ": /tokenizer: ", e.what());
   }

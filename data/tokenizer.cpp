@@ -215,4 +215,27 @@ std::string Tokenizer::decode_one(int32_t id) const {
   return out;
 }
 
+std::vector<int32_t> Tokenizer::encode_prompt(std::string_view text, std::string_view what) const {
+  std::vector<int32_t> ids;
+  if (controls_.add_bos) ids.push_back(controls_.bos);
+  const std::vector<int32_t> body = encode(text, what);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+void Tokenizer::set_controls(TokenControls c) {
+  const int32_t V = vocab_size();
+  for (const int32_t id : {c.bos, c.eos})
+    KVLAB_CHECK(id >= -1 && id < V, "tokenizer: the BOS or EOS id ", id,
+                " is outside the vocabulary [0, ", V, ")");
+  KVLAB_CHECK(!c.add_bos || c.bos >= 0, "tokenizer: add_bos is set but there is no BOS token");
+  for (size_t i = 0; i < c.eog.size(); ++i)
+    KVLAB_CHECK(c.eog[i] >= 0 && c.eog[i] < V && (i == 0 || c.eog[i - 1] < c.eog[i]),
+                "tokenizer: end-of-generation id ", c.eog[i], " (entry ", i,
+                ") is not an id of the vocabulary above the one before it");
+  controls_ = std::move(c);
+  KVLAB_CHECK(controls_.eos < 0 || ends_generation(controls_.eos), "tokenizer: the EOS id ",
+              controls_.eos, " is not among the end-of-generation ids");
+}
+
 }  // namespace kvlab

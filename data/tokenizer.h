@@ -2,6 +2,7 @@
 // Character-, byte- and BPE-level tokenizers. For char and byte, a token id is an index into
 // vocab(): the sorted Unicode code points of the training text (char) or the byte values
 // 0..255 (byte). A bpe tokenizer is a trained byte-level BPE vocabulary (data/bpe.h).
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -18,6 +19,16 @@ enum class TokenizerKind { Char, Byte, Bpe };
 // "char", "byte" or "bpe": the names used on the command line, in checkpoints and in cache
 // file names.
 std::string kind_name(TokenizerKind kind);
+
+// What a model's vocabulary says beyond its tokens (a GGUF file's tokenizer.ggml.*, kept in
+// /tokenizer): the token a prompt begins with, and the tokens that end a generation.
+struct TokenControls {
+  int32_t bos = -1;           // begins a text (none: -1)
+  int32_t eos = -1;           // ends one (none: -1); also in eog
+  bool add_bos = false;       // a prompt encoded from text begins with bos
+  std::vector<int32_t> eog;   // ascending: a sequence that makes one of these ends there
+  bool operator==(const TokenControls&) const = default;
+};
 
 class Tokenizer {
  public:
@@ -48,8 +59,20 @@ class Tokenizer {
   std::string decode(std::span<const int32_t> ids) const;
   std::string decode_one(int32_t id) const;
 
+  // A prompt's ids: encode(text), after bos where add_bos says so (as llama.cpp tokenizes a
+  // prompt with its special tokens).
+  std::vector<int32_t> encode_prompt(std::string_view text, std::string_view what = "prompt") const;
+  const TokenControls& controls() const { return controls_; }
+  // Throws kvlab::Error naming an id outside the vocabulary, add_bos without bos, eog not
+  // ascending, or an eos not in it.
+  void set_controls(TokenControls controls);
+  bool ends_generation(int32_t id) const {
+    return std::binary_search(controls_.eog.begin(), controls_.eog.end(), id);
+  }
+
   bool operator==(const Tokenizer& o) const {
-    return kind_ == o.kind_ && vocab_ == o.vocab_;  // a bpe vocab_ is its packed vocabulary
+    // a bpe vocab_ is its packed vocabulary
+    return kind_ == o.kind_ && vocab_ == o.vocab_ && controls_ == o.controls_;
   }
 
  private:
@@ -60,6 +83,7 @@ class Tokenizer {
   TokenizerKind kind_;
   std::vector<uint32_t> vocab_;  // (V,) code point or byte value of each id; bpe: packed
   std::shared_ptr<const BpeTokenizer> bpe_;
+  TokenControls controls_;
 };
 
 }  // namespace kvlab

@@ -94,8 +94,9 @@ struct Row : Sequence {
   double ttft_s = 0;
   std::string text;  // released text
 
-  Row(std::span<const int32_t> prompt, const GenerateOptions& o, uint64_t row)
-      : Sequence(prompt, o.sampling, row, o.stop, o.max_new_tokens) {}
+  Row(std::span<const int32_t> prompt, const GenerateOptions& o, uint64_t row,
+      std::span<const int32_t> eog)
+      : Sequence(prompt, o.sampling, row, o.stop, o.max_new_tokens, eog) {}
 };
 }  // namespace
 
@@ -171,7 +172,7 @@ Engine::~Engine() = default;
 
 std::vector<int32_t> Engine::encode(std::string_view text, std::string_view what) const {
   KVLAB_CHECK(!text.empty(), what, kEmptyPrompt);
-  return tokenizer_.encode(text, what);
+  return tokenizer_.encode_prompt(text, what);
 }
 
 Tensor Engine::forward_cached(const Tensor& tokens, DecodeKVCache& cache, bool all_positions) {
@@ -301,7 +302,7 @@ Engine::Generation::Generation(Engine& engine, const std::vector<std::vector<int
   for (int64_t r = 0; r < R; ++r) {
     const auto& p = prompts[static_cast<size_t>(r / opts.n)];
     const int64_t P = static_cast<int64_t>(p.size());
-    Row& row = rows_.emplace_back(p, opts, static_cast<uint64_t>(r));
+    Row& row = rows_.emplace_back(p, opts, static_cast<uint64_t>(r), engine.end_tokens(opts));
     row.window_start = P > block_ ? P - prompt_keep : 0;
     const int64_t room = reachable(P - row.window_start);
     row.tokens.reserve(static_cast<size_t>(P + room));

@@ -83,6 +83,9 @@ struct GenerateOptions {
   // A row stops once its text contains one of these; the stop string is not part of the text
   // (neither returned nor streamed: text that may begin a stop string is held back).
   std::vector<std::string> stop;
+  // A row also stops at a token of the tokenizer's TokenControls::eog (its text not part of
+  // the text), unless this is set (llama-server's ignore_eos; benchmarks set it).
+  bool ignore_eos = false;
 
   // Streams each row's new text as it is made (row index, UTF-8 piece; a byte tokenizer may
   // split a character across pieces).
@@ -161,7 +164,9 @@ class Engine {
          std::optional<PagedCacheOptions> paged = PagedCacheOptions{});
   ~Engine();
 
-  // Encodes a prompt; errors name it ("prompt") and list characters outside the vocabulary.
+  // Encodes a prompt (after the tokenizer's BOS where it asks for one:
+  // Tokenizer::encode_prompt); errors name it ("prompt") and list characters outside the
+  // vocabulary.
   std::vector<int32_t> encode(std::string_view text, std::string_view what = "prompt") const;
 
   // The checks generate_ids() starts with: options, and each prompt non-empty, inside the
@@ -183,6 +188,12 @@ class Engine {
   GPT& model() { return model_; }
   const GPT& model() const { return model_; }
   const Tokenizer& tokenizer() const { return tokenizer_; }
+  // The tokens a sequence generated with these options ends at: the tokenizer's eog, or none
+  // with ignore_eos.
+  std::span<const int32_t> end_tokens(const GenerateOptions& options) const {
+    if (options.ignore_eos) return {};
+    return tokenizer_.controls().eog;
+  }
   DType cache_dtype() const { return cache_dtype_; }
   // The scales a cache of cache_dtype() takes from the model now: fp8_kv_scales for fp8,
   // none otherwise.

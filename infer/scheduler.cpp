@@ -26,12 +26,12 @@ struct Scheduler::Request {
   std::vector<TokenLogprob> prompt_logprobs;  // gathered over the prefill's chunks
 
   Request(RequestId i, std::span<const int32_t> prompt, const GenerateOptions& o,
-          const RequestExtras& x)
+          const RequestExtras& x, std::span<const int32_t> eog)
       : id(i),
         options(o),
         extras(x),
         sequence(prompt, o.sampling, static_cast<uint64_t>(x.sample), options.stop,
-                 o.max_new_tokens) {}
+                 o.max_new_tokens, eog) {}
   const std::vector<int32_t>& tokens() const { return sequence.tokens; }
   // Its first prefill computes every prompt position's logits.
   bool wants_prompt_logits() const { return extras.prompt_logprobs && sequence.made == 0; }
@@ -78,7 +78,8 @@ RequestId Scheduler::add(std::vector<int32_t> prompt, const GenerateOptions& opt
               options.n, ", slide ", options.slide, ", cache ", options.use_cache, ")");
   KVLAB_CHECK(extras.sample >= 0, "scheduler: sample must be >= 0, got ", extras.sample);
   const RequestId id = next_id_++;
-  waiting_.push_back(std::make_unique<Request>(id, prompt, options, extras));
+  waiting_.push_back(
+      std::make_unique<Request>(id, prompt, options, extras, engine_.end_tokens(options)));
   return id;
 }
 

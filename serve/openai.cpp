@@ -132,7 +132,7 @@ void parse_prompts(const json& body, const ApiLimits& limits, const Tokenizer& t
       const std::string text = items[i].get<std::string>();
       if (text.empty()) bad("prompt", what + " is empty");
       try {
-        ids = tokenizer.encode(text, what);
+        ids = tokenizer.encode_prompt(text, what);
       } catch (const Error& e) {
         bad("prompt", e.what());
       }
@@ -231,6 +231,7 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
   r.n = integer(body, "n", 1, 1, limits.max_n);
   r.logprobs = integer(body, "logprobs", -1, 0, limits.max_logprobs);
   r.stream = boolean(body, "stream");
+  r.ignore_eos = boolean(body, "ignore_eos");
   if (const json* so = field(body, "stream_options")) {
     if (!so->is_object()) bad("stream_options", "'stream_options' must be an object");
     if (!r.stream) bad("stream_options", "'stream_options' needs 'stream': true");
@@ -248,7 +249,7 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
 }
 
 const char* finish_reason_name(StopReason r) {
-  return r == StopReason::StopString ? "stop" : "length";
+  return r == StopReason::StopString || r == StopReason::EndOfGeneration ? "stop" : "length";
 }
 
 nlohmann::json logprobs_json(const Tokenizer& tokenizer, const std::vector<int32_t>* prompt,

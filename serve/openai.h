@@ -57,6 +57,7 @@ struct CompletionRequest {
   bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
   bool echo = false;
   int64_t logprobs = -1;  // the top alternatives per token; -1 when null
+  bool ignore_eos = false;  // llama-server's: go on past the end-of-generation tokens
 };
 
 // Parses and checks a request body against the limits, the served model's name, its
@@ -77,7 +78,7 @@ struct ChoiceState {
   StopReason reason = StopReason::MaxNewTokens;
 };
 
-// "length" (max_tokens or the context) or "stop" (a stop string).
+// "length" (max_tokens or the context) or "stop" (a stop string, an end-of-generation token).
 const char* finish_reason_name(StopReason r);
 
 // OpenAI's logprobs object over tokens of one choice, with text offsets from `offset`: the

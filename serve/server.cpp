@@ -574,6 +574,7 @@ void Server::Impl::loop() {
       g.max_new_tokens = q.max_tokens;
       g.sampling = q.sampling;
       g.stop = q.stop;
+      g.ignore_eos = q.ignore_eos;
       RequestExtras x;
       x.top_logprobs = q.logprobs;
       x.prompt_logprobs = q.echo && q.logprobs >= 0;

@@ -261,6 +261,7 @@ nlohmann::json http_overhead(GPT& model, const Tokenizer& tokenizer, int64_t pro
       w.many.push_back(bench_prompt(i, prompt_tokens, c.vocab_size));
   w.one.max_new_tokens = new_tokens;
   w.one.sampling.temperature = 0;
+  w.one.ignore_eos = true;  // the client sends ignore_eos too
   // Each of the many streams makes a quarter of the one stream's tokens: the rounds stay short.
   w.each_of_many = w.one;
   w.each_of_many.max_new_tokens = std::max<int64_t>(1, new_tokens / 4);

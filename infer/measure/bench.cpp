@@ -285,6 +285,7 @@ json bench_generate(GPT& model, const Tokenizer& tokenizer, const BenchGenerateO
       GenerateOptions g;
       g.max_new_tokens = n;
       g.sampling.temperature = 0;
+      g.ignore_eos = true;  // every row makes its n tokens
       g.use_cache = use_cache;
       const std::string setting =
           detail::cat("new tokens ", n, use_cache ? ", cache on" : ", cache off");
@@ -370,6 +371,7 @@ json bench_decode_by_kv_heads(const GPTConfig& config, const std::vector<int64_t
     GenerateOptions g;
     g.max_new_tokens = n;
     g.sampling.temperature = 0;
+    g.ignore_eos = true;
     const std::string setting = detail::cat("n_kv_head ", nkv);
     const Measured m = measure(engine, prompt, g, n, o, setting);
     json e = summarise(m.runs);
@@ -527,6 +529,7 @@ json bench_kv_memory(GPT& model, const Tokenizer& tokenizer, const BenchKVMemory
   Engine contiguous(model, tokenizer, o.cache_dtype, std::nullopt);
   GenerateOptions greedy;
   greedy.sampling.temperature = 0;
+  greedy.ignore_eos = true;
   greedy.max_new_tokens = o.decode_new_tokens;
   out["decode"] = paged_decode_speed(on_pages, contiguous, greedy, c.vocab_size, o, say);
 

@@ -111,6 +111,7 @@ json serve_policy(Engine& engine, const std::vector<KVRequest>& reqs, Timeline t
   auto add = [&](size_t i, int64_t max_new) {
     GenerateOptions g;
     g.sampling.temperature = 0;
+    g.ignore_eos = true;  // each request makes its output length
     g.max_new_tokens = max_new;
     for (int64_t k = 0; k < reqs[i].samples; ++k) {
       const RequestId id = s.add(reqs[i].prompt, g, {.sample = k});

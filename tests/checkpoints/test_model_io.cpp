@@ -295,6 +295,52 @@ TEST_F(TokenizerFileTest, HostileBpeArraysAreRefused) {
   EXPECT_TRUE(has(msg, "unknown pre-split pattern 'o200k'")) << msg;
 }
 
+// What a family's vocabulary says of BOS, EOS and the tokens that end a generation is kept
+// in /tokenizer (a char tokenizer's too), and values that are no ids of it are refused.
+TEST_F(TokenizerFileTest, BosEosAndEndTokensRoundTripAndBadOnesAreRefused) {
+  Tokenizer tok = Tokenizer::build_char("abcdef");
+  tok.set_controls({.bos = 1, .eos = 4, .add_bos = true, .eog = {2, 4}});
+  const fs::path file = dir_ / "controls.h5";
+  save_tokenizer(file, tok);
+  const Checkpoint c = load_checkpoint(file, false);
+  EXPECT_EQ(c.tokenizer_bos, 1);
+  EXPECT_EQ(c.tokenizer_eos, 4);
+  EXPECT_EQ(c.tokenizer_add_bos, 1);
+  EXPECT_EQ(c.tokenizer_eog, (std::vector<uint32_t>{2, 4}));
+  EXPECT_EQ(load_tokenizer(file), tok);
+  EXPECT_EQ(load_tokenizer(file).encode_prompt("ab"), (std::vector<int32_t>{1, 0, 1}));
+  // A tokenizer without them writes none.
+  save_tokenizer(dir_ / "plain.h5", Tokenizer::build_char("abcdef"));
+  EXPECT_EQ(load_checkpoint(dir_ / "plain.h5", false).tokenizer_eog.size(), 0u);
+  EXPECT_EQ(load_tokenizer(dir_ / "plain.h5").controls(), TokenControls{});
+
+  const auto refused = [&](const std::function<void(Checkpoint&)>& damage) {
+    Checkpoint bad = c;
+    damage(bad);
+    save_checkpoint(dir_ / "bad.h5", bad);
+    try {
+      load_tokenizer(dir_ / "bad.h5");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  for (const auto& [damage, needle] :
+       std::vector<std::pair<std::function<void(Checkpoint&)>, const char*>>{
+           {[](Checkpoint& b) { b.tokenizer_eog = {2, 6}; }, "end-of-generation id 6"},
+           {[](Checkpoint& b) { b.tokenizer_eog = {4, 2}; }, "end-of-generation id 2"},
+           {[](Checkpoint& b) { b.tokenizer_bos = 6; }, "BOS or EOS id 6"},
+           {[](Checkpoint& b) { b.tokenizer_bos = int64_t{1} << 40; }, "is not an id"},
+           {[](Checkpoint& b) { b.tokenizer_eos = 3; }, "EOS id 3 is not among"},
+           {[](Checkpoint& b) { b.tokenizer_add_bos = 2; }, "add_bos is 2"},
+           {[](Checkpoint& b) { b.tokenizer_bos = -1; }, "no BOS token"},
+       }) {
+    const std::string msg = refused(damage);
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    EXPECT_NE(msg.find("/tokenizer"), std::string::npos) << msg;
+  }
+}
+
 TEST_F(TokenizerFileTest, NotATokenizerIsAClearError) {
   const fs::path text = dir_ / "notes.h5";
   std::ofstream(text) << "just some text\n";

@@ -28,6 +28,7 @@ inline std::vector<int32_t> greedy(GPT& model, const Tokenizer& tok,
   GenerateOptions o;
   o.max_new_tokens = n;
   o.sampling.temperature = 0;
+  o.ignore_eos = true;  // as llama.cpp's side, which yields end-of-generation tokens too
   if (logits)
     o.on_logits = [&](int64_t, std::span<const int32_t>, std::span<const float> l) {
       logits->emplace_back(l.begin(), l.end());

@@ -869,7 +869,8 @@ double logit_gap(const nlohmann::json& theirs, const std::vector<float>& ours_lo
 }
 
 // From text to text, as llama.cpp: for GPT-2's, Llama 3's and Qwen2's vocabularies, each in a
-// random llama model written by gguf-py (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's import tokenizes the prompt and the torture
+// random llama model written by gguf-py (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's
+// import tokenizes the prompt (after Llama 3's BOS, as llama.cpp's prompts begin) and the torture
 // text into llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each
 // step's logits within the f32 tolerance, 2e-4, of llama.cpp's less the normaliser), which
 // decode to llama.cpp's text.
@@ -892,10 +893,12 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
     EXPECT_EQ(get_gpt_config(c.config, family).norm_eps, family == "qwen2" ? 1e-6f : 1e-5f);
     Run r{family, get_tokenizer(c, family), {}, {}, {}};
-    r.prompt = r.tok.encode(prompt, "prompt");
+    r.prompt = r.tok.encode_prompt(prompt, "prompt");
+    EXPECT_EQ(r.prompt.front() == 128000, family == "llama-bpe") << "Llama 3's BOS begins a prompt";
     r.tokens = greedy(*model_of(c), r.tok, r.prompt, n_new, &r.logits);
-    spec.push_back({{"model", gguf.string()}, {"text", prompt}, {"new_tokens", n_new},
-                    {"threads", 1}, {"tokenize", {std::string(test::kTortureText)}}});
+    spec.push_back({{"model", gguf.string()}, {"text", prompt}, {"bos", true},
+                    {"new_tokens", n_new}, {"threads", 1},
+                    {"tokenize", {std::string(test::kTortureText)}}});
     runs.push_back(std::move(r));
   }
   std::string failure;
@@ -918,6 +921,48 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     EXPECT_EQ(a.same, r.tokens.size());
     EXPECT_LT(worst, 2e-4);
     EXPECT_EQ(out[i]["continuation"].get<std::string>(), r.tok.decode(r.tokens));
+  }
+}
+
+// Where a generation begins and ends, as llama.cpp reads the same file: for GPT-2's, Llama 3's
+// and Qwen2's vocabulary files, and for kvlab's own export of a Llama 3 model it imported, the
+// BOS and EOS ids, whether a prompt begins with BOS, and every id that ends a generation.
+TEST_F(GgufLlamaCpp, FamilyVocabulariesBeginAndEndAsLlamaCpp) {
+  std::string why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
+  const fs::path src = test::llama_cpp_source(why);
+  if (src.empty()) GTEST_SKIP() << why;
+  std::vector<std::pair<fs::path, Tokenizer>> files;
+  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2"}) {
+    const fs::path f = src / "models" / ("ggml-vocab-" + family + ".gguf");
+    files.emplace_back(f, gguf_tokenizer(read_gguf(f), f.string()));
+  }
+  // kvlab's export of the Llama 3 family model carries its bos, eos and add_bos.
+  const fs::path family = dir_ / "llama-bpe.gguf", exported = dir_ / "llama-bpe-export.gguf";
+  if (!write_family_model("llama-bpe", family, why)) GTEST_SKIP() << why;
+  const Checkpoint c = gguf_to_checkpoint(read_gguf(family), family.string());
+  const Tokenizer imported = get_tokenizer(c, "import");
+  write_gguf(exported, model_to_gguf(*model_of(c), imported, gguf_mix("f32"), {}));
+  files.emplace_back(exported, gguf_tokenizer(read_gguf(exported), exported.string()));
+  EXPECT_EQ(files.back().second, imported) << "export changed the tokenizer";
+
+  nlohmann::json spec = nlohmann::json::array();
+  for (const auto& [f, tok] : files)
+    spec.push_back({{"model", f.string()}, {"controls", true}, {"vocab_size", tok.vocab_size()}});
+  std::string failure;
+  const nlohmann::json out = test::llama_cpp_greedy(spec, dir_, failure);
+  if (!failure.empty()) FAIL() << failure;
+  ASSERT_EQ(out.size(), files.size());
+  for (size_t i = 0; i < files.size(); ++i) {
+    const TokenControls& k = files[i].second.controls();
+    SCOPED_TRACE(files[i].first.filename().string());
+    const auto id_or_none = [](const nlohmann::json& v) { return v.is_null() ? -1 : v.get<int>(); };
+    EXPECT_EQ(k.bos, id_or_none(out[i]["bos"]));
+    EXPECT_EQ(k.eos, id_or_none(out[i]["eos"]));
+    EXPECT_EQ(k.add_bos, out[i]["add_bos"].get<bool>());
+    EXPECT_EQ(k.eog, out[i]["eog"].get<std::vector<int32_t>>());
+    std::printf("[ llama.cpp ] %s: bos %d, eos %d, add_bos %d, %zu end-of-generation ids\n",
+                files[i].first.filename().c_str(), k.bos, k.eos, k.add_bos, k.eog.size());
   }
 }
 

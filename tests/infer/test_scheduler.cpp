@@ -2,6 +2,7 @@
 // it alone, under a token budget and a sequence cap, through chunked prefill and preemption.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -301,6 +302,55 @@ TEST(Scheduler, BadOptionsAndRequestsAreClearErrors) {
             std::string::npos);
   EXPECT_NE(error_of([&] { s.add({}, options(4, 0, 0)); }).find("is empty"), std::string::npos);
   EXPECT_TRUE(s.idle());
+}
+
+// A token of the tokenizer's end-of-generation set ends a sample where it is made, in the
+// engine (contiguous and paged) and the scheduler alike: the token is the last of its tokens,
+// its text is not part of the text, and the reason says so; with ignore_eos it goes on as if
+// the set were empty. A tokenizer that asks for BOS has a prompt's text begin with it.
+TEST(Scheduler, AnEndOfGenerationTokenEndsASampleAsTheEngineEndsIt) {
+  auto model = tiny_model(2, 7, 64, "gpt2");
+  const Tokenizer plain = tiny_tokenizer();
+  const std::vector<int32_t> prompt = random_ids(9, 3);
+  GenerateOptions o = options(16, 0.0, 0);
+  Engine free_running(*model, plain, DType::F32, std::nullopt);
+  const std::vector<int32_t> all = free_running.generate_ids({prompt}, o).rows[0].tokens;
+  // The first token made that was not made before it: the sample must end right there.
+  size_t k = 1;
+  while (k < all.size() && std::count(all.begin(), all.begin() + k, all[k]) > 0) ++k;
+  ASSERT_LT(k, all.size()) << "the greedy sample repeats one token";
+  Tokenizer ending = plain;
+  ending.set_controls({.bos = 3, .eos = all[k], .add_bos = true, .eog = {all[k]}});
+  const std::vector<int32_t> want(all.begin(), all.begin() + static_cast<int64_t>(k) + 1);
+  const std::string text = plain.decode({all.data(), k});
+  for (const bool paged : {false, true}) {
+    SCOPED_TRACE(paged ? "paged" : "contiguous");
+    Engine engine(*model, ending, DType::F32,
+                  paged ? std::optional<PagedCacheOptions>(PagedCacheOptions{}) : std::nullopt);
+    const RowResult r = engine.generate_ids({prompt}, o).rows[0];
+    EXPECT_EQ(r.tokens, want);
+    EXPECT_EQ(r.text, text);
+    EXPECT_EQ(r.stop_reason, StopReason::EndOfGeneration);
+    GenerateOptions ignoring = o;
+    ignoring.ignore_eos = true;
+    EXPECT_EQ(engine.generate_ids({prompt}, ignoring).rows[0].tokens, all);
+    std::vector<int32_t> with_bos = plain.encode("abc");
+    with_bos.insert(with_bos.begin(), 3);
+    EXPECT_EQ(engine.encode("abc"), with_bos);
+  }
+  Engine engine(*model, ending, DType::F32, std::nullopt);
+  Scheduler s(engine, {.max_seqs = 2, .cache = {.kv_block_size = 8}});
+  const RequestId id = s.add(prompt, o);
+  const auto got = run(s);
+  EXPECT_EQ(got.at(id).tokens, want);
+  EXPECT_EQ(got.at(id).text, text);
+  EXPECT_EQ(got.at(id).reason, StopReason::EndOfGeneration);
+  // Controls that name ids outside the vocabulary, or an EOS that does not end, are refused.
+  Tokenizer t = plain;
+  EXPECT_THROW(t.set_controls({.bos = 11, .eog = {}}), Error);
+  EXPECT_THROW(t.set_controls({.eog = {4, 2}}), Error);
+  EXPECT_THROW(t.set_controls({.eos = 2, .eog = {4}}), Error);
+  EXPECT_THROW(t.set_controls({.add_bos = true, .eog = {}}), Error);
 }
 
 }  // namespace

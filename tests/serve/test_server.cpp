@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -28,13 +29,20 @@ namespace {
 
 using nlohmann::json;
 
+Tokenizer with_controls(Tokenizer tok, TokenControls controls) {
+  tok.set_controls(std::move(controls));
+  return tok;
+}
+
 // A server over its own model and engine, running on a thread; the client is fresh per call.
 class Running {
  public:
   // arch "mla": the MLA block (test::tiny_config), its latent rows in the scheduler's pool.
-  explicit Running(ServeOptions o = {}, int64_t block_size = 16, const std::string& arch = "gpt2")
+  // controls: the tokenizer's BOS and end tokens (none by default).
+  explicit Running(ServeOptions o = {}, int64_t block_size = 16, const std::string& arch = "gpt2",
+                   TokenControls controls = {})
       : model_(test::tiny_model(arch == "mla" ? 4 : 2, 11, block_size, arch)),
-        tok_(test::tiny_tokenizer()),
+        tok_(with_controls(test::tiny_tokenizer(), std::move(controls))),
         engine_(*model_, tok_) {
     o.host = "127.0.0.1";
     o.port = 0;
@@ -266,6 +274,50 @@ TEST(Serve, StopStringsEndTheChoiceAsTheEngineDoes) {
     EXPECT_EQ(text.find(stop), std::string::npos);
     EXPECT_EQ(reason, "stop");
   }
+}
+
+// An end-of-generation token of the served tokenizer ends a choice with finish_reason "stop",
+// its text not sent, whole or streamed; with llama-server's ignore_eos the choice goes on to
+// max_tokens. A text prompt begins with BOS where the tokenizer asks for it.
+TEST(Serve, AnEndOfGenerationTokenEndsTheChoiceUnlessIgnoreEos) {
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 12;
+  greedy.sampling.temperature = 0;
+  const std::vector<int32_t> free = Running().generate({"hij"}, greedy).rows[0].tokens;
+  size_t k = 1;
+  while (k < free.size() && std::count(free.begin(), free.begin() + k, free[k]) > 0) ++k;
+  ASSERT_LT(k, free.size()) << "the greedy sample repeats one token";
+  Running s({}, 16, "gpt2", {.eos = free[k], .eog = {free[k]}});
+  for (const bool ignore : {false, true})
+    for (const bool stream : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "ignore_eos " << ignore << ", stream " << stream);
+      const json body = {{"prompt", "hij"},   {"max_tokens", 12}, {"temperature", 0},
+                         {"ignore_eos", ignore}, {"stream", stream}};
+      const auto r = s.post(body);
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->status, 200) << r->body;
+      std::string text, reason;
+      if (stream) {
+        bool done = false;
+        for (const json& c : events_of(r->body, done)) {
+          text += c["choices"][0]["text"].get<std::string>();
+          if (!c["choices"][0]["finish_reason"].is_null()) reason = c["choices"][0]["finish_reason"];
+        }
+      } else {
+        const json j = json::parse(r->body);
+        text = j["choices"][0]["text"];
+        reason = j["choices"][0]["finish_reason"];
+      }
+      EXPECT_EQ(text, s.tokenizer().decode(ignore ? std::span<const int32_t>(free)
+                                                   : std::span<const int32_t>(free.data(), k)));
+      EXPECT_EQ(reason, ignore ? "length" : "stop");
+    }
+  // BOS: the prompt's ids begin with it (echo returns the prompt's text, BOS's included).
+  Running b({}, 16, "gpt2", {.bos = 10, .add_bos = true, .eog = {}});
+  const auto r = b.post({{"prompt", "hij"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["usage"]["prompt_tokens"], 4);
 }
 
 // What evaluation harnesses ask for log-likelihoods: echo, logprobs and max_tokens 0 give

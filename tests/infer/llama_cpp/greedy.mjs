@@ -11,8 +11,13 @@
 // the prompt is followed by those tokens one decode step at a time instead of llama.cpp's own
 // choices (teacher forcing), and "forced_logprobs" holds the distribution before each of them:
 // the two engines are then compared at every step, also after their greedy texts part. A
-// "text" prompt and the "tokenize" strings are tokenized by llama.cpp as text (no BOS, special
-// tokens' text not parsed), and the greedy tokens detokenized into "continuation".
+// "text" prompt and the "tokenize" strings are tokenized by llama.cpp as text (special tokens'
+// text not parsed; the "text" prompt after the BOS token where the vocabulary asks for one, as
+// llama.cpp tokenizes a prompt, when the job says "bos": true), and the greedy tokens
+// detokenized into "continuation".
+// A job {"model": path, "controls": true, "vocab_size": n} reads the file's vocabulary alone
+// and gives
+// {"bos", "eos" (ids or null), "add_bos", "eog": [every id llama.cpp ends a generation at]}.
 import {readFileSync, writeFileSync} from "node:fs";
 import {getLlama} from "node-llama-cpp";
 
@@ -27,9 +32,21 @@ const logRow = (probabilities) => {
 };
 const results = [];
 for (const job of jobs) {
+  if (job.controls) {
+    const vocab = await llama.loadModel({modelPath: job.model, gpuLayers: 0, vocabOnly: true});
+    const eog = [];
+    for (let id = 0; id < job.vocab_size; ++id) if (vocab.isEogToken(id)) eog.push(id);
+    results.push({bos: vocab.tokens.bos, eos: vocab.tokens.eos,
+                  add_bos: vocab.tokens.shouldPrependBosToken, eog});
+    await vocab.dispose();
+    continue;
+  }
   const model = await llama.loadModel({modelPath: job.model, gpuLayers: 0});
   const textPrompt = job.text !== undefined;
-  if (textPrompt) job.prompt = Array.from(model.tokenize(job.text, false));
+  if (textPrompt) {
+    job.prompt = Array.from(model.tokenize(job.text, false));
+    if (job.bos && model.tokens.shouldPrependBosToken) job.prompt.unshift(model.tokens.bos);
+  }
   const newContext = () => model.createContext({
     contextSize: job.prompt.length + job.new_tokens + 1, sequences: 1, threads: job.threads,
     batchSize: job.prompt.length + 1,
