@@ -29,8 +29,9 @@ struct TensorPlace {
   Part part = Part::All;
 };
 
-// llama.cpp's tensors for kvlab's llama block (llama-arch.cpp's names): `llama`, or with MLA
-// `deepseek2` (a dense FFN in every layer).
+// llama.cpp's tensors for kvlab's llama block (llama-arch.cpp's names): `llama`, with q, k and
+// v biases `qwen2` (whose RoPE, LLAMA_ROPE_TYPE_NEOX, pairs channels as kvlab's does: no rows
+// are reordered), or with MLA `deepseek2` (a dense FFN in every layer).
 std::vector<TensorPlace> tensor_places(const GPTConfig& cfg, MlaUpForm up) {
   using Part = TensorPlace::Part;
   std::vector<TensorPlace> places = {{"wte.weight", "token_embd.weight"}};
@@ -55,9 +56,13 @@ std::vector<TensorPlace> tensor_places(const GPTConfig& cfg, MlaUpForm up) {
         places.push_back({k + "attn.kv_up.weight", g + "attn_kv_b.weight"});
       }
     } else {
-      places.push_back({k + "attn.q_proj.weight", g + "attn_q.weight", NH, HS});
-      places.push_back({k + "attn.k_proj.weight", g + "attn_k.weight", cfg.n_kv_head, HS});
+      const int64_t turned = cfg.qkv_bias ? 0 : HS;
+      places.push_back({k + "attn.q_proj.weight", g + "attn_q.weight", NH, turned});
+      places.push_back({k + "attn.k_proj.weight", g + "attn_k.weight", cfg.n_kv_head, turned});
       places.push_back({k + "attn.v_proj.weight", g + "attn_v.weight"});
+      if (cfg.qkv_bias)
+        for (const char* p : {"q", "k", "v"})
+          places.push_back({k + "attn." + p + "_proj.bias", g + "attn_" + p + ".bias"});
     }
     places.push_back({k + "attn.c_proj.weight", g + "attn_output.weight"});
     places.push_back({k + "ln_2.weight", g + "ffn_norm.weight"});
@@ -306,7 +311,7 @@ const std::vector<std::string>& string_array(const GgufFile& f, const char* key,
 }
 
 
-// The config a `llama` or `deepseek2` file's keys give, and (deepseek2) the form of its
+// The config a `llama`, `qwen2` or `deepseek2` file's keys give, and (deepseek2) the form of its
 // up-projection.
 GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
                     std::string_view what) {
@@ -363,7 +368,8 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
                                  (std::string(key).ends_with("factor") && v->floats[0] == 1)));
     KVLAB_CHECK(neutral, what, ": ", a, key, " is set; kvlab's block has no such part");
   }
-  if (arch == "llama") {
+  cfg.qkv_bias = arch == "qwen2";
+  if (arch == "llama" || arch == "qwen2") {
     expect("rope.dimension_count", count_or("rope.dimension_count", HS), HS,
            "kvlab turns whole heads");
   } else {
@@ -426,6 +432,7 @@ ArrayF32 reorder_rope_rows(const ArrayF32& w, int64_t blocks, int64_t rope_width
 }
 
 std::string gguf_architecture(const GPTConfig& cfg) {
+  // (Qwen2's block is the llama block with q, k and v biases.)
   const bool llama_block = cfg.rope() && cfg.rms() && cfg.swiglu() && !cfg.bias;
   if (cfg.mla()) {
     KVLAB_CHECK(llama_block, "export: MLA is llama.cpp's deepseek2 only in the llama block "
@@ -441,7 +448,7 @@ std::string gguf_architecture(const GPTConfig& cfg) {
                 "(q_lora_rank ", cfg.q_lora_rank, "): it would look for attn_q, which is missing");
     return "deepseek2";
   }
-  if (llama_block) return "llama";
+  if (llama_block) return cfg.qkv_bias ? "qwen2" : "llama";
   if (!cfg.rope() && !cfg.rms() && !cfg.swiglu() && cfg.bias) return "gpt2";
   throw Error(detail::cat(
       "export: this block (pos ", cfg.pos, ", norm ", cfg.norm, ", mlp ", cfg.mlp, ", bias ",
@@ -674,8 +681,9 @@ Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
 Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {
   // The architecture and its hyper-parameters.
   const std::string& arch = f.get_string("general.architecture", what);
-  KVLAB_CHECK(arch == "llama" || arch == "deepseek2", what, ": general.architecture is '", arch,
-              "'; kvlab imports the llama and deepseek2 architectures only");
+  KVLAB_CHECK(arch == "llama" || arch == "qwen2" || arch == "deepseek2", what,
+              ": general.architecture is '", arch,
+              "'; kvlab imports the llama, qwen2 and deepseek2 architectures only");
   MlaUpForm up = MlaUpForm::Split;
   const GPTConfig cfg = config_of(f, arch, up, what);
   cfg.validate();

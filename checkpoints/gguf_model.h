@@ -47,7 +47,7 @@ ArrayF32 reorder_rope_rows(const ArrayF32& w, int64_t blocks, int64_t rope_width
 // or the char or byte vocabulary a kvlab export wrote. Errors name the key refused.
 Tokenizer gguf_tokenizer(const GgufFile& file, std::string_view what);
 
-// A `llama` or `deepseek2` GGUF file as a weights-only checkpoint (config, tokenizer, f32
+// A `llama`, `qwen2` or `deepseek2` GGUF file as a weights-only checkpoint (config, tokenizer, f32
 // weights), what generate, serve and train --init-from read. Errors name the key or tensor refused.
 Checkpoint gguf_to_checkpoint(const GgufFile& file, std::string_view what);
 

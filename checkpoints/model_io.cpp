@@ -46,6 +46,7 @@ void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["norm"] = c.norm;
   a["mlp"] = c.mlp;
   a["bias"] = static_cast<int64_t>(c.bias ? 1 : 0);
+  if (c.qkv_bias) a["qkv_bias"] = int64_t{1};  // absent: off (every file before it)
   a["attn"] = c.attn;
   a["kv_lora_rank"] = c.kv_lora_rank;
   a["rope_head_dim"] = c.rope_head_dim;
@@ -69,6 +70,7 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   c.norm = attr_or<std::string>(a, "norm", c.norm, file);
   c.mlp = attr_or<std::string>(a, "mlp", c.mlp, file);
   c.bias = attr_or<int64_t>(a, "bias", 1, file) != 0;
+  c.qkv_bias = attr_or<int64_t>(a, "qkv_bias", 0, file) != 0;
   c.attn = attr_or<std::string>(a, "attn", c.attn, file);
   c.kv_lora_rank = attr_or<int64_t>(a, "kv_lora_rank", 0, file);
   c.rope_head_dim = attr_or<int64_t>(a, "rope_head_dim", 0, file);

@@ -15,8 +15,8 @@ namespace {
 double parameters_of(const GPTConfig& c) {
   const auto C = static_cast<double>(c.n_embd), H = static_cast<double>(c.hidden());
   const double kv = static_cast<double>(c.n_kv_head) * static_cast<double>(c.head_size());
-  const double b = c.bias ? 1 : 0;
-  double attn = (C * C + b * C) * 2 + (C * kv + b * kv) * 2;
+  const double b = c.bias ? 1 : 0, bqkv = c.bias || c.qkv_bias ? 1 : 0;
+  double attn = (C * C + bqkv * C) + (C * C + b * C) + (C * kv + bqkv * kv) * 2;
   if (c.mla()) {
     const auto R = static_cast<double>(c.kv_lora_rank), D = static_cast<double>(c.rope_head_dim);
     const double NH = static_cast<double>(c.n_head), HS = static_cast<double>(c.head_size());
@@ -56,6 +56,8 @@ void GPTConfig::validate() const {
               "' is not one of gelu, swiglu");
   KVLAB_CHECK(attn == "gqa" || attn == "mla", "config: attn '", attn,
               "' is not one of gqa, mla");
+  KVLAB_CHECK(!(qkv_bias && mla()), "config: qkv_bias is grouped-query attention's (Qwen2's); "
+              "MLA has no q, k and v projections");
   if (mla()) {
     KVLAB_CHECK(rope(), "config: MLA's rotary key needs pos rope, not ", pos);
     KVLAB_CHECK(n_kv_head == n_head, "config: MLA rebuilds a key and value for every head: "
@@ -105,9 +107,9 @@ Tensor maybe_dropout(const Tensor& x, double p, const ForwardContext& ctx, int l
 }  // namespace
 
 CausalSelfAttention::CausalSelfAttention(const GPTConfig& cfg)
-    : q_proj(cfg.n_embd, cfg.n_embd, cfg.bias),
-      k_proj(cfg.n_embd, cfg.n_kv_head * cfg.head_size(), cfg.bias),
-      v_proj(cfg.n_embd, cfg.n_kv_head * cfg.head_size(), cfg.bias),
+    : q_proj(cfg.n_embd, cfg.n_embd, cfg.bias || cfg.qkv_bias),
+      k_proj(cfg.n_embd, cfg.n_kv_head * cfg.head_size(), cfg.bias || cfg.qkv_bias),
+      v_proj(cfg.n_embd, cfg.n_kv_head * cfg.head_size(), cfg.bias || cfg.qkv_bias),
       c_proj(cfg.n_embd, cfg.n_embd, cfg.bias),
       n_head(cfg.n_head),
       n_kv_head(cfg.n_kv_head),
@@ -427,9 +429,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
   c.validate();
   const int64_t C = c.n_embd, kv = c.n_kv_head * c.head_size(), H = c.hidden();
   std::vector<std::pair<std::string, std::vector<int64_t>>> s;
-  const auto linear = [&](const std::string& name, int64_t in, int64_t out) {
+  const auto linear = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
     s.push_back({name + ".weight", {out, in}});
-    if (c.bias) s.push_back({name + ".bias", {out}});
+    if (bias) s.push_back({name + ".bias", {out}});
   };
   const auto norm = [&](const std::string& name) {
     s.push_back({name + ".weight", {C}});
@@ -444,23 +446,24 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
       const int64_t R = c.kv_lora_rank, D = c.rope_head_dim, NH = c.n_head, HS = c.head_size();
       const int64_t RQ = c.q_lora_rank;
       if (RQ > 0) {
-        linear(b + "attn.q_down", C, RQ);
+        linear(b + "attn.q_down", C, RQ, c.bias);
         s.push_back({b + "attn.q_norm.weight", {RQ}});
       }
-      linear(b + "attn.q_proj", RQ > 0 ? RQ : C, NH * (HS + D));
-      linear(b + "attn.kv_down", C, R + D);
+      linear(b + "attn.q_proj", RQ > 0 ? RQ : C, NH * (HS + D), c.bias);
+      linear(b + "attn.kv_down", C, R + D, c.bias);
       s.push_back({b + "attn.kv_norm.weight", {R}});
-      linear(b + "attn.kv_up", R, 2 * NH * HS);
+      linear(b + "attn.kv_up", R, 2 * NH * HS, c.bias);
     } else {
-      linear(b + "attn.q_proj", C, C);
-      linear(b + "attn.k_proj", C, kv);
-      linear(b + "attn.v_proj", C, kv);
+      const bool qkv = c.bias || c.qkv_bias;
+      linear(b + "attn.q_proj", C, C, qkv);
+      linear(b + "attn.k_proj", C, kv, qkv);
+      linear(b + "attn.v_proj", C, kv, qkv);
     }
-    linear(b + "attn.c_proj", C, C);
+    linear(b + "attn.c_proj", C, C, c.bias);
     norm(b + "ln_2");
-    linear(b + "mlp.c_fc", C, H);
-    if (c.swiglu()) linear(b + "mlp.c_up", C, H);
-    linear(b + "mlp.c_proj", H, C);
+    linear(b + "mlp.c_fc", C, H, c.bias);
+    if (c.swiglu()) linear(b + "mlp.c_up", C, H, c.bias);
+    linear(b + "mlp.c_proj", H, C, c.bias);
   }
   norm("ln_f");
   if (!c.tied) s.push_back({"lm_head.weight", {c.vocab_size, C}});

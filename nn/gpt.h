@@ -36,6 +36,7 @@ struct GPTConfig {
   double norm_eps = 1e-5;          // every norm's epsilon (a GGUF file may state another)
   std::string mlp = "gelu";        // gelu | swiglu (gate c_fc, up c_up, down c_proj)
   bool bias = true;                // biases of every Linear and LayerNorm
+  bool qkv_bias = false;           // biases of q, k and v alone, without `bias` (Qwen2's block)
   // gqa: n_kv_head key/value heads; mla: keys and values rebuilt per head from a latent of
   // kv_lora_rank values, plus a rotary key of rope_head_dim values shared by every head (RoPE
   // only; n_kv_head = n_head).

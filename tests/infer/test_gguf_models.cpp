@@ -223,7 +223,21 @@ TEST(GgufExport, TokenizersComeBackEqual) {
     auto model = random_model(c, 2);
     const Checkpoint back =
         gguf_to_checkpoint(reparsed(model_to_gguf(*model, tok, gguf_mix(GgmlType::F32), {})), "t");
-    EXPECT_EQ(get_tokenizer(back, "t"), tok) << tok.kind_name();
+    const Tokenizer got = get_tokenizer(back, "t");
+    EXPECT_EQ(got.kind(), tok.kind());
+    EXPECT_EQ(got.vocab(), tok.vocab()) << tok.kind_name();
+    // The export names a bpe vocabulary's first special token BOS and EOS (as llama.cpp then
+    // reads the file), so it comes back so, ending a generation.
+    const int n_special = tok.bpe() ? tok.bpe()->n_special() : 0;
+    if (n_special == 0) {
+      EXPECT_EQ(got.controls(), TokenControls{}) << tok.kind_name();
+      continue;
+    }
+    const int32_t first = tok.vocab_size() - n_special;
+    EXPECT_EQ(got.controls().bos, first);
+    EXPECT_EQ(got.controls().eos, first);
+    EXPECT_FALSE(got.controls().add_bos);
+    EXPECT_TRUE(got.ends_generation(first));
   }
 }
 
@@ -839,14 +853,16 @@ TEST_F(GgufLlamaCpp, ExportMixesAreLlamaQuantizesTypesAndBytes) {
 // A random llama block written by gguf-py around a family's vocabulary (llama.cpp's
 // models/ggml-vocab-<family>.gguf, tests/infer/llama_cpp/family_model.py); false with why when
 // the source or gguf-py is missing.
-bool write_family_model(const std::string& family, const fs::path& out, std::string& why) {
+bool write_family_model(const std::string& family, const fs::path& out, std::string& why,
+                        const std::string& arch = "llama") {
   const fs::path src = test::llama_cpp_source(why);
   if (src.empty()) return false;
   const std::string cmd = std::string(KVLAB_PYTHON3) + " '" +
                           (test::kLlamaCppPeer / "family_model.py").string() + "' '" +
                           (src / "gguf-py").string() + "' '" +
                           (src / "models" / ("ggml-vocab-" + family + ".gguf")).string() + "' '" +
-                          out.string() + "' 7 " + (family == "qwen2" ? "1e-6" : "1e-5");
+                          out.string() + "' 7 " + (family == "qwen2" ? "1e-6" : "1e-5") + " " +
+                          arch;
   return test::run_peer_script(cmd, out.string() + ".log", "gguf-py's writer", why);
 }
 
@@ -921,6 +937,60 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     EXPECT_EQ(a.same, r.tokens.size());
     EXPECT_LT(worst, 2e-4);
     EXPECT_EQ(out[i]["continuation"].get<std::string>(), r.tok.decode(r.tokens));
+  }
+}
+
+// Qwen2's block: the llama block with biases on q, k and v, and RoPE that pairs channels as
+// kvlab's does (llama.cpp's NEOX type). A random qwen2 model that gguf-py writes imports with
+// its biases and continues a text prompt with llama.cpp's 24 greedy tokens (logits within 2e-4
+// less the normaliser); kvlab's export of it is again a qwen2 file, which imports back to the
+// same weights and which llama.cpp continues the same way.
+TEST_F(GgufLlamaCpp, Qwen2sBlockWithQkvBiasesAsLlamaCpp) {
+  std::string why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
+  const fs::path gguf = dir_ / "qwen2-block.gguf", exported = dir_ / "qwen2-export.gguf";
+  if (!write_family_model("qwen2", gguf, why, "qwen2")) GTEST_SKIP() << why;
+  const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
+  const GPTConfig cfg = get_gpt_config(c.config, "qwen2");
+  EXPECT_TRUE(cfg.qkv_bias);
+  EXPECT_FALSE(cfg.bias);
+  const Tokenizer tok = get_tokenizer(c, "qwen2");
+  auto model = model_of(c);
+  const Tensor& bias = model->blocks[1]->attn->k_proj.bias;
+  ASSERT_TRUE(bias.defined());
+  float most = 0;
+  for (const float v : bias.to_vector<float>()) most = std::max(most, std::fabs(v));
+  EXPECT_GT(most, 0.1f) << "the k bias was not read";
+  write_gguf(exported, model_to_gguf(*model, tok, gguf_mix("f32"), {}));
+  EXPECT_EQ(read_gguf(exported).get_string("general.architecture", "export"), "qwen2");
+  test::expect_bit_identical(gguf_to_checkpoint(read_gguf(exported), exported.string()).model,
+                             c.model);
+
+  const std::string text = "The quick brown fox jumps over the lazy dog's back";
+  const int64_t n_new = 24;
+  const std::vector<int32_t> prompt = tok.encode_prompt(text, "prompt");
+  std::vector<std::vector<float>> logits;
+  const std::vector<int32_t> tokens = greedy(*model, tok, prompt, n_new, &logits);
+  nlohmann::json spec = nlohmann::json::array();
+  for (const fs::path& f : {gguf, exported})
+    spec.push_back({{"model", f.string()}, {"text", text}, {"bos", true}, {"new_tokens", n_new},
+                    {"threads", 1}});
+  std::string failure;
+  const nlohmann::json out = test::llama_cpp_greedy(spec, dir_, failure);
+  if (!failure.empty()) FAIL() << failure;
+  ASSERT_EQ(out.size(), 2u);
+  for (size_t i = 0; i < out.size(); ++i) {
+    SCOPED_TRACE(i == 0 ? "gguf-py's file" : "kvlab's export");
+    EXPECT_EQ(out[i]["prompt"].get<std::vector<int32_t>>(), prompt);
+    const test::Agreement a = test::agreement(out[i], tokens, logits);
+    double worst = 0;
+    for (size_t step = 0; step < std::min(a.same + 1, tokens.size()); ++step)
+      worst = std::max(worst, logit_gap(out[i]["logprobs"][step], logits[step]));
+    std::printf("[ llama.cpp ] qwen2 block, %s: %zu of %zu greedy tokens the same, %.2e less the "
+                "normaliser\n", i == 0 ? "gguf-py's file" : "kvlab's export", a.same,
+                tokens.size(), worst);
+    EXPECT_EQ(a.same, tokens.size());
+    EXPECT_LT(worst, 2e-4);
   }
 }
 

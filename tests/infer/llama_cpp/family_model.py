@@ -3,7 +3,8 @@
 GGUF writer (gguf-py), not kvlab's: the vocabulary's tokenizer.* keys copied as they are from
 one of llama.cpp's models/ggml-vocab-*.gguf files, and a `llama` block of random weights.
 
-usage: family_model.py GGUF_PY_DIR VOCAB.gguf OUT.gguf SEED EPS
+usage: family_model.py GGUF_PY_DIR VOCAB.gguf OUT.gguf SEED EPS [ARCH]
+ARCH: llama (the default), or qwen2: the same block with biases on q, k and v, N(0, 0.2).
 The block: 2 layers, 64 channels, 4 query heads and 2 KV heads of 16, an FFN of 128, a context
 of 128, RMSNorm epsilon EPS, RoPE base 500000, untied head; weights N(0, 0.4) for the
 matrices (so that the next token depends on the text), 1 + N(0, 0.1) for the norms.
@@ -19,10 +20,13 @@ except ImportError as e:
 
 
 def main():
-    if len(sys.argv) != 6:
+    if len(sys.argv) not in (6, 7):
         sys.exit(__doc__)
     gguf_py, vocab_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
     seed, eps = int(sys.argv[4]), float(sys.argv[5])
+    arch = sys.argv[6] if len(sys.argv) == 7 else "llama"
+    if arch not in ("llama", "qwen2"):
+        sys.exit(f"family_model.py: ARCH is llama or qwen2, not {arch}")
     try:
         sys.path.insert(0, gguf_py)
         import gguf
@@ -34,7 +38,7 @@ def main():
     layers, embd, heads, kv_heads, ffn, ctx = 2, 64, 4, 2, 128, 128
     head = embd // heads
 
-    w = gguf.GGUFWriter(out_path, "llama")
+    w = gguf.GGUFWriter(out_path, arch)
     w.add_name("kvlab family test model")
     w.add_context_length(ctx)
     w.add_embedding_length(embd)
@@ -70,6 +74,10 @@ def main():
         w.add_tensor(p + "attn_q.weight", matrix(heads * head, embd))
         w.add_tensor(p + "attn_k.weight", matrix(kv_heads * head, embd))
         w.add_tensor(p + "attn_v.weight", matrix(kv_heads * head, embd))
+        if arch == "qwen2":
+            for name, n in (("attn_q", heads * head), ("attn_k", kv_heads * head),
+                            ("attn_v", kv_heads * head)):
+                w.add_tensor(p + name + ".bias", (rng.standard_normal(n) * 0.2).astype(np.float32))
         w.add_tensor(p + "attn_output.weight", matrix(embd, heads * head))
         w.add_tensor(p + "ffn_norm.weight", norm(embd))
         w.add_tensor(p + "ffn_gate.weight", matrix(ffn, embd))
