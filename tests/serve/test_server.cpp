@@ -135,6 +135,27 @@ std::vector<json> events_of(const std::string& body, bool& done) {
   return out;
 }
 
+// The first choice's text and finish_reason from a completion's body, whole or streamed
+// (`done`: whether a stream ended with [DONE]; true for a whole body).
+struct FirstChoice {
+  std::string text, reason;
+  bool done = true;
+};
+FirstChoice first_choice(const std::string& body, bool stream) {
+  FirstChoice c;
+  if (!stream) {
+    const json j = json::parse(body);
+    c.text = j["choices"][0]["text"];
+    c.reason = j["choices"][0]["finish_reason"];
+    return c;
+  }
+  for (const json& e : events_of(body, c.done)) {
+    c.text += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) c.reason = e["choices"][0]["finish_reason"];
+  }
+  return c;
+}
+
 // A real client's completion, whole and streamed, is the engine's, for GPT-2's block and MLA's.
 TEST(Serve, CompletionEqualsTheEngineStreamedOrNot) {
   for (const std::string arch : {"gpt2", "mla"})
@@ -257,22 +278,11 @@ TEST(Serve, StopStringsEndTheChoiceAsTheEngineDoes) {
     const auto r = s.post(body);
     ASSERT_TRUE(r);
     ASSERT_EQ(r->status, 200) << r->body;
-    std::string text, reason;
-    if (stream) {
-      bool done = false;
-      for (const json& c : events_of(r->body, done)) {
-        text += c["choices"][0]["text"].get<std::string>();
-        if (!c["choices"][0]["finish_reason"].is_null()) reason = c["choices"][0]["finish_reason"];
-      }
-      EXPECT_TRUE(done);
-    } else {
-      const json j = json::parse(r->body);
-      text = j["choices"][0]["text"];
-      reason = j["choices"][0]["finish_reason"];
-    }
-    EXPECT_EQ(text, ref.rows[0].text) << "stream " << stream;
-    EXPECT_EQ(text.find(stop), std::string::npos);
-    EXPECT_EQ(reason, "stop");
+    const FirstChoice c = first_choice(r->body, stream);
+    EXPECT_TRUE(c.done);
+    EXPECT_EQ(c.text, ref.rows[0].text) << "stream " << stream;
+    EXPECT_EQ(c.text.find(stop), std::string::npos);
+    EXPECT_EQ(c.reason, "stop");
   }
 }
 
@@ -296,21 +306,11 @@ TEST(Serve, AnEndOfGenerationTokenEndsTheChoiceUnlessIgnoreEos) {
       const auto r = s.post(body);
       ASSERT_TRUE(r);
       ASSERT_EQ(r->status, 200) << r->body;
-      std::string text, reason;
-      if (stream) {
-        bool done = false;
-        for (const json& c : events_of(r->body, done)) {
-          text += c["choices"][0]["text"].get<std::string>();
-          if (!c["choices"][0]["finish_reason"].is_null()) reason = c["choices"][0]["finish_reason"];
-        }
-      } else {
-        const json j = json::parse(r->body);
-        text = j["choices"][0]["text"];
-        reason = j["choices"][0]["finish_reason"];
-      }
-      EXPECT_EQ(text, s.tokenizer().decode(ignore ? std::span<const int32_t>(free)
-                                                   : std::span<const int32_t>(free.data(), k)));
-      EXPECT_EQ(reason, ignore ? "length" : "stop");
+      const FirstChoice c = first_choice(r->body, stream);
+      EXPECT_TRUE(c.done);
+      EXPECT_EQ(c.text, s.tokenizer().decode(ignore ? std::span<const int32_t>(free)
+                                                     : std::span<const int32_t>(free.data(), k)));
+      EXPECT_EQ(c.reason, ignore ? "length" : "stop");
     }
   // BOS: the prompt's ids begin with it (echo returns the prompt's text, BOS's included).
   Running b({}, 16, "gpt2", {.bos = 10, .add_bos = true, .eog = {}});
