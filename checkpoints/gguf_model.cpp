@@ -189,6 +189,10 @@ void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& 
   }
   f.set(arch + ".attention.layer_norm_rms_epsilon", GgufValue::real(GgufType::F32, cfg.norm_eps));
   f.set(arch + ".rope.freq_base", GgufValue::real(GgufType::F32, cfg.rope_theta));
+  if (cfg.rope_scale != 1) {
+    f.set(arch + ".rope.scaling.type", GgufValue::string("linear"));
+    f.set(arch + ".rope.scaling.factor", GgufValue::real(GgufType::F32, 1.0 / cfg.rope_scale));
+  }
   u32("rope.dimension_count", cfg.rope_dim());
   u32("vocab_size", cfg.vocab_size);
   if (arch != "deepseek2") return;
@@ -353,12 +357,25 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
   KVLAB_CHECK(cfg.n_embd % cfg.n_head == 0, what, ": ", a, "embedding_length ", cfg.n_embd,
               " is not a multiple of ", a, "attention.head_count ", cfg.n_head);
   const int64_t HS = cfg.head_size();
-  // What kvlab's block has no part for: scaled RoPE (YaRN and the like), experts, extra
-  // prediction layers, attention temperature.
+  // Scaled RoPE as llama.cpp reads it (llama-model.cpp): positions times 1 / rope.scaling.factor
+  // (or the older rope.scale_linear) where one is set and not 0, under the type none or linear;
+  // YaRN and the others are refused.
   if (const GgufValue* v = f.find(a + "rope.scaling.type"))
-    KVLAB_CHECK(v->type == GgufType::String && v->strings[0] == "none", what, ": ", a,
-                "rope.scaling.type is set; kvlab's RoPE is unscaled");
-  for (const char* key : {"rope.scaling.factor", "rope.scaling.yarn_log_multiplier",
+    KVLAB_CHECK(v->type == GgufType::String &&
+                    (v->strings[0] == "none" || v->strings[0] == "linear"),
+                what, ": ", a, "rope.scaling.type is '",
+                v->type == GgufType::String ? v->strings[0] : std::string("?"),
+                "'; kvlab's RoPE scales linearly or not at all");
+  for (const char* key : {"rope.scaling.factor", "rope.scale_linear"}) {
+    if (!f.find(a + key)) continue;
+    const double factor = f.get_float(a + key, what);
+    KVLAB_CHECK(std::isfinite(factor) && factor >= 0, what, ": ", a, key, " is ", factor);
+    if (factor != 0) cfg.rope_scale = 1.0 / factor;
+    break;
+  }
+  // What kvlab's block has no part for: YaRN's settings, experts, extra prediction layers,
+  // attention temperature.
+  for (const char* key : {"rope.scaling.yarn_log_multiplier",
                           "rope.scaling.attn_factor", "expert_count", "expert_used_count",
                           "expert_shared_count", "nextn_predict_layers",
                           "attention.temperature_scale"}) {
@@ -408,6 +425,13 @@ GPTConfig config_of(const GgufFile& f, const std::string& arch, MlaUpForm& up,
   KVLAB_CHECK(embd->dims.size() == 2, what, ": token_embd.weight is not a matrix");
   cfg.vocab_size = embd->dims[1];
   cfg.tied = f.tensor("output.weight") == nullptr;
+  // Llama 3.1's RoPE: each frequency divided by its factor (llama.cpp's rope_freqs tensor).
+  if (const GgufTensor* freqs = f.tensor("rope_freqs.weight"); freqs && !cfg.mla()) {
+    KVLAB_CHECK(freqs->dims == std::vector<int64_t>{cfg.rope_dim() / 2}, what,
+                ": rope_freqs.weight is not one factor for each of the ", cfg.rope_dim() / 2,
+                " frequencies");
+    cfg.rope_freqs = gguf_tensor_values(*freqs).data;
+  }
   return cfg;
 }
 
@@ -497,6 +521,10 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mi
     }
   }
   arrays.clear();
+  if (!cfg.rope_freqs.empty())  // first, where llama.cpp's converter writes it
+    named.insert(named.begin(), {"rope_freqs.weight",
+                                 ArrayF32{{static_cast<int64_t>(cfg.rope_freqs.size())},
+                                          cfg.rope_freqs}});
   f.tensors = encode_tensors(std::move(named), mix, cfg, arch, pure);
   return f;
 }
@@ -696,7 +724,8 @@ Checkpoint gguf_to_checkpoint(const GgufFile& f, std::string_view what) {
   std::map<std::string, const TensorPlace*> by_gguf;
   for (const TensorPlace& p : places) by_gguf[p.gguf] = &p;
   for (const GgufTensor& t : f.tensors)
-    KVLAB_CHECK(by_gguf.count(t.name), what, ": tensor ", t.name, " has no place in kvlab's ",
+    KVLAB_CHECK(by_gguf.count(t.name) || (t.name == "rope_freqs.weight" && !cfg.rope_freqs.empty()),
+                what, ": tensor ", t.name, " has no place in kvlab's ",
                 cfg.mla() ? "MLA" : "llama", " block");
   std::map<std::string, std::vector<int64_t>> shapes;
   for (auto& [name, shape] : parameter_shapes(cfg)) shapes[name] = shape;

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <sstream>
 
 #include "data/corpus.h"
 
@@ -30,6 +32,35 @@ T attr_or(const Attrs& attrs, const std::string& key, const T& fallback,
 }
 }  // namespace
 
+namespace {
+
+// /config's rope_freqs: the factors as text, each with the 9 digits that give a float back.
+std::string rope_freqs_text(const std::vector<float>& freqs) {
+  std::string s;
+  char buf[32];
+  for (const float f : freqs) {
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(f));
+    if (!s.empty()) s += ' ';
+    s += buf;
+  }
+  return s;
+}
+
+std::vector<float> parse_rope_freqs(const std::string& text, const std::filesystem::path& file) {
+  std::vector<float> freqs;
+  std::istringstream in(text);
+  for (std::string word; in >> word;) {
+    char* end = nullptr;
+    const float f = std::strtof(word.c_str(), &end);
+    KVLAB_CHECK(end == word.c_str() + word.size(), "checkpoint ", file.string(),
+                ": /config rope_freqs holds '", word, "', not a number");
+    freqs.push_back(f);
+  }
+  return freqs;
+}
+
+}  // namespace
+
 void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["vocab_size"] = c.vocab_size;
   a["block_size"] = c.block_size;
@@ -42,6 +73,9 @@ void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["tied"] = static_cast<int64_t>(c.tied ? 1 : 0);
   a["pos"] = c.pos;
   a["rope_theta"] = c.rope_theta;
+  // Scaled RoPE only where a model has it (an imported one): absent, none.
+  if (c.rope_scale != 1) a["rope_scale"] = c.rope_scale;
+  if (!c.rope_freqs.empty()) a["rope_freqs"] = rope_freqs_text(c.rope_freqs);
   a["norm_eps"] = c.norm_eps;
   a["norm"] = c.norm;
   a["mlp"] = c.mlp;
@@ -66,6 +100,8 @@ GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   c.tied = attr<int64_t>(a, "tied", file) != 0;
   c.pos = attr_or<std::string>(a, "pos", c.pos, file);
   c.rope_theta = attr_or<double>(a, "rope_theta", c.rope_theta, file);
+  c.rope_scale = attr_or<double>(a, "rope_scale", 1.0, file);
+  c.rope_freqs = parse_rope_freqs(attr_or<std::string>(a, "rope_freqs", "", file), file);
   c.norm_eps = attr_or<double>(a, "norm_eps", c.norm_eps, file);  // 1e-5 before it was kept
   c.norm = attr_or<std::string>(a, "norm", c.norm, file);
   c.mlp = attr_or<std::string>(a, "mlp", c.mlp, file);

@@ -78,6 +78,16 @@ void GPTConfig::validate() const {
   }
   KVLAB_CHECK(!rope() || (rope_theta > 1 && std::isfinite(rope_theta)), "config: rope_theta ",
               rope_theta, " must be a finite number above 1");
+  KVLAB_CHECK(rope_scale > 0 && std::isfinite(rope_scale) && (rope() || rope_scale == 1),
+              "config: rope_scale ", rope_scale, " must be a finite number above 0 (and 1 without "
+              "RoPE)");
+  KVLAB_CHECK(rope_freqs.empty() || (rope() && static_cast<int64_t>(rope_freqs.size()) * 2 ==
+                                                   rope_dim()),
+              "config: ", rope_freqs.size(), " rope_freqs, but RoPE turns ", rope_dim(),
+              " channels (", rope_dim() / 2, " frequencies)");
+  for (const float f : rope_freqs)
+    KVLAB_CHECK(f > 0 && std::isfinite(f), "config: a rope_freqs factor is ", f,
+                ", not a finite number above 0");
   KVLAB_CHECK(norm_eps > 0 && norm_eps < 1, "config: norm_eps ", norm_eps,
               " must be above 0 and below 1");
   // The layers are allocated one by one, each small: a model far past memory would grow
@@ -360,7 +370,8 @@ const Tensor& GPT::rope_table(int64_t positions) const {
     if (rope_table_.defined() && positions > rope_table_.size(0))
       P = std::max(P, 2 * rope_table_.size(0));
     rope_table_ = Tensor();  // free first
-    rope_table_ = kvlab::rope_table(P, cfg_.rope_dim(), cfg_.rope_theta, w.dtype(), w.device());
+    rope_table_ = kvlab::rope_table(P, cfg_.rope_dim(), cfg_.rope_theta, w.dtype(), w.device(),
+                                    cfg_.rope_scale, cfg_.rope_freqs);
   }
   return rope_table_;
 }

@@ -32,6 +32,11 @@ struct GPTConfig {
   bool tied = true;
   std::string pos = "learned";  // learned | rope
   double rope_theta = 10000.0;  // RoPE's base: channel pair j turns at theta^(-2j / head_size)
+  // Scaled RoPE, as a GGUF file states it: positions times rope_scale (linear scaling, 1 /
+  // rope.scaling.factor), pair j's frequency divided by rope_freqs[j] (Llama 3.1's rope_freqs
+  // tensor: rope_dim() / 2 factors, or none).
+  double rope_scale = 1.0;
+  std::vector<float> rope_freqs;
   std::string norm = "layernorm";  // layernorm | rmsnorm
   double norm_eps = 1e-5;          // every norm's epsilon (a GGUF file may state another)
   std::string mlp = "gelu";        // gelu | swiglu (gate c_fc, up c_up, down c_proj)

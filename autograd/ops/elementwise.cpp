@@ -292,16 +292,23 @@ Tensor rope(const Tensor& x, const Tensor& positions, const Tensor& table) {
   return out;
 }
 
-Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device device) {
+Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device device, double scale,
+                  std::span<const float> factors) {
   KVLAB_CHECK(P >= 1 && HS >= 2 && HS % 2 == 0 && theta > 1, "rope_table: ", P,
               " positions, head size ", HS, ", theta ", theta,
               ": needs P >= 1, an even head size and theta > 1");
   const int64_t half = HS / 2;
+  KVLAB_CHECK(scale > 0 && std::isfinite(scale) &&
+                  (factors.empty() || static_cast<int64_t>(factors.size()) == half),
+              "rope_table: scale ", scale, " and ", factors.size(),
+              " frequency factors: needs a finite scale above 0 and none or ", half, " factors");
   std::vector<double> t(static_cast<size_t>(P * HS));
   for (int64_t p = 0; p < P; ++p)
     for (int64_t j = 0; j < half; ++j) {
-      const double angle = static_cast<double>(p) *
-                           std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(HS));
+      const double divisor = factors.empty() ? 1.0 : factors[static_cast<size_t>(j)];
+      const double angle = static_cast<double>(p) * scale *
+                           std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(HS)) /
+                           divisor;
       t[static_cast<size_t>(p * HS + j)] = std::cos(angle);
       t[static_cast<size_t>(p * HS + half + j)] = std::sin(angle);
     }

@@ -22,9 +22,12 @@ Tensor swiglu(const Tensor& gate, const Tensor& up);
 // HS even, each (H, HS) slice at its position: positions (i32, on x's device) has one entry
 // per slice, in order, each in [0, P) of table (P, HS) from rope_table.
 Tensor rope(const Tensor& x, const Tensor& positions, const Tensor& table);
-// Each position's HS/2 cosines then HS/2 sines of p * theta^(-2j/HS), p in [0, P), computed
-// in double and stored in `dtype` on `device`.
-Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device device);
+// Each position's HS/2 cosines then HS/2 sines of p * scale * theta^(-2j/HS) / factors[j], p
+// in [0, P), computed in double and stored in `dtype` on `device`. scale and factors are
+// llama.cpp's scaled RoPE: linear scaling (1 / rope.scaling.factor) and Llama 3.1's
+// per-frequency divisors (its rope_freqs tensor, HS/2 of them); none: each 1.
+Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device device,
+                  double scale = 1.0, std::span<const float> factors = {});
 // Zeroes each element with probability p and scales the rest by 1/(1-p). The mask is a pure
 // function of (seed, element index): the same seed gives the same mask. Identity when p == 0.
 Tensor dropout(const Tensor& x, double p, uint64_t seed);

@@ -110,6 +110,46 @@ TEST(ModelIo, BlockComponentsRoundTripAndDefaultToGpt2) {
   }
 }
 
+// What imported families add: Qwen2's q, k and v biases, and scaled RoPE (a linear scale and
+// Llama 3.1's per-frequency factors, kept to the float); bad values are refused by name.
+TEST(ModelIo, QkvBiasesAndScaledRopeRoundTrip) {
+  GPTConfig c;
+  c.vocab_size = 9;
+  c.n_embd = 16;
+  c.n_head = 2;
+  c.n_kv_head = 2;
+  c.pos = "rope";
+  c.bias = false;
+  c.qkv_bias = true;
+  c.rope_scale = 0.25;
+  c.rope_freqs = {1.0f, 1.0f / 3.0f, 2.5f, 8.0f};
+  Attrs a;
+  put_gpt_config(a, c);
+  const GPTConfig back = get_gpt_config(a, "x.h5");
+  EXPECT_TRUE(back.qkv_bias);
+  EXPECT_EQ(back.rope_scale, 0.25);
+  EXPECT_EQ(back.rope_freqs, c.rope_freqs);
+  GPTConfig plain;
+  plain.vocab_size = 9;
+  Attrs p;
+  put_gpt_config(p, plain);
+  EXPECT_EQ(p.count("rope_scale") + p.count("rope_freqs") + p.count("qkv_bias"), 0u)
+      << "a model without them writes none";
+  for (const auto& [value, message] :
+       std::vector<std::pair<std::string, const char*>>{{"1 x 2 3", "holds 'x'"},
+                                                        {"1 2 3", "3 rope_freqs"},
+                                                        {"1 2 -3 4", "factor is -3"}}) {
+    Attrs bad = a;
+    bad["rope_freqs"] = value;
+    try {
+      get_gpt_config(bad, "x.h5");
+      ADD_FAILURE() << value << " loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST_F(ModelIoTest, NonFiniteTensorIsAnErrorNamingFileAndTensor) {
   for (const float bad : {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY}) {
     const fs::path file = write("blocks.0.attn.q_proj.weight", bad);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <tuple>
 
 #include "autograd/graph.h"
 #include "checkpoints/gguf_model.h"
@@ -346,6 +347,27 @@ TEST(GgufImport, RefusesNamingTheKeyOrTensor) {
               f.set("llama.attention.head_count_kv", GgufValue::scalar(GgufType::U32, 4));
             }).find("wrong shape"),
             std::string::npos);
+  // Scaled RoPE kvlab lacks, and factors that are not factors.
+  EXPECT_NE(refusal([](GgufFile& f) {
+              f.set("llama.rope.scaling.type", GgufValue::string("yarn"));
+            }).find("llama.rope.scaling.type is 'yarn'"),
+            std::string::npos);
+  EXPECT_NE(refusal([](GgufFile& f) {
+              f.set("llama.rope.scaling.factor", GgufValue::real(GgufType::F32, -2));
+            }).find("llama.rope.scaling.factor is -2"),
+            std::string::npos);
+  const int64_t half = llama_config(2).head_size() / 2;
+  for (const auto& [n, factor, message] :
+       {std::tuple{half + 1, 2.0f, "rope_freqs.weight is not one factor"},
+        std::tuple{half, std::nanf(""), "rope_freqs factor is nan"},
+        std::tuple{half, 0.0f, "rope_freqs factor is 0"}}) {
+    const std::string why = refusal([&](GgufFile& f) {
+      f.tensors.push_back(make_gguf_tensor(
+          "rope_freqs.weight", {{n}, std::vector<float>(static_cast<size_t>(n), factor)},
+          GgmlType::F32));
+    });
+    EXPECT_NE(why.find(message), std::string::npos) << why;
+  }
 }
 
 // A block tensor whose scale is an infinity or a NaN (a hostile or broken file) decodes to
@@ -854,7 +876,7 @@ TEST_F(GgufLlamaCpp, ExportMixesAreLlamaQuantizesTypesAndBytes) {
 // models/ggml-vocab-<family>.gguf, tests/infer/llama_cpp/family_model.py); false with why when
 // the source or gguf-py is missing.
 bool write_family_model(const std::string& family, const fs::path& out, std::string& why,
-                        const std::string& arch = "llama") {
+                        const std::string& arch = "llama", const std::string& rope = "plain") {
   const fs::path src = test::llama_cpp_source(why);
   if (src.empty()) return false;
   const std::string cmd = std::string(KVLAB_PYTHON3) + " '" +
@@ -862,7 +884,7 @@ bool write_family_model(const std::string& family, const fs::path& out, std::str
                           (src / "gguf-py").string() + "' '" +
                           (src / "models" / ("ggml-vocab-" + family + ".gguf")).string() + "' '" +
                           out.string() + "' 7 " + (family == "qwen2" ? "1e-6" : "1e-5") + " " +
-                          arch;
+                          arch + " " + rope;
   return test::run_peer_script(cmd, out.string() + ".log", "gguf-py's writer", why);
 }
 
@@ -940,31 +962,24 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
   }
 }
 
-// Qwen2's block: the llama block with biases on q, k and v, and RoPE that pairs channels as
-// kvlab's does (llama.cpp's NEOX type). A random qwen2 model that gguf-py writes imports with
-// its biases and continues a text prompt with llama.cpp's 24 greedy tokens (logits within 2e-4
-// less the normaliser); kvlab's export of it is again a qwen2 file, which imports back to the
-// same weights and which llama.cpp continues the same way.
-TEST_F(GgufLlamaCpp, Qwen2sBlockWithQkvBiasesAsLlamaCpp) {
-  std::string why;
-  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
-  const fs::path gguf = dir_ / "qwen2-block.gguf", exported = dir_ / "qwen2-export.gguf";
-  if (!write_family_model("qwen2", gguf, why, "qwen2")) GTEST_SKIP() << why;
+// The same text from a model file as llama.cpp, both ways: kvlab imports `gguf` (written by
+// gguf-py), exports it again (which must import back to the same weights, under the same
+// architecture), and continues a text prompt (after BOS where the vocabulary asks) with the 24
+// greedy tokens llama.cpp gives on either file, each step's logits within 2e-4 of llama.cpp's
+// less the normaliser. Returns the imported config.
+GPTConfig expect_continued_as_llama_cpp(const fs::path& gguf, const fs::path& dir,
+                                        const std::string& label) {
+  SCOPED_TRACE(label);
   const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
-  const GPTConfig cfg = get_gpt_config(c.config, "qwen2");
-  EXPECT_TRUE(cfg.qkv_bias);
-  EXPECT_FALSE(cfg.bias);
-  const Tokenizer tok = get_tokenizer(c, "qwen2");
+  const Tokenizer tok = get_tokenizer(c, label);
   auto model = model_of(c);
-  const Tensor& bias = model->blocks[1]->attn->k_proj.bias;
-  ASSERT_TRUE(bias.defined());
-  float most = 0;
-  for (const float v : bias.to_vector<float>()) most = std::max(most, std::fabs(v));
-  EXPECT_GT(most, 0.1f) << "the k bias was not read";
+  const fs::path exported = dir / (gguf.stem().string() + "-export.gguf");
   write_gguf(exported, model_to_gguf(*model, tok, gguf_mix("f32"), {}));
-  EXPECT_EQ(read_gguf(exported).get_string("general.architecture", "export"), "qwen2");
-  test::expect_bit_identical(gguf_to_checkpoint(read_gguf(exported), exported.string()).model,
-                             c.model);
+  const std::string arch = "general.architecture";
+  EXPECT_EQ(read_gguf(exported).get_string(arch, "export"), read_gguf(gguf).get_string(arch, "in"));
+  const Checkpoint back = gguf_to_checkpoint(read_gguf(exported), exported.string());
+  test::expect_bit_identical(back.model, c.model);
+  EXPECT_EQ(back.config, c.config);
 
   const std::string text = "The quick brown fox jumps over the lazy dog's back";
   const int64_t n_new = 24;
@@ -976,21 +991,56 @@ TEST_F(GgufLlamaCpp, Qwen2sBlockWithQkvBiasesAsLlamaCpp) {
     spec.push_back({{"model", f.string()}, {"text", text}, {"bos", true}, {"new_tokens", n_new},
                     {"threads", 1}});
   std::string failure;
-  const nlohmann::json out = test::llama_cpp_greedy(spec, dir_, failure);
-  if (!failure.empty()) FAIL() << failure;
-  ASSERT_EQ(out.size(), 2u);
+  const nlohmann::json out = test::llama_cpp_greedy(spec, dir, failure);
+  EXPECT_TRUE(failure.empty()) << failure;
+  if (!failure.empty() || out.size() != 2) return get_gpt_config(c.config, label);
   for (size_t i = 0; i < out.size(); ++i) {
-    SCOPED_TRACE(i == 0 ? "gguf-py's file" : "kvlab's export");
+    const char* which = i == 0 ? "gguf-py's file" : "kvlab's export";
+    SCOPED_TRACE(which);
     EXPECT_EQ(out[i]["prompt"].get<std::vector<int32_t>>(), prompt);
     const test::Agreement a = test::agreement(out[i], tokens, logits);
     double worst = 0;
     for (size_t step = 0; step < std::min(a.same + 1, tokens.size()); ++step)
       worst = std::max(worst, logit_gap(out[i]["logprobs"][step], logits[step]));
-    std::printf("[ llama.cpp ] qwen2 block, %s: %zu of %zu greedy tokens the same, %.2e less the "
-                "normaliser\n", i == 0 ? "gguf-py's file" : "kvlab's export", a.same,
-                tokens.size(), worst);
+    std::printf("[ llama.cpp ] %s, %s: %zu of %zu greedy tokens the same, %.2e less the "
+                "normaliser\n", label.c_str(), which, a.same, tokens.size(), worst);
     EXPECT_EQ(a.same, tokens.size());
     EXPECT_LT(worst, 2e-4);
+  }
+  return get_gpt_config(c.config, label);
+}
+
+// Qwen2's block: the llama block with biases on q, k and v, and RoPE that pairs channels as
+// kvlab's does (llama.cpp's NEOX type): a random qwen2 model, Qwen2's vocabulary, its biases
+// read, from text to text as llama.cpp, its export again a qwen2 file.
+TEST_F(GgufLlamaCpp, Qwen2sBlockWithQkvBiasesAsLlamaCpp) {
+  std::string why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
+  const fs::path gguf = dir_ / "qwen2-block.gguf";
+  if (!write_family_model("qwen2", gguf, why, "qwen2")) GTEST_SKIP() << why;
+  const GPTConfig cfg = expect_continued_as_llama_cpp(gguf, dir_, "qwen2 block");
+  EXPECT_TRUE(cfg.qkv_bias);
+  EXPECT_FALSE(cfg.bias);
+  const auto model = model_of(gguf_to_checkpoint(read_gguf(gguf), gguf.string()));
+  const Tensor& bias = model->blocks[1]->attn->k_proj.bias;
+  ASSERT_TRUE(bias.defined());
+  float most = 0;
+  for (const float v : bias.to_vector<float>()) most = std::max(most, std::fabs(v));
+  EXPECT_GT(most, 0.1f) << "the k bias was not read";
+}
+
+// Scaled RoPE as llama.cpp applies it: linear scaling (rope.scaling.factor 4: positions / 4),
+// and Llama 3.1's rope_freqs tensor (each frequency divided by its factor), each in a random
+// llama model with Llama 3's vocabulary, from text to text, and exported again as they came.
+TEST_F(GgufLlamaCpp, ScaledRopeAsLlamaCpp) {
+  std::string why;
+  if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
+  for (const std::string rope : {"linear4", "llama3"}) {
+    const fs::path gguf = dir_ / ("rope-" + rope + ".gguf");
+    if (!write_family_model("llama-bpe", gguf, why, "llama", rope)) GTEST_SKIP() << why;
+    const GPTConfig cfg = expect_continued_as_llama_cpp(gguf, dir_, "rope " + rope);
+    EXPECT_EQ(cfg.rope_scale, rope == "linear4" ? 0.25 : 1.0);
+    EXPECT_EQ(cfg.rope_freqs.size(), rope == "llama3" ? 8u : 0u);
   }
 }
 

@@ -287,15 +287,21 @@ TEST(Gpt, EveryBlockVariantHasTheShapesAndCountItsConfigSays) {
   for (const char* pos : {"learned", "rope"})
     for (const char* norm : {"layernorm", "rmsnorm"})
       for (const char* mlp : {"gelu", "swiglu"})
-        for (const bool bias : {true, false}) {
-          GPTConfig c = tiny(2);
-          c.pos = pos;
-          c.norm = norm;
-          c.mlp = mlp;
-          c.bias = bias;
-          SCOPED_TRACE(testing::Message() << pos << " " << norm << " " << mlp << " bias " << bias);
-          expect_shapes_count_and_gradients(c);
-        }
+        for (const bool bias : {true, false})
+          for (const bool qkv_bias : {false, true}) {  // Qwen2's: q, k and v alone
+            GPTConfig c = tiny(2);
+            c.pos = pos;
+            c.norm = norm;
+            c.mlp = mlp;
+            c.bias = bias;
+            c.qkv_bias = qkv_bias;
+            SCOPED_TRACE(testing::Message() << pos << " " << norm << " " << mlp << " bias " << bias
+                                            << " qkv_bias " << qkv_bias);
+            expect_shapes_count_and_gradients(c);
+            const GPT m(c, 1);
+            EXPECT_EQ(m.blocks[0]->attn->k_proj.bias.defined(), bias || qkv_bias);
+            EXPECT_EQ(m.blocks[0]->attn->c_proj.bias.defined(), bias);
+          }
 }
 
 // SwiGLU's default width keeps GELU's MLP parameters within a few: at the baby config the
