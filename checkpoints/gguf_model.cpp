@@ -515,8 +515,8 @@ GgufFile model_to_gguf(const GPT& model, const Tokenizer& tok, const GgufMix& mi
         copy_kv_up_half(a, half, p.heads, p.part, /*to_half=*/true);
         named.emplace_back(p.gguf, std::move(half));
       } else {
-        named.emplace_back(p.gguf,
-                           p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true) : std::move(a));
+        named.emplace_back(p.gguf, p.rope_width ? reorder_rope_rows(a, p.heads, p.rope_width, true)
+                                                : std::move(a));
       }
     }
   }
@@ -628,7 +628,8 @@ constexpr const char* kEogTexts[] = {
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<｜end▁of▁sentence｜>", "[e~["};
 const std::pair<const char*, std::vector<std::string>> kFimEnds[] = {
-    {"tokenizer.ggml.fim_pad_token_id", {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"}},
+    {"tokenizer.ggml.fim_pad_token_id",
+     {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"}},
     {"tokenizer.ggml.fim_rep_token_id",
      {"<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"}},
     {"tokenizer.ggml.fim_sep_token_id", {"<|file_sep|>"}},

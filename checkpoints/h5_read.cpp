@@ -162,8 +162,9 @@ class Loader {
       ckpt.tokenizer_bos = int_attr(tok, "bos", "/tokenizer");
       ckpt.tokenizer_eos = int_attr(tok, "eos", "/tokenizer");
       ckpt.tokenizer_add_bos = int_attr(tok, "add_bos", "/tokenizer");
-      ckpt.tokenizer_eog =
-          read<uint32_t>(tok, "eog_ids", "/tokenizer/eog_ids", kUint32, H5T_NATIVE_UINT32, 1).second;
+      ckpt.tokenizer_eog = read<uint32_t>(tok, "eog_ids", "/tokenizer/eog_ids", kUint32,
+                                          H5T_NATIVE_UINT32, 1)
+                               .second;
     }
     if (ckpt.tokenizer_kind != "bpe" || !has_link(tok, "merges", "/tokenizer/merges")) {
       ckpt.tokenizer_vocab =

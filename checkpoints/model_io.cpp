@@ -30,9 +30,6 @@ T attr_or(const Attrs& attrs, const std::string& key, const T& fallback,
           const std::filesystem::path& file) {
   return attrs.count(key) != 0 ? attr<T>(attrs, key, file) : fallback;
 }
-}  // namespace
-
-namespace {
 
 // /config's rope_freqs: the factors as text, each with the 9 digits that give a float back.
 std::string rope_freqs_text(const std::vector<float>& freqs) {

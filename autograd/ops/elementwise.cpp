@@ -306,9 +306,9 @@ Tensor rope_table(int64_t P, int64_t HS, double theta, DType dtype, Device devic
   for (int64_t p = 0; p < P; ++p)
     for (int64_t j = 0; j < half; ++j) {
       const double divisor = factors.empty() ? 1.0 : factors[static_cast<size_t>(j)];
-      const double angle = static_cast<double>(p) * scale *
-                           std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(HS)) /
-                           divisor;
+      const double frequency =
+          std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(HS)) / divisor;
+      const double angle = static_cast<double>(p) * scale * frequency;
       t[static_cast<size_t>(p * HS + j)] = std::cos(angle);
       t[static_cast<size_t>(p * HS + half + j)] = std::sin(angle);
     }

@@ -39,9 +39,11 @@ struct Outcome {
   StopReason reason = StopReason::MaxNewTokens;
 };
 
-// Runs the scheduler until idle; check(stats, decoding before the step) sees every step.
+// Runs the scheduler until idle; check(stats, decoding before the step) sees every step, and
+// on_step(step, events) its events.
 std::map<RequestId, Outcome> run(
-    Scheduler& s, const std::function<void(const SchedulerStepStats&, int64_t)>& check = {}) {
+    Scheduler& s, const std::function<void(const SchedulerStepStats&, int64_t)>& check = {},
+    const std::function<void(int, const std::vector<SchedulerEvent>&)>& on_step = {}) {
   std::map<RequestId, Outcome> out;
   int64_t decoding = 0;  // requests that have made a token and not ended
   for (int steps = 0; !s.idle(); ++steps) {
@@ -49,6 +51,7 @@ std::map<RequestId, Outcome> run(
     if (steps >= 10000) break;
     const std::vector<SchedulerEvent> events = s.step();
     if (check) check(s.last_step(), decoding);
+    if (on_step) on_step(steps, events);
     for (const SchedulerEvent& e : events) {
       Outcome& o = out[e.request];
       EXPECT_FALSE(o.finished) << "request " << e.request << " went on after it ended";
@@ -162,27 +165,23 @@ TEST(Scheduler, TheStaticPolicyRunsEachBatchToItsEndBeforeTheNext) {
                          .cache = {.kv_block_size = 8}});
     std::vector<RequestId> ids;
     for (size_t i = 0; i < 2; ++i) ids.push_back(s.add(cs[i].prompt, cs[i].options));
-    std::map<RequestId, Outcome> got;
     std::map<RequestId, int> first_step, end_step;
     int64_t most_prefilled = 0;
-    for (int step = 0; !s.idle() && step < 10000; ++step) {
-      const std::vector<SchedulerEvent> events = s.step();
-      if (step == 0)  // the rest arrive while the first batch of two runs
-        for (size_t i = 2; i < cs.size(); ++i) ids.push_back(s.add(cs[i].prompt, cs[i].options));
-      most_prefilled = std::max(most_prefilled, s.last_step().prefill_tokens);
-      EXPECT_LE(s.last_step().admitted, 3);
-      for (const SchedulerEvent& e : events) {
-        Outcome& o = got[e.request];
-        if (e.token >= 0 && o.tokens.empty()) first_step[e.request] = step;
-        if (e.token >= 0) o.tokens.push_back(e.token);
-        o.text += e.text;
-        if (e.finished) {
-          o.finished = true;
-          o.reason = e.reason;
-          end_step[e.request] = step;
-        }
-      }
-    }
+    const auto got = run(
+        s,
+        [&](const SchedulerStepStats& st, int64_t) {
+          most_prefilled = std::max(most_prefilled, st.prefill_tokens);
+          EXPECT_LE(st.admitted, 3);
+        },
+        [&](int step, const std::vector<SchedulerEvent>& events) {
+          if (step == 0)  // the rest arrive while the first batch of two runs
+            for (size_t i = 2; i < cs.size(); ++i)
+              ids.push_back(s.add(cs[i].prompt, cs[i].options));
+          for (const SchedulerEvent& e : events) {
+            if (e.token >= 0) first_step.emplace(e.request, step);
+            if (e.finished) end_step[e.request] = step;
+          }
+        });
     expect_same(got, ids, want);
     EXPECT_GE(most_prefilled, 40) << "a batch's prompts were prefilled in chunks";
     // Every request that began before another had ended by the step that one began in.
