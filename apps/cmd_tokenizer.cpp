@@ -130,26 +130,43 @@ void run_decode(const TokenizerArgs& a) {
   std::fwrite(text.data(), 1, text.size(), stdout);
 }
 
+// The ids never made from ordinary text, with their text: bpe's special tokens; spm's unknown,
+// control and user-defined pieces.
+std::vector<std::pair<int32_t, std::string>> special_tokens(const Tokenizer& tok) {
+  std::vector<std::pair<int32_t, std::string>> out;
+  if (const BpeTokenizer* bpe = tok.bpe())
+    for (const int32_t id : bpe->special_ids()) out.emplace_back(id, bpe->token(id));
+  if (const SpmTokenizer* spm = tok.spm())
+    for (int32_t id = 0; id < spm->vocab_size(); ++id)
+      if (const auto t = static_cast<PieceType>(spm->types()[static_cast<size_t>(id)]);
+          t == PieceType::Unknown || t == PieceType::Control || t == PieceType::UserDefined)
+        out.emplace_back(id, spm->pieces()[static_cast<size_t>(id)]);
+  return out;
+}
+
 void run_inspect(const TokenizerArgs& a) {
   const Tokenizer tok = load_tokenizer(a.tokenizer);
   const BpeTokenizer* bpe = tok.bpe();
+  const SpmTokenizer* spm = tok.spm();
   if (a.json) {
     nlohmann::json j = {{"kind", tok.kind_name()}, {"vocab_size", tok.vocab_size()}};
     if (bpe != nullptr) {
       j["pattern"] = pattern_name(bpe->pattern());
       j["merges"] = bpe->merges().size();
-      for (const int32_t id : bpe->special_ids()) j["special"][bpe->token(id)] = id;
     }
+    if (spm != nullptr) j["add_space_prefix"] = spm->add_space_prefix();
+    for (const auto& [id, text] : special_tokens(tok)) j["special"][text] = id;
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return;
   }
   std::printf("tokenizer %s: %s, %d tokens\n", a.tokenizer.c_str(), tok.kind_name().c_str(),
               tok.vocab_size());
-  if (bpe == nullptr) return;
-  std::printf("pattern: %s\nmerges: %zu\n", pattern_name(bpe->pattern()).c_str(),
-              bpe->merges().size());
-  for (const int32_t id : bpe->special_ids())
-    std::printf("special: %d %s\n", id, bpe->token(id).c_str());
+  if (bpe != nullptr)
+    std::printf("pattern: %s\nmerges: %zu\n", pattern_name(bpe->pattern()).c_str(),
+                bpe->merges().size());
+  if (spm != nullptr) std::printf("add_space_prefix: %d\n", spm->add_space_prefix());
+  for (const auto& [id, text] : special_tokens(tok))
+    std::printf("special: %d %s\n", id, text.c_str());
 }
 
 }  // namespace
@@ -157,7 +174,8 @@ void run_inspect(const TokenizerArgs& a) {
 void add_tokenizer_command(CLI::App& root) {
   auto a = std::make_shared<TokenizerArgs>();
   CLI::App* cmd = root.add_subcommand(
-      "tokenizer", "Train, import, and use byte-level BPE tokenizers (tok.h5 files)");
+      "tokenizer",
+      "Train, import, and use byte-level BPE tokenizers; import SentencePiece ones (tok.h5 files)");
   cmd->require_subcommand(1);
   // Training takes kvlab's own patterns; an imported vocabulary any of them.
   const auto train_patterns = CLI::IsMember({"gpt2", "cl100k", "kvlab"});

@@ -9,9 +9,10 @@
 #     the corpus supports. KVLAB_VOCAB (default 4096) adds kvlab's rounds at that size.
 #   encoding: CORPUS under the GPT-2 vocabulary, kvlab's encode (one thread, a fresh chunk cache
 #     each round) against tiktoken 1.0.22 (WASM, one thread; tests/data/tiktoken): MB/s per core;
-#     and under Llama 3's vocabulary (llama.cpp's models/ggml-vocab-llama-bpe.gguf, in the source
-#     the GGUF tests clone into BUILD_DIR/llama_cpp_src) against llama.cpp's own tokenizer
-#     (node-llama-cpp's prebuilt library, one thread), where that file is there.
+#     and under Llama 3's byte-level BPE and Llama 2's SentencePiece vocabularies (llama.cpp's
+#     models/ggml-vocab-llama-bpe.gguf and -llama-spm.gguf, in the source the GGUF tests clone
+#     into BUILD_DIR/llama_cpp_src) against llama.cpp's own tokenizer (node-llama-cpp's prebuilt
+#     library, one thread), where those files are there.
 # Needs scripts/setup.sh --tests (the npm packages). Usage:
 #   bench/compare_bpe.sh BUILD_DIR CORPUS   (writes BUILD_DIR/compare_bpe.json)
 set -euo pipefail
@@ -22,7 +23,8 @@ rounds=${ROUNDS:-5}
 hf_threads=${HF_THREADS:-1}
 kvlab_vocab=${KVLAB_VOCAB:-4096}
 out=$build/compare_bpe
-llama3_vocab=$build/llama_cpp_src/models/ggml-vocab-llama-bpe.gguf
+family_vocabs="llama3:$build/llama_cpp_src/models/ggml-vocab-llama-bpe.gguf
+llama2:$build/llama_cpp_src/models/ggml-vocab-llama-spm.gguf"
 mkdir -p "$out"
 rm -f "$out"/*.jsonl
 node tests/data/tiktoken/reference.js ranks gpt2 "$out/gpt2.tiktoken"
@@ -37,13 +39,15 @@ for r in $(seq "$rounds"); do
   "$build/bench/bench_bpe" train --corpus "$corpus" --pattern gpt2 --vocab-size "$kvlab_vocab" >> "$out/kvlab_train_small.jsonl"
   "$build/bench/bench_bpe" encode --ranks "$out/gpt2.tiktoken" --text "$corpus" >> "$out/kvlab_encode.jsonl"
   node bench/bpe_baselines.js encode gpt2 "$corpus" >> "$out/tiktoken_encode.jsonl"
-  if [ -f "$llama3_vocab" ]; then
-    "$build/bench/bench_bpe" encode --gguf "$llama3_vocab" --text "$corpus" >> "$out/kvlab_llama3.jsonl"
-    node bench/bpe_baselines.js llama-cpp "$llama3_vocab" "$corpus" 2>/dev/null >> "$out/llama_cpp_llama3.jsonl"
-  fi
+  for entry in $family_vocabs; do
+    name=${entry%%:*} vocab=${entry#*:}
+    [ -f "$vocab" ] || continue
+    "$build/bench/bench_bpe" encode --gguf "$vocab" --text "$corpus" >> "$out/kvlab_$name.jsonl"
+    node bench/bpe_baselines.js llama-cpp "$vocab" "$corpus" 2>/dev/null >> "$out/llama_cpp_$name.jsonl"
+  done
 done
 /usr/bin/python3 - "$out" "$build/compare_bpe.json" "$hf_threads" "$(nproc)" "$(cat /proc/loadavg)" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 out, dest, hf_threads, cores, load = sys.argv[1:6]
 def runs(name):
     return [json.loads(l) for l in open(f"{out}/{name}.jsonl") if l.strip()]
@@ -56,12 +60,14 @@ res["train_ratio"] = res["kvlab_train"]["median_mb_per_s"] / res["hf_train"]["me
 res["encode_ratio"] = res["kvlab_encode"]["median_mb_per_s"] / res["tiktoken_encode"]["median_mb_per_s"]
 res["threads"] = {"kvlab": 1, "hf_tokenizers": int(hf_threads), "tiktoken": 1, "llama.cpp": 1,
                   "cores": int(cores)}
-import os
-if os.path.exists(f"{out}/kvlab_llama3.jsonl"):
-    for name in ["kvlab_llama3", "llama_cpp_llama3"]:
-        res[name] = summary(runs(name))
-    res["llama3_ratio"] = (res["kvlab_llama3"]["median_mb_per_s"] /
-                           res["llama_cpp_llama3"]["median_mb_per_s"])
+families = {"llama3": "Llama 3 vocabulary (byte-level BPE, 128,256 tokens)",
+            "llama2": "Llama 2 vocabulary (SentencePiece, 32,000 tokens)"}
+for fam in families:
+    if os.path.exists(f"{out}/kvlab_{fam}.jsonl"):
+        for name in [f"kvlab_{fam}", f"llama_cpp_{fam}"]:
+            res[name] = summary(runs(name))
+        res[f"{fam}_ratio"] = (res[f"kvlab_{fam}"]["median_mb_per_s"] /
+                               res[f"llama_cpp_{fam}"]["median_mb_per_s"])
 res["loadavg_after"] = load
 json.dump(res, open(dest, "w"), indent=2)
 f = lambda s: f"{s['median_mb_per_s']:.3f} MB/s ({s['min']:.3f}-{s['max']:.3f})"
@@ -76,10 +82,11 @@ print(f"encoding, GPT-2 vocabulary, 1 thread each")
 print(f"  kvlab    {f(res['kvlab_encode'])}  ({res['kvlab_encode']['runs'][0]['tokens']} tokens)")
 print(f"  tiktoken {f(res['tiktoken_encode'])}  ({res['tiktoken_encode']['runs'][0]['tokens']} tokens)")
 print(f"  ratio    {res['encode_ratio']:.2f}x")
-if "llama3_ratio" in res:
-    print(f"encoding, Llama 3 vocabulary (128,256 tokens), 1 thread each")
-    print(f"  kvlab     {f(res['kvlab_llama3'])}  ({res['kvlab_llama3']['runs'][0]['tokens']} tokens)")
-    print(f"  llama.cpp {f(res['llama_cpp_llama3'])}  ({res['llama_cpp_llama3']['runs'][0]['tokens']} tokens)")
-    print(f"  ratio     {res['llama3_ratio']:.2f}x")
+for fam, title in families.items():
+    if f"{fam}_ratio" in res:
+        print(f"encoding, {title}, 1 thread each")
+        print(f"  kvlab     {f(res[f'kvlab_{fam}'])}  ({res[f'kvlab_{fam}']['runs'][0]['tokens']} tokens)")
+        print(f"  llama.cpp {f(res[f'llama_cpp_{fam}'])}  ({res[f'llama_cpp_{fam}']['runs'][0]['tokens']} tokens)")
+        print(f"  ratio     {res[f'{fam}_ratio']:.2f}x")
 print(f"load average after: {load}")
 PY

@@ -36,18 +36,32 @@ struct BpeArrays {
   std::vector<uint32_t> special_ids;   // (S,) ascending; an id with no bytes is unused
 };
 
+// A SentencePiece vocabulary as /tokenizer of kind "spm" stores it: its pieces as bpe's
+// token_bytes and token_offsets, a score and a type (llama.cpp's, data/spm.h) a piece, and the
+// add_space_prefix attribute. The reader checks the lengths and offsets.
+struct SpmArrays {
+  std::vector<uint8_t> token_bytes;
+  std::vector<uint64_t> token_offsets;  // (V + 1,)
+  std::vector<float> scores;            // (V,)
+  std::vector<uint8_t> token_types;     // (V,)
+  int64_t add_space_prefix = 1;
+};
+
 struct Checkpoint {
   Attrs config;                           // every model and training hyper-parameter
-  std::string tokenizer_kind;             // "char" | "byte" | "bpe"
+  std::string tokenizer_kind;             // "char" | "byte" | "bpe" | "spm"
   std::vector<uint32_t> tokenizer_vocab;  // char and byte: code points (bpe: empty, or the
                                           // packed words of files written before BpeArrays)
   BpeArrays tokenizer_bpe;                // kind bpe
+  SpmArrays tokenizer_spm;                // kind spm
   // /tokenizer's bos, eos and add_bos attributes and eog_ids (data/tokenizer.h's
   // TokenControls), written where any is set; files without them have none.
   int64_t tokenizer_bos = -1;
   int64_t tokenizer_eos = -1;
   int64_t tokenizer_add_bos = 0;
+  int64_t tokenizer_add_eos = 0;  // attribute add_eos, written where set (absent: 0)
   std::vector<uint32_t> tokenizer_eog;
+  std::vector<uint32_t> tokenizer_user_defined;  // dataset user_defined_ids, where any
   NamedArrays model;                      // state_dict names ("blocks.0.attn.q_proj.weight")
                                           // in module order; Linear weights (out, in)
   bool has_optimizer = false;

@@ -216,6 +216,14 @@ GgufValue GgufValue::int_array(GgufType elem, std::vector<int64_t> v) {
   out.ints = std::move(v);
   return out;
 }
+GgufValue GgufValue::real_array(GgufType elem, std::vector<double> v) {
+  KVLAB_ASSERT(is_float(elem), "gguf: not a float type");
+  GgufValue out;
+  out.type = GgufType::Array;
+  out.elem = elem;
+  out.floats = std::move(v);
+  return out;
+}
 GgufValue GgufValue::string_array(std::vector<std::string> v) {
   GgufValue out;
   out.type = GgufType::Array;

@@ -55,6 +55,7 @@ struct GgufValue {
   static GgufValue real(GgufType t, double v);
   static GgufValue string(std::string v);
   static GgufValue int_array(GgufType elem, std::vector<int64_t> v);
+  static GgufValue real_array(GgufType elem, std::vector<double> v);
   static GgufValue string_array(std::vector<std::string> v);
   bool is_array() const { return type == GgufType::Array; }
   size_t size() const;  // elements: 1 for a scalar

@@ -244,7 +244,37 @@ SplitPattern split_pattern_of(const std::string& pre, const GgufValue* kvlab_pat
                           "' is a pre-tokenizer kvlab lacks (it has gpt-2, llama-bpe and qwen2)"));
 }
 
+// A SentencePiece vocabulary as llama.cpp's `llama` tokenizer model: its pieces, scores and
+// types as they are.
+void put_spm_keys(GgufFile& f, const SpmTokenizer& spm) {
+  f.set("tokenizer.ggml.model", GgufValue::string("llama"));
+  f.set("tokenizer.ggml.pre", GgufValue::string("default"));
+  f.set("tokenizer.ggml.tokens", GgufValue::string_array(spm.pieces()));
+  f.set("tokenizer.ggml.scores", GgufValue::real_array(GgufType::F32, {spm.scores().begin(),
+                                                                       spm.scores().end()}));
+  f.set("tokenizer.ggml.token_type",
+        GgufValue::int_array(GgufType::I32, {spm.types().begin(), spm.types().end()}));
+  f.set("tokenizer.ggml.add_space_prefix",
+        GgufValue::scalar(GgufType::Bool, spm.add_space_prefix() ? 1 : 0));
+}
+
+// The tokenizer's own bos and eos (an imported family's), else `fallback` where it is an id;
+// add_bos and add_eos.
+void put_control_keys(GgufFile& f, const TokenControls& c, int32_t fallback) {
+  for (const auto& [key, id] : {std::pair{"tokenizer.ggml.bos_token_id", c.bos},
+                                std::pair{"tokenizer.ggml.eos_token_id", c.eos}})
+    if (const int32_t chosen = id >= 0 ? id : fallback; chosen >= 0)
+      f.set(key, GgufValue::scalar(GgufType::U32, chosen));
+  f.set("tokenizer.ggml.add_bos_token", GgufValue::scalar(GgufType::Bool, c.add_bos ? 1 : 0));
+  f.set("tokenizer.ggml.add_eos_token", GgufValue::scalar(GgufType::Bool, c.add_eos ? 1 : 0));
+}
+
 void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
+  if (const SpmTokenizer* spm = tok.spm()) {
+    put_spm_keys(f, *spm);
+    put_control_keys(f, tok.controls(), -1);
+    return;
+  }
   std::vector<std::string> tokens;
   std::vector<int64_t> types;
   const int n = tok.vocab_size();
@@ -255,15 +285,20 @@ void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
       types.push_back(kNormal);
       continue;
     }
-    // A special token's own text, as llama.cpp reads control tokens; an unused id empty.
+    // A special token's own text, as llama.cpp reads control and user-defined tokens; an unused
+    // id empty.
     const std::string& bytes = tok.bpe()->tokens()[static_cast<size_t>(id)];
     tokens.push_back(bytes);
-    types.push_back(bytes.empty() ? kUnused : kControl);
+    const std::vector<int32_t>& user = tok.controls().user_defined;
+    types.push_back(bytes.empty()                                    ? kUnused
+                    : std::binary_search(user.begin(), user.end(), id) ? kUserDefined
+                                                                       : kControl);
   }
   std::vector<std::string> merges;
   std::string pre = "gpt-2";
   if (const BpeTokenizer* bpe = tok.bpe()) {
-    for (const BpeMerge& m : bpe->merges()) merges.push_back(tokens[m.left] + " " + tokens[m.right]);
+    for (const BpeMerge& m : bpe->merges())
+      merges.push_back(tokens[m.left] + " " + tokens[m.right]);
     for (const auto& [pattern, name] : kPreTokenizers)
       if (pattern == bpe->pattern()) {
         pre = name;
@@ -276,15 +311,9 @@ void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
   f.set("tokenizer.ggml.tokens", GgufValue::string_array(std::move(tokens)));
   f.set("tokenizer.ggml.token_type", GgufValue::int_array(GgufType::I32, std::move(types)));
   f.set("tokenizer.ggml.merges", GgufValue::string_array(std::move(merges)));
-  // The tokenizer's own bos and eos (an imported family's); else the first special token
-  // (<|endoftext|> by default) ends and begins.
-  const TokenControls& c = tok.controls();
-  const int32_t first_special = n_special > 0 ? n - n_special : -1;
-  for (const auto& [key, id] : {std::pair{"tokenizer.ggml.bos_token_id", c.bos},
-                                std::pair{"tokenizer.ggml.eos_token_id", c.eos}})
-    if (const int32_t chosen = id >= 0 ? id : first_special; chosen >= 0)
-      f.set(key, GgufValue::scalar(GgufType::U32, chosen));
-  f.set("tokenizer.ggml.add_bos_token", GgufValue::scalar(GgufType::Bool, c.add_bos ? 1 : 0));
+  // Without bos and eos of its own, the first special token (<|endoftext|> by default) ends
+  // and begins.
+  put_control_keys(f, tok.controls(), n_special > 0 ? n - n_special : -1);
   f.set("kvlab.tokenizer", GgufValue::string(tok.kind_name()));
 }
 
@@ -635,14 +664,78 @@ const std::pair<const char*, std::vector<std::string>> kFimEnds[] = {
     {"tokenizer.ggml.fim_sep_token_id", {"<|file_sep|>"}},
 };
 
-// What llama.cpp makes of a byte-level BPE file's special-token keys: an id outside the
-// vocabulary is ignored; bos and eos default to 11 (llama.cpp's default for this tokenizer
-// model); add_bos defaults to true for Llama 3's pre-tokenizer; and a generation ends at eos,
+// The fill-in-the-middle prefix, suffix and middle tokens' texts, which llama.cpp looks for too.
+constexpr const char* kFimStarts[] = {
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>",
+    "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>",
+    "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+    "<|middle|>"};
+
+// Whether llama.cpp's loader makes a token of this text a control token whatever its type
+// says (it warns of "control-looking" tokens), so that it is not read from text as a
+// user-defined one: the end, end-of-turn and fill-in-the-middle texts above.
+bool looks_like_control(std::string_view text) {
+  for (const char* t : kEogTexts)
+    if (text == t) return true;
+  for (const char* t : kFimStarts)
+    if (text == t) return true;
+  for (const auto& [key, texts] : kFimEnds)
+    for (const std::string& t : texts)
+      if (text == t) return true;
+  return false;
+}
+
+// A SentencePiece vocabulary (llama.cpp's `llama` tokenizer model): the pieces as they are,
+// tokenizer.ggml.scores (0 where absent, as llama.cpp reads them) and token_type (normal where
+// absent; a user-defined piece that looks like control, control), a space put before a text
+// unless tokenizer.ggml.add_space_prefix says not.
+Tokenizer spm_vocabulary(const GgufFile& f, const std::vector<std::string>& tokens,
+                         std::string_view what) {
+  const size_t V = tokens.size();
+  std::vector<float> scores(V, 0.0f);
+  if (const GgufValue* v = f.find("tokenizer.ggml.scores")) {
+    KVLAB_CHECK(v->is_array() && v->floats.size() == V, what,
+                ": tokenizer.ggml.scores is not one number a token");
+    for (size_t id = 0; id < V; ++id) scores[id] = static_cast<float>(v->floats[id]);
+  }
+  std::vector<uint8_t> types(V, static_cast<uint8_t>(PieceType::Normal));
+  if (const GgufValue* v = f.find("tokenizer.ggml.token_type")) {
+    KVLAB_CHECK(v->is_array() && v->ints.size() == V, what,
+                ": tokenizer.ggml.token_type is not one integer a token");
+    for (size_t id = 0; id < V; ++id) {
+      KVLAB_CHECK(v->ints[id] >= 1 && v->ints[id] <= 6, what, ": tokenizer.ggml.token_type[", id,
+                  "] is ", v->ints[id], " (llama.cpp's types are 1 to 6)");
+      types[id] = static_cast<uint8_t>(v->ints[id]);
+      if (static_cast<PieceType>(types[id]) == PieceType::UserDefined &&
+          looks_like_control(tokens[id]))
+        types[id] = static_cast<uint8_t>(PieceType::Control);
+    }
+  }
+  bool add_space_prefix = true;
+  if (const GgufValue* v = f.find("tokenizer.ggml.add_space_prefix")) {
+    KVLAB_CHECK(v->type == GgufType::Bool && v->ints.size() == 1, what,
+                ": tokenizer.ggml.add_space_prefix is not a bool");
+    add_space_prefix = v->ints[0] != 0;
+  }
+  try {
+    return Tokenizer::spm(SpmTokenizer::from_parts(tokens, std::move(scores), std::move(types),
+                                                   add_space_prefix));
+  } catch (const Error& e) {
+    throw Error(detail::cat(what, ": ", e.what()));
+  }
+}
+
+// What llama.cpp makes of a file's special-token keys: an id outside the vocabulary is ignored;
+// bos and eos default to 11 for a byte-level BPE file, 1 and 2 for a SentencePiece one
+// (llama.cpp's defaults for these tokenizer models); add_bos defaults to true for SentencePiece
+// and for Llama 3's pre-tokenizer; and a generation ends at eos,
 // eot, eom, the fill-in-the-middle tokens above, and every token whose text kEogTexts lists.
 // (llama.cpp's rules for gpt-oss's and Gemma 4's vocabularies, which drop one such token, are
 // not here: kvlab reads neither.)
 TokenControls gguf_token_controls(const GgufFile& f, const std::vector<std::string>& tokens,
-                                  const std::string& pre, std::string_view what) {
+                                  const std::string& model, const std::string& pre,
+                                  std::string_view what) {
   const auto V = static_cast<int64_t>(tokens.size());
   auto id_of = [&](const char* key, int64_t fallback) -> int32_t {
     int64_t id = fallback < V ? fallback : -1;
@@ -659,14 +752,17 @@ TokenControls gguf_token_controls(const GgufFile& f, const std::vector<std::stri
     return -1;
   };
   TokenControls c;
-  c.bos = id_of("tokenizer.ggml.bos_token_id", 11);
-  c.eos = id_of("tokenizer.ggml.eos_token_id", 11);
-  c.add_bos = pre == "llama-bpe";
-  if (const GgufValue* v = f.find("tokenizer.ggml.add_bos_token")) {
-    KVLAB_CHECK(v->type == GgufType::Bool && v->ints.size() == 1, what,
-                ": tokenizer.ggml.add_bos_token is not a bool");
-    c.add_bos = v->ints[0] != 0;
-  }
+  const bool spm = model == "llama";
+  c.bos = id_of("tokenizer.ggml.bos_token_id", spm ? 1 : 11);
+  c.eos = id_of("tokenizer.ggml.eos_token_id", spm ? 2 : 11);
+  c.add_bos = spm || pre == "llama-bpe";
+  for (const auto& [key, flag] : {std::pair{"tokenizer.ggml.add_bos_token", &c.add_bos},
+                                  std::pair{"tokenizer.ggml.add_eos_token", &c.add_eos}})
+    if (const GgufValue* v = f.find(key)) {
+      KVLAB_CHECK(v->type == GgufType::Bool && v->ints.size() == 1, what, ": ", key,
+                  " is not a bool");
+      *flag = v->ints[0] != 0;
+    }
   std::set<int32_t> eog;
   for (int64_t id = 0; id < V; ++id)
     for (const char* t : kEogTexts)
@@ -680,6 +776,12 @@ TokenControls gguf_token_controls(const GgufFile& f, const std::vector<std::stri
   eog.insert(c.eos);
   eog.erase(-1);
   c.eog.assign(eog.begin(), eog.end());
+  // A byte-level BPE vocabulary's user-defined tokens (an spm one keeps its own).
+  if (const GgufValue* types = f.find("tokenizer.ggml.token_type"); types && !spm)
+    for (int64_t id = 0; id < V && id < static_cast<int64_t>(types->ints.size()); ++id)
+      if (types->ints[static_cast<size_t>(id)] == kUserDefined &&
+          !looks_like_control(tokens[static_cast<size_t>(id)]))
+        c.user_defined.push_back(static_cast<int32_t>(id));
   return c;
 }
 
@@ -687,9 +789,19 @@ TokenControls gguf_token_controls(const GgufFile& f, const std::vector<std::stri
 
 Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
   const std::string& model = f.get_string("tokenizer.ggml.model", what);
-  KVLAB_CHECK(model == "gpt2", what, ": tokenizer.ggml.model is '", model,
-              "'; kvlab imports only byte-level BPE vocabularies ('gpt2')");
+  KVLAB_CHECK(model == "gpt2" || model == "llama", what, ": tokenizer.ggml.model is '", model,
+              "'; kvlab imports byte-level BPE ('gpt2') and SentencePiece ('llama') "
+              "vocabularies");
   const std::vector<std::string>& tokens = string_array(f, "tokenizer.ggml.tokens", what);
+  if (model == "llama") {
+    Tokenizer tok = spm_vocabulary(f, tokens, what);
+    try {
+      tok.set_controls(gguf_token_controls(f, tokens, model, "default", what));
+    } catch (const Error& e) {
+      throw Error(detail::cat(what, ": ", e.what()));
+    }
+    return tok;
+  }
   const GgufValue* kind_key = f.find("kvlab.tokenizer");
   const std::string kind =
       kind_key && kind_key->type == GgufType::String ? kind_key->strings[0] : "bpe";
@@ -700,7 +812,7 @@ Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
   const SplitPattern pattern = split_pattern_of(pre, f.find("kvlab.bpe_pattern"), what);
   Tokenizer tok = bpe_vocabulary(f, tokens, pattern, what);
   try {
-    tok.set_controls(gguf_token_controls(f, tokens, pre, what));
+    tok.set_controls(gguf_token_controls(f, tokens, model, pre, what));
   } catch (const Error& e) {
     throw Error(detail::cat(what, ": ", e.what()));
   }

@@ -162,9 +162,31 @@ class Loader {
       ckpt.tokenizer_bos = int_attr(tok, "bos", "/tokenizer");
       ckpt.tokenizer_eos = int_attr(tok, "eos", "/tokenizer");
       ckpt.tokenizer_add_bos = int_attr(tok, "add_bos", "/tokenizer");
+      if (H5_CHECK(H5Aexists(tok, "add_eos"), pre_, "reading /tokenizer") > 0)
+        ckpt.tokenizer_add_eos = int_attr(tok, "add_eos", "/tokenizer");
+      if (has_link(tok, "user_defined_ids", "/tokenizer/user_defined_ids"))
+        ckpt.tokenizer_user_defined =
+            read<uint32_t>(tok, "user_defined_ids", "/tokenizer/user_defined_ids", kUint32,
+                           H5T_NATIVE_UINT32, 1)
+                .second;
       ckpt.tokenizer_eog = read<uint32_t>(tok, "eog_ids", "/tokenizer/eog_ids", kUint32,
                                           H5T_NATIVE_UINT32, 1)
                                .second;
+    }
+    if (ckpt.tokenizer_kind == "spm") {
+      SpmArrays& spm = ckpt.tokenizer_spm;
+      spm.add_space_prefix = int_attr(tok, "add_space_prefix", "/tokenizer");
+      read_token_texts(tok, spm.token_bytes, spm.token_offsets);
+      spm.scores =
+          read<float>(tok, "scores", "/tokenizer/scores", kFloat32, H5T_NATIVE_FLOAT, 1).second;
+      spm.token_types = read<uint8_t>(tok, "token_types", "/tokenizer/token_types", kUint8,
+                                      H5T_NATIVE_UINT8, 1)
+                            .second;
+      const size_t n_tokens = spm.token_offsets.size() - 1;
+      check(spm.scores.size() == n_tokens && spm.token_types.size() == n_tokens,
+            "/tokenizer: ", n_tokens, " pieces but ", spm.scores.size(), " scores and ",
+            spm.token_types.size(), " types");
+      return;
     }
     if (ckpt.tokenizer_kind != "bpe" || !has_link(tok, "merges", "/tokenizer/merges")) {
       ckpt.tokenizer_vocab =
@@ -178,30 +200,36 @@ class Loader {
     check(merge_shape[1] == 2, "/tokenizer/merges: shape ", shape_str(merge_shape),
           ", expected (M, 2): a left and a right id per merge");
     bpe.merges = std::move(merges);
-    bpe.token_bytes = read<uint8_t>(tok, "token_bytes", "/tokenizer/token_bytes", kUint8,
-                                    H5T_NATIVE_UINT8, 1)
-                          .second;
-    bpe.token_offsets = read<uint64_t>(tok, "token_offsets", "/tokenizer/token_offsets", kUint64,
-                                       H5T_NATIVE_UINT64, 1)
-                            .second;
+    read_token_texts(tok, bpe.token_bytes, bpe.token_offsets);
     bpe.special_ids = read<uint32_t>(tok, "special_ids", "/tokenizer/special_ids", kUint32,
                                      H5T_NATIVE_UINT32, 1)
                           .second;
-    const std::vector<uint64_t>& off = bpe.token_offsets;
-    check(!off.empty() && off.front() == 0, "/tokenizer/token_offsets: must start at 0 (",
-          off.empty() ? "it is empty" : detail::cat("it starts at ", off.front()), ")");
-    for (size_t i = 1; i < off.size(); ++i)
-      check(off[i - 1] <= off[i], "/tokenizer/token_offsets: offset ", i, " (", off[i],
-            ") is below offset ", i - 1, " (", off[i - 1], ")");
-    check(off.back() == bpe.token_bytes.size(), "/tokenizer/token_offsets: the last offset is ",
-          off.back(), " but /tokenizer/token_bytes holds ", bpe.token_bytes.size(), " bytes");
-    const size_t n_tokens = off.size() - 1;
+    const size_t n_tokens = bpe.token_offsets.size() - 1;
     for (const uint32_t id : bpe.merges)
       check(id < n_tokens, "/tokenizer/merges: id ", id, " is outside the ", n_tokens, " tokens");
     for (size_t i = 0; i < bpe.special_ids.size(); ++i)
       check(bpe.special_ids[i] < n_tokens && (i == 0 || bpe.special_ids[i - 1] < bpe.special_ids[i]),
             "/tokenizer/special_ids: entry ", i, " (", bpe.special_ids[i],
             ") is not an id below ", n_tokens, " above the one before it");
+  }
+
+  // token_bytes and token_offsets (bpe's and spm's), the offsets checked so that no token
+  // reaches outside the bytes.
+  void read_token_texts(hid_t tok, std::vector<uint8_t>& bytes,
+                        std::vector<uint64_t>& off) const {
+    bytes = read<uint8_t>(tok, "token_bytes", "/tokenizer/token_bytes", kUint8, H5T_NATIVE_UINT8,
+                          1)
+                .second;
+    off = read<uint64_t>(tok, "token_offsets", "/tokenizer/token_offsets", kUint64,
+                         H5T_NATIVE_UINT64, 1)
+              .second;
+    check(!off.empty() && off.front() == 0, "/tokenizer/token_offsets: must start at 0 (",
+          off.empty() ? "it is empty" : detail::cat("it starts at ", off.front()), ")");
+    for (size_t i = 1; i < off.size(); ++i)
+      check(off[i - 1] <= off[i], "/tokenizer/token_offsets: offset ", i, " (", off[i],
+            ") is below offset ", i - 1, " (", off[i - 1], ")");
+    check(off.back() == bytes.size(), "/tokenizer/token_offsets: the last offset is ", off.back(),
+          " but /tokenizer/token_bytes holds ", bytes.size(), " bytes");
   }
 
   void read_training_state(hid_t file, Checkpoint& ckpt) const {

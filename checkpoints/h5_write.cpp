@@ -111,11 +111,17 @@ void write_vector(hid_t loc, const char* name, hid_t file_type, hid_t mem_type,
   write_dataset(loc, name, file_type, mem_type, {static_cast<int64_t>(v.size())}, v.data(), what);
 }
 
-// bos, eos, add_bos and eog_ids where the tokenizer has any (most have none: then nothing).
+// bos, eos, add_bos, add_eos, eog_ids and user_defined_ids where the tokenizer has any (most have none: then nothing).
 void write_token_controls(hid_t tok, const Checkpoint& ckpt, const std::string& pre) {
   if (ckpt.tokenizer_bos < 0 && ckpt.tokenizer_eos < 0 && ckpt.tokenizer_add_bos == 0 &&
-      ckpt.tokenizer_eog.empty())
+      ckpt.tokenizer_add_eos == 0 && ckpt.tokenizer_eog.empty() &&
+      ckpt.tokenizer_user_defined.empty())
     return;
+  if (!ckpt.tokenizer_user_defined.empty())
+    write_vector(tok, "user_defined_ids", H5T_STD_U32LE, H5T_NATIVE_UINT32,
+                 ckpt.tokenizer_user_defined, pre + "writing /tokenizer/user_defined_ids");
+  if (ckpt.tokenizer_add_eos != 0)  // only where set: files before it have no such attribute
+    write_attrs(tok, {{"add_eos", ckpt.tokenizer_add_eos}}, pre, "/tokenizer");
   write_attrs(tok,
               {{"bos", ckpt.tokenizer_bos},
                {"eos", ckpt.tokenizer_eos},
@@ -125,10 +131,30 @@ void write_token_controls(hid_t tok, const Checkpoint& ckpt, const std::string& 
                pre + "writing /tokenizer/eog_ids");
 }
 
-// Kind bpe: the pattern as an attribute and BpeArrays' four datasets; the others: /vocab.
+void write_token_texts(hid_t tok, const std::vector<uint8_t>& bytes,
+                       const std::vector<uint64_t>& offsets, const std::string& pre) {
+  write_vector(tok, "token_bytes", H5T_STD_U8LE, H5T_NATIVE_UINT8, bytes,
+               pre + "writing /tokenizer/token_bytes");
+  write_vector(tok, "token_offsets", H5T_STD_U64LE, H5T_NATIVE_UINT64, offsets,
+               pre + "writing /tokenizer/token_offsets");
+}
+
+// Kind bpe: the pattern as an attribute and BpeArrays' four datasets; spm: SpmArrays' four and
+// its attribute; the others: /vocab.
 void write_tokenizer(hid_t file, const Checkpoint& ckpt, const std::string& pre) {
   H5Id tok = create_group(file, "tokenizer", pre);
   write_token_controls(tok, ckpt, pre);
+  if (ckpt.tokenizer_kind == "spm") {
+    const SpmArrays& spm = ckpt.tokenizer_spm;
+    write_attrs(tok, {{"kind", ckpt.tokenizer_kind}, {"add_space_prefix", spm.add_space_prefix}},
+                pre, "/tokenizer");
+    write_token_texts(tok, spm.token_bytes, spm.token_offsets, pre);
+    write_vector(tok, "scores", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, spm.scores,
+                 pre + "writing /tokenizer/scores");
+    write_vector(tok, "token_types", H5T_STD_U8LE, H5T_NATIVE_UINT8, spm.token_types,
+                 pre + "writing /tokenizer/token_types");
+    return;
+  }
   if (ckpt.tokenizer_kind != "bpe") {
     write_attrs(tok, {{"kind", ckpt.tokenizer_kind}}, pre, "/tokenizer");
     write_vector(tok, "vocab", H5T_STD_U32LE, H5T_NATIVE_UINT32, ckpt.tokenizer_vocab,
@@ -140,10 +166,7 @@ void write_tokenizer(hid_t file, const Checkpoint& ckpt, const std::string& pre)
   write_dataset(tok, "merges", H5T_STD_U32LE, H5T_NATIVE_UINT32,
                 {static_cast<int64_t>(bpe.merges.size() / 2), 2}, bpe.merges.data(),
                 pre + "writing /tokenizer/merges");
-  write_vector(tok, "token_bytes", H5T_STD_U8LE, H5T_NATIVE_UINT8, bpe.token_bytes,
-               pre + "writing /tokenizer/token_bytes");
-  write_vector(tok, "token_offsets", H5T_STD_U64LE, H5T_NATIVE_UINT64, bpe.token_offsets,
-               pre + "writing /tokenizer/token_offsets");
+  write_token_texts(tok, bpe.token_bytes, bpe.token_offsets, pre);
   write_vector(tok, "special_ids", H5T_STD_U32LE, H5T_NATIVE_UINT32, bpe.special_ids,
                pre + "writing /tokenizer/special_ids");
 }
@@ -179,6 +202,13 @@ void validate_for_save(const Checkpoint& ckpt, const std::string& pre) {
     KVLAB_CHECK(!bpe.token_offsets.empty() && bpe.token_offsets.back() == bpe.token_bytes.size(),
                 pre, "bpe token offsets do not end at the ", bpe.token_bytes.size(), " token bytes");
   }
+  if (ckpt.tokenizer_kind == "spm") {
+    const SpmArrays& spm = ckpt.tokenizer_spm;
+    KVLAB_CHECK(!spm.token_offsets.empty() && spm.token_offsets.back() == spm.token_bytes.size() &&
+                    spm.scores.size() + 1 == spm.token_offsets.size() &&
+                    spm.token_types.size() == spm.scores.size(),
+                pre, "spm pieces, scores and types do not agree in length");
+  }
   validate_arrays(ckpt.model, "/model", pre);
   if (ckpt.has_optimizer) {
     validate_arrays(ckpt.optimizer_m, "/optimizer/m", pre);
@@ -203,6 +233,7 @@ std::vector<char> build_image(const fs::path& name, const Checkpoint& ckpt,
                           bytes_of(ckpt.optimizer_v) + 4 * ckpt.tokenizer_vocab.size() +
                           4 * ckpt.tokenizer_bpe.merges.size() +
                           9 * ckpt.tokenizer_bpe.token_bytes.size() +
+                          9 * ckpt.tokenizer_spm.token_bytes.size() +
                           8 * ckpt.rng_state.size();
   H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS), pre, "creating the file"), H5Pclose);
   H5_CHECK(H5Pset_fapl_core(fapl, estimate, /*backing_store=*/0), pre, "creating the file");

@@ -222,6 +222,27 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
 }
 
 namespace {
+// Tokens as /tokenizer/token_bytes and token_offsets hold them, and back (the checkpoint reader
+// has checked the offsets).
+void pack_texts(const std::vector<std::string>& texts, std::vector<uint8_t>& bytes,
+                std::vector<uint64_t>& offsets) {
+  offsets.assign(1, 0);
+  for (const std::string& t : texts) {
+    bytes.insert(bytes.end(), t.begin(), t.end());
+    offsets.push_back(bytes.size());
+  }
+}
+
+std::vector<std::string> unpack_texts(const std::vector<uint8_t>& bytes,
+                                      const std::vector<uint64_t>& offsets) {
+  std::vector<std::string> texts;
+  texts.reserve(offsets.size() - 1);
+  const auto* b = reinterpret_cast<const char*>(bytes.data());
+  for (size_t i = 0; i + 1 < offsets.size(); ++i)
+    texts.emplace_back(b + offsets[i], offsets[i + 1] - offsets[i]);
+  return texts;
+}
+
 BpeArrays to_bpe_arrays(const BpeTokenizer& bpe) {
   BpeArrays a;
   a.pattern = pattern_name(bpe.pattern());
@@ -229,22 +250,14 @@ BpeArrays to_bpe_arrays(const BpeTokenizer& bpe) {
     a.merges.push_back(static_cast<uint32_t>(m.left));
     a.merges.push_back(static_cast<uint32_t>(m.right));
   }
-  a.token_offsets.push_back(0);
-  for (const std::string& t : bpe.tokens()) {
-    a.token_bytes.insert(a.token_bytes.end(), t.begin(), t.end());
-    a.token_offsets.push_back(a.token_bytes.size());
-  }
+  pack_texts(bpe.tokens(), a.token_bytes, a.token_offsets);
   for (const int32_t id : bpe.special_ids()) a.special_ids.push_back(static_cast<uint32_t>(id));
   return a;
 }
 
-// The checkpoint reader has checked the offsets and that every id is below the token count.
+// The checkpoint reader has checked that every id is below the token count.
 BpeTokenizer from_bpe_arrays(const BpeArrays& a) {
-  std::vector<std::string> tokens;
-  tokens.reserve(a.token_offsets.size() - 1);
-  const auto* bytes = reinterpret_cast<const char*>(a.token_bytes.data());
-  for (size_t i = 0; i + 1 < a.token_offsets.size(); ++i)
-    tokens.emplace_back(bytes + a.token_offsets[i], a.token_offsets[i + 1] - a.token_offsets[i]);
+  std::vector<std::string> tokens = unpack_texts(a.token_bytes, a.token_offsets);
   std::vector<std::pair<int32_t, int32_t>> pairs;
   pairs.reserve(a.merges.size() / 2);
   for (size_t i = 0; i + 1 < a.merges.size(); i += 2)
@@ -252,13 +265,31 @@ BpeTokenizer from_bpe_arrays(const BpeArrays& a) {
   const std::vector<int32_t> specials(a.special_ids.begin(), a.special_ids.end());
   return BpeTokenizer::from_pairs(parse_pattern(a.pattern), std::move(tokens), pairs, specials);
 }
+
+SpmArrays to_spm_arrays(const SpmTokenizer& spm) {
+  SpmArrays a;
+  pack_texts(spm.pieces(), a.token_bytes, a.token_offsets);
+  a.scores = spm.scores();
+  a.token_types = spm.types();
+  a.add_space_prefix = spm.add_space_prefix();
+  return a;
+}
+
+SpmTokenizer from_spm_arrays(const SpmArrays& a) {
+  KVLAB_CHECK(a.add_space_prefix == 0 || a.add_space_prefix == 1, "add_space_prefix is ",
+              a.add_space_prefix, ", not 0 or 1");
+  return SpmTokenizer::from_parts(unpack_texts(a.token_bytes, a.token_offsets), a.scores,
+                                  a.token_types, a.add_space_prefix == 1);
+}
 }  // namespace
 
 void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok) {
   ckpt.tokenizer_kind = tok.kind_name();
+  ckpt.tokenizer_vocab.clear();
   if (tok.bpe() != nullptr) {
-    ckpt.tokenizer_vocab.clear();
     ckpt.tokenizer_bpe = to_bpe_arrays(*tok.bpe());
+  } else if (tok.spm() != nullptr) {
+    ckpt.tokenizer_spm = to_spm_arrays(*tok.spm());
   } else {
     ckpt.tokenizer_vocab = tok.vocab();
   }
@@ -266,23 +297,32 @@ void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok) {
   ckpt.tokenizer_bos = c.bos;
   ckpt.tokenizer_eos = c.eos;
   ckpt.tokenizer_add_bos = c.add_bos;
+  ckpt.tokenizer_add_eos = c.add_eos;
   ckpt.tokenizer_eog.assign(c.eog.begin(), c.eog.end());
+  ckpt.tokenizer_user_defined.assign(c.user_defined.begin(), c.user_defined.end());
 }
 
 Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file) {
   try {
     const TokenizerKind kind = Tokenizer::parse_kind(ckpt.tokenizer_kind);
-    Tokenizer tok = kind == TokenizerKind::Bpe && !ckpt.tokenizer_bpe.token_offsets.empty()
+    Tokenizer tok = kind == TokenizerKind::Spm ? Tokenizer::spm(from_spm_arrays(ckpt.tokenizer_spm))
+                    : kind == TokenizerKind::Bpe && !ckpt.tokenizer_bpe.token_offsets.empty()
                         ? Tokenizer::bpe(from_bpe_arrays(ckpt.tokenizer_bpe))
                         : Tokenizer::from_vocab(kind, ckpt.tokenizer_vocab);
     for (const int64_t id : {ckpt.tokenizer_bos, ckpt.tokenizer_eos})
       KVLAB_CHECK(id >= -1 && id <= INT32_MAX, "bos or eos ", id, " is not an id (or -1)");
-    KVLAB_CHECK(ckpt.tokenizer_add_bos == 0 || ckpt.tokenizer_add_bos == 1, "add_bos is ",
-                ckpt.tokenizer_add_bos, ", not 0 or 1");
-    TokenControls c{static_cast<int32_t>(ckpt.tokenizer_bos),
-                    static_cast<int32_t>(ckpt.tokenizer_eos), ckpt.tokenizer_add_bos == 1, {}};
+    for (const int64_t flag : {ckpt.tokenizer_add_bos, ckpt.tokenizer_add_eos})
+      KVLAB_CHECK(flag == 0 || flag == 1, "add_bos or add_eos is ", flag, ", not 0 or 1");
+    TokenControls c{.bos = static_cast<int32_t>(ckpt.tokenizer_bos),
+                    .eos = static_cast<int32_t>(ckpt.tokenizer_eos),
+                    .add_bos = ckpt.tokenizer_add_bos == 1,
+                    .add_eos = ckpt.tokenizer_add_eos == 1,
+                    .user_defined = {},
+                    .eog = {}};
     for (const uint32_t id : ckpt.tokenizer_eog)
       c.eog.push_back(static_cast<int32_t>(std::min<uint32_t>(id, INT32_MAX)));
+    for (const uint32_t id : ckpt.tokenizer_user_defined)
+      c.user_defined.push_back(static_cast<int32_t>(std::min<uint32_t>(id, INT32_MAX)));
     tok.set_controls(std::move(c));
     return tok;
   } catch (const Error& e) {

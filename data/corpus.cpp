@@ -243,6 +243,9 @@ Corpus load_corpus(const fs::path& file, TokenizerKind kind, double val_fraction
                    const BpeSettings& bpe) {
   KVLAB_CHECK(val_fraction >= 0.0 && val_fraction < 1.0,
               "corpus: val_fraction must be in [0, 1), got ", val_fraction);
+  KVLAB_CHECK(kind != TokenizerKind::Spm, "corpus: an spm (SentencePiece) vocabulary comes from "
+              "a model file (kvlab import, kvlab tokenizer import --gguf); kvlab learns char, "
+              "byte and bpe ones from a corpus");
   KVLAB_CHECK(kind != TokenizerKind::Bpe || bpe.vocab_size > 0,
               "corpus: a bpe tokenizer needs a vocabulary size (--vocab-size N)");
   const std::string name = file.string();

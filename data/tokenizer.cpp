@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <unordered_set>
 
+#include "data/token_split.h"
 #include "platform/error.h"
 
 namespace kvlab {
@@ -107,6 +108,8 @@ std::string kind_name(TokenizerKind kind) {
       return "byte";
     case TokenizerKind::Bpe:
       return "bpe";
+    case TokenizerKind::Spm:
+      return "spm";
   }
   return "?";
 }
@@ -132,6 +135,8 @@ Tokenizer Tokenizer::byte_level() {
 
 Tokenizer Tokenizer::from_vocab(TokenizerKind kind, std::vector<uint32_t> code_points) {
   KVLAB_CHECK(!code_points.empty(), "tokenizer: ", kvlab::kind_name(kind), " vocabulary is empty");
+  KVLAB_CHECK(kind != TokenizerKind::Spm, "tokenizer: an spm vocabulary is not a list of code "
+              "points");
   if (kind == TokenizerKind::Bpe) return bpe(BpeTokenizer::unpack(code_points));
   for (size_t i = 1; i < code_points.size(); ++i) {
     KVLAB_CHECK(code_points[i - 1] < code_points[i],
@@ -157,15 +162,37 @@ Tokenizer Tokenizer::bpe(BpeTokenizer bpe) {
   return tok;
 }
 
+Tokenizer Tokenizer::spm(SpmTokenizer spm) {
+  Tokenizer tok(TokenizerKind::Spm, {});
+  tok.spm_ = std::make_shared<const SpmTokenizer>(std::move(spm));
+  return tok;
+}
+
 TokenizerKind Tokenizer::parse_kind(std::string_view name) {
-  for (const auto kind : {TokenizerKind::Char, TokenizerKind::Byte, TokenizerKind::Bpe})
+  for (const auto kind :
+       {TokenizerKind::Char, TokenizerKind::Byte, TokenizerKind::Bpe, TokenizerKind::Spm})
     if (name == kvlab::kind_name(kind)) return kind;
-  throw Error(
-      detail::cat("tokenizer: unknown kind '", name, "' (expected 'char', 'byte' or 'bpe')"));
+  throw Error(detail::cat("tokenizer: unknown kind '", name,
+                          "' (expected 'char', 'byte', 'bpe' or 'spm')"));
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, std::string_view what) const {
+  if (bpe_ && !user_defined_.empty()) {
+    std::vector<int32_t> ids;
+    for (const TextFragment& f : split_at_tokens(text, user_defined_, [&](int32_t id) {
+           return std::string_view(bpe_->token(id));
+         })) {
+      if (f.id >= 0) {
+        ids.push_back(f.id);
+        continue;
+      }
+      const std::vector<int32_t> part = bpe_->encode(f.text);
+      ids.insert(ids.end(), part.begin(), part.end());
+    }
+    return ids;
+  }
   if (bpe_) return bpe_->encode(text);
+  if (spm_) return spm_->encode(text);
   std::vector<int32_t> ids;
   ids.reserve(text.size());
   if (kind_ == TokenizerKind::Byte) {
@@ -192,6 +219,10 @@ void Tokenizer::append_token(std::string& out, int32_t id) const {
     out += bpe_->token(id);
     return;
   }
+  if (spm_) {
+    out += spm_->token_bytes(id);
+    return;
+  }
   KVLAB_CHECK(id >= 0 && id < vocab_size(), "decode: token id ", id, " is out of range [0, ",
               vocab_size(), ")");
   const uint32_t cp = vocab_[static_cast<size_t>(id)];
@@ -203,6 +234,7 @@ void Tokenizer::append_token(std::string& out, int32_t id) const {
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  if (spm_) return spm_->decode(ids);
   std::string out;
   out.reserve(ids.size());
   for (const int32_t id : ids) append_token(out, id);
@@ -220,6 +252,7 @@ std::vector<int32_t> Tokenizer::encode_prompt(std::string_view text, std::string
   if (controls_.add_bos) ids.push_back(controls_.bos);
   const std::vector<int32_t> body = encode(text, what);
   ids.insert(ids.end(), body.begin(), body.end());
+  if (controls_.add_eos) ids.push_back(controls_.eos);
   return ids;
 }
 
@@ -229,10 +262,21 @@ void Tokenizer::set_controls(TokenControls c) {
     KVLAB_CHECK(id >= -1 && id < V, "tokenizer: the BOS or EOS id ", id,
                 " is outside the vocabulary [0, ", V, ")");
   KVLAB_CHECK(!c.add_bos || c.bos >= 0, "tokenizer: add_bos is set but there is no BOS token");
+  KVLAB_CHECK(!c.add_eos || c.eos >= 0, "tokenizer: add_eos is set but there is no EOS token");
   for (size_t i = 0; i < c.eog.size(); ++i)
     KVLAB_CHECK(c.eog[i] >= 0 && c.eog[i] < V && (i == 0 || c.eog[i - 1] < c.eog[i]),
                 "tokenizer: end-of-generation id ", c.eog[i], " (entry ", i,
                 ") is not an id of the vocabulary above the one before it");
+  for (size_t i = 0; i < c.user_defined.size(); ++i) {
+    const int32_t id = c.user_defined[i];
+    KVLAB_CHECK(bpe_ != nullptr, "tokenizer: user-defined tokens are for bpe vocabularies");
+    KVLAB_CHECK(id >= 0 && id < V && (i == 0 || c.user_defined[i - 1] < id) &&
+                    !bpe_->token(id).empty(),
+                "tokenizer: user-defined id ", id, " (entry ", i,
+                ") is not a token with text above the one before it");
+  }
+  user_defined_ = longest_first(c.user_defined,
+                                [&](int32_t id) { return std::string_view(bpe_->token(id)); });
   controls_ = std::move(c);
   KVLAB_CHECK(controls_.eos < 0 || ends_generation(controls_.eos), "tokenizer: the EOS id ",
               controls_.eos, " is not among the end-of-generation ids");

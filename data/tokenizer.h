@@ -1,7 +1,8 @@
 #pragma once
 // Character-, byte- and BPE-level tokenizers. For char and byte, a token id is an index into
 // vocab(): the sorted Unicode code points of the training text (char) or the byte values
-// 0..255 (byte). A bpe tokenizer is a trained byte-level BPE vocabulary (data/bpe.h).
+// 0..255 (byte). A bpe tokenizer is a byte-level BPE vocabulary (data/bpe.h), trained or
+// imported; an spm one a SentencePiece vocabulary, imported (data/spm.h).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -11,12 +12,13 @@
 #include <vector>
 
 #include "data/bpe.h"
+#include "data/spm.h"
 
 namespace kvlab {
 
-enum class TokenizerKind { Char, Byte, Bpe };
+enum class TokenizerKind { Char, Byte, Bpe, Spm };
 
-// "char", "byte" or "bpe": the names used on the command line, in checkpoints and in cache
+// "char", "byte", "bpe" or "spm": the names used on the command line, in checkpoints and in cache
 // file names.
 std::string kind_name(TokenizerKind kind);
 
@@ -26,6 +28,10 @@ struct TokenControls {
   int32_t bos = -1;           // begins a text (none: -1)
   int32_t eos = -1;           // ends one (none: -1); also in eog
   bool add_bos = false;       // a prompt encoded from text begins with bos
+  bool add_eos = false;       // and ends with eos
+  // Ascending: bpe tokens read from text as themselves wherever their text appears (llama.cpp's
+  // user-defined tokens, Qwen2's). An spm vocabulary's are its own (data/spm.h).
+  std::vector<int32_t> user_defined;
   std::vector<int32_t> eog;   // ascending: a sequence that makes one of these ends there
   bool operator==(const TokenControls&) const = default;
 };
@@ -40,30 +46,40 @@ class Tokenizer {
   // BpeTokenizer::pack()'s words.
   static Tokenizer from_vocab(TokenizerKind kind, std::vector<uint32_t> code_points);
   static Tokenizer bpe(BpeTokenizer bpe);
+  static Tokenizer spm(SpmTokenizer spm);
   static TokenizerKind parse_kind(std::string_view name);
 
   TokenizerKind kind() const { return kind_; }
   std::string kind_name() const { return kvlab::kind_name(kind_); }
-  int vocab_size() const { return bpe_ ? bpe_->vocab_size() : static_cast<int>(vocab_.size()); }
+  int vocab_size() const {
+    return bpe_ ? bpe_->vocab_size() : spm_ ? spm_->vocab_size() : static_cast<int>(vocab_.size());
+  }
   // Char and byte: the code points. Bpe: BpeTokenizer::pack()'s words, what a checkpoint holds.
+  // Spm: empty.
   const std::vector<uint32_t>& vocab() const { return vocab_; }
   // The BPE vocabulary of a bpe tokenizer, else null.
   const BpeTokenizer* bpe() const { return bpe_.get(); }
+  // The SentencePiece vocabulary of an spm tokenizer, else null.
+  const SpmTokenizer* spm() const { return spm_.get(); }
 
   // Char kind: throws on invalid UTF-8 and lists every distinct character missing from the
   // vocabulary. `what` names the text in errors ("prompt").
   std::vector<int32_t> encode(std::string_view text, std::string_view what = "text") const;
-  // Bpe takes any bytes (special tokens' text is encoded as ordinary text).
-  // UTF-8 out; byte and bpe return the raw bytes, which need not be valid UTF-8 (a bpe token
-  // can end inside a character: BpeTokenizer's Utf8StreamDecoder joins them for printing).
+  // Bpe and spm take any bytes (special tokens' text is encoded as ordinary text, but for
+  // user-defined ones, as llama.cpp does).
+  // UTF-8 out; byte, bpe and spm return the raw bytes, which need not be valid UTF-8 (a bpe or
+  // spm token can end inside a character: Utf8StreamDecoder joins them for printing). Spm's
+  // decode drops the space its encode put before the text.
   std::string decode(std::span<const int32_t> ids) const;
   std::string decode_one(int32_t id) const;
 
-  // A prompt's ids: encode(text), after bos where add_bos says so (as llama.cpp tokenizes a
-  // prompt with its special tokens).
+  // A prompt's ids: encode(text), after bos where add_bos says so and before eos where add_eos
+  // does (as llama.cpp tokenizes a prompt with its special tokens).
   std::vector<int32_t> encode_prompt(std::string_view text, std::string_view what = "prompt") const;
   const TokenControls& controls() const { return controls_; }
-  // Throws kvlab::Error naming an id outside the vocabulary, add_bos without bos, eog not
+  // Throws kvlab::Error naming an id outside the vocabulary, add_bos without bos (add_eos
+  // without eos), user-defined ids not ascending or without text, or on a vocabulary other
+  // than bpe, eog not
   // ascending, or an eos not in it.
   void set_controls(TokenControls controls);
   bool ends_generation(int32_t id) const {
@@ -72,7 +88,8 @@ class Tokenizer {
 
   bool operator==(const Tokenizer& o) const {
     // a bpe vocab_ is its packed vocabulary
-    return kind_ == o.kind_ && vocab_ == o.vocab_ && controls_ == o.controls_;
+    return kind_ == o.kind_ && vocab_ == o.vocab_ && controls_ == o.controls_ &&
+           (!spm_ || *spm_ == *o.spm_);
   }
 
  private:
@@ -83,7 +100,9 @@ class Tokenizer {
   TokenizerKind kind_;
   std::vector<uint32_t> vocab_;  // (V,) code point or byte value of each id; bpe: packed
   std::shared_ptr<const BpeTokenizer> bpe_;
+  std::shared_ptr<const SpmTokenizer> spm_;
   TokenControls controls_;
+  std::vector<int32_t> user_defined_;  // controls_.user_defined, longest text first
 };
 
 }  // namespace kvlab

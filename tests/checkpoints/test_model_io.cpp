@@ -339,16 +339,18 @@ TEST_F(TokenizerFileTest, HostileBpeArraysAreRefused) {
 // in /tokenizer (a char tokenizer's too), and values that are no ids of it are refused.
 TEST_F(TokenizerFileTest, BosEosAndEndTokensRoundTripAndBadOnesAreRefused) {
   Tokenizer tok = Tokenizer::build_char("abcdef");
-  tok.set_controls({.bos = 1, .eos = 4, .add_bos = true, .eog = {2, 4}});
+  tok.set_controls(
+      {.bos = 1, .eos = 4, .add_bos = true, .add_eos = true, .user_defined = {}, .eog = {2, 4}});
   const fs::path file = dir_ / "controls.h5";
   save_tokenizer(file, tok);
   const Checkpoint c = load_checkpoint(file, false);
   EXPECT_EQ(c.tokenizer_bos, 1);
   EXPECT_EQ(c.tokenizer_eos, 4);
   EXPECT_EQ(c.tokenizer_add_bos, 1);
+  EXPECT_EQ(c.tokenizer_add_eos, 1);
   EXPECT_EQ(c.tokenizer_eog, (std::vector<uint32_t>{2, 4}));
   EXPECT_EQ(load_tokenizer(file), tok);
-  EXPECT_EQ(load_tokenizer(file).encode_prompt("ab"), (std::vector<int32_t>{1, 0, 1}));
+  EXPECT_EQ(load_tokenizer(file).encode_prompt("ab"), (std::vector<int32_t>{1, 0, 1, 4}));
   // A tokenizer without them writes none.
   save_tokenizer(dir_ / "plain.h5", Tokenizer::build_char("abcdef"));
   EXPECT_EQ(load_checkpoint(dir_ / "plain.h5", false).tokenizer_eog.size(), 0u);
@@ -372,8 +374,16 @@ TEST_F(TokenizerFileTest, BosEosAndEndTokensRoundTripAndBadOnesAreRefused) {
            {[](Checkpoint& b) { b.tokenizer_bos = 6; }, "BOS or EOS id 6"},
            {[](Checkpoint& b) { b.tokenizer_bos = int64_t{1} << 40; }, "is not an id"},
            {[](Checkpoint& b) { b.tokenizer_eos = 3; }, "EOS id 3 is not among"},
-           {[](Checkpoint& b) { b.tokenizer_add_bos = 2; }, "add_bos is 2"},
+           {[](Checkpoint& b) { b.tokenizer_add_bos = 2; }, "add_bos or add_eos is 2"},
+           {[](Checkpoint& b) { b.tokenizer_add_eos = 3; }, "add_bos or add_eos is 3"},
+           {[](Checkpoint& b) { b.tokenizer_user_defined = {2}; },
+            "user-defined tokens are for bpe vocabularies"},
            {[](Checkpoint& b) { b.tokenizer_bos = -1; }, "no BOS token"},
+           {[](Checkpoint& b) {
+              b.tokenizer_eos = -1;
+              b.tokenizer_eog = {2};
+            },
+            "no EOS token"},
        }) {
     const std::string msg = refused(damage);
     EXPECT_NE(msg.find(needle), std::string::npos) << msg;

@@ -138,10 +138,11 @@ TEST(Tokenizer, KindNames) {
   EXPECT_EQ(Tokenizer::parse_kind("char"), TokenizerKind::Char);
   EXPECT_EQ(Tokenizer::parse_kind("byte"), TokenizerKind::Byte);
   EXPECT_EQ(Tokenizer::parse_kind("bpe"), TokenizerKind::Bpe);
+  EXPECT_EQ(Tokenizer::parse_kind("spm"), TokenizerKind::Spm);
   EXPECT_EQ(Tokenizer::build_char("x").kind_name(), "char");
   EXPECT_EQ(Tokenizer::byte_level().kind_name(), "byte");
   EXPECT_EQ(error_message([] { Tokenizer::parse_kind("wordpiece"); }),
-            "tokenizer: unknown kind 'wordpiece' (expected 'char', 'byte' or 'bpe')");
+            "tokenizer: unknown kind 'wordpiece' (expected 'char', 'byte', 'bpe' or 'spm')");
 }
 
 }  // namespace

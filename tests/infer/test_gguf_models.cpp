@@ -319,7 +319,7 @@ TEST(GgufImport, RefusesNamingTheKeyOrTensor) {
     return error_of([&] { gguf_to_checkpoint(reparsed(f), "m.gguf"); });
   };
   EXPECT_EQ(refusal([](GgufFile&) {}), "no error");
-  EXPECT_NE(refusal([](GgufFile& f) { f.set("tokenizer.ggml.model", GgufValue::string("llama")); })
+  EXPECT_NE(refusal([](GgufFile& f) { f.set("tokenizer.ggml.model", GgufValue::string("bert")); })
                 .find("tokenizer.ggml.model"),
             std::string::npos);
   EXPECT_NE(refusal([](GgufFile& f) {
@@ -906,12 +906,18 @@ double logit_gap(const nlohmann::json& theirs, const std::vector<float>& ours_lo
   return worst;
 }
 
-// From text to text, as llama.cpp: for GPT-2's, Llama 3's and Qwen2's vocabularies, each in a
-// random llama model written by gguf-py (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's
-// import tokenizes the prompt (after Llama 3's BOS, as llama.cpp's prompts begin) and the torture
-// text into llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each
-// step's logits within the f32 tolerance, 2e-4, of llama.cpp's less the normaliser), which
-// decode to llama.cpp's text.
+// Text holding user-defined tokens of Qwen2's ([PAD151650]) and Phi-3's (</s>) vocabularies,
+// which llama.cpp reads from text as themselves, and control tokens' text, which it does not.
+constexpr const char* kUserDefinedText =
+    "a[PAD151650]b [PAD151650][PAD151651] x</s>y <|endoftext|><s>z <|im_start|>";
+
+// From text to text, as llama.cpp: for GPT-2's, Llama 3's, Qwen2's, Llama 2's and Phi-3's
+// vocabularies (the last two SentencePiece), each in a random llama model written by gguf-py
+// (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's import tokenizes the prompt (after BOS where
+// the file asks, as llama.cpp's prompts begin), the torture text and kUserDefinedText into
+// llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each step's
+// logits within the f32 tolerance, 2e-4, of llama.cpp's less the normaliser), which decode to
+// llama.cpp's text.
 TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
   std::string why;
   if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
@@ -925,7 +931,7 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
   };
   std::vector<Run> runs;
   nlohmann::json spec = nlohmann::json::array();
-  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2"}) {
+  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3"}) {
     const fs::path gguf = dir_ / (family + ".gguf");
     if (!write_family_model(family, gguf, why)) GTEST_SKIP() << why;
     const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
@@ -936,7 +942,7 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     r.tokens = greedy(*model_of(c), r.tok, r.prompt, n_new, &r.logits);
     spec.push_back({{"model", gguf.string()}, {"text", prompt}, {"bos", true},
                     {"new_tokens", n_new}, {"threads", 1},
-                    {"tokenize", {std::string(test::kTortureText)}}});
+                    {"tokenize", {std::string(test::kTortureText), kUserDefinedText}}});
     runs.push_back(std::move(r));
   }
   std::string failure;
@@ -949,6 +955,8 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     EXPECT_EQ(out[i]["prompt"].get<std::vector<int32_t>>(), r.prompt);
     EXPECT_EQ(out[i]["tokenized"][0].get<std::vector<int32_t>>(),
               r.tok.encode(test::kTortureText, "torture text"));
+    EXPECT_EQ(out[i]["tokenized"][1].get<std::vector<int32_t>>(),
+              r.tok.encode(kUserDefinedText, "user-defined text"));
     const test::Agreement a = test::agreement(out[i], r.tokens, r.logits);
     double worst = 0;
     for (size_t step = 0; step < std::min(a.same + 1, r.tokens.size()); ++step)
@@ -1044,27 +1052,30 @@ TEST_F(GgufLlamaCpp, ScaledRopeAsLlamaCpp) {
   }
 }
 
-// Where a generation begins and ends, as llama.cpp reads the same file: for GPT-2's, Llama 3's
-// and Qwen2's vocabulary files, and for kvlab's own export of a Llama 3 model it imported, the
-// BOS and EOS ids, whether a prompt begins with BOS, and every id that ends a generation.
+// Where a generation begins and ends, as llama.cpp reads the same file: for GPT-2's, Llama 3's,
+// Qwen2's, Llama 2's and Phi-3's vocabulary files, and for kvlab's own export of a Llama 3 and a
+// Llama 2 model it imported, the BOS and EOS ids, whether a prompt begins with BOS, and every id
+// that ends a generation.
 TEST_F(GgufLlamaCpp, FamilyVocabulariesBeginAndEndAsLlamaCpp) {
   std::string why;
   if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
   const fs::path src = test::llama_cpp_source(why);
   if (src.empty()) GTEST_SKIP() << why;
   std::vector<std::pair<fs::path, Tokenizer>> files;
-  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2"}) {
+  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3"}) {
     const fs::path f = src / "models" / ("ggml-vocab-" + family + ".gguf");
     files.emplace_back(f, gguf_tokenizer(read_gguf(f), f.string()));
   }
-  // kvlab's export of the Llama 3 family model carries its bos, eos and add_bos.
-  const fs::path family = dir_ / "llama-bpe.gguf", exported = dir_ / "llama-bpe-export.gguf";
-  if (!write_family_model("llama-bpe", family, why)) GTEST_SKIP() << why;
-  const Checkpoint c = gguf_to_checkpoint(read_gguf(family), family.string());
-  const Tokenizer imported = get_tokenizer(c, "import");
-  write_gguf(exported, model_to_gguf(*model_of(c), imported, gguf_mix("f32"), {}));
-  files.emplace_back(exported, gguf_tokenizer(read_gguf(exported), exported.string()));
-  EXPECT_EQ(files.back().second, imported) << "export changed the tokenizer";
+  // kvlab's export of a family model carries its vocabulary, bos, eos and add_bos.
+  for (const std::string name : {"llama-bpe", "llama-spm"}) {
+    const fs::path family = dir_ / (name + ".gguf"), exported = dir_ / (name + "-export.gguf");
+    if (!write_family_model(name, family, why)) GTEST_SKIP() << why;
+    const Checkpoint c = gguf_to_checkpoint(read_gguf(family), family.string());
+    const Tokenizer imported = get_tokenizer(c, "import");
+    write_gguf(exported, model_to_gguf(*model_of(c), imported, gguf_mix("f32"), {}));
+    files.emplace_back(exported, gguf_tokenizer(read_gguf(exported), exported.string()));
+    EXPECT_EQ(files.back().second, imported) << name << ": export changed the tokenizer";
+  }
 
   nlohmann::json spec = nlohmann::json::array();
   for (const auto& [f, tok] : files)
@@ -1080,6 +1091,7 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesBeginAndEndAsLlamaCpp) {
     EXPECT_EQ(k.bos, id_or_none(out[i]["bos"]));
     EXPECT_EQ(k.eos, id_or_none(out[i]["eos"]));
     EXPECT_EQ(k.add_bos, out[i]["add_bos"].get<bool>());
+    EXPECT_EQ(k.add_eos, out[i]["add_eos"].get<bool>());
     EXPECT_EQ(k.eog, out[i]["eog"].get<std::vector<int32_t>>());
     std::printf("[ llama.cpp ] %s: bos %d, eos %d, add_bos %d, %zu end-of-generation ids\n",
                 files[i].first.filename().c_str(), k.bos, k.eos, k.add_bos, k.eog.size());

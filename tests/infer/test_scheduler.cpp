@@ -319,7 +319,8 @@ TEST(Scheduler, AnEndOfGenerationTokenEndsASampleAsTheEngineEndsIt) {
   while (k < all.size() && std::count(all.begin(), all.begin() + k, all[k]) > 0) ++k;
   ASSERT_LT(k, all.size()) << "the greedy sample repeats one token";
   Tokenizer ending = plain;
-  ending.set_controls({.bos = 3, .eos = all[k], .add_bos = true, .eog = {all[k]}});
+  ending.set_controls(
+      {.bos = 3, .eos = all[k], .add_bos = true, .user_defined = {}, .eog = {all[k]}});
   const std::vector<int32_t> want(all.begin(), all.begin() + static_cast<int64_t>(k) + 1);
   const std::string text = plain.decode({all.data(), k});
   for (const bool paged : {false, true}) {
@@ -346,10 +347,10 @@ TEST(Scheduler, AnEndOfGenerationTokenEndsASampleAsTheEngineEndsIt) {
   EXPECT_EQ(got.at(id).reason, StopReason::EndOfGeneration);
   // Controls that name ids outside the vocabulary, or an EOS that does not end, are refused.
   Tokenizer t = plain;
-  EXPECT_THROW(t.set_controls({.bos = 11, .eog = {}}), Error);
-  EXPECT_THROW(t.set_controls({.eog = {4, 2}}), Error);
-  EXPECT_THROW(t.set_controls({.eos = 2, .eog = {4}}), Error);
-  EXPECT_THROW(t.set_controls({.add_bos = true, .eog = {}}), Error);
+  EXPECT_THROW(t.set_controls({.bos = 11, .user_defined = {}, .eog = {}}), Error);
+  EXPECT_THROW(t.set_controls({.user_defined = {}, .eog = {4, 2}}), Error);
+  EXPECT_THROW(t.set_controls({.eos = 2, .user_defined = {}, .eog = {4}}), Error);
+  EXPECT_THROW(t.set_controls({.add_bos = true, .user_defined = {}, .eog = {}}), Error);
 }
 
 }  // namespace

@@ -297,7 +297,7 @@ TEST(Serve, AnEndOfGenerationTokenEndsTheChoiceUnlessIgnoreEos) {
   size_t k = 1;
   while (k < free.size() && std::count(free.begin(), free.begin() + k, free[k]) > 0) ++k;
   ASSERT_LT(k, free.size()) << "the greedy sample repeats one token";
-  Running s({}, 16, "gpt2", {.eos = free[k], .eog = {free[k]}});
+  Running s({}, 16, "gpt2", {.eos = free[k], .user_defined = {}, .eog = {free[k]}});
   for (const bool ignore : {false, true})
     for (const bool stream : {false, true}) {
       SCOPED_TRACE(testing::Message() << "ignore_eos " << ignore << ", stream " << stream);
@@ -313,7 +313,7 @@ TEST(Serve, AnEndOfGenerationTokenEndsTheChoiceUnlessIgnoreEos) {
       EXPECT_EQ(c.reason, ignore ? "length" : "stop");
     }
   // BOS: the prompt's ids begin with it (echo returns the prompt's text, BOS's included).
-  Running b({}, 16, "gpt2", {.bos = 10, .add_bos = true, .eog = {}});
+  Running b({}, 16, "gpt2", {.bos = 10, .add_bos = true, .user_defined = {}, .eog = {}});
   const auto r = b.post({{"prompt", "hij"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}});
   ASSERT_TRUE(r);
   ASSERT_EQ(r->status, 200) << r->body;

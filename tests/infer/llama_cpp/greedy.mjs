@@ -17,7 +17,8 @@
 // detokenized into "continuation".
 // A job {"model": path, "controls": true, "vocab_size": n} reads the file's vocabulary alone
 // and gives
-// {"bos", "eos" (ids or null), "add_bos", "eog": [every id llama.cpp ends a generation at]}.
+// {"bos", "eos" (ids or null), "add_bos", "add_eos", "eog": [every id llama.cpp ends a
+// generation at]}.
 import {readFileSync, writeFileSync} from "node:fs";
 import {getLlama} from "node-llama-cpp";
 
@@ -37,7 +38,8 @@ for (const job of jobs) {
     const eog = [];
     for (let id = 0; id < job.vocab_size; ++id) if (vocab.isEogToken(id)) eog.push(id);
     results.push({bos: vocab.tokens.bos, eos: vocab.tokens.eos,
-                  add_bos: vocab.tokens.shouldPrependBosToken, eog});
+                  add_bos: vocab.tokens.shouldPrependBosToken,
+                  add_eos: vocab.tokens.shouldAppendEosToken, eog});
     await vocab.dispose();
     continue;
   }
