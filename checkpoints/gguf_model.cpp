@@ -224,7 +224,8 @@ void put_hyperparameters(GgufFile& f, const std::string& arch, const GPTConfig& 
 constexpr std::pair<SplitPattern, const char*> kPreTokenizers[] = {
     {SplitPattern::Gpt2, "gpt-2"},       {SplitPattern::Llama3, "llama-bpe"},
     {SplitPattern::Qwen2, "qwen2"},      {SplitPattern::Cl100k, "llama-bpe"},
-    {SplitPattern::Kvlab, "llama-bpe"},
+    {SplitPattern::Kvlab, "llama-bpe"},  {SplitPattern::DeepseekLlm, "deepseek-llm"},
+    {SplitPattern::DeepseekCoder, "deepseek-coder"},
 };
 
 // The pattern of a file's pre-tokenizer, or of its kvlab.bpe_pattern where an export wrote one
@@ -241,7 +242,8 @@ SplitPattern split_pattern_of(const std::string& pre, const GgufValue* kvlab_pat
   for (const auto& [pattern, name] : kPreTokenizers)
     if (pre == name) return pattern;
   throw Error(detail::cat(what, ": tokenizer.ggml.pre '", pre,
-                          "' is a pre-tokenizer kvlab lacks (it has gpt-2, llama-bpe and qwen2)"));
+                          "' is a pre-tokenizer kvlab lacks (it has gpt-2, llama-bpe, qwen2, "
+                          "deepseek-llm and deepseek-coder)"));
 }
 
 // A SentencePiece vocabulary as llama.cpp's `llama` tokenizer model: its pieces, scores and

@@ -27,8 +27,64 @@ constexpr char kCl100kRegex[] =
 constexpr char kQwen2Regex[] =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-constexpr SplitPattern kPatterns[] = {SplitPattern::Gpt2, SplitPattern::Cl100k, SplitPattern::Kvlab,
-                                      SplitPattern::Llama3, SplitPattern::Qwen2};
+// DeepSeek's pre-tokenizers as llama.cpp's src/llama-vocab.cpp lists them. llama.cpp runs a
+// regex without \p{..} through std::wregex, whose \s is ASCII whitespace, and one with them
+// over its category-collapsed text, where \s is any Unicode space: `ucp` says which. `$` is
+// written \z: std::regex's end of the chunk (PCRE2's $ would match before a final newline).
+struct SplitRegex {
+  const char* regex;
+  bool ucp;
+};
+constexpr SplitRegex kDeepseekLlmRegexes[] = {
+    {R"([\r\n])", false},
+    {R"(\s?[A-Za-z\x{B5}\x{C0}-\x{D6}\x{D8}-\x{F6}\x{F8}-\x{1BA}\x{1BC}-\x{1BF}\x{1C4}-)"
+     R"(\x{293}\x{295}-\x{2AF}\x{370}-\x{373}\x{376}\x{377}\x{37B}-\x{37D}\x{37F}\x{386})"
+     R"(\x{388}-\x{38A}\x{38C}\x{38E}-\x{3A1}\x{3A3}-\x{3F5}\x{3F7}-\x{481}\x{48A}-\x{52F})"
+     R"(\x{531}-\x{556}\x{10A0}-\x{10C5}\x{13A0}-\x{13F5}\x{13F8}-\x{13FD}\x{1C90}-\x{1CBA})"
+     R"(\x{1CBD}-\x{1CBF}\x{1D00}-\x{1D2B}\x{1D6B}-\x{1D77}\x{1D79}-\x{1D9A}\x{1E00}-)"
+     R"(\x{1F15}\x{1F18}-\x{1F1D}\x{1F20}-\x{1F45}\x{1F48}-\x{1F4D}\x{1F50}-\x{1F57}\x{1F59})"
+     R"(\x{1F5B}\x{1F5D}\x{1F5F}-\x{1F7D}\x{1F80}-\x{1FB4}\x{1FB6}-\x{1FBC}\x{1FBE}\x{1FC2}-)"
+     R"(\x{1FC4}\x{1FC6}-\x{1FCC}\x{1FD0}-\x{1FD3}\x{1FD6}-\x{1FDB}\x{1FE0}-\x{1FEC}\x{1FF2})"
+     R"(-\x{1FF4}\x{1FF6}-\x{1FFC}\x{2102}\x{2107}\x{210A}-\x{2113}\x{2115}\x{2119}-\x{211D})"
+     R"(\x{2124}\x{2126}\x{2128}\x{212A}-\x{212D}\x{212F}-\x{2134}\x{2139}\x{213C}-\x{213F})"
+     R"(\x{2145}-\x{2149}\x{214E}\x{2183}\x{2184}\x{2C00}-\x{2C7B}\x{2C7E}-\x{2CE4}\x{2CEB}-)"
+     R"(\x{2CEE}\x{2CF2}\x{2CF3}\x{A640}-\x{A66D}\x{A680}-\x{A69B}\x{A722}-\x{A76F}\x{A771}-)"
+     R"(\x{A787}\x{A78B}-\x{A78E}\x{AB70}-\x{ABBF}\x{FB00}-\x{FB06}\x{FB13}-\x{FB17}\x{FF21})"
+     R"(-\x{FF3A}\x{FF41}-\x{FF5A}\x{10400}-\x{1044F}\x{104B0}-\x{104D3}\x{104D8}-\x{104FB})"
+     R"(\x{10C80}-\x{10CB2}\x{10CC0}-\x{10CF2}\x{118A0}-\x{118DF}\x{1E900}-\x{1E943}]+)",
+     false},
+    {R"(\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+)", false},
+    {R"(\s+\z)", false},
+    {R"([\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+)", false},
+    {R"(\p{N}+)", true},
+};
+constexpr SplitRegex kDeepseekCoderRegexes[] = {
+    {R"([\r\n])", false},
+    {R"(\s?\p{L}+)", true},
+    {R"(\s?\p{P}+)", true},
+    {R"([\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+)", false},
+    {R"(\p{N})", true},
+};
+
+std::vector<SplitRegex> pattern_regexes(SplitPattern pattern) {
+  switch (pattern) {
+    case SplitPattern::Gpt2:
+      return {{kGpt2Regex, true}};
+    case SplitPattern::Qwen2:
+      return {{kQwen2Regex, true}};
+    case SplitPattern::DeepseekLlm:
+      return {std::begin(kDeepseekLlmRegexes), std::end(kDeepseekLlmRegexes)};
+    case SplitPattern::DeepseekCoder:
+      return {std::begin(kDeepseekCoderRegexes), std::end(kDeepseekCoderRegexes)};
+    default:
+      return {{kCl100kRegex, true}};
+  }
+}
+
+constexpr SplitPattern kPatterns[] = {SplitPattern::Gpt2,        SplitPattern::Cl100k,
+                                      SplitPattern::Kvlab,       SplitPattern::Llama3,
+                                      SplitPattern::Qwen2,       SplitPattern::DeepseekLlm,
+                                      SplitPattern::DeepseekCoder};
 
 // Whether a chunk that is itself an ordinary token encodes as that token, merges unasked.
 bool whole_chunk_first(SplitPattern p) { return p == SplitPattern::Llama3; }
@@ -169,6 +225,10 @@ std::string pattern_name(SplitPattern pattern) {
       return "llama3";
     case SplitPattern::Qwen2:
       return "qwen2";
+    case SplitPattern::DeepseekLlm:
+      return "deepseek_llm";
+    case SplitPattern::DeepseekCoder:
+      return "deepseek_coder";
   }
   return "?";
 }
@@ -194,29 +254,36 @@ SplitPattern parse_pattern(std::string_view name) {
                           pattern_names(), ")"));
 }
 
-const char* pattern_regex(SplitPattern pattern) {
-  if (pattern == SplitPattern::Gpt2) return kGpt2Regex;
-  return pattern == SplitPattern::Qwen2 ? kQwen2Regex : kCl100kRegex;
-}
-
 PreSplitter::PreSplitter(SplitPattern pattern) {
-  int error = 0;
-  PCRE2_SIZE offset = 0;
-  const char* regex = pattern_regex(pattern);
-  pcre2_code* code =
-      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(regex), PCRE2_ZERO_TERMINATED,
-                    PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &error, &offset, nullptr);
-  KVLAB_CHECK(code != nullptr, "bpe: the ", pattern_name(pattern), " regex does not compile at ",
-              offset, ": ", pcre2_message(error));
-  code_ =
-      std::shared_ptr<void>(code, [](void* c) { pcre2_code_free(static_cast<pcre2_code*>(c)); });
-  // Without JIT (a platform PCRE2 lacks it for) matching is slower, not different.
-  pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
+  for (const auto& [regex, ucp] : pattern_regexes(pattern)) {
+    int error = 0;
+    PCRE2_SIZE offset = 0;
+    pcre2_code* code = pcre2_compile(
+        reinterpret_cast<PCRE2_SPTR>(regex), PCRE2_ZERO_TERMINATED,
+        PCRE2_UTF | (ucp ? PCRE2_UCP : 0) | PCRE2_MATCH_INVALID_UTF, &error, &offset, nullptr);
+    KVLAB_CHECK(code != nullptr, "bpe: the ", pattern_name(pattern),
+                " regex does not compile at ", offset, ": ", pcre2_message(error));
+    codes_.emplace_back(code, [](void* c) { pcre2_code_free(static_cast<pcre2_code*>(c)); });
+    // Without JIT (a platform PCRE2 lacks it for) matching is slower, not different.
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
+  }
 }
 
 void PreSplitter::split(std::string_view text,
                         const std::function<void(std::string_view)>& on_chunk) const {
-  auto* code = static_cast<pcre2_code*>(code_.get());
+  split_by(0, text, on_chunk);
+}
+
+// The text's chunks under regex `r`, each cut further by the regexes after it.
+void PreSplitter::split_by(size_t r, std::string_view text,
+                           const std::function<void(std::string_view)>& emit) const {
+  const auto on_chunk = [&](std::string_view chunk) {
+    if (r + 1 < codes_.size())
+      split_by(r + 1, chunk, emit);
+    else
+      emit(chunk);
+  };
+  auto* code = static_cast<pcre2_code*>(codes_[r].get());
   std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> match(
       pcre2_match_data_create_from_pattern(code, nullptr), pcre2_match_data_free);
   KVLAB_CHECK(match != nullptr, "bpe: out of memory for a regex match");
@@ -227,7 +294,8 @@ void PreSplitter::split(std::string_view text,
     if (rc == PCRE2_ERROR_NOMATCH) break;
     KVLAB_CHECK(rc > 0, "bpe: splitting text failed at byte ", pos, ": ", pcre2_message(rc));
     const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match.get());
-    if (span[0] > covered) on_chunk(text.substr(covered, span[0] - covered));  // invalid UTF-8
+    // Text no match took: invalid UTF-8, or with several regexes, text between matches.
+    if (span[0] > covered) on_chunk(text.substr(covered, span[0] - covered));
     if (span[1] == span[0]) {  // no pattern matches empty text; never loop on one that did
       pos = span[0] + 1;
       covered = span[0];
@@ -280,8 +348,22 @@ BpeTokenizer BpeTokenizer::from_parts(SplitPattern pattern, std::vector<std::str
     made[static_cast<size_t>(id)] = true;
     ++n_bytes;
   }
+  // A byte no ordinary token is (DeepSeek's lack the 13 that UTF-8 never uses) is the special
+  // token spelled as GPT-2 spells the byte, where there is one: llama.cpp finds a byte's token
+  // by that spelling whatever its type.
+  for (unsigned b = 0; b < 256 && n_bytes < 256; ++b) {
+    if (tables->byte_token[b] >= 0) continue;
+    const std::string spelled = gpt2_bytes_to_text(std::string(1, static_cast<char>(b)));
+    for (int32_t id = ordinary; id < n_tokens; ++id)
+      if (tokens[static_cast<size_t>(id)] == spelled) {
+        tables->byte_token[b] = id;
+        ++n_bytes;
+        break;
+      }
+  }
   KVLAB_CHECK(n_bytes == 256, "bpe: the vocabulary has ", n_bytes,
-              " single-byte tokens; byte-level BPE needs all 256");
+              " single-byte tokens (or special tokens spelled as GPT-2 spells a byte); byte-level "
+              "BPE needs all 256");
   tables->merges.reserve(merges.size());
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const BpeMerge& m = merges[rank];

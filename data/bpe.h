@@ -19,17 +19,20 @@ namespace kvlab {
 // punctuation, whitespace runs); llama3 (Llama 3's vocabularies, llama.cpp's `llama-bpe`): the
 // cl100k regex, and a chunk that is itself a token is that token without merging (tiktoken's
 // rule and Hugging Face's ignore_merges, which its merges need); qwen2 (Qwen2's, llama.cpp's
-// `qwen2`): the cl100k regex with numbers one digit a chunk.
-enum class SplitPattern { Gpt2, Cl100k, Kvlab, Llama3, Qwen2 };
+// `qwen2`): the cl100k regex with numbers one digit a chunk; deepseek_llm and deepseek_coder
+// (DeepSeek LLM's and Coder's, llama.cpp's `deepseek-llm` and `deepseek-coder`): several regexes
+// in turn, each cutting every chunk the ones before it left.
+enum class SplitPattern { Gpt2, Cl100k, Kvlab, Llama3, Qwen2, DeepseekLlm, DeepseekCoder };
 std::string pattern_name(SplitPattern pattern);
 std::vector<std::string> pattern_name_list();
-std::string pattern_names();  // "gpt2, cl100k, kvlab, llama3 or qwen2"
+std::string pattern_names();  // "gpt2, cl100k, kvlab, llama3, qwen2, ... or deepseek_coder"
 SplitPattern parse_pattern(std::string_view name);
-const char* pattern_regex(SplitPattern pattern);
 
 // The chunks of a text under a pattern (PCRE2, JIT-compiled, Unicode properties). Every byte
 // lands in exactly one chunk: bytes that are not valid UTF-8 never match the regex and come
-// out as chunks of their own, so the chunks always concatenate to the text.
+// out as chunks of their own, so the chunks always concatenate to the text. A pattern of several
+// regexes cuts the text by the first into its matches and the text between, then each such
+// chunk by the next, and so on (llama.cpp's unicode_regex_split).
 class PreSplitter {
  public:
   explicit PreSplitter(SplitPattern pattern);
@@ -37,7 +40,10 @@ class PreSplitter {
   std::vector<std::string_view> split(std::string_view text) const;
 
  private:
-  std::shared_ptr<void> code_;  // pcre2_code_8, freed with pcre2_code_free_8
+  // One pcre2_code_8 a regex, in the order they cut, freed with pcre2_code_free_8.
+  std::vector<std::shared_ptr<void>> codes_;
+  void split_by(size_t regex, std::string_view text,
+                const std::function<void(std::string_view)>& on_chunk) const;
 };
 
 struct BpeMerge {

@@ -98,7 +98,9 @@ TEST_P(GgufVocab, TestVectorsGiveTheExpectedIdsAndDecodeBack) {
 INSTANTIATE_TEST_SUITE_P(Families, GgufVocab,
                          ::testing::Values(Family{"gpt-2", "gpt2"}, Family{"llama-bpe", "llama3"},
                                            Family{"qwen2", "qwen2"}, Family{"llama-spm", "spm"},
-                                           Family{"phi-3", "spm"}),
+                                           Family{"phi-3", "spm"},
+                                           Family{"deepseek-llm", "deepseek_llm"},
+                                           Family{"deepseek-coder", "deepseek_coder"}),
                          [](const auto& info) {
                            std::string n = info.param.vocab;
                            for (char& c : n)
@@ -271,11 +273,11 @@ TEST_F(VocabFile, DamagedValuesAreRefusedOrRead) {
   EXPECT_GT(read, 0);
 }
 
-// What kvlab cannot read yet, refused naming what: the DeepSeek pre-tokenizers (several
-// regexes in turn).
+// What kvlab cannot read, refused naming what: Falcon's pre-tokenizer, BERT's WordPiece.
 TEST(GgufVocabRefusals, NameTheTokenizerModelOrPreTokenizer) {
   for (const auto& [family, named] :
-       {std::pair{"deepseek-llm", "tokenizer.ggml.pre 'deepseek-llm'"}}) {
+       {std::pair{"falcon", "tokenizer.ggml.pre 'falcon'"},
+        std::pair{"bert-bge", "tokenizer.ggml.model is 'bert'"}}) {
     std::string why;
     const fs::path file = vocab_file(family, why);
     if (file.empty()) GTEST_SKIP() << why;

@@ -906,16 +906,47 @@ double logit_gap(const nlohmann::json& theirs, const std::vector<float>& ours_lo
   return worst;
 }
 
-// Text holding user-defined tokens of Qwen2's ([PAD151650]) and Phi-3's (</s>) vocabularies,
-// which llama.cpp reads from text as themselves, and control tokens' text, which it does not.
-constexpr const char* kUserDefinedText =
-    "a[PAD151650]b [PAD151650][PAD151651] x</s>y <|endoftext|><s>z <|im_start|>";
+// Bytes as a JavaScript string holds them (what node-llama-cpp's detokenize returns): each
+// maximal part of an invalid UTF-8 sequence one U+FFFD, as WHATWG's decoder replaces it.
+std::string as_js_string(std::string_view s) {
+  std::string out;
+  for (size_t i = 0; i < s.size();) {
+    const auto b = static_cast<uint8_t>(s[i]);
+    size_t need = 0;
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (b < 0x80) {
+      out += s[i++];
+      continue;
+    }
+    if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b >= 0xE0 && b <= 0xEF) {
+      need = 2, lo = b == 0xE0 ? 0xA0 : 0x80, hi = b == 0xED ? 0x9F : 0xBF;
+    } else if (b >= 0xF0 && b <= 0xF4) {
+      need = 3, lo = b == 0xF0 ? 0x90 : 0x80, hi = b == 0xF4 ? 0x8F : 0xBF;
+    }
+    size_t k = 1;
+    for (; need > 0 && k <= need && i + k < s.size(); ++k, lo = 0x80, hi = 0xBF) {
+      const auto c = static_cast<uint8_t>(s[i + k]);
+      if (c < lo || c > hi) break;
+    }
+    out += need > 0 && k == need + 1 ? std::string(s.substr(i, k)) : "\xEF\xBF\xBD";
+    i += k;
+  }
+  return out;
+}
 
-// From text to text, as llama.cpp: for GPT-2's, Llama 3's, Qwen2's, Llama 2's and Phi-3's
-// vocabularies (the last two SentencePiece), each in a random llama model written by gguf-py
-// (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's import tokenizes the prompt (after BOS where
-// the file asks, as llama.cpp's prompts begin), the torture text and kUserDefinedText into
-// llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each step's
+// Text holding user-defined tokens of Qwen2's ([PAD151650]) and DeepSeek Coder's (ö, ü)
+// vocabularies, which llama.cpp reads from text as themselves, and text of control tokens and of
+// Phi-3's user-defined </s>, which it does not.
+constexpr const char* kUserDefinedText =
+    "a[PAD151650]b [PAD151650][PAD151651] x</s>y <|endoftext|><s>z <|im_start|> schön, Tür";
+
+// From text to text, as llama.cpp: for GPT-2's, Llama 3's, Qwen2's, Llama 2's, Phi-3's (these
+// two SentencePiece), DeepSeek LLM's and DeepSeek Coder's vocabularies, each in a random llama
+// model written by gguf-py (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's import tokenizes
+// the prompt (after BOS where the file asks, as llama.cpp's prompts begin), the torture text
+// and kUserDefinedText into llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each step's
 // logits within the f32 tolerance, 2e-4, of llama.cpp's less the normaliser), which decode to
 // llama.cpp's text.
 TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
@@ -931,7 +962,8 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
   };
   std::vector<Run> runs;
   nlohmann::json spec = nlohmann::json::array();
-  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3"}) {
+  for (const std::string family :
+       {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3", "deepseek-llm", "deepseek-coder"}) {
     const fs::path gguf = dir_ / (family + ".gguf");
     if (!write_family_model(family, gguf, why)) GTEST_SKIP() << why;
     const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
@@ -940,8 +972,11 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     r.prompt = r.tok.encode_prompt(prompt, "prompt");
     EXPECT_EQ(r.prompt.front() == 128000, family == "llama-bpe") << "Llama 3's BOS begins a prompt";
     r.tokens = greedy(*model_of(c), r.tok, r.prompt, n_new, &r.logits);
-    spec.push_back({{"model", gguf.string()}, {"text", prompt}, {"bos", true},
-                    {"new_tokens", n_new}, {"threads", 1},
+    spec.push_back({{"model", gguf.string()},
+                    {"text", prompt},
+                    {"bos", true},
+                    {"new_tokens", n_new},
+                    {"threads", 1},
                     {"tokenize", {std::string(test::kTortureText), kUserDefinedText}}});
     runs.push_back(std::move(r));
   }
@@ -966,7 +1001,7 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
                 r.family.c_str(), a.same, r.tokens.size(), a.worst, worst);
     EXPECT_EQ(a.same, r.tokens.size());
     EXPECT_LT(worst, 2e-4);
-    EXPECT_EQ(out[i]["continuation"].get<std::string>(), r.tok.decode(r.tokens));
+    EXPECT_EQ(out[i]["continuation"].get<std::string>(), as_js_string(r.tok.decode(r.tokens)));
   }
 }
 
@@ -1053,16 +1088,17 @@ TEST_F(GgufLlamaCpp, ScaledRopeAsLlamaCpp) {
 }
 
 // Where a generation begins and ends, as llama.cpp reads the same file: for GPT-2's, Llama 3's,
-// Qwen2's, Llama 2's and Phi-3's vocabulary files, and for kvlab's own export of a Llama 3 and a
-// Llama 2 model it imported, the BOS and EOS ids, whether a prompt begins with BOS, and every id
-// that ends a generation.
+// Qwen2's, Llama 2's, Phi-3's and DeepSeek's vocabulary files, and for kvlab's own export of a
+// Llama 3 and a Llama 2 model it imported, the BOS and EOS ids, whether a prompt begins with BOS,
+// and every id that ends a generation.
 TEST_F(GgufLlamaCpp, FamilyVocabulariesBeginAndEndAsLlamaCpp) {
   std::string why;
   if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
   const fs::path src = test::llama_cpp_source(why);
   if (src.empty()) GTEST_SKIP() << why;
   std::vector<std::pair<fs::path, Tokenizer>> files;
-  for (const std::string family : {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3"}) {
+  for (const std::string family :
+       {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3", "deepseek-llm", "deepseek-coder"}) {
     const fs::path f = src / "models" / ("ggml-vocab-" + family + ".gguf");
     files.emplace_back(f, gguf_tokenizer(read_gguf(f), f.string()));
   }
