@@ -54,6 +54,7 @@ struct SpmTokenizer::Tables {
   std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> id_of;
   std::array<int32_t, 256> byte_id{};
   std::vector<int32_t> user_defined;  // longest piece first (longest_first)
+  bool space_bounds = false;  // no piece has a '▁' after another character
 
   int32_t find(std::string_view s) const {
     const auto it = id_of.find(s);
@@ -89,6 +90,12 @@ SpmTokenizer SpmTokenizer::from_parts(std::vector<std::string> pieces, std::vect
                 " (neither that piece nor the byte itself), which text may need");
     tables->byte_id[b] = id;
   }
+  tables->space_bounds = std::none_of(pieces.begin(), pieces.end(), [](const std::string& p) {
+    for (size_t at = p.find(kSpace, 1); at != std::string::npos; at = p.find(kSpace, at + 1))
+      if (at < kSpace.size() || p.compare(at - kSpace.size(), kSpace.size(), kSpace) != 0)
+        return true;
+    return false;
+  });
   std::vector<int32_t> user_defined;
   for (size_t id = 0; id < V; ++id)
     if (static_cast<PieceType>(types[id]) == PieceType::UserDefined)
@@ -152,14 +159,20 @@ void SpmTokenizer::encode_fragment(std::string_view text, std::vector<int32_t>& 
   const auto below = [](const Pair& a, const Pair& b) {
     return a.score < b.score || (a.score == b.score && a.left > b.left);
   };
+  // The symbols, linked within segments. Where no piece has a '▁' after another character
+  // (space_bounds), no pair across a '▁' that follows another character is ever a piece, so
+  // the text merges as independent segments each begun by such a '▁': the same result, in small
+  // queues.
   std::vector<Symbol> symbols;
   for (size_t at = 0; at < text.size();) {
     const size_t n = std::min(symbol_length(text[at]), text.size() - at);
     const int i = static_cast<int>(symbols.size());
-    symbols.push_back({at, n, i - 1, at + n == text.size() ? -1 : i + 1});
+    const bool begins = i > 0 && tables_->space_bounds && text.substr(at, n) == kSpace &&
+                        text.substr(symbols[i - 1].at, symbols[i - 1].n) != kSpace;
+    if (begins) symbols.back().next = -1;
+    symbols.push_back({at, n, begins ? -1 : i - 1, at + n == text.size() ? -1 : i + 1});
     at += n;
   }
-  if (symbols.empty()) return;
   std::priority_queue<Pair, std::vector<Pair>, decltype(below)> queue(below);
   const auto try_pair = [&](int left, int right) {
     if (left < 0 || right < 0) return;
@@ -167,29 +180,33 @@ void SpmTokenizer::encode_fragment(std::string_view text, std::vector<int32_t>& 
     const int32_t id = tables_->find(text.substr(symbols[left].at, size));
     if (id >= 0) queue.push({scores_[static_cast<size_t>(id)], left, right, size});
   };
-  for (int i = 1; i < static_cast<int>(symbols.size()); ++i) try_pair(i - 1, i);
-  while (!queue.empty()) {
-    const Pair p = queue.top();
-    queue.pop();
-    Symbol& left = symbols[p.left];
-    Symbol& right = symbols[p.right];
-    if (left.n == 0 || right.n == 0 || left.n + right.n != p.size) continue;
-    left.n += right.n;
-    right.n = 0;
-    left.next = right.next;
-    if (right.next >= 0) symbols[right.next].prev = p.left;
-    try_pair(left.prev, p.left);
-    try_pair(p.left, left.next);
-  }
-  // Every merged symbol is a piece; a single character that is none falls back to its bytes.
-  for (int i = 0; i != -1; i = symbols[i].next) {
-    const std::string_view s = text.substr(symbols[i].at, symbols[i].n);
-    const int32_t id = tables_->find(s);
-    if (id >= 0) {
-      out.push_back(id);
-      continue;
+  for (int first = 0; first < static_cast<int>(symbols.size());) {
+    int last = first;
+    for (; symbols[last].next >= 0; last = symbols[last].next) try_pair(last, symbols[last].next);
+    while (!queue.empty()) {
+      const Pair p = queue.top();
+      queue.pop();
+      Symbol& left = symbols[p.left];
+      Symbol& right = symbols[p.right];
+      if (left.n == 0 || right.n == 0 || left.n + right.n != p.size) continue;
+      left.n += right.n;
+      right.n = 0;
+      left.next = right.next;
+      if (right.next >= 0) symbols[right.next].prev = p.left;
+      try_pair(left.prev, p.left);
+      try_pair(p.left, left.next);
     }
-    for (const char c : s) out.push_back(tables_->byte_id[static_cast<uint8_t>(c)]);
+    // Every merged symbol is a piece; a single character that is none falls back to its bytes.
+    for (int i = first; i != -1; i = symbols[i].next) {
+      const std::string_view s = text.substr(symbols[i].at, symbols[i].n);
+      const int32_t id = tables_->find(s);
+      if (id >= 0) {
+        out.push_back(id);
+        continue;
+      }
+      for (const char c : s) out.push_back(tables_->byte_id[static_cast<uint8_t>(c)]);
+    }
+    first = last + 1;
   }
 }
 
