@@ -203,8 +203,9 @@ void add_tokenizer_command(CLI::App& root) {
   import->add_option("--vocab", a->vocab, "GPT-2 vocab.json");
   import->add_option("--merges", a->merges, "GPT-2 merges.txt");
   import->add_option("--gguf", a->gguf,
-                     "GGUF file whose tokenizer.ggml.* vocabulary to read (byte-level BPE; "
-                     "pre-tokenizer gpt-2, llama-bpe or qwen2)");
+                     "GGUF file whose tokenizer.ggml.* vocabulary to read (byte-level BPE with "
+                     "pre-tokenizer gpt-2, llama-bpe, qwen2, deepseek-llm or deepseek-coder; "
+                     "or SentencePiece)");
   import->add_option("--pattern", a->pattern, "Pre-split regex: " + pattern_names())
       ->check(CLI::IsMember(pattern_name_list()));
   import->add_option("--out", a->out, "Tokenizer file to write (.h5)")->required();

@@ -208,26 +208,28 @@ GgufValue GgufValue::string(std::string v) {
   out.strings = {std::move(v)};
   return out;
 }
-GgufValue GgufValue::int_array(GgufType elem, std::vector<int64_t> v) {
-  KVLAB_ASSERT(is_integer(elem), "gguf: not an integer type");
+namespace {
+GgufValue empty_array(GgufType elem) {
   GgufValue out;
   out.type = GgufType::Array;
   out.elem = elem;
+  return out;
+}
+}  // namespace
+GgufValue GgufValue::int_array(GgufType elem, std::vector<int64_t> v) {
+  KVLAB_ASSERT(is_integer(elem), "gguf: not an integer type");
+  GgufValue out = empty_array(elem);
   out.ints = std::move(v);
   return out;
 }
 GgufValue GgufValue::real_array(GgufType elem, std::vector<double> v) {
   KVLAB_ASSERT(is_float(elem), "gguf: not a float type");
-  GgufValue out;
-  out.type = GgufType::Array;
-  out.elem = elem;
+  GgufValue out = empty_array(elem);
   out.floats = std::move(v);
   return out;
 }
 GgufValue GgufValue::string_array(std::vector<std::string> v) {
-  GgufValue out;
-  out.type = GgufType::Array;
-  out.elem = GgufType::String;
+  GgufValue out = empty_array(GgufType::String);
   out.strings = std::move(v);
   return out;
 }
