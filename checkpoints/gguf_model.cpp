@@ -696,10 +696,12 @@ Tokenizer spm_vocabulary(const GgufFile& f, const std::vector<std::string>& toke
                          std::string_view what) {
   const size_t V = tokens.size();
   std::vector<float> scores(V, 0.0f);
-  if (const GgufValue* v = f.find("tokenizer.ggml.scores")) {
-    KVLAB_CHECK(v->is_array() && v->floats.size() == V, what,
-                ": tokenizer.ggml.scores is not one number a token");
-    for (size_t id = 0; id < V; ++id) scores[id] = static_cast<float>(v->floats[id]);
+  if (const GgufValue* v = f.find("tokenizer.ggml.scores")) {  // f32 or i32, as llama.cpp reads
+    const bool f32 = v->elem == GgufType::F32, i32 = v->elem == GgufType::I32;
+    KVLAB_CHECK(v->is_array() && (f32 || i32) && (f32 ? v->floats.size() : v->ints.size()) == V,
+                what, ": tokenizer.ggml.scores is not one f32 or i32 a token");
+    for (size_t id = 0; id < V; ++id)
+      scores[id] = f32 ? static_cast<float>(v->floats[id]) : static_cast<float>(v->ints[id]);
   }
   std::vector<uint8_t> types(V, static_cast<uint8_t>(PieceType::Normal));
   if (const GgufValue* v = f.find("tokenizer.ggml.token_type")) {

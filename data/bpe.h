@@ -78,7 +78,8 @@ class BpeTokenizer {
                                 SplitPattern pattern);
 
   // The ids of the text; special tokens' text is encoded as ordinary text (tiktoken's
-  // encode_ordinary). Any bytes, valid UTF-8 or not; decode gives them back.
+  // encode_ordinary). Any bytes, valid UTF-8 or not; decode gives them back (but a byte that
+  // falls back to a special token, in DeepSeek's vocabularies, decodes as that token's text).
   std::vector<int32_t> encode(std::string_view text) const;
   std::string decode(std::span<const int32_t> ids) const;
   const std::string& token(int32_t id) const;  // its bytes; throws for an id out of range

@@ -82,13 +82,11 @@ SpmTokenizer SpmTokenizer::from_parts(std::vector<std::string> pieces, std::vect
     KVLAB_CHECK(tables->id_of.emplace(p, static_cast<int32_t>(id)).second, "spm: piece ", id,
                 " ('", p, "') repeats piece ", tables->find(p));
   }
-  // A symbol that is no piece is written as its bytes: llama.cpp's <0xNN> piece, else the byte.
+  // A symbol that is no piece is written as its bytes: llama.cpp's <0xNN> piece, else the byte
+  // (-1: neither, which only a text that needs it refuses, as llama.cpp loads such a vocabulary).
   for (unsigned b = 0; b < 256; ++b) {
-    int32_t id = tables->find(byte_piece(b));
-    if (id < 0) id = tables->find(std::string(1, static_cast<char>(b)));
-    KVLAB_CHECK(id >= 0, "spm: no piece stands for byte ", byte_piece(b),
-                " (neither that piece nor the byte itself), which text may need");
-    tables->byte_id[b] = id;
+    const int32_t id = tables->find(byte_piece(b));
+    tables->byte_id[b] = id >= 0 ? id : tables->find(std::string(1, static_cast<char>(b)));
   }
   tables->space_bounds = std::none_of(pieces.begin(), pieces.end(), [](const std::string& p) {
     for (size_t at = p.find(kSpace, 1); at != std::string::npos; at = p.find(kSpace, at + 1))
@@ -204,7 +202,12 @@ void SpmTokenizer::encode_fragment(std::string_view text, std::vector<int32_t>& 
         out.push_back(id);
         continue;
       }
-      for (const char c : s) out.push_back(tables_->byte_id[static_cast<uint8_t>(c)]);
+      for (const char c : s) {
+        const auto b = static_cast<uint8_t>(c);
+        KVLAB_CHECK(tables_->byte_id[b] >= 0, "spm: no piece stands for byte ", byte_piece(b),
+                    " (neither that piece nor the byte itself), which this text needs");
+        out.push_back(tables_->byte_id[b]);
+      }
     }
     first = last + 1;
   }

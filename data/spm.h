@@ -29,8 +29,9 @@ enum class PieceType : uint8_t {
 class SpmTokenizer {
  public:
   // Checked: as many scores and types as pieces, scores finite, types 1..6, no piece twice, no
-  // empty piece, each Byte piece spelled <0xNN>, and a fallback for every byte value (its <0xNN>
-  // piece, or the byte itself as a piece, as llama.cpp looks them up).
+  // empty piece, each Byte piece spelled <0xNN>. A byte falls back to its <0xNN> piece, or the
+  // byte itself as a piece, as llama.cpp looks them up; encode throws for text that needs a
+  // byte with neither.
   static SpmTokenizer from_parts(std::vector<std::string> pieces, std::vector<float> scores,
                                  std::vector<uint8_t> types, bool add_space_prefix);
 

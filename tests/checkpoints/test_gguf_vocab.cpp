@@ -149,8 +149,8 @@ class VocabFile : public testing::TestDirFixture {
 
 // Llama 2's SentencePiece vocabulary is kept whole by a tokenizer file (its pieces, scores,
 // types and add_space_prefix), and a damaged one is refused naming what is wrong: a type that
-// is none of llama.cpp's, a score that is not finite, a piece twice, a byte with no piece to
-// fall back to, arrays of unequal length.
+// is none of llama.cpp's, a score that is not finite, a piece twice, arrays of unequal length;
+// a byte with no piece to fall back to, where a text needs one.
 TEST_F(VocabFile, RoundTripsThroughATokenizerFileAndDamagedOnesAreRefused) {
   std::string why;
   const fs::path file = vocab_file("llama-spm", why);
@@ -187,16 +187,21 @@ TEST_F(VocabFile, RoundTripsThroughATokenizerFileAndDamagedOnesAreRefused) {
                           a.token_bytes.begin() + static_cast<int64_t>(off[twin + 1]));
             },
             repeats},
-           {[](SpmArrays& a) {  // <0x00> (id 3) respelled <Xx00>, a normal piece
-              a.token_types[3] = 1;
-              a.token_bytes[a.token_offsets[3] + 1] = 'X';
-            },
-            "no piece stands for byte <0x00>"},
            {[](SpmArrays& a) { a.scores.pop_back(); }, "do not agree in length"},
        }) {
     const std::string e = refusal(damage);
     EXPECT_NE(e.find(named), std::string::npos) << e;
   }
+  // Without a piece for byte 0 (<0x00>, id 3, respelled <Xx00>) the vocabulary loads, as in
+  // llama.cpp, and only a text holding that byte is refused, by name.
+  Checkpoint no_zero = good;
+  no_zero.tokenizer_spm.token_types[3] = 1;
+  no_zero.tokenizer_spm.token_bytes[no_zero.tokenizer_spm.token_offsets[3] + 1] = 'X';
+  save_checkpoint(dir_ / "no_zero.h5", no_zero);
+  const Tokenizer t = load_tokenizer(dir_ / "no_zero.h5");
+  EXPECT_EQ(t.encode("plain text"), tok.encode("plain text"));
+  const std::string e = error_of([&] { t.encode(std::string("a\0b", 3)); });
+  EXPECT_NE(e.find("no piece stands for byte <0x00>"), std::string::npos) << e;
 }
 
 // Qwen2's user-defined tokens ([PAD151643] ...) are read from text as themselves, as llama.cpp
