@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -277,6 +278,7 @@ void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
     put_control_keys(f, tok.controls(), -1);
     return;
   }
+  const std::vector<int32_t>& user = tok.controls().user_defined;
   std::vector<std::string> tokens;
   std::vector<int64_t> types;
   const int n = tok.vocab_size();
@@ -291,7 +293,6 @@ void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
     // id empty.
     const std::string& bytes = tok.bpe()->tokens()[static_cast<size_t>(id)];
     tokens.push_back(bytes);
-    const std::vector<int32_t>& user = tok.controls().user_defined;
     types.push_back(bytes.empty()                                    ? kUnused
                     : std::binary_search(user.begin(), user.end(), id) ? kUserDefined
                                                                        : kControl);
@@ -797,24 +798,21 @@ Tokenizer gguf_tokenizer(const GgufFile& f, std::string_view what) {
               "'; kvlab imports byte-level BPE ('gpt2') and SentencePiece ('llama') "
               "vocabularies");
   const std::vector<std::string>& tokens = string_array(f, "tokenizer.ggml.tokens", what);
+  std::string pre = "default";
+  std::optional<Tokenizer> vocab;
   if (model == "llama") {
-    Tokenizer tok = spm_vocabulary(f, tokens, what);
-    try {
-      tok.set_controls(gguf_token_controls(f, tokens, model, "default", what));
-    } catch (const Error& e) {
-      throw Error(detail::cat(what, ": ", e.what()));
-    }
-    return tok;
+    vocab = spm_vocabulary(f, tokens, what);
+  } else {
+    const GgufValue* kind_key = f.find("kvlab.tokenizer");
+    const std::string kind =
+        kind_key && kind_key->type == GgufType::String ? kind_key->strings[0] : "bpe";
+    if (kind == "char" || kind == "byte") return char_or_byte_vocabulary(tokens, kind, what);
+    KVLAB_CHECK(kind == "bpe", what, ": kvlab.tokenizer '", kind, "' is not char, byte or bpe");
+    pre = f.find("tokenizer.ggml.pre") ? f.get_string("tokenizer.ggml.pre", what) : "gpt-2";
+    vocab = bpe_vocabulary(f, tokens, split_pattern_of(pre, f.find("kvlab.bpe_pattern"), what),
+                           what);
   }
-  const GgufValue* kind_key = f.find("kvlab.tokenizer");
-  const std::string kind =
-      kind_key && kind_key->type == GgufType::String ? kind_key->strings[0] : "bpe";
-  if (kind == "char" || kind == "byte") return char_or_byte_vocabulary(tokens, kind, what);
-  KVLAB_CHECK(kind == "bpe", what, ": kvlab.tokenizer '", kind, "' is not char, byte or bpe");
-  const std::string& pre = f.find("tokenizer.ggml.pre") ? f.get_string("tokenizer.ggml.pre", what)
-                                                          : std::string("gpt-2");
-  const SplitPattern pattern = split_pattern_of(pre, f.find("kvlab.bpe_pattern"), what);
-  Tokenizer tok = bpe_vocabulary(f, tokens, pattern, what);
+  Tokenizer tok = std::move(*vocab);
   try {
     tok.set_controls(gguf_token_controls(f, tokens, model, pre, what));
   } catch (const Error& e) {

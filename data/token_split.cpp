@@ -11,6 +11,10 @@ std::vector<TextFragment> split_at_tokens(
   if (!text.empty()) fragments.push_back({text, -1});
   for (const int32_t id : ids) {
     const std::string_view t = text_of(id);
+    if (std::none_of(fragments.begin(), fragments.end(), [&](const TextFragment& f) {
+          return f.id < 0 && f.text.find(t) != std::string_view::npos;
+        }))
+      continue;  // most texts hold few of the tokens: no copy for the others
     std::vector<TextFragment> cut;
     for (const TextFragment& f : fragments) {
       if (f.id >= 0) {
