@@ -62,6 +62,7 @@ struct Checkpoint {
   int64_t tokenizer_add_eos = 0;  // attribute add_eos, written where set (absent: 0)
   std::vector<uint32_t> tokenizer_eog;
   std::vector<uint32_t> tokenizer_user_defined;  // dataset user_defined_ids, where any
+  std::string tokenizer_chat_template;  // dataset chat_template (its UTF-8 bytes), where any
   NamedArrays model;                      // state_dict names ("blocks.0.attn.q_proj.weight")
                                           // in module order; Linear weights (out, in)
   bool has_optimizer = false;

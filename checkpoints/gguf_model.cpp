@@ -270,6 +270,7 @@ void put_control_keys(GgufFile& f, const TokenControls& c, int32_t fallback) {
       f.set(key, GgufValue::scalar(GgufType::U32, chosen));
   f.set("tokenizer.ggml.add_bos_token", GgufValue::scalar(GgufType::Bool, c.add_bos ? 1 : 0));
   f.set("tokenizer.ggml.add_eos_token", GgufValue::scalar(GgufType::Bool, c.add_eos ? 1 : 0));
+  if (!c.chat_template.empty()) f.set("tokenizer.chat_template", GgufValue::string(c.chat_template));
 }
 
 void put_tokenizer_keys(GgufFile& f, const Tokenizer& tok) {
@@ -781,6 +782,8 @@ TokenControls gguf_token_controls(const GgufFile& f, const std::vector<std::stri
   eog.insert(c.eos);
   eog.erase(-1);
   c.eog.assign(eog.begin(), eog.end());
+  if (f.find("tokenizer.chat_template") != nullptr)
+    c.chat_template = f.get_string("tokenizer.chat_template", what);
   // A byte-level BPE vocabulary's user-defined tokens (an spm one keeps its own).
   if (const GgufValue* types = f.find("tokenizer.ggml.token_type"); types && !spm)
     for (int64_t id = 0; id < V && id < static_cast<int64_t>(types->ints.size()); ++id)

@@ -158,6 +158,12 @@ class Loader {
   void read_tokenizer(hid_t file, Checkpoint& ckpt) const {
     H5Id tok = open_group(file, "tokenizer", "/tokenizer");
     ckpt.tokenizer_kind = string_attr(tok, "kind", "/tokenizer");
+    if (has_link(tok, "chat_template", "/tokenizer/chat_template")) {
+      const std::vector<uint8_t> text = read<uint8_t>(tok, "chat_template", "/tokenizer/chat_template",
+                                                      kUint8, H5T_NATIVE_UINT8, 1)
+                                            .second;
+      ckpt.tokenizer_chat_template.assign(text.begin(), text.end());
+    }
     if (has_link(tok, "eog_ids", "/tokenizer/eog_ids")) {  // what the ids mean: data/'s to check
       ckpt.tokenizer_bos = int_attr(tok, "bos", "/tokenizer");
       ckpt.tokenizer_eos = int_attr(tok, "eos", "/tokenizer");

@@ -144,6 +144,12 @@ void write_token_texts(hid_t tok, const std::vector<uint8_t>& bytes,
 void write_tokenizer(hid_t file, const Checkpoint& ckpt, const std::string& pre) {
   H5Id tok = create_group(file, "tokenizer", pre);
   write_token_controls(tok, ckpt, pre);
+  if (!ckpt.tokenizer_chat_template.empty())  // a dataset: a template may pass HDF5's 64 KiB for
+                                              // an attribute
+    write_vector(tok, "chat_template", H5T_STD_U8LE, H5T_NATIVE_UINT8,
+                 std::vector<uint8_t>(ckpt.tokenizer_chat_template.begin(),
+                                      ckpt.tokenizer_chat_template.end()),
+                 pre + "writing /tokenizer/chat_template");
   if (ckpt.tokenizer_kind == "spm") {
     const SpmArrays& spm = ckpt.tokenizer_spm;
     write_attrs(tok, {{"kind", ckpt.tokenizer_kind}, {"add_space_prefix", spm.add_space_prefix}},

@@ -300,6 +300,7 @@ void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok) {
   ckpt.tokenizer_add_eos = c.add_eos;
   ckpt.tokenizer_eog.assign(c.eog.begin(), c.eog.end());
   ckpt.tokenizer_user_defined.assign(c.user_defined.begin(), c.user_defined.end());
+  ckpt.tokenizer_chat_template = c.chat_template;
 }
 
 Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file) {
@@ -318,7 +319,8 @@ Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& fil
                     .add_bos = ckpt.tokenizer_add_bos == 1,
                     .add_eos = ckpt.tokenizer_add_eos == 1,
                     .user_defined = {},
-                    .eog = {}};
+                    .eog = {},
+                    .chat_template = ckpt.tokenizer_chat_template};
     for (const uint32_t id : ckpt.tokenizer_eog)
       c.eog.push_back(static_cast<int32_t>(std::min<uint32_t>(id, INT32_MAX)));
     for (const uint32_t id : ckpt.tokenizer_user_defined)

@@ -112,10 +112,13 @@ SpmTokenizer SpmTokenizer::from_parts(std::vector<std::string> pieces, std::vect
 std::vector<int32_t> SpmTokenizer::encode(std::string_view text) const {
   // The text cut at each user-defined piece (control and unknown pieces are never read from
   // text).
-  const std::vector<TextFragment> fragments =
+  return encode_fragments(
       split_at_tokens(text, tables_->user_defined, [&](int32_t id) -> std::string_view {
         return pieces_[static_cast<size_t>(id)];
-      });
+      }));
+}
+
+std::vector<int32_t> SpmTokenizer::encode_fragments(std::span<const TextFragment> fragments) const {
   // Each text fragment with its spaces as '▁', after one more where it begins the text or
   // follows a piece.
   std::vector<int32_t> out;

@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "data/token_split.h"
+
 namespace kvlab {
 
 // llama.cpp's token types (tokenizer.ggml.token_type), which a SentencePiece vocabulary uses all
@@ -37,6 +39,9 @@ class SpmTokenizer {
 
   // Any bytes: invalid UTF-8 comes out as byte pieces, and decode gives them back.
   std::vector<int32_t> encode(std::string_view text) const;
+  // A text already cut at some pieces (split_at_tokens): the pieces as they are, the text
+  // between encoded, with the space prefix where it begins the text or follows a piece.
+  std::vector<int32_t> encode_fragments(std::span<const TextFragment> fragments) const;
   // The text of ids: each id's bytes (token_bytes), less the one space that add_space_prefix
   // put before the first, as llama.cpp's detokenize strips it.
   std::string decode(std::span<const int32_t> ids) const;

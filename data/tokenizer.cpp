@@ -22,23 +22,6 @@ std::string code_point_name(uint32_t cp) {
   return buf;
 }
 
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
 
 // Strict UTF-8: no overlong forms, surrogates or code points past U+10FFFF. Calls
 // on_code_point(cp) per character; returns the offset of the first invalid sequence or kNoError.
@@ -99,6 +82,24 @@ std::string unknown_message(std::string_view what, const std::vector<uint32_t>& 
 }
 
 }  // namespace
+
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
 
 std::string kind_name(TokenizerKind kind) {
   switch (kind) {
@@ -177,20 +178,9 @@ TokenizerKind Tokenizer::parse_kind(std::string_view name) {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, std::string_view what) const {
-  if (bpe_ && !user_defined_.empty()) {
-    std::vector<int32_t> ids;
-    for (const TextFragment& f : split_at_tokens(text, user_defined_, [&](int32_t id) {
-           return std::string_view(bpe_->token(id));
-         })) {
-      if (f.id >= 0) {
-        ids.push_back(f.id);
-        continue;
-      }
-      const std::vector<int32_t> part = bpe_->encode(f.text);
-      ids.insert(ids.end(), part.begin(), part.end());
-    }
-    return ids;
-  }
+  if (bpe_ && !user_defined_.empty())
+    return bpe_fragments(
+        split_at_tokens(text, user_defined_, [&](int32_t id) { return special_text(id); }));
   if (bpe_) return bpe_->encode(text);
   if (spm_) return spm_->encode(text);
   std::vector<int32_t> ids;
@@ -256,6 +246,42 @@ std::vector<int32_t> Tokenizer::encode_prompt(std::string_view text, std::string
   return ids;
 }
 
+std::string_view Tokenizer::special_text(int32_t id) const {
+  return bpe_ ? std::string_view(bpe_->token(id))
+              : std::string_view(spm_->pieces()[static_cast<size_t>(id)]);
+}
+
+std::vector<int32_t> Tokenizer::bpe_fragments(std::span<const TextFragment> fragments) const {
+  std::vector<int32_t> ids;
+  for (const TextFragment& f : fragments) {
+    if (f.id >= 0) {
+      ids.push_back(f.id);
+      continue;
+    }
+    const std::vector<int32_t> part = bpe_->encode(f.text);
+    ids.insert(ids.end(), part.begin(), part.end());
+  }
+  return ids;
+}
+
+std::vector<int32_t> Tokenizer::encode_chat(std::string_view text) const {
+  if (!bpe_ && !spm_) return encode_prompt(text);
+  const TokenControls& c = controls_;
+  if (c.add_bos && text.starts_with(special_text(c.bos)))
+    text.remove_prefix(special_text(c.bos).size());
+  if (c.add_eos && text.ends_with(special_text(c.eos)))
+    text.remove_suffix(special_text(c.eos).size());
+  const std::vector<TextFragment> fragments =
+      split_at_tokens(text, specials_, [&](int32_t id) { return special_text(id); });
+  std::vector<int32_t> ids;
+  if (c.add_bos) ids.push_back(c.bos);
+  const std::vector<int32_t> body =
+      spm_ ? spm_->encode_fragments(fragments) : bpe_fragments(fragments);
+  ids.insert(ids.end(), body.begin(), body.end());
+  if (c.add_eos) ids.push_back(c.eos);
+  return ids;
+}
+
 void Tokenizer::set_controls(TokenControls c) {
   const int32_t V = vocab_size();
   for (const int32_t id : {c.bos, c.eos})
@@ -277,6 +303,14 @@ void Tokenizer::set_controls(TokenControls c) {
   }
   user_defined_ = longest_first(c.user_defined,
                                 [&](int32_t id) { return std::string_view(bpe_->token(id)); });
+  specials_.clear();
+  if (bpe_) specials_ = bpe_->special_ids();
+  if (spm_)
+    for (int32_t id = 0; id < V; ++id)
+      if (const auto t = static_cast<PieceType>(spm_->types()[static_cast<size_t>(id)]);
+          t == PieceType::Control || t == PieceType::UserDefined || t == PieceType::Unknown)
+        specials_.push_back(id);
+  specials_ = longest_first(std::move(specials_), [&](int32_t id) { return special_text(id); });
   controls_ = std::move(c);
   KVLAB_CHECK(controls_.eos < 0 || ends_generation(controls_.eos), "tokenizer: the EOS id ",
               controls_.eos, " is not among the end-of-generation ids");

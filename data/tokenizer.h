@@ -13,10 +13,14 @@
 
 #include "data/bpe.h"
 #include "data/spm.h"
+#include "data/token_split.h"
 
 namespace kvlab {
 
 enum class TokenizerKind { Char, Byte, Bpe, Spm };
+
+// The UTF-8 bytes of a code point (at most U+10FFFF), appended.
+void append_utf8(std::string& out, uint32_t cp);
 
 // "char", "byte", "bpe" or "spm": the names used on the command line, in checkpoints and in cache
 // file names.
@@ -33,6 +37,8 @@ struct TokenControls {
   // user-defined tokens, Qwen2's). An spm vocabulary's are its own (data/spm.h).
   std::vector<int32_t> user_defined;
   std::vector<int32_t> eog;   // ascending: a sequence that makes one of these ends there
+  // The model's chat template (GGUF's tokenizer.chat_template; data/chat_template.h), or empty.
+  std::string chat_template = {};  // a default: designated initializers may leave it out
   bool operator==(const TokenControls&) const = default;
 };
 
@@ -76,6 +82,11 @@ class Tokenizer {
   // A prompt's ids: encode(text), after bos where add_bos says so and before eos where add_eos
   // does (as llama.cpp tokenizes a prompt with its special tokens).
   std::vector<int32_t> encode_prompt(std::string_view text, std::string_view what = "prompt") const;
+  // A rendered chat's ids, as llama.cpp tokenizes one (parse_special): the text is cut at every
+  // special token's text first (control, user-defined and unknown tokens), so that the
+  // template's <|im_start|> is that token; a BOS (EOS) text the template put first (last) is
+  // the BOS (EOS) that add_bos (add_eos) adds. Char and byte vocabularies have no special tokens.
+  std::vector<int32_t> encode_chat(std::string_view text) const;
   const TokenControls& controls() const { return controls_; }
   // Throws kvlab::Error naming an id outside the vocabulary, add_bos without bos (add_eos
   // without eos), user-defined ids not ascending or without text, or on a vocabulary other
@@ -96,6 +107,10 @@ class Tokenizer {
   Tokenizer(TokenizerKind kind, std::vector<uint32_t> vocab)
       : kind_(kind), vocab_(std::move(vocab)) {}
   void append_token(std::string& out, int32_t id) const;
+  // A bpe or spm token's own text (a special token's as it is written).
+  std::string_view special_text(int32_t id) const;
+  // Fragments of a text cut at tokens: those tokens as they are, the text between BPE-encoded.
+  std::vector<int32_t> bpe_fragments(std::span<const TextFragment> fragments) const;
 
   TokenizerKind kind_;
   std::vector<uint32_t> vocab_;  // (V,) code point or byte value of each id; bpe: packed
@@ -103,6 +118,7 @@ class Tokenizer {
   std::shared_ptr<const SpmTokenizer> spm_;
   TokenControls controls_;
   std::vector<int32_t> user_defined_;  // controls_.user_defined, longest text first
+  std::vector<int32_t> specials_;      // every special token with text, longest text first
 };
 
 }  // namespace kvlab

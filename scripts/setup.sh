@@ -2,7 +2,7 @@
 # Installs what kvlab needs from Debian's packages (idempotent: only missing packages are
 # installed) and writes the default corpus, the King James Bible, to data/corpora/.
 # --tests adds what only the tests (and the PyTorch baselines in bench/) run: Python with
-# h5py, NumPy, regex and PyTorch (python3-torch and what it depends on are large), and Node.js
+# h5py, NumPy, regex, Jinja2 and PyTorch (python3-torch and what it depends on are large), and Node.js
 # with the openai npm client (tests/apps/openai_client) that drives `kvlab serve`, tiktoken
 # (tests/data/tiktoken), the reference for the BPE tokenizer's ids and encode speed,
 # Hugging Face's tokenizers (bench/hf_tokenizers), the baseline of BPE training speed, and
@@ -23,7 +23,7 @@ for arg in "$@"; do
   case "$arg" in
     --tests)
       with_tests=1
-      packages+=(python3 python3-numpy python3-h5py python3-regex python3-torch chromium)
+      packages+=(python3 python3-numpy python3-h5py python3-regex python3-jinja2 python3-torch chromium)
       # A Node.js already on PATH is kept: NodeSource's bundles npm and conflicts with Debian's.
       command -v node >/dev/null || packages+=(nodejs)
       command -v npm >/dev/null || packages+=(npm)

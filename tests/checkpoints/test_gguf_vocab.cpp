@@ -205,7 +205,7 @@ TEST_F(VocabFile, RoundTripsThroughATokenizerFileAndDamagedOnesAreRefused) {
 }
 
 // Qwen2's user-defined tokens ([PAD151643] ...) are read from text as themselves, as llama.cpp
-// reads them, and a tokenizer file keeps them so.
+// reads them, and a tokenizer file keeps them so, and the vocabulary's chat template.
 TEST_F(VocabFile, UserDefinedTokensAreReadFromTextAndKept) {
   std::string why;
   const fs::path file = vocab_file("qwen2", why);
@@ -217,6 +217,9 @@ TEST_F(VocabFile, UserDefinedTokensAreReadFromTextAndKept) {
   const std::vector<int32_t> ids = tok.encode(text);
   EXPECT_EQ(std::count(ids.begin(), ids.end(), pad), 1) << "not read as itself";
   EXPECT_EQ(tok.decode(ids), text);
+  // Its chat template comes with it.
+  EXPECT_EQ(tok.controls().chat_template,
+            read_gguf(file).get_string("tokenizer.chat_template", "qwen2"));
   save_tokenizer(dir_ / "tok.h5", tok);
   const Tokenizer back = load_tokenizer(dir_ / "tok.h5");
   EXPECT_EQ(back, tok);

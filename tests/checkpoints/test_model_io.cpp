@@ -335,15 +335,23 @@ TEST_F(TokenizerFileTest, HostileBpeArraysAreRefused) {
   EXPECT_TRUE(has(msg, "unknown pre-split pattern 'o200k'")) << msg;
 }
 
-// What a family's vocabulary says of BOS, EOS and the tokens that end a generation is kept
-// in /tokenizer (a char tokenizer's too), and values that are no ids of it are refused.
+// What a family's vocabulary says of BOS, EOS, the tokens that end a generation and its chat
+// template is kept in /tokenizer (a char tokenizer's too), and values that are no ids of it are
+// refused.
 TEST_F(TokenizerFileTest, BosEosAndEndTokensRoundTripAndBadOnesAreRefused) {
   Tokenizer tok = Tokenizer::build_char("abcdef");
-  tok.set_controls(
-      {.bos = 1, .eos = 4, .add_bos = true, .add_eos = true, .user_defined = {}, .eog = {2, 4}});
+  const std::string chat = "{% for m in messages %}{{ m['content'] }}{% endfor %}";
+  tok.set_controls({.bos = 1,
+                    .eos = 4,
+                    .add_bos = true,
+                    .add_eos = true,
+                    .user_defined = {},
+                    .eog = {2, 4},
+                    .chat_template = chat});
   const fs::path file = dir_ / "controls.h5";
   save_tokenizer(file, tok);
   const Checkpoint c = load_checkpoint(file, false);
+  EXPECT_EQ(c.tokenizer_chat_template, chat);
   EXPECT_EQ(c.tokenizer_bos, 1);
   EXPECT_EQ(c.tokenizer_eos, 4);
   EXPECT_EQ(c.tokenizer_add_bos, 1);
