@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -14,6 +15,7 @@
 #include "apps/cli.h"
 #include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
+#include "data/chat_template.h"
 #include "infer/engine.h"
 
 namespace kvlab {
@@ -43,6 +45,9 @@ struct GenerateArgs {
   std::vector<std::string> stop;
   bool ignore_eos = false;
   bool json = false;
+  bool chat = false;
+  std::string system;
+  std::string chat_template;  // a file; empty: the model's own
 };
 
 // A prompt has at most block_size tokens (more with --slide, which keeps the last ones): this
@@ -100,6 +105,36 @@ void check_args(const GenerateArgs& a) {
   KVLAB_USAGE_CHECK(a.batch >= 1, "--batch must be >= 1, got ", a.batch);
   KVLAB_USAGE_CHECK(a.n >= 1, "--n must be >= 1 (samples per prompt), got ", a.n);
   for (const auto& s : a.stop) KVLAB_USAGE_CHECK(!s.empty(), "--stop must not be empty");
+  KVLAB_USAGE_CHECK(a.chat || (a.system.empty() && a.chat_template.empty()),
+                    "--system and --chat-template need --chat");
+}
+
+// Each prompt's ids: its text encoded, or with --chat one user turn (after --system's) rendered
+// by the chat template and encoded with its special tokens.
+std::vector<std::vector<int32_t>> prompt_ids(const GenerateArgs& a, const Engine& engine,
+                                             const std::vector<std::string>& prompts) {
+  std::optional<ChatTemplate> tmpl;
+  if (a.chat) {
+    const std::string source = chat_template_source(a.chat_template, engine.tokenizer());
+    KVLAB_CHECK(!source.empty(), "--chat: the model has no chat template "
+                                 "(tokenizer.chat_template); give --chat-template FILE");
+    tmpl.emplace(source, a.chat_template.empty() ? "the model's chat template" : a.chat_template);
+  }
+  std::vector<std::vector<int32_t>> ids;
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    const std::string what = a.has_prompt_file && prompts.size() > 1
+                                 ? detail::cat("prompt line ", b + 1)
+                                 : std::string("prompt");
+    if (!tmpl) {
+      ids.push_back(engine.encode(prompts[b], what));
+      continue;
+    }
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
+    messages.push_back({{"role", "user"}, {"content", prompts[b]}});
+    ids.push_back(chat_prompt(*tmpl, engine.tokenizer(), messages).ids);
+  }
+  return ids;
 }
 
 // The cache's figures, from its allocations: the most it held, the mean of its utilisation
@@ -209,12 +244,11 @@ void print_notes(const GenerateArgs& a, const GenerationResult& res, int64_t blo
                   st.tpot_quantile_s(0.5) * 1e3, st.tpot_quantile_s(0.99) * 1e3);
   std::string cache = "off";
   if (!a.no_cache)
-    cache = detail::cat(kv_cache_layout(a.kv, device), " ", a.kv_dtype, ", at most ", st.cache_bytes, " bytes",
-                        st.blocks ? detail::cat(" (", st.blocks->in_use, " of ", st.blocks->total,
-                                                " blocks)")
-                                  : std::string(),
-                        ", ", static_cast<int>(std::lround(100 * st.utilisation_mean())),
-                        "% utilised");
+    cache = detail::cat(
+        kv_cache_layout(a.kv, device), " ", a.kv_dtype, ", at most ", st.cache_bytes, " bytes",
+        st.blocks ? detail::cat(" (", st.blocks->in_use, " of ", st.blocks->total, " blocks)")
+                  : std::string(),
+        ", ", static_cast<int>(std::lround(100 * st.utilisation_mean())), "% utilised");
   std::fprintf(stderr, "kvlab: %lld tokens, TTFT %.2f ms, %s, cache %s\n",
                static_cast<long long>(st.new_tokens), st.ttft_s * 1e3, decode, cache.c_str());
 }
@@ -254,13 +288,10 @@ void run_generate(const GenerateArgs& a) {
       std::fflush(stdout);
     };
   }
-  std::vector<std::vector<int32_t>> ids;  // encoded first: a bad prompt fails before output
-  for (size_t b = 0; b < prompts.size(); ++b)
-    ids.push_back(engine.encode(prompts[b], a.has_prompt_file && prompts.size() > 1
-                                                ? detail::cat("prompt line ", b + 1)
-                                                : std::string("prompt")));
+  // Encoded first: a bad prompt fails before output.
+  const std::vector<std::vector<int32_t>> ids = prompt_ids(a, engine, prompts);
   engine.validate(ids, o);
-  if (stream) {
+  if (stream && !a.chat) {  // a chat prints the reply alone
     std::fwrite(prompts[0].data(), 1, prompts[0].size(), stdout);
     std::fflush(stdout);
   }
@@ -327,6 +358,12 @@ void add_generate_command(CLI::App& root) {
                 "Go on past the tokenizer's end-of-generation tokens (an imported family's EOS, "
                 "EOT and the like), which otherwise end a sample and are not printed");
   cmd->add_flag("--json", args->json, "Print the text(s) and timings as JSON instead of streaming");
+  cmd->add_flag("--chat", args->chat,
+                "The prompt is a user's turn: rendered by the model's chat template (or "
+                "--chat-template) as a conversation, special tokens and all; the reply alone is "
+                "printed");
+  cmd->add_option("--system", args->system, "With --chat: a system message before the prompt");
+  add_chat_template_flag(cmd, args->chat_template);
   cmd->callback([args, prompt, prompt_file] {
     args->has_prompt = prompt->count() > 0;
     args->has_prompt_file = prompt_file->count() > 0;

@@ -1,4 +1,4 @@
-// kvlab serve: a checkpoint behind the OpenAI completions API (serve/server.h).
+// kvlab serve: a checkpoint behind the OpenAI completions and chat API (serve/server.h).
 #include <pthread.h>
 
 #include <atomic>
@@ -11,6 +11,7 @@
 #include "apps/cli.h"
 #include "apps/train_flags.h"
 #include "checkpoints/model_io.h"
+#include "data/chat_template.h"
 #include "serve/server.h"
 
 namespace kvlab {
@@ -41,6 +42,7 @@ struct ServeArgs {
   int64_t max_request_tokens = 0;
   std::string api_key;
   double stream_interval_ms = 0;
+  std::string chat_template;  // a file; empty: the model's own
 };
 
 bool is_loopback(const std::string& host) {
@@ -140,11 +142,22 @@ void print_serving(const ServeArgs& a, const ServeOptions& o, int port, Engine& 
                : detail::cat("n_kv_head ", mc.n_kv_head);
   std::fprintf(stderr,
                "kvlab: serving %s on http://%s:%d (%s, %s matrices%s, context %lld, up to %lld "
-               "sequences; POST /v1/completions, GET /v1/models /health /metrics)\n",
+               "sequences; POST /v1/completions /v1/chat/completions, GET /v1/models /health "
+               "/metrics)\n",
                o.model_name.c_str(), a.host.c_str(), port, attention.c_str(),
                a.weight_dtype.c_str(),
                engine.decode_step().multiplies_in_integers() ? " in integer products" : "",
                static_cast<long long>(mc.block_size), static_cast<long long>(a.max_seqs));
+  if (o.chat_template.empty()) {
+    std::fprintf(stderr, "kvlab: note: no chat template (the model has none, and no "
+                         "--chat-template): /v1/chat/completions answers 400\n");
+  } else {
+    try {
+      ChatTemplate check(o.chat_template);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "kvlab: warning: /v1/chat/completions answers 400: %s\n", e.what());
+    }
+  }
   if (o.api_key.empty() && !is_loopback(a.host))
     std::fprintf(stderr,
                  "kvlab: warning: serving on %s without an API key: anyone who can reach it may "
@@ -157,9 +170,11 @@ void run_serve(const ServeArgs& a) {
   StopSignals stop_signals;
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
-  o.model_name = a.model_name.empty() ? std::filesystem::path(a.ckpt).stem().string() : a.model_name;
+  o.model_name =
+      a.model_name.empty() ? std::filesystem::path(a.ckpt).stem().string() : a.model_name;
   const KVCacheFlags kv{.layout = "paged", .block_size = a.kv_block_size, .memory = a.kv_memory};
   o.scheduler.cache = *parse_kv_cache(kv, model.config().block_size, Device::CPU);
+  o.chat_template = chat_template_source(a.chat_template, loaded.tokenizer);
   model.round_matrices(parse_weight_dtype(a.weight_dtype));
   Engine engine(model, loaded.tokenizer, parse_storage_dtype(a.kv_dtype), std::nullopt);
   engine.decode_step().int8_products = a.int8_products;
@@ -178,8 +193,9 @@ void add_serve_command(CLI::App& root) {
   auto args = std::make_shared<ServeArgs>();
   CLI::App* cmd = root.add_subcommand(
       "serve",
-      "Serve a checkpoint over HTTP with the OpenAI completions API (POST /v1/completions, "
-      "GET /v1/models, /health, /metrics): continuous batching over a paged KV cache (CPU)");
+      "Serve a checkpoint over HTTP with the OpenAI completions and chat API (POST "
+      "/v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics): continuous "
+      "batching over a paged KV cache (CPU)");
   cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
       ->required()
       ->check(CLI::ExistingFile);
@@ -236,6 +252,7 @@ void add_serve_command(CLI::App& root) {
              "Milliseconds a stream gathers tokens before it sends them (its first at once); "
              "0 sends each as it is made. A few ms spare the model's steps the cost of a send "
              "per token where the server's cores all compute");
+  add_chat_template_flag(cmd, args->chat_template);
   cmd->callback([args] { run_serve(*args); });
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <vector>
 
@@ -35,6 +37,22 @@ MatmulPrecision parse_dtype(const std::string& dtype, Device device) {
   KVLAB_USAGE_CHECK(device == Device::CUDA, "--dtype bf16 needs --device cuda (the CPU computes "
                     "in f32)");
   return MatmulPrecision::BF16;
+}
+
+void add_chat_template_flag(CLI::App* cmd, std::string& file) {
+  cmd->add_option("--chat-template", file,
+                  "A Jinja chat template file for chat requests, instead of the model's own "
+                  "(tokenizer.chat_template of the GGUF it was imported from)")
+      ->check(CLI::ExistingFile);
+}
+
+std::string chat_template_source(const std::string& file, const Tokenizer& tokenizer) {
+  if (file.empty()) return tokenizer.controls().chat_template;
+  std::ifstream in(file, std::ios::binary);
+  std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  KVLAB_CHECK(in.good() || in.eof(), "cannot read the chat template ", file);
+  KVLAB_CHECK(text.size() <= (1u << 20), "the chat template ", file, " is larger than 1 MiB");
+  return text;
 }
 
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype) {

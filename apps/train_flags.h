@@ -34,6 +34,10 @@ MatmulPrecision parse_dtype(const std::string& dtype, Device device);
 // --kv-dtype f32|bf16|fp8|int8|int4 (generate, bench, serve, ablate): the KV cache's element
 // type.
 void add_kv_dtype_flag(CLI::App* cmd, std::string& kv_dtype);
+// --chat-template FILE (generate --chat, serve), and the template it names: the file's text, or
+// the model's own (its tokenizer's) where no file is given. An unreadable file is an Error.
+void add_chat_template_flag(CLI::App* cmd, std::string& file);
+std::string chat_template_source(const std::string& file, const Tokenizer& tokenizer);
 // --weight-dtype f32|bf16|q8_0|q4_0 (generate, bench generate, serve, ablate): the products'
 // matrices, rounded at load (GPT::round_matrices); parse_weight_dtype reads its value.
 void add_weight_dtype_flag(CLI::App* cmd, std::string& weight_dtype);

@@ -1,6 +1,8 @@
 #include "serve/openai.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <random>
 
@@ -188,29 +190,28 @@ void parse_stops(const json& body, const ApiLimits& limits, CompletionRequest& r
   }
 }
 
-// One request may not take more of the pool than limits.max_request_tokens positions.
-void check_request_tokens(const ApiLimits& limits, const CompletionRequest& r) {
+// One request may not take more of the pool than limits.max_request_tokens positions (a 400
+// naming `max_tokens_key`, the field that asked).
+void check_request_tokens(const ApiLimits& limits, const CompletionRequest& r,
+                          const char* max_tokens_key) {
   if (limits.max_request_tokens > 0) {
     int64_t positions = 0;
     for (const auto& p : r.prompts)
       positions += r.n * (static_cast<int64_t>(p.size()) + r.max_tokens);
     if (positions > limits.max_request_tokens)
-      bad("max_tokens",
+      bad(max_tokens_key,
           detail::cat("the request asks for ", positions,
                       " positions (n * (prompt tokens + max_tokens), over its prompts), more than "
                       "the limit of ",
-                      limits.max_request_tokens, "; lower max_tokens, n or the prompts"));
+                      limits.max_request_tokens, "; lower ", max_tokens_key, ", n or the prompts"));
   }
 }
 
 }  // namespace
 
-CompletionRequest parse_completion_request(std::string_view body_text, const ApiLimits& limits,
-                                           const std::string& model_name,
-                                           const Tokenizer& tokenizer, int64_t block_size) {
-  const json body = parse_body(body_text);
-  CompletionRequest r;
+namespace {
 
+void check_model(const json& body, const std::string& model_name, CompletionRequest& r) {
   if (const json* m = field(body, "model")) {
     if (!m->is_string()) bad("model", "'model' must be a string");
     r.model = m->get<std::string>();
@@ -220,16 +221,19 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
                                  model_name, "'"),
                      "model", "not_found_error");
   }
+}
 
-  parse_prompts(body, limits, tokenizer, block_size, r);
-
-  const int64_t max_tokens = limits.max_tokens > 0 ? limits.max_tokens : block_size;
-  r.echo = boolean(body, "echo");
-  r.max_tokens = integer(body, "max_tokens", std::min<int64_t>(16, max_tokens), 0, max_tokens);
-  if (r.max_tokens == 0 && !r.echo)
-    bad("max_tokens", "'max_tokens' must be >= 1 unless 'echo' is true");
+// What both endpoints share past the prompts: the choices' length and number, streaming,
+// sampling, stop strings, and the positions the request may hold. A request without a length
+// gets default_max_tokens(n).
+void parse_generation(const json& body, const ApiLimits& limits, const char* max_tokens_key,
+                      const std::function<int64_t(int64_t)>& default_max_tokens,
+                      int64_t most_tokens, CompletionRequest& r) {
   r.n = integer(body, "n", 1, 1, limits.max_n);
-  r.logprobs = integer(body, "logprobs", -1, 0, limits.max_logprobs);
+  r.max_tokens = integer(body, max_tokens_key, default_max_tokens(r.n), 0, most_tokens);
+  if (r.max_tokens == 0 && !r.echo)
+    bad(max_tokens_key, detail::cat("'", max_tokens_key, "' must be >= 1",
+                                    r.chat ? "" : " unless 'echo' is true"));
   r.stream = boolean(body, "stream");
   r.ignore_eos = boolean(body, "ignore_eos");
   if (const json* so = field(body, "stream_options")) {
@@ -239,12 +243,72 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Api
   }
   parse_sampling(body, r);
   parse_stops(body, limits, r);
-  check_request_tokens(limits, r);
-  unsupported(body, "best_of", 1);
-  unsupported(body, "suffix", "");
+  check_request_tokens(limits, r, max_tokens_key);
   unsupported(body, "presence_penalty", 0);
   unsupported(body, "frequency_penalty", 0);
   unsupported(body, "logit_bias", json::object());
+}
+
+}  // namespace
+
+CompletionRequest parse_completion_request(std::string_view body_text, const ApiLimits& limits,
+                                           const std::string& model_name,
+                                           const Tokenizer& tokenizer, int64_t block_size) {
+  const json body = parse_body(body_text);
+  CompletionRequest r;
+  check_model(body, model_name, r);
+  parse_prompts(body, limits, tokenizer, block_size, r);
+  const int64_t max_tokens = limits.max_tokens > 0 ? limits.max_tokens : block_size;
+  r.echo = boolean(body, "echo");
+  r.logprobs = integer(body, "logprobs", -1, 0, limits.max_logprobs);
+  parse_generation(
+      body, limits, "max_tokens", [&](int64_t) { return std::min<int64_t>(16, max_tokens); },
+      max_tokens, r);
+  unsupported(body, "best_of", 1);
+  unsupported(body, "suffix", "");
+  return r;
+}
+
+CompletionRequest parse_chat_request(std::string_view body_text, const ApiLimits& limits,
+                                     const std::string& model_name, const Tokenizer& tokenizer,
+                                     int64_t block_size, const ChatTemplate* tmpl,
+                                     const std::string& no_template) {
+  const json body = parse_body(body_text);
+  CompletionRequest r;
+  r.chat = true;
+  check_model(body, model_name, r);
+  if (tmpl == nullptr) throw ApiError(400, no_template, "messages");
+  const json* messages = field(body, "messages");
+  if (messages == nullptr) bad("messages", "'messages' is required");
+  ChatPrompt prompt;
+  try {
+    // Parsed again in key order: templates see a message's keys as the client wrote them.
+    prompt = chat_prompt(*tmpl, tokenizer, nlohmann::ordered_json::parse(messages->dump()));
+  } catch (const std::exception& e) {  // the template's, the tokenizer's, or a length_error
+    bad("messages", e.what());
+  }
+  if (prompt.ids.empty()) bad("messages", "the conversation renders as an empty prompt");
+  const auto length = static_cast<int64_t>(prompt.ids.size());
+  if (length >= block_size)
+    bad("messages", detail::cat("the conversation is ", length,
+                                " tokens, which leaves no room in the model's context of ",
+                                block_size));
+  r.prompt_texts.push_back(prompt.text);
+  r.prompts.push_back(std::move(prompt.ids));
+  // OpenAI's default is the rest of the context, here as much of it as the request's n
+  // choices may hold (max_request_tokens); max_completion_tokens is max_tokens' newer name.
+  const int64_t most = std::min(limits.max_tokens > 0 ? limits.max_tokens : block_size,
+                                block_size - length);
+  const auto fitting = [&](int64_t n) {
+    if (limits.max_request_tokens <= 0) return most;
+    return std::clamp<int64_t>(limits.max_request_tokens / n - length, 1, most);
+  };
+  const char* key = field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  parse_generation(body, limits, key, fitting, most, r);
+  unsupported(body, "logprobs", false);
+  unsupported(body, "tools", json::array());
+  unsupported(body, "tool_choice", "none");
+  unsupported(body, "response_format", json{{"type", "text"}});
   return r;
 }
 
@@ -310,6 +374,21 @@ nlohmann::json completion_json(const CompletionRequest& req,
           {"choices", out},     {"usage", usage_json(req, choices)}};
 }
 
+nlohmann::json chat_completion_json(const CompletionRequest& req,
+                                    const std::vector<ChoiceState>& choices,
+                                    const std::string& id, const std::string& model,
+                                    int64_t created) {
+  json out = json::array();
+  for (size_t i = 0; i < choices.size(); ++i)
+    out.push_back({{"index", i},
+                   {"message", {{"role", "assistant"}, {"content", choices[i].text}}},
+                   {"logprobs", nullptr},
+                   {"finish_reason", finish_reason_name(choices[i].reason)}});
+  return {{"id", id},           {"object", "chat.completion"},
+          {"created", created}, {"model", model},
+          {"choices", out},     {"usage", usage_json(req, choices)}};
+}
+
 nlohmann::json chunk_json(const std::string& id, const std::string& model, int64_t created,
                           int64_t index, const std::string& text, nlohmann::json logprobs,
                           std::optional<StopReason> finished) {
@@ -328,11 +407,32 @@ nlohmann::json chunk_json(const std::string& id, const std::string& model, int64
 
 namespace kvlab {
 
-std::string chunk_tail(const std::string& id, const std::string& model, int64_t created) {
+const char* chunk_object(bool chat) { return chat ? "chat.completion.chunk" : "text_completion"; }
+
+std::string chunk_tail(const std::string& id, const std::string& model, int64_t created,
+                       bool chat) {
   // The object's keys after "choices", in the order dump() writes them (sorted), without its
   // opening brace.
-  const json j{{"created", created}, {"id", id}, {"model", model}, {"object", "text_completion"}};
+  const json j{{"created", created}, {"id", id}, {"model", model}, {"object", chunk_object(chat)}};
   return dump(j).substr(1);
+}
+
+void append_chat_event(std::string& out, const std::string& tail, int64_t index,
+                       const std::string& text, bool first, std::optional<StopReason> finished) {
+  out += "data: {\"choices\":[{\"delta\":{";
+  if (first) out += "\"role\":\"assistant\"";
+  if (first || !text.empty()) {
+    if (first) out += ',';
+    out += "\"content\":";
+    out += dump(json(text));
+  }
+  out += "},\"finish_reason\":";
+  out += finished ? detail::cat("\"", finish_reason_name(*finished), "\"") : std::string("null");
+  out += ",\"index\":";
+  out += std::to_string(index);
+  out += ",\"logprobs\":null}],";
+  out += tail;
+  out += "\n\n";
 }
 
 void append_chunk_event(std::string& out, const std::string& tail, int64_t index,

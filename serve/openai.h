@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "data/chat_template.h"
 #include "data/tokenizer.h"
 #include "infer/engine.h"
 #include "infer/sampler.h"
@@ -58,6 +59,7 @@ struct CompletionRequest {
   bool echo = false;
   int64_t logprobs = -1;  // the top alternatives per token; -1 when null
   bool ignore_eos = false;  // llama-server's: go on past the end-of-generation tokens
+  bool chat = false;  // from /v1/chat/completions: answered as chat.completion objects
 };
 
 // Parses and checks a request body against the limits, the served model's name, its
@@ -66,6 +68,16 @@ struct CompletionRequest {
 CompletionRequest parse_completion_request(std::string_view body, const ApiLimits& limits,
                                            const std::string& model_name,
                                            const Tokenizer& tokenizer, int64_t block_size);
+
+// A /v1/chat/completions body: its messages rendered by the model's chat template (null: the
+// server has none, a 400 saying `no_template`) into one prompt, with special tokens read from
+// the text; max_completion_tokens (or max_tokens) defaults to the rest of the context; the
+// other fields as parse_completion_request takes them. logprobs, tools and response_format
+// are refused but at their defaults. Throws ApiError (400 naming the field, 404 for the model).
+CompletionRequest parse_chat_request(std::string_view body, const ApiLimits& limits,
+                                     const std::string& model_name, const Tokenizer& tokenizer,
+                                     int64_t block_size, const ChatTemplate* tmpl,
+                                     const std::string& no_template);
 
 // One choice as it accumulates: the text made (stop strings cut), its tokens and their
 // log-probabilities when asked, and why it ended.
@@ -94,6 +106,12 @@ nlohmann::json completion_json(const CompletionRequest& req, const std::vector<C
                                const Tokenizer& tokenizer, const std::string& id,
                                const std::string& model, int64_t created);
 
+// The whole response to a non-streamed chat request: each choice's message, and usage.
+nlohmann::json chat_completion_json(const CompletionRequest& req,
+                                    const std::vector<ChoiceState>& choices,
+                                    const std::string& id, const std::string& model,
+                                    int64_t created);
+
 // One streamed chunk: choice `index` with a piece of text, its logprobs (null when not asked)
 // and its finish reason (null until it ends).
 nlohmann::json chunk_json(const std::string& id, const std::string& model, int64_t created,
@@ -102,11 +120,18 @@ nlohmann::json chunk_json(const std::string& id, const std::string& model, int64
 
 // chunk_json's server-sent event ("data: " + its JSON + "\n\n"), the same bytes, appended to
 // `out` without building the object: a stream at one token an event makes one per token.
-// `tail` is chunk_tail(id, model, created), the fields every chunk of a call shares.
-std::string chunk_tail(const std::string& id, const std::string& model, int64_t created);
+// `tail` is chunk_tail(id, model, created, chat), the fields every chunk of a call shares.
+const char* chunk_object(bool chat);  // "chat.completion.chunk" or "text_completion"
+std::string chunk_tail(const std::string& id, const std::string& model, int64_t created,
+                       bool chat = false);
 void append_chunk_event(std::string& out, const std::string& tail, int64_t index,
                         const std::string& text, const nlohmann::json& logprobs,
                         std::optional<StopReason> finished);
+
+// A chat stream's chunk: choice `index`'s delta (its first carries the role), and its finish
+// reason (null until it ends).
+void append_chat_event(std::string& out, const std::string& tail, int64_t index,
+                       const std::string& text, bool first, std::optional<StopReason> finished);
 
 // usage: the prompts' tokens (each once, whatever n), the tokens made over every choice.
 nlohmann::json usage_json(const CompletionRequest& req, const std::vector<ChoiceState>& choices);

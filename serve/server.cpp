@@ -62,11 +62,11 @@ void reply_error(httplib::Response& res, const ApiError& e) {
   res.set_content(dump(error_json(e)), "application/json");
 }
 
-// A random completion id, as OpenAI's "cmpl-..." ones.
-std::string completion_id() {
+// A random completion id, as OpenAI's "cmpl-..." (chat: "chatcmpl-...") ones.
+std::string completion_id(bool chat) {
   static std::atomic<uint64_t> counter{std::random_device{}()};
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "cmpl-%016llx",
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%s-%016llx", chat ? "chatcmpl" : "cmpl",
                 static_cast<unsigned long long>(hash64(counter.fetch_add(1), 0x6b766c6162)));
   return buf;
 }
@@ -113,7 +113,7 @@ struct Call {
     std::optional<StopReason> finished;
   };
   CompletionRequest req;
-  std::string id = completion_id();
+  std::string id;
   int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
                         std::chrono::system_clock::now().time_since_epoch())
                         .count();
@@ -189,7 +189,24 @@ struct Server::Impl {
       options.limits.max_request_tokens =
           std::max<int64_t>(pool / 2, e.model().config().block_size);
     }
+    load_chat_template();
     routes();
+  }
+  void load_chat_template() {
+    const std::string& source = options.chat_template.empty()
+                                    ? engine.tokenizer().controls().chat_template
+                                    : options.chat_template;
+    if (source.empty()) {
+      no_template = "the model has no chat template (tokenizer.chat_template): start kvlab "
+                    "serve with --chat-template FILE";
+      return;
+    }
+    try {
+      chat_template.emplace(source);
+    } catch (const Error& err) {
+      no_template = detail::cat("the chat template cannot be used: ", err.what(),
+                                "; start kvlab serve with --chat-template FILE");
+    }
   }
 
   void routes();
@@ -200,7 +217,13 @@ struct Server::Impl {
   // The scheduler thread writes direct_sends (m held on entry and exit, released meanwhile);
   // true when an HTTP thread has something to do (a backlog, a failed send, a stream handed back).
   bool send_direct(std::unique_lock<std::mutex>& lk);
-  void completions(const httplib::Request& hreq, httplib::Response& res);
+  // The model's chat template, parsed once (null: none, or outside kvlab's Jinja subset, which
+  // no_template then says).
+  std::optional<ChatTemplate> chat_template;
+  std::string no_template;
+  void completions(const httplib::Request& hreq, httplib::Response& res, bool chat);
+  // A parsed request's call, queued for the scheduler; the response, or its stream.
+  void answer(std::shared_ptr<Call> call, httplib::Response& res);
   bool stream_some(Call& call, httplib::DataSink& sink);
   // A stream's pieces as one chunk of its body: an event per choice.
   std::string events_chunk(Call& call, std::deque<Call::Piece> pieces);
@@ -255,7 +278,9 @@ void Server::Impl::routes() {
     });
 
   http.Post("/v1/completions",
-            [this](const httplib::Request& q, httplib::Response& r) { completions(q, r); });
+            [this](const httplib::Request& q, httplib::Response& r) { completions(q, r, false); });
+  http.Post("/v1/chat/completions",
+            [this](const httplib::Request& q, httplib::Response& r) { completions(q, r, true); });
   http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     const json model{{"id", options.model_name},
                      {"object", "model"},
@@ -298,11 +323,15 @@ void Server::Impl::routes() {
       });
 }
 
-void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& res) {
+void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& res, bool chat) {
   auto call = std::make_shared<Call>();
+  const int64_t context = engine.model().config().block_size;
   try {
-    call->req = parse_completion_request(hreq.body, options.limits, options.model_name,
-                                         engine.tokenizer(), engine.model().config().block_size);
+    call->req = chat ? parse_chat_request(hreq.body, options.limits, options.model_name,
+                                          engine.tokenizer(), context,
+                                          chat_template ? &*chat_template : nullptr, no_template)
+                     : parse_completion_request(hreq.body, options.limits, options.model_name,
+                                                engine.tokenizer(), context);
   } catch (const ApiError& e) {
     {
       std::lock_guard lk(m);
@@ -311,12 +340,18 @@ void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& 
     reply_error(res, e);
     return;
   }
+  call->id = completion_id(chat);
+  answer(std::move(call), res);
+}
+
+void Server::Impl::answer(std::shared_ptr<Call> call, httplib::Response& res) {
   const size_t n_choices = call->req.prompts.size() * static_cast<size_t>(call->req.n);
   call->choices.resize(n_choices);
   call->first_token.resize(n_choices);
   call->streamed.resize(n_choices, 0);
   call->unfinished = static_cast<int64_t>(n_choices);
-  if (call->req.stream) call->chunk_tail = chunk_tail(call->id, options.model_name, call->created);
+  if (call->req.stream)
+    call->chunk_tail = chunk_tail(call->id, options.model_name, call->created, call->req.chat);
   {
     std::lock_guard lk(m);
     if (stopping) {
@@ -330,14 +365,18 @@ void Server::Impl::completions(const httplib::Request& hreq, httplib::Response& 
     std::unique_lock lk(m);
     done_cv.wait(lk, [&] { return call->done() || stopping; });
     if (!call->done() || !call->failure.empty()) {
-      reply_error(res, ApiError(503, call->failure.empty() ? "the server is stopping" : call->failure,
-                                "", "server_error"));
+      reply_error(
+          res, ApiError(503, call->failure.empty() ? "the server is stopping" : call->failure, "",
+                        "server_error"));
       return;
     }
     lk.unlock();
-    res.set_content(dump(completion_json(call->req, call->choices, engine.tokenizer(), call->id,
-                                         options.model_name, call->created)),
-                    "application/json");
+    res.set_content(
+        dump(call->req.chat ? chat_completion_json(call->req, call->choices, call->id,
+                                                   options.model_name, call->created)
+                            : completion_json(call->req, call->choices, engine.tokenizer(),
+                                              call->id, options.model_name, call->created)),
+        "application/json");
     return;
   }
   res.set_header("Cache-Control", "no-cache");
@@ -403,6 +442,11 @@ std::string Server::Impl::events_chunk(Call& call, std::deque<Call::Piece> piece
   const CompletionRequest& req = call.req;
   std::string events;
   for (Call::Piece& p : merged) {
+    if (req.chat) {
+      call.streamed[static_cast<size_t>(p.choice)] += p.text.size();
+      append_chat_event(events, call.chunk_tail, p.choice, p.text, p.first, p.finished);
+      continue;
+    }
     const size_t b = static_cast<size_t>(p.choice / req.n);
     const bool echo = req.echo && p.first;
     std::string text = echo ? req.prompt_texts[b] + p.text : p.text;
@@ -430,7 +474,7 @@ std::string Server::Impl::end_chunk(const Call& call, bool stop, const std::stri
         ApiError(503, stop ? "the server is stopping" : failure, "", "server_error")));
   } else if (call.req.include_usage) {
     events += sse({{"id", call.id},
-                   {"object", "text_completion"},
+                   {"object", chunk_object(call.req.chat)},
                    {"created", call.created},
                    {"model", options.model_name},
                    {"choices", json::array()},
@@ -516,7 +560,9 @@ bool Server::Impl::dispatch(const std::vector<SchedulerEvent>& events) {
     }
     // A stream sends what changes what the client sees (text, a token's log-probability,
     // the echoed prompt, the end).
-    if (call.req.stream && (!e.text.empty() || !lps.empty() || e.finished || (first && call.req.echo))) {
+    // A chat stream's first chunk carries the role, whatever its text.
+    if (call.req.stream && (!e.text.empty() || !lps.empty() || e.finished ||
+                            (first && (call.req.echo || call.req.chat)))) {
       if (call.pieces.empty()) {
         call.pending_since = now;
         held.push_back(it->second.call);
@@ -655,11 +701,12 @@ std::string Server::Impl::metrics_text() {
          detail::cat("kvlab_requests_running ", running, "\n"));
   metric(out, "kvlab_requests_waiting", "gauge", "Sequences queued for admission.",
          detail::cat("kvlab_requests_waiting ", waiting, "\n"));
-  metric(out, "kvlab_kv_blocks", "gauge",
-         "KV cache blocks by state: used (held by a sequence), cached (kept for prefix hits), free.",
-         detail::cat("kvlab_kv_blocks{state=\"used\"} ", blocks.in_use, "\n",
-                     "kvlab_kv_blocks{state=\"cached\"} ", blocks.cached, "\n",
-                     "kvlab_kv_blocks{state=\"free\"} ", blocks.free, "\n"));
+  metric(
+      out, "kvlab_kv_blocks", "gauge",
+      "KV cache blocks by state: used (held by a sequence), cached (kept for prefix hits), free.",
+      detail::cat("kvlab_kv_blocks{state=\"used\"} ", blocks.in_use, "\n",
+                  "kvlab_kv_blocks{state=\"cached\"} ", blocks.cached, "\n",
+                  "kvlab_kv_blocks{state=\"free\"} ", blocks.free, "\n"));
   metric(out, "kvlab_kv_block_size", "gauge", "Positions per KV cache block.",
          detail::cat("kvlab_kv_block_size ", bs, "\n"));
   metric(out, "kvlab_kv_utilisation", "gauge",

@@ -1,5 +1,5 @@
 #pragma once
-// kvlab serve: the OpenAI completions API over HTTP (cpp-httplib), a thin layer over the
+// kvlab serve: the OpenAI completions and chat completions API over HTTP (cpp-httplib), a thin layer over the
 // scheduler. One thread runs the scheduler: it takes the requests the HTTP threads queue,
 // steps, and hands each step's events to the calls they belong to; an HTTP thread waits on
 // its call and writes the response, or streams it as server-sent events (on few cores the
@@ -20,6 +20,9 @@ struct ServeOptions {
   std::string host = "127.0.0.1";
   int port = 8000;  // 0: any free port (bind() says which)
   std::string model_name = "kvlab";
+  // The chat template of /v1/chat/completions (data/chat_template.h); empty: the model's own
+  // (Tokenizer::controls().chat_template), and where it has none the endpoint answers 400.
+  std::string chat_template;
   SchedulerOptions scheduler;
   ApiLimits limits;
   size_t max_body_bytes = 1 << 20;

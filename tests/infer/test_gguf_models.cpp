@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <tuple>
 
 #include "autograd/graph.h"
 #include "checkpoints/gguf_model.h"
 #include "checkpoints/model_io.h"
+#include "data/chat_template.h"
 #include "data/bpe.h"
 #include "infer/engine.h"
 #include "platform/ggml_blocks.h"
@@ -942,13 +944,38 @@ std::string as_js_string(std::string_view s) {
 constexpr const char* kUserDefinedText =
     "a[PAD151650]b [PAD151650][PAD151651] x</s>y <|endoftext|><s>z <|im_start|> schön, Tür";
 
+// A conversation for each family, rendered by the family's chat template: the file's own where
+// the vocabulary carries one (Qwen2's, Phi-3's), else the template of a model of that family
+// from llama.cpp's models/templates (GPT-2's vocabulary has none: ChatML's markers are text to
+// it).
+std::string family_chat(const std::string& family, const Tokenizer& tok, const fs::path& src) {
+  const std::map<std::string, std::string> templates = {
+      {"gpt-2", "Qwen-Qwen2.5-7B-Instruct"},
+      {"llama-bpe", "meta-llama-Llama-3.1-8B-Instruct"},
+      {"llama-spm", "mistralai-Mistral-Nemo-Instruct-2407"},
+      {"deepseek-llm", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B"},
+      {"deepseek-coder", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"}};
+  std::string source = tok.controls().chat_template;
+  if (source.empty()) {
+    std::ifstream in(src / "models" / "templates" / (templates.at(family) + ".jinja"));
+    source.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const nlohmann::ordered_json messages = {
+      {{"role", "system"}, {"content", "Be brief."}},
+      {{"role", "user"}, {"content", "Hi <|im_end|> there, schön?"}},
+      {{"role", "assistant"}, {"content", "Hello!"}},
+      {{"role", "user"}, {"content", " Two  spaces\n\nand lines."}}};
+  return chat_prompt(ChatTemplate(source, family), tok, messages).text;
+}
+
 // From text to text, as llama.cpp: for GPT-2's, Llama 3's, Qwen2's, Llama 2's, Phi-3's (these
 // two SentencePiece), DeepSeek LLM's and DeepSeek Coder's vocabularies, each in a random llama
 // model written by gguf-py (Qwen2's with its RMSNorm epsilon, 1e-6), kvlab's import tokenizes
 // the prompt (after BOS where the file asks, as llama.cpp's prompts begin), the torture text
 // and kUserDefinedText into llama.cpp's ids, and continues the prompt with llama.cpp's 24 greedy tokens (each step's
 // logits within the f32 tolerance, 2e-4, of llama.cpp's less the normaliser), which decode to
-// llama.cpp's text.
+// llama.cpp's text. A conversation rendered by the family's chat template encodes, special
+// tokens parsed, into llama.cpp's ids, with one BOS first where the file asks.
 TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
   std::string why;
   if (!test::have_llama_cpp(why)) GTEST_SKIP() << why;
@@ -959,8 +986,10 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     Tokenizer tok;
     std::vector<int32_t> prompt, tokens;
     std::vector<std::vector<float>> logits;
+    std::string chat;
   };
   std::vector<Run> runs;
+  const fs::path src = test::llama_cpp_source(why);
   nlohmann::json spec = nlohmann::json::array();
   for (const std::string family :
        {"gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3", "deepseek-llm", "deepseek-coder"}) {
@@ -968,7 +997,10 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
     if (!write_family_model(family, gguf, why)) GTEST_SKIP() << why;
     const Checkpoint c = gguf_to_checkpoint(read_gguf(gguf), gguf.string());
     EXPECT_EQ(get_gpt_config(c.config, family).norm_eps, family == "qwen2" ? 1e-6f : 1e-5f);
-    Run r{family, get_tokenizer(c, family), {}, {}, {}};
+    Run r{family, get_tokenizer(c, family), {}, {}, {}, {}};
+    EXPECT_EQ(r.tok.controls().chat_template.empty(), family != "qwen2" && family != "phi-3")
+        << "the vocabulary's tokenizer.chat_template is kept";
+    r.chat = family_chat(family, r.tok, src);
     r.prompt = r.tok.encode_prompt(prompt, "prompt");
     EXPECT_EQ(r.prompt.front() == 128000, family == "llama-bpe") << "Llama 3's BOS begins a prompt";
     r.tokens = greedy(*model_of(c), r.tok, r.prompt, n_new, &r.logits);
@@ -977,7 +1009,8 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
                     {"bos", true},
                     {"new_tokens", n_new},
                     {"threads", 1},
-                    {"tokenize", {std::string(test::kTortureText), kUserDefinedText}}});
+                    {"tokenize", {std::string(test::kTortureText), kUserDefinedText}},
+                    {"tokenize_special", {r.chat}}});
     runs.push_back(std::move(r));
   }
   std::string failure;
@@ -992,6 +1025,14 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
               r.tok.encode(test::kTortureText, "torture text"));
     EXPECT_EQ(out[i]["tokenized"][1].get<std::vector<int32_t>>(),
               r.tok.encode(kUserDefinedText, "user-defined text"));
+    std::vector<int32_t> chat = out[i]["tokenized_special"][0].get<std::vector<int32_t>>();
+    const TokenControls& ctl = r.tok.controls();
+    if (ctl.add_bos && (chat.empty() || chat.front() != ctl.bos))
+      chat.insert(chat.begin(), ctl.bos);
+    if (ctl.add_eos && (chat.empty() || chat.back() != ctl.eos)) chat.push_back(ctl.eos);
+    EXPECT_EQ(r.tok.encode_chat(r.chat), chat) << r.chat;
+    std::printf("[ llama.cpp ] %s: a chat of %zu tokens (%zu as plain text) encoded as llama.cpp\n",
+                r.family.c_str(), chat.size(), r.tok.encode(r.chat, "chat").size());
     const test::Agreement a = test::agreement(out[i], r.tokens, r.logits);
     double worst = 0;
     for (size_t step = 0; step < std::min(a.same + 1, r.tokens.size()); ++step)
@@ -1006,10 +1047,10 @@ TEST_F(GgufLlamaCpp, FamilyVocabulariesFromTextToTextAsLlamaCpp) {
 }
 
 // The same text from a model file as llama.cpp, both ways: kvlab imports `gguf` (written by
-// gguf-py), exports it again (which must import back to the same weights, under the same
-// architecture), and continues a text prompt (after BOS where the vocabulary asks) with the 24
-// greedy tokens llama.cpp gives on either file, each step's logits within 2e-4 of llama.cpp's
-// less the normaliser. Returns the imported config.
+// gguf-py), exports it again (which must import back to the same weights and tokenizer, chat
+// template included, under the same architecture), and continues a text prompt (after BOS where
+// the vocabulary asks) with the 24 greedy tokens llama.cpp gives on either file, each step's
+// logits within 2e-4 of llama.cpp's less the normaliser. Returns the imported config.
 GPTConfig expect_continued_as_llama_cpp(const fs::path& gguf, const fs::path& dir,
                                         const std::string& label) {
   SCOPED_TRACE(label);
@@ -1023,6 +1064,7 @@ GPTConfig expect_continued_as_llama_cpp(const fs::path& gguf, const fs::path& di
   const Checkpoint back = gguf_to_checkpoint(read_gguf(exported), exported.string());
   test::expect_bit_identical(back.model, c.model);
   EXPECT_EQ(back.config, c.config);
+  EXPECT_EQ(get_tokenizer(back, "export"), tok) << "the vocabulary, its controls and chat template";
 
   const std::string text = "The quick brown fox jumps over the lazy dog's back";
   const int64_t n_new = 24;

@@ -320,6 +320,95 @@ TEST(Serve, AnEndOfGenerationTokenEndsTheChoiceUnlessIgnoreEos) {
   EXPECT_EQ(json::parse(r->body)["usage"]["prompt_tokens"], 4);
 }
 
+// A chat is its rendered prompt's completion: the messages through the chat template, then the
+// same sampling as the engine's over that text, whole or streamed as chat.completion.chunk
+// deltas whose first carries the role.
+TEST(Serve, AChatIsItsRenderedPromptsCompletionStreamedOrNot) {
+  ServeOptions o;
+  o.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                    "{% if add_generation_prompt %}j{% endif %}";
+  Running s(o, 24);
+  const json messages =
+      json::array({{{"role", "user"}, {"content", "abc"}},
+                   {{"role", "assistant"}, {"content", "de"}},
+                   {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "fig"}}}}}});
+  const std::string want = s.generate({"abc de fig j"}, sampled(6, 5)).rows[0].text;
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    json body = {{"model", "tiny"}, {"messages", messages}, {"max_tokens", 6}, {"temperature", 0.9},
+                 {"top_k", 6},      {"top_p", 0.95},        {"seed", 5},      {"stream", stream}};
+    const auto r = s.client().Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    if (!stream) {
+      const json j = json::parse(r->body);
+      EXPECT_EQ(j["object"], "chat.completion");
+      EXPECT_EQ(j["id"].get<std::string>().rfind("chatcmpl-", 0), 0u);
+      EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+      EXPECT_EQ(j["choices"][0]["message"]["content"], want);
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+      EXPECT_EQ(j["usage"]["prompt_tokens"], 12);
+      continue;
+    }
+    bool done = false;
+    std::string text, role, reason;
+    const std::vector<json> events = events_of(r->body, done);
+    ASSERT_FALSE(events.empty());
+    for (const json& e : events) {
+      EXPECT_EQ(e["object"], "chat.completion.chunk");
+      const json& c = e["choices"][0];
+      if (c["delta"].contains("role")) role += c["delta"]["role"].get<std::string>();
+      text += c["delta"].value("content", "");
+      if (!c["finish_reason"].is_null()) reason = c["finish_reason"];
+    }
+    EXPECT_TRUE(events.front()["choices"][0]["delta"].contains("role"));
+    EXPECT_TRUE(done);
+    EXPECT_EQ(role, "assistant");
+    EXPECT_EQ(text, want);
+    EXPECT_EQ(reason, "length");
+  }
+}
+
+// What a chat cannot be is a 400 naming `messages` (or the field), and the server goes on.
+TEST(Serve, ChatsItCannotRenderGet400NamingTheField) {
+  const auto refusal = [](const Running& s, const json& body) {
+    const auto r = s.client().Post("/v1/chat/completions", body.dump(), "application/json");
+    EXPECT_TRUE(r);
+    if (!r) return json();
+    EXPECT_EQ(r->status, 400) << r->body;
+    return json::parse(r->body)["error"];
+  };
+  const json user = json::array({{{"role", "user"}, {"content", "abc"}}});
+  Running none;  // the tiny tokenizer has no chat template
+  json e = refusal(none, {{"messages", user}});
+  EXPECT_EQ(e["param"], "messages");
+  EXPECT_NE(e["message"].get<std::string>().find("--chat-template"), std::string::npos);
+
+  ServeOptions o;
+  o.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('users first') }}"
+                    "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}";
+  Running s(o, 16);
+  e = refusal(s, {{"messages", {{{"role", "assistant"}, {"content", "ab"}}}}});
+  EXPECT_EQ(e["param"], "messages");
+  EXPECT_NE(e["message"].get<std::string>().find("users first"), std::string::npos);
+  e = refusal(s, {{"messages", {{{"content", "ab"}}}}});
+  EXPECT_NE(e["message"].get<std::string>().find("messages[0] has no string 'role'"),
+            std::string::npos);
+  EXPECT_EQ(refusal(s, {{"messages", json::array()}})["param"], "messages");
+  EXPECT_EQ(
+      refusal(s, {{"messages", {{{"role", "user"}, {"content", std::string(40, 'a')}}}}})["param"],
+      "messages");
+  EXPECT_EQ(refusal(s, {{"messages", user}, {"logprobs", true}})["param"], "logprobs");
+  EXPECT_EQ(refusal(s, {{"messages", user}, {"tools", {{{"type", "function"}}}}})["param"],
+            "tools");
+  EXPECT_EQ(refusal(s, {{"messages", user}, {"max_completion_tokens", 0}})["param"],
+            "max_completion_tokens");
+  const auto ok = s.client().Post("/v1/chat/completions", json{{"messages", user}}.dump(),
+                                  "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
 // What evaluation harnesses ask for log-likelihoods: echo, logprobs and max_tokens 0 give
 // the log-probability of every prompt token after the first under the model.
 TEST(Serve, EchoedPromptLogprobsAreTheModelsLogSoftmax) {

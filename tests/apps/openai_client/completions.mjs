@@ -1,13 +1,15 @@
-// Drives `kvlab serve` with the official openai client: model listing, a greedy completion
-// (plain and streamed) that must match `kvlab generate`, and a rejected bad request.
-// Env: KVLAB_BASE_URL (http://127.0.0.1:PORT/v1), KVLAB_EXPECTED_TEXT.
+// Drives `kvlab serve` with the official openai client: model listing, a seeded completion
+// (plain and streamed) that must match `kvlab generate`, a chat completion (plain and streamed)
+// that must match `kvlab generate --chat`, and rejected bad requests.
+// Env: KVLAB_BASE_URL (http://127.0.0.1:PORT/v1), KVLAB_EXPECTED_TEXT, KVLAB_EXPECTED_CHAT.
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 
 const baseURL = process.env.KVLAB_BASE_URL;
 const expected = process.env.KVLAB_EXPECTED_TEXT;
-if (!baseURL || expected === undefined) {
-  console.error("completions.mjs: set KVLAB_BASE_URL and KVLAB_EXPECTED_TEXT");
+const expectedChat = process.env.KVLAB_EXPECTED_CHAT;
+if (!baseURL || expected === undefined || expectedChat === undefined) {
+  console.error("completions.mjs: set KVLAB_BASE_URL, KVLAB_EXPECTED_TEXT and KVLAB_EXPECTED_CHAT");
   process.exit(2);
 }
 
@@ -58,6 +60,64 @@ try {
     assert.ok(last, "stream had no choice chunks");
     assert.equal(text, expected, "streamed text differs from kvlab generate");
     assert.equal(last.finish_reason, "length", "finish_reason of the last choice chunk");
+  });
+
+  const chat = {
+    model,
+    messages: [
+      { role: "system", content: "the" },
+      { role: "user", content: [{ type: "text", text: "lord" }] },
+    ],
+    max_tokens: 4,
+    temperature: 1,
+    seed: 7,
+  };
+
+  await check("chat.completions.create", async () => {
+    const res = await client.chat.completions.create(chat);
+    assert.equal(res.object, "chat.completion");
+    assert.ok(res.id.startsWith("chatcmpl-"), `id ${res.id}`);
+    assert.equal(res.choices.length, 1, "one choice");
+    assert.equal(res.choices[0].message.role, "assistant");
+    assert.equal(res.choices[0].message.content, expectedChat, "reply differs from kvlab generate --chat");
+    assert.equal(res.choices[0].finish_reason, "length", "finish_reason");
+    assert.equal(res.usage.completion_tokens, 4, "usage.completion_tokens");
+    // "the; lord i": a character each
+    assert.equal(res.usage.prompt_tokens, 11, "usage.prompt_tokens");
+  });
+
+  await check("chat.completions.create stream", async () => {
+    const stream = await client.chat.completions.create({
+      ...chat, stream: true, stream_options: { include_usage: true },
+    });
+    let text = "";
+    let role = null;
+    let finish = null;
+    let usage = null;
+    for await (const chunk of stream) {
+      assert.equal(chunk.object, "chat.completion.chunk");
+      if (chunk.usage) usage = chunk.usage;
+      if (!chunk.choices || chunk.choices.length === 0) continue;
+      const delta = chunk.choices[0].delta;
+      if (delta.role) role = role ?? delta.role;
+      text += delta.content ?? "";
+      finish = chunk.choices[0].finish_reason ?? finish;
+    }
+    assert.equal(role, "assistant", "the first delta's role");
+    assert.equal(text, expectedChat, "streamed reply differs from kvlab generate --chat");
+    assert.equal(finish, "length", "finish_reason");
+    assert.equal(usage?.completion_tokens, 4, "usage.completion_tokens");
+  });
+
+  await check("a malformed chat message rejected with 400 naming messages", async () => {
+    await assert.rejects(
+      client.chat.completions.create({ ...chat, messages: [{ content: "no role" }] }),
+      (err) => {
+        assert.ok(err instanceof OpenAI.BadRequestError, `not a BadRequestError: ${err}`);
+        assert.equal(err.param, "messages", "error.param");
+        return true;
+      },
+    );
   });
 
   await check("bad request rejected with 400", async () => {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end check of `kvlab serve` with the official openai npm client: train a tiny model,
-# take `kvlab generate`'s greedy continuation as the expected text, serve the checkpoint on
-# an ephemeral port, run completions.mjs against it, then stop the server with SIGINT.
+# take `kvlab generate`'s continuation as the expected text (and `kvlab generate --chat`'s
+# reply, through a chat template, as the expected chat), serve the checkpoint on an ephemeral
+# port, run completions.mjs against it, then stop the server with SIGINT.
 # Usage: run.sh /path/to/kvlab. Exits 77 (skipped) without node or the openai package.
 set -u
 KVLAB=${1:?usage: run.sh /path/to/kvlab}
@@ -59,6 +60,24 @@ expected=$(node -e '
 expected=${expected%.}
 echo "ok: generate (expected text: $(printf '%q' "$expected"))"
 
+# A chat template in the corpus's characters (the model's vocabulary): the turns joined by
+# '; ', then ' i' where the reply begins.
+cat > "$work/chat.jinja" <<'JINJA'
+{%- for m in messages -%}
+  {{ m['content'] | trim }}{% if not loop.last %}; {% endif %}
+{%- endfor -%}
+{%- if add_generation_prompt %} i{% endif %}
+JINJA
+"$KVLAB" generate --ckpt "$ckpt" --chat --chat-template "$work/chat.jinja" --system "the" \
+  --prompt "lord" --max-new 4 --temperature 1 --seed 7 --json \
+  > "$work/chat.json" 2> "$work/chat.err" || fail "kvlab generate --chat failed: $(tail -5 "$work/chat.err")"
+expected_chat=$(node -e '
+  let s = "";
+  process.stdin.on("data", (d) => (s += d)).on("end", () => process.stdout.write(JSON.parse(s).texts[0] + "."));
+  ' < "$work/chat.json") || fail "cannot read texts[0] from: $(head -c 300 "$work/chat.json")"
+expected_chat=${expected_chat%.}
+echo "ok: generate --chat (expected reply: $(printf '%q' "$expected_chat"))"
+
 step=serve
 # Asynchronous commands of a non-interactive shell start with SIGINT ignored; restore the
 # default so the server sees SIGINT as it would from a terminal.
@@ -67,6 +86,7 @@ env --default-signal=INT true 2>/dev/null && reset_int=(env --default-signal=INT
 # The key comes from the environment (the flag's fallback); the client sends it.
 api_key=sk-kvlab-test-$$
 KVLAB_API_KEY=$api_key "${reset_int[@]}" "$KVLAB" serve --ckpt "$ckpt" --port 0 \
+  --chat-template "$work/chat.jinja" \
   > "$work/serve.out" 2> "$work/serve.log" &
 server_pid=$!
 port=
@@ -86,6 +106,7 @@ echo "ok: serve listening on port $port"
 
 step=client
 KVLAB_BASE_URL="http://127.0.0.1:$port/v1" KVLAB_EXPECTED_TEXT="$expected" KVLAB_API_KEY="$api_key" \
+  KVLAB_EXPECTED_CHAT="$expected_chat" \
   timeout 180 node "$here/completions.mjs" || fail "completions.mjs failed (status $?)"
 
 step=shutdown

@@ -2,11 +2,13 @@
 // CPU binaries (no build, no network, no GPU).
 // Usage: node greedy.mjs JOBS.json OUT.json
 // JOBS.json: [{"model": path, "prompt": [ids] or "text": string, "new_tokens": n,
-//              "threads": t, "forced": [ids] (optional), "tokenize": [strings] (optional)}, ...]
+//              "threads": t, "forced": [ids] (optional), "tokenize": [strings] (optional),
+//              "tokenize_special": [strings] (optional)}, ...]
 // OUT.json:  [{"tokens": [ids], "logprobs": [[log p of each vocabulary id], ...],
 //              "forced_logprobs": [[...], ...] (with "forced"),
 //              "prompt": [ids], "continuation": string (with "text"),
-//              "tokenized": [[ids], ...] (with "tokenize")}, ...], one row of
+//              "tokenized": [[ids], ...] (with "tokenize"),
+//              "tokenized_special": [[ids], ...] (with "tokenize_special")}, ...], one row of
 // log-probabilities per generated token: the distribution it was chosen from. With "forced",
 // the prompt is followed by those tokens one decode step at a time instead of llama.cpp's own
 // choices (teacher forcing), and "forced_logprobs" holds the distribution before each of them:
@@ -14,7 +16,9 @@
 // "text" prompt and the "tokenize" strings are tokenized by llama.cpp as text (special tokens'
 // text not parsed; the "text" prompt after the BOS token where the vocabulary asks for one, as
 // llama.cpp tokenizes a prompt, when the job says "bos": true), and the greedy tokens
-// detokenized into "continuation".
+// detokenized into "continuation". The "tokenize_special" strings are tokenized with special
+// tokens' text parsed as those tokens (as llama.cpp's server tokenizes a rendered chat), without
+// BOS or EOS added.
 // A job {"model": path, "controls": true, "vocab_size": n} reads the file's vocabulary alone
 // and gives
 // {"bos", "eos" (ids or null), "add_bos", "add_eos", "eog": [every id llama.cpp ends a
@@ -71,6 +75,8 @@ for (const job of jobs) {
     result.continuation = model.detokenize(tokens);
   }
   if (job.tokenize) result.tokenized = job.tokenize.map((t) => Array.from(model.tokenize(t, false)));
+  if (job.tokenize_special)
+    result.tokenized_special = job.tokenize_special.map((t) => Array.from(model.tokenize(t, true)));
   await context.dispose();
   if (job.forced) {
     context = await newContext();
