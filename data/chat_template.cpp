@@ -366,36 +366,22 @@ void append_json(std::string& out, const Value& v, int indent, int depth, int li
       out += '"';
       return;
     }
-    case Value::Kind::List: {
-      if (v.list->empty()) {
-        out += "[]";
-        return;
-      }
-      out += '[';
-      for (size_t k = 0; k < v.list->size(); ++k) {
-        if (k) out += item_sep;
-        newline(depth + 1);
-        append_json(out, (*v.list)[k], indent, depth + 1, line);
-      }
-      newline(depth);
-      out += ']';
-      return;
-    }
+    case Value::Kind::List:
     case Value::Kind::Dict: {
-      if (v.dict->empty()) {
-        out += "{}";
-        return;
-      }
-      out += '{';
-      for (size_t k = 0; k < v.dict->size(); ++k) {
+      const bool list = v.kind == Value::Kind::List;
+      const size_t n = list ? v.list->size() : v.dict->size();
+      out += list ? '[' : '{';
+      for (size_t k = 0; k < n; ++k) {
         if (k) out += item_sep;
         newline(depth + 1);
-        append_json(out, Value::str((*v.dict)[k].first), indent, depth + 1, line);
-        out += ": ";
-        append_json(out, (*v.dict)[k].second, indent, depth + 1, line);
+        if (!list) {
+          append_json(out, Value::str((*v.dict)[k].first), indent, depth + 1, line);
+          out += ": ";
+        }
+        append_json(out, list ? (*v.list)[k] : (*v.dict)[k].second, indent, depth + 1, line);
       }
-      newline(depth);
-      out += '}';
+      if (n > 0) newline(depth);
+      out += list ? ']' : '}';
       return;
     }
     default:
