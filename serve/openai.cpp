@@ -282,8 +282,10 @@ CompletionRequest parse_chat_request(std::string_view body_text, const ApiLimits
   if (messages == nullptr) bad("messages", "'messages' is required");
   ChatPrompt prompt;
   try {
-    // Parsed again in key order: templates see a message's keys as the client wrote them.
-    prompt = chat_prompt(*tmpl, tokenizer, nlohmann::ordered_json::parse(messages->dump()));
+    // The checked body read again keeping its keys' order (json sorts them): templates see a
+    // message's keys as the client wrote them.
+    prompt = chat_prompt(*tmpl, tokenizer,
+                         nlohmann::ordered_json::parse(body_text).at("messages"));
   } catch (const std::exception& e) {  // the template's, the tokenizer's, or a length_error
     bad("messages", e.what());
   }
