@@ -103,7 +103,8 @@ constexpr const char* kMlaNote =
     "Each MLA variant (a latent of the given rank and one rotary key shared by every head, "
     "cached in latent form) against the n_kv_head variant whose cache takes the nearest bytes "
     "per token, both trained the same way with the same seeds. The verdict is judged as every "
-    "verdict here: mean ± std intervals that overlap are within the seeds' spread. At equal "
+    "verdict here: by the paired bootstrap where the pair was scored on shared windows, beside "
+    "the seeds' spread (mean ± std intervals that overlap are within it). At equal "
     "bytes every MLA query head scores and sums the whole latent row, where a GQA head reads "
     "its narrower key and value: more arithmetic per token, which its decode speed shows.";
 
@@ -132,8 +133,9 @@ constexpr const char* kGenerationNote =
     "continuations at temperature 0.8 (the same prompts and seed for every model), their "
     "distinct bigrams over all bigrams and the share of 3-grams repeated within a sample. A pair is "
     "distinguishable by the paired bootstrap when every seed's 95% interval for the mean "
-    "per-token loss difference (resampling windows) excludes 0 on the same side; the seed-spread "
-    "verdict is the one below (mean ± std intervals that do not overlap).";
+    "per-token loss difference (resampling windows) excludes 0 on the same side; the findings "
+    "and verdicts use it, with the seed-spread verdict (mean ± std intervals that do not "
+    "overlap) beside it.";
 
 constexpr const char* kServingNote =
     "The workload's 256 requests, all at once, served with the trained model at the same "
@@ -284,7 +286,8 @@ std::vector<Section> outline(const Parsed& p, const std::vector<Verdict>& vs,
     for (const char* f : {"val_loss_curves", "val_loss_curves_vs_mha", "val_loss_vs_kv",
                           "cache_bytes_vs_kv"})
       s.figure(figs, f);
-    s.subheading("Verdicts (val loss, mean ± std over seeds)", "verdicts");
+    s.subheading("Verdicts (paired on shared windows where measured; val loss, mean ± std)",
+                 "verdicts");
     std::vector<std::string> lines;
     for (const Verdict& v : vs) lines.push_back(v.text);
     s.bullets(std::move(lines));

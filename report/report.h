@@ -14,7 +14,10 @@ namespace kvlab {
 struct Verdict {
   std::string a, b;
   std::string text;              // one line, names both variants and the figures it rests on
-  bool distinguishable = false;  // >= 2 seeds each and mean ± std intervals do not overlap
+  // By the paired bootstrap where the results hold the pair's paired evaluation (every seed's
+  // 95% interval excludes 0 on one side; the text gives the seed-spread verdict beside it),
+  // else by the seeds' spread (>= 2 seeds each and mean ± std intervals do not overlap).
+  bool distinguishable = false;
 };
 
 // Adjacent pairs in descending n_kv_head order, then each remaining variant against MHA

@@ -424,7 +424,7 @@ std::string format_table(const nlohmann::json& results) {
            render_text(uptrain_table(*p.uptrain));
     for (const std::string& f : uptrain_findings(*p.uptrain)) out += "  " + f + "\n";
   }
-  out += "\nverdicts (val loss, mean ± std over seeds):\n";
+  out += "\nverdicts (paired on shared windows where measured; val loss, mean ± std over seeds):\n";
   for (const Verdict& v : verdicts(p)) out += "  " + v.text + '\n';
   return out;
 }

@@ -33,6 +33,47 @@ Verdict compare(const Variant& a, const Variant& b) {
   return out;
 }
 
+// The verdict's wording without its "a vs b: " prefix.
+std::string verdict_wording(const Verdict& v) {
+  const std::string prefix = v.a + " vs " + v.b + ": ";
+  return v.text.rfind(prefix, 0) == 0 ? v.text.substr(prefix.size()) : v.text;
+}
+
+// The pair the paired evaluation measured for variants a and b (either order), or null.
+const GenPair* pair_of(const Parsed& p, const Variant& a, const Variant& b) {
+  if (!p.gen) return nullptr;
+  const size_t ia = &a - p.variants.data(), ib = &b - p.variants.data();
+  for (const GenPair& pair : p.gen->pairs)
+    if ((pair.a == ia && pair.b == ib) || (pair.a == ib && pair.b == ia)) return &pair;
+  return nullptr;
+}
+
+// The paired bootstrap's verdict in words: which side has the lower loss on the shared
+// windows (the seeds' mean of the per-token difference) when every seed's interval excludes 0
+// on one side, else that it does not tell them apart; each seed's interval as the figures.
+std::string paired_wording(const Parsed& p, const GenPair& pair) {
+  double mean = 0;
+  std::string per_seed;
+  for (const SeedInterval& s : pair.seeds) {
+    mean += s.mean / static_cast<double>(pair.seeds.size());
+    per_seed += (per_seed.empty() ? "" : "; ") + fmt("%+.4f", s.mean) + " [" +
+                fmt("%+.4f", s.lo) + ", " + fmt("%+.4f", s.hi) + "]";
+  }
+  const Variant &a = p.variants[pair.a], &b = p.variants[pair.b];
+  const std::string on = "paired on " + std::to_string(p.gen->windows) + " shared windows, ";
+  const std::string figures = " (" + b.label() + " - " + a.label() + " per seed: " + per_seed + ")";
+  if (!pair.distinguishable) {
+    const bool holds_zero = std::any_of(pair.seeds.begin(), pair.seeds.end(),
+                                        [](const SeedInterval& s) { return s.lo <= 0 && s.hi >= 0; });
+    return on + "not distinguishable: " +
+           (holds_zero ? "a seed's 95% interval holds 0" : "the seeds' intervals fall on both sides of 0") +
+           figures;
+  }
+  const Variant& lower = mean < 0 ? b : a;
+  return on + lower.label() + " has the lower loss, by " + fmt("%.4f", std::abs(mean)) +
+         " per token, every seed's 95% interval excluding 0" + figures;
+}
+
 // Where a converted model (the multi-head MLP, fewer KV heads) and the from-scratch one differ
 // in size (a --param-matched sweep widens the latter's MLP), saying so: the gap then mixes the
 // KV heads with the parameter count.
@@ -131,25 +172,39 @@ std::vector<std::string> generation_findings(const Parsed& p, const GenQuality& 
   return out;
 }
 
+// a against b: the paired verdict where the results hold one (it decides `distinguishable`),
+// the seed-spread verdict beside it; else the seed-spread verdict alone.
+namespace {
+Verdict judge(const Parsed& p, const Variant& a, const Variant& b) {
+  Verdict spread = compare(a, b);
+  const GenPair* pair = pair_of(p, a, b);
+  if (pair == nullptr) return spread;
+  Verdict out{spread.a, spread.b, spread.a + " vs " + spread.b + ": ", pair->distinguishable};
+  out.text += paired_wording(p, *pair) + "; by the seeds' spread of the val loss, " +
+              verdict_wording(spread);
+  return out;
+}
+}  // namespace
+
 std::vector<Verdict> verdicts(const Parsed& p) {
   std::vector<const Variant*> vs;
   for (const Variant& v : p.variants)
     if (!v.mla()) vs.push_back(&v);
   std::vector<Verdict> out;
-  for (std::size_t i = 0; i + 1 < vs.size(); ++i) out.push_back(compare(*vs[i], *vs[i + 1]));
+  for (std::size_t i = 0; i + 1 < vs.size(); ++i) out.push_back(judge(p, *vs[i], *vs[i + 1]));
   const auto mha =
       std::find_if(vs.begin(), vs.end(), [](const Variant* v) { return v->kind == "MHA"; });
   if (mha != vs.end()) {
     const std::size_t m = mha - vs.begin();
     for (std::size_t j = 0; j < vs.size(); ++j)
       if (j + 1 < m || j > m + 1)  // adjacent pairs are already compared
-        out.push_back(compare(*vs[std::min(j, m)], *vs[std::max(j, m)]));
+        out.push_back(judge(p, *vs[std::min(j, m)], *vs[std::max(j, m)]));
   }
   for (const Variant& v : p.variants) {
     if (!v.mla()) continue;
     const Variant* near = nearest_in_bytes(p, v);
-    if (near) out.push_back(compare(v, *near));
-    if (mha != vs.end() && *mha != near) out.push_back(compare(v, **mha));
+    if (near) out.push_back(judge(p, v, *near));
+    if (mha != vs.end() && *mha != near) out.push_back(judge(p, v, **mha));
   }
   return out;
 }
@@ -162,7 +217,7 @@ std::vector<std::string> mla_findings(const Parsed& p) {
     if (g == nullptr) continue;
     const double mb = *m.get("cache_bytes_per_token"), gb = *g->get("cache_bytes_per_token");
     out.push_back("At " + fmt("%.0f", mb) + " against " + fmt("%.0f", gb) +
-                  " cache bytes per token (" + fmt("%.2f", mb / gb) + "x): " + compare(m, *g).text +
+                  " cache bytes per token (" + fmt("%.2f", mb / gb) + "x): " + judge(p, m, *g).text +
                   ".");
   }
   return out;
@@ -237,7 +292,9 @@ std::vector<std::string> serving_findings(const Parsed& p) {
       line += "; at " + fmt("%.2f", top.rate) + " requests/s offered it serves " +
               fmt("%.2f", *lo) + "-" + fmt("%.2f", *hi) + " against MHA's " + fmt("%.2f", *mlo) +
               "-" + fmt("%.2f", *mhi) + ": " +
-              (apart ? "beyond the run-to-run spread" : "within the run-to-run spread");
+              (!apart          ? "within the run-to-run spread"
+               : *lo > *mhi    ? "more than MHA, beyond the run-to-run spread"
+                               : "fewer than MHA, beyond the run-to-run spread");
     }
     out.push_back(line + ".");
   }
@@ -295,12 +352,6 @@ std::vector<std::string> uptrain_findings(const Uptrain& u) {
   return out;
 }
 
-// The verdict's wording without its "a vs b: " prefix.
-std::string verdict_wording(const Verdict& v) {
-  const std::string prefix = v.a + " vs " + v.b + ": ";
-  return v.text.rfind(prefix, 0) == 0 ? v.text.substr(prefix.size()) : v.text;
-}
-
 // Per variant against MHA: the loss it costs with the verdict's wording, the cache it saves,
 // and the sequences the paged cache holds at the serving workload's KV memory (else the full
 // context sequences in the KV budget). Then the best cache dtype per byte budget: at each
@@ -316,7 +367,7 @@ std::vector<Finding> findings(const Parsed& p) {
       if (&v == mha) continue;
       Finding f;
       f.text = v.label() + ": val loss " + loss_delta_cell(p, v) + " against MHA (" +
-               verdict_wording(compare(*mha, v)) + "). Its cache takes " + vs_mha_cell(v) +
+               verdict_wording(judge(p, *mha, v)) + "). Its cache takes " + vs_mha_cell(v) +
                " MHA's bytes, " + cache_cell(v) + " against " + cache_cell(*mha) +
                " a full-context sequence";
       f.links = {"table-results", "verdicts"};

@@ -449,9 +449,17 @@ TEST(FormatTable, ServingSweepFindingsSayWhatIsBeyondTheSpread) {
             std::string::npos)
       << out;
   EXPECT_NE(out.find("n_kv_head=1 (MQA) sustains 20.00 requests/s; at 20.00 requests/s offered it "
-                     "serves 14.00-15.00 against MHA's 10.00-11.00: beyond the run-to-run spread."),
+                     "serves 14.00-15.00 against MHA's 10.00-11.00: more than MHA, beyond the "
+                     "run-to-run spread."),
             std::string::npos)
       << out;
+  for (json& v : r["variants"])
+    if (v["n_kv_head"] == 1) sweep(6, 7, 5, v);  // below MHA's range
+  const std::string fewer = format_table(r);
+  EXPECT_NE(fewer.find("serves 6.00-7.00 against MHA's 10.00-11.00: fewer than MHA, beyond the "
+                       "run-to-run spread."),
+            std::string::npos)
+      << fewer;
 }
 
 // The memory-quality frontier: a point is on it when no other has as few bytes at a lower
@@ -798,6 +806,76 @@ json default_results() {
   return json::parse(read(fs::path(KVLAB_SOURCE_DIR) / "tests/report/browser/results.json"));
 }
 
+// Where the results hold the paired evaluation, it decides each pair's verdict (naming the side
+// with the lower loss on the shared windows), with the seed-spread verdict beside it; the
+// terminal's verdicts and findings say the same.
+TEST(CompareVariants, ThePairedVerdictDecidesWhereTheResultsHoldIt) {
+  json r = default_results();
+  const json& pairs = r["generation_quality"]["pairs"];
+  const auto find = [](const std::vector<Verdict>& vs, const std::string& a, const std::string& b) {
+    for (const Verdict& v : vs)
+      if (v.a == a && v.b == b) return v;
+    ADD_FAILURE() << a << " vs " << b << " not judged";
+    return Verdict{};
+  };
+  const std::string mha = "n_kv_head=8 (MHA)", g4 = "n_kv_head=4 (GQA)", g2 = "n_kv_head=2 (GQA)";
+  const auto mean_diff = [&](const char* a, const char* b) {
+    for (const json& p : pairs)
+      if (p["a"] == a && p["b"] == b) {
+        double sum = 0;
+        for (const json& s : p["seeds"]) sum += s["mean_diff"].get<double>();
+        return sum / static_cast<double>(p["seeds"].size());
+      }
+    ADD_FAILURE() << a << "-" << b << " not in the fixture";
+    return 0.0;
+  };
+  const auto spread = compare_variants(json{{"config", r["config"]}, {"variants", r["variants"]}});
+  const auto paired = compare_variants(r);
+  ASSERT_EQ(paired.size(), spread.size());
+
+  // kv2 - kv8 is positive in every seed's interval: MHA has the lower loss, by the seeds' mean.
+  const Verdict v82 = find(paired, mha, g2);
+  EXPECT_TRUE(v82.distinguishable);
+  char by[32];
+  std::snprintf(by, sizeof by, "%.4f", mean_diff("kv8", "kv2"));
+  EXPECT_NE(v82.text.find("paired on 256 shared windows, " + mha + " has the lower loss, by " + by),
+            std::string::npos)
+      << v82.text;
+  const Verdict s82 = find(spread, mha, g2);
+  EXPECT_FALSE(s82.distinguishable) << s82.text;  // the seeds' spread alone cannot tell them
+  EXPECT_NE(v82.text.find("by the seeds' spread of the val loss, " +
+                          s82.text.substr((mha + " vs " + g2 + ": ").size())),
+            std::string::npos)
+      << v82.text;
+
+  // The seeds disagree in sign for kv8/kv4; a seed's interval holds 0 for kv4/kv2.
+  const Verdict v84 = find(paired, mha, g4), v42 = find(paired, g4, g2);
+  EXPECT_FALSE(v84.distinguishable);
+  EXPECT_NE(v84.text.find("not distinguishable: the seeds' intervals fall on both sides of 0"),
+            std::string::npos)
+      << v84.text;
+  EXPECT_FALSE(v42.distinguishable);
+  EXPECT_NE(v42.text.find("not distinguishable: a seed's 95% interval holds 0"), std::string::npos)
+      << v42.text;
+
+  // Flipped signs name the other side.
+  json flipped = r;
+  for (json& p : flipped["generation_quality"]["pairs"])
+    if (p["a"] == "kv8" && p["b"] == "kv2")
+      for (json& s : p["seeds"]) {
+        s["mean_diff"] = -s["mean_diff"].get<double>();
+        s["ci95"] = {-s["ci95"][1].get<double>(), -s["ci95"][0].get<double>()};
+      }
+  const Verdict f82 = find(compare_variants(flipped), mha, g2);
+  EXPECT_NE(f82.text.find("paired on 256 shared windows, " + g2 + " has the lower loss, by " + by),
+            std::string::npos)
+      << f82.text;
+
+  // The terminal's verdict lines carry the paired verdict (the findings: below).
+  const std::string out = format_table(r);
+  EXPECT_NE(out.find("  " + v82.text + "\n"), std::string::npos) << out;
+}
+
 // Text as a reader sees it: tags out, the escapes the report writes (an apostrophe's &#39;)
 // back to their characters.
 std::string strip_tags(const std::string& html) {
@@ -920,6 +998,11 @@ TEST_F(ReportFiles, EveryFigureOfTheFindingsIsTheOneItsTableShows) {
   for (const char* figure : {"+0.0504", "0.125x", "32.0 KiB", "256 KiB", "4.00 MiB", "256", "82"})
     EXPECT_TRUE(shows(mqa, figure)) << figure << " in " << mqa;
   EXPECT_NE(mqa.find("has the lower val loss, by 0.0504"), std::string::npos) << mqa;
+  // n_kv_head 2's finding carries the paired verdict, which tells it from MHA.
+  EXPECT_NE(l.findings[1].first.find("(paired on 256 shared windows, n_kv_head=8 (MHA) has the "
+                                     "lower loss, by 0.0267"),
+            std::string::npos)
+      << l.findings[1].first;
   EXPECT_NE(l.findings[3].first.find("within 256 B, n_kv_head=2 (GQA) with fp8"),
             std::string::npos)
       << l.findings[3].first;
