@@ -20,6 +20,11 @@ struct Corpus {
   std::string path;
   uint64_t content_hash = 0;  // fnv1a64 of the file's bytes
   int64_t val_bytes = 0;      // bytes of text the val ids stand for (bits per byte's divisor)
+  // A task's corpus (data/mqar.h): per token the id it must be predicted as, -1 where the loss
+  // does not score it, and windows that start at multiples of example_tokens (one example
+  // each). Empty and 0 for text: every next token is scored, a window starts anywhere.
+  std::vector<int32_t> train_targets = {}, val_targets = {};
+  int64_t example_tokens = 0;
 };
 
 // A bpe corpus's vocabulary: vocab_size tokens (the model's vocabulary), learnt under
