@@ -32,6 +32,23 @@ void add_data_flags(CLI::App* cmd, TrainFlags& f) {
                   "FILE.<hash>.bpe-<vocab size>-kvlab-val<fraction>.kvlab-cache; an edit "
                   "replaces it)")
       ->capture_default_str();
+  cmd->add_option("--task", c.task,
+                  "text (the corpus) or mqar: multi-query associative recall (Zoology), "
+                  "generated examples of --block-size + 1 tokens, each --mqar-pairs key-value "
+                  "pairs then every key queried once; loss and accuracy on the answers only. "
+                  "Its defaults: --tokenizer byte, --arch llama, --dropout 0")
+      ->check(CLI::IsMember({"text", "mqar"}))
+      ->capture_default_str();
+  add_number(cmd, "--mqar-vocab", c.mqar.vocab,
+             "MQAR: tokens of the task (keys in the lower half, values in the upper; <= 256)");
+  add_number(cmd, "--mqar-pairs", c.mqar.pairs,
+             "MQAR: key-value pairs per example (needs --block-size >= 4 x pairs)");
+  add_number(cmd, "--mqar-train-examples", c.mqar.train_examples,
+             "MQAR: training examples (drawn with replacement)");
+  add_number(cmd, "--mqar-val-examples", c.mqar.val_examples,
+             "MQAR: validation examples (other than the training ones)");
+  add_number(cmd, "--mqar-seed", c.mqar.seed,
+             "MQAR: seed of the examples (not of the run: every run sees the same data)");
   cmd->add_option("--tokenizer", c.tokenizer,
                   "char (code points of the corpus), byte, or bpe (a byte-level BPE vocabulary "
                   "of --vocab-size tokens learnt from the training split, cached beside the "
@@ -210,7 +227,22 @@ void take_model_from(TrainFlags& f, const GPTConfig& theirs, const std::string& 
   f.cfg.tokenizer = tokenizer_kind;
 }
 
-TrainConfig finish_train_flags(const TrainFlags& f) {
+namespace {
+bool flag_given(const TrainFlags& f, const char* flag) {
+  const CLI::Option* opt = f.cmd != nullptr ? f.cmd->get_option_no_throw(flag) : nullptr;
+  return opt != nullptr && opt->count() > 0;
+}
+}  // namespace
+
+TrainConfig finish_train_flags(const TrainFlags& flags) {
+  TrainFlags f = flags;
+  // MQAR's defaults where a flag is not given: its tokens byte-level, and a block that learns
+  // the task within the default budget (rotary positions, no dropout).
+  if (f.cfg.task == "mqar") {
+    if (!flag_given(f, "--tokenizer")) f.cfg.tokenizer = "byte";
+    if (!flag_given(f, "--arch")) f.arch = "llama";
+    if (!flag_given(f, "--dropout")) f.cfg.model.dropout = 0;
+  }
   TrainConfig c = f.cfg;
   // Only the flag's absence means MHA; an explicit 0 or negative count is a mistake.
   KVLAB_USAGE_CHECK(!f.n_kv_head_given || c.model.n_head < 1 ||
@@ -222,7 +254,7 @@ TrainConfig finish_train_flags(const TrainFlags& f) {
   block_from_flags(f, c.model);
   c.device = parse_device(f.device);
   c.precision = parse_dtype(f.dtype, c.device);
-  KVLAB_USAGE_CHECK(std::filesystem::exists(c.corpus), "corpus ", c.corpus,
+  KVLAB_USAGE_CHECK(c.task != "text" || std::filesystem::exists(c.corpus), "corpus ", c.corpus,
                     ": no such file (pass --corpus FILE, or run scripts/setup.sh for the "
                     "default corpus)");
   const CLI::Option* vocab = f.cmd != nullptr ? f.cmd->get_option_no_throw("--vocab-size") : nullptr;

@@ -48,8 +48,10 @@ cmake --build build-asan -j "$jobs"
 lsan_supp="$PWD/tests/lsan.supp"
 # The sweep's workflow variants (resume, reuse, a changed config or corpus, uptraining, MLA
 # and bpe variants, MPI ranks) take minutes each under the sanitizers and run the code that
-# AblateTest.QuickSweepEndToEndInvariants runs there too; the Release suite above runs them.
-sanitizer_skip='^(AblateTest\.(UptrainConverts|MlaRanksJoin|Resume|BpeSweep|AnotherCorpus|AChangedConfig|ARunFolder).*|mpi\.ablate)$'
+# AblateTest.QuickSweepEndToEndInvariants runs there too; so does MQAR's learning test, whose
+# sampler, evaluation and log TrainerTest.AnMqarRunLogsItsAccuracy runs. The Release suite
+# above runs them.
+sanitizer_skip='^(AblateTest\.(UptrainConverts|MlaRanksJoin|Resume|BpeSweep|AnotherCorpus|AChangedConfig|ARunFolder).*|TrainerTest\.MqarIsLearnt.*|mpi\.ablate)$'
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS="suppressions=$lsan_supp" \
   ctest --output-on-failure -j "$jobs" --timeout 900 -E "$sanitizer_skip")
 

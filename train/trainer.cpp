@@ -37,7 +37,11 @@ void TrainConfig::validate() const {
                                     {"dropout", model.dropout},
                                     {"val_fraction", val_fraction}})
     KVLAB_CHECK(std::isfinite(value), "train: ", name, " must be a finite number, got ", value);
-  KVLAB_CHECK(!corpus.empty(), "train: no corpus given (--corpus FILE)");
+  KVLAB_CHECK(task == "text" || task == "mqar", "train: task must be text or mqar, got ", task);
+  KVLAB_CHECK(task == "text" || tokenizer == "byte",
+              "train: --task mqar carries its tokens byte-level; drop --tokenizer ", tokenizer);
+  if (task == "mqar") mqar.validate(model.block_size + 1);
+  KVLAB_CHECK(task != "text" || !corpus.empty(), "train: no corpus given (--corpus FILE)");
   KVLAB_CHECK(batch_size >= 1, "train: batch_size must be >= 1, got ", batch_size);
   KVLAB_CHECK(grad_accum >= 1, "train: grad_accum must be >= 1, got ", grad_accum);
   KVLAB_CHECK(iters >= 1, "train: iters must be >= 1, got ", iters);
@@ -87,6 +91,14 @@ Attrs TrainConfig::to_attrs() const {
   a["eval_interval"] = eval_interval;
   a["eval_iters"] = eval_iters;
   a["seed"] = static_cast<int64_t>(seed);
+  if (task != "text") {  // a text run's attributes stay as they were before tasks
+    a["task"] = task;
+    a["mqar_vocab"] = static_cast<int64_t>(mqar.vocab);
+    a["mqar_pairs"] = static_cast<int64_t>(mqar.pairs);
+    a["mqar_train_examples"] = mqar.train_examples;
+    a["mqar_val_examples"] = mqar.val_examples;
+    a["mqar_seed"] = static_cast<int64_t>(mqar.seed);
+  }
   if (!init_from.empty()) {
     a["init_from"] = init_from;
     a["init_from_hash"] = init_from_hash;
@@ -170,6 +182,11 @@ std::vector<std::string> config_differences(const Attrs& a, const Attrs& b) {
 }
 
 namespace {
+// A split's targets for the sampler: null (the next tokens) where the corpus has none.
+const std::vector<int32_t>* targets_of(const std::vector<int32_t>& targets) {
+  return targets.empty() ? nullptr : &targets;
+}
+
 // Every setting is checked before the corpus is read (the vocabulary comes from the corpus).
 Corpus validated_corpus(const TrainConfig& cfg) {
   TrainConfig check = cfg;
@@ -180,6 +197,7 @@ Corpus validated_corpus(const TrainConfig& cfg) {
 }  // namespace
 
 Corpus load_run_corpus(const TrainConfig& cfg) {
+  if (cfg.task == "mqar") return mqar_corpus(cfg.mqar, cfg.model.block_size);
   const TokenizerKind kind = Tokenizer::parse_kind(cfg.tokenizer);
   BpeSettings bpe;
   if (kind == TokenizerKind::Bpe) {
@@ -229,12 +247,13 @@ Trainer::Trainer(const TrainConfig& cfg, std::shared_ptr<Communicator> comm)
     zero_ = std::make_unique<ShardedAdamW>(model_->named_parameters(), adamw, comm_);
   else
     opt_ = std::make_unique<AdamW>(model_->named_parameters(), adamw);
-  sampler_ = std::make_unique<BatchSampler>(corpus_.train, static_cast<int>(cfg_.batch_size),
-                                            static_cast<int>(cfg_.model.block_size),
-                                            sampler_seed(cfg_.seed, rank));
+  sampler_ = std::make_unique<BatchSampler>(
+      corpus_.train, static_cast<int>(cfg_.batch_size), static_cast<int>(cfg_.model.block_size),
+      sampler_seed(cfg_.seed, rank), targets_of(corpus_.train_targets), corpus_.example_tokens);
   val_starts_ = fixed_windows(static_cast<int64_t>(corpus_.val.size()),
                               static_cast<int>(cfg_.model.block_size),
-                              static_cast<int>(cfg_.eval_iters * cfg_.batch_size));
+                              static_cast<int>(cfg_.eval_iters * cfg_.batch_size), 1234,
+                              corpus_.example_tokens);
 }
 
 fs::path Trainer::checkpoint_path(const std::string& which) const {
@@ -427,6 +446,7 @@ void Trainer::append_log(const StepRecord& r) {
     j["val_loss"] = *r.val_loss;
     j["val_bpb"] = bits_per_byte(*r.val_loss, val_tokens_per_byte(corpus_));
   }
+  if (r.val_accuracy) j["val_accuracy"] = *r.val_accuracy;
   if (comm_->world_size() > 1 && r.step > 0) {
     j["comm_s"] = r.comm_s;
     j["comm_frac"] = r.step_s > 0 ? r.comm_s / r.step_s : 0.0;
@@ -436,36 +456,61 @@ void Trainer::append_log(const StepRecord& r) {
       << j.dump() << "\n";
 }
 
-double Trainer::evaluate() {
+double Trainer::evaluate() { return evaluate_all().loss; }
+
+Trainer::Evaluation Trainer::evaluate_all() {
   NoGradGuard no_grad;
   MatmulPrecisionGuard precision(cfg_.precision);
   const bool was_training = model_->training();
   model_->set_training(false);
   const int64_t B = cfg_.batch_size, T = cfg_.model.block_size;
+  const std::vector<int32_t>* targets = targets_of(corpus_.val_targets);
   std::vector<int32_t> x, y;
   Tensor xt = Tensor::empty({B, T}, DType::I32), yt = Tensor::empty({B, T}, DType::I32);
-  double total = 0;
   const int world = comm_->world_size(), rank = comm_->rank();
-  // With several ranks, batch i is evaluated on rank i % world and the per-batch losses are
-  // all-reduced (adding zeros is exact), then summed in order: the single-process value.
-  std::vector<double> losses(world > 1 ? static_cast<size_t>(cfg_.eval_iters) : 0, 0.0);
-  for (int64_t i = 0; i < cfg_.eval_iters; ++i) {
-    if (world > 1 && i % world != rank) continue;
-    fill_windows(corpus_.val, std::span<const int64_t>(val_starts_).subspan(i * B, B),
-                 static_cast<int>(T), x, y);
+  // Per batch: its loss, and on a task corpus its scored tokens and those the argmax got right.
+  // With several ranks, batch i is evaluated on rank i % world and the figures are all-reduced
+  // (adding zeros is exact), then summed in order: the single-process value.
+  const auto n = static_cast<size_t>(cfg_.eval_iters);
+  std::vector<double> losses(n, 0.0), scored(targets ? n : 0, 0.0), right(scored.size(), 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    if (world > 1 && static_cast<int>(i % static_cast<size_t>(world)) != rank) continue;
+    fill_windows(corpus_.val,
+                 std::span<const int64_t>(val_starts_).subspan(i * static_cast<size_t>(B),
+                                                               static_cast<size_t>(B)),
+                 static_cast<int>(T), x, y, targets);
     std::copy(x.begin(), x.end(), xt.data<int32_t>());
     std::copy(y.begin(), y.end(), yt.data<int32_t>());
-    if (world > 1)
-      losses[static_cast<size_t>(i)] = model_->loss(xt, yt).item();
-    else
-      total += model_->loss(xt, yt).item();
+    if (targets == nullptr) {
+      losses[i] = model_->loss(xt, yt).item();
+      continue;
+    }
+    const Tensor logits = model_->forward(xt);
+    losses[i] = cross_entropy(logits, yt.to(logits.device())).item();
+    const Tensor host = logits.to(Device::CPU);
+    const int64_t V = host.size(-1);
+    const float* row = host.data<float>();
+    for (size_t t = 0; t < y.size(); ++t, row += V) {
+      if (y[t] < 0) continue;
+      scored[i] += 1;
+      right[i] += std::max_element(row, row + V) - row == y[t] ? 1 : 0;
+    }
   }
   if (world > 1) {
     comm_->allreduce_sum(losses, "all-reduce of validation losses");
-    for (double l : losses) total += l;
+    if (targets) comm_->allreduce_sum(scored, "all-reduce of validation accuracy");
+    if (targets) comm_->allreduce_sum(right, "all-reduce of validation accuracy");
   }
   model_->set_training(was_training);
-  return total / static_cast<double>(cfg_.eval_iters);
+  Evaluation out;
+  for (double l : losses) out.loss += l;
+  out.loss /= static_cast<double>(n);
+  if (targets) {
+    double s = 0, r = 0;
+    for (size_t i = 0; i < n; ++i) s += scored[i], r += right[i];
+    out.accuracy = s > 0 ? r / s : 0.0;
+  }
+  return out;
 }
 
 namespace {
@@ -483,7 +528,9 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
   model_->set_training(true);
   if (step_ == 0 && !resumed_) {  // the curve starts at the initial weights (logged once)
     StepRecord r;
-    r.val_loss = evaluate();
+    const Evaluation e = evaluate_all();
+    r.val_loss = e.loss;
+    r.val_accuracy = e.accuracy;
     append_log(r);
     if (any_rank(!on_step(r))) return false;
   }
@@ -551,7 +598,11 @@ bool Trainer::run(const std::function<bool(const StepRecord&)>& on_step,
     r.elapsed_s = elapsed_;
     r.step_s = dt;
     const bool last = step_ == cfg_.iters;
-    if (step_ % cfg_.eval_interval == 0 || last) r.val_loss = evaluate();
+    if (step_ % cfg_.eval_interval == 0 || last) {
+      const Evaluation e = evaluate_all();
+      r.val_loss = e.loss;
+      r.val_accuracy = e.accuracy;
+    }
     // The step's line goes to the log before its checkpoints: a process that dies in between
     // leaves the log ahead of last.h5, which resume() trims, never behind it.
     append_log(r);

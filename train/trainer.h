@@ -21,6 +21,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "data/corpus.h"
+#include "data/mqar.h"
 #include "data/sampler.h"
 #include "nn/adamw.h"
 #include "autograd/ops/ops.h"
@@ -31,6 +32,10 @@
 namespace kvlab {
 
 struct TrainConfig {
+  // text: the corpus file; mqar: multi-query associative recall (data/mqar.h), generated from
+  // `mqar` (the corpus file is not read; the tokenizer is byte-level).
+  std::string task = "text";
+  MqarSettings mqar;
   std::string corpus;
   // fnv1a64 of the corpus file's bytes (Corpus::content_hash), stored in checkpoints so a run
   // resumes (or an ablation reuses a run) only on the same text. 0: not known yet; the Trainer
@@ -81,7 +86,8 @@ struct TrainConfig {
 };
 
 // The corpus a run trains on: cfg's file, tokenizer and split (a bpe vocabulary of
-// cfg.model.vocab_size tokens learnt from its training split, or found in the token cache).
+// cfg.model.vocab_size tokens learnt from its training split, or found in the token cache),
+// or for --task mqar the task's examples at cfg.model.block_size.
 Corpus load_run_corpus(const TrainConfig& cfg);
 
 // Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at `iters`.
@@ -93,6 +99,9 @@ struct StepRecord {
   // means nothing (the log writes null).
   double lr = 0, train_loss = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
   std::optional<double> val_loss;
+  // With val_loss on a task corpus: the share of scored validation tokens whose argmax is the
+  // target (MQAR: answers recalled).
+  std::optional<double> val_accuracy;
   // Seconds of this step (evaluation excluded) and of it spent in collectives (gradient
   // all-reduce, loss average, ZeRO all-gather; waiting for slower ranks included). train_loss
   // is the mean over ranks and tokens_per_s counts every rank's tokens.
@@ -141,6 +150,13 @@ class Trainer {
            const std::atomic<bool>* stop = nullptr);
   // Mean loss over the fixed validation windows (the same for every run of a corpus).
   double evaluate();
+  // The same loss, and on a task corpus (Corpus::val_targets) the share of its scored tokens
+  // predicted right by the argmax.
+  struct Evaluation {
+    double loss = 0;
+    std::optional<double> accuracy;
+  };
+  Evaluation evaluate_all();
 
   int64_t step() const { return step_; }
   double best_val_loss() const { return best_val_; }

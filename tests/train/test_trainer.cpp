@@ -52,6 +52,79 @@ std::string error_of(F f) {
   return {};
 }
 
+// MQAR (data/mqar.h) is learnt by a 2-layer multi-head model to near-perfect accuracy within a
+// few hundred steps, through its attention: with the attention outputs zeroed it is at chance.
+TEST_F(TrainerTest, MqarIsLearntByATwoLayerModelThroughItsAttention) {
+  TrainConfig c;
+  c.task = "mqar";
+  c.tokenizer = "byte";
+  c.mqar.vocab = 32;
+  c.mqar.pairs = 4;
+  c.model.n_layer = 2;
+  c.model.n_head = c.model.n_kv_head = 4;
+  c.model.n_embd = 64;
+  c.model.block_size = 32;
+  c.model.pos = "rope";
+  c.model.norm = "rmsnorm";
+  c.model.mlp = "swiglu";
+  c.model.bias = false;
+  c.model.dropout = 0;
+  c.batch_size = 64;
+  c.iters = 600;
+  c.lr = 1e-3;
+  c.min_lr = 1e-4;
+  c.warmup = 50;
+  c.eval_interval = 600;
+  c.eval_iters = 8;
+  Trainer t(c);
+  const std::vector<StepRecord> recs = testing::run_all(t);
+  ASSERT_TRUE(recs.front().val_accuracy && recs.back().val_accuracy);
+  EXPECT_LT(*recs.front().val_accuracy, 0.1);  // the untrained model: chance is 1/16
+  const Trainer::Evaluation learnt = t.evaluate_all();
+  EXPECT_GE(*learnt.accuracy, 0.95) << "loss " << learnt.loss;
+  EXPECT_EQ(*learnt.accuracy, *recs.back().val_accuracy);
+  // Without attention each answer is a guess among the 16 values.
+  for (auto& [name, p] : t.model().named_parameters())
+    if (name.find(".attn.c_proj.") != std::string::npos)
+      std::fill(p.data<float>(), p.data<float>() + p.numel(), 0.0f);
+  const Trainer::Evaluation blind = t.evaluate_all();
+  EXPECT_LT(*blind.accuracy, 0.2);
+  EXPECT_GT(blind.loss, learnt.loss + 1);
+}
+
+// A task's run logs its accuracy beside the loss, names the task's corpus, and refuses a
+// tokenizer other than the task's.
+TEST_F(TrainerTest, AnMqarRunLogsItsAccuracy) {
+  TrainConfig c = config("mqar");
+  c.task = "mqar";
+  c.tokenizer = "byte";
+  c.mqar.train_examples = 50;
+  c.mqar.val_examples = 20;
+  Trainer t(c);
+  EXPECT_EQ(t.corpus().path, "mqar(vocab=32,pairs=4,train=50,val=20,seed=0),length=17");
+  EXPECT_EQ(t.config().model.vocab_size, 256);
+  testing::run_all(t);
+  std::ifstream log(dir_ / "mqar" / "log.jsonl");
+  int evaluations = 0;
+  for (std::string line; std::getline(log, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("val_loss")) continue;
+    ++evaluations;
+    ASSERT_TRUE(j.contains("val_accuracy")) << line;
+    EXPECT_GE(j["val_accuracy"].get<double>(), 0.0);
+    EXPECT_LE(j["val_accuracy"].get<double>(), 1.0);
+  }
+  EXPECT_EQ(evaluations, 4);  // steps 0, 4, 8, 12
+  // A text run logs none.
+  Trainer text(config("text"));
+  testing::run_all(text);
+  std::ifstream text_log(dir_ / "text" / "log.jsonl");
+  for (std::string line; std::getline(text_log, line);)
+    EXPECT_EQ(line.find("val_accuracy"), std::string::npos) << line;
+  c.tokenizer = "char";
+  EXPECT_THROW({ Trainer refused(c); }, Error);
+}
+
 TEST_F(TrainerTest, LossDecreasesAndLogIsWritten) {
   Trainer t(config("run"));
   const auto recs = run_all(t);
