@@ -124,6 +124,13 @@ std::string loss_delta_cell(const Parsed& p, const Variant& v) {
   return m == nullptr ? "-" : fmt("%+.4f", v.mean - m->mean);
 }
 
+std::optional<std::string> accuracy_cell(const Variant& v) {
+  const auto mean = v.get("val_accuracy_mean");
+  if (!mean) return std::nullopt;
+  const double sd = v.get("val_accuracy_std").value_or(0);
+  return v.seeds >= 2 ? pm(*mean, sd, "%.3f") : fmt("%.3f", *mean) + " (1 seed)";
+}
+
 std::string cache_cell(const Variant& v) { return bytes(v.get("cache_bytes_context_measured")); }
 std::string vs_mha_cell(const Variant& v) { return figure(v.get("vs_mha"), "%.3fx"); }
 std::string sequences_cell(const Variant& v) { return count(v.get("sequences_in_budget")); }
@@ -141,6 +148,12 @@ Table record_table(const Parsed& p) {
     t.rows.push_back({v.id(), cache_cell(v), bytes(v.get("cache_bytes_context_formula")),
                       vs_mha_cell(v), rate(v.get("decode_tokens_per_s_cache")), loss_cell(v),
                       loss_delta_cell(p, v), figure(v.get("val_bpb_mean"), "%.4f")});
+  // A task's sweep (--task mqar): the share of answers each variant recalls.
+  if (accuracy_cell(p.variants.front())) {
+    t.header.push_back("answer accuracy");
+    for (size_t i = 0; i < p.variants.size(); ++i)
+      t.rows[i].push_back(accuracy_cell(p.variants[i]).value_or("-"));
+  }
   return t;
 }
 

@@ -107,6 +107,21 @@ std::string versus(const std::string& a_name, double a, double sa, const std::st
          ", beyond the seeds' spread" + figures;
 }
 
+// A task's answer accuracy of v against MHA's (higher is better), judged by the seeds' spread.
+std::string accuracy_versus(const Variant& v, const Variant& mha) {
+  const double a = *v.get("val_accuracy_mean"), m = mha.get("val_accuracy_mean").value_or(0);
+  const double sa = v.get("val_accuracy_std").value_or(0);
+  const double sm = mha.get("val_accuracy_std").value_or(0);
+  const bool one_seed = std::min(v.seeds, mha.seeds) < 2;
+  const std::string mine = one_seed ? fmt("%.3f", a) : pm(a, sa, "%.3f");
+  const std::string theirs = one_seed ? fmt("%.3f", m) : pm(m, sm, "%.3f");
+  const std::string figures = mine + " of the answers against MHA's " + theirs;
+  if (one_seed) return "It recalls " + figures + " (1 seed, so no spread to judge by)";
+  if (std::abs(a - m) <= sa + sm) return "It recalls " + figures + ", within the seeds' spread";
+  return "It recalls " + figures + ": " + (a > m ? "more" : "fewer") +
+         " than MHA, beyond the seeds' spread";
+}
+
 }  // namespace
 
 std::string loss_pm(const Variant& v) { return fmt("%.4f", v.mean) + " ± " + fmt("%.4f", v.std); }
@@ -371,6 +386,7 @@ std::vector<Finding> findings(const Parsed& p) {
                " MHA's bytes, " + cache_cell(v) + " against " + cache_cell(*mha) +
                " a full-context sequence";
       f.links = {"table-results", "verdicts"};
+      if (accuracy_cell(v)) f.text += ". " + accuracy_versus(v, *mha);
       if (workload) {
         f.text += "; at " + kv_memory_cell(v) + " of KV memory the paged cache holds " +
                   peak_paged_cell(v) + " sequences at peak against MHA's " +

@@ -69,6 +69,7 @@ json read_curve(const fs::path& dir) {
                      {"val_loss", j["val_loss"]},
                      {"val_bpb", j.value("val_bpb", json())},
                      {"train_loss", j.value("train_loss", json())}});
+    if (j.contains("val_accuracy")) curve.back()["val_accuracy"] = j["val_accuracy"];
   }
   return curve;
 }

@@ -206,7 +206,7 @@ void record_quality(const AblateConfig& cfg, const AblateVariant& var,
 // per token and in bits per byte of the validation text (comparable across tokenizers).
 void record_losses(const AblateConfig& cfg, const AblateVariant& var, double tokens_per_byte,
                    json& v) {
-  std::vector<double> vals, bpbs;
+  std::vector<double> vals, bpbs, accuracies;
   double train_tps = 0;
   for (int s = 0; s < cfg.seeds; ++s) {
     const fs::path dir = ablation_run_dir(cfg, var, s);
@@ -222,6 +222,10 @@ void record_losses(const AblateConfig& cfg, const AblateVariant& var, double tok
     run["val_bpb"] = bits_per_byte(val, tokens_per_byte);
     vals.push_back(val);
     bpbs.push_back(run["val_bpb"].get<double>());
+    if (const json& last = run["curve"].back(); last.contains("val_accuracy")) {
+      run["val_accuracy"] = last["val_accuracy"];
+      accuracies.push_back(last["val_accuracy"].get<double>());
+    }
     v["runs"].push_back(run);
   }
   const auto [mean, sd] = mean_std(vals);
@@ -231,6 +235,11 @@ void record_losses(const AblateConfig& cfg, const AblateVariant& var, double tok
   const auto [bpb_mean, bpb_sd] = mean_std(bpbs);
   v["val_bpb_mean"] = bpb_mean;
   v["val_bpb_std"] = bpb_sd;
+  if (accuracies.size() == vals.size()) {  // a task's runs: the answers' accuracy
+    const auto [acc_mean, acc_sd] = mean_std(accuracies);
+    v["val_accuracy_mean"] = acc_mean;
+    v["val_accuracy_std"] = acc_sd;
+  }
   v["val_tokens_per_byte"] = tokens_per_byte;
   v["train_tokens_per_s"] = train_tps / cfg.seeds;
 }

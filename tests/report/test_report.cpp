@@ -425,6 +425,32 @@ TEST(FormatTable, OneRowPerVariantInOrderWithTheExactHeader) {
   EXPECT_EQ(out.size(), 16u);  // three verdict lines
 }
 
+// A task's sweep (--task mqar): the record table gains the answers' accuracy, and each finding
+// says whether the variant recalls more or fewer answers than MHA, judged by the seeds' spread.
+TEST(FormatTable, ATaskSweepShowsAndJudgesTheAnswersAccuracy) {
+  json r = fixture();
+  for (json& v : r["variants"]) {
+    const int kv = v["n_kv_head"];
+    v["val_accuracy_mean"] = kv == 4 ? 0.98 : kv == 2 ? 0.97 : 0.60;
+    v["val_accuracy_std"] = 0.01;
+  }
+  const std::string out = format_table(r);
+  EXPECT_NE(out.find("| answer accuracy"), std::string::npos) << out;
+  EXPECT_NE(out.find("0.600 ± 0.010"), std::string::npos) << out;
+  const auto f = report_detail::findings(report_detail::parse(r));
+  ASSERT_EQ(f.size(), 2u);
+  EXPECT_NE(f[0].text.find("It recalls 0.970 ± 0.010 of the answers against MHA's 0.980 ± 0.010, "
+                           "within the seeds' spread"),
+            std::string::npos)
+      << f[0].text;
+  EXPECT_NE(f[1].text.find("It recalls 0.600 ± 0.010 of the answers against MHA's 0.980 ± 0.010: "
+                           "fewer than MHA, beyond the seeds' spread"),
+            std::string::npos)
+      << f[1].text;
+  // A text sweep has no such column.
+  EXPECT_EQ(format_table(fixture()).find("answer accuracy"), std::string::npos);
+}
+
 // The serving sweep's findings: a variant whose runs' range at the top rate stays clear of
 // MHA's is beyond the run-to-run spread; one whose range overlaps it is within.
 TEST(FormatTable, ServingSweepFindingsSayWhatIsBeyondTheSpread) {
