@@ -84,6 +84,35 @@ void put_gpt_config(Attrs& a, const GPTConfig& c) {
   a["q_lora_rank"] = c.q_lora_rank;
 }
 
+void put_mqar_settings(Attrs& a, const MqarSettings& s) {
+  a["task"] = std::string("mqar");
+  a["mqar_vocab"] = static_cast<int64_t>(s.vocab);
+  a["mqar_pairs"] = static_cast<int64_t>(s.pairs);
+  a["mqar_train_examples"] = s.train_examples;
+  a["mqar_val_examples"] = s.val_examples;
+  a["mqar_seed"] = static_cast<int64_t>(s.seed);
+}
+
+std::optional<MqarSettings> get_mqar_settings(const Attrs& a, const std::filesystem::path& file) {
+  const std::string task = attr_or<std::string>(a, "task", "text", file);
+  if (task == "text") return std::nullopt;
+  KVLAB_CHECK(task == "mqar", "checkpoint ", file.string(), ": /config names task '", task,
+              "', which this build does not know (text, mqar)");
+  MqarSettings s;
+  const auto small = [&](const char* key) {
+    const int64_t v = attr<int64_t>(a, key, file);
+    KVLAB_CHECK(v >= 0 && v <= 1 << 20, "checkpoint ", file.string(), ": /config ", key, " = ",
+                v, " is out of range");
+    return static_cast<int>(v);
+  };
+  s.vocab = small("mqar_vocab");
+  s.pairs = small("mqar_pairs");
+  s.train_examples = attr<int64_t>(a, "mqar_train_examples", file);
+  s.val_examples = attr<int64_t>(a, "mqar_val_examples", file);
+  s.seed = static_cast<uint64_t>(attr<int64_t>(a, "mqar_seed", file));
+  return s;
+}
+
 GPTConfig get_gpt_config(const Attrs& a, const std::filesystem::path& file) {
   GPTConfig c;
   c.vocab_size = attr<int64_t>(a, "vocab_size", file);
@@ -368,7 +397,7 @@ LoadedModel load_model(const std::filesystem::path& file, bool with_training_sta
   copy_into(model->named_parameters(), ckpt.model, "model", file);
   model->set_training(false);
   ckpt.model.clear();
-  return {std::move(model), std::move(tok), std::move(ckpt)};
+  return {std::move(model), std::move(tok), std::move(ckpt), file};
 }
 
 std::string file_content_hash(const std::filesystem::path& file) {

@@ -2,8 +2,10 @@
 // Between the engine's objects (GPT, Tokenizer, AdamW) and a Checkpoint of plain arrays.
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "checkpoints/checkpoint.h"
+#include "data/mqar.h"
 #include "data/tokenizer.h"
 #include "nn/adamw.h"
 #include "nn/gpt.h"
@@ -14,6 +16,10 @@ namespace kvlab {
 void put_gpt_config(Attrs& attrs, const GPTConfig& cfg);
 // Reads the model keys back; a missing or mistyped key is an error naming the file and key.
 GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
+// A task run's keys of /config (task and mqar_*; a text run writes none), and the task they
+// describe back: nullopt for a text run; a mistyped or invalid key is an error naming the file.
+void put_mqar_settings(Attrs& attrs, const MqarSettings& s);
+std::optional<MqarSettings> get_mqar_settings(const Attrs& attrs, const std::filesystem::path& file);
 // LoadOptions for a GPT's checkpoint: /model must hold the parameters of the GPT its /config
 // describes (get_gpt_config's checks first), compared before any weight is read.
 LoadOptions gpt_load_options(const std::filesystem::path& file, bool with_training_state);
@@ -51,6 +57,7 @@ struct LoadedModel {
   std::unique_ptr<GPT> model;
   Tokenizer tokenizer;
   Checkpoint checkpoint;  // config and (when asked) training state; model arrays released
+  std::filesystem::path path = {};  // the file it was loaded from (messages)
 };
 // Loads config, tokenizer and weights into a new GPT (in eval mode).
 LoadedModel load_model(const std::filesystem::path& file, bool with_training_state = false);

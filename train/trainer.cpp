@@ -91,14 +91,7 @@ Attrs TrainConfig::to_attrs() const {
   a["eval_interval"] = eval_interval;
   a["eval_iters"] = eval_iters;
   a["seed"] = static_cast<int64_t>(seed);
-  if (task != "text") {  // a text run's attributes stay as they were before tasks
-    a["task"] = task;
-    a["mqar_vocab"] = static_cast<int64_t>(mqar.vocab);
-    a["mqar_pairs"] = static_cast<int64_t>(mqar.pairs);
-    a["mqar_train_examples"] = mqar.train_examples;
-    a["mqar_val_examples"] = mqar.val_examples;
-    a["mqar_seed"] = static_cast<int64_t>(mqar.seed);
-  }
+  if (task == "mqar") put_mqar_settings(a, mqar);  // a text run's keys stay as before tasks
   if (!init_from.empty()) {
     a["init_from"] = init_from;
     a["init_from_hash"] = init_from_hash;

@@ -112,6 +112,36 @@ TEST(ModelIo, BlockComponentsRoundTripAndDefaultToGpt2) {
 
 // What imported families add: Qwen2's q, k and v biases, and scaled RoPE (a linear scale and
 // Llama 3.1's per-frequency factors, kept to the float); bad values are refused by name.
+// A task run's settings round-trip through /config; a text run's /config names none; an unknown
+// task or a mistyped key is an error naming the file.
+TEST(ModelIo, TaskSettingsRoundTripAndATextRunHasNone) {
+  MqarSettings s;
+  s.vocab = 64;
+  s.pairs = 7;
+  s.train_examples = 123;
+  s.val_examples = 45;
+  s.seed = 6;
+  Attrs a;
+  EXPECT_FALSE(get_mqar_settings(a, "x.h5"));
+  put_mqar_settings(a, s);
+  const std::optional<MqarSettings> back = get_mqar_settings(a, "x.h5");
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->vocab, 64);
+  EXPECT_EQ(back->pairs, 7);
+  EXPECT_EQ(back->train_examples, 123);
+  EXPECT_EQ(back->val_examples, 45);
+  EXPECT_EQ(back->seed, 6u);
+  Attrs unknown = a;
+  unknown["task"] = std::string("sorting");
+  EXPECT_THROW(get_mqar_settings(unknown, "x.h5"), Error);
+  Attrs mistyped = a;
+  mistyped["mqar_pairs"] = std::string("seven");
+  EXPECT_THROW(get_mqar_settings(mistyped, "x.h5"), Error);
+  Attrs huge = a;
+  huge["mqar_vocab"] = int64_t{1} << 40;
+  EXPECT_THROW(get_mqar_settings(huge, "x.h5"), Error);
+}
+
 TEST(ModelIo, QkvBiasesAndScaledRopeRoundTrip) {
   GPTConfig c;
   c.vocab_size = 9;
