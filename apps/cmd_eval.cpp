@@ -58,10 +58,16 @@ void print_result(const EvalResult& r, const std::string& corpus) {
               static_cast<long long>(r.windows), static_cast<long long>(r.window), corpus.c_str(),
               static_cast<long long>(r.predictions), static_cast<long long>(r.target_bytes),
               r.models.front().name.c_str());
-  std::printf("%-28s %9s %10s %9s %10s %8s\n", "model", "loss", "bits/byte", "icl", "KL", "top-1");
-  for (const ModelQuality& q : r.models)
-    std::printf("%-28s %9.4f %10.4f %+9.4f %10.6f %8.4f\n", q.name.c_str(), q.loss,
+  // A task's windows: the loss is over its answers, and the accuracy is the share recalled.
+  const bool task = r.models.front().accuracy.has_value();
+  std::printf("%-28s %9s %10s %9s %10s %8s%s\n", "model", "loss", "bits/byte", "icl", "KL",
+              "top-1", task ? "  answers" : "");
+  for (const ModelQuality& q : r.models) {
+    std::printf("%-28s %9.4f %10.4f %+9.4f %10.6f %8.4f", q.name.c_str(), q.loss,
                 q.bits_per_byte, q.icl, q.kl, q.top1);
+    if (task) std::printf(" %8.4f", q.accuracy.value_or(0));
+    std::printf("\n");
+  }
   if (!r.pairs.empty()) {
     std::printf("\npaired difference of the mean per-token loss (b - a), 95%% bootstrap interval "
                 "over the windows:\n");
@@ -100,12 +106,15 @@ void run_eval(EvalArgs a) {
   std::vector<LoadedModel> loaded = load_models(a);
   a.options.window = checked_window(a, loaded);
   std::string corpus;
-  const std::vector<int32_t> val = checkpoint_validation_ids(loaded.front(), a.corpus, &corpus);
+  // A task's checkpoint is scored on the task's answers (infer/measure/kv_quality.h).
+  const ValidationSplit val = checkpoint_validation_split(loaded.front(), a.corpus, &corpus);
+  if (!val.targets.empty()) a.options.targets = &val.targets;
+  a.options.period = val.period;
   std::vector<GPT*> models;
   for (LoadedModel& m : loaded) models.push_back(m.model.get());
   std::optional<ProgressBar> bar;  // its total is known at the first report
   const EvalResult r = evaluate_models(
-      models, a.ckpts, val, loaded.front().tokenizer, a.options, [&](int64_t done, int64_t total) {
+      models, a.ckpts, val.ids, loaded.front().tokenizer, a.options, [&](int64_t done, int64_t total) {
         if (!bar) bar.emplace("eval", total, "windows");
         bar->update(done, "");
       });
@@ -134,7 +143,8 @@ void add_eval_command(CLI::App& root) {
       ->expected(1, -1);
   cmd->add_option("--corpus", args->corpus,
                   "Text whose validation split is scored (default: the corpus the first "
-                  "checkpoint records, split as it was trained)");
+                  "checkpoint records, split as it was trained; for a --task mqar checkpoint, "
+                  "its task's validation examples, scored on their answers)");
   cmd->add_option("--windows", args->options.windows,
                   "Windows drawn from the split (seeded, the same for every model); 0 scores the "
                   "whole split as consecutive windows")

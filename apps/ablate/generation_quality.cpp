@@ -24,7 +24,7 @@ std::vector<AblateVariant> reference_first(const AblateConfig& cfg) {
 
 // One seed's variants scored together on the same windows.
 EvalResult evaluate_seed(const AblateConfig& cfg, const std::vector<AblateVariant>& vars,
-                         int seed, const std::vector<int32_t>& val) {
+                         int seed, const Corpus& corpus) {
   std::vector<LoadedModel> loaded;
   std::vector<GPT*> models;
   std::vector<std::string> names;
@@ -38,7 +38,10 @@ EvalResult evaluate_seed(const AblateConfig& cfg, const std::vector<AblateVarian
   o.window = cfg.base.model.block_size;
   o.samples = 8;
   o.sampling.max_new_tokens = cfg.sample_tokens;
-  return evaluate_models(models, names, val, loaded.front().tokenizer, o);
+  // A task's sweep is scored on its answers, whole examples a window.
+  if (!corpus.val_targets.empty()) o.targets = &corpus.val_targets;
+  o.period = corpus.example_tokens;
+  return evaluate_models(models, names, corpus.val, loaded.front().tokenizer, o);
 }
 
 json interval_json(const PairedInterval& d) {
@@ -108,7 +111,7 @@ json record_generation_quality(const AblateConfig& cfg) {
   for (int s = 0; s < cfg.seeds; ++s) {
     std::fprintf(stderr, "seed %d: generation quality of %zu variants on %d windows\n", s,
                  vars.size(), cfg.quality_windows);
-    seeds.push_back(evaluate_seed(cfg, vars, s, corpus.val));
+    seeds.push_back(evaluate_seed(cfg, vars, s, corpus));
   }
   json out{{"reference", vars.front().name()},
            {"windows", seeds[0].windows},

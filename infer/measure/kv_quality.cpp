@@ -166,6 +166,16 @@ std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t
   return kv_cache_quality(model, w.x, w.y, w.T, dtypes);
 }
 
+ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std::string& data,
+                                            std::string* used) {
+  const std::optional<MqarSettings> task =
+      data.empty() ? get_mqar_settings(loaded.checkpoint.config, loaded.path) : std::nullopt;
+  if (!task) return {checkpoint_validation_ids(loaded, data, used), {}, 0};
+  Corpus c = mqar_corpus(*task, loaded.model->config().block_size);
+  if (used != nullptr) *used = c.path;
+  return {std::move(c.val), std::move(c.val_targets), c.example_tokens};
+}
+
 std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,
                                                std::string* used) {
   const Attrs& config = loaded.checkpoint.config;

@@ -70,6 +70,15 @@ std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t
                                            std::span<const DType> dtypes, int windows,
                                            uint64_t seed = 4321);
 
+// The validation split of a checkpoint trained on a task (train --task mqar; /config says so)
+// when no `data` is given: the task's examples, their scored targets and their length.
+// Otherwise the text split below, with no targets and period 0.
+struct ValidationSplit {
+  std::vector<int32_t> ids, targets;
+  int64_t period = 0;
+};
+ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std::string& data,
+                                            std::string* used = nullptr);
 // The validation split a checkpoint was trained against, in its own tokenizer's ids: `data`,
 // else the corpus its /config names, split by its val_fraction (0.1 if it records none) and
 // tokenized by its tokenizer kind. Characters the checkpoint never saw are an error that lists

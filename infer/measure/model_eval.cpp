@@ -56,7 +56,8 @@ std::vector<WindowScores> score_windows(std::span<const LogitsFn> models,
               T);
   const int64_t N = static_cast<int64_t>(x.size()) / T, V = vocab;
   std::vector<WindowScores> out(models.size());
-  for (WindowScores& s : out) s.token_loss.resize(x.size());
+  for (WindowScores& s : out) s.token_loss.assign(x.size(), std::nan(""));
+  int64_t scored = 0;
   std::vector<double> ref, lp;
   for (int64_t n0 = 0; n0 < N; n0 += batch) {
     const int64_t b = std::min(batch, N - n0);
@@ -67,28 +68,39 @@ std::vector<WindowScores> score_windows(std::span<const LogitsFn> models,
     for (int64_t r = 0; r < b * T; ++r) {
       const auto at = static_cast<size_t>(n0 * T + r);
       const int32_t target = y[at];
+      if (target == -1) continue;  // a task's position that is not scored
       KVLAB_CHECK(target >= 0 && target < V, "eval: target token ", target,
                   " is outside the vocabulary of ", V);
+      ++scored;
       const float* rl = logits[0].data<float>() + r * V;
       log_softmax(rl, V, ref);
       const int64_t ref_top = argmax(rl, V);
       out[0].token_loss[at] = -ref[static_cast<size_t>(target)];
       out[0].top1 += 1;
+      out[0].right += ref_top == target ? 1 : 0;
       for (size_t i = 1; i < models.size(); ++i) {
         const float* ml = logits[i].data<float>() + r * V;
         log_softmax(ml, V, lp);
         double kl = 0;
         for (size_t v = 0; v < static_cast<size_t>(V); ++v) kl += std::exp(ref[v]) * (ref[v] - lp[v]);
+        const int64_t top = argmax(ml, V);
         out[i].token_loss[at] = -lp[static_cast<size_t>(target)];
         out[i].kl += kl;
-        out[i].top1 += argmax(ml, V) == ref_top ? 1 : 0;
+        out[i].top1 += top == ref_top ? 1 : 0;
+        out[i].right += top == target ? 1 : 0;
       }
+      for (size_t i = 0; i < models.size(); ++i)
+        KVLAB_CHECK(std::isfinite(out[i].token_loss[at]), "eval: model ", i,
+                    " gives a loss that is not finite at window ", n0 + r / T, " position ",
+                    r % T);
     }
     if (on_batch) on_batch(n0 + b);
   }
+  KVLAB_CHECK(scored > 0, "eval: the windows hold no scored target");
   for (WindowScores& s : out) {
-    s.kl /= static_cast<double>(x.size());
-    s.top1 /= static_cast<double>(x.size());
+    s.kl /= static_cast<double>(scored);
+    s.top1 /= static_cast<double>(scored);
+    s.right /= static_cast<double>(scored);
   }
   return out;
 }
@@ -99,11 +111,19 @@ double mean_of(std::span<const double> v) {
   return v.empty() ? 0 : sum / static_cast<double>(v.size());
 }
 
+double scored_mean(std::span<const double> v) {
+  double sum = 0;
+  size_t n = 0;
+  for (double e : v)
+    if (!std::isnan(e)) sum += e, ++n;
+  return n == 0 ? std::nan("") : sum / static_cast<double>(n);
+}
+
 std::vector<double> window_means(std::span<const double> token_loss, int64_t T) {
   const size_t N = token_loss.size() / static_cast<size_t>(T);
   std::vector<double> out(N);
   for (size_t n = 0; n < N; ++n)
-    out[n] = mean_of(token_loss.subspan(n * static_cast<size_t>(T), static_cast<size_t>(T)));
+    out[n] = scored_mean(token_loss.subspan(n * static_cast<size_t>(T), static_cast<size_t>(T)));
   return out;
 }
 
@@ -111,9 +131,12 @@ std::vector<double> position_means(std::span<const double> token_loss, int64_t T
   const auto t_count = static_cast<size_t>(T);
   const size_t N = token_loss.size() / t_count;
   std::vector<double> out(t_count, 0.0);
+  std::vector<size_t> scored(t_count, 0);
   for (size_t n = 0; n < N; ++n)
-    for (size_t t = 0; t < t_count; ++t) out[t] += token_loss[n * t_count + t];
-  for (double& v : out) v /= static_cast<double>(N);
+    for (size_t t = 0; t < t_count; ++t)
+      if (const double l = token_loss[n * t_count + t]; !std::isnan(l)) out[t] += l, ++scored[t];
+  for (size_t t = 0; t < t_count; ++t)
+    out[t] = scored[t] == 0 ? std::nan("") : out[t] / static_cast<double>(scored[t]);
   return out;
 }
 
@@ -124,21 +147,25 @@ std::vector<PositionBucket> position_buckets(std::span<const double> position_lo
     PositionBucket b;
     b.first = first;
     b.last = std::min(2 * first - 1, T);
-    b.loss = mean_of(position_loss.subspan(static_cast<size_t>(b.first - 1),
-                                           static_cast<size_t>(b.last - b.first + 1)));
-    out.push_back(b);
+    b.loss = scored_mean(position_loss.subspan(static_cast<size_t>(b.first - 1),
+                                               static_cast<size_t>(b.last - b.first + 1)));
+    if (!std::isnan(b.loss)) out.push_back(b);
   }
   return out;
 }
 
-double icl_score(std::span<const double> position_loss) {
+double icl_score(std::span<const double> all_positions) {
+  std::vector<double> position_loss;
+  for (const double l : all_positions)
+    if (!std::isnan(l)) position_loss.push_back(l);
   const auto T = static_cast<int64_t>(position_loss.size());
   KVLAB_CHECK(T >= 1, "icl score: no positions");
   // Positions are 1-based here: [lo, hi] inclusive, at least one position each.
   auto range_mean = [&](int64_t lo, int64_t hi) {
     lo = std::clamp<int64_t>(lo, 1, T);
     hi = std::clamp<int64_t>(hi, lo, T);
-    return mean_of(position_loss.subspan(static_cast<size_t>(lo - 1), static_cast<size_t>(hi - lo + 1)));
+    return mean_of(std::span<const double>(position_loss)
+                       .subspan(static_cast<size_t>(lo - 1), static_cast<size_t>(hi - lo + 1)));
   };
   const double late = range_mean(T - T / 10, T);
   const double early = range_mean(static_cast<int64_t>(std::llround(0.08 * static_cast<double>(T))),
@@ -249,9 +276,10 @@ namespace {
 std::vector<int64_t> window_starts(int64_t n_tokens, int64_t T, const EvalOptions& o) {
   KVLAB_CHECK(n_tokens > T, "eval: the validation split's ", n_tokens,
               " tokens hold no window of ", T, " tokens and its targets");
-  if (o.windows > 0) return fixed_windows(n_tokens, static_cast<int>(T), o.windows, o.seed);
+  if (o.windows > 0)
+    return fixed_windows(n_tokens, static_cast<int>(T), o.windows, o.seed, o.period);
   std::vector<int64_t> starts;
-  for (int64_t s = 0; s + T + 1 <= n_tokens; s += T) starts.push_back(s);
+  for (int64_t s = 0; s + T + 1 <= n_tokens; s += o.period > 0 ? o.period : T) starts.push_back(s);
   return starts;
 }
 
@@ -273,6 +301,7 @@ int64_t spelled_bytes(std::span<const int32_t> targets, const Tokenizer& tokeniz
   std::vector<int64_t> bytes(static_cast<size_t>(tokenizer.vocab_size()), -1);
   int64_t total = 0;
   for (const int32_t t : targets) {
+    if (t < 0) continue;  // not scored
     int64_t& b = bytes.at(static_cast<size_t>(t));
     if (b < 0) b = static_cast<int64_t>(tokenizer.decode_one(t).size());
     total += b;
@@ -304,8 +333,8 @@ EvalResult evaluate_models(std::span<GPT* const> gpts, std::span<const std::stri
   const std::vector<int64_t> starts = window_starts(static_cast<int64_t>(ids.size()), T, o);
   r.windows = static_cast<int64_t>(starts.size());
   std::vector<int32_t> x, y;
-  fill_windows(ids, starts, static_cast<int>(T), x, y);
-  r.predictions = static_cast<int64_t>(y.size());
+  fill_windows(ids, starts, static_cast<int>(T), x, y, o.targets);
+  r.predictions = std::count_if(y.begin(), y.end(), [](int32_t t) { return t >= 0; });
   r.target_bytes = spelled_bytes(y, tokenizer);
   const std::vector<int64_t> distances = recall_distances(T);
   const int64_t total = r.windows + static_cast<int64_t>(models.size() * distances.size());
@@ -325,7 +354,8 @@ EvalResult evaluate_models(std::span<GPT* const> gpts, std::span<const std::stri
   for (size_t i = 0; i < models.size(); ++i) {
     ModelQuality q;
     q.name = names[i];
-    q.loss = mean_of(scores[i].token_loss);
+    q.loss = scored_mean(scores[i].token_loss);
+    if (o.targets != nullptr) q.accuracy = scores[i].right;
     q.bits_per_byte = q.loss * static_cast<double>(r.predictions) /
                       (std::log(2.0) * static_cast<double>(std::max<int64_t>(r.target_bytes, 1)));
     q.kl = scores[i].kl;
@@ -397,6 +427,7 @@ nlohmann::json eval_json(const EvalResult& r) {
                  {"stopped", q.samples->stopped}};
     models.push_back({{"name", q.name},
                       {"loss", q.loss},
+                      {"accuracy", q.accuracy ? json(*q.accuracy) : json()},
                       {"bits_per_byte", q.bits_per_byte},
                       {"icl_score", q.icl},
                       {"kl_vs_first", q.kl},

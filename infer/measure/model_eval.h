@@ -25,26 +25,34 @@ LogitsFn logits_of(GPT& model);
 
 // One model's scores on N windows of T positions.
 struct WindowScores {
-  std::vector<double> token_loss;  // (N, T): next-token cross-entropy in nats
-  double kl = 0;    // mean KL(p_reference || p_model) a position; 0 for the reference itself
-  double top1 = 0;  // fraction of positions whose argmax is the reference's
+  // (N, T): next-token cross-entropy in nats; NaN where the target is -1 (not scored)
+  std::vector<double> token_loss;
+  double kl = 0;    // mean KL(p_reference || p_model) a scored position; 0 for the reference
+  double top1 = 0;  // fraction of scored positions whose argmax is the reference's
+  double right = 0;  // fraction of scored positions whose argmax is the target
 };
 
-// x and y (N, T) row-major, y the next tokens (data/sampler.h's fill_windows). models[0] is
-// the reference the others' KL and top-1 agreement are taken against. Forwards `batch`
-// windows at a time through every model; on_batch(windows done) after each batch.
+// x and y (N, T) row-major, y the next tokens (data/sampler.h's fill_windows), or a task's
+// targets with -1 where a position is not scored. models[0] is the reference the others' KL
+// and top-1 agreement are taken against. Forwards `batch` windows at a time through every
+// model; on_batch(windows done) after each batch. A scored position whose loss is not finite
+// (a broken model) is an error naming it.
 std::vector<WindowScores> score_windows(std::span<const LogitsFn> models,
                                         std::span<const int32_t> x, std::span<const int32_t> y,
                                         int64_t T, int64_t vocab, int64_t batch = 8,
                                         const std::function<void(int64_t)>& on_batch = {});
 
 double mean_of(std::span<const double> v);
-// Each window's mean loss (N), and each position's mean over the windows (T).
+// The mean of the entries that are not NaN (the scored ones); NaN where none is.
+double scored_mean(std::span<const double> v);
+// Each window's mean loss (N), and each position's mean over the windows (T), over the scored
+// positions (NaN where a window or a position has none).
 std::vector<double> window_means(std::span<const double> token_loss, int64_t T);
 std::vector<double> position_means(std::span<const double> token_loss, int64_t T);
 
 // Positions 1..T (the first predicts from one token) in log-spaced buckets 1, 2-3, 4-7, ...,
-// the last ending at T: each bucket's mean loss.
+// the last ending at T: each bucket's mean loss over its scored positions (a bucket without
+// any is left out).
 struct PositionBucket {
   int64_t first = 0, last = 0;  // 1-based positions, inclusive
   double loss = 0;
@@ -54,6 +62,8 @@ std::vector<PositionBucket> position_buckets(std::span<const double> position_lo
 // Olsson et al.'s in-context learning score scaled to a context of T: the mean loss over the
 // last tenth of the positions minus the mean over positions 0.08T..0.12T (their token 500
 // against token 50 of 512). Negative: later tokens are predicted better, from the context.
+// Positions without a scored token (NaN: a task's) are left out first: the score is then over
+// the scored positions in order.
 double icl_score(std::span<const double> position_loss);
 
 // The mean of b - a over paired samples (windows) and its percentile bootstrap interval:
@@ -109,6 +119,11 @@ SampleStats sample_stats(GPT& model, const Tokenizer& tokenizer,
 // context of the models) drawn from Generator(seed) over the split, or with windows 0 every
 // whole window of the split, end to end.
 struct EvalOptions {
+  // A task's split (Corpus::val_targets and example_tokens; null and 0 for text): its windows
+  // are whole examples, scored on the targets alone (the answers), so the loss, the paired
+  // test and `accuracy` are the task's.
+  const std::vector<int32_t>* targets = nullptr;
+  int64_t period = 0;
   int windows = 256;
   int64_t window = 0;
   uint64_t seed = 1234;
@@ -126,6 +141,7 @@ struct ModelQuality {
   double bits_per_byte = 0;  // the same over the bytes of the targets' text
   double icl = 0;            // icl_score
   double kl = 0, top1 = 0;   // against the first model
+  std::optional<double> accuracy;  // a task's: the share of its answers the argmax gets
   std::vector<double> window_loss, position_loss;
   std::vector<PositionBucket> buckets;
   std::vector<RecallPoint> recall;

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "autograd/graph.h"
+#include "data/mqar.h"
+#include "data/sampler.h"
 #include "infer/measure/model_eval.h"
 #include "infer_test_util.h"
 #include "platform/random.h"
@@ -155,6 +157,58 @@ TEST(ModelEval, TheRecallProbeTellsACopierFromAModelThatCannotCopy) {
     EXPECT_LT(uniform[i].accuracy, 4.0 / V);  // argmax ties go to token 0: ~1/V of targets
     EXPECT_EQ(uniform[i].predictions, 16 * (distances[i] - 1));
   }
+}
+
+// A task's windows (MQAR) are scored on their answers alone: a model that looks each query up
+// among the pairs gets every answer, one without information none (its argmax is the filler),
+// the loss by window and position leaves the unscored positions out, and the paired test
+// tells the two apart.
+TEST(ModelEval, ATasksWindowsAreScoredOnTheirAnswersAlone) {
+  MqarSettings s;
+  s.val_examples = 64;
+  const int64_t T = 32, V = 256, pairs = s.pairs;
+  const Corpus c = mqar_corpus(s, T);
+  std::vector<int32_t> x, y;
+  const std::vector<int64_t> starts =
+      fixed_windows(static_cast<int64_t>(c.val.size()), static_cast<int>(T), 40, 1234, T + 1);
+  fill_windows(c.val, starts, static_cast<int>(T), x, y, &c.val_targets);
+  // The lookup: at a query (a key after the pairs), 10 on the value beside its pair.
+  const LogitsFn lookup = [&](const Tensor& tokens) {
+    const std::vector<int32_t> ids = tokens.to_vector<int32_t>();
+    std::vector<float> out(ids.size() * V, 0.0f);
+    for (size_t w = 0; w < ids.size() / T; ++w)
+      for (int64_t t = 2 * pairs; t < T; ++t)
+        for (int64_t j = 0; j < 2 * pairs; j += 2)
+          if (ids[w * T + t] != 0 && ids[w * T + j] == ids[w * T + t])
+            out[(w * T + t) * V + ids[w * T + j + 1]] = 10;
+    return Tensor::from_vector(out, {tokens.size(0), tokens.size(1), V});
+  };
+  const LogitsFn blank = [&](const Tensor& t) { return Tensor::zeros({t.size(0), t.size(1), V}); };
+  const std::vector<LogitsFn> models{lookup, blank};
+  const auto scores = score_windows(models, x, y, T, V, 8);
+  EXPECT_EQ(scores[0].right, 1.0);
+  EXPECT_EQ(scores[1].right, 0.0);
+  EXPECT_EQ(scores[1].top1, 0.0);  // the blank model's argmax (0) is never the lookup's
+  size_t scored = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    EXPECT_EQ(std::isnan(scores[0].token_loss[i]), y[i] < 0) << i;
+    scored += y[i] >= 0 ? 1 : 0;
+  }
+  EXPECT_EQ(scored, 40u * static_cast<size_t>(pairs));
+  const std::vector<double> blank_windows = window_means(scores[1].token_loss, T);
+  for (const double l : blank_windows) EXPECT_NEAR(l, std::log(double(V)), 1e-9);
+  EXPECT_NEAR(scored_mean(scores[1].token_loss), std::log(double(V)), 1e-9);
+  // The pairs take positions 1..8 (1-based, 4 pairs): the buckets 1, 2-3 and 4-7 score nothing
+  // and are left out; 8-15 holds the first query's answer (position 9). None is NaN.
+  const auto buckets = position_buckets(position_means(scores[0].token_loss, T));
+  ASSERT_FALSE(buckets.empty());
+  EXPECT_EQ(buckets.front().first, 2 * pairs);
+  for (const PositionBucket& b : buckets) EXPECT_FALSE(std::isnan(b.loss));
+  EXPECT_FALSE(std::isnan(icl_score(position_means(scores[1].token_loss, T))));
+  const PairedInterval d =
+      paired_bootstrap(window_means(scores[0].token_loss, T), blank_windows, 500, 7);
+  EXPECT_TRUE(d.excludes_zero());
+  EXPECT_GT(d.mean, 5);
 }
 
 TEST(ModelEval, TheBootstrapIsSeeded) {

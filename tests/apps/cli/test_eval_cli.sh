@@ -28,6 +28,15 @@ check "other tokenizers are refused" 2 "is not $a's (char" -- "$KVLAB" eval --ck
 check "a window past the context" 2 "--window 33 is longer than the context of $a (block_size 32)" -- \
   "$KVLAB" eval --ckpt "$a" --window 33
 check "an empty corpus" 1 "is empty" -- "$KVLAB" eval --ckpt "$a" --corpus "$work/empty.txt"
+# A checkpoint of --task mqar is scored on its task's answers: 16 windows of 4 queries each.
+"$KVLAB" train --task mqar --mqar-train-examples 200 --mqar-val-examples 50 --n-layer 1 \
+  --n-head 4 --n-embd 32 --block-size 32 --batch-size 4 --iters 10 --eval-interval 10 \
+  --eval-iters 2 --out "$work/mqar" > /dev/null 2>&1
+check "a task's answers" 0 "(64 predictions a model" -- \
+  "$KVLAB" eval --ckpt "$work/mqar/final.h5" --windows 16 --json "$work/m.json"
+check "a task's validation examples" 0 "split of mqar(vocab=32,pairs=4,train=200,val=50,seed=0)" -- \
+  "$KVLAB" eval --ckpt "$work/mqar/final.h5" --windows 16
+check "json: the answers' accuracy (10 steps: below 1)" 0 '"accuracy": 0' -- cat "$work/m.json"
 check "no checkpoint" 1 "no such file" -- "$KVLAB" eval --ckpt "$work/nosuch.h5"
 check "bad --windows" 2 "--windows must be >= 0" -- "$KVLAB" eval --ckpt "$a" --windows -1
 
