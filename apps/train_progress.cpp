@@ -22,12 +22,15 @@ extern "C" void on_stop_signal(int sig) {
 }
 }  // namespace
 
-std::string step_status(const StepRecord& r, double last_val, bool parallel) {
+std::string step_status(const StepRecord& r, double last_val, bool parallel,
+                        std::optional<double> last_accuracy) {
   char loss[32] = "-";  // step 0 trained nothing: no training loss
   if (r.step > 0) std::snprintf(loss, sizeof loss, "%.4f", r.train_loss);
+  char accuracy[32] = "";  // a task's answers recalled
+  if (last_accuracy) std::snprintf(accuracy, sizeof accuracy, " acc %.3f", *last_accuracy);
   char status[200];
-  int n = std::snprintf(status, sizeof status, "loss %s | val %.4f | %.1fk tok/s", loss, last_val,
-                        r.tokens_per_s / 1000.0);
+  int n = std::snprintf(status, sizeof status, "loss %s | val %.4f%s | %.1fk tok/s", loss,
+                        last_val, accuracy, r.tokens_per_s / 1000.0);
   if (parallel && r.step > 0 && n > 0 && n < static_cast<int>(sizeof status))
     std::snprintf(status + n, sizeof status - static_cast<size_t>(n), " | comm %.0f%%",
                   r.step_s > 0 ? 100.0 * r.comm_s / r.step_s : 0.0);
@@ -89,6 +92,7 @@ bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_o
     }
   };
   double last_val = trainer.best_val_loss();
+  std::optional<double> last_accuracy;
   bool done = false;
   {
     Scope scope{bar, rank0, parallel};
@@ -96,7 +100,9 @@ bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_o
         [&](const StepRecord& r) {
           if (!rank0) return true;  // rank 0 alone prints
           if (r.val_loss) last_val = *r.val_loss;
-          bar.update(r.step, step_status(r, last_val, parallel), r.val_loss.has_value());
+          if (r.val_accuracy) last_accuracy = r.val_accuracy;
+          bar.update(r.step, step_status(r, last_val, parallel, last_accuracy),
+                     r.val_loss.has_value());
           return true;
         },
         &g_stop);

@@ -3,6 +3,7 @@
 // Ctrl-C, SIGTERM or SIGHUP. Returns true when every step is done. Under mpirun a trainer of
 // one rank is refused unless rank_owns_run (each rank trains runs of its own: kvlab ablate).
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "train/trainer.h"
@@ -16,9 +17,10 @@ bool train_with_progress(Trainer& trainer, const std::string& label, bool rank_o
 BpeProgress bpe_progress_bar(const std::string& label);
 
 // The bar's text after step r: "loss 2.1234 | val 2.2000 | 25.1k tok/s" (the loss "-" at step
-// 0, which trained nothing), where val is the latest val loss, plus " | comm 12%" when
-// `parallel`.
-std::string step_status(const StepRecord& r, double last_val, bool parallel);
+// 0, which trained nothing), where val is the latest val loss (with " acc 0.950", a task's latest
+// answer accuracy, where given), plus " | comm 12%" when `parallel`.
+std::string step_status(const StepRecord& r, double last_val, bool parallel,
+                        std::optional<double> last_accuracy = std::nullopt);
 
 // The signal that stopped the last train_with_progress that returned false: the one this
 // process received (SIGINT, SIGTERM, SIGHUP, or SIGUSR1 under mpirun), or SIGINT when another

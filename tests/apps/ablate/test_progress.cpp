@@ -51,6 +51,8 @@ TEST(TrainProgress, StepZeroShowsNoTrainingLoss) {
   r.step_s = 2.0;
   r.comm_s = 0.5;
   EXPECT_EQ(step_status(r, 3.5, true), "loss 2.2500 | val 3.5000 | 25.1k tok/s | comm 25%");
+  // A task's run: the answers' accuracy beside the val loss.
+  EXPECT_EQ(step_status(r, 3.5, false, 0.75), "loss 2.2500 | val 3.5000 acc 0.750 | 25.1k tok/s");
 }
 
 }  // namespace
