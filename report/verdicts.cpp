@@ -367,6 +367,30 @@ std::vector<std::string> uptrain_findings(const Uptrain& u) {
   return out;
 }
 
+// The frontier's answer in one sentence: of every variant with every cache dtype measured
+// (kv_quality's points), the fewest cache bytes per token whose val loss stays within one per
+// cent of MHA's with the f32 cache (on the same windows); none without those points.
+namespace {
+std::optional<Finding> cheapest_within_mha(const Parsed& p, const std::vector<QualityPoint>& pts) {
+  const Variant* mha = mha_of(p);
+  const auto ref = std::find_if(pts.begin(), pts.end(), [&](const QualityPoint& q) {
+    return q.v == mha && q.dtype == "f32";
+  });
+  if (mha == nullptr || ref == pts.end()) return std::nullopt;
+  const QualityPoint* best = nullptr;
+  for (const QualityPoint& q : pts)
+    if (q.loss <= ref->loss * 1.01 &&
+        (best == nullptr || q.bytes < best->bytes || (q.bytes == best->bytes && q.loss < best->loss)))
+      best = &q;
+  return Finding{"The cheapest KV cache within one per cent of MHA's val loss is " +
+                     best->v->label() + " with " + best->dtype + " keys and values: " +
+                     bytes(best->bytes) + " per token against MHA's " + bytes(ref->bytes) +
+                     " with f32, at " + quality_loss_cell(*best) + " against " +
+                     quality_loss_cell(*ref) + ".",
+                 {"table-quality", "fig-val_loss_vs_cache_bytes"}};
+}
+}  // namespace
+
 // Per variant against MHA: the loss it costs with the verdict's wording, the cache it saves,
 // and the sequences the paged cache holds at the serving workload's KV memory (else the full
 // context sequences in the KV budget). Then the best cache dtype per byte budget: at each
@@ -375,6 +399,7 @@ std::vector<std::string> uptrain_findings(const Uptrain& u) {
 // a cell function's (tables.cpp), so a finding shows what its table shows.
 std::vector<Finding> findings(const Parsed& p) {
   std::vector<Finding> out;
+  if (auto f = cheapest_within_mha(p, quality_points(p))) out.push_back(std::move(*f));
   const Variant* mha = mha_of(p);
   if (mha != nullptr) {
     const bool workload = mha->get("kv_workload_peak_sequences_paged").has_value();
