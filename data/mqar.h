@@ -17,8 +17,8 @@
 namespace kvlab {
 
 struct MqarSettings {
-  // The defaults are learnt to near-perfect accuracy by the default model within the default
-  // 600 steps (kvlab ablate --task mqar); more pairs or keys make it harder.
+  // The defaults are learnt to near-perfect accuracy within the ablation's 600 steps by the
+  // model --task mqar defaults to (apps/train_flags.cpp); more pairs or keys make it harder.
   int vocab = 32;  // the task's tokens; at most 256 (the byte-level vocabulary carries them)
   int pairs = 4;   // key-value pairs per example, each queried once
   int64_t train_examples = 20000, val_examples = 2000;

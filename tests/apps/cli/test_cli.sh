@@ -135,6 +135,18 @@ print("%016x" % h)' "$1"
 json_config() {  # json_config FILE KEY: the /config attribute, as inspect --json gives it
   "$KVLAB" inspect --json "$1" | /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["config"].get(sys.argv[1], "(none)"))' "$2"
 }
+# train --task mqar: the task's own defaults (Zoology's two layers, byte tokens, short examples),
+# its accuracy in the log; settings that cannot hold the task are usage errors naming the flag.
+mqar=(--task mqar --mqar-train-examples 100 --mqar-val-examples 20 --n-embd 16 --iters 4
+      --eval-interval 2 --eval-iters 1)
+check "train --task mqar" 0 "acc " -- "$KVLAB" train "${mqar[@]}" --out "$work/mqar"
+check "train --task mqar: two layers" 0 "2" -- json_config "$work/mqar/final.h5" n_layer
+check "train --task mqar: its settings in /config" 0 "4" -- json_config "$work/mqar/final.h5" mqar_pairs
+check "train --task mqar logs its accuracy" 0 '"val_accuracy"' -- cat "$work/mqar/log.jsonl"
+check "train --task mqar with a text tokenizer" 2 "--task mqar carries its tokens byte-level" -- \
+  "$KVLAB" train "${mqar[@]}" --tokenizer char --out "$work/mqar_char"
+check "train --task mqar, too many pairs" 2 "cannot hold 8 pairs" -- \
+  "$KVLAB" train "${mqar[@]}" --mqar-pairs 8 --block-size 16 --out "$work/mqar_pairs"
 check "train an MHA model" 0 "finished at step 20" -- "$KVLAB" train "${tiny[@]}" --out "$work/mha"
 check "convert mean" 0 "(n_kv_head 2, " -- "$KVLAB" convert --ckpt "$work/mha/final.h5" --n-kv-head 2 --method mean --out "$work/gqa.h5"
 check "generate from a converted checkpoint" 0 "tok/s" -- "$KVLAB" generate --ckpt "$work/gqa.h5" --prompt "the lord" --max-new 8
