@@ -175,12 +175,13 @@ void record_quality(const AblateConfig& cfg, const AblateVariant& var,
     if (!dtypes.empty()) {
       std::fprintf(stderr, "%s seed %d: cache quality at %zu dtypes\n",
                    variant_label(var).c_str(), s, dtypes.size());
-      kv_seeds.push_back(kv_cache_quality_on(*lm.model, corpus.val, dtypes, cfg.quality_windows));
+      kv_seeds.push_back(
+          kv_cache_quality_on(*lm.model, validation_split(corpus), dtypes, cfg.quality_windows));
     }
     if (!wdtypes.empty()) {
       std::fprintf(stderr, "%s seed %d: weight quality at %zu dtypes\n",
                    variant_label(var).c_str(), s, wdtypes.size());
-      weight_seeds.push_back(weight_quality_on(*lm.model, corpus.val, wdtypes,
+      weight_seeds.push_back(weight_quality_on(*lm.model, validation_split(corpus), wdtypes,
                                                cfg.quality_windows, cfg.int8_products));
       f32_weight_bytes = DecodeStep(*lm.model).weight_bytes();
     }

@@ -33,7 +33,7 @@ void run_bench_kv_quality(BenchArgs& a) {
   LoadedModel loaded = load_model(a.ckpt);
   GPT& model = *loaded.model;
   std::string data;
-  const std::vector<int32_t> val = checkpoint_validation_ids(loaded, a.data, &data);
+  const ValidationSplit val = checkpoint_validation_split(loaded, a.data, &data);
   std::fprintf(stderr, "kvlab bench kv-quality: %d windows of %lld tokens, %zu cache dtypes\n",
                a.windows, static_cast<long long>(model.config().block_size), dtypes.size());
   const std::vector<KVQuality> q = kv_cache_quality_on(model, val, dtypes, a.windows);
@@ -65,7 +65,7 @@ void run_bench_weight_quality(BenchArgs& a) {
   LoadedModel loaded = load_model(a.ckpt);
   const GPT& model = *loaded.model;
   std::string data;
-  const std::vector<int32_t> val = checkpoint_validation_ids(loaded, a.data, &data);
+  const ValidationSplit val = checkpoint_validation_split(loaded, a.data, &data);
   std::fprintf(stderr, "kvlab bench weight-quality: %d windows of %lld tokens, %zu weight dtypes\n",
                a.windows, static_cast<long long>(model.config().block_size), dtypes.size());
   const std::vector<WeightQuality> q =

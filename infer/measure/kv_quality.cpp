@@ -75,15 +75,23 @@ void check_windows(const GPT& model, std::span<const int32_t> x, std::span<const
 struct QualityWindows {
   int64_t T;
   std::vector<int32_t> x, y;
-  QualityWindows(const GPT& model, const std::vector<int32_t>& ids, int windows, uint64_t seed)
+  QualityWindows(const GPT& model, const ValidationSplit& split, int windows, uint64_t seed)
       : T(model.config().block_size) {
+    const std::vector<int32_t>& ids = split.ids;
     KVLAB_CHECK(windows >= 1, "quality: windows must be >= 1, got ", windows);
     KVLAB_CHECK(static_cast<int64_t>(ids.size()) > T + 1, "quality: ", ids.size(),
                 " validation tokens hold no window of block_size ", T, " and its targets");
     const auto t = static_cast<int>(T);
-    fill_windows(ids, fixed_windows(static_cast<int64_t>(ids.size()), t, windows, seed), t, x, y);
+    fill_windows(ids,
+                 fixed_windows(static_cast<int64_t>(ids.size()), t, windows, seed, split.period),
+                 t, x, y, split.targets.empty() ? nullptr : &split.targets);
   }
 };
+
+// Predictions a window set scores (a task's: its targets alone).
+int64_t scored_positions(std::span<const int32_t> y) {
+  return std::count_if(y.begin(), y.end(), [](int32_t t) { return t >= 0; });
+}
 
 }  // namespace
 
@@ -103,18 +111,18 @@ std::vector<KVQuality> kv_cache_quality(GPT& model, std::span<const int32_t> x,
   std::vector<LogitsFn> caches{with_cache(DType::F32)};
   for (const DType d : dtypes) caches.push_back(with_cache(d));
   const std::vector<WindowScores> scores = score_windows(caches, x, y, T, c.vocab_size, batch);
-  const double ref_loss = mean_of(scores[0].token_loss);
+  const double ref_loss = scored_mean(scores[0].token_loss);
   std::vector<KVQuality> out(dtypes.size());
   for (size_t i = 0; i < dtypes.size(); ++i) {
     KVQuality& q = out[i];
     const WindowScores& s = scores[i + 1];
     q.dtype = dtypes[i];
     q.bytes_per_token = kv_bytes_per_token(c, q.dtype);
-    q.loss = mean_of(s.token_loss);
+    q.loss = scored_mean(s.token_loss);
     q.delta_loss = q.loss - ref_loss;
     q.kl = s.kl;
     q.top1 = s.top1;
-    q.positions = static_cast<int64_t>(x.size());
+    q.positions = scored_positions(y);
   }
   return out;
 }
@@ -142,28 +150,34 @@ std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int3
       fns.push_back([&m = *models[i]](const Tensor& t) { return cached_prefill_logits(m, t, DType::F32); });
   const std::vector<WindowScores> scores =
       score_windows(fns, x, y, T, model.config().vocab_size, batch);
-  const double ref_loss = mean_of(scores[0].token_loss);
+  const double ref_loss = scored_mean(scores[0].token_loss);
   std::vector<WeightQuality> out(dtypes.size());
   for (size_t i = 0; i < dtypes.size(); ++i) {
     const WindowScores& s = scores[i + 1];
-    out[i] = {dtypes[i], in_integers[i + 1] != 0, DecodeStep(*models[i + 1]).weight_bytes(), mean_of(s.token_loss),
-              mean_of(s.token_loss) - ref_loss, s.kl, s.top1, static_cast<int64_t>(x.size())};
+    const double loss = scored_mean(s.token_loss);
+    out[i] = {dtypes[i],        in_integers[i + 1] != 0, DecodeStep(*models[i + 1]).weight_bytes(),
+              loss,             loss - ref_loss,         s.kl,
+              s.top1,           scored_positions(y)};
   }
   return out;
 }
 
-std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
+std::vector<WeightQuality> weight_quality_on(const GPT& model, const ValidationSplit& split,
                                              std::span<const WeightDtype> dtypes, int windows,
                                              bool int8_products, uint64_t seed) {
-  const QualityWindows w(model, ids, windows, seed);
+  const QualityWindows w(model, split, windows, seed);
   return weight_quality(model, w.x, w.y, w.T, dtypes, int8_products);
 }
 
-std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
+std::vector<KVQuality> kv_cache_quality_on(GPT& model, const ValidationSplit& split,
                                            std::span<const DType> dtypes, int windows,
                                            uint64_t seed) {
-  const QualityWindows w(model, ids, windows, seed);
+  const QualityWindows w(model, split, windows, seed);
   return kv_cache_quality(model, w.x, w.y, w.T, dtypes);
+}
+
+ValidationSplit validation_split(const Corpus& corpus) {
+  return {corpus.val, corpus.val_targets, corpus.example_tokens};
 }
 
 ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std::string& data,
@@ -171,9 +185,9 @@ ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std
   const std::optional<MqarSettings> task =
       data.empty() ? get_mqar_settings(loaded.checkpoint.config, loaded.path) : std::nullopt;
   if (!task) return {checkpoint_validation_ids(loaded, data, used), {}, 0};
-  Corpus c = mqar_corpus(*task, loaded.model->config().block_size);
+  const Corpus c = mqar_corpus(*task, loaded.model->config().block_size);
   if (used != nullptr) *used = c.path;
-  return {std::move(c.val), std::move(c.val_targets), c.example_tokens};
+  return validation_split(c);
 }
 
 std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,

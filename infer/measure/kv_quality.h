@@ -11,10 +11,20 @@
 
 #include "autograd/backend/device.h"
 #include "checkpoints/model_io.h"
+#include "data/corpus.h"
 #include "infer/kv_scales.h"
 #include "nn/gpt.h"
 
 namespace kvlab {
+
+// A validation split as the measurements read it: its ids and, for a task's split
+// (Corpus::val_targets and example_tokens), the scored targets and the example length. Windows
+// are then whole examples and only the targets are scored.
+struct ValidationSplit {
+  std::vector<int32_t> ids, targets;
+  int64_t period = 0;
+};
+ValidationSplit validation_split(const Corpus& corpus);
 
 // The evaluation mode's forward: tokens (B, T) prefilled into a fresh contiguous cache of
 // `dtype` (fp8 with fp8_kv_scales), returning every position's logits (B, T, V), without
@@ -57,7 +67,7 @@ std::vector<WeightQuality> weight_quality(const GPT& model, std::span<const int3
                                           std::span<const WeightDtype> dtypes,
                                           bool int8_products = false, int64_t batch = 16);
 // weight_quality on kv_cache_quality_on's windows.
-std::vector<WeightQuality> weight_quality_on(const GPT& model, const std::vector<int32_t>& ids,
+std::vector<WeightQuality> weight_quality_on(const GPT& model, const ValidationSplit& split,
                                              std::span<const WeightDtype> dtypes, int windows,
                                              bool int8_products = false, uint64_t seed = 4321);
 // Logits (B, T, V) of tokens (B, T), every position one fused decode step into an f32 cache
@@ -66,17 +76,13 @@ Tensor stepwise_logits(const GPT& model, const Tensor& tokens, bool int8_product
 
 // kv_cache_quality over `windows` fixed windows of block_size + 1 tokens of `ids` (a corpus's
 // validation split; data/sampler.h's fixed_windows with `seed`, the same for every model).
-std::vector<KVQuality> kv_cache_quality_on(GPT& model, const std::vector<int32_t>& ids,
+std::vector<KVQuality> kv_cache_quality_on(GPT& model, const ValidationSplit& split,
                                            std::span<const DType> dtypes, int windows,
                                            uint64_t seed = 4321);
 
 // The validation split of a checkpoint trained on a task (train --task mqar; /config says so)
 // when no `data` is given: the task's examples, their scored targets and their length.
 // Otherwise the text split below, with no targets and period 0.
-struct ValidationSplit {
-  std::vector<int32_t> ids, targets;
-  int64_t period = 0;
-};
 ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std::string& data,
                                             std::string* used = nullptr);
 // The validation split a checkpoint was trained against, in its own tokenizer's ids: `data`,

@@ -12,6 +12,7 @@
 #include "autograd/backend/cpu/decode_kernels.h"
 #include "autograd/graph.h"
 #include "autograd/ops/ops.h"
+#include "data/mqar.h"
 #include "infer/block_manager.h"
 #include "infer/decode/decode_step.h"
 #include "infer/engine.h"
@@ -148,6 +149,27 @@ TEST(KVQuality, ReportsWhatItSays) {
   EXPECT_LT(q[3].kl, q[4].kl);  // int8 than int4
   EXPECT_GT(q[4].kl, 0.0);
   EXPECT_THROW(kv_cache_quality(*model, x, y, T + 1, dtypes), Error);
+}
+
+// A task's split (MQAR) is measured on its answers alone: whole examples a window, each
+// dtype's loss over the scored targets, as many positions as the windows hold answers.
+TEST(KVQuality, ATasksSplitIsScoredOnItsAnswers) {
+  GPTConfig c = test::tiny_config(2, 32);
+  c.vocab_size = 256;
+  auto model = test::random_model(c, 5);
+  MqarSettings s;
+  s.val_examples = 30;
+  const ValidationSplit split = validation_split(mqar_corpus(s, 32));
+  const std::vector<DType> dtypes{DType::INT8};
+  const std::vector<KVQuality> kv = kv_cache_quality_on(*model, split, dtypes, 12);
+  EXPECT_EQ(kv[0].positions, 12 * s.pairs);
+  EXPECT_TRUE(std::isfinite(kv[0].loss));
+  const std::vector<WeightDtype> wdtypes{WeightDtype::Q8_0};
+  const std::vector<WeightQuality> w = weight_quality_on(*model, split, wdtypes, 12);
+  EXPECT_EQ(w[0].positions, 12 * s.pairs);
+  // The same windows as text: every position.
+  const ValidationSplit text{split.ids, {}, 0};
+  EXPECT_EQ(kv_cache_quality_on(*model, text, dtypes, 12)[0].positions, 12 * 32);
 }
 
 // The weights' report: the f32 matrices against themselves are exact and the model's own
