@@ -278,6 +278,17 @@ struct Section {
 std::vector<Section> outline(const Parsed& p, const std::vector<Verdict>& vs,
                              const std::vector<Figure>& figs) {
   std::vector<Section> out;
+  // The frontier first: every variant at every cache dtype by its bytes per token, the answer
+  // to what a cache of a given size costs.
+  if (auto t = quality_table(p)) {
+    Section s{"quality", "What each cache dtype costs: the memory-quality frontier", {}};
+    s.table(std::move(*t), "Every variant read through every cache dtype, against its f32 cache.");
+    s.para(kQualityNote);
+    s.figure(figs, "val_loss_vs_cache_bytes");
+    s.figure(figs, "kl_vs_cache_bytes");
+    s.bullets(quality_findings(p));
+    out.push_back(std::move(s));
+  }
   {
     Section s{"results", "Loss, cache and speed", {}};
     s.table(record_table(p),
@@ -317,15 +328,6 @@ std::vector<Section> outline(const Parsed& p, const std::vector<Verdict>& vs,
     s.figure(figs, "served_vs_rate");
     s.figure(figs, "ttft_p99_vs_rate");
     s.bullets(serving_findings(p));
-    out.push_back(std::move(s));
-  }
-  if (auto t = quality_table(p)) {
-    Section s{"quality", "What each cache dtype costs: the memory-quality frontier", {}};
-    s.table(std::move(*t), "Every variant read through every cache dtype, against its f32 cache.");
-    s.para(kQualityNote);
-    s.figure(figs, "val_loss_vs_cache_bytes");
-    s.figure(figs, "kl_vs_cache_bytes");
-    s.bullets(quality_findings(p));
     out.push_back(std::move(s));
   }
   if (auto t = weight_table(p)) {

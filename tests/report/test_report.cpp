@@ -1073,17 +1073,17 @@ TEST_F(ReportFiles, WeightDtypesSectionAfterTheCacheDtypes) {
   EXPECT_NE(both.find("<a id=\"table-weights\"></a>"), std::string::npos);
 }
 
-// The findings open the report, and each figure comes right after the table it illustrates,
-// in the same order in both files.
+// The findings open the report, the memory-quality frontier is its first table and figure,
+// and each figure comes right after the table it illustrates, in the same order in both files.
 TEST_F(ReportFiles, FindingsFirstThenEachTableWithItsFigures) {
   write_report(default_results(), dir_);
   const std::string html = read(dir_ / "report.html"), md = read(dir_ / "report.md");
   const std::vector<std::string> order = {
-      "findings", "table-results", "fig-val_loss_curves", "fig-val_loss_curves_vs_mha",
+      "findings", "table-quality", "fig-val_loss_vs_cache_bytes", "fig-kl_vs_cache_bytes",
+      "table-results", "fig-val_loss_curves", "fig-val_loss_curves_vs_mha",
       "fig-val_loss_vs_kv", "fig-cache_bytes_vs_kv", "verdicts", "table-details",
       "fig-tokens_per_s_vs_kv", "table-memory", "table-serving", "fig-served_vs_rate",
-      "fig-ttft_p99_vs_rate", "table-quality", "fig-val_loss_vs_cache_bytes",
-      "fig-kl_vs_cache_bytes", "table-generation", "fig-loss_by_position",
+      "fig-ttft_p99_vs_rate", "table-generation", "fig-loss_by_position",
       "fig-recall_by_distance", "table-paired"};
   std::size_t in_html = 0, in_md = 0;
   for (const std::string& id : order) {
