@@ -113,11 +113,11 @@ void run_eval(EvalArgs a) {
   std::vector<GPT*> models;
   for (LoadedModel& m : loaded) models.push_back(m.model.get());
   std::optional<ProgressBar> bar;  // its total is known at the first report
-  const EvalResult r = evaluate_models(
-      models, a.ckpts, val.ids, loaded.front().tokenizer, a.options, [&](int64_t done, int64_t total) {
-        if (!bar) bar.emplace("eval", total, "windows");
-        bar->update(done, "");
-      });
+  const EvalResult r = evaluate_models(models, a.ckpts, val.ids, loaded.front().tokenizer,
+                                       a.options, [&](int64_t done, int64_t total) {
+                                         if (!bar) bar.emplace("eval", total, "windows");
+                                         bar->update(done, "");
+                                       });
   if (bar) bar->erase();
   print_result(r, corpus);
   if (!a.json_path.empty()) {

@@ -19,7 +19,8 @@ GPTConfig get_gpt_config(const Attrs& attrs, const std::filesystem::path& file);
 // A task run's keys of /config (task and mqar_*; a text run writes none), and the task they
 // describe back: nullopt for a text run; a mistyped or invalid key is an error naming the file.
 void put_mqar_settings(Attrs& attrs, const MqarSettings& s);
-std::optional<MqarSettings> get_mqar_settings(const Attrs& attrs, const std::filesystem::path& file);
+std::optional<MqarSettings> get_mqar_settings(const Attrs& attrs,
+                                              const std::filesystem::path& file);
 // LoadOptions for a GPT's checkpoint: /model must hold the parameters of the GPT its /config
 // describes (get_gpt_config's checks first), compared before any weight is read.
 LoadOptions gpt_load_options(const std::filesystem::path& file, bool with_training_state);

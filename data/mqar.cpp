@@ -83,7 +83,8 @@ void check_mqar(const MqarSettings& s, int64_t length, const MqarStream& stream)
     std::vector<int32_t> value_of(static_cast<size_t>(half), -1);
     for (size_t i = 0; i < N; ++i) {
       const int32_t key = ids[2 * i], value = ids[2 * i + 1];
-      if (key < 1 || key >= half) bad(2 * i, detail::cat("key ", key, " is not in [1, ", half, ")"));
+      if (key < 1 || key >= half)
+        bad(2 * i, detail::cat("key ", key, " is not in [1, ", half, ")"));
       if (value < half || value >= s.vocab)
         bad(2 * i + 1, detail::cat("value ", value, " is not in [", half, ", ", s.vocab, ")"));
       if (value_of[static_cast<size_t>(key)] >= 0) bad(2 * i, detail::cat("key ", key, " repeats"));
@@ -104,7 +105,8 @@ void check_mqar(const MqarSettings& s, int64_t length, const MqarStream& stream)
       if (queried[static_cast<size_t>(id)]) bad(pos, detail::cat("key ", id, " is queried twice"));
       if ((pos - 2 * N) % 2 != 0) bad(pos, "a query at an odd offset");
       if (targets[pos] != -1) bad(pos, "a query is scored");
-      if (pos + 1 >= L || ids[pos + 1] != 0 || targets[pos + 1] != value_of[static_cast<size_t>(id)])
+      if (pos + 1 >= L || ids[pos + 1] != 0 ||
+          targets[pos + 1] != value_of[static_cast<size_t>(id)])
         bad(pos + 1, detail::cat("the answer to key ", id, " is not its value ",
                                  value_of[static_cast<size_t>(id)]));
       queried[static_cast<size_t>(id)] = true;
