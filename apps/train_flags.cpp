@@ -262,9 +262,7 @@ TrainConfig finish_train_flags(const TrainFlags& flags) {
   KVLAB_USAGE_CHECK(c.task != "text" || std::filesystem::exists(c.corpus), "corpus ", c.corpus,
                     ": no such file (pass --corpus FILE, or run scripts/setup.sh for the "
                     "default corpus)");
-  const CLI::Option* vocab =
-      f.cmd != nullptr ? f.cmd->get_option_no_throw("--vocab-size") : nullptr;
-  KVLAB_USAGE_CHECK(c.tokenizer == "bpe" || vocab == nullptr || vocab->count() == 0,
+  KVLAB_USAGE_CHECK(c.tokenizer == "bpe" || !flag_given(f, "--vocab-size"),
                     "--vocab-size is for --tokenizer bpe; a ", c.tokenizer,
                     " vocabulary is what the corpus holds");
   try {
