@@ -161,6 +161,8 @@ const Variant* mha_of(const Parsed& p);
 // Cells the findings quote: one function per figure, so a finding and its table show one value.
 std::string loss_cell(const Variant& v);                          // val loss, mean ± std
 std::string loss_delta_cell(const Parsed& p, const Variant& v);   // val loss minus MHA's
+// A pair's per-seed paired differences: "+0.0186 [+0.0136, +0.0238]; ..." (b - a).
+std::string seed_intervals(const GenPair& pair);
 // A task's answer accuracy, mean ± std (none for a text sweep).
 std::optional<std::string> accuracy_cell(const Variant& v);
 std::string cache_cell(const Variant& v);       // measured cache bytes at full context

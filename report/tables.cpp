@@ -314,16 +314,21 @@ Table generation_table(const Parsed& p, const GenQuality& g) {
   return t;
 }
 
+std::string seed_intervals(const GenPair& pair) {
+  std::string out;
+  for (const SeedInterval& s : pair.seeds)
+    out += (out.empty() ? "" : "; ") + fmt("%+.4f", s.mean) + " [" + fmt("%+.4f", s.lo) + ", " +
+           fmt("%+.4f", s.hi) + "]";
+  return out;
+}
+
 // Every pair: each seed's paired loss difference with its 95% interval, and the two verdicts.
 Table paired_table(const Parsed& p, const GenQuality& g) {
   Table t{{"pair (b - a)", "Δ loss per seed [95% interval]", "paired verdict", "seed-spread verdict"},
           {},
           "table-paired"};
   for (const GenPair& pair : g.pairs) {
-    std::string per_seed;
-    for (const SeedInterval& s : pair.seeds)
-      per_seed += (per_seed.empty() ? "" : "; ") + fmt("%+.4f", s.mean) + " [" +
-                  fmt("%+.4f", s.lo) + ", " + fmt("%+.4f", s.hi) + "]";
+    const std::string per_seed = seed_intervals(pair);
     const Variant &a = p.variants[pair.a], &b = p.variants[pair.b];
     t.rows.push_back({b.id() + " - " + a.id(), per_seed,
                       pair.distinguishable ? "distinguishable" : "not distinguishable",

@@ -53,20 +53,18 @@ const GenPair* pair_of(const Parsed& p, const Variant& a, const Variant& b) {
 // on one side, else that it does not tell them apart; each seed's interval as the figures.
 std::string paired_wording(const Parsed& p, const GenPair& pair) {
   double mean = 0;
-  std::string per_seed;
-  for (const SeedInterval& s : pair.seeds) {
-    mean += s.mean / static_cast<double>(pair.seeds.size());
-    per_seed += (per_seed.empty() ? "" : "; ") + fmt("%+.4f", s.mean) + " [" +
-                fmt("%+.4f", s.lo) + ", " + fmt("%+.4f", s.hi) + "]";
-  }
+  for (const SeedInterval& s : pair.seeds) mean += s.mean / static_cast<double>(pair.seeds.size());
   const Variant &a = p.variants[pair.a], &b = p.variants[pair.b];
   const std::string on = "paired on " + std::to_string(p.gen->windows) + " shared windows, ";
-  const std::string figures = " (" + b.label() + " - " + a.label() + " per seed: " + per_seed + ")";
+  const std::string figures =
+      " (" + b.label() + " - " + a.label() + " per seed: " + seed_intervals(pair) + ")";
   if (!pair.distinguishable) {
-    const bool holds_zero = std::any_of(pair.seeds.begin(), pair.seeds.end(),
-                                        [](const SeedInterval& s) { return s.lo <= 0 && s.hi >= 0; });
+    const bool holds_zero =
+        std::any_of(pair.seeds.begin(), pair.seeds.end(),
+                    [](const SeedInterval& s) { return s.lo <= 0 && s.hi >= 0; });
     return on + "not distinguishable: " +
-           (holds_zero ? "a seed's 95% interval holds 0" : "the seeds' intervals fall on both sides of 0") +
+           (holds_zero ? "a seed's 95% interval holds 0"
+                       : "the seeds' intervals fall on both sides of 0") +
            figures;
   }
   const Variant& lower = mean < 0 ? b : a;
