@@ -65,7 +65,8 @@ void add_convert_command(CLI::App& root) {
       "convert",
       "Merge a checkpoint's KV heads into fewer (MHA -> GQA/MQA, or fewer GQA groups) and write "
       "the weights as a new checkpoint, to generate from or to uptrain with train --init-from");
-  cmd->add_option("--ckpt", args->ckpt, "Checkpoint to convert (.h5)")->required();
+  cmd->add_option("--ckpt", args->ckpt, "Checkpoint (.h5) or GGUF model file to convert")
+      ->required();
   cmd->add_option("--n-kv-head", args->n_kv_head,
                   "KV heads of the result: a divisor of the checkpoint's n_kv_head (equal to it, "
                   "mean and first copy the model)")

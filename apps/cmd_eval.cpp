@@ -107,7 +107,7 @@ void run_eval(EvalArgs a) {
   a.options.window = checked_window(a, loaded);
   std::string corpus;
   // A task's checkpoint is scored on the task's answers (infer/measure/kv_quality.h).
-  const ValidationSplit val = checkpoint_validation_split(loaded.front(), a.corpus, &corpus);
+  const ValidationSplit val = checkpoint_validation_split(loaded.front(), a.corpus, &corpus, "--corpus");
   if (!val.targets.empty()) a.options.targets = &val.targets;
   a.options.period = val.period;
   std::vector<GPT*> models;
@@ -138,7 +138,8 @@ void add_eval_command(CLI::App& root) {
       "differences with bootstrap intervals, loss by context position, KL and top-1 against "
       "the first, and an in-context recall probe");
   cmd->add_option("--ckpt", args->ckpts,
-                  "Checkpoints to compare (.h5), one tokenizer; the first is the reference")
+                  "Checkpoints (.h5) or GGUF model files to compare, one tokenizer; the first is "
+                  "the reference")
       ->required()
       ->expected(1, -1);
   cmd->add_option("--corpus", args->corpus,

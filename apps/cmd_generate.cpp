@@ -317,7 +317,8 @@ void add_generate_command(CLI::App& root) {
   auto args = std::make_shared<GenerateArgs>();
   CLI::App* cmd = root.add_subcommand(
       "generate", "Generate text from a checkpoint through the KV cache, streamed as it is made");
-  cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
+  cmd->add_option("--ckpt", args->ckpt,
+                  "Checkpoint (.h5) written by kvlab train, or a GGUF model file")
       ->required();
   add_device_flags(cmd, args->device, args->dtype);
   add_kv_dtype_flag(cmd, args->kv_dtype);

@@ -82,7 +82,9 @@ void add_export_command(CLI::App& root) {
       "Write a checkpoint's model and tokenizer as a GGUF file for llama.cpp or ollama: the llama "
       "block as llama.cpp's llama architecture (deepseek2 with --attn mla), GPT-2's as its gpt2 "
       "(docs/gguf.md)");
-  cmd->add_option("--ckpt", args->ckpt, "Checkpoint to export (.h5)")->required();
+  cmd->add_option("--ckpt", args->ckpt,
+                  "Checkpoint (.h5) or GGUF model file to export (a GGUF file: in another mix)")
+      ->required();
   cmd->add_option("--format", args->format, "File format: gguf (the only one)")
       ->check(CLI::IsMember({"gguf"}));
   cmd->add_option("--out", args->out, "GGUF file to write (atomically)")->required();

@@ -126,7 +126,7 @@ void run_inspect(const InspectArgs& a) {
   // such a file; generate and bench read only the model).
   LoadOptions options;
   options.report_training_state = true;
-  const Checkpoint c = load_checkpoint(a.ckpt, options);
+  const Checkpoint c = load_model_file(a.ckpt, options);
   Inspection in;
   if (!c.training_state_problem.empty()) in.state_problems.push_back(c.training_state_problem);
   for (const std::string& p : training_state_problems(c)) in.state_problems.push_back(p);
@@ -143,7 +143,7 @@ void run_inspect(const InspectArgs& a) {
 void add_inspect_command(CLI::App& root) {
   auto args = std::make_shared<InspectArgs>();
   CLI::App* cmd = root.add_subcommand("inspect", "Print a checkpoint's config, parameters and tensors");
-  cmd->add_option("ckpt", args->ckpt, "Checkpoint file (.h5)")->required();
+  cmd->add_option("ckpt", args->ckpt, "Checkpoint (.h5) or GGUF model file")->required();
   cmd->add_flag("--json", args->json, "Print JSON instead of text");
   cmd->callback([args] { run_inspect(*args); });
 }

@@ -196,11 +196,13 @@ void add_serve_command(CLI::App& root) {
       "Serve a checkpoint over HTTP with the OpenAI completions and chat API (POST "
       "/v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics): continuous "
       "batching over a paged KV cache (CPU)");
-  cmd->add_option("--ckpt", args->ckpt, "Checkpoint file (HDF5) written by kvlab train")
+  cmd->add_option("--ckpt", args->ckpt,
+                  "Checkpoint (.h5) written by kvlab train, or a GGUF model file")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--model-name", args->model_name,
-                  "The model's id in the API (default: the checkpoint's file name without .h5)");
+  cmd->add_option(
+      "--model-name", args->model_name,
+      "The model's id in the API (default: the model file's name without its extension)");
   cmd->add_option("--host", args->host, "Address to listen on (loopback by default)")
       ->capture_default_str();
   add_number(cmd, "--port", args->port, "Port to listen on; 0 picks a free one (printed)");

@@ -215,7 +215,8 @@ void add_tokenizer_command(CLI::App& root) {
 const auto add_use = [&](const char* name, const char* help, const char* input_help,
                          void (*run)(const TokenizerArgs&)) {
   CLI::App* sub = cmd->add_subcommand(name, help);
-  sub->add_option("--tokenizer", a->tokenizer, "Tokenizer file or model checkpoint (.h5)")
+  sub->add_option("--tokenizer", a->tokenizer,
+                  "Tokenizer file, model checkpoint (.h5) or GGUF model file")
       ->required();
   if (input_help != nullptr) sub->add_option("file", a->input, input_help);
   sub->add_flag("--json", a->json, "Print JSON");

@@ -71,7 +71,7 @@ TrainConfig train_config(const TrainArgs& a) {
     from = last.string();
   }
   if (!from.empty()) {
-    const Checkpoint c = load_checkpoint(from, gpt_load_options(from, false));
+    const Checkpoint c = load_model_file(from, gpt_load_options(from, false));
     if (what == "--init-from" || c.config.count("init_from") > 0)
       take_model_from(flags, get_gpt_config(c.config, from), c.tokenizer_kind, what, from);
   }
@@ -167,7 +167,8 @@ void add_train_command(CLI::App& root) {
                 "a run begun with --init-from takes its model's shape from last.h5 again");
   cmd->add_option("--init-from", args->init_from,
                   "Start a new run (step 0, a new AdamW and schedule) from the weights of this "
-                  "checkpoint, e.g. one kvlab convert wrote. The model's shape and the tokenizer "
+                  "checkpoint (or GGUF model file), e.g. one kvlab convert wrote. The model's "
+                  "shape and the tokenizer "
                   "are the checkpoint's: a shape flag or --tokenizer given with another value is "
                   "refused, and the corpus must give the same vocabulary. Dropout and the "
                   "training flags apply as usual; /config records init_from and its hash. Not "

@@ -468,6 +468,12 @@ GgufFile parse_gguf(std::string_view bytes, std::string_view what) {
   return file;
 }
 
+bool is_gguf_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  return in.read(magic, 4) && std::string_view(magic, 4) == std::string_view(kMagic, 4);
+}
+
 GgufFile read_gguf(const std::filesystem::path& path) {
   std::error_code ec;
   const uintmax_t size = std::filesystem::file_size(path, ec);

@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoints/gguf_model.h"
 #include "data/corpus.h"
 
 namespace kvlab {
@@ -368,7 +369,13 @@ void save_tokenizer(const std::filesystem::path& file, const Tokenizer& tok) {
   save_checkpoint(file, ckpt);
 }
 
+Checkpoint load_model_file(const std::filesystem::path& file, const LoadOptions& options) {
+  if (is_gguf_file(file)) return gguf_to_checkpoint(read_gguf(file), file.string());
+  return load_checkpoint(file, options);
+}
+
 Tokenizer load_tokenizer(const std::filesystem::path& file) {
+  if (is_gguf_file(file)) return gguf_tokenizer(read_gguf(file), file.string());
   return get_tokenizer(load_checkpoint(file, false), file);
 }
 
@@ -388,7 +395,7 @@ void get_optimizer(AdamW& opt, const Checkpoint& ckpt, const std::filesystem::pa
 }
 
 LoadedModel load_model(const std::filesystem::path& file, bool with_training_state) {
-  Checkpoint ckpt = load_checkpoint(file, gpt_load_options(file, with_training_state));
+  Checkpoint ckpt = load_model_file(file, gpt_load_options(file, with_training_state));
   const GPTConfig cfg = get_gpt_config(ckpt.config, file);
   Tokenizer tok = get_tokenizer(ckpt, file);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, "checkpoint ", file.string(), ": tokenizer has ",

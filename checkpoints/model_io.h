@@ -24,6 +24,11 @@ std::optional<MqarSettings> get_mqar_settings(const Attrs& attrs,
 // LoadOptions for a GPT's checkpoint: /model must hold the parameters of the GPT its /config
 // describes (get_gpt_config's checks first), compared before any weight is read.
 LoadOptions gpt_load_options(const std::filesystem::path& file, bool with_training_state);
+// A model file as a Checkpoint, whichever it is: an HDF5 checkpoint as load_checkpoint reads it
+// with these options, or a GGUF file (is_gguf_file) as gguf_to_checkpoint converts it, weights
+// only (no training state; its matrices widened to f32 as `kvlab import` widens them). Every
+// command that takes a checkpoint reads it through this, so each also takes a .gguf file.
+Checkpoint load_model_file(const std::filesystem::path& file, const LoadOptions& options);
 // What makes a checkpoint's training state unusable for --resume, one line each, naming the
 // dataset or attribute (none when nothing): moments holding NaN or inf, a negative step, a
 // world_size that is not a positive integer, a /train/rng_state that is not
@@ -48,7 +53,7 @@ Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& fil
 // A tokenizer file (tok.h5): a checkpoint holding only /tokenizer (and an empty /config and
 // /model), sealed and checked like any other.
 void save_tokenizer(const std::filesystem::path& file, const Tokenizer& tok);
-// The tokenizer of a tokenizer file or of a model checkpoint.
+// The tokenizer of a tokenizer file, of a model checkpoint or of a GGUF file.
 Tokenizer load_tokenizer(const std::filesystem::path& file);
 
 void put_optimizer(Checkpoint& ckpt, const AdamW& opt);
@@ -60,7 +65,8 @@ struct LoadedModel {
   Checkpoint checkpoint;  // config and (when asked) training state; model arrays released
   std::filesystem::path path = {};  // the file it was loaded from (messages)
 };
-// Loads config, tokenizer and weights into a new GPT (in eval mode).
+// Loads config, tokenizer and weights into a new GPT (in eval mode), from a checkpoint or a GGUF
+// file (load_model_file).
 LoadedModel load_model(const std::filesystem::path& file, bool with_training_state = false);
 
 // fnv1a64 of the file's bytes as 16 hex digits (data/corpus.h's hash, which corpus_hash also

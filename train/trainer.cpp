@@ -334,7 +334,7 @@ void Trainer::init_from(const fs::path& file) {
               ": a run starts from a checkpoint's weights before its first step, not at step ",
               step_);
   // The model /config describes is compared with the file's datasets before any is read.
-  Checkpoint ckpt = load_checkpoint(file, gpt_load_options(file, false));
+  Checkpoint ckpt = load_model_file(file, gpt_load_options(file, false));
   const Tokenizer tok = get_tokenizer(ckpt, file);
   const Tokenizer& ours = corpus_.tokenizer;
   KVLAB_CHECK(tok == ours, "init-from: ", file.string(), " has another tokenizer (",

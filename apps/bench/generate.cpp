@@ -185,7 +185,8 @@ void add_generate_command(CLI::App* bench, const std::shared_ptr<BenchArgs>& arg
       "generate",
       "Decode speed with and without the KV cache, and cache memory against the formula");
   CLI::Option* ckpt =
-      gen->add_option("--ckpt", args->ckpt, "Checkpoint to measure (default: random weights)");
+      gen->add_option("--ckpt", args->ckpt,
+                      "Checkpoint (.h5) or GGUF model file to measure (default: random weights)");
   CLI::Option* n_kv_head = add_shape_flags(gen, *args, ckpt);
   gen->add_option("--kv-heads", args->kv_heads,
                   "n_kv_head settings for the cache report and speed by NKV (default NH, NH/2, "

@@ -129,7 +129,8 @@ void add_kv_memory_command(CLI::App* bench) {
       "utilisation and resident sequences under a serving workload for each n_kv_head, prompt "
       "sharing, prefix caching, and decode speed");
   CLI::Option* ckpt =
-      cmd->add_option("--ckpt", args->ckpt, "Checkpoint to measure (default: random weights)");
+      cmd->add_option("--ckpt", args->ckpt,
+                      "Checkpoint (.h5) or GGUF model file to measure (default: random weights)");
   CLI::Option* n_kv_head = add_shape_flags(cmd, *args, ckpt);
   cmd->add_option("--kv-heads", args->kv_heads,
                   "n_kv_head settings of the workload (default NH, NH/2, NH/4, NH/8)")

@@ -105,7 +105,8 @@ void run_bench_weight_quality(BenchArgs& a) {
 
 // kv-quality's options (--ckpt, --data, --windows, --json) on cmd.
 void add_quality_options(CLI::App* cmd, BenchArgs& args) {
-  cmd->add_option("--ckpt", args.ckpt, "Checkpoint to evaluate")->required();
+  cmd->add_option("--ckpt", args.ckpt, "Checkpoint (.h5) or GGUF model file to evaluate")
+      ->required();
   cmd->add_option("--data", args.data,
                   "Corpus whose validation split is evaluated (default: the checkpoint's "
                   "training corpus, split as it was)");

@@ -210,7 +210,8 @@ void add_serve_command(CLI::App* bench) {
       "A stream of requests served by continuous batching over the paged KV cache and by "
       "static batching over contiguous caches, at the same KV memory: throughput, TTFT, TPOT");
   CLI::Option* ckpt =
-      cmd->add_option("--ckpt", args->ckpt, "Checkpoint to serve (default: random weights)");
+      cmd->add_option("--ckpt", args->ckpt,
+                      "Checkpoint (.h5) or GGUF model file to serve (default: random weights)");
   CLI::Option* n_kv_head = add_shape_flags(cmd, *args, ckpt);
   add_number(cmd, "--requests", args->serve.requests,
              "Requests of the workload (kv-memory's lengths, one sample each)");

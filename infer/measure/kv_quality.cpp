@@ -181,17 +181,17 @@ ValidationSplit validation_split(const Corpus& corpus) {
 }
 
 ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std::string& data,
-                                            std::string* used) {
+                                            std::string* used, std::string_view data_flag) {
   const std::optional<MqarSettings> task =
       data.empty() ? get_mqar_settings(loaded.checkpoint.config, loaded.path) : std::nullopt;
-  if (!task) return {checkpoint_validation_ids(loaded, data, used), {}, 0};
+  if (!task) return {checkpoint_validation_ids(loaded, data, used, data_flag), {}, 0};
   const Corpus c = mqar_corpus(*task, loaded.model->config().block_size);
   if (used != nullptr) *used = c.path;
   return validation_split(c);
 }
 
 std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,
-                                               std::string* used) {
+                                               std::string* used, std::string_view data_flag) {
   const Attrs& config = loaded.checkpoint.config;
   auto text = [&](const char* key) -> std::string {
     const auto it = config.find(key);
@@ -200,7 +200,9 @@ std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const 
                : "";
   };
   const std::string file = data.empty() ? text("corpus") : data;
-  KVLAB_CHECK(!file.empty(), "the checkpoint records no corpus: give its data file (--data)");
+  KVLAB_CHECK(!file.empty(), loaded.path.string(),
+              " records no training corpus (an imported or GGUF model): give the text to score (",
+              data_flag, ")");
   const auto vf = config.find("val_fraction");
   const double val_fraction = vf != config.end() && std::holds_alternative<double>(vf->second)
                                   ? std::get<double>(vf->second)

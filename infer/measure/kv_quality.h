@@ -7,6 +7,8 @@
 // same logits). Each dtype is compared with the f32 cache on the same windows.
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "autograd/backend/device.h"
@@ -82,14 +84,17 @@ std::vector<KVQuality> kv_cache_quality_on(GPT& model, const ValidationSplit& sp
 
 // The validation split of a checkpoint trained on a task (train --task mqar; /config says so)
 // when no `data` is given: the task's examples, their scored targets and their length.
-// Otherwise the text split below, with no targets and period 0.
+// Otherwise the text split below, with no targets and period 0. data_flag: the flag that gives
+// `data` on the caller's command line, named by the error when neither says which text to read.
 ValidationSplit checkpoint_validation_split(const LoadedModel& loaded, const std::string& data,
-                                            std::string* used = nullptr);
+                                            std::string* used = nullptr,
+                                            std::string_view data_flag = "--data");
 // The validation split a checkpoint was trained against, in its own tokenizer's ids: `data`,
 // else the corpus its /config names, split by its val_fraction (0.1 if it records none) and
 // tokenized by its tokenizer kind. Characters the checkpoint never saw are an error that lists
 // them. Sets *used to the corpus file read.
 std::vector<int32_t> checkpoint_validation_ids(const LoadedModel& loaded, const std::string& data,
-                                               std::string* used = nullptr);
+                                               std::string* used = nullptr,
+                                               std::string_view data_flag = "--data");
 
 }  // namespace kvlab

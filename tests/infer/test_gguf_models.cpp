@@ -1114,6 +1114,42 @@ TEST_F(GgufLlamaCpp, Qwen2sBlockWithQkvBiasesAsLlamaCpp) {
   EXPECT_GT(most, 0.1f) << "the k bias was not read";
 }
 
+// A GGUF file is a model wherever a checkpoint is (load_model_file): a random Llama 3 model
+// written by gguf-py, and llama-quantize's Q4_K_M of it, load as their import (`kvlab import`'s
+// checkpoint, saved and loaded) does: the same config, tokenizer and every weight bit for bit.
+TEST_F(GgufLlamaCpp, AGgufFileLoadsAsItsImport) {
+  std::string why;
+  const fs::path f32 = dir_ / "direct-f32.gguf", q4km = dir_ / "direct-q4_k_m.gguf";
+  if (!write_family_model("llama-bpe", f32, why)) GTEST_SKIP() << why;
+  if (!llama_quantize(f32, q4km, /*LLAMA_FTYPE_MOSTLY_Q4_K_M*/ 15, why)) GTEST_SKIP() << why;
+  for (const fs::path& gguf : {f32, q4km}) {
+    SCOPED_TRACE(gguf.filename().string());
+    EXPECT_TRUE(is_gguf_file(gguf));
+    const fs::path h5 = dir_ / (gguf.stem().string() + ".h5");
+    save_checkpoint(h5, gguf_to_checkpoint(read_gguf(gguf), gguf.string()));
+    EXPECT_FALSE(is_gguf_file(h5));
+    const LoadedModel direct = load_model(gguf), imported = load_model(h5);
+    Attrs a, b;
+    put_gpt_config(a, direct.model->config());
+    put_gpt_config(b, imported.model->config());
+    EXPECT_EQ(a, b);
+    EXPECT_TRUE(direct.tokenizer == imported.tokenizer);
+    EXPECT_TRUE(load_tokenizer(gguf) == imported.tokenizer);
+    const auto ours = direct.model->named_parameters(), theirs = imported.model->named_parameters();
+    ASSERT_EQ(ours.size(), theirs.size());
+    for (size_t i = 0; i < ours.size(); ++i) {
+      ASSERT_EQ(ours[i].first, theirs[i].first);
+      EXPECT_EQ(ours[i].second.to_vector<float>(), theirs[i].second.to_vector<float>())
+          << ours[i].first;
+    }
+  }
+  // Cut short, it is refused by name, not read as a smaller model.
+  const fs::path cut = dir_ / "cut.gguf";
+  fs::copy_file(f32, cut);
+  fs::resize_file(cut, fs::file_size(f32) / 2);
+  EXPECT_NE(error_of([&] { load_model(cut); }).find(cut.string()), std::string::npos);
+}
+
 // Scaled RoPE as llama.cpp applies it: linear scaling (rope.scaling.factor 4: positions / 4),
 // and Llama 3.1's rope_freqs tensor (each frequency divided by its factor), each in a random
 // llama model with Llama 3's vocabulary, from text to text, and exported again as they came.
