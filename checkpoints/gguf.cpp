@@ -469,6 +469,8 @@ GgufFile parse_gguf(std::string_view bytes, std::string_view what) {
 }
 
 bool is_gguf_file(const std::filesystem::path& path) {
+  std::error_code ec;  // a FIFO or device is not opened: its reader would wait for a writer
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
   std::ifstream in(path, std::ios::binary);
   char magic[4] = {};
   return in.read(magic, 4) && std::string_view(magic, 4) == std::string_view(kMagic, 4);

@@ -95,7 +95,8 @@ GgufFile parse_gguf(std::string_view bytes, std::string_view what);
 // Reads and parses a file (refusing one larger than the machine's memory).
 GgufFile read_gguf(const std::filesystem::path& path);
 // True when the file begins with GGUF's magic: what tells a GGUF model from an HDF5 checkpoint
-// wherever a command takes either. False for a file that cannot be read (its reader says why).
+// wherever a command takes either. False for what is not a regular file or cannot be read (its
+// reader says why).
 bool is_gguf_file(const std::filesystem::path& path);
 // serialize_gguf through write_file_atomic.
 void write_gguf(const std::filesystem::path& path, const GgufFile& file);
