@@ -40,7 +40,12 @@ Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device
   data_ = allocator_for(device).allocate(nbytes);
 }
 
-Storage::~Storage() { allocator_for(device_).deallocate(data_, nbytes_); }
+Storage::Storage(std::shared_ptr<void> owner, void* data, size_t nbytes)
+    : data_(data), nbytes_(nbytes), device_(Device::CPU), owner_(std::move(owner)) {}
+
+Storage::~Storage() {
+  if (!owner_) allocator_for(device_).deallocate(data_, nbytes_);
+}
 
 const TensorImpl& Tensor::checked() const {
   KVLAB_CHECK(impl_ != nullptr, "tensor: use of an undefined tensor");
@@ -57,6 +62,18 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   impl->sizes = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::adopt(std::vector<float>&& values, const Shape& shape) {
+  KVLAB_CHECK(shape_numel(shape) == static_cast<int64_t>(values.size()),
+              "tensor: adopt: ", values.size(), " values for shape ", kvlab::shape_str(shape));
+  auto owner = std::make_shared<std::vector<float>>(std::move(values));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>(owner, owner->data(), owner->size() * sizeof(float));
+  impl->sizes = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = DType::F32;
   return Tensor(std::move(impl));
 }
 
@@ -219,6 +236,16 @@ void Tensor::move_to(Device d) {
   impl_->strides = moved.strides();
   impl_->offset = 0;
   if (impl_->grad.defined()) impl_->grad = impl_->grad.to(d);
+}
+
+void Tensor::share_data_of(const Tensor& src) {
+  KVLAB_CHECK(src.sizes() == sizes() && src.dtype() == dtype() && src.device() == device() &&
+                  src.is_contiguous(),
+              "tensor: share_data_of needs a contiguous ", shape_str(), " ", dtype_name(dtype()),
+              " tensor on the same device, not ", src.shape_str(), " ", dtype_name(src.dtype()));
+  impl_->storage = src.storage();
+  impl_->strides = src.strides();
+  impl_->offset = src.offset();
 }
 
 void Tensor::fill(double value) {

@@ -23,6 +23,8 @@ Shape contiguous_strides(const Shape& s);
 class Storage {
  public:
   Storage(size_t nbytes, Device device);
+  // Host memory that `owner` keeps alive (and frees), not the allocator's.
+  Storage(std::shared_ptr<void> owner, void* data, size_t nbytes);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -34,6 +36,7 @@ class Storage {
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
+  std::shared_ptr<void> owner_;
 };
 
 struct Node;
@@ -68,6 +71,8 @@ class Tensor {
   template <class T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
   static Tensor scalar(double value, DType dtype = DType::F32) { return full({}, value, dtype); }
+  // A CPU f32 tensor over values' own buffer, which it keeps: no copy.
+  static Tensor adopt(std::vector<float>&& values, const Shape& shape);
 
   // --- metadata ---
   bool defined() const { return impl_ != nullptr; }
@@ -100,6 +105,9 @@ class Tensor {
   // Moves this tensor's data to `device` in place (a contiguous copy): every handle sharing
   // this tensor sees the moved data. For parameters; views of the old storage keep it.
   void move_to(Device device);
+  // This tensor's data becomes src's (same shape, dtype and device; src contiguous), in place,
+  // as move_to does: every handle sharing this tensor sees it. Loads parameters without a copy.
+  void share_data_of(const Tensor& src);
   // View with new metadata over the same storage (no check beyond bounds).
   Tensor as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const;
   void copy_from(const Tensor& src);  // same shape; any strides and devices; dtype converted

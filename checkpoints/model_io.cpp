@@ -251,6 +251,17 @@ void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::strin
   }
 }
 
+void move_into(const NamedTensors& dst, NamedArrays& src, const std::string& group,
+               const std::filesystem::path& file) {
+  check_arrays_fit(dst, src, group, file);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    ArrayF32& a = src[i].second;
+    Tensor target = dst[i].second;  // the handle is shared: the data lands in the model's tensor
+    target.share_data_of(Tensor::adopt(std::move(a.data), a.shape));
+    a = {};
+  }
+}
+
 namespace {
 // Tokens as /tokenizer/token_bytes and token_offsets hold them, and back (the checkpoint reader
 // has checked the offsets).
@@ -400,8 +411,8 @@ LoadedModel load_model(const std::filesystem::path& file, bool with_training_sta
   Tokenizer tok = get_tokenizer(ckpt, file);
   KVLAB_CHECK(tok.vocab_size() == cfg.vocab_size, "checkpoint ", file.string(), ": tokenizer has ",
               tok.vocab_size(), " symbols, /config vocab_size is ", cfg.vocab_size);
-  auto model = std::make_unique<GPT>(cfg, 0);
-  copy_into(model->named_parameters(), ckpt.model, "model", file);
+  auto model = std::make_unique<GPT>(cfg, GPT::WeightsToLoad{});
+  move_into(model->named_parameters(), ckpt.model, "model", file);
   model->set_training(false);
   ckpt.model.clear();
   return {std::move(model), std::move(tok), std::move(ckpt), file};

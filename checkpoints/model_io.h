@@ -47,6 +47,10 @@ void check_arrays_fit(const NamedTensors& dst, const NamedArrays& src, const std
 // check_arrays_fit, then copies each array into its tensor (load_model, Trainer::resume).
 void copy_into(const NamedTensors& dst, const NamedArrays& src, const std::string& group,
                const std::filesystem::path& file);
+// check_arrays_fit, then each tensor takes over its array's memory (Tensor::adopt, no copy; the
+// arrays are left empty): a real-size model's weights are held once, not twice, while loading.
+void move_into(const NamedTensors& dst, NamedArrays& src, const std::string& group,
+               const std::filesystem::path& file);
 
 void put_tokenizer(Checkpoint& ckpt, const Tokenizer& tok);
 Tokenizer get_tokenizer(const Checkpoint& ckpt, const std::filesystem::path& file);

@@ -281,11 +281,27 @@ Tensor Block::forward(const Tensor& x_in, const ForwardContext& ctx, int layer) 
   return add(x, maybe_dropout(mlp.forward(ln_2.forward(x)), dropout, ctx, layer, 2));
 }
 
-GPT::GPT(const GPTConfig& cfg, uint64_t seed)
+GPT::GPT(const GPTConfig& cfg, uint64_t seed) : GPT(cfg, WeightsToLoad{}) {
+  dropout_gen_.reseed(hash64(seed, 0x64726f70));
+  // Each parameter draws from its own stream, seeded by (seed, name): variants that differ
+  // only in n_kv_head start from identical values for every parameter they share.
+  const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
+  for (auto& [name, t] : named_parameters()) {
+    if (t.dim() < 2) continue;                    // biases stay 0, LayerNorm weights 1
+    uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
+    for (unsigned char ch : name) name_hash = (name_hash ^ ch) * 1099511628211ull;
+    Generator gen(hash64(seed, name_hash));
+    const bool resid = name.ends_with("c_proj.weight");
+    Tensor p = t;
+    normal_(p, gen, resid ? resid_std : 0.02);
+  }
+}
+
+GPT::GPT(const GPTConfig& cfg, WeightsToLoad)
     : wte((cfg.validate(), cfg.vocab_size), cfg.n_embd),
       ln_f(cfg.n_embd, cfg.norm_eps, cfg.rms(), cfg.bias),
       cfg_(cfg),
-      dropout_gen_(hash64(seed, 0x64726f70)) {
+      dropout_gen_(hash64(0, 0x64726f70)) {
   register_module("wte", wte);
   if (!cfg.rope()) {
     wpe = std::make_unique<Embedding>(cfg.block_size, cfg.n_embd);
@@ -299,18 +315,6 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed)
   if (!cfg.tied) {
     lm_head = std::make_unique<Linear>(cfg.n_embd, cfg.vocab_size, false);
     register_module("lm_head", *lm_head);
-  }
-  // Each parameter draws from its own stream, seeded by (seed, name): variants that differ
-  // only in n_kv_head start from identical values for every parameter they share.
-  const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
-  for (auto& [name, t] : named_parameters()) {
-    if (t.dim() < 2) continue;                    // biases stay 0, LayerNorm weights 1
-    uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
-    for (unsigned char ch : name) name_hash = (name_hash ^ ch) * 1099511628211ull;
-    Generator gen(hash64(seed, name_hash));
-    const bool resid = name.ends_with("c_proj.weight");
-    Tensor p = t;
-    normal_(p, gen, resid ? resid_std : 0.02);
   }
 }
 

@@ -138,6 +138,11 @@ class GPT : public Module {
   // Parameters drawn with GPT-2's initialisation from `seed`: N(0, 0.02), residual output
   // projections N(0, 0.02 / sqrt(2 L)), zero biases, unit LayerNorm weights.
   GPT(const GPTConfig& cfg, uint64_t seed);
+  // Parameters left as the modules make them (matrices uninitialised, zero biases, unit norms),
+  // for weights about to be loaded: a real-size model's random draws take longer than reading
+  // its file.
+  struct WeightsToLoad {};
+  GPT(const GPTConfig& cfg, WeightsToLoad);
 
   // tokens (B, T) i32 -> logits (B, T, V), or (B, 1, V) for the last position only. With a
   // cache, positions continue from each row's cached length and the cache is extended.

@@ -4,15 +4,17 @@
 
 namespace kvlab {
 
+// The matrices are left uninitialised: the model draws them (GPT's seeded constructor) or loads
+// them, and a real-size model's would take seconds to zero only to be overwritten.
 Linear::Linear(int64_t in, int64_t out, bool with_bias) {
-  weight = register_parameter("weight", Tensor::zeros({out, in}));
+  weight = register_parameter("weight", Tensor::empty({out, in}));
   if (with_bias) bias = register_parameter("bias", Tensor::zeros({out}));
 }
 
 Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
 
 Embedding::Embedding(int64_t num, int64_t dim) {
-  weight = register_parameter("weight", Tensor::zeros({num, dim}));
+  weight = register_parameter("weight", Tensor::empty({num, dim}));
 }
 
 Tensor Embedding::forward(const Tensor& ids) const { return embedding(ids, weight); }

@@ -8,7 +8,8 @@ namespace kvlab {
 
 class Linear : public Module {
  public:
-  // weight (out, in) as torch.nn.Linear stores it; bias (out), undefined without one.
+  // weight (out, in) as torch.nn.Linear stores it, uninitialised until drawn or loaded; bias
+  // (out) zero, undefined without one.
   Linear(int64_t in, int64_t out, bool bias = true);
   Tensor forward(const Tensor& x) const;  // (..., in) -> (..., out)
   Tensor weight, bias;

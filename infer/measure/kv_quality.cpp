@@ -52,7 +52,7 @@ namespace {
 
 // A copy of `model` (its config and every parameter's values) with its matrices rounded.
 std::unique_ptr<GPT> rounded_copy(const GPT& model, WeightDtype dtype) {
-  auto copy = std::make_unique<GPT>(model.config(), 0);
+  auto copy = std::make_unique<GPT>(model.config(), GPT::WeightsToLoad{});
   std::map<std::string, Tensor> source;
   for (const auto& [name, t] : const_cast<GPT&>(model).named_parameters()) source.emplace(name, t);
   for (auto& [name, t] : copy->named_parameters()) t.copy_from(source.at(name));

@@ -52,6 +52,22 @@ TEST(Tensor, CreationZerosFullFromVector) {
   EXPECT_THROW((void)v.data<double>(), Error);  // wrong dtype
 }
 
+// A loaded parameter takes over its array's memory: adopt keeps the vector's own buffer, and
+// share_data_of makes every handle of a tensor see it (as a model's registered parameter is seen).
+TEST(Tensor, AdoptedDataIsSharedWithoutACopy) {
+  std::vector<float> values{1, 2, 3, 4, 5, 6};
+  const float* buffer = values.data();
+  const Tensor a = Tensor::adopt(std::move(values), {2, 3});
+  EXPECT_EQ(a.data<float>(), buffer);
+  Tensor param = Tensor::zeros({2, 3});
+  const Tensor other_handle = param;
+  param.share_data_of(a);
+  EXPECT_EQ(other_handle.data<float>(), buffer);
+  EXPECT_EQ(other_handle.to_vector<float>(), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  EXPECT_THROW(Tensor::zeros({3, 2}).share_data_of(a), Error);
+  EXPECT_THROW(Tensor::adopt(std::vector<float>(5), {2, 3}), Error);
+}
+
 TEST(Tensor, ContiguousStridesAndNegativeDims) {
   Tensor t = Tensor::empty({2, 3, 4});
   EXPECT_EQ(t.strides(), (Shape{12, 4, 1}));
