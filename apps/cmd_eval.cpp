@@ -107,7 +107,8 @@ void run_eval(EvalArgs a) {
   a.options.window = checked_window(a, loaded);
   std::string corpus;
   // A task's checkpoint is scored on the task's answers (infer/measure/kv_quality.h).
-  const ValidationSplit val = checkpoint_validation_split(loaded.front(), a.corpus, &corpus, "--corpus");
+  const ValidationSplit val =
+      checkpoint_validation_split(loaded.front(), a.corpus, &corpus, "--corpus");
   if (!val.targets.empty()) a.options.targets = &val.targets;
   a.options.period = val.period;
   std::vector<GPT*> models;

@@ -168,9 +168,9 @@ void add_train_command(CLI::App& root) {
   cmd->add_option("--init-from", args->init_from,
                   "Start a new run (step 0, a new AdamW and schedule) from the weights of this "
                   "checkpoint (or GGUF model file), e.g. one kvlab convert wrote. The model's "
-                  "shape and the tokenizer "
-                  "are the checkpoint's: a shape flag or --tokenizer given with another value is "
-                  "refused, and the corpus must give the same vocabulary. Dropout and the "
+                  "shape and the tokenizer are the checkpoint's: a shape flag or --tokenizer "
+                  "given with another value is refused, and the corpus must give the same "
+                  "vocabulary. Dropout and the "
                   "training flags apply as usual; /config records init_from and its hash. Not "
                   "with --resume");
   add_number(cmd, "--comm-timeout", args->comm_timeout,
